@@ -1,0 +1,18 @@
+# Sourced by test.sh and quickstart.sh: create/refresh .venv with the CPU stack and activate it.
+# torch must be installed first with an exact pin (CPU build from local disk); an unpinned torch
+# pulls a multi-GB CUDA build.
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+stamp=.venv/.stapo-installed
+want="$(cat requirements-cpu.txt pyproject.toml | sha256sum | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "[stapo] installing CPU requirements into .venv (first run takes a few minutes)" >&2
+  python -m pip install -q --upgrade pip >&2
+  python -m pip install -q torch==2.13.0 >&2
+  python -m pip install -q -r requirements-cpu.txt >&2
+  python -m pip install -q --no-deps -e . >&2
+  echo "$want" > "$stamp"
+fi
