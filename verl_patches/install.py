@@ -1,0 +1,103 @@
+"""Install the recipe's patches into verl 0.9.1. Idempotent; run by ``import verl_patches``.
+
+How the patches reach every process (driver, task runner, Ray workers): the environment variable
+``VERL_USE_EXTERNAL_MODULES=verl_patches``, which ``import verl`` reads in every process and
+imports. ``recipe.stapo.main_stapo`` sets it in the driver (local Ray workers inherit it) and the
+recipe YAML passes it to remote workers through ``ray_kwargs.ray_init.runtime_env.env_vars``. The
+config class ``verl_patches.config.S2TPolicyLossConfig`` (named by ``_target_``) imports this
+package again wherever a config is built, which is harmless.
+
+What is patched, each at one place and never by editing verl's files:
+
+1. ``register_policy_loss``: adds ``stapo`` and ``entropy_topk`` (verl_patches.losses).
+2. ``verl.workers.engine_workers.ppo_loss`` -> ``ppo_loss_with_token_fields``: the same loss with
+   the entropies and the data-parallel group visible to the policy loss (verl binds this
+   module-level name in ``init_model``).
+3. ``TrainingWorker.train_batch`` (called once per mini-batch): folds the S2T / 20-Entropy mask
+   into ``response_mask`` and ``loss_mask`` before verl counts the mini-batch's loss tokens, when
+   the policy loss asks for ``scope=mini_batch``; its metrics join the step's actor metrics.
+4. ``RayPPOTrainer._compute_old_log_prob`` (legacy trainer): keeps a copy of the rollout-time
+   entropy in the batch as ``entropy`` (the legacy trainer drops ``entropys`` after logging it; the
+   TransferQueue trainer already keeps ``entropy``), only when the policy loss needs it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    from verl.workers import engine_workers
+
+    from . import losses  # noqa: F401  (registers the policy losses)
+
+    engine_workers.ppo_loss = losses.ppo_loss_with_token_fields
+    engine_workers.TrainingWorker.train_batch = _with_mini_batch_selection(engine_workers.TrainingWorker.train_batch)
+    _patch_legacy_trainer()
+    _installed = True
+
+
+def _policy_loss_config(worker):
+    """The actor's policy-loss config, read from the loss function verl bound (or None)."""
+    loss_fn = getattr(worker, "loss_fn", None)
+    config = getattr(loss_fn, "keywords", {}).get("config") if loss_fn is not None else None
+    return getattr(config, "policy_loss", None)
+
+
+def _with_mini_batch_selection(train_batch):
+    from tensordict import TensorDict
+
+    from verl.utils import tensordict_utils as tu
+
+    from .token_selection import fold_into_mini_batch, uses_mini_batch_scope
+
+    if getattr(train_batch, "_stapo_wrapped", False):
+        return train_batch
+
+    @functools.wraps(train_batch)  # keeps verl's dispatch attributes
+    def wrapped(self, data, *args, **kwargs):
+        cfg = _policy_loss_config(self)
+        metrics = None
+        if isinstance(data, TensorDict) and uses_mini_batch_scope(cfg):
+            metrics = fold_into_mini_batch(cfg, data, group=self.engine.get_data_parallel_group())
+        output = train_batch(self, data, *args, **kwargs)
+        if metrics and output is not None:
+            merged = dict(tu.get(output, "metrics"))
+            merged.update(metrics)
+            tu.assign_non_tensor(output, metrics=merged)
+        return output
+
+    wrapped._stapo_wrapped = True
+    return wrapped
+
+
+def _patch_legacy_trainer() -> None:
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from .token_selection import ROLLOUT_ENTROPY_FIELD
+
+    original = RayPPOTrainer._compute_old_log_prob
+    if getattr(original, "_stapo_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def compute_old_log_prob(self, batch):
+        old_log_prob, mfu = original(self, batch)
+        if _needs_rollout_entropy(self.config.actor_rollout_ref.actor.policy_loss):
+            old_log_prob.batch[ROLLOUT_ENTROPY_FIELD] = old_log_prob.batch["entropys"].clone()
+        return old_log_prob, mfu
+
+    compute_old_log_prob._stapo_wrapped = True
+    RayPPOTrainer._compute_old_log_prob = compute_old_log_prob
+
+
+def _needs_rollout_entropy(policy_loss_cfg) -> bool:
+    """True for our loss modes with rollout statistics (the driver holds the config as a DictConfig)."""
+    from .config import S2T_LOSS_MODES
+
+    return policy_loss_cfg.get("loss_mode") in S2T_LOSS_MODES and policy_loss_cfg.get("stats_from", "rollout") == "rollout"

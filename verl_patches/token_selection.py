@@ -1,0 +1,170 @@
+"""Which response tokens carry policy gradient: S2T (STAPO) and 20-Entropy, on verl's tensors.
+
+Two places call :func:`select_tokens`:
+
+* :func:`fold_into_mini_batch` (``scope=mini_batch``; ``stats_from=rollout``): once per mini-batch,
+  in the actor worker, before verl counts the mini-batch's loss tokens. The keep mask is folded
+  into ``response_mask`` and ``loss_mask``, so verl's own ``batch_num_tokens`` (the token-mean
+  denominator, all-reduced over data-parallel ranks) counts only the tokens that remain: the loss
+  is exactly the paper's ``sum(M * L) / sum(M)`` over the mini-batch, whatever the micro-batch size
+  or the number of ranks.
+* the registered policy losses (``scope=micro_batch``): once per micro-batch, inside the loss,
+  pooled over the data-parallel group's current micro-batches.
+
+verl stores per-token fields either padded ``(batch, resp_len)`` (legacy trainer) or as jagged
+nested tensors (TransferQueue trainer); both are handled here and written back in their own layout.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from stapo_core import s2t_mask, top_entropy_mask
+
+from .config import S2TPolicyLossConfig
+
+#: metric prefixes, after verl adds "actor/": actor/s2t/..., actor/entropy_topk/...
+S2T_METRIC_PREFIX = "s2t/"
+TOPK_METRIC_PREFIX = "entropy_topk/"
+
+#: the batch field that carries the rollout-time (old-policy) entropy to the actor
+ROLLOUT_ENTROPY_FIELD = "entropy"
+
+_generators: dict[int, torch.Generator] = {}
+
+
+def _generator(seed: int) -> torch.Generator:
+    """One generator per seed and process, created on first use (``random`` strategy only)."""
+    if seed not in _generators:
+        _generators[seed] = torch.Generator().manual_seed(seed)
+    return _generators[seed]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """keep: float32 ``(batch, resp_len)``, 1 where the token carries gradient (0 outside the
+    response mask); tokens / kept: global counts over the pooled group; metrics: python floats
+    named ``s2t/*`` or ``entropy_topk/*``, undefined (NaN) statistics omitted."""
+
+    keep: torch.Tensor
+    tokens: float
+    kept: float
+    metrics: dict
+
+
+def select_tokens(
+    cfg: S2TPolicyLossConfig,
+    *,
+    log_prob: torch.Tensor,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    group=None,
+) -> Selection:
+    """The tokens ``cfg.loss_mode`` keeps: S2T (``stapo``) or the top-entropy rank (``entropy_topk``).
+
+    Args:
+        log_prob, entropy, advantages, response_mask: ``(batch, resp_len)`` padded tensors.
+        group: data-parallel process group to pool the statistic over (None: this process only).
+    """
+    if cfg.loss_mode == "stapo":
+        rank = torch.distributed.get_rank(group) if group is not None else 0
+        generator = _generator(cfg.seed * 1_000_003 + rank) if cfg.strategy == "random" else None
+        result = s2t_mask(
+            log_prob,
+            entropy,
+            advantages,
+            response_mask,
+            tau_p=cfg.tau_p,
+            q=cfg.q,
+            strategy=cfg.strategy,
+            generator=generator,
+            group=group,
+        )
+        metrics = {S2T_METRIC_PREFIX + k: float(v) for k, v in result.stats.items() if not math.isnan(float(v))}
+        tokens = float(result.stats["tokens"])
+        return Selection(result.keep, tokens, tokens - float(result.stats["silenced"]), metrics)
+    if cfg.loss_mode == "entropy_topk":
+        keep = top_entropy_mask(entropy, response_mask, ratio=cfg.entropy_top_ratio, group=group)
+        counts = torch.stack([response_mask.float().sum(), keep.sum()])
+        if group is not None:
+            torch.distributed.all_reduce(counts, group=group)
+        tokens, kept = counts.tolist()
+        metrics = {
+            TOPK_METRIC_PREFIX + "tokens": tokens,
+            TOPK_METRIC_PREFIX + "kept": kept,
+            TOPK_METRIC_PREFIX + "kept_frac": kept / max(tokens, 1.0),
+        }
+        return Selection(keep, tokens, kept, metrics)
+    raise ValueError(f"select_tokens: loss_mode {cfg.loss_mode!r} selects no tokens")
+
+
+# --------------------------------------------------------------------------------------------
+# padded <-> nested layouts
+# --------------------------------------------------------------------------------------------
+
+
+def to_padded(t: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
+    """``(batch, resp_len)`` view of a padded tensor or a jagged nested tensor (zero padding)."""
+    if not t.is_nested:
+        return t
+    padded = t.to_padded_tensor(0.0)
+    if width is not None and padded.shape[1] < width:
+        padded = torch.nn.functional.pad(padded, (0, width - padded.shape[1]))
+    return padded
+
+
+def multiply_like(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """``mask * keep`` in ``mask``'s layout (padded or jagged nested) and dtype."""
+    if not mask.is_nested:
+        return (mask.to(keep.dtype) * keep[:, : mask.shape[1]]).to(mask.dtype)
+    offsets = mask.offsets()
+    lengths = offsets.diff().tolist()
+    values = torch.cat([keep[i, :n] for i, n in enumerate(lengths)]) if lengths else keep.new_zeros(0)
+    new_values = (mask.values().to(keep.dtype) * values).to(mask.dtype)
+    return torch.nested.nested_tensor_from_jagged(new_values, offsets)
+
+
+# --------------------------------------------------------------------------------------------
+# mini-batch scope (called by the actor worker, once per mini-batch)
+# --------------------------------------------------------------------------------------------
+
+
+def uses_mini_batch_scope(cfg) -> bool:
+    return isinstance(cfg, S2TPolicyLossConfig) and cfg.selects_tokens and cfg.resolved_scope == "mini_batch"
+
+
+def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None) -> dict[str, float]:
+    """Silence tokens of one mini-batch in place, before verl counts its loss tokens.
+
+    ``data`` is the mini-batch TensorDict one data-parallel rank holds; ``group`` the data-parallel
+    group (the mini-batch is the union of every rank's part). Uses the rollout-time statistics:
+    ``old_log_probs`` and the ``entropy`` field kept by :mod:`verl_patches.trainer_hooks`.
+    Multiplies ``response_mask`` and ``loss_mask`` by the keep mask and returns the metrics.
+    """
+    missing = [k for k in ("response_mask", "old_log_probs", "advantages", ROLLOUT_ENTROPY_FIELD) if k not in data]
+    if missing:
+        raise KeyError(
+            f"S2T (stats_from=rollout, scope=mini_batch) needs the fields {missing} in the actor's "
+            "mini-batch; the rollout entropy is kept by verl_patches.trainer_hooks: is "
+            "VERL_USE_EXTERNAL_MODULES=verl_patches set in the driver?"
+        )
+    response_mask = data["response_mask"]
+    width = to_padded(response_mask).shape[1]
+    mask = to_padded(response_mask, width)
+    selection = select_tokens(
+        cfg,
+        log_prob=to_padded(data["old_log_probs"], width).float(),
+        entropy=to_padded(data[ROLLOUT_ENTROPY_FIELD], width).float(),
+        advantages=to_padded(data["advantages"], width).float(),
+        response_mask=mask,
+        group=group,
+    )
+    data["response_mask"] = multiply_like(response_mask, selection.keep)
+    if "loss_mask" in data:
+        data["loss_mask"] = multiply_like(data["loss_mask"], selection.keep)
+    return selection.metrics
