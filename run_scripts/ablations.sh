@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The paper's S2T ablations, one run each, sequentially (STAPO_SPEC.md section 2):
+#   masking strategy: low_entropy (STAPO) | high_entropy | random | full ("JustRL-FullMask")
+#   q sweep and tau_p sweep around the defaults (q=0.75, tau_p=0.002).
+# usage: bash run_scripts/ablations.sh [strategy|q|tau_p|all] [hydra overrides...]
+# Environment: as run_scripts/common.sh, plus MODEL [qwen3_1_7b], Q_VALUES, TAU_P_VALUES.
+set -euo pipefail
+sweep=${1:-all}; [ $# -gt 0 ] && shift
+model=${MODEL:-qwen3_1_7b}
+here="$(dirname "$0")"
+case "$sweep" in strategy|q|tau_p|all) ;; *) echo "unknown sweep '$sweep' (strategy|q|tau_p|all)" >&2; exit 2 ;; esac
+
+run() {  # run NAME OVERRIDES...
+  local name=$1; shift
+  EXPERIMENT="${model}_stapo_${name}" bash "$here/common.sh" stapo "$model" "$@" "${extra[@]}"
+}
+extra=("$@")
+if [ "$sweep" = strategy ] || [ "$sweep" = all ]; then
+  for s in low_entropy high_entropy random full; do
+    run "strategy_$s" "actor_rollout_ref.actor.policy_loss.strategy=$s"
+  done
+fi
+if [ "$sweep" = q ] || [ "$sweep" = all ]; then
+  for q in ${Q_VALUES:-0.5 0.9}; do
+    run "q_$q" "actor_rollout_ref.actor.policy_loss.q=$q"
+  done
+fi
+if [ "$sweep" = tau_p ] || [ "$sweep" = all ]; then
+  for t in ${TAU_P_VALUES:-0.001 0.005 0.01}; do
+    run "tau_p_$t" "actor_rollout_ref.actor.policy_loss.tau_p=$t"
+  done
+fi

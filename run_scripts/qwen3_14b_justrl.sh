@@ -1,0 +1,4 @@
+#!/usr/bin/env bash
+# Paper run: justrl on Qwen3-14B-Base. Settings: run_scripts/common.sh (environment) and
+# recipe/stapo/config (method=justrl, model=qwen3_14b); extra arguments are Hydra overrides.
+exec bash "$(dirname "$0")/common.sh" justrl qwen3_14b "$@"
