@@ -31,6 +31,7 @@ import torch
 
 from stapo_core import clipped_surrogate
 from verl.trainer.ppo.core_algos import agg_loss, register_policy_loss
+from verl.utils import tensordict_utils as tu
 from verl.workers.utils import losses as verl_losses
 from verl.workers.utils.padding import no_padding_2_padding
 
@@ -74,7 +75,13 @@ def current_token_fields() -> Optional[TokenFields]:
 
 
 def ppo_loss_with_token_fields(config, model_output, data, dp_group=None):
-    """verl's ``ppo_loss`` with entropy, rollout entropy and dp group visible to the policy loss."""
+    """verl's ``ppo_loss`` with entropy, rollout entropy and dp group visible to the policy loss.
+
+    One guard: a mini-batch whose every token was silenced has ``batch_num_tokens == 0`` and verl's
+    token-mean would be 0/0; the count is raised to 1, so the (all-zero) masked sums give loss 0.
+    """
+    if tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=None) == 0:
+        tu.assign_non_tensor(data, batch_num_tokens=1)
     entropy = model_output.get("entropy", None)
     if entropy is not None:
         entropy = no_padding_2_padding(entropy, data)
@@ -135,7 +142,7 @@ def _selective_policy_loss(old_log_prob, log_prob, advantages, response_mask, lo
     )
     if rollout_is_weights is not None:
         loss_mat = loss_mat * rollout_is_weights
-    metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
+    metrics = {f"actor/{k}": v.item() for k, v in pg_metrics.items()}
     loss_mask = response_mask.float()
     scale = 1.0
     if cfg.resolved_scope == "micro_batch":

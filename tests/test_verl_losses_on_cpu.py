@@ -1,0 +1,200 @@
+"""The registered policy losses through verl's own ``ppo_loss`` call path, against stapo_core.
+
+Each test builds an ``FSDPActorConfig`` from the recipe's composed config (so the YAML, the
+``S2TPolicyLossConfig`` and verl's dataclass conversion are all exercised) and a micro-batch
+TensorDict in the layout verl's actor hands the loss.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import verl_patches  # noqa: F401  (installs the patches)
+from recipe.stapo.config_utils import compose
+from stapo_core import clipped_policy_loss, s2t_mask, top_entropy_mask
+from verl_batch import flat_model_output, micro_batch, right_padded_mask
+from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.utils import losses as verl_losses
+from verl_patches.losses import ppo_loss_with_token_fields
+from verl_patches.token_selection import fold_into_mini_batch
+
+B, R = 6, 12
+
+
+def actor_config(method: str, *overrides: str):
+    cfg = compose([f"method={method}", "model=qwen3_1_7b", *overrides])
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def random_batch(seed: int = 0, n_rare: int = 12):
+    """Log-probs with ``n_rare`` rare tokens (p < 0.002) inside positive-advantage responses,
+    plus a few rare tokens elsewhere (negative advantage, padding), and varied entropies."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(6, R + 1, (B,), generator=g)
+    mask = right_padded_mask(lengths, R)
+    adv = torch.tensor([1.0, -1.0, 0.5, 2.0, 0.0, -0.5])[:, None].expand(B, R).clone()
+    old = -torch.rand(B, R, generator=g) * 2.0
+    positive = ((mask == 1) & (adv > 0)).flatten().nonzero().flatten()
+    rare = positive[torch.randperm(len(positive), generator=g)[:n_rare]]
+    old.view(-1)[rare] = -7.0 - torch.rand(len(rare), generator=g)  # p ~ 3e-4 .. 9e-4
+    old[1, :3] = -8.0  # rare but negative advantage: never a candidate
+    log_prob = old + 0.05 * torch.randn(B, R, generator=g)
+    entropy = torch.rand(B, R, generator=g) * 3.0
+    return mask, old, log_prob, entropy, adv
+
+
+def run_ppo_loss(config, mask, old, log_prob, adv, *, valid=None, entropy=None, current_entropy=None, **batch_kw):
+    """verl's call of the loss for one micro-batch; ``mask`` the response/loss mask, ``valid`` the
+    generated tokens (default ``mask``). Returns loss, d loss / d log_prob, metrics, data."""
+    valid = mask if valid is None else valid
+    data = micro_batch(mask, old, adv, entropy=entropy, valid=valid, **batch_kw)
+    lp = log_prob.clone().requires_grad_(True)
+    model_output = {"log_probs": flat_model_output(lp, valid)}
+    if current_entropy is not None:
+        model_output["entropy"] = flat_model_output(current_entropy, valid)
+    loss, metrics = ppo_loss_with_token_fields(config=config, model_output=model_output, data=data)
+    loss.backward()
+    return loss.detach(), lp.grad, metrics, data
+
+
+def test_stapo_mini_batch_scope_equals_stapo_core():
+    """scope=mini_batch: fold the S2T mask into the mini-batch, then verl's ppo_loss == stapo_core."""
+    config = actor_config("stapo")
+    mask, old, log_prob, entropy, adv = random_batch()
+    data = micro_batch(mask, old, adv, entropy=entropy)
+    metrics = fold_into_mini_batch(config.policy_loss, data)
+    expected_keep = s2t_mask(old, entropy, adv, mask).keep
+    assert metrics["s2t/silenced"] > 0, "the batch must silence something for this test to mean anything"
+    torch.testing.assert_close(data["response_mask"].float(), mask * expected_keep)
+    torch.testing.assert_close(data["loss_mask"].float(), mask * expected_keep)
+
+    loss, grad, _, _ = run_ppo_loss(
+        config, data["response_mask"], old, log_prob, adv, valid=mask, batch_num_tokens=int(data["loss_mask"].sum())
+    )
+    lp = log_prob.clone().requires_grad_(True)
+    ref, _ = clipped_policy_loss(lp, old, adv, mask * expected_keep, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grad, lp.grad)
+    assert torch.all(grad[expected_keep == 0] == 0)
+
+
+@pytest.mark.parametrize("stats_from", ["rollout", "current"])
+def test_stapo_micro_batch_scope_equals_stapo_core(stats_from):
+    """scope=micro_batch: mask computed inside the loss; mean over the remaining tokens."""
+    config = actor_config(
+        "stapo",
+        f"actor_rollout_ref.actor.policy_loss.stats_from={stats_from}",
+        "actor_rollout_ref.actor.policy_loss.scope=micro_batch",
+        "actor_rollout_ref.actor.calculate_entropy=true",
+    )
+    mask, old, log_prob, entropy, adv = random_batch(seed=1)
+    stats_lp = old if stats_from == "rollout" else log_prob
+    loss, grad, metrics, _ = run_ppo_loss(config, mask, old, log_prob, adv, entropy=entropy, current_entropy=entropy)
+    keep = s2t_mask(stats_lp, entropy, adv, mask).keep
+    lp = log_prob.clone().requires_grad_(True)
+    ref, _ = clipped_policy_loss(lp, old, adv, mask * keep, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    ref.backward()
+    assert metrics["s2t/silenced"].aggregate() == keep.numel() - keep.sum().item() - (mask == 0).sum().item()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grad, lp.grad)
+
+
+def test_entropy_topk_equals_stapo_core():
+    config = actor_config("entropy20")
+    mask, old, log_prob, entropy, adv = random_batch(seed=2)
+    data = micro_batch(mask, old, adv, entropy=entropy)
+    metrics = fold_into_mini_batch(config.policy_loss, data)
+    keep = top_entropy_mask(entropy, mask, ratio=0.2)
+    assert metrics["entropy_topk/kept"] == keep.sum().item() > 0
+    loss, grad, _, _ = run_ppo_loss(
+        config, data["response_mask"], old, log_prob, adv, valid=mask, batch_num_tokens=int(data["loss_mask"].sum())
+    )
+    lp = log_prob.clone().requires_grad_(True)
+    ref, _ = clipped_policy_loss(lp, old, adv, mask * keep, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grad, lp.grad)
+
+
+def test_rollout_and_current_statistics_agree_when_policy_equals_rollout_policy():
+    """First mini-batch of a step: the policy is the rollout policy, so p and H are the same and
+    both statistics silence the same tokens and give the same loss."""
+    mask, old, _, entropy, adv = random_batch(seed=3)
+    rollout = actor_config("stapo")
+    current = actor_config(
+        "stapo", "actor_rollout_ref.actor.policy_loss.stats_from=current", "actor_rollout_ref.actor.calculate_entropy=true"
+    )
+    data = micro_batch(mask, old, adv, entropy=entropy)
+    fold_metrics = fold_into_mini_batch(rollout.policy_loss, data)
+    loss_r, grad_r, _, _ = run_ppo_loss(
+        rollout, data["response_mask"], old, old, adv, valid=mask, batch_num_tokens=int(data["loss_mask"].sum())
+    )
+    loss_c, grad_c, metrics_c, _ = run_ppo_loss(current, mask, old, old, adv, current_entropy=entropy)
+    assert fold_metrics["s2t/silenced"] == metrics_c["s2t/silenced"].aggregate() > 0
+    assert fold_metrics["s2t/tau_h"] == metrics_c["s2t/tau_h"].aggregate()
+    torch.testing.assert_close(loss_r, loss_c)
+    torch.testing.assert_close(grad_r, grad_c)
+
+
+BUILTIN_MODES = ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo", "dppo_tv"]
+
+
+@pytest.mark.parametrize("loss_mode", BUILTIN_MODES)
+def test_builtin_losses_unchanged_by_patches(loss_mode):
+    """verl's built-in loss modes: the wrapped ppo_loss gives exactly verl's own ppo_loss."""
+    import verl.trainer.ppo.core_algos as core_algos
+
+    assert get_policy_loss_fn(loss_mode).__module__ == core_algos.__name__
+    config = actor_config("justrl", f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}")
+    mask, old, log_prob, entropy, adv = random_batch(seed=4)
+    outs = []
+    for fn in (verl_losses.ppo_loss, ppo_loss_with_token_fields):
+        torch.manual_seed(0)  # clip_cov / kl_cov draw random tokens
+        data = micro_batch(mask, old, adv, entropy=entropy)
+        lp = log_prob.clone().requires_grad_(True)
+        loss, _ = fn(config=config, model_output={"log_probs": flat_model_output(lp, mask)}, data=data)
+        loss.backward()
+        outs.append((loss.detach(), lp.grad))
+    torch.testing.assert_close(outs[0][0], outs[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[0][1], outs[1][1], rtol=0, atol=0)
+
+
+def test_vanilla_matches_independent_clipped_loss():
+    """JustRL's loss (verl vanilla, token-mean, clip [0.8, 1.28]) equals stapo_core's surrogate."""
+    config = actor_config("justrl")
+    mask, old, log_prob, _, adv = random_batch(seed=5)
+    loss, grad, _, _ = run_ppo_loss(config, mask, old, log_prob, adv)
+    lp = log_prob.clone().requires_grad_(True)
+    ref, _ = clipped_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grad, lp.grad)
+
+
+def test_stapo_loss_without_recipe_config_fails_clearly():
+    config = actor_config("justrl", "actor_rollout_ref.actor.policy_loss.loss_mode=stapo")
+    mask, old, log_prob, _, adv = random_batch(seed=6)
+    with pytest.raises(TypeError, match="S2TPolicyLossConfig"):
+        run_ppo_loss(config, mask, old, log_prob, adv)
+
+
+def test_degenerate_batches_give_finite_losses():
+    config = actor_config("stapo")
+    mask, old, log_prob, entropy, _ = random_batch(seed=7)
+    for adv in (torch.zeros(B, R), -torch.ones(B, R)):  # zero advantages; no candidates
+        data = micro_batch(mask, old, adv, entropy=entropy)
+        metrics = fold_into_mini_batch(config.policy_loss, data)
+        assert metrics["s2t/silenced"] == 0 and "s2t/tau_h" not in metrics
+        loss, grad, _, _ = run_ppo_loss(config, data["response_mask"], old, log_prob, adv, valid=mask)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    # everything silenced: every token a positive-advantage rare token, strategy full
+    full = actor_config("stapo", "actor_rollout_ref.actor.policy_loss.strategy=full")
+    rare = torch.full((B, R), -9.0)
+    data = micro_batch(mask, rare, torch.ones(B, R), entropy=entropy)
+    fold_into_mini_batch(full.policy_loss, data)
+    assert data["loss_mask"].sum() == 0
+    loss, grad, _, _ = run_ppo_loss(full, data["response_mask"], rare, rare, torch.ones(B, R), valid=mask, batch_num_tokens=0)
+    assert torch.isfinite(loss) and loss == 0 and torch.all(grad == 0)
