@@ -35,7 +35,14 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
 def validate(config: DictConfig) -> None:
     """verl's own validation (as in ``verl.trainer.main_ppo.main``): instantiates the actor config
     dataclass, so S2T settings are checked here, in the driver, before any worker starts."""
+    from hydra.errors import InstantiationException
+
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
-    validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    try:
+        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ValueError):  # a bad value in a config dataclass: show its own message
+            raise ValueError(str(e.__cause__)) from None
+        raise

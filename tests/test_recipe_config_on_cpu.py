@@ -1,0 +1,172 @@
+"""The recipe's Hydra configs: methods differ only where the spec says, run scripts compose to
+valid verl configs, bad overrides fail with clear messages."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from recipe.stapo.config_utils import METHODS, MODELS, compose, validate
+from verl.utils.config import omega_conf_to_dataclass
+
+ROOT = Path(__file__).resolve().parents[1]
+PL = "actor_rollout_ref.actor.policy_loss"
+ACTOR = "actor_rollout_ref.actor"
+
+
+def flat(cfg) -> dict:
+    """Leaf keys of a composed config, interpolations left unresolved (they name the same thing)."""
+    out = {}
+
+    def walk(node, prefix):
+        container = OmegaConf.to_container(node, resolve=False) if not isinstance(node, (dict, list)) else node
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        if not container:
+            out[prefix] = container
+        for k, v in items:
+            key = f"{prefix}.{k}" if prefix else str(k)
+            if isinstance(v, (dict, list)) and v:
+                walk(v, key)
+            else:
+                out[key] = v
+
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return out
+
+
+# What the spec (sections 4-5) lets each method change relative to JustRL, beyond its name.
+ALLOWED_VS_JUSTRL = {
+    "stapo": {f"{PL}._target_", f"{PL}.loss_mode", f"{PL}.tau_p", f"{PL}.q", f"{PL}.strategy",
+              f"{PL}.stats_from", f"{PL}.scope", f"{PL}.seed"},
+    "entropy20": {f"{PL}._target_", f"{PL}.loss_mode", f"{PL}.entropy_top_ratio", f"{PL}.stats_from", f"{PL}.scope"},
+    "grpo": {f"{ACTOR}.loss_agg_mode", f"{ACTOR}.clip_ratio_high", f"{ACTOR}.use_kl_loss",
+             f"{ACTOR}.kl_loss_coef", f"{ACTOR}.kl_loss_type"},
+    "justrl": set(),
+}
+
+
+@pytest.fixture(scope="module")
+def composed():
+    return {m: compose([f"method={m}", "model=qwen3_8b"]) for m in METHODS}
+
+
+@pytest.mark.parametrize("a, b", list(itertools.combinations(METHODS, 2)))
+def test_methods_differ_only_where_the_spec_says(composed, a, b):
+    fa, fb = flat(composed[a]), flat(composed[b])
+    differing = {k for k in fa.keys() | fb.keys() if fa.get(k, "<absent>") != fb.get(k, "<absent>")}
+    differing -= {"recipe.method"}
+    allowed = ALLOWED_VS_JUSTRL[a] | ALLOWED_VS_JUSTRL[b]
+    assert differing <= allowed, f"{a} vs {b}: unexpected differences {sorted(differing - allowed)}"
+    assert differing, f"{a} and {b} compose to the same config"
+
+
+def test_shared_settings_are_the_papers(composed):
+    for method, cfg in composed.items():
+        a = cfg.actor_rollout_ref.actor
+        assert (a.optim.lr, a.optim.lr_warmup_steps, a.optim.clip_grad, a.optim.weight_decay) == (1e-6, 10, 1.0, 0.1)
+        assert a.optim.lr_scheduler_type == "constant"
+        assert (cfg.data.train_batch_size, cfg.actor_rollout_ref.rollout.n, a.ppo_mini_batch_size) == (256, 8, 64)
+        assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (1024, 15360)
+        assert a.ppo_micro_batch_size_per_gpu == 1 and a.entropy_coeff == 0
+        assert cfg.algorithm.adv_estimator == "grpo" and not cfg.algorithm.filter_groups.enable
+        assert (cfg.actor_rollout_ref.rollout.temperature, cfg.actor_rollout_ref.rollout.top_p) == (1.0, 1.0)
+        if method == "grpo":
+            assert (a.loss_agg_mode, a.clip_ratio_low, a.clip_ratio_high) == ("seq-mean-token-mean", 0.2, 0.2)
+            assert a.use_kl_loss and a.kl_loss_coef == 0.04
+        else:
+            assert (a.loss_agg_mode, a.clip_ratio_low, a.clip_ratio_high) == ("token-mean", 0.2, 0.28)
+            assert not a.use_kl_loss
+    s2t = composed["stapo"].actor_rollout_ref.actor.policy_loss
+    assert (s2t.loss_mode, s2t.tau_p, s2t.q, s2t.strategy) == ("stapo", 0.002, 0.75, "low_entropy")
+    assert composed["entropy20"].actor_rollout_ref.actor.policy_loss.entropy_top_ratio == 0.2
+
+
+def dry_run(script: Path, *args: str, env_extra=None) -> list[str]:
+    env = {**os.environ, "STAPO_DRY_RUN": "1", **(env_extra or {})}
+    out = subprocess.run(["bash", str(script), *args], env=env, capture_output=True, text=True, check=True).stdout
+    lines = [shlex.split(line) for line in out.strip().splitlines()]
+    for argv in lines:
+        assert argv[1:3] == ["-m", "recipe.stapo.main_stapo"], argv
+    return [argv[3:] for argv in lines]
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "run_scripts").glob("qwen3_*_*.sh")))
+def test_every_run_script_composes_to_a_valid_verl_config(script):
+    (overrides,) = dry_run(ROOT / "run_scripts" / script)
+    cfg = compose(overrides)
+    validate(cfg)  # verl's own validation, incl. the actor dataclass (and S2TPolicyLossConfig)
+    size, method = script[len("qwen3_"):-len(".sh")].split("_")
+    assert cfg.recipe.method == method
+    assert cfg.recipe.model == "qwen3_" + size.replace(".", "_")
+    assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == 64
+
+
+def test_run_script_environment_and_loggers():
+    (o,) = dry_run(ROOT / "run_scripts" / "qwen3_8b_stapo.sh", f"{PL}.q=0.5",
+                   env_extra={"NNODES": "2", "GPUS_PER_NODE": "4", "LOGGER": "file,tensorboard"})
+    cfg = compose(o)
+    assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (2, 4)
+    assert list(cfg.trainer.logger) == ["console", "file", "tensorboard"]
+    assert cfg.actor_rollout_ref.actor.policy_loss.q == 0.5
+    bad = subprocess.run(["bash", str(ROOT / "run_scripts/qwen3_8b_stapo.sh")], capture_output=True, text=True,
+                         env={"STAPO_DRY_RUN": "1", "LOGGER": "mlflowx", "PATH": "/usr/bin:/bin"})
+    assert bad.returncode != 0 and "unknown logger 'mlflowx'" in bad.stderr
+
+
+def test_ablation_sweep_composes():
+    runs = dry_run(ROOT / "run_scripts" / "ablations.sh", "all")
+    strategies, qs, taus = [], [], []
+    for overrides in runs:
+        cfg = compose(overrides)
+        validate(cfg)
+        pl = cfg.actor_rollout_ref.actor.policy_loss
+        strategies.append(pl.strategy), qs.append(pl.q), taus.append(pl.tau_p)
+    assert {"low_entropy", "high_entropy", "random", "full"} <= set(strategies)
+    assert len(set(qs)) >= 3 and len(set(taus)) >= 3
+    names = [next(o for o in r if o.startswith("trainer.experiment_name=")) for r in runs]
+    assert len(set(names)) == len(names), "every ablation run needs its own experiment name"
+
+
+def test_unknown_method_fails_clearly():
+    with pytest.raises(ValueError, match="unknown method 'ppo2'"):
+        compose(["method=ppo2"])
+    with pytest.raises(ValueError, match="unknown model"):
+        compose(["model=qwen3_70b"])
+
+
+@pytest.mark.parametrize(
+    "method, override, key",
+    [("stapo", f"{PL}.q=1.5", "q"), ("stapo", f"{PL}.tau_p=0", "tau_p"), ("stapo", f"{PL}.strategy=lowest", "strategy"),
+     ("stapo", f"{PL}.stats_from=old", "stats_from"), ("stapo", f"{PL}.scope=global", "scope"),
+     ("stapo", f"{PL}.seed=0.5", "seed"), ("entropy20", f"{PL}.entropy_top_ratio=0", "entropy_top_ratio")],
+)
+def test_bad_s2t_value_fails_in_driver_naming_the_key(method, override, key):
+    cfg = compose([f"method={method}", override])
+    with pytest.raises(ValueError, match=rf"{PL}\.{key}="):
+        validate(cfg)
+
+
+def test_unknown_s2t_key_fails():
+    with pytest.raises(Exception, match="tau_pp|Could not override"):
+        compose(["method=stapo", f"{PL}.tau_pp=0.1"])
+
+
+def test_current_statistics_cannot_pool_over_mini_batch():
+    cfg = compose(["method=stapo", f"{PL}.stats_from=current", f"{PL}.scope=mini_batch"])
+    with pytest.raises(ValueError, match="scope"):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_models_select_qwen3_base_checkpoints(model):
+    cfg = compose([f"model={model}"])
+    size = {"qwen3_1_7b": "1.7B", "qwen3_8b": "8B", "qwen3_14b": "14B"}[model]
+    assert cfg.actor_rollout_ref.model.path.endswith(f"Qwen3-{size}-Base")
+    actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+    assert actor.policy_loss.loss_mode == "stapo"
