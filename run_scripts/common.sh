@@ -3,7 +3,7 @@
 #   METHOD: grpo | entropy20 | justrl | stapo      MODEL: qwen3_1_7b | qwen3_8b | qwen3_14b
 # Environment (defaults in brackets):
 #   NNODES [8]  GPUS_PER_NODE [8]       the paper used 64 GPUs
-#   STAPO_DATA_DIR [data]               parquet from `python -m recipe.stapo.data.prepare`
+#   STAPO_DATA_DIR [data/stapo]         train.parquet, aime24.parquet from `python -m recipe.stapo.data.prepare`
 #   STAPO_MODEL_DIR [Qwen]              folder holding Qwen3-*-Base (or the hub org name)
 #   CKPT_DIR [checkpoints]              checkpoints go to CKPT_DIR/<project>/<experiment>
 #   LOGGER [wandb]                      wandb | console | file | tensorboard (comma-separated)

@@ -1,0 +1,462 @@
+"""Prepare STAPO's training set and the six evaluation benchmarks as verl parquet files.
+
+CLI::
+
+    python -m recipe.stapo.data.prepare train --out-dir data/stapo [--source ID_OR_FILE] [--drop-invalid]
+    python -m recipe.stapo.data.prepare bench --out-dir data/stapo [--benchmarks aime24,amc23]
+        [--source aime24=path/to/aime24.jsonl ...] [--drop-invalid]
+
+Each source is a Hugging Face dataset id (loaded with ``datasets.load_dataset``) or a local
+``.parquet`` / ``.jsonl`` / ``.json`` file (works offline). Every row is validated (problem and
+answer present and non-empty, ids unique); a bad row is an error naming the file and the row
+(1-based), unless ``--drop-invalid`` drops and counts it. Outputs are written to a temp file and
+renamed, and ``OUT/manifest.json`` records row counts and sha256 hashes of output and source.
+
+Output schema (one row per problem; what verl's RLHFDataset reads)::
+
+    data_source: str                      "math_dapo" for training, the benchmark name otherwise
+    prompt:      [{"role": "user", "content": problem + PROMPT_JOINER + PROMPT_SUFFIX}]
+    ability:     "math"
+    reward_model: {"style": "rule", "ground_truth": answer}
+    extra_info:  {"index": int (row in this file), "id": str (source id), "split": str}
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Iterable, Iterator, Optional, Sequence
+
+from tqdm import tqdm
+
+from recipe.stapo.data.fileio import atomic_write, atomic_write_json, sha256_file
+
+PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
+"""Instruction appended to every problem (STAPO_SPEC.md section 5)."""
+PROMPT_JOINER = "\n\n"
+MANIFEST_NAME = "manifest.json"
+TRAIN_DATA_SOURCE = "math_dapo"
+
+# DAPO-Math-17k wraps each problem in its own "Answer:" instruction; STAPO uses \boxed{} instead.
+DAPO_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of "
+    "the form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n"
+)
+DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """Where one dataset comes from and which fields hold what.
+
+    Field names are dotted paths into a row (``"prompt.0.content"``); for each role the first
+    candidate present in the row is used. ``id_fields`` empty (or none present in a row) means the
+    row number is the id.
+    """
+
+    name: str
+    hf_id: str
+    split: str
+    problem_fields: tuple[str, ...]
+    answer_fields: tuple[str, ...]
+    id_fields: tuple[str, ...] = ()
+    hf_config: Optional[str] = None
+    strip_prefix: str = ""
+    strip_suffix: str = ""
+    dedupe: bool = False  # drop exact repeats of (problem, answer): DAPO-Math-17k ships ~100x copies
+    expected_rows: Optional[int] = None
+
+
+TRAIN_SPEC = SourceSpec(
+    name="train",
+    hf_id="BytedTsinghua-SIA/DAPO-Math-17k",
+    split="train",
+    problem_fields=("prompt.0.content", "problem", "question"),
+    answer_fields=("reward_model.ground_truth", "answer", "solution"),
+    id_fields=("extra_info.index", "id"),
+    strip_prefix=DAPO_PREFIX,
+    strip_suffix=DAPO_SUFFIX,
+    dedupe=True,
+)
+
+BENCHMARK_SPECS: dict[str, SourceSpec] = {
+    spec.name: spec
+    for spec in (
+        SourceSpec("aime24", "HuggingFaceH4/aime_2024", "train", ("problem",), ("answer",), ("id",), expected_rows=30),
+        SourceSpec("aime25", "yentinglin/aime_2025", "train", ("problem",), ("answer",), ("id",), expected_rows=30),
+        SourceSpec("amc23", "math-ai/amc23", "test", ("question", "problem"), ("answer",), ("id",), expected_rows=40),
+        SourceSpec(
+            "math500", "HuggingFaceH4/MATH-500", "test", ("problem",), ("answer",), ("unique_id", "id"), expected_rows=500
+        ),
+        SourceSpec("minerva", "math-ai/minervamath", "test", ("question", "problem"), ("answer",), ("id",), expected_rows=272),
+        SourceSpec(
+            "olympiadbench",
+            "math-ai/olympiadbench",
+            "test",
+            ("question", "problem"),
+            ("final_answer", "answer"),
+            ("id",),
+            expected_rows=674,
+        ),
+    )
+}
+"""The six benchmarks (STAPO_SPEC.md section 6), in the paper's column order."""
+
+
+@dataclass
+class PrepareResult:
+    """What one preparation wrote (also its manifest entry)."""
+
+    name: str
+    output: str
+    rows: int
+    output_sha256: str
+    source: str
+    source_sha256: str
+    source_rows: int
+    dropped_invalid: int = 0
+    duplicates_removed: int = 0
+    invalid_examples: list[str] = field(default_factory=list)
+
+    def manifest_entry(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "name"}
+
+
+# ----------------------------------------------------------------------------------------------
+# reading sources
+# ----------------------------------------------------------------------------------------------
+def _is_local(source: str) -> bool:
+    return Path(source).suffix.lower() in {".parquet", ".jsonl", ".json"} or Path(source).exists()
+
+
+def iter_local_rows(path: Path) -> Iterator[tuple[int, Any]]:
+    """Yield ``(row_number_1_based, row)`` from a parquet / jsonl / json file.
+
+    A JSONL line that is not valid JSON is yielded as ``(n, _BadRow(message))`` so that validation
+    reports it like any other bad row.
+    """
+    if not path.is_file():
+        raise FileNotFoundError(f"source file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pandas as pd
+
+        for number, row in enumerate(pd.read_parquet(path).to_dict(orient="records"), start=1):
+            yield number, row
+    elif suffix == ".jsonl":
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    yield number, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield number, _BadRow(f"not valid JSON ({exc.msg})")
+    elif suffix == ".json":
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+        if isinstance(data, dict):
+            data = next((v for v in data.values() if isinstance(v, list)), None)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: a .json source must hold a list of rows (or a dict with one)")
+        yield from enumerate(data, start=1)
+    else:
+        raise ValueError(f"{path}: unsupported source file type {suffix!r} (use .parquet, .jsonl or .json)")
+
+
+def iter_hf_rows(spec: SourceSpec, hf_id: str) -> Iterator[tuple[int, Any]]:
+    """Yield ``(row_number_1_based, row)`` from a Hugging Face dataset (needs the hub)."""
+    import datasets
+
+    dataset = datasets.load_dataset(hf_id, name=spec.hf_config, split=spec.split)
+    yield from enumerate(dataset, start=1)
+
+
+class _BadRow:
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _lookup(row: Any, dotted: str) -> Any:
+    """Follow a dotted path (``"prompt.0.content"``) into dicts and sequences; None if absent."""
+    node = row
+    for part in dotted.split("."):
+        if isinstance(node, dict):
+            if part not in node:
+                return None
+            node = node[part]
+        elif part.isdigit() and hasattr(node, "__len__") and not isinstance(node, str):
+            index = int(part)
+            if index >= len(node):
+                return None
+            node = node[index]
+        else:
+            return None
+    return node
+
+
+def _first_present(row: Any, paths: Sequence[str]) -> tuple[Optional[str], Any]:
+    for path in paths:
+        value = _lookup(row, path)
+        if value is not None:
+            return path, value
+    return None, None
+
+
+def answer_to_text(value: Any) -> str:
+    """Ground truth as a string: ints stay ints (``5.0`` -> ``"5"``), a one-element list is
+    unwrapped, a longer list is joined with ", ", surrounding ``$`` are stripped."""
+    if hasattr(value, "tolist") and not isinstance(value, str):
+        value = value.tolist()
+    if isinstance(value, (list, tuple)):
+        value = value[0] if len(value) == 1 else ", ".join(answer_to_text(v) for v in value)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return str(value).strip().strip("$").strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# validation and conversion
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class _Record:
+    problem: str
+    answer: str
+    source_id: str
+
+
+def _extract(spec: SourceSpec, number: int, row: Any) -> tuple[Optional[_Record], Optional[str]]:
+    """Turn one source row into a record, or return the reason it is invalid."""
+    if isinstance(row, _BadRow):
+        return None, row.message
+    if not isinstance(row, dict):
+        return None, f"not an object (got {type(row).__name__})"
+    problem_path, problem = _first_present(row, spec.problem_fields)
+    if problem is None:
+        return None, f"missing problem (looked for {', '.join(spec.problem_fields)})"
+    problem = str(problem)
+    if spec.strip_prefix and problem.startswith(spec.strip_prefix):
+        problem = problem[len(spec.strip_prefix) :]
+    if spec.strip_suffix and problem.endswith(spec.strip_suffix):
+        problem = problem[: -len(spec.strip_suffix)]
+    problem = problem.strip()
+    if not problem:
+        return None, f"empty problem (field {problem_path})"
+    answer_path, answer = _first_present(row, spec.answer_fields)
+    if answer is None:
+        return None, f"missing answer (looked for {', '.join(spec.answer_fields)})"
+    answer = answer_to_text(answer)
+    if not answer:
+        return None, f"empty answer (field {answer_path})"
+    _, source_id = _first_present(row, spec.id_fields)
+    return _Record(problem, answer, str(number if source_id is None else source_id)), None
+
+
+def collect_records(
+    spec: SourceSpec, rows: Iterable[tuple[int, Any]], source_label: str, drop_invalid: bool
+) -> tuple[list[_Record], int, int, list[str]]:
+    """Validate rows; return ``(records, source_rows, duplicates_removed, invalid_messages)``.
+
+    Raises:
+        ValueError: naming ``source_label`` and every bad row (first 20 listed) unless
+            ``drop_invalid``.
+    """
+    records: list[_Record] = []
+    seen_ids: dict[str, int] = {}
+    seen_pairs: set[tuple[str, str]] = set()
+    invalid: list[str] = []
+    duplicates = 0
+    source_rows = 0
+    for number, row in tqdm(rows, desc=f"read {spec.name}", unit="row", leave=False):
+        source_rows += 1
+        record, reason = _extract(spec, number, row)
+        if record is not None and spec.dedupe:
+            if (record.problem, record.answer) in seen_pairs:
+                duplicates += 1
+                continue
+            seen_pairs.add((record.problem, record.answer))
+        if record is not None and record.source_id in seen_ids:
+            record, reason = None, f"duplicate id {record.source_id!r} (first at row {seen_ids[record.source_id]})"
+        if record is None:
+            invalid.append(f"{source_label}: row {number}: {reason}")
+            continue
+        seen_ids[record.source_id] = number
+        records.append(record)
+    if invalid and not drop_invalid:
+        shown = "\n  ".join(invalid[:20])
+        more = f"\n  ... and {len(invalid) - 20} more" if len(invalid) > 20 else ""
+        raise ValueError(
+            f"{len(invalid)} invalid row(s) in {source_label} (rows are 1-based; pass --drop-invalid "
+            f"to drop them):\n  {shown}{more}"
+        )
+    if not records:
+        raise ValueError(f"{source_label}: no valid rows")
+    return records, source_rows, duplicates, invalid
+
+
+def build_row(record: _Record, index: int, data_source: str, split: str) -> dict:
+    """One verl row (see the module docstring for the schema)."""
+    return {
+        "data_source": data_source,
+        "prompt": [{"role": "user", "content": record.problem + PROMPT_JOINER + PROMPT_SUFFIX}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": record.answer},
+        "extra_info": {"index": index, "id": record.source_id, "split": split},
+    }
+
+
+def _rows_sha256(rows: Iterable[tuple[int, Any]]) -> tuple[list[tuple[int, Any]], str]:
+    """Materialise rows and hash their canonical JSON (content hash of a hub dataset)."""
+    digest = hashlib.sha256()
+    materialised = []
+    for number, row in rows:
+        materialised.append((number, row))
+        digest.update(json.dumps(row, sort_keys=True, default=str, ensure_ascii=False).encode())
+        digest.update(b"\n")
+    return materialised, digest.hexdigest()
+
+
+def prepare_dataset(
+    spec: SourceSpec,
+    out_path: Path,
+    source: Optional[str] = None,
+    drop_invalid: bool = False,
+    data_source: Optional[str] = None,
+    split: str = "test",
+) -> PrepareResult:
+    """Read, validate and write one dataset atomically to ``out_path`` (parquet).
+
+    Args:
+        spec: field table of the dataset.
+        out_path: output parquet path.
+        source: local file or hub id; defaults to ``spec.hf_id``.
+        drop_invalid: drop bad rows (counted) instead of raising.
+        data_source: value of the ``data_source`` column (default ``spec.name``).
+        split: value of ``extra_info.split``.
+    """
+    import pandas as pd
+
+    source = source or spec.hf_id
+    if _is_local(source):
+        label = str(Path(source).resolve())
+        rows = iter_local_rows(Path(source))
+        source_hash = sha256_file(source)
+    else:
+        label = f"hf:{source}[{spec.split}]"
+        rows, source_hash = _rows_sha256(iter_hf_rows(spec, source))
+    records, source_rows, duplicates, invalid = collect_records(spec, rows, label, drop_invalid)
+    table = [build_row(r, i, data_source or spec.name, split) for i, r in enumerate(records)]
+    atomic_write(out_path, lambda tmp: pd.DataFrame(table).to_parquet(tmp, index=False))
+    if spec.expected_rows is not None and len(records) != spec.expected_rows:
+        print(f"[prepare] note: {spec.name} has {len(records)} rows, the paper's has {spec.expected_rows}", file=sys.stderr)
+    return PrepareResult(
+        name=spec.name,
+        output=out_path.name,
+        rows=len(records),
+        output_sha256=sha256_file(out_path),
+        source=label,
+        source_sha256=source_hash,
+        source_rows=source_rows,
+        dropped_invalid=len(invalid),
+        duplicates_removed=duplicates,
+        invalid_examples=invalid[:20],
+    )
+
+
+def update_manifest(out_dir: Path, results: Sequence[PrepareResult]) -> Path:
+    """Merge ``results`` into ``out_dir/manifest.json`` (atomic; other entries are kept)."""
+    path = out_dir / MANIFEST_NAME
+    manifest = json.loads(path.read_text()) if path.exists() else {}
+    manifest.setdefault("datasets", {})
+    for result in results:
+        manifest["datasets"][result.name] = result.manifest_entry()
+    manifest["prompt_suffix"] = PROMPT_SUFFIX
+    return atomic_write_json(path, manifest)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+# ----------------------------------------------------------------------------------------------
+def _override_fields(spec: SourceSpec, args: argparse.Namespace) -> SourceSpec:
+    changes = {}
+    for role in ("problem", "answer", "id"):
+        value = getattr(args, f"{role}_field", None)
+        if value:
+            changes[f"{role}_fields"] = tuple(value.split(","))
+    if getattr(args, "split", None):
+        changes["split"] = args.split
+    return replace(spec, **changes) if changes else spec
+
+
+def _parse_sources(pairs: Sequence[str]) -> dict[str, str]:
+    sources = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or name not in BENCHMARK_SPECS:
+            raise ValueError(f"--source expects NAME=PATH_OR_ID with NAME in {list(BENCHMARK_SPECS)}, got {pair!r}")
+        sources[name] = value
+    return sources
+
+
+def run_train(args: argparse.Namespace) -> list[PrepareResult]:
+    spec = _override_fields(TRAIN_SPEC, args)
+    out_dir = Path(args.out_dir)
+    result = prepare_dataset(spec, out_dir / "train.parquet", args.source, args.drop_invalid, TRAIN_DATA_SOURCE, "train")
+    update_manifest(out_dir, [result])
+    return [result]
+
+
+def run_bench(args: argparse.Namespace) -> list[PrepareResult]:
+    names = [n.strip() for n in args.benchmarks.split(",") if n.strip()]
+    unknown = [n for n in names if n not in BENCHMARK_SPECS]
+    if unknown:
+        raise ValueError(f"--benchmarks: unknown {unknown}; known: {list(BENCHMARK_SPECS)}")
+    sources = _parse_sources(args.source or [])
+    out_dir = Path(args.out_dir)
+    results = []
+    for name in tqdm(names, desc="benchmarks", unit="bench"):
+        result = prepare_dataset(BENCHMARK_SPECS[name], out_dir / f"{name}.parquet", sources.get(name), args.drop_invalid)
+        update_manifest(out_dir, [result])  # after each one, so a later failure loses nothing
+        results.append(result)
+    return results
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m recipe.stapo.data.prepare", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="DAPO-Math-17k -> OUT/train.parquet")
+    train.add_argument("--out-dir", required=True)
+    train.add_argument("--source", default=None, help=f"hub id or local file (default {TRAIN_SPEC.hf_id})")
+    train.add_argument("--split", default=None, help="hub split (default train)")
+    for role in ("problem", "answer", "id"):
+        train.add_argument(f"--{role}-field", default=None, help=f"dotted field path(s) of the {role}, comma-separated")
+    bench = sub.add_parser("bench", help="the six benchmarks -> OUT/<name>.parquet")
+    bench.add_argument("--out-dir", required=True)
+    bench.add_argument("--benchmarks", default=",".join(BENCHMARK_SPECS))
+    bench.add_argument("--source", action="append", help="NAME=PATH_OR_ID (repeatable), overrides the default hub id")
+    for sub_parser in (train, bench):
+        sub_parser.add_argument("--drop-invalid", action="store_true", help="drop and count invalid rows instead of failing")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        results = run_train(args) if args.command == "train" else run_bench(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for r in results:
+        print(
+            f"{r.name}: {r.rows} rows -> {Path(args.out_dir) / r.output} "
+            f"(dropped {r.dropped_invalid} invalid, removed {r.duplicates_removed} duplicates)"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Evaluation of STAPO checkpoints: generation, grading, summaries and the paper's Table 2."""

@@ -1,0 +1,213 @@
+"""Generation backends with one interface: vLLM (real runs, GPU) and HF transformers (CPU, tests).
+
+Every request carries its own seed and asks for ONE completion, so a sample's text depends only
+on (prompt, sampling settings, seed), never on how requests were batched or on a previous,
+interrupted run. That is what makes :mod:`recipe.stapo.eval.generate` exactly resumable.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Decoding settings of one evaluation setting.
+
+    Attributes:
+        temperature: softmax temperature (> 0).
+        top_p: nucleus mass in (0, 1].
+        max_new_tokens: most generated tokens per completion (paper: 20480).
+    """
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One generated completion.
+
+    Attributes:
+        text: decoded completion (special tokens removed).
+        num_tokens: number of generated tokens.
+        finish_reason: "stop" (EOS / stop token) or "length" (hit max_new_tokens).
+    """
+
+    text: str
+    num_tokens: int
+    finish_reason: str
+
+
+def render_chat(tokenizer: Any, messages: Sequence[dict]) -> str:
+    """Prompt text for ``messages`` via the tokenizer's chat template (generation prompt added).
+
+    A tokenizer without a chat template gets the message contents joined by blank lines (and a
+    warning), so base-model tokenizers without templates still work.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    logger.warning("tokenizer has no chat template; using the raw message contents as the prompt")
+    return "\n\n".join(str(m["content"]) for m in messages)
+
+
+class GenerationBackend(ABC):
+    """Generates one completion per (prompt, seed) request."""
+
+    tokenizer: Any
+
+    @abstractmethod
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingConfig) -> list[Completion]:
+        """Generate ``len(prompts)`` completions; ``prompts[i]`` is sampled with ``seeds[i]``.
+
+        Args:
+            prompts: rendered prompt strings (see :func:`render_chat`).
+            seeds: one integer seed per prompt.
+            sampling: decoding settings.
+        Returns:
+            One :class:`Completion` per prompt, in order.
+        """
+
+    def render(self, messages: Sequence[dict]) -> str:
+        """Prompt text for a chat (this backend's tokenizer and template)."""
+        return render_chat(self.tokenizer, messages)
+
+
+class HFBackend(GenerationBackend):
+    """HF transformers ``model.generate`` sampling, one request at a time (CPU-friendly).
+
+    Each request reseeds torch's generator, so results are reproducible per seed.
+
+    Args:
+        model: a causal LM (``PreTrainedModel``) or a path / hub id to load one from.
+        tokenizer: its tokenizer, or None to load from ``model`` when it is a path.
+        device: torch device string.
+        dtype: torch dtype name used when loading from a path.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: str = "float32"):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(model, str):
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
+            model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+        if tokenizer is None:
+            raise ValueError("HFBackend: a tokenizer is required when passing a model object")
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = device
+
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingConfig) -> list[Completion]:
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        return [self._generate_one(prompt, seed, sampling) for prompt, seed in zip(prompts, seeds)]
+
+    def _generate_one(self, prompt: str, seed: int, sampling: SamplingConfig) -> Completion:
+        import torch
+
+        encoded = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.device)
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            output = self.model.generate(
+                **encoded,
+                do_sample=True,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=0,
+                max_new_tokens=sampling.max_new_tokens,
+                eos_token_id=eos,
+                pad_token_id=pad,
+            )
+        new_tokens = output[0, encoded["input_ids"].shape[1] :].tolist()
+        stopped = eos is not None and eos in new_tokens
+        if stopped:
+            new_tokens = new_tokens[: new_tokens.index(eos) + 1]
+        text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
+        return Completion(text=text, num_tokens=len(new_tokens), finish_reason="stop" if stopped else "length")
+
+
+class VLLMBackend(GenerationBackend):
+    """vLLM offline engine (``vllm.LLM(...).generate``); needs a GPU and ``pip install vllm``.
+
+    Requests are sent in one ``generate`` call with one ``SamplingParams(n=1, seed=...)`` each, so
+    vLLM batches them while every sample keeps its own seed.
+
+    Args:
+        model: checkpoint path or hub id (HF format).
+        tensor_parallel_size: GPUs per model replica.
+        gpu_memory_utilization: vLLM's memory fraction.
+        max_model_len: context length (prompt + generation); None lets vLLM decide.
+        dtype: vLLM dtype ("bfloat16" for Qwen3).
+        **llm_kwargs: passed to ``vllm.LLM``.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: Optional[int] = None,
+        dtype: str = "bfloat16",
+        **llm_kwargs: Any,
+    ):
+        try:
+            import vllm
+        except ImportError as exc:
+            raise ImportError("--backend vllm needs vllm (GPU machines: pip install -r requirements.txt)") from exc
+        self._vllm = vllm
+        self.llm = vllm.LLM(
+            model=model,
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            dtype=dtype,
+            **llm_kwargs,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingConfig) -> list[Completion]:
+        if len(prompts) != len(seeds):
+            raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
+        params = [
+            self._vllm.SamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=sampling.max_new_tokens,
+                seed=int(seed),
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(list(prompts), sampling_params=params, use_tqdm=False)
+        completions = []
+        for output in outputs:
+            sample = output.outputs[0]
+            finish = "length" if sample.finish_reason == "length" else "stop"
+            completions.append(Completion(text=sample.text, num_tokens=len(sample.token_ids), finish_reason=finish))
+        return completions
+
+
+def build_backend(name: str, model: str, **kwargs: Any) -> GenerationBackend:
+    """Backend by name: ``"vllm"`` or ``"hf"``."""
+    if name == "vllm":
+        return VLLMBackend(model, **kwargs)
+    if name == "hf":
+        return HFBackend(model, **kwargs)
+    raise ValueError(f"--backend must be 'vllm' or 'hf', got {name!r}")

@@ -1,0 +1,236 @@
+"""Evaluation end to end on CPU: a tiny random Qwen3 through the HF backend, resume, grading."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipe.stapo.data import prepare
+from recipe.stapo.eval import run_eval
+from recipe.stapo.eval.backends import Completion, GenerationBackend, HFBackend, SamplingConfig
+from recipe.stapo.eval.generate import JsonlStore, sample_seed
+from recipe.stapo.eval.run_eval import EvalConfig, run_evaluation
+from recipe.stapo.eval.verifier import AnswerVerifier, load_prompt_template, parse_judgement
+
+FIXTURES = Path(prepare.__file__).parent / "fixtures"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+N_SAMPLES = {"aime24": 2, "math500": 1}
+LIMIT = 3  # problems per benchmark in the HF runs (generation costs ~0.1 s per sample on CPU)
+
+
+def build_tiny_model(out_dir: Path) -> Path:
+    """A byte-level BPE tokenizer trained on the fixtures and a random 1-layer Qwen3, saved."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    corpus = [(FIXTURES / n).read_text() for n in ("bench_sample.jsonl", "dapo_sample.jsonl")] + [prepare.PROMPT_SUFFIX]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
+    )
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("eval_assets")
+    bench_dir = root / "bench"
+    for name in N_SAMPLES:
+        prepare.prepare_dataset(prepare.BENCHMARK_SPECS[name], bench_dir / f"{name}.parquet", str(FIXTURES / "bench_sample.jsonl"))
+    return {"model": build_tiny_model(root / "model"), "bench": bench_dir}
+
+
+def _config(assets, out, **overrides):
+    values = dict(
+        model=str(assets["model"]), benchmarks_dir=str(assets["bench"]), out=str(out), benchmarks=tuple(N_SAMPLES),
+        n_samples=dict(N_SAMPLES), max_new_tokens=6, backend="hf", batch_size=2, seed=7,
+    )
+    values.update(overrides)
+    return EvalConfig(**values)
+
+
+class CountingBackend(GenerationBackend):
+    """Wraps a backend and counts the completions it is asked for."""
+
+    def __init__(self, inner):
+        self.inner, self.tokenizer, self.calls = inner, inner.tokenizer, 0
+
+    def generate(self, prompts, seeds, sampling):
+        self.calls += len(prompts)
+        return self.inner.generate(prompts, seeds, sampling)
+
+
+def _generations(out):
+    return {p.name: JsonlStore(p).load() for p in sorted((Path(out) / "generations").glob("*.jsonl"))}
+
+
+class Interrupt(Exception):
+    pass
+
+
+@pytest.mark.slow
+def test_interrupted_run_resumes_to_the_uninterrupted_result(assets, tmp_path):
+    total = 2 * sum(n * LIMIT for n in N_SAMPLES.values())  # 2 decodings x LIMIT problems x N
+    # uninterrupted, through the CLI
+    code = run_eval.main([
+        "--model", str(assets["model"]), "--benchmarks-dir", str(assets["bench"]), "--out", str(tmp_path / "a"),
+        "--backend", "hf", "--benchmarks", "aime24,math500", "--n-samples", "aime24=2,math500=1", "--limit", str(LIMIT),
+        "--max-new-tokens", "6", "--batch-size", "2", "--seed", "7",
+    ])
+    assert code == 0
+    reference = _generations(tmp_path / "a")
+    assert sum(len(v) for v in reference.values()) == total
+
+    # interrupted after 3 batches (6 samples), then resumed
+    backend = CountingBackend(HFBackend(str(assets["model"])))
+    batches = []
+
+    def interrupt(records):
+        batches.append(records)
+        if len(batches) == 2:
+            raise Interrupt
+
+    with pytest.raises(Interrupt):
+        run_evaluation(_config(assets, tmp_path / "b", limit=LIMIT), lambda: backend, after_batch=interrupt)
+    assert backend.calls == 4
+    first = tmp_path / "b" / "generations" / "aime24__train.jsonl"
+    with open(first, "a") as handle:  # a crash mid-write leaves a truncated line
+        handle.write('{"problem_index": 2, "sample": 0, "resp')
+    resumed = CountingBackend(HFBackend(str(assets["model"])))
+    summary = run_evaluation(_config(assets, tmp_path / "b", limit=LIMIT), lambda: resumed)
+    assert resumed.calls == total - 4  # nothing regenerated
+    assert _generations(tmp_path / "b") == reference  # same texts, seeds and order-independent keys
+    assert all(line.strip() for line in first.read_text().splitlines())
+    assert summary == json.loads((tmp_path / "a" / "summary.json").read_text())
+
+    # a rerun of a complete folder never builds the backend
+    def forbidden():
+        raise AssertionError("backend must not be built")
+
+    assert run_evaluation(_config(assets, tmp_path / "b", limit=LIMIT), forbidden) == summary
+    assert (tmp_path / "b" / "summary.md").read_text().count("|") > 10
+
+
+class ScriptedBackend(GenerationBackend):
+    """Answers correctly exactly when ``seed % 3 == 0`` (seeds are known in advance), else "-1"."""
+
+    def __init__(self, answers):
+        self.answers, self.tokenizer = answers, None
+
+    def render(self, messages):
+        return messages[-1]["content"]
+
+    def generate(self, prompts, seeds, sampling):
+        out = []
+        for prompt, seed in zip(prompts, seeds):
+            answer = self.answers[prompt] if seed % 3 == 0 else "-1"
+            out.append(Completion(f"reasoning... \\boxed{{{answer}}}", 5, "stop"))
+        return out
+
+
+class AcceptAll(AnswerVerifier):
+    name = "accept-all"
+
+    def __init__(self):
+        self.seen = 0
+
+    def verify(self, items):
+        self.seen += len(items)
+        return [True] * len(items)
+
+
+def _scripted_expectation(assets, benchmark, decoding, n):
+    """mean@N computed independently from the seeds (closed form of ScriptedBackend)."""
+    problems = run_eval.load_problems(Path(assets["bench"]) / f"{benchmark}.parquet")
+    per_problem = [sum(sample_seed(7, benchmark, decoding, p.problem_id, s) % 3 == 0 for s in range(n)) / n for p in problems]
+    return 100.0 * sum(per_problem) / len(per_problem), problems
+
+
+def test_mean_at_n_and_verifier_on_scripted_samples(assets, tmp_path):
+    problems = run_eval.load_problems(Path(assets["bench"]) / "aime24.parquet")
+    answers = {p.messages[-1]["content"]: p.ground_truth for p in problems}
+    verifier = AcceptAll()
+    config = _config(assets, tmp_path, n_samples={"aime24": 6, "math500": 3})
+    summary = run_evaluation(config, lambda: ScriptedBackend(answers), verifier=verifier)
+    failures = 0
+    for decoding in ("train", "justrl"):
+        block = summary["decodings"][decoding]
+        assert (block["temperature"], block["top_p"]) == run_eval.DECODINGS[decoding]
+        for bench, n in (("aime24", 6), ("math500", 3)):
+            expected, probs = _scripted_expectation(assets, bench, decoding, n)
+            got = block["benchmarks"][bench]
+            assert got["rule_mean_at_n"] == pytest.approx(expected, abs=1e-9)
+            assert got["mean_at_n"] == pytest.approx(100.0)  # the verifier accepts every rule failure
+            failures += round((100.0 - expected) / 100.0 * len(probs) * n)
+        assert block["avg"] == pytest.approx(100.0)
+    assert verifier.seen == failures  # only rule-based failures reach the verifier
+    again = AcceptAll()
+    run_evaluation(config, lambda: ScriptedBackend(answers), verifier=again)
+    assert again.seen == 0  # verdicts are cached on disk
+
+
+def test_changed_model_in_same_out_is_refused(assets, tmp_path):
+    problems = run_eval.load_problems(Path(assets["bench"]) / "aime24.parquet")
+    answers = {p.messages[-1]["content"]: p.ground_truth for p in problems}
+    run_evaluation(_config(assets, tmp_path, benchmarks=("aime24",)), lambda: ScriptedBackend(answers))
+    with pytest.raises(ValueError, match="model="):
+        run_evaluation(_config(assets, tmp_path, benchmarks=("aime24",), model="other"), lambda: ScriptedBackend(answers))
+
+
+def test_bad_settings_are_named(assets, tmp_path):
+    with pytest.raises(ValueError, match="--decoding"):
+        _config(assets, tmp_path, decodings=("greedy",)).validate()
+    with pytest.raises(ValueError, match="--benchmarks"):
+        _config(assets, tmp_path, benchmarks=("gsm8k",)).validate()
+    with pytest.raises(ValueError, match="math500"):
+        _config(assets, tmp_path, n_samples={"aime24": 1, "math500": 0}).validate()
+    with pytest.raises(FileNotFoundError, match="prepare bench"):
+        run_eval.load_problems(tmp_path / "missing.parquet")
+    with pytest.raises(ValueError, match="--n-samples"):
+        run_eval.parse_n_samples("aime99=3", ["aime24"])
+    assert run_eval.parse_n_samples("5", ["aime24"]) == {"aime24": 5}
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingConfig(0.0, 1.0, 10)
+
+
+def test_jsonl_store_repairs_only_the_last_line(tmp_path):
+    store = JsonlStore(tmp_path / "g.jsonl")
+    store.append([{"problem_index": 0, "sample": s, "response": str(s)} for s in range(3)])
+    with open(store.path, "a") as handle:
+        handle.write('{"problem_index": 0, "sample": 3, "respo')
+    assert sorted(store.load()) == [(0, 0), (0, 1), (0, 2)]
+    store.append([{"problem_index": 0, "sample": 3, "response": "3"}])
+    assert sorted(store.load()) == [(0, s) for s in range(4)]
+    lines = store.path.read_text().splitlines()
+    store.path.write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="line 2"):
+        store.load()
+
+
+def test_verifier_helpers(tmp_path):
+    assert parse_judgement("A") and parse_judgement("\\boxed{A} - CORRECT") and parse_judgement(" correct")
+    assert not parse_judgement("B") and not parse_judgement("INCORRECT") and not parse_judgement("C: INVALID")
+    assert not parse_judgement("") and not parse_judgement("maybe")
+    bad = tmp_path / "p.txt"
+    bad.write_text("{question} {gold_answer}")
+    with pytest.raises(ValueError, match="llm_response"):
+        load_prompt_template(str(bad))
+    assert "{llm_response}" in load_prompt_template(None)

@@ -1,0 +1,175 @@
+"""The DAPO rule reward: a table of tricky answers, robustness, the time guard, verl's signature."""
+
+import importlib.util
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from recipe.stapo import reward
+from recipe.stapo.reward import TAIL_CHARS, TimeLimitedRunner, compute_score, last_boxed_content, normalize_answer
+
+PAD = "Let me think about this carefully. " * 20  # > TAIL_CHARS of reasoning before the answer
+
+# (response, ground truth, expected score)
+CASES = [
+    ("So the answer is \\boxed{42}.", "42", 1.0),
+    ("So the answer is \\boxed{41}.", "42", -1.0),
+    ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}", 1.0),
+    ("\\boxed{\\tfrac34}", "\\frac{3}{4}", 1.0),
+    ("\\boxed{0.5}", "\\frac12", 1.0),
+    ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+    ("\\boxed{\\frac{2}{4}}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\frac{1}{3}}", "0.5", -1.0),
+    ("\\boxed{5\\text{ cm}}", "5", 1.0),
+    ("\\boxed{5 \\text{ meters}}", "5", 1.0),
+    ("\\boxed{30^\\circ}", "30", 1.0),
+    ("\\boxed{30^{\\circ}}", "30", 1.0),
+    ("\\boxed{\\$12}", "12", 1.0),
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{x = 7}", "7", 1.0),
+    ("\\boxed{7.}", "7", 1.0),
+    ("\\boxed{\\left( 1, 2 \\right)}", "(1,2)", 1.0),
+    ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", 1.0),
+    ("\\boxed{2\\pi}", "2 \\pi", 1.0),
+    ("\\boxed{3} wait, actually \\boxed{4}", "4", 1.0),  # the last box counts
+    ("\\boxed{4} wait, actually \\boxed{3}", "4", -1.0),
+    ("\\boxed{12}" + PAD, "12", -1.0),  # box outside the final 300 characters
+    (PAD + "\\boxed{12}", "12", 1.0),
+    ("The answer is 12.", "12", -1.0),  # no box
+    ("\\boxed{12", "12", -1.0),  # unbalanced
+    ("\\boxed{}", "12", -1.0),
+    ("\\boxed{\\frac{\\frac{1}{2}}{\\frac{3}{4}}}", "\\frac{2}{3}", 1.0),  # nested braces
+    ("\\fbox{9}", "9", 1.0),
+    ("", "3", -1.0),
+    ("数学 \\boxed{５}", "5", -1.0),  # full-width digit is not 5
+    ("émoji 🙂 \\boxed{5}", "5", 1.0),
+]
+
+
+@pytest.mark.parametrize("response,truth,expected", CASES)
+def test_reward_table(response, truth, expected):
+    result = compute_score("aime24", response, truth)
+    assert result["score"] == expected
+    assert result["acc"] is (expected == 1.0)
+    assert set(result) == {"score", "acc", "pred"}
+
+
+def test_pred_is_last_box_in_tail():
+    assert compute_score("x", "\\boxed{1} then \\boxed{2}", "2")["pred"] == "2"
+    assert compute_score("x", "no box here", "2")["pred"] is None
+    assert compute_score("x", "\\boxed{12}" + PAD, "12")["pred"] is None
+    assert len(PAD) > TAIL_CHARS
+
+
+def test_extraction_and_normalisation_units():
+    assert last_boxed_content("a \\boxed{x^{2}} b") == "x^{2}"
+    assert last_boxed_content("\\boxed{a} \\boxed{b{c}}") == "b{c}"
+    assert last_boxed_content("\\boxed{a") is None
+    assert last_boxed_content("nothing") is None
+    assert normalize_answer("\\dfrac{1}{2}") == normalize_answer("\\frac12") == "\\frac{1}{2}"
+    assert normalize_answer("5\\text{ cm}") == "5"
+    assert normalize_answer("$1,234$.") == "1234"
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        None,
+        12345,
+        b"\\boxed{1}",
+        "\x00\x01\x02" * 100,
+        "}" * 1000 + "{" * 1000 + "\\boxed{" * 50,
+        "\\boxed{" + "{" * 290,
+        "\\boxed{\\frac{" + "\\sqrt{" * 40 + "}" * 41 + "}",
+        "\ud800 lone surrogate \\boxed{1}",
+    ],
+)
+def test_garbage_never_raises(response):
+    result = compute_score("x", response, "1")
+    assert result["score"] in (1.0, -1.0)
+
+
+def test_huge_output_is_fast():
+    big = "x" * (1 << 20) + " \\boxed{7}"
+    start = time.perf_counter()
+    assert compute_score("x", big, "7")["score"] == 1.0
+    assert compute_score("x", "\\boxed{7}" + "y" * (1 << 20), "7")["score"] == -1.0
+    assert time.perf_counter() - start < 2.0
+
+
+def test_sympy_hostile_answer_is_bounded():
+    start = time.perf_counter()
+    result = compute_score("x", "\\boxed{9^{9^{9^{9^{9}}}}}", "1", timeout_s=3.0)
+    elapsed = time.perf_counter() - start
+    assert result["score"] == -1.0
+    assert elapsed < 3.0 + 2.0  # limit + worker start
+
+
+def _hang(*_args):
+    """Stands in for a symbolic check that never returns (module level: picklable)."""
+    while True:
+        time.sleep(0.05)
+
+
+def _slow_true(*_args):
+    time.sleep(0.2)
+    return True
+
+
+def test_guard_kills_a_hanging_check_within_the_limit_from_a_thread(monkeypatch):
+    runner = TimeLimitedRunner(max_workers=1)
+    monkeypatch.setattr(reward, "_RUNNER", runner)
+    assert runner.call(_slow_true, (), 10.0) == ("ok", True)  # warm worker: startup excluded below
+    monkeypatch.setattr(reward, "symbolic_check", _hang)
+    results = {}
+
+    def worker():  # a non-main thread, where signal-based timeouts cannot work
+        start = time.perf_counter()
+        results["score"] = compute_score("x", "\\boxed{0.5}", "\\frac{1}{2}", timeout_s=1.0)["score"]
+        results["elapsed"] = time.perf_counter() - start
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive()
+    assert results["score"] == -1.0
+    assert 1.0 <= results["elapsed"] < 1.0 + 3.0  # limit + restart slack (spawn of a new worker is lazy)
+    # the killed worker is replaced and the runner keeps working
+    monkeypatch.setattr(reward, "symbolic_check", _slow_true)
+    assert compute_score("x", "\\boxed{0.5}", "\\frac{1}{2}", timeout_s=10.0)["score"] == 1.0
+
+
+def test_runner_reports_errors_and_bad_size():
+    runner = TimeLimitedRunner(max_workers=1)
+    status, message = runner.call(int, ("not a number",), 10.0)
+    assert status == "err" and "ValueError" in message
+    assert runner.call(int, ("12",), 10.0) == ("ok", 12)
+    with pytest.raises(ValueError, match="max_workers"):
+        TimeLimitedRunner(max_workers=0)
+
+
+def test_signature_matches_verl_reward_manager_call():
+    """verl 0.9.1's NaiveRewardManager / DAPORewardManager call compute_score with these keywords."""
+    spec = importlib.util.find_spec("verl")  # read the installed source without importing verl (slow)
+    managers = Path(spec.origin).parent / "experimental" / "reward_loop" / "reward_manager"
+    source = (managers / "naive.py").read_text() + (managers / "dapo.py").read_text()
+    assert source.count("self.compute_score(") >= 4  # async and executor paths of both managers
+    for keyword in ("data_source=", "solution_str=", "ground_truth=", "extra_info=", "**extra_reward_kwargs"):
+        assert keyword in source
+    assert 'score = result["score"]' in source  # verl accepts a dict result with "score"
+    result = compute_score(
+        data_source="math_dapo", solution_str="\\boxed{3}", ground_truth="3", extra_info={"index": 0},
+        reward_router_address="ignored:0", reward_model_tokenizer=None,
+    )
+    assert result == {"score": 1.0, "acc": True, "pred": "3"}
+
+
+def test_works_when_loaded_by_file_path_like_verl():
+    """verl loads reward.custom_reward_function.path files under a private module name."""
+    spec = importlib.util.spec_from_file_location("custom_module_test", reward.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.compute_score("x", "\\boxed{0.5}", "\\frac{1}{2}")["score"] == 1.0  # needs the symbolic stage
+    assert module.compute_score("x", "\\boxed{0.25}", "\\frac{1}{2}")["score"] == -1.0

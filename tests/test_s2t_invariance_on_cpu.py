@@ -1,0 +1,110 @@
+"""Invariance of the mini-batch S2T statistic: for one mini-batch, the silenced set and the loss
+(and its gradient) do not change with the micro-batch size or the number of data-parallel ranks.
+
+The actor's side of verl is reproduced as its engine runs it (``forward_backward_batch``): fold the
+mask into the mini-batch (our ``TrainingWorker.train_batch`` wrapper), count ``batch_num_tokens``
+all-reduced over ranks, split into micro-batches, call the loss per micro-batch and accumulate
+gradients; FSDP averages gradients over ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import verl_patches  # noqa: F401
+from recipe.stapo.config_utils import compose
+from verl.utils.config import omega_conf_to_dataclass
+from verl_batch import flat_model_output, micro_batch, right_padded_mask
+from verl_patches.losses import ppo_loss_with_token_fields
+from verl_patches.token_selection import fold_into_mini_batch
+
+B, R = 8, 10
+
+
+def make_mini_batch(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, R + 1, (B,), generator=g)
+    mask = right_padded_mask(lengths, R)
+    adv = torch.randn(B, generator=g)[:, None].expand(B, R).clone()
+    old = -torch.rand(B, R, generator=g) * 2
+    rare = torch.rand(B, R, generator=g) < 0.35
+    old[rare] = -7.0 - torch.rand(int(rare.sum()), generator=g)
+    log_prob = old + 0.1 * torch.randn(B, R, generator=g)
+    entropy = torch.rand(B, R, generator=g) * 4
+    return mask, old, log_prob, entropy, adv
+
+
+def actor(method):
+    cfg = compose([f"method={method}", "model=qwen3_1_7b"])
+    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
+
+
+def engine_step(config, rows, micro_size, group=None, dp_size=1, seed=0):
+    """One mini-batch as verl's actor runs it on this rank. Returns (loss, grad, keep, metrics)."""
+    mask, old, log_prob, entropy, adv = (t[rows] for t in make_mini_batch(seed))
+    data = micro_batch(mask, old, adv, entropy=entropy, dp_size=dp_size)
+    metrics = fold_into_mini_batch(config.policy_loss, data, group=group)
+    folded = data["response_mask"].clone()
+    batch_num_tokens = data["loss_mask"].sum()
+    if group is not None:
+        dist.all_reduce(batch_num_tokens, group=group)
+    lp = log_prob.clone().requires_grad_(True)
+    total = torch.zeros(())
+    for start in range(0, len(rows), micro_size):
+        sl = slice(start, start + micro_size)
+        mb = micro_batch(folded[sl], old[sl], adv[sl], valid=mask[sl], dp_size=dp_size,
+                         batch_num_tokens=int(batch_num_tokens), global_batch_size=B)
+        loss, _ = ppo_loss_with_token_fields(
+            config=config, model_output={"log_probs": flat_model_output(lp[sl], mask[sl])}, data=mb, dp_group=group
+        )
+        loss.backward()
+        total = total + loss.detach()
+    return total, lp.grad, folded, metrics
+
+
+@pytest.mark.parametrize("method", ["stapo", "entropy20"])
+def test_micro_batch_size_does_not_change_mask_or_loss(method):
+    config = actor(method)
+    ref = engine_step(config, list(range(B)), micro_size=B)
+    silenced = int((make_mini_batch()[0] - ref[2]).sum())
+    assert silenced > 0
+    for micro_size in (1, 3, 4):
+        out = engine_step(config, list(range(B)), micro_size=micro_size)
+        torch.testing.assert_close(out[2], ref[2], rtol=0, atol=0)
+        torch.testing.assert_close(out[0], ref[0])
+        torch.testing.assert_close(out[1], ref[1])
+        assert out[3] == ref[3]
+
+
+def _dp_worker(rank, world, init_file, method, out_dir):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        config = actor(method)
+        # uneven split of the mini-batch: rank 0 holds 3 rows, rank 1 holds 5 (variable candidate counts)
+        rows = [0, 1, 2] if rank == 0 else [3, 4, 5, 6, 7]
+        loss, grad, folded, metrics = engine_step(config, rows, micro_size=2, group=dist.group.WORLD, dp_size=world)
+        torch.save({"rows": rows, "loss": loss, "grad": grad, "folded": folded, "metrics": metrics},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method", ["stapo", "entropy20"])
+def test_data_parallel_ranks_give_the_single_process_result(method):
+    config = actor(method)
+    ref_loss, ref_grad, ref_folded, ref_metrics = engine_step(config, list(range(B)), micro_size=B)
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_dp_worker, args=(2, os.path.join(tmp, "init"), method, tmp), nprocs=2, start_method="spawn")
+        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+    assert ranks[0]["metrics"] == ranks[1]["metrics"] == ref_metrics  # same tau_h and counts everywhere
+    for r in ranks:
+        torch.testing.assert_close(r["folded"], ref_folded[r["rows"]], rtol=0, atol=0)
+        # FSDP averages gradients over the 2 ranks
+        torch.testing.assert_close(r["grad"] / 2, ref_grad[r["rows"]])
+    torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, ref_loss)
