@@ -34,14 +34,16 @@ TOPK_METRIC_PREFIX = "entropy_topk/"
 #: the batch field that carries the rollout-time (old-policy) entropy to the actor
 ROLLOUT_ENTROPY_FIELD = "entropy"
 
-_generators: dict[int, torch.Generator] = {}
+_generators: dict[tuple[int, str], torch.Generator] = {}
 
 
-def _generator(seed: int) -> torch.Generator:
-    """One generator per seed and process, created on first use (``random`` strategy only)."""
-    if seed not in _generators:
-        _generators[seed] = torch.Generator().manual_seed(seed)
-    return _generators[seed]
+def _generator(seed: int, device: torch.device) -> torch.Generator:
+    """One generator per seed, device and process, created on first use (``random`` strategy
+    only); on the data's device, so the draw needs no host copy."""
+    key = (seed, str(device))
+    if key not in _generators:
+        _generators[key] = torch.Generator(device=device).manual_seed(seed)
+    return _generators[key]
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ def select_tokens(
     """
     if cfg.loss_mode == "stapo":
         rank = torch.distributed.get_rank(group) if group is not None else 0
-        generator = _generator(cfg.seed * 1_000_003 + rank) if cfg.strategy == "random" else None
+        generator = _generator(cfg.seed * 1_000_003 + rank, log_prob.device) if cfg.strategy == "random" else None
         result = s2t_mask(
             log_prob,
             entropy,

@@ -1,0 +1,100 @@
+"""Pooling a per-token statistic over the ranks of a ``torch.distributed`` process group.
+
+S2T's entropy quantile and 20-Entropy's top-k rank are statistics of the *pooled* batch: the
+union of every rank's tokens. Each rank holds a variable number of relevant tokens (S2T
+candidates, or response tokens), possibly none. The pooling costs:
+
+1. one ``all_gather`` of a small count vector (:func:`exchange_counts`), read on the host once to
+   size the buffers (the only host sync the pooling needs);
+2. one ``all_gather`` of fixed-width buffers (:func:`gather_padded`) in which each rank packs its
+   relevant values first, in flat (row-major) order, then pads with ``fill``.
+
+Row ``r`` of the gathered ``(world, width)`` tensor is rank ``r``'s packed buffer, so the
+flattened result lists every rank's values in the order (rank, flat index): the order a single
+process would see if the ranks' batches were concatenated along the batch dimension.
+
+No function here moves a token tensor to the host or uses boolean indexing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def world_size(group) -> int:
+    """Number of ranks of ``group`` (a process group, or ``None`` for a single process)."""
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    """This process's rank within ``group`` (0 for a single process)."""
+    return 0 if group is None else dist.get_rank(group)
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's small count vector, in rank order.
+
+    Args:
+        counts: ``(j,)`` int64 (any integer or float dtype works) on this rank's device.
+        group: the process group.
+
+    Returns:
+        ``(world, j)`` tensor of ``counts``' dtype and device; row ``r`` is rank ``r``'s vector.
+        Stays on the device: the caller decides when to read it on the host.
+    """
+    counts = counts.reshape(-1).contiguous()
+    rows = [torch.empty_like(counts) for _ in range(world_size(group))]
+    dist.all_gather(rows, counts, group=group)
+    return torch.stack(rows)
+
+
+def pack_valid(values: torch.Tensor, valid: torch.Tensor, width: int, fill: float) -> torch.Tensor:
+    """The entries of ``values`` where ``valid`` holds, in flat order, padded to ``width``.
+
+    Args:
+        values: any shape, floating dtype.
+        valid: bool, same shape as ``values``.
+        width: buffer length (python int); must be >= the number of valid entries, which are
+            otherwise truncated.
+        fill: padding value.
+
+    Returns:
+        ``(width,)`` tensor of ``values``' dtype: the valid entries (stable, row-major order), then
+        ``fill``. Sync-free: a stable argsort of the validity flags replaces boolean indexing.
+    """
+    flat = torch.where(valid, values, torch.full_like(values, fill)).reshape(-1)
+    invalid_first_key = (~valid).reshape(-1).to(torch.uint8)  # 0 for valid entries, sorted first
+    order = torch.argsort(invalid_first_key, stable=True)[:width]
+    packed = flat[order]
+    if packed.numel() < width:
+        packed = torch.cat([packed, packed.new_full((width - packed.numel(),), fill)])
+    return packed
+
+
+def gather_padded(values: torch.Tensor, valid: torch.Tensor, width: int, group, *, fill: float) -> torch.Tensor:
+    """All-gather every rank's valid entries into one ``(world, width)`` buffer.
+
+    Args:
+        values: any shape, floating dtype (same dtype on every rank).
+        valid: bool, same shape as ``values``.
+        width: the maximum number of valid entries over the ranks (python int, the same on every
+            rank; from :func:`exchange_counts`).
+        group: the process group.
+        fill: padding value (``+inf`` when the caller sorts ascending, ``-inf`` descending).
+
+    Returns:
+        ``(world, width)`` tensor; row ``r`` is :func:`pack_valid` of rank ``r``.
+    """
+    local = pack_valid(values, valid, width, fill)
+    rows = [torch.empty_like(local) for _ in range(world_size(group))]
+    dist.all_gather(rows, local, group=group)
+    return torch.stack(rows)
+
+
+def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` summed over the ranks of ``group`` (returned unchanged when ``group`` is None)."""
+    if group is not None:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t

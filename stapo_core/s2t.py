@@ -1,0 +1,391 @@
+"""Token selection: S2T (Silencing Spurious Tokens, STAPO) and 20-Entropy's top-entropy mask.
+
+S2T (STAPO paper, Section 2 of STAPO_SPEC.md). A response token is *silenced* (M = 0) when
+
+    A_i > 0,   p_{i,t} = exp(log_prob_{i,t}) < tau_p,   H_{i,t} < tau_h,
+
+where the first two conditions define the *candidate set* C and
+``tau_h = quantile({H_{i,t} : (i,t) in C}, q)`` is pooled over the whole batch (and over every rank
+of ``group``). The loss is then the mean over the remaining tokens, J = sum(M L) / sum(M).
+
+Performance contract (single process): no host<->device sync except the one ``.tolist()`` of the
+small stats vector at the end, no boolean indexing, no token tensor moved to the host. The
+quantile is computed from a sorted, ``+inf``-padded copy of the entropies
+(:func:`quantile_sorted_padded`), bit-identical to ``torch.quantile`` over the candidates.
+With ``group``, one more sync reads the per-rank candidate counts to size the all-gather buffer
+(:mod:`stapo_core.distributed`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .distributed import all_reduce_sum, exchange_counts, gather_padded, group_rank
+
+#: S2T strategies: the paper's method and its three ablations
+STRATEGIES = ("low_entropy", "high_entropy", "random", "full")
+
+#: order of the entries of the stats vector reduced over ranks (see _stats_vector)
+_STAT_SUMS = (
+    "candidates",
+    "silenced",
+    "tokens",
+    "entropy_silenced_sum",
+    "entropy_kept_candidates_sum",
+    "nonfinite_log_prob",
+    "nonfinite_entropy",
+    "nonfinite_advantages",
+)
+
+
+@dataclass(frozen=True)
+class S2TResult:
+    """Result of :func:`s2t_mask`.
+
+    keep: float32 ``(batch, resp_len)``: 1 keep, 0 silenced; 0 outside ``response_mask``.
+    stats: python numbers, global over ``group`` when given (identical on every rank):
+        ``candidates``, ``silenced``, ``tokens`` (ints), ``silenced_frac`` = silenced / max(tokens, 1),
+        ``tau_h`` (the entropy threshold; NaN for ``random``/``full`` or without candidates),
+        ``entropy_silenced_mean``, ``entropy_kept_candidates_mean`` (NaN when empty).
+    """
+
+    keep: torch.Tensor
+    stats: dict
+
+
+# --------------------------------------------------------------------------------------------
+# validation
+# --------------------------------------------------------------------------------------------
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _check_fraction(name: str, value, *, include_one: bool = False) -> float:
+    """``value`` as a float if it lies in (0, 1) (or (0, 1] with ``include_one``), else ValueError."""
+    if not _is_real(value) or not (value > 0.0 and (value <= 1.0 if include_one else value < 1.0)):
+        interval = "(0, 1]" if include_one else "(0, 1)"
+        raise ValueError(f"{name}={value!r} is invalid: expected a number in {interval}")
+    return float(value)
+
+
+def _check_strategy(strategy) -> str:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is invalid: expected one of {list(STRATEGIES)}")
+    return strategy
+
+
+def _check_token_tensors(func: str, response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    """All of ``tensors`` must be 2-D tensors shaped like ``response_mask``, on its device."""
+    if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2:
+        got = tuple(response_mask.shape) if isinstance(response_mask, torch.Tensor) else type(response_mask).__name__
+        raise ValueError(f"{func}: response_mask must be a (batch, resp_len) tensor, got {got}")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{func}: {name} must be a tensor, got {type(t).__name__}")
+        if t.shape != response_mask.shape:
+            raise ValueError(
+                f"{func}: shape mismatch: {name} has shape {tuple(t.shape)}, "
+                f"response_mask has shape {tuple(response_mask.shape)}"
+            )
+        if t.device != response_mask.device:
+            raise ValueError(f"{func}: {name} is on {t.device}, response_mask on {response_mask.device}")
+
+
+def _token_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Advantages as float32 ``(batch, resp_len)``: a ``(batch,)`` tensor is broadcast along tokens."""
+    if not isinstance(advantages, torch.Tensor):
+        raise ValueError(f"s2t_mask: advantages must be a tensor, got {type(advantages).__name__}")
+    batch, resp_len = response_mask.shape
+    if advantages.shape == (batch,):
+        advantages = advantages.reshape(batch, 1).expand(batch, resp_len)
+    elif advantages.shape != response_mask.shape:
+        raise ValueError(
+            f"s2t_mask: shape mismatch: advantages has shape {tuple(advantages.shape)}, expected "
+            f"{(batch, resp_len)} (like response_mask) or {(batch,)}"
+        )
+    if advantages.device != response_mask.device:
+        raise ValueError(f"s2t_mask: advantages is on {advantages.device}, response_mask on {response_mask.device}")
+    return advantages.detach().float()
+
+
+def _raise_if_nonfinite(func: str, counts: dict) -> None:
+    """ValueError listing every tensor with non-finite values inside the response mask."""
+    bad = {name: int(n) for name, n in counts.items() if n}
+    if bad:
+        listing = ", ".join(f"{name} ({n} value(s))" for name, n in bad.items())
+        raise ValueError(f"{func}: non-finite values inside response_mask in {listing}")
+
+
+# --------------------------------------------------------------------------------------------
+# the quantile, sync-free
+# --------------------------------------------------------------------------------------------
+
+
+def quantile_sorted_padded(sorted_values: torch.Tensor, count: torch.Tensor, q: float) -> torch.Tensor:
+    """The ``q``-quantile of the first ``count`` entries of an ascending 1-D tensor, without a sync.
+
+    Reproduces ``torch.quantile(sorted_values[:count], q)`` (linear interpolation) bit for bit:
+    ``rank = q * (count - 1)`` in the values' dtype, ``lerp(v[floor(rank)], v[ceil(rank)],
+    rank - floor(rank))``.
+
+    Args:
+        sorted_values: ``(L,)`` floating tensor, ascending; entries past ``count`` are padding
+            (e.g. ``+inf``) and never read when ``count >= 1``.
+        count: 0-dim integer tensor, ``0 <= count <= L`` (may live on the device).
+        q: quantile in [0, 1].
+
+    Returns:
+        0-dim tensor of ``sorted_values``' dtype; NaN when ``count == 0`` or ``L == 0``.
+    """
+    if sorted_values.dim() != 1:
+        raise ValueError(f"quantile_sorted_padded: sorted_values must be 1-D, got shape {tuple(sorted_values.shape)}")
+    nan = torch.full((), float("nan"), dtype=sorted_values.dtype, device=sorted_values.device)
+    if sorted_values.numel() == 0:
+        return nan
+    q_t = torch.full((), q, dtype=sorted_values.dtype, device=sorted_values.device)
+    count = count.to(device=sorted_values.device, dtype=torch.long)
+    rank = q_t * (count - 1).clamp(min=0)  # float, as torch.quantile: q * last_index
+    below = rank.long()
+    above = rank.ceil().long()
+    weight = rank - below
+    v_below = sorted_values.gather(0, below.reshape(1))
+    v_above = sorted_values.gather(0, above.reshape(1))
+    return torch.where(count > 0, v_below.lerp(v_above, weight.reshape(1)).reshape(()), nan)
+
+
+def _pooled_quantile(entropy: torch.Tensor, candidate: torch.Tensor, q: float, group) -> torch.Tensor:
+    """``quantile(H over the candidates of every rank, q)``: 0-dim float32, NaN with no candidates.
+
+    Single process: sync-free. With ``group``: one host read of the per-rank counts (the buffer
+    width), then one all-gather of ``+inf``-padded candidate entropies.
+    """
+    count = candidate.sum()
+    if group is None:
+        pooled = torch.where(candidate, entropy, torch.full_like(entropy, math.inf)).reshape(-1)
+    else:
+        counts = exchange_counts(count.reshape(1), group)  # (world, 1)
+        width = int(counts.max().item())  # the one sync the pooling needs
+        if width == 0:
+            return torch.full((), math.nan, dtype=torch.float32, device=entropy.device)
+        pooled = gather_padded(entropy, candidate, width, group, fill=math.inf).reshape(-1)
+        count = counts.sum()
+    return quantile_sorted_padded(torch.sort(pooled).values, count, q)
+
+
+# --------------------------------------------------------------------------------------------
+# S2T
+# --------------------------------------------------------------------------------------------
+
+
+def _random_draw(shape, device, generator: Optional[torch.Generator]) -> torch.Tensor:
+    """U(0,1) float32 draws of ``shape`` on ``device``, from ``generator`` (global RNG if None).
+
+    Drawn on the generator's own device; a generator on another device than the tokens costs a
+    copy, so pass one created on the tokens' device (``torch.Generator(device=...)``).
+    """
+    gen_device = generator.device if generator is not None else device
+    u = torch.rand(shape, generator=generator, dtype=torch.float32, device=gen_device)
+    return u.to(device)
+
+
+def _silence(strategy, entropy, candidate, q, generator, group):
+    """``(silenced bool (batch, resp_len), tau_h 0-dim float32)`` for one strategy."""
+    nan = torch.full((), math.nan, dtype=torch.float32, device=entropy.device)
+    if strategy == "low_entropy":  # silence H < quantile_q(H_C)
+        tau_h = _pooled_quantile(entropy, candidate, q, group)
+        return candidate & (entropy < tau_h), tau_h
+    if strategy == "high_entropy":  # silence H > quantile_{1-q}(H_C)
+        tau_h = _pooled_quantile(entropy, candidate, 1.0 - q, group)
+        return candidate & (entropy > tau_h), tau_h
+    if strategy == "random":  # silence each candidate with probability q, independently
+        return candidate & (_random_draw(entropy.shape, entropy.device, generator) < q), nan
+    return candidate.clone(), nan  # full: every candidate
+
+
+def _stats_vector(mask, log_prob, entropy, advantages, candidate, silenced) -> torch.Tensor:
+    """float64 ``(len(_STAT_SUMS),)``: the summable statistics, in ``_STAT_SUMS`` order."""
+    zero = torch.zeros((), dtype=torch.float64, device=mask.device)
+    kept_candidate = candidate & ~silenced
+    return torch.stack(
+        [
+            candidate.sum().double(),
+            silenced.sum().double(),
+            mask.sum().double(),
+            torch.where(silenced, entropy.double(), zero).sum(),
+            torch.where(kept_candidate, entropy.double(), zero).sum(),
+            (mask & ~torch.isfinite(log_prob)).sum().double(),
+            (mask & ~torch.isfinite(entropy)).sum().double(),
+            (mask & ~torch.isfinite(advantages)).sum().double(),
+        ]
+    )
+
+
+def _stats_dict(values: list) -> dict:
+    """Host-side stats from ``_STAT_SUMS`` values followed by ``tau_h``."""
+    v = dict(zip(_STAT_SUMS + ("tau_h",), values))
+    _raise_if_nonfinite("s2t_mask", {k: v["nonfinite_" + k] for k in ("log_prob", "entropy", "advantages")})
+    candidates, silenced, tokens = int(v["candidates"]), int(v["silenced"]), int(v["tokens"])
+    kept_candidates = candidates - silenced
+    return {
+        "candidates": candidates,
+        "silenced": silenced,
+        "tokens": tokens,
+        "silenced_frac": silenced / max(tokens, 1),
+        "tau_h": float(v["tau_h"]),
+        "entropy_silenced_mean": v["entropy_silenced_sum"] / silenced if silenced else math.nan,
+        "entropy_kept_candidates_mean": (
+            v["entropy_kept_candidates_sum"] / kept_candidates if kept_candidates else math.nan
+        ),
+    }
+
+
+def s2t_mask(
+    log_prob: torch.Tensor,
+    entropy: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    tau_p: float = 0.002,
+    q: float = 0.75,
+    strategy: str = "low_entropy",
+    generator: Optional[torch.Generator] = None,
+    group=None,
+) -> S2TResult:
+    """S2T keep mask: silence rare, low-entropy tokens of positive-advantage responses.
+
+    Candidates C = {response_mask != 0, A > 0, exp(log_prob) < tau_p} (all strict). Silenced:
+
+    * ``low_entropy`` (STAPO): C and H < tau_h, tau_h = quantile(H_C, q);
+    * ``high_entropy``: C and H > tau_h, tau_h = quantile(H_C, 1 - q);
+    * ``random``: each candidate independently with probability q (tau_h NaN). Draws come from
+      ``generator`` (global RNG when None); with ``group`` each rank draws for its own tokens with
+      its own generator, so give ranks differently seeded generators;
+    * ``full``: every candidate (tau_h NaN).
+
+    Quantiles use ``torch.quantile``'s linear interpolation over the candidates pooled over the
+    batch and, with ``group``, over every rank (variable counts, possibly none): every rank gets
+    the same tau_h and the mask one process holding the concatenated batch would compute.
+    Without candidates nothing is silenced and tau_h is NaN. Probabilities and entropies are
+    computed in float32 whatever the input dtype; inputs are detached.
+
+    Args:
+        log_prob: ``(batch, resp_len)`` float log pi(y_t), any float dtype.
+        entropy: ``(batch, resp_len)`` float, entropy H_t of the next-token distribution (nats).
+        advantages: ``(batch, resp_len)`` or ``(batch,)`` float.
+        response_mask: ``(batch, resp_len)``, any dtype; nonzero marks response tokens.
+        tau_p: probability threshold in (0, 1).
+        q: quantile in (0, 1).
+        strategy: one of :data:`STRATEGIES`.
+        generator: ``torch.Generator`` for ``random`` (ideally on the tokens' device).
+        group: ``torch.distributed`` process group to pool over, or None.
+
+    Returns:
+        :class:`S2TResult` (keep float32 ``(batch, resp_len)``, stats global over ``group``).
+
+    Raises:
+        ValueError: bad ``tau_p``, ``q`` or ``strategy``; shape or device mismatch; non-finite
+            ``log_prob``, ``entropy`` or ``advantages`` inside ``response_mask`` (detected with the
+            final stats read, on every rank of ``group`` alike).
+    """
+    tau_p = _check_fraction("tau_p", tau_p)
+    q = _check_fraction("q", q)
+    strategy = _check_strategy(strategy)
+    _check_token_tensors("s2t_mask", response_mask, log_prob=log_prob, entropy=entropy)
+    adv = _token_advantages(advantages, response_mask)
+    lp = log_prob.detach().float()
+    ent = entropy.detach().float()
+    mask = response_mask != 0
+
+    candidate = mask & (adv > 0) & (torch.exp(lp) < tau_p)  # A > 0, p < tau_p
+    silenced, tau_h = _silence(strategy, ent, candidate, q, generator, group)
+    keep = (mask & ~silenced).float()  # M_{i,t}
+
+    sums = all_reduce_sum(_stats_vector(mask, lp, ent, adv, candidate, silenced), group)
+    values = torch.cat([sums, tau_h.double().reshape(1)]).tolist()  # the one host sync
+    return S2TResult(keep=keep, stats=_stats_dict(values))
+
+
+# --------------------------------------------------------------------------------------------
+# 20-Entropy
+# --------------------------------------------------------------------------------------------
+
+
+def top_count(num_tokens: int, ratio: float) -> int:
+    """k = ceil(ratio * num_tokens), the product rounded to 9 decimals first so that float error
+    does not add a token (0.2 * 15 = 3.0000000000000004 gives 3, not 4)."""
+    return min(num_tokens, math.ceil(round(ratio * num_tokens, 9)))
+
+
+def _host_token_counts(mask: torch.Tensor, entropy: torch.Tensor, group) -> list:
+    """``[[tokens, nonfinite_entropy] per rank]`` on the host (one sync; one all-gather with group)."""
+    counts = torch.stack([mask.sum(), (mask & ~torch.isfinite(entropy)).sum()])
+    if group is None:
+        return [counts.tolist()]
+    return exchange_counts(counts, group).tolist()
+
+
+def _pooled_entropies(entropy, mask, width, group):
+    """``(pooled, lower_ranks)``: 1-D response entropies of every rank (``-inf`` padding), and the
+    part of it that lower ranks hold (empty for a single process)."""
+    if group is None:
+        pooled = torch.where(mask, entropy, torch.full_like(entropy, -math.inf)).reshape(-1)
+        return pooled, pooled[:0]
+    rows = gather_padded(entropy, mask, width, group, fill=-math.inf)  # (world, width)
+    return rows.reshape(-1), rows[: group_rank(group)]
+
+
+def top_entropy_mask(
+    entropy: torch.Tensor, response_mask: torch.Tensor, *, ratio: float = 0.2, group=None
+) -> torch.Tensor:
+    """20-Entropy (Wang et al. 2025): keep the ``k = ceil(ratio * N)`` highest-entropy response tokens.
+
+    N counts the response tokens of the pooled batch (every rank of ``group``). Exactly k tokens
+    are kept. Ties at the threshold (the k-th largest entropy v) are broken deterministically and
+    identically on every rank: all tokens with H > v are kept, then tokens with H == v in the
+    order (rank, flat row-major index) until k are kept, i.e. the choice a single process makes on
+    the ranks' batches concatenated along the batch dimension.
+
+    Args:
+        entropy: ``(batch, resp_len)`` float, any float dtype (compared in float32).
+        response_mask: ``(batch, resp_len)``, nonzero marks response tokens.
+        ratio: fraction in (0, 1].
+        group: ``torch.distributed`` process group to pool over, or None.
+
+    Returns:
+        float32 ``(batch, resp_len)``: 1 for kept tokens, 0 elsewhere (always 0 outside the mask).
+
+    Raises:
+        ValueError: bad ``ratio``, shape mismatch, non-finite entropy inside ``response_mask``
+            (raised on every rank of ``group`` alike).
+
+    One host sync (the token counts); with ``group`` one all-gather of counts and one of the
+    response entropies (padded to the largest rank's count).
+    """
+    ratio = _check_fraction("ratio", ratio, include_one=True)
+    _check_token_tensors("top_entropy_mask", response_mask, entropy=entropy)
+    ent = entropy.detach().float()
+    mask = response_mask != 0
+    per_rank = _host_token_counts(mask, ent, group)
+    _raise_if_nonfinite("top_entropy_mask", {"entropy": sum(r[1] for r in per_rank)})
+    k = top_count(sum(r[0] for r in per_rank), ratio)
+    if k == 0:
+        return torch.zeros_like(ent)
+
+    pooled, lower_ranks = _pooled_entropies(ent, mask, max(r[0] for r in per_rank), group)
+    threshold = torch.topk(pooled, k).values[-1]  # v, the k-th largest pooled entropy
+    ties_before = (lower_ranks == threshold).sum()  # ties held by lower ranks come first
+    ties_wanted = k - (pooled > threshold).sum()
+
+    tie = mask & (ent == threshold)
+    tie_order = torch.cumsum(tie.reshape(-1).long(), 0).reshape(tie.shape)  # 1-based among local ties
+    keep = (mask & (ent > threshold)) | (tie & (ties_before + tie_order <= ties_wanted))
+    return keep.float()
+
+
+__all__ = ["S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_mask", "top_count", "top_entropy_mask"]
