@@ -18,12 +18,17 @@ What is patched, each at one place and never by editing verl's files:
    the policy loss asks for ``scope=mini_batch``; its metrics join the step's actor metrics.
 4. ``RayPPOTrainer._compute_old_log_prob`` (legacy trainer): keeps a copy of the rollout-time
    entropy in the batch as ``entropy`` (the legacy trainer drops ``entropys`` after logging it; the
-   TransferQueue trainer already keeps ``entropy``), only when the policy loss needs it.
+   TransferQueue trainer already keeps ``entropy``).
+5. ``_update_actor`` of both trainers: logs the step's entropy quantiles
+   (:mod:`verl_patches.step_metrics`) for every method; the legacy trainer then drops the kept
+   entropy from the batch unless the policy loss needs it in the actor.
 """
 
 from __future__ import annotations
 
 import functools
+
+from .step_metrics import entropy_quantile_metrics
 
 _installed = False
 
@@ -39,6 +44,7 @@ def install() -> None:
     engine_workers.ppo_loss = losses.ppo_loss_with_token_fields
     engine_workers.TrainingWorker.train_batch = _with_mini_batch_selection(engine_workers.TrainingWorker.train_batch)
     _patch_legacy_trainer()
+    _patch_v1_trainer()
     _installed = True
 
 
@@ -88,16 +94,54 @@ def _patch_legacy_trainer() -> None:
     @functools.wraps(original)
     def compute_old_log_prob(self, batch):
         old_log_prob, mfu = original(self, batch)
-        if _needs_rollout_entropy(self.config.actor_rollout_ref.actor.policy_loss):
-            old_log_prob.batch[ROLLOUT_ENTROPY_FIELD] = old_log_prob.batch["entropys"].clone()
+        old_log_prob.batch[ROLLOUT_ENTROPY_FIELD] = old_log_prob.batch["entropys"].clone()
         return old_log_prob, mfu
+
+    original_update = RayPPOTrainer._update_actor
+
+    @functools.wraps(original_update)
+    def update_actor(self, batch):
+        metrics = {}
+        if ROLLOUT_ENTROPY_FIELD in batch.batch.keys():
+            metrics = entropy_quantile_metrics(batch.batch[ROLLOUT_ENTROPY_FIELD], batch.batch["response_mask"])
+            if not _needs_rollout_entropy(self.config.actor_rollout_ref.actor.policy_loss):
+                batch.batch.pop(ROLLOUT_ENTROPY_FIELD)  # baselines: do not ship it to the actor
+        output = original_update(self, batch)
+        output.meta_info["metrics"].update(metrics)
+        return output
 
     compute_old_log_prob._stapo_wrapped = True
     RayPPOTrainer._compute_old_log_prob = compute_old_log_prob
+    RayPPOTrainer._update_actor = update_actor
+
+
+def _patch_v1_trainer() -> None:
+    import transfer_queue as tq
+
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    from .token_selection import ROLLOUT_ENTROPY_FIELD, to_padded
+
+    original = PPOTrainer._update_actor
+    if getattr(original, "_stapo_wrapped", False):
+        return
+
+    @functools.wraps(original)
+    def update_actor(self, batch, metrics):
+        data = tq.kv_batch_get(
+            keys=batch.keys, partition_id=batch.partition_id, select_fields=[ROLLOUT_ENTROPY_FIELD, "response_mask"]
+        )
+        mask = to_padded(data["response_mask"])
+        metrics.update(entropy_quantile_metrics(to_padded(data[ROLLOUT_ENTROPY_FIELD], mask.shape[1]), mask))
+        return original(self, batch, metrics)
+
+    update_actor._stapo_wrapped = True
+    PPOTrainer._update_actor = update_actor
 
 
 def _needs_rollout_entropy(policy_loss_cfg) -> bool:
-    """True for our loss modes with rollout statistics (the driver holds the config as a DictConfig)."""
+    """True when the actor needs the rollout entropy: our loss modes with rollout statistics (the
+    driver holds the config as a DictConfig)."""
     from .config import S2T_LOSS_MODES
 
     return policy_loss_cfg.get("loss_mode") in S2T_LOSS_MODES and policy_loss_cfg.get("stats_from", "rollout") == "rollout"
