@@ -15,7 +15,9 @@ What is patched, each at one place and never by editing verl's files:
    module-level name in ``init_model``).
 3. ``TrainingWorker.train_batch`` (called once per mini-batch): folds the S2T / 20-Entropy mask
    into ``response_mask`` and ``loss_mask`` before verl counts the mini-batch's loss tokens, when
-   the policy loss asks for ``scope=mini_batch``; its metrics join the step's actor metrics.
+   the policy loss asks for ``scope=mini_batch``; its metrics join the step's actor metrics. When
+   the token dump is on (``recipe.token_dump.dir``), it also writes the candidate tokens of a few
+   sampled responses (:mod:`verl_patches.token_dump`).
 4. ``RayPPOTrainer._compute_old_log_prob`` (legacy trainer): keeps a copy of the rollout-time
    entropy in the batch as ``entropy`` (the legacy trainer drops ``entropys`` after logging it; the
    TransferQueue trainer already keeps ``entropy``).
@@ -60,6 +62,7 @@ def _with_mini_batch_selection(train_batch):
 
     from verl.utils import tensordict_utils as tu
 
+    from . import token_dump
     from .token_selection import fold_into_mini_batch, uses_mini_batch_scope
 
     if getattr(train_batch, "_stapo_wrapped", False):
@@ -68,9 +71,13 @@ def _with_mini_batch_selection(train_batch):
     @functools.wraps(train_batch)  # keeps verl's dispatch attributes
     def wrapped(self, data, *args, **kwargs):
         cfg = _policy_loss_config(self)
-        metrics = None
-        if isinstance(data, TensorDict) and uses_mini_batch_scope(cfg):
-            metrics = fold_into_mini_batch(cfg, data, group=self.engine.get_data_parallel_group())
+        metrics = {}
+        if isinstance(data, TensorDict):
+            response_mask = data.get("response_mask", None)  # before any token is silenced
+            if uses_mini_batch_scope(cfg):
+                metrics = fold_into_mini_batch(cfg, data, group=self.engine.get_data_parallel_group())
+            if token_dump.enabled():
+                metrics.update(token_dump.dump_mini_batch(self, data, response_mask, cfg))
         output = train_batch(self, data, *args, **kwargs)
         if metrics and output is not None:
             merged = dict(tu.get(output, "metrics"))

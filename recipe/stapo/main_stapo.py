@@ -31,6 +31,18 @@ import hydra  # noqa: E402
 from recipe.stapo.config_utils import validate  # noqa: E402
 
 
+def stringify_ray_env_vars(config) -> None:
+    """Ray accepts only string environment variables; the YAML interpolates numbers into them."""
+    from omegaconf import open_dict
+
+    env_vars = config.ray_kwargs.ray_init.runtime_env.get("env_vars")
+    if env_vars:
+        with open_dict(config):
+            for key in list(env_vars):
+                value = env_vars[key]
+                env_vars[key] = "" if value is None else str(value)
+
+
 def run(config) -> None:
     """Validate ``config`` exactly as verl's ``main_ppo`` does, then train with verl's trainer."""
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
@@ -38,6 +50,7 @@ def run(config) -> None:
 
     auto_set_device(config)
     validate(config)
+    stringify_ray_env_vars(config)
     if config.trainer.use_v1:
         run_ppo(config, task_runner_class=TaskRunnerV1)
     else:
