@@ -134,6 +134,7 @@ def test_rollout_and_current_statistics_agree_when_policy_equals_rollout_policy(
     )
     loss_c, grad_c, metrics_c, _ = run_ppo_loss(current, mask, old, old, adv, current_entropy=entropy)
     assert fold_metrics["s2t/silenced"] == metrics_c["s2t/silenced"].aggregate() > 0
+    assert "s2t/rollout_agreement" not in metrics_c  # no rollout entropy in this batch
     assert fold_metrics["s2t/tau_h"] == metrics_c["s2t/tau_h"].aggregate()
     torch.testing.assert_close(loss_r, loss_c)
     torch.testing.assert_close(grad_r, grad_c)
@@ -198,3 +199,22 @@ def test_degenerate_batches_give_finite_losses():
     assert data["loss_mask"].sum() == 0
     loss, grad, _, _ = run_ppo_loss(full, data["response_mask"], rare, rare, torch.ones(B, R), valid=mask, batch_num_tokens=0)
     assert torch.isfinite(loss) and loss == 0 and torch.all(grad == 0)
+
+
+def test_current_statistics_report_agreement_with_rollout_statistics():
+    """stats_from=current logs the overlap of its silenced set with the rollout-statistics one:
+    1.0 when the policy is the rollout policy, below 1 once the policy drifted."""
+    config = actor_config(
+        "stapo", "actor_rollout_ref.actor.policy_loss.stats_from=current", "actor_rollout_ref.actor.calculate_entropy=true"
+    )
+    mask, old, log_prob, entropy, adv = random_batch(seed=8)
+    _, _, same, _ = run_ppo_loss(config, mask, old, old, adv, entropy=entropy, current_entropy=entropy)
+    assert same["s2t/rollout_agreement"].aggregate() == 1.0
+    drifted_entropy = entropy.flip(1)  # a different ranking of the candidates' entropies
+    _, _, drift, _ = run_ppo_loss(config, mask, old, old, adv, entropy=entropy, current_entropy=drifted_entropy)
+    keep_now = s2t_mask(old, drifted_entropy, adv, mask).keep
+    keep_rollout = s2t_mask(old, entropy, adv, mask).keep
+    a, b = mask * (1 - keep_now), mask * (1 - keep_rollout)
+    expected = ((a * b).sum() / torch.maximum(a, b).sum()).item()
+    assert drift["s2t/rollout_agreement"].aggregate() == pytest.approx(expected)
+    assert expected < 1.0

@@ -126,6 +126,33 @@ def _statistics(cfg: S2TPolicyLossConfig, log_prob, old_log_prob):
     return old_log_prob, fields.rollout_entropy, fields.dp_group
 
 
+def _rollout_agreement(cfg, selection, old_log_prob, advantages, response_mask, group) -> dict[str, float]:
+    """How far current-policy statistics drift from rollout ones on this micro-batch (diagnostic).
+
+    ``s2t/rollout_agreement``: |A & B| / |A | B| of the tokens dropped by the current-statistics mask
+    (A) and by the rollout-statistics mask (B) (1.0 when both drop nothing); identical on the first
+    mini-batch of a step, where the policy is the rollout policy. Logged only when the rollout
+    entropy is in the batch.
+    """
+    fields = current_token_fields()
+    if fields is None or fields.rollout_entropy is None:
+        return {}
+    rollout = select_tokens(
+        cfg,
+        log_prob=old_log_prob.detach().float(),
+        entropy=fields.rollout_entropy.float(),
+        advantages=advantages.float(),
+        response_mask=response_mask,
+        group=group,
+    )
+    dropped_now, dropped_rollout = response_mask * (1 - selection.keep), response_mask * (1 - rollout.keep)
+    counts = torch.stack([(dropped_now * dropped_rollout).sum(), torch.maximum(dropped_now, dropped_rollout).sum()])
+    if group is not None:
+        torch.distributed.all_reduce(counts, group=group)
+    both, either = counts.tolist()
+    return {"s2t/rollout_agreement": 1.0 if either == 0 else both / either}
+
+
 def _selective_policy_loss(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights):
     """Shared body of ``stapo`` and ``entropy_topk`` (they differ only in the token selection)."""
     cfg = _s2t_config(config)
@@ -156,6 +183,8 @@ def _selective_policy_loss(old_log_prob, log_prob, advantages, response_mask, lo
             group=group,
         )
         metrics.update(selection.metrics)
+        if cfg.stats_from == "current":
+            metrics.update(_rollout_agreement(cfg, selection, old_log_prob, advantages, loss_mask, group))
         loss_mask = loss_mask * selection.keep
         if loss_agg_mode == "token-mean":
             # verl divides by all loss tokens of the mini-batch; re-weight this micro-batch so that
