@@ -1,0 +1,331 @@
+"""Training curves of several runs, one line per method, from verl's file-logger JSON Lines.
+
+CLI::
+
+    python -m recipe.stapo.plots RUN_DIR [RUN_DIR ...] --out DIR [--labels NAME ...]
+
+Writes ``DIR/curves.png`` (all panels) and one ``DIR/<panel>.png`` per panel that some run logged:
+reward, entropy, response length, silenced fraction (log scale), validation accuracy, over steps.
+
+Where the metrics are (:func:`find_metrics_file`): verl's ``FileLogger`` (``verl/utils/tracking.py``)
+writes ``{"step": <int>, "data": {<metric>: <value>, ...}}`` per line to ``$VERL_FILE_LOGGER_PATH``,
+or else to ``$VERL_FILE_LOGGER_ROOT/<project_name>/<experiment_name>.jsonl`` (root default: the
+working directory). The recipe's CPU path sets ``VERL_FILE_LOGGER_PATH=RUN_DIR/metrics.jsonl``. So a
+run is found as: ``RUN_DIR`` itself when it is a ``.jsonl`` file; else ``RUN_DIR/metrics.jsonl``;
+else the single ``*.jsonl`` file under ``RUN_DIR`` (searched recursively, the token dump excluded)
+whose first line is a step record. Several such files is an error that lists them (pass the file).
+
+A metric missing from a run is skipped for that run with a note; a panel no run logged is left out
+of the per-panel PNGs and marked "not logged" in ``curves.png``. A blank or malformed line is an
+error naming the file and line, except a truncated last line (a run killed mid-write), which is
+skipped with a warning. Repeated steps (e.g. validation logged separately) merge; for one metric
+the later value wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from .token_dump import TOKEN_DUMP_DIR, TOKEN_DUMP_FILE, iter_jsonl
+
+#: where the recipe's CPU path points verl's file logger (recipe.stapo.cpu.METRICS_FILE)
+DEFAULT_METRICS_FILE = "metrics.jsonl"
+#: validation accuracy keys: val-core/<data_source>/<acc|reward>/mean@<N> (verl's ray_trainer)
+_VAL_MEAN_RE = re.compile(r"^val-core/(?P<source>.+)/(?P<var>[^/]+)/mean@(?P<n>\d+)$")
+
+#: a metric's series: steps (ascending) and values, same length
+Series = tuple[list[int], list[float]]
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------
+
+
+def _is_step_record(obj) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("step"), int) and not isinstance(obj.get("step"), bool)
+
+
+def _first_record(path: Path):
+    try:
+        with open(path, "r", encoding="utf-8") as handle:
+            return json.loads(handle.readline())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def find_metrics_file(run: str | os.PathLike) -> Path:
+    """The file-logger JSONL of a run (rule in the module docstring).
+
+    Raises:
+        FileNotFoundError: no run folder, or no step-record JSONL in it.
+        ValueError: several candidate files (they are listed).
+    """
+    run = Path(run)
+    if run.is_file():
+        return run
+    if not run.is_dir():
+        raise FileNotFoundError(f"{run}: no such run folder or metrics file")
+    if (run / DEFAULT_METRICS_FILE).is_file():
+        return run / DEFAULT_METRICS_FILE
+    found = sorted(
+        p for p in run.rglob("*.jsonl")
+        if TOKEN_DUMP_DIR not in p.relative_to(run).parts and p.name != TOKEN_DUMP_FILE
+        and _is_step_record(_first_record(p))
+    )
+    if not found:
+        raise FileNotFoundError(f"{run}: no metrics JSONL (neither {DEFAULT_METRICS_FILE} nor any *.jsonl "
+                                f"of {{'step', 'data'}} lines); run with trainer.logger including 'file'")
+    if len(found) > 1:
+        listed = ", ".join(str(p) for p in found)
+        raise ValueError(f"{run}: several metrics files ({listed}); pass the one to plot instead of the folder")
+    return found[0]
+
+
+def _numeric(value) -> Optional[float]:
+    """A finite float, or None for anything else (strings, lists, NaN, inf, booleans)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def read_metrics(path: str | os.PathLike) -> dict[str, Series]:
+    """Every numeric metric of a file-logger JSONL, as a series over steps.
+
+    Accepts verl's ``{"step": s, "data": {...}}`` lines and flat ``{"step": s, "<metric>": v, ...}``
+    lines. Non-finite or non-numeric values are dropped.
+
+    Raises:
+        ValueError: a blank or malformed line or a line without an integer ``step`` (names the file
+            and line; a truncated last line is skipped with a warning instead).
+    """
+    path = Path(path)
+    by_metric: dict[str, dict[int, float]] = {}
+    for number, obj in iter_jsonl(path):
+        if not _is_step_record(obj):
+            raise ValueError(f"{path}: line {number} is not a step record (a JSON object with an integer 'step')")
+        data = obj.get("data", {k: v for k, v in obj.items() if k != "step"})
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: line {number}: 'data' must be a JSON object, got {type(data).__name__}")
+        for key, value in data.items():
+            if (v := _numeric(value)) is not None:
+                by_metric.setdefault(key, {})[obj["step"]] = v
+    return {key: (sorted(vals), [vals[s] for s in sorted(vals)]) for key, vals in by_metric.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# panels
+# --------------------------------------------------------------------------------------------
+
+
+def _first_of(*keys: str) -> Callable[[Mapping[str, Series]], dict[str, Series]]:
+    """Selector: the first of ``keys`` that the run logged (as ``{"": series}``)."""
+
+    def select(metrics):
+        for key in keys:
+            if key in metrics:
+                return {"": metrics[key]}
+        return {}
+
+    return select
+
+
+def _val_accuracy(metrics: Mapping[str, Series]) -> dict[str, Series]:
+    """``val-core/<source>/<acc|reward>/mean@N`` per data source (``acc`` preferred, largest N)."""
+    best: dict[str, tuple] = {}
+    for key in metrics:
+        m = _VAL_MEAN_RE.match(key)
+        if m:
+            rank = (m.group("var") == "acc", int(m.group("n")))
+            if m.group("source") not in best or rank > best[m.group("source")][0]:
+                best[m.group("source")] = (rank, key)
+    suffix = len(best) > 1
+    return {(source if suffix else ""): metrics[key] for source, (_, key) in sorted(best.items())}
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One plotted quantity: ``select(metrics)`` gives ``{line suffix: series}`` (empty: not logged)."""
+
+    name: str
+    title: str
+    metric: str
+    select: Callable[[Mapping[str, Series]], dict[str, Series]]
+    log_scale: bool = False
+
+
+PANELS = (
+    Panel("reward", "Training reward", "critic/score/mean (or critic/rewards/mean)",
+          _first_of("critic/score/mean", "critic/rewards/mean")),
+    Panel("entropy", "Policy entropy", "actor/entropy", _first_of("actor/entropy")),
+    Panel("response_length", "Mean response length (tokens)", "response_length/mean",
+          _first_of("response_length/mean")),
+    Panel("silenced_frac", "Silenced token fraction (S2T)", "actor/s2t/silenced_frac",
+          _first_of("actor/s2t/silenced_frac"), log_scale=True),
+    Panel("val_accuracy", "Validation accuracy", "val-core/<data_source>/<acc|reward>/mean@N", _val_accuracy),
+)
+
+
+def panel_lines(panel: Panel, runs: Mapping[str, Mapping[str, Series]]) -> dict[str, Series]:
+    """``{line label: series}`` of one panel over runs ``{label: metrics}`` (runs without it left out)."""
+    lines = {}
+    for label, metrics in runs.items():
+        for suffix, series in panel.select(metrics).items():
+            lines[f"{label} ({suffix})" if suffix else label] = series
+    return lines
+
+
+def missing_notes(runs: Mapping[str, Mapping[str, Series]]) -> list[str]:
+    """One note per (run, panel) whose metric the run did not log."""
+    return [f"{label}: no {panel.metric}; skipped in '{panel.name}'"
+            for label, metrics in runs.items() for panel in PANELS if not panel.select(metrics)]
+
+
+def _symlog_threshold(lines: Mapping[str, Series]) -> float:
+    """Linear range of the symlog axis: the smallest positive value (1e-6 if none), so zeros show at 0."""
+    positive = [v for _, values in lines.values() for v in values if v > 0]
+    return min(positive) if positive else 1e-6
+
+
+def draw_panel(ax, panel: Panel, lines: Mapping[str, Series]) -> None:
+    """Plot ``lines`` on ``ax`` (one Line2D per entry, in order); a "not logged" note when empty."""
+    ax.set_title(panel.title, fontsize=10)
+    ax.set_xlabel("step")
+    if not lines:
+        ax.text(0.5, 0.5, f"not logged\n({panel.metric})", ha="center", va="center", transform=ax.transAxes,
+                fontsize=8, color="gray")
+        return
+    for label, (steps, values) in lines.items():
+        ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
+    if panel.log_scale:
+        ax.set_yscale("symlog", linthresh=_symlog_threshold(lines))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _pyplot():
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def summary_figure(runs: Mapping[str, Mapping[str, Series]]):
+    """A matplotlib Figure with one axes per entry of :data:`PANELS` (same order), then spares hidden."""
+    plt = _pyplot()
+    ncols = 3
+    nrows = math.ceil(len(PANELS) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
+    flat = axes.ravel()
+    for ax, panel in zip(flat, PANELS):
+        draw_panel(ax, panel, panel_lines(panel, runs))
+    for ax in flat[len(PANELS):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def panel_figure(panel: Panel, lines: Mapping[str, Series]):
+    """A one-axes Figure of one panel."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    draw_panel(ax, panel, lines)
+    ax.set_ylabel(panel.metric, fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _save(fig, path: Path) -> Path:
+    from .data.fileio import atomic_write
+
+    atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
+    _pyplot().close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+# --------------------------------------------------------------------------------------------
+
+
+def _labelled(run_dirs: Mapping[str, Path] | Sequence[Path]) -> dict[str, Path]:
+    if isinstance(run_dirs, Mapping):
+        return {str(k): Path(v) for k, v in run_dirs.items()}
+    labelled: dict[str, Path] = {}
+    for run in map(Path, run_dirs):
+        label = run.stem if run.is_file() else run.resolve().name
+        if label in labelled:
+            raise ValueError(f"two runs are both labelled {label!r} ({labelled[label]}, {run}); give labels")
+        labelled[label] = run
+    return labelled
+
+
+def load_runs(run_dirs: Mapping[str, Path] | Sequence[Path], progress: bool = True) -> dict[str, dict[str, Series]]:
+    """``{label: metrics}``: labels from a mapping, else each run folder's name (file stem for a file)."""
+    from tqdm import tqdm
+
+    labelled = _labelled(run_dirs)
+    if not labelled:
+        raise ValueError("no runs to plot")
+    return {label: read_metrics(find_metrics_file(run))
+            for label, run in tqdm(labelled.items(), desc="reading runs", unit="run", disable=not progress)}
+
+
+def plot_runs(run_dirs: Mapping[str, Path] | Sequence[Path], out_dir: str | os.PathLike,
+              notes: Optional[list] = None) -> list[Path]:
+    """Write ``curves.png`` and one PNG per logged panel into ``out_dir``; return their paths.
+
+    Args:
+        run_dirs: ``{label: run folder or metrics file}``, or a list of them (labels = folder names).
+        out_dir: created if needed.
+        notes: if a list, the "metric missing" notes are appended to it (also printed to stderr).
+    """
+    runs = load_runs(run_dirs)
+    out = Path(out_dir)
+    found = missing_notes(runs)
+    for note in found:
+        print(f"note: {note}", file=sys.stderr)
+    if notes is not None:
+        notes.extend(found)
+    written = [_save(summary_figure(runs), out / "curves.png")]
+    for panel in PANELS:
+        lines = panel_lines(panel, runs)
+        if lines:
+            written.append(_save(panel_figure(panel, lines), out / f"{panel.name}.png"))
+    return written
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipe.stapo.plots", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders (or their metrics .jsonl files)")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the PNG files")
+    parser.add_argument("--labels", nargs="+", help="one label per run (default: the run folder names)")
+    args = parser.parse_args(argv)
+    if args.labels is not None and len(args.labels) != len(args.runs):
+        parser.error(f"--labels: got {len(args.labels)} labels for {len(args.runs)} runs")
+    if args.labels is not None and len(set(args.labels)) != len(args.labels):
+        parser.error("--labels: labels must be distinct")
+    runs = dict(zip(args.labels, args.runs)) if args.labels else args.runs
+    try:
+        paths = plot_runs(runs, args.out)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for path in paths:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+"""recipe.stapo.token_dump and recipe.stapo.inspect on a synthetic dump from a tiny real Qwen3.
+
+The dump is built as the actor would: a random tiny ``Qwen3ForCausalLM`` scores sampled-looking
+responses; p, H, top-5 and the gradient norm come from its logits, the S2T mask and tau_h from
+``stapo_core.s2t_mask``, and the records are written with ``token_dump.write_records``.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from recipe.stapo import inspect as insp
+from recipe.stapo import token_dump as td
+from stapo_core import entropy_from_logits, s2t_mask
+
+#: token strings of the tiny vocabulary: HTML/Markdown specials on purpose
+SPECIAL = ["<b>", "&amp;", "a|b", "</td>", '"q"', "\n", " ", "x_1", "*"]
+VOCAB = SPECIAL + [f"w{i}" for i in range(64 - len(SPECIAL))]
+TAU_P = 0.02  # ~1/|V|: about half of uniformly drawn tokens are rare
+PROMPT_LEN, RESP_LEN, GROUPS, N = 4, 12, 2, 4
+CONTEXT = 3
+
+
+def _model():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                         initializer_range=0.5, tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    return Qwen3ForCausalLM(config).eval()
+
+
+def _step_tensors(model, step: int):
+    """Per-token tensors of one step: ids, probs (B, T, V), p, H, grad norm, advantages, mask."""
+    gen = torch.Generator().manual_seed(step)
+    batch = GROUPS * N
+    ids = torch.randint(0, len(VOCAB), (batch, PROMPT_LEN + RESP_LEN), generator=gen)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1 : -1].float()  # predicts the response tokens
+    resp = ids[:, PROMPT_LEN:]
+    probs = torch.softmax(logits, -1)
+    log_p = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
+    p = log_p.exp()  # exactly what s2t_mask compares with tau_p
+    grad_norm = torch.sqrt(1 - 2 * p + (probs * probs).sum(-1))  # closed form, per unit weight
+    lengths = torch.tensor([RESP_LEN - (i % 3) for i in range(batch)])  # some padding
+    mask = (torch.arange(RESP_LEN)[None] < lengths[:, None]).float()
+    rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
+    adv = ((rewards - rewards.mean(1, keepdim=True)) / rewards.std(1, keepdim=True)).reshape(-1)
+    return {"ids": ids, "resp": resp, "probs": probs, "log_p": log_p, "p": p, "H": entropy_from_logits(logits),
+            "g": grad_norm, "adv": adv, "mask": mask}
+
+
+def _text(ids) -> str:
+    return "".join(VOCAB[i] for i in ids)
+
+
+def _records(step: int, t: dict, method: str = "stapo"):
+    """The token and response records the actor would dump for one step."""
+    result = s2t_mask(t["log_p"], t["H"], t["adv"], t["mask"], tau_p=TAU_P, q=0.75)
+    tau_h = result.stats["tau_h"]
+    tokens, responses = [], []
+    for i in range(t["resp"].shape[0]):
+        uid, a = f"prompt{i // N}", float(t["adv"][i])
+        n = int(t["mask"][i].sum())
+        responses.append(td.response_record(step=step, method=method, uid=uid, response_index=i % N, advantage=a,
+                                            prob=t["p"][i], entropy=t["H"][i], grad_norm=t["g"][i],
+                                            mask=t["mask"][i], tau_p=TAU_P, tau_h=tau_h))
+        full = t["ids"][i].tolist()
+        for pos in range(n):
+            if not (a > 0 and float(t["p"][i, pos]) < TAU_P):
+                continue
+            at = PROMPT_LEN + pos
+            top_p, top_i = t["probs"][i, pos].topk(5)
+            tokens.append({
+                "kind": "token", "step": step, "method": method, "uid": uid, "response_index": i % N,
+                "position": pos, "token_id": full[at], "token": VOCAB[full[at]],
+                "context_before": _text(full[max(0, at - CONTEXT) : at]),
+                "context_after": _text(full[at + 1 : min(PROMPT_LEN + n, at + 1 + CONTEXT)]),
+                "prob": float(t["p"][i, pos]), "entropy": float(t["H"][i, pos]), "advantage": a,
+                "candidate": True, "silenced": bool(result.keep[i, pos] == 0), "grad_norm": float(t["g"][i, pos]),
+                "top5": [[VOCAB[j], float(q)] for q, j in zip(top_p.tolist(), top_i.tolist())],
+            })
+    return tokens, responses, result.stats
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run folder with two steps of dump; returns (run_dir, tokens, responses, per-step tensors, stats)."""
+    run_dir = tmp_path_factory.mktemp("run")
+    model = _model()
+    all_tokens, all_responses, tensors, stats = [], [], {}, {}
+    for step in (1, 2):
+        tensors[step] = _step_tensors(model, step)
+        tokens, responses, stats[step] = _records(step, tensors[step])
+        td.write_records(td.step_file(run_dir, step), tokens + responses)
+        all_tokens += tokens
+        all_responses += responses
+    return run_dir, all_tokens, all_responses, tensors, stats
+
+
+def test_dump_round_trip(run):
+    run_dir, tokens, responses, _, stats = run
+    assert (run_dir / "s2t_tokens" / "step_000001.jsonl").is_file()
+    got_tokens, got_responses = td.read_records(run_dir)
+    assert got_tokens == tokens and got_responses == responses
+    assert sum(s["silenced"] for s in stats.values()) == sum(t["silenced"] for t in tokens) > 0
+    assert sum(s["candidates"] for s in stats.values()) == len(tokens)
+    assert any(t["candidate"] and not t["silenced"] for t in tokens)
+
+
+def test_grad_norm_closed_form_matches_autograd(run):
+    """The dumped grad_norm is ||d log p_k / d logits||, checked against autograd on a few tokens."""
+    _, tokens, _, tensors, _ = run
+    for tok in tokens[:5]:
+        t = tensors[tok["step"]]
+        i = [j for j in range(GROUPS * N) if f"prompt{j // N}" == tok["uid"] and j % N == tok["response_index"]][0]
+        logits = torch.log(t["probs"][i, tok["position"]]).double().requires_grad_(True)
+        torch.log_softmax(logits, -1)[tok["token_id"]].backward()
+        assert math.isclose(logits.grad.norm().item(), tok["grad_norm"], rel_tol=1e-4)
+
+
+def test_quadrants_add_up(run):
+    _, tokens, responses, _, _ = run
+    positive = [r for r in responses if r["advantage"] > 0]
+    low_p = sum(r["quadrants"]["lowp_lowh"]["count"] + r["quadrants"]["lowp_highh"]["count"] for r in positive)
+    assert low_p == sum(t["candidate"] and t["advantage"] > 0 for t in tokens) > 0
+    for r in responses:
+        assert sum(q["count"] for q in r["quadrants"].values()) == r["n_tokens"]
+    # with tau_h = S2T's tau_h, the low-p low-H quadrant of positive responses is exactly the silenced set
+    assert sum(r["quadrants"]["lowp_lowh"]["count"] for r in positive) == sum(t["silenced"] for t in tokens)
+    silenced_g = sum(t["grad_norm"] for t in tokens if t["silenced"])
+    assert math.isclose(sum(r["quadrants"]["lowp_lowh"]["grad_norm_sum"] for r in positive), silenced_g, rel_tol=1e-9)
+
+
+def test_quadrant_counts_against_loop():
+    rng = np.random.default_rng(3)
+    p, h, g = rng.uniform(0, 0.1, (3, 7)), rng.uniform(0, 2, (3, 7)), rng.uniform(0, 1.4, (3, 7))
+    adv, mask = np.array([[1.0], [-1.0], [0.5]]), rng.uniform(size=(3, 7)) > 0.2
+    for positive_only in (False, True):
+        got = td.quadrant_counts(torch.tensor(p), h, adv, g, mask, 0.05, 1.0, positive_only=positive_only)
+        for name, (lp, lh) in zip(td.QUADRANTS, [(1, 1), (1, 0), (0, 1), (0, 0)]):
+            sel = [(i, j) for i in range(3) for j in range(7) if mask[i, j] and (adv[i, 0] > 0 or not positive_only)
+                   and (p[i, j] < 0.05) == lp and (h[i, j] < 1.0) == lh]
+            assert got[name]["count"] == len(sel)
+            assert math.isclose(got[name]["grad_norm_sum"], sum(g[s] for s in sel), abs_tol=1e-12)
+
+
+def test_median_split_without_tau_h():
+    ent = [0.1, 0.4, 0.2, 0.9]
+    rec = td.response_record(step=0, method="m", uid="u", response_index=0, advantage=1.0, prob=[0.5] * 4,
+                             entropy=ent, grad_norm=[0.1] * 4, mask=[1, 1, 1, 1], tau_p=0.002, tau_h=float("nan"))
+    assert rec["tau_h"] is None and rec["entropy_split"] == pytest.approx(0.3)
+    assert rec["quadrants"]["highp_lowh"]["count"] == 2 and rec["quadrants"]["highp_highh"]["count"] == 2
+    empty = td.response_record(step=0, method="m", uid="u", response_index=1, advantage=0.0, prob=[0.5],
+                               entropy=[0.3], grad_norm=[0.1], mask=[0], tau_p=0.002, tau_h=None)
+    assert empty["entropy_split"] is None and empty["n_tokens"] == 0
+    assert all(q == {"count": 0, "grad_norm_sum": 0.0} for q in empty["quadrants"].values())
+
+
+def test_quadrant_counts_bad_input():
+    with pytest.raises(ValueError, match="same shape"):
+        td.quadrant_counts([0.1, 0.2], [1.0], 1.0, [0.1, 0.2], [1, 1], 0.002, None)
+    with pytest.raises(ValueError, match="tau_p"):
+        td.quadrant_counts([0.1], [1.0], 1.0, [0.1], [1], 0.0, None)
+    with pytest.raises(ValueError, match="entropy holds non-finite"):
+        td.quadrant_counts([0.1], [float("nan")], 1.0, [0.1], [1], 0.002, None)
+
+
+def test_report_contents(run, tmp_path):
+    run_dir, tokens, responses, _, stats = run
+    md_path, html_path = insp.write_report(run_dir, tmp_path / "out", top=50)
+    md, page = md_path.read_text(), html_path.read_text()
+    freq = insp.frequent_silenced(tokens, 3)
+    counts = {}
+    for t in tokens:
+        if t["silenced"]:
+            counts[t["token_id"]] = counts.get(t["token_id"], 0) + 1
+    assert [f.count for f in freq] == sorted(counts.values(), reverse=True)[:3]
+    for f in freq:  # the top silenced token strings are in both reports, escaped
+        assert html.escape(repr(f.token), quote=True) in page
+        assert insp._md_escape(repr(f.token)) in md
+        group = [t for t in tokens if t["silenced"] and t["token_id"] == f.token_id]
+        assert f.mean_prob == pytest.approx(np.mean([t["prob"] for t in group]))
+    summary = insp.step_summaries(tokens, responses)
+    assert [(s.step, s.candidates, s.silenced) for s in summary] == [
+        (k, v["candidates"], v["silenced"]) for k, v in sorted(stats.items())]
+    assert [s.tau_h_min for s in summary] == pytest.approx([stats[1]["tau_h"], stats[2]["tau_h"]])
+    rows = insp.quadrant_table(responses)
+    assert sum(r.share for r in rows) == pytest.approx(1.0)
+    assert rows[0].count == sum(t["silenced"] for t in tokens)
+    assert rows[0].mean_grad_norm == pytest.approx(np.mean([t["grad_norm"] for t in tokens if t["silenced"]]))
+    assert page.count('class="tok silenced"') == sum(t["silenced"] for t in tokens) + 1  # + the legend
+    assert page.count('class="tok kept"') == sum(t["candidate"] and not t["silenced"] for t in tokens) + 1
+
+
+def test_html_escaping(tmp_path):
+    """Tokens and contexts like <b>, </td>, & and quotes never reach the HTML unescaped."""
+    rec = {"kind": "token", "step": 3, "method": "stapo", "uid": "<script>u", "response_index": 0, "position": 2,
+           "token_id": 0, "token": "<b>", "context_before": "1 < 2 & ", "context_after": '</td>"|x',
+           "prob": 0.001, "entropy": 0.2, "advantage": 1.0, "candidate": True, "silenced": True, "grad_norm": 1.3,
+           "top5": [['"><img>', 0.9]]}
+    td.write_records(tmp_path / "s2t_tokens.jsonl", [rec])
+    md_path, html_path = insp.write_report(tmp_path, top=5)
+    page, md = html_path.read_text(), md_path.read_text()
+    for raw in ("<b>", "</td>\"", "<script>", "<img>", "1 < 2"):
+        assert raw not in page and raw not in md
+    assert '<span class="tok silenced" title="' in page
+    assert "&lt;b&gt;</span>" in page and "1 &lt; 2 &amp; " in page and "&lt;/td&gt;&quot;|x" in page
+    assert "**[&lt;b&gt;]**" in md and "&lt;/td&gt;\"\\|x" in md
+
+
+def test_no_dump_clear_error(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="no spurious-token dump.*dump enabled"):
+        insp.build_report(tmp_path)
+    assert insp.main([str(tmp_path)]) == 2
+    assert "no spurious-token dump" in capsys.readouterr().err
+
+
+def test_cli_default_out(run, tmp_path):
+    import shutil
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(run[0], run_dir)
+    assert insp.main([str(run_dir), "--top", "3"]) == 0
+    assert (run_dir / "inspect" / "report.md").is_file() and (run_dir / "inspect" / "report.html").is_file()
+    with pytest.raises(SystemExit):
+        insp.main([str(run_dir), "--top", "0"])
+
+
+def _token(**over):
+    rec = {"kind": "token", "step": 1, "method": "stapo", "uid": "u", "response_index": 0, "position": 0,
+           "token_id": 5, "token": "t", "context_before": "", "context_after": "", "prob": 0.001, "entropy": 0.5,
+           "advantage": 1.0, "candidate": True, "silenced": False, "grad_norm": 1.0, "top5": []}
+    rec.update(over)
+    return rec
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"prob": 1.5}, "'prob' must lie in"),
+    ({"entropy": float("nan")}, "'entropy' must be a finite number"),
+    ({"step": "1"}, "'step' must be an integer"),
+    ({"silenced": True, "candidate": False}, "silenced token must be a candidate"),
+    ({"top5": [["a", 0.5, 1]]}, "'top5'\\[0\\]"),
+    ({"kind": "tok"}, "'kind' must be"),
+])
+def test_writer_rejects_bad_records_and_keeps_file(tmp_path, over, message):
+    path = tmp_path / "s2t_tokens.jsonl"
+    td.write_records(path, [_token()])
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=message) as info:
+        td.write_records(path, [_token(position=1), _token(**over)])
+    assert "record #1" in str(info.value) and str(path) in str(info.value)
+    assert path.read_bytes() == before  # nothing half-written
+
+
+def test_reader_names_file_and_line(tmp_path):
+    folder = tmp_path / "s2t_tokens"
+    folder.mkdir()
+    good = json.dumps(_token())
+    (folder / "step_000002.jsonl").write_text(good + "\n" + json.dumps(_token(grad_norm=-1.0)) + "\n")
+    with pytest.raises(ValueError, match=r"step_000002.jsonl: line 2: field 'grad_norm'"):
+        td.read_records(tmp_path)
+    (folder / "step_000002.jsonl").write_text(good + "\n{not json\n" + good + "\n")
+    with pytest.raises(ValueError, match=r"step_000002.jsonl: line 2 is not valid JSON"):
+        td.read_records(tmp_path)
+    (folder / "step_000002.jsonl").write_text(good + "\n" + good[:20])  # a write cut short: tolerated
+    with pytest.warns(UserWarning, match="truncated last line 2"):
+        tokens, _ = td.read_records(tmp_path)
+    assert len(tokens) == 1
+
+
+def test_response_record_validation(tmp_path):
+    rec = td.response_record(step=1, method="m", uid="u", response_index=0, advantage=1.0, prob=[0.001, 0.5],
+                             entropy=[0.1, 0.2], grad_norm=[1.0, 0.5], mask=[1, 1], tau_p=0.002, tau_h=0.15)
+    assert rec["quadrants"]["lowp_lowh"] == {"count": 1, "grad_norm_sum": 1.0}
+    assert rec["quadrants"]["highp_highh"] == {"count": 1, "grad_norm_sum": 0.5}
+    bad = dict(rec, n_tokens=1)
+    with pytest.raises(ValueError, match="more than n_tokens"):
+        td.write_records(tmp_path / "x.jsonl", [bad])
+    bad = dict(rec, quadrants={k: v for k, v in rec["quadrants"].items() if k != "lowp_lowh"})
+    with pytest.raises(ValueError, match="'quadrants' must map exactly"):
+        td.write_records(tmp_path / "x.jsonl", [bad])
+
+
+def test_step_files_read_in_step_order(tmp_path):
+    for step in (10, 2, 100):
+        td.write_records(td.step_file(tmp_path, step), [_token(step=step)])
+    (tmp_path / "s2t_tokens" / "notes.txt").write_text("ignored")
+    tokens, _ = td.read_records(tmp_path, progress=False)
+    assert [t["step"] for t in tokens] == [2, 10, 100]
+    assert [p.name for p in td.dump_files(tmp_path / "s2t_tokens")] == [
+        "step_000002.jsonl", "step_000010.jsonl", "step_000100.jsonl"]
+
+
+def test_degenerate_dump_renders_finite(tmp_path):
+    """Only a negative-advantage response with no tokens: empty tables, zero shares, no NaN."""
+    rec = td.response_record(step=0, method="justrl", uid="u", response_index=0, advantage=-1.0, prob=[],
+                             entropy=[], grad_norm=[], mask=[], tau_p=0.002, tau_h=None)
+    td.write_records(tmp_path / "s2t_tokens.jsonl", [rec])
+    md_path, html_path = insp.write_report(tmp_path)
+    assert all(r.count == 0 and r.share == 0.0 and r.mean_grad_norm == 0.0 for r in insp.quadrant_table([rec]))
+    md, page = md_path.read_text(), html_path.read_text()
+    assert "nan" not in md.lower() and "nan" not in page.lower()
+    assert "| 0 | justrl | 1 | 0 | 0 | 0 | 0 | 0 | 0.002 | - |" in md

@@ -1,0 +1,211 @@
+"""recipe.stapo.plots on synthetic runs whose metrics are written by verl's own FileLogger."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from recipe.stapo import plots
+
+STEPS = list(range(1, 9))
+
+
+def _metrics(method: str, step: int) -> dict:
+    """Deterministic, method-dependent per-step metrics (numpy scalars, as verl logs them)."""
+    rng = np.random.default_rng([sum(map(ord, method)), step])
+    data = {
+        "critic/score/mean": np.float64(-1 + step / 5 + rng.normal(0, 0.05)),
+        "critic/rewards/mean": np.float64(-5.0),  # must not be used while score/mean exists
+        "actor/entropy": float(0.8 - 0.03 * step + rng.normal(0, 0.01)),
+        "response_length/mean": float(100 + 3 * step),
+        "actor/pg_loss": float(rng.normal()),
+        "perf/time_per_step": "not-a-number",  # non-numeric values are skipped
+    }
+    if method == "stapo":
+        data["actor/s2t/silenced_frac"] = 0.0 if step % 3 == 0 else 1e-4 * step
+    return data
+
+
+def _val(step: int) -> dict:
+    return {"val-core/aime24/acc/mean@4": 0.1 + 0.01 * step, "val-aux/aime24/acc/std@4": 0.5,
+            "val-core/aime24/acc/mean@2": 99.0}  # the largest N wins
+
+
+def _log_run(monkeypatch, path: Path, method: str, with_val: bool = True) -> dict:
+    """Write a run's metrics with verl's FileLogger at ``path``; return {metric: {step: value}}."""
+    from verl.utils.tracking import FileLogger
+
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger = FileLogger("stapo_test", method)
+    logged: dict = {}
+
+    def log(data, step):
+        logger.log(data=data, step=step)
+        for k, v in data.items():
+            logged.setdefault(k, {})[step] = v
+
+    if with_val:
+        log(_val(0), 0)  # val_before_train is logged on its own line
+    for step in STEPS:
+        log(_metrics(method, step) | (_val(step) if with_val and step == STEPS[-1] else {}), step)
+    logger.finish()
+    return logged
+
+
+@pytest.fixture()
+def two_runs(tmp_path, monkeypatch):
+    """stapo at the default path; justrl nested as verl's default <root>/<project>/<experiment>.jsonl."""
+    stapo = tmp_path / "stapo"
+    justrl = tmp_path / "justrl"
+    logged = {
+        "stapo": _log_run(monkeypatch, stapo / "metrics.jsonl", "stapo"),
+        "justrl": _log_run(monkeypatch, justrl / "stapo_test" / "justrl.jsonl", "justrl", with_val=False),
+    }
+    (justrl / "notes.jsonl").write_text('{"no": "step"}\n')  # not a step record: ignored by the search
+    return {"stapo": stapo, "justrl": justrl}, logged
+
+
+def test_file_logger_format_is_step_and_data(two_runs):
+    import json
+
+    runs, _ = two_runs
+    first = json.loads((runs["stapo"] / "metrics.jsonl").read_text().splitlines()[0])
+    assert set(first) == {"step", "data"} and first["step"] == 0
+
+
+def test_find_metrics_file_rule(two_runs, tmp_path):
+    runs, _ = two_runs
+    assert plots.find_metrics_file(runs["stapo"]) == runs["stapo"] / "metrics.jsonl"
+    assert plots.find_metrics_file(runs["justrl"]) == runs["justrl"] / "stapo_test" / "justrl.jsonl"
+    direct = runs["justrl"] / "stapo_test" / "justrl.jsonl"
+    assert plots.find_metrics_file(direct) == direct
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="no metrics JSONL"):
+        plots.find_metrics_file(empty)
+    (runs["justrl"] / "other.jsonl").write_text('{"step": 1, "data": {}}\n')
+    with pytest.raises(ValueError, match="several metrics files"):
+        plots.find_metrics_file(runs["justrl"])
+
+
+def test_series_equal_logged_values(two_runs):
+    runs, logged = two_runs
+    metrics = plots.read_metrics(plots.find_metrics_file(runs["stapo"]))
+    for key in ("critic/score/mean", "actor/entropy", "actor/s2t/silenced_frac", "val-core/aime24/acc/mean@4"):
+        steps, values = metrics[key]
+        assert steps == sorted(logged["stapo"][key])
+        np.testing.assert_array_equal(values, [float(logged["stapo"][key][s]) for s in steps])
+    assert "perf/time_per_step" not in metrics
+    assert metrics["val-core/aime24/acc/mean@4"][0] == [0, STEPS[-1]]
+
+
+def test_plotted_lines_equal_logged_values(two_runs):
+    runs, logged = two_runs
+    loaded = plots.load_runs(runs, progress=False)
+    fig = plots.summary_figure(loaded)
+    axes = fig.axes
+    expected = {
+        "reward": ("critic/score/mean", ["stapo", "justrl"]),
+        "entropy": ("actor/entropy", ["stapo", "justrl"]),
+        "response_length": ("response_length/mean", ["stapo", "justrl"]),
+        "silenced_frac": ("actor/s2t/silenced_frac", ["stapo"]),  # justrl has none: skipped
+        "val_accuracy": ("val-core/aime24/acc/mean@4", ["stapo"]),
+    }
+    for ax, panel in zip(axes, plots.PANELS):
+        key, methods = expected[panel.name]
+        lines = ax.get_lines()
+        assert [line.get_label() for line in lines] == methods, panel.name
+        for line, method in zip(lines, methods):
+            steps = sorted(logged[method][key])
+            np.testing.assert_array_equal(line.get_xdata(), steps)
+            np.testing.assert_array_equal(line.get_ydata(), [float(logged[method][key][s]) for s in steps])
+    silenced_ax = axes[[p.name for p in plots.PANELS].index("silenced_frac")]
+    assert silenced_ax.get_yscale() == "symlog"  # zeros stay on the plot
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_plot_runs_writes_pngs(two_runs, tmp_path):
+    runs, _ = two_runs
+    notes: list = []
+    out = tmp_path / "figs"
+    paths = plots.plot_runs([runs["stapo"], runs["justrl"]], out, notes=notes)
+    names = sorted(p.name for p in paths)
+    assert names == sorted(["curves.png"] + [f"{p.name}.png" for p in plots.PANELS])
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    assert any("justrl" in n and "silenced_frac" in n for n in notes)
+    assert any("justrl" in n and "val_accuracy" in n for n in notes)
+    assert not any(n.startswith("stapo:") for n in notes)
+
+
+def test_missing_metric_skipped_not_crash(tmp_path, monkeypatch):
+    run = tmp_path / "bare"
+    _log_run(monkeypatch, run / "metrics.jsonl", "justrl", with_val=False)
+    paths = plots.plot_runs([run], tmp_path / "out")
+    assert (tmp_path / "out" / "curves.png") in paths
+    assert not (tmp_path / "out" / "silenced_frac.png").exists()
+
+
+def test_rewards_mean_fallback_and_flat_records(tmp_path):
+    path = tmp_path / "flat.jsonl"
+    path.write_text('{"step": 1, "critic/rewards/mean": 0.5}\n{"step": 2, "critic/rewards/mean": 0.75}\n')
+    lines = plots.panel_lines(plots.PANELS[0], {"flat": plots.read_metrics(path)})
+    assert lines == {"flat": ([1, 2], [0.5, 0.75])}
+
+
+def test_all_zero_silenced_fraction_is_finite_on_log_axis(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {s}, "data": {{"actor/s2t/silenced_frac": 0.0}}}}\n' for s in range(3)))
+    paths = plots.plot_runs({"zeros": path}, tmp_path / "out")
+    assert (tmp_path / "out" / "silenced_frac.png") in paths
+
+
+def test_truncated_last_line_tolerated(two_runs):
+    runs, logged = two_runs
+    path = runs["stapo"] / "metrics.jsonl"
+    with open(path, "a") as handle:
+        handle.write('{"step": 9, "data": {"actor/entro')
+    with pytest.warns(UserWarning, match="truncated last line"):
+        metrics = plots.read_metrics(path)
+    assert metrics["actor/entropy"][0] == STEPS
+
+
+@pytest.mark.parametrize("bad, line, message", [
+    ('{"step": 1, "data": {}}\n\n{"step": 2, "data": {}}\n', 2, "line 2 is empty"),
+    ('{"step": 1, "data": {}}\n{"step": 2, "data": {\n{"step": 3, "data": {}}\n', 2, "line 2 is not valid JSON"),
+    ('{"step": 1, "data": {}}\n["step", 2]\n', 2, "line 2 is not a step record"),
+    ('{"step": 1, "data": 3}\n', 1, "line 1: 'data' must be a JSON object"),
+])
+def test_malformed_line_names_file_and_line(tmp_path, bad, line, message):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(bad)
+    with pytest.raises(ValueError, match=message) as info:
+        plots.read_metrics(path)
+    assert str(path) in str(info.value)
+
+
+def test_cli(two_runs, tmp_path, capsys):
+    runs, _ = two_runs
+    out = tmp_path / "cli"
+    rc = plots.main([str(runs["stapo"]), str(runs["justrl"]), "--out", str(out), "--labels", "STAPO", "JustRL"])
+    assert rc == 0
+    assert (out / "curves.png").is_file()
+    printed = capsys.readouterr()
+    assert "JustRL: no actor/s2t/silenced_frac" in printed.err
+    assert plots.main([str(tmp_path / "missing"), "--out", str(out)]) == 2
+    assert "no such run folder" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plots.main([str(runs["stapo"]), "--out", str(out), "--labels", "a", "b"])
+
+
+def test_duplicate_folder_names_need_labels(tmp_path):
+    for parent in ("a", "b"):
+        (tmp_path / parent / "run").mkdir(parents=True)
+        (tmp_path / parent / "run" / "metrics.jsonl").write_text('{"step": 1, "data": {"actor/entropy": 1.0}}\n')
+    with pytest.raises(ValueError, match="labelled 'run'"):
+        plots.plot_runs([tmp_path / "a" / "run", tmp_path / "b" / "run"], tmp_path / "out")
