@@ -218,7 +218,7 @@ def test_html_escaping(tmp_path):
 
 
 def test_no_dump_clear_error(tmp_path, capsys):
-    with pytest.raises(FileNotFoundError, match="no spurious-token dump.*dump enabled"):
+    with pytest.raises(FileNotFoundError, match="no spurious-token dump.*recipe.token_dump.dir="):
         insp.build_report(tmp_path)
     assert insp.main([str(tmp_path)]) == 2
     assert "no spurious-token dump" in capsys.readouterr().err
