@@ -218,3 +218,31 @@ def test_current_statistics_report_agreement_with_rollout_statistics():
     expected = ((a * b).sum() / torch.maximum(a, b).sum()).item()
     assert drift["s2t/rollout_agreement"].aggregate() == pytest.approx(expected)
     assert expected < 1.0
+
+
+def test_grad_norm_of_silenced_and_kept_tokens_from_sum_pi_squared():
+    """The fold logs the closed-form gradient norm sqrt(1 - 2p + sum pi^2) averaged over silenced
+    and kept tokens, from distributions built explicitly (so sum pi^2 is known independently)."""
+    from stapo_core import logit_grad_norm
+
+    config = actor_config("stapo")
+    mask, old, _, entropy, adv = random_batch(seed=9)
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(B, R, 50, generator=g) * 3
+    tokens = torch.randint(0, 50, (B, R), generator=g)
+    log_probs = torch.log_softmax(logits, -1)
+    old = log_probs.gather(-1, tokens[..., None]).squeeze(-1)
+    old[(mask == 1) & (adv > 0) & (torch.rand(B, R, generator=g) < 0.5)] -= 8.0  # make candidates
+    sum_pi2 = (log_probs.exp() ** 2).sum(-1)
+    data = micro_batch(mask, old, adv, entropy=entropy)
+    data["sum_pi_squared"] = sum_pi2
+    metrics = fold_into_mini_batch(config.policy_loss, data)
+    keep = s2t_mask(old, entropy, adv, mask).keep
+    norm = torch.sqrt((1 - 2 * old.exp() + sum_pi2).clamp(min=0))
+    silenced, kept = (mask == 1) & (keep == 0), (mask == 1) & (keep == 1)
+    assert silenced.any()
+    assert metrics["s2t/grad_norm_silenced"] == pytest.approx(norm[silenced].mean().item(), rel=1e-6)
+    assert metrics["s2t/grad_norm_kept"] == pytest.approx(norm[kept].mean().item(), rel=1e-6)
+    # where old is the true log-prob, the closed form equals stapo_core's from the logits
+    untouched = old == log_probs.gather(-1, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(norm[untouched], logit_grad_norm(logits, tokens)[untouched])

@@ -21,7 +21,10 @@ What is patched, each at one place and never by editing verl's files:
 4. ``RayPPOTrainer._compute_old_log_prob`` (legacy trainer): keeps a copy of the rollout-time
    entropy in the batch as ``entropy`` (the legacy trainer drops ``entropys`` after logging it; the
    TransferQueue trainer already keeps ``entropy``).
-5. ``_update_actor`` of both trainers: logs the step's entropy quantiles
+5. ``PPOTrainer._compute_old_log_prob`` (TransferQueue trainer): honours verl's
+   ``actor.calculate_sum_pi_squared`` as the legacy trainer does, so the actor can log the
+   closed-form gradient norm of silenced vs kept tokens (``actor/s2t/grad_norm_*``).
+6. ``_update_actor`` of both trainers: logs the step's entropy quantiles
    (:mod:`verl_patches.step_metrics`) for every method; the legacy trainer then drops the kept
    entropy from the batch unless the policy loss needs it in the actor.
 """
@@ -133,6 +136,31 @@ def _patch_v1_trainer() -> None:
     if getattr(original, "_stapo_wrapped", False):
         return
 
+    from verl.workers.utils.padding import response_from_nested
+
+    from .token_selection import SUM_PI_SQUARED_FIELD
+
+    original_old_log_prob = PPOTrainer._compute_old_log_prob
+
+    @functools.wraps(original_old_log_prob)
+    def compute_old_log_prob(self, batch, metrics):
+        """verl's legacy trainer honours ``actor.calculate_sum_pi_squared``; the v1 one does not:
+        ask the worker for it and store it per response token, as ``old_log_probs``."""
+        wanted = self.config.actor_rollout_ref.actor.get("calculate_sum_pi_squared", False)
+        if wanted:
+            batch.extra_info["calculate_sum_pi_squared"] = True
+        batch = original_old_log_prob(self, batch, metrics)
+        if wanted:
+            batch.extra_info["calculate_sum_pi_squared"] = False
+            data = tq.kv_batch_get(
+                keys=batch.keys, partition_id=batch.partition_id, select_fields=[SUM_PI_SQUARED_FIELD, "response_mask"]
+            )
+            data[SUM_PI_SQUARED_FIELD] = response_from_nested(data[SUM_PI_SQUARED_FIELD], data["response_mask"])
+            batch = tq.kv_batch_put(
+                keys=batch.keys, partition_id=batch.partition_id, fields=data.select(SUM_PI_SQUARED_FIELD)
+            )
+        return batch
+
     @functools.wraps(original)
     def update_actor(self, batch, metrics):
         data = tq.kv_batch_get(
@@ -144,6 +172,7 @@ def _patch_v1_trainer() -> None:
 
     update_actor._stapo_wrapped = True
     PPOTrainer._update_actor = update_actor
+    PPOTrainer._compute_old_log_prob = compute_old_log_prob
 
 
 def _needs_rollout_entropy(policy_loss_cfg) -> bool:

@@ -33,6 +33,8 @@ TOPK_METRIC_PREFIX = "entropy_topk/"
 
 #: the batch field that carries the rollout-time (old-policy) entropy to the actor
 ROLLOUT_ENTROPY_FIELD = "entropy"
+#: verl's field of sum_n pi_n^2 per token (rollout time, with actor.calculate_sum_pi_squared=true)
+SUM_PI_SQUARED_FIELD = "sum_pi_squared"
 
 _generators: dict[tuple[int, str], torch.Generator] = {}
 
@@ -166,7 +168,41 @@ def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None) -> dict[str
         response_mask=mask,
         group=group,
     )
+    metrics = dict(selection.metrics)
+    if SUM_PI_SQUARED_FIELD in data and cfg.loss_mode == "stapo":
+        metrics.update(
+            grad_norm_metrics(
+                log_prob=to_padded(data["old_log_probs"], width).float(),
+                sum_pi_squared=to_padded(data[SUM_PI_SQUARED_FIELD], width).float(),
+                response_mask=mask,
+                keep=selection.keep,
+                group=group,
+            )
+        )
     data["response_mask"] = multiply_like(response_mask, selection.keep)
     if "loss_mask" in data:
         data["loss_mask"] = multiply_like(data["loss_mask"], selection.keep)
-    return selection.metrics
+    return metrics
+
+
+def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, group=None) -> dict[str, float]:
+    """Mean closed-form gradient norm of silenced and of kept response tokens (STAPO_SPEC sec. 3).
+
+    ``||d log pi_k / d logits|| = sqrt(1 - 2 pi_k + sum_n pi_n^2)`` per unit weight, from the
+    rollout-time ``sum_pi_squared`` (verl computes it with ``actor.calculate_sum_pi_squared=true``).
+    Returns ``s2t/grad_norm_silenced`` and ``s2t/grad_norm_kept`` (pooled over ``group``; a mean
+    over no token is omitted). The paper reports silenced tokens about 17% above the rest.
+    """
+    norm = torch.sqrt((1.0 - 2.0 * log_prob.exp() + sum_pi_squared).clamp(min=0.0))
+    inside = response_mask.float()
+    silenced, kept = inside * (1.0 - keep), inside * keep
+    sums = torch.stack([(norm * silenced).sum(), silenced.sum(), (norm * kept).sum(), kept.sum()])
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    s_sum, s_count, k_sum, k_count = sums.tolist()
+    out = {}
+    if s_count > 0:
+        out[S2T_METRIC_PREFIX + "grad_norm_silenced"] = s_sum / s_count
+    if k_count > 0:
+        out[S2T_METRIC_PREFIX + "grad_norm_kept"] = k_sum / k_count
+    return out
