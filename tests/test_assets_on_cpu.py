@@ -1,0 +1,191 @@
+"""Tiny CPU assets (recipe.stapo.cpu.assets) and the batched sampler they and the HF rollout share."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from recipe.stapo.cpu.assets import (INSTRUCTION, AssetConfig, asset_paths, build_assets, encode_chat, is_built,
+                                     main, make_model, make_pairs, make_problem, train_tokenizer)
+from recipe.stapo.cpu.sampling import sample_batch
+
+#: a seconds-fast config for the mechanics tests (the default config is built once, below)
+QUICK = AssetConfig(n_train=64, n_val=16, max_warmup_steps=20, eval_every=10, eval_prompts=8, target_success=1.1)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def default_assets(tmp_path_factory) -> Path:
+    """The shipped default assets (shared with the e2e tests through the session's base temp)."""
+    return build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
+
+
+@pytest.mark.slow
+def test_default_assets_succeed_sometimes_but_not_always(default_assets):
+    manifest = json.loads((default_assets / "manifest.json").read_text())
+    assert manifest["config_hash"] == AssetConfig().digest()
+    # GRPO needs mixed outcomes within a group: neither never nor always right at T = 1
+    assert 0.2 <= manifest["success_rate_t1"] <= 0.7, manifest["success_history"]
+    assert manifest["warmup_steps"] <= AssetConfig().max_warmup_steps
+
+
+@pytest.mark.slow
+def test_default_model_and_tokenizer_load_as_verl_loads_them(default_assets):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    paths = asset_paths(default_assets)
+    tok = AutoTokenizer.from_pretrained(paths.model)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>" and tok.chat_template
+    config = AutoConfig.from_pretrained(paths.model)
+    assert config.model_type == "qwen3" and config.vocab_size == len(tok) and config.eos_token_id == tok.eos_token_id
+    model = AutoModelForCausalLM.from_pretrained(paths.model)
+    assert type(model).__name__ == "Qwen3ForCausalLM" and (paths.model / "model.safetensors").is_file()
+    question, response, _ = make_problem(12, 34)
+    text = tok.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n") and question in text
+    assert tok.decode(tok(response)["input_ids"]) == response  # byte-level BPE round-trips
+
+
+@pytest.mark.slow
+def test_parquet_is_verl_rl_format_and_rewardable(default_assets):
+    from recipe.stapo.reward import compute_score
+
+    paths = asset_paths(default_assets)
+    train, val = pd.read_parquet(paths.train), pd.read_parquet(paths.val)
+    cfg = AssetConfig()
+    assert len(train) == cfg.n_train and len(val) == cfg.n_val
+    assert {"data_source", "prompt", "ability", "reward_model", "extra_info"} <= set(train.columns)
+    seen = set()
+    for frame in (train, val):
+        for row in frame.itertuples():
+            (message,) = row.prompt
+            assert message["role"] == "user" and message["content"].endswith(INSTRUCTION)
+            a, b = int(row.extra_info["a"]), int(row.extra_info["b"])
+            assert row.reward_model == {"style": "rule", "ground_truth": str(a + b)}
+            assert f"What is {a} + {b}?" in message["content"] and (a, b) not in seen
+            seen.add((a, b))
+            right, wrong = make_problem(a, b)[1], make_problem(a, b + 1)[1]
+            assert compute_score(row.data_source, right, row.reward_model["ground_truth"])["score"] == 1.0
+            assert compute_score(row.data_source, wrong, row.reward_model["ground_truth"])["score"] == -1.0
+
+
+@pytest.mark.slow
+def test_build_is_deterministic_reused_and_rebuilt_on_config_change(tmp_path):
+    one = build_assets(tmp_path / "one", QUICK)
+    two = build_assets(tmp_path / "two", QUICK)
+    for name in ("train.parquet", "val.parquet", "model/model.safetensors", "model/tokenizer.json"):
+        assert _sha(one.root / name) == _sha(two.root / name), name
+    stamp = one.manifest.stat().st_mtime_ns
+    assert is_built(one.root, QUICK) and build_assets(one.root, QUICK).manifest.stat().st_mtime_ns == stamp
+    other = replace(QUICK, seed=1)
+    assert not is_built(one.root, other)
+    build_assets(one.root, other)
+    assert is_built(one.root, other) and not is_built(one.root, QUICK)
+    assert _sha(one.root / "train.parquet") != _sha(two.root / "train.parquet")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_cli_reuses_a_built_folder(tmp_path, capsys):
+    assert main([str(tmp_path / "a")], QUICK) == 0
+    assert "built" in capsys.readouterr().out
+    assert main([str(tmp_path / "a")], QUICK) == 0
+    assert "reused" in capsys.readouterr().out
+
+
+def test_pairs_are_disjoint_and_invalid_config_is_named():
+    train, val = make_pairs(QUICK)
+    assert len(set(train)) == QUICK.n_train and not set(train) & set(val)
+    with pytest.raises(ValueError, match="exceeds"):
+        make_pairs(replace(QUICK, low=1, high=3))
+    with pytest.raises(ValueError, match="low <= high"):
+        make_pairs(replace(QUICK, low=5, high=4))
+
+
+# ------------------------------------------------------------------------------------------------
+# sampler
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    train, val = make_pairs(QUICK)
+    tok = train_tokenizer(QUICK, [t for a, b in train + val for t in make_problem(a, b)[:2]])
+    model = make_model(QUICK, tok).eval()
+    return model, tok
+
+
+def _full_forward_log_probs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def test_sampled_log_probs_equal_a_full_forward_pass_despite_left_padding(tiny):
+    model, tok = tiny
+    prompts = [encode_chat(tok, make_problem(a, b)[0]) for a, b in [(10, 20), (33, 44)]] + [[5, 6]]
+    samples = sample_batch(model, prompts, max_new_tokens=6, eos_token_ids=[tok.eos_token_id],
+                           pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+    for prompt, sample in zip(prompts, samples):
+        assert len(sample.token_ids) == len(sample.log_probs) >= 1
+        assert sample.stop_reason == ("completed" if sample.token_ids[-1] == tok.eos_token_id else "length")
+        torch.testing.assert_close(torch.tensor(sample.log_probs), _full_forward_log_probs(model, prompt, sample.token_ids),
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_temperature_scales_the_reported_log_probs(tiny):
+    model, tok = tiny
+    prompt = [5, 6, 7]
+    sample = sample_batch(model, [prompt], max_new_tokens=3, eos_token_ids=[tok.eos_token_id],
+                          pad_token_id=tok.pad_token_id, temperature=0.5, generator=torch.Generator().manual_seed(1))[0]
+    ids = torch.tensor([prompt + sample.token_ids])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / 0.5
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample.token_ids)[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(sample.log_probs), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(tiny):
+    model, tok = tiny
+    prompt = [5, 6, 7]
+    kwargs = dict(max_new_tokens=4, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    greedy = sample_batch(model, [prompt], top_k=1, **kwargs)[0].token_ids
+    nucleus = sample_batch(model, [prompt], top_p=1e-6, generator=torch.Generator().manual_seed(5), **kwargs)[0].token_ids
+    ids = list(prompt)
+    for token in greedy:
+        with torch.no_grad():
+            assert token == int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(token)
+    assert nucleus == greedy
+
+
+def test_seeded_sampling_is_reproducible(tiny):
+    model, tok = tiny
+    kwargs = dict(max_new_tokens=5, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    a = sample_batch(model, [[5, 6], [7]], generator=torch.Generator().manual_seed(9), **kwargs)
+    b = sample_batch(model, [[5, 6], [7]], generator=torch.Generator().manual_seed(9), **kwargs)
+    assert a == b
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"prompts": []}, "empty"),
+    ({"prompts": [[1], []]}, "empty prompt"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"top_p": 0.0}, "top_p"),
+])
+def test_sampler_rejects_bad_arguments(tiny, kwargs, match):
+    model, tok = tiny
+    args = dict(prompts=[[1, 2]], max_new_tokens=2, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        sample_batch(model, args.pop("prompts"), **args)

@@ -1,0 +1,276 @@
+"""The CPU shims (verl_patches.cpu): inert unless selected; platform, patches and HF rollout server.
+
+Process-global state (verl's platform singleton, registries, torch patches) is checked in fresh
+interpreters (subprocess), so these tests neither depend on nor disturb the rest of the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import torch.distributed as dist
+    before = dist.init_process_group
+    {imports}
+    from verl.plugin.platform import PlatformRegistry, get_platform
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+    from verl.workers.engine.fsdp import transformer_impl
+    platform = get_platform()
+    print(json.dumps({{
+        "platforms": list(PlatformRegistry.registered_names()),
+        "platform_class": type(platform).__name__,
+        "device": platform.device_name,
+        "rollouts": sorted(k[0] for k in _ROLLOUT_REGISTRY),
+        "replicas": sorted(RolloutReplicaRegistry._registry),
+        "init_pg_patched": dist.init_process_group is not before,
+        "offload_patched": getattr(transformer_impl.CPUOffloadPolicy, "_stapo_cpu_patch", False),
+        "cpu_loaded": "verl_patches.cpu" in sys.modules,
+        "cpu_active": sys.modules["verl_patches.cpu"].is_active() if "verl_patches.cpu" in sys.modules else False,
+    }}))
+    """
+)
+
+
+def _probe(imports: str, **env_overrides: str) -> dict:
+    """Run PROBE in a fresh interpreter with the CPU selection variables removed, then set."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES", "VERL_ENGINE_DEVICE")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(env_overrides)
+    out = subprocess.run([sys.executable, "-c", PROBE.format(imports=imports)], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def baseline() -> dict:
+    return _probe("")
+
+
+@pytest.mark.slow
+def test_importing_verl_patches_without_selection_changes_nothing(baseline):
+    probed = _probe("import verl_patches\nimport verl_patches.cpu")
+    assert probed["cpu_loaded"] and not probed["cpu_active"]
+    for key in ("platforms", "platform_class", "device", "rollouts", "replicas"):
+        assert probed[key] == baseline[key], key
+    assert "cpu" not in probed["platforms"] and "hf" not in probed["rollouts"] and "hf" not in probed["replicas"]
+    assert not probed["init_pg_patched"] and not probed["offload_patched"]
+
+
+@pytest.mark.slow
+def test_selecting_cpu_activates_every_shim():
+    probed = _probe("import verl_patches.cpu", VERL_PLATFORM="cpu")
+    assert probed["cpu_active"]
+    assert "cpu" in probed["platforms"] and probed["platform_class"] == "PlatformCPU" and probed["device"] == "cpu"
+    assert "hf" in probed["rollouts"] and "hf" in probed["replicas"]
+    assert probed["init_pg_patched"] and probed["offload_patched"]
+
+
+# ------------------------------------------------------------------------------------------------
+# in-process units (no activation needed)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given,expected", [
+    ("cpu:gloo,cpu:gloo", "gloo"),
+    ("cpu:gloo, cpu:gloo", "gloo"),
+    ("cpu:gloo,cuda:nccl", "cpu:gloo,cuda:nccl"),
+    ("gloo", "gloo"),
+    ("cpu:gloo", "cpu:gloo"),
+    (None, None),
+])
+def test_normalise_backend(given, expected):
+    from verl_patches.cpu.platform import normalise_backend
+
+    assert normalise_backend(given) == expected
+
+
+def test_cpu_device_module_calls():
+    from verl_patches.cpu.platform import CPU_DEVICE_MODULE as dev
+
+    dev.empty_cache()
+    dev.synchronize()
+    free, total = dev.mem_get_info()
+    assert 0 < free <= total
+    assert dev.memory_allocated() == 0 and dev.max_memory_reserved() == 0
+    assert dev.get_device_name() == "CPU" and dev.is_available() and dev.current_device() == "cpu"
+    state = dev.get_rng_state()
+    first = torch.rand(3)
+    dev.set_rng_state(state)
+    assert torch.equal(first, torch.rand(3))
+    with pytest.raises(AttributeError, match="no 'definitely_not_a_call'"):
+        dev.definitely_not_a_call
+
+
+def test_platform_class_contract():
+    from verl_patches.cpu.platform import platform_class
+
+    platform = platform_class()()
+    assert platform.device_name == "cpu" and platform.communication_backend_name() == "gloo"
+    assert platform.is_available() and not platform.is_platform_available(use_smi_check=True)
+    assert platform.current_device() == "cpu" and platform.device_count() == 1
+    assert torch.zeros(2).to(platform.current_device()).device.type == "cpu"
+    with platform.nvtx_range("x"):
+        pass
+    assert platform.get_device_capability() == (None, None) and not platform.is_ipc_supported()
+
+
+@pytest.mark.slow
+def test_patched_init_process_group_accepts_verl_backend(tmp_path):
+    """A real single-process gloo group from verl's backend string (fresh interpreter)."""
+    code = textwrap.dedent(f"""
+        import torch, torch.distributed as dist
+        from verl_patches.cpu.platform import patch_init_process_group
+        patch_init_process_group(); patch_init_process_group()   # idempotent
+        assert not getattr(dist.init_process_group._stapo_original, "_stapo_cpu_patch", False)
+        dist.init_process_group(backend="cpu:gloo,cpu:gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
+        t = torch.ones(3); dist.all_reduce(t)
+        assert dist.get_backend() == "gloo" and t.tolist() == [1.0, 1.0, 1.0]
+        dist.destroy_process_group(); print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------------------
+# HF rollout server (used in-process, without Ray)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A random tiny Qwen3 + tokenizer (no warm-up: fast)."""
+    from recipe.stapo.cpu.assets import AssetConfig, make_model, make_pairs, make_problem, train_tokenizer
+
+    cfg = AssetConfig(n_train=32, n_val=8)
+    train, val = make_pairs(cfg)
+    tok = train_tokenizer(cfg, [t for a, b in train + val for t in make_problem(a, b)[:2]])
+    out = tmp_path_factory.mktemp("tiny_model")
+    make_model(cfg, tok).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _server(model_dir: Path, response_length: int = 8):
+    from omegaconf import OmegaConf
+
+    from verl_patches.cpu.hf_rollout import HFRolloutServer
+
+    config = OmegaConf.create({"_target_": "verl.workers.config.RolloutConfig", "name": "hf", "prompt_length": 64,
+                               "response_length": response_length, "seed": 3})
+    return HFRolloutServer(config=config, model_config={"path": str(model_dir)}, replica_rank=0)
+
+
+def _reference_log_probs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """log softmax of one full forward pass over prompt+response (how the trainer computes them)."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+@pytest.mark.slow
+def test_server_generate_batches_concurrent_requests_and_logprobs_match(tiny_model_dir):
+    server = _server(tiny_model_dir)
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+
+    async def go():
+        return await asyncio.gather(*[server.generate(prompt_ids=p, sampling_params={"temperature": 1.0, "top_p": 1.0,
+                                                                                    "top_k": -1, "logprobs": True},
+                                                      request_id=str(i)) for i, p in enumerate(prompts)])
+
+    outputs = asyncio.run(go())
+    assert server.batches == 1  # the three concurrent requests were sampled together
+    for prompt, out in zip(prompts, outputs):
+        assert 1 <= len(out.token_ids) <= 8 and len(out.log_probs) == len(out.token_ids)
+        ref = _reference_log_probs(server.model, prompt, out.token_ids)
+        torch.testing.assert_close(torch.tensor(out.log_probs), ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_server_greedy_is_argmax_and_weights_update(tiny_model_dir):
+    server = _server(tiny_model_dir, response_length=4)
+    params = {"temperature": 0, "top_p": 1.0, "top_k": -1}
+    out = asyncio.run(server.generate(prompt_ids=[5, 6, 7], sampling_params=dict(params), request_id="g"))
+    ids = [5, 6, 7]
+    for token in out.token_ids:
+        with torch.no_grad():
+            assert token == int(server.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+        ids.append(token)
+
+    new_state = {k: torch.randn_like(v) for k, v in server.model.state_dict().items() if k != "lm_head.weight"}
+    loaded = asyncio.run(server.update_weights(new_state, global_steps=7))
+    assert loaded == len(new_state) and server.global_steps == 7
+    name = "model.layers.0.mlp.up_proj.weight"
+    torch.testing.assert_close(asyncio.run(server.get_weight(name)), new_state[name])
+    with pytest.raises(ValueError, match="unknown parameter names"):
+        asyncio.run(server.update_weights({"not.a.param": torch.zeros(1)}))
+    partial = dict(new_state)
+    partial.pop(name)
+    with pytest.raises(ValueError, match="parameters not sent"):
+        asyncio.run(server.update_weights(partial))
+
+
+def test_sampling_key_and_max_tokens_rules():
+    from verl_patches.cpu.hf_rollout import sampling_key
+
+    assert sampling_key({"temperature": 0}) == (1.0, 1.0, 1)
+    assert sampling_key({"temperature": 0.7, "top_p": 0.9, "top_k": 20}) == (0.7, 0.9, 20)
+    assert sampling_key({}) == (1.0, 1.0, -1)
+
+
+# ------------------------------------------------------------------------------------------------
+# the run configuration helpers (recipe.stapo.cpu)
+# ------------------------------------------------------------------------------------------------
+
+
+def test_cpu_env_selects_the_cpu_path(tmp_path):
+    from recipe.stapo.cpu import cpu_env
+
+    env = cpu_env(tmp_path / "run", base={"VERL_USE_EXTERNAL_MODULES": "other.mod", "PATH": "/bin"})
+    assert env["VERL_PLATFORM"] == "cpu" and env["VERL_ENGINE_DEVICE"] == "cuda"
+    assert env["VERL_USE_EXTERNAL_MODULES"].split(",") == ["verl_patches", "verl_patches.cpu", "other.mod"]
+    assert env["VERL_FILE_LOGGER_PATH"] == str((tmp_path / "run").resolve() / "metrics.jsonl")
+    assert (tmp_path / "run").is_dir() and env["PATH"] == "/bin"
+
+
+def test_cpu_overrides_validation(tmp_path):
+    from recipe.stapo.cpu import cpu_overrides, trainer_command
+
+    with pytest.raises(ValueError, match="no tiny assets"):
+        cpu_overrides(tmp_path / "missing", tmp_path / "run")
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "manifest.json").write_text("{}")
+    with pytest.raises(ValueError, match="mini_batch_prompts"):
+        cpu_overrides(tmp_path / "assets", tmp_path / "run", prompts=3, mini_batch_prompts=2)
+    overrides = cpu_overrides(tmp_path / "assets", tmp_path / "run", use_v1=False, resume=True, extra=["x=1"])
+    assert "actor_rollout_ref.rollout.name=hf" in overrides and "trainer.use_v1=false" in overrides
+    assert "trainer.resume_mode=auto" in overrides and overrides[-1] == "x=1"
+    with pytest.raises(ValueError, match="unknown method"):
+        trainer_command("ppo", overrides)
+
+
+def test_read_metrics_tolerates_only_a_truncated_last_line(tmp_path):
+    from recipe.stapo.cpu import read_metrics
+
+    path = tmp_path / "m.jsonl"
+    path.write_text('{"step": 1, "data": {"a": 1.0}}\n{"step": 2, "data": {"a": 2.0}}\n{"step": 3, "da')
+    assert read_metrics(path) == {1: {"a": 1.0}, 2: {"a": 2.0}}
+    path.write_text('{"step": 1, "data": {"a": 1.0}}\nnot json\n{"step": 2, "data": {"a": 2.0}}\n')
+    with pytest.raises(ValueError, match=r"m.jsonl:2"):
+        read_metrics(path)

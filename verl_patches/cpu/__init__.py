@@ -1,0 +1,55 @@
+"""The CPU path: run verl 0.9.1's real trainer on a machine without a GPU.
+
+Selected by the environment, never by import alone::
+
+    VERL_PLATFORM=cpu                                   # selects the "cpu" platform below
+    VERL_USE_EXTERNAL_MODULES=verl_patches,verl_patches.cpu   # makes every verl process import this
+    VERL_ENGINE_DEVICE=cuda                             # engine class lookup only (FSDP engine)
+
+plus ``actor_rollout_ref.rollout.name=hf`` in the config (``recipe.stapo.cpu.cpu_env`` and
+``recipe.stapo.cpu.cpu_overrides`` build both). When ``VERL_PLATFORM`` is not ``cpu``, importing
+this package changes nothing: no registration, no patch.
+
+:func:`activate` (idempotent) applies, each a small named function documenting the verl fact it cures:
+
+- :func:`verl_patches.cpu.platform.register`: platform ``cpu`` (device cpu, gloo, no-op device calls);
+- :func:`verl_patches.cpu.platform.patch_init_process_group`: ``"cpu:gloo,cpu:gloo"`` -> ``"gloo"``;
+- :func:`verl_patches.cpu.platform.patch_fsdp2_offload_pinning`: no pinned memory without CUDA;
+- :func:`verl_patches.cpu.hf_rollout.register`: the ``hf`` rollout (server replica + trainer adapter).
+"""
+
+from __future__ import annotations
+
+import os
+
+PLATFORM_ENV = "VERL_PLATFORM"
+
+_ACTIVE = False
+
+
+def cpu_selected() -> bool:
+    """True when this process selected the CPU path (``VERL_PLATFORM=cpu``)."""
+    return os.environ.get(PLATFORM_ENV, "").strip().lower() == "cpu"
+
+
+def is_active() -> bool:
+    """True once :func:`activate` ran in this process."""
+    return _ACTIVE
+
+
+def activate() -> None:
+    """Register the CPU platform and the HF rollout and apply the CPU patches (idempotent)."""
+    global _ACTIVE
+    if _ACTIVE:
+        return
+    from . import hf_rollout, platform
+
+    platform.register()
+    platform.patch_init_process_group()
+    platform.patch_fsdp2_offload_pinning()
+    hf_rollout.register()
+    _ACTIVE = True
+
+
+if cpu_selected():
+    activate()
