@@ -85,10 +85,17 @@ def test_two_steps_train(runs, method, use_v1):
     steps = _metrics(runs[(method, use_v1)])
     _check_training_happened(steps, {1, 2})
     data = steps[2]
+    # the step's entropy quantiles are logged for every method (verl_patches.step_metrics)
+    assert 0 <= data["actor/entropy_p50"] <= data["actor/entropy_p80"] <= data["actor/entropy_p95"]
     if method == "stapo":
         s2t = {k: v for k, v in data.items() if k.startswith("actor/s2t/")}
         assert s2t, f"no actor/s2t/ metrics in {sorted(data)}"
-        assert all(math.isfinite(v) or math.isnan(v) for v in s2t.values())
+        assert all(math.isfinite(v) for v in s2t.values())
+        assert 0 <= s2t["actor/s2t/silenced"] <= s2t["actor/s2t/candidates"] <= s2t["actor/s2t/tokens"]
+        assert "actor/s2t/grad_norm_kept" in s2t  # rollout-time sum_pi_squared reached the actor
+    if method == "entropy20":
+        tokens, kept = data["actor/entropy_topk/tokens"], data["actor/entropy_topk/kept"]
+        assert 0.2 * tokens <= kept <= 0.2 * tokens + 1  # ceil(0.2 N) per mini-batch, averaged
     if method == "grpo":
         assert "actor/kl_loss" in data and math.isfinite(data["actor/kl_loss"])  # KL to the reference policy
     else:

@@ -170,3 +170,16 @@ def test_models_select_qwen3_base_checkpoints(model):
     assert cfg.actor_rollout_ref.model.path.endswith(f"Qwen3-{size}-Base")
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
     assert actor.policy_loss.loss_mode == "stapo"
+
+
+def test_ray_env_vars_reach_ray_resolved_and_as_strings():
+    """verl hands ray_kwargs to ray.init without resolving interpolations, and Ray accepts only
+    string env vars: the entry point resolves and stringifies them first."""
+    from recipe.stapo.main_stapo import stringify_ray_env_vars
+
+    cfg = compose(["method=stapo", "recipe.token_dump.dir=/runs/x", "recipe.token_dump.responses=8"])
+    stringify_ray_env_vars(cfg)
+    env = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env, resolve=False)["env_vars"]
+    assert env["VERL_USE_EXTERNAL_MODULES"].split(",")[0] == "verl_patches"
+    assert (env["STAPO_TOKEN_DUMP_DIR"], env["STAPO_TOKEN_DUMP_RESPONSES"]) == ("/runs/x", "8")
+    assert all(isinstance(v, str) and "${" not in v for v in env.values())
