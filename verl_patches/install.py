@@ -64,6 +64,7 @@ def _with_mini_batch_selection(train_batch):
     from tensordict import TensorDict
 
     from verl.utils import tensordict_utils as tu
+    from verl.utils.device import get_device_id
 
     from . import token_dump
     from .token_selection import fold_into_mini_batch, uses_mini_batch_scope
@@ -78,7 +79,9 @@ def _with_mini_batch_selection(train_batch):
         if isinstance(data, TensorDict):
             response_mask = data.get("response_mask", None)  # before any token is silenced
             if uses_mini_batch_scope(cfg):
-                metrics = fold_into_mini_batch(cfg, data, group=self.engine.get_data_parallel_group())
+                metrics = fold_into_mini_batch(
+                    cfg, data, group=self.engine.get_data_parallel_group(), device=get_device_id()
+                )
             if token_dump.enabled():
                 metrics.update(token_dump.dump_mini_batch(self, data, response_mask, cfg))
         output = train_batch(self, data, *args, **kwargs)

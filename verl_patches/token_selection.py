@@ -142,13 +142,16 @@ def uses_mini_batch_scope(cfg) -> bool:
     return isinstance(cfg, S2TPolicyLossConfig) and cfg.selects_tokens and cfg.resolved_scope == "mini_batch"
 
 
-def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None) -> dict[str, float]:
+def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None, device=None) -> dict[str, float]:
     """Silence tokens of one mini-batch in place, before verl counts its loss tokens.
 
     ``data`` is the mini-batch TensorDict one data-parallel rank holds; ``group`` the data-parallel
     group (the mini-batch is the union of every rank's part). Uses the rollout-time statistics:
     ``old_log_probs`` and the ``entropy`` field kept by :mod:`verl_patches.trainer_hooks`.
     Multiplies ``response_mask`` and ``loss_mask`` by the keep mask and returns the metrics.
+    ``device``: where to compute (the engine's device: collectives over verl's data-parallel group
+    may only accept device tensors, as verl's own ``batch_num_tokens`` all-reduce assumes); the
+    mini-batch itself stays where it is.
     """
     missing = [k for k in ("response_mask", "old_log_probs", "advantages", ROLLOUT_ENTROPY_FIELD) if k not in data]
     if missing:
@@ -159,12 +162,16 @@ def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None) -> dict[str
         )
     response_mask = data["response_mask"]
     width = to_padded(response_mask).shape[1]
-    mask = to_padded(response_mask, width)
+
+    def field(name: str) -> torch.Tensor:
+        return to_padded(data[name], width).to(device).float()
+
+    mask, log_prob = field("response_mask"), field("old_log_probs")
     selection = select_tokens(
         cfg,
-        log_prob=to_padded(data["old_log_probs"], width).float(),
-        entropy=to_padded(data[ROLLOUT_ENTROPY_FIELD], width).float(),
-        advantages=to_padded(data["advantages"], width).float(),
+        log_prob=log_prob,
+        entropy=field(ROLLOUT_ENTROPY_FIELD),
+        advantages=field("advantages"),
         response_mask=mask,
         group=group,
     )
@@ -172,16 +179,17 @@ def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None) -> dict[str
     if SUM_PI_SQUARED_FIELD in data and cfg.loss_mode == "stapo":
         metrics.update(
             grad_norm_metrics(
-                log_prob=to_padded(data["old_log_probs"], width).float(),
-                sum_pi_squared=to_padded(data[SUM_PI_SQUARED_FIELD], width).float(),
+                log_prob=log_prob,
+                sum_pi_squared=field(SUM_PI_SQUARED_FIELD),
                 response_mask=mask,
                 keep=selection.keep,
                 group=group,
             )
         )
-    data["response_mask"] = multiply_like(response_mask, selection.keep)
+    keep = selection.keep.to(response_mask.device)
+    data["response_mask"] = multiply_like(response_mask, keep)
     if "loss_mask" in data:
-        data["loss_mask"] = multiply_like(data["loss_mask"], selection.keep)
+        data["loss_mask"] = multiply_like(data["loss_mask"], keep)
     return metrics
 
 
