@@ -60,11 +60,21 @@ def _policy_loss_config(worker):
     return getattr(config, "policy_loss", None)
 
 
+def _engine_device(engine):
+    """The device the engine trains on: where its parameters are (in train mode they are loaded)."""
+    module = getattr(engine, "module", None)
+    if module is not None:
+        for param in module.parameters():
+            return param.device
+    from verl.utils.device import get_device_id
+
+    return get_device_id()
+
+
 def _with_mini_batch_selection(train_batch):
     from tensordict import TensorDict
 
     from verl.utils import tensordict_utils as tu
-    from verl.utils.device import get_device_id
 
     from . import token_dump
     from .token_selection import fold_into_mini_batch, uses_mini_batch_scope
@@ -80,7 +90,7 @@ def _with_mini_batch_selection(train_batch):
             response_mask = data.get("response_mask", None)  # before any token is silenced
             if uses_mini_batch_scope(cfg):
                 metrics = fold_into_mini_batch(
-                    cfg, data, group=self.engine.get_data_parallel_group(), device=get_device_id()
+                    cfg, data, group=self.engine.get_data_parallel_group(), device=_engine_device(self.engine)
                 )
             if token_dump.enabled():
                 metrics.update(token_dump.dump_mini_batch(self, data, response_mask, cfg))
