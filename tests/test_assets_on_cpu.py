@@ -168,6 +168,21 @@ def test_top_k_one_and_tiny_top_p_are_greedy(tiny):
     assert nucleus == greedy
 
 
+def test_per_prompt_generators_make_draws_independent_of_batching(tiny):
+    """One generator per prompt: a prompt's response does not depend on its batch mates or their
+    order (what lets the HF rollout give identical rollouts to runs with identical seeds)."""
+    model, tok = tiny
+    kwargs = dict(max_new_tokens=6, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    prompts = [encode_chat(tok, make_problem(a, b)[0]) for a, b in [(10, 20), (33, 44), (51, 7)]]
+    gens = lambda seeds: [torch.Generator().manual_seed(s) for s in seeds]  # noqa: E731
+    together = sample_batch(model, prompts, generator=gens([1, 2, 3]), **kwargs)
+    reversed_ = sample_batch(model, prompts[::-1], generator=gens([3, 2, 1]), **kwargs)[::-1]
+    alone = [sample_batch(model, [p], generator=gens([s]), **kwargs)[0] for p, s in zip(prompts, [1, 2, 3])]
+    assert [s.token_ids for s in together] == [s.token_ids for s in reversed_] == [s.token_ids for s in alone]
+    with pytest.raises(ValueError, match="2 generators for 3 prompts"):
+        sample_batch(model, prompts, generator=gens([1, 2]), **kwargs)
+
+
 def test_seeded_sampling_is_reproducible(tiny):
     model, tok = tiny
     kwargs = dict(max_new_tokens=5, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)

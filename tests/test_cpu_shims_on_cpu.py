@@ -203,6 +203,29 @@ def test_server_generate_batches_concurrent_requests_and_logprobs_match(tiny_mod
 
 
 @pytest.mark.slow
+def test_server_rollouts_do_not_depend_on_request_order(tiny_model_dir):
+    """Two servers with the same seed, the same requests arriving in different orders and batches
+    (n = 3 samples of one prompt plus another prompt): the same responses per prompt."""
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    requests = [[5, 6, 7]] * 3 + [[8, 9]]
+
+    async def go(server, order):
+        outs = await asyncio.gather(*[server.generate(prompt_ids=requests[i], sampling_params=dict(params),
+                                                      request_id=str(i)) for i in order])
+        by_prompt = {}
+        for i, out in zip(order, outs):
+            by_prompt.setdefault(tuple(requests[i]), []).append(tuple(out.token_ids))
+        return {k: sorted(v) for k, v in by_prompt.items()}
+
+    first = asyncio.run(go(_server(tiny_model_dir), [0, 1, 2, 3]))
+    second_server = _server(tiny_model_dir)
+    second = asyncio.run(go(second_server, [3, 2]))
+    second_rest = asyncio.run(go(second_server, [1, 0]))
+    second[(5, 6, 7)] = sorted(second[(5, 6, 7)] + second_rest[(5, 6, 7)])
+    assert second == first
+
+
+@pytest.mark.slow
 def test_server_greedy_is_argmax_and_weights_update(tiny_model_dir):
     server = _server(tiny_model_dir, response_length=4)
     params = {"temperature": 0, "top_p": 1.0, "top_k": -1}

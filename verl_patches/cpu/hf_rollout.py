@@ -24,6 +24,7 @@ Nothing is registered at import: :func:`register` does it, called by
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -58,6 +59,7 @@ class _Request:
     prompt_ids: list[int]
     max_tokens: int
     key: tuple  # (temperature, top_p, top_k): requests sharing it are sampled in one batch
+    seed: int  # this request's own draws (see HFRolloutServer._request_seed)
     future: asyncio.Future = field(repr=False)
 
 
@@ -97,7 +99,8 @@ class HFRolloutServer:
             raise ValueError(f"HF rollout: the model at {path} declares no eos_token_id")
         pad = self.model.config.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
-        self.generator = torch.Generator().manual_seed(int(getattr(self.config, "seed", 0) or 0) + replica_rank)
+        self.seed = int(getattr(self.config, "seed", 0) or 0) + replica_rank
+        self._arrivals: dict[tuple, int] = {}  # (step, prompt) -> requests seen, for _request_seed
         self._queue: list[_Request] = []
         self._worker: Optional[asyncio.Task] = None
         self._lock = asyncio.Lock()
@@ -117,12 +120,27 @@ class HFRolloutServer:
         if image_data is not None or video_data is not None:
             raise ValueError("HF rollout: multimodal inputs are not supported")
         loop = asyncio.get_running_loop()
-        request = _Request(list(map(int, prompt_ids)), self._max_tokens(len(prompt_ids), sampling_params),
-                           sampling_key(sampling_params), loop.create_future())
+        ids = list(map(int, prompt_ids))
+        request = _Request(ids, self._max_tokens(len(ids), sampling_params), sampling_key(sampling_params),
+                           self._request_seed(ids), loop.create_future())
         self._queue.append(request)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await request.future
+
+    def _request_seed(self, prompt_ids: list[int]) -> int:
+        """Seed of one request: (server seed, step, prompt, k-th request of that prompt in the step).
+
+        Runs with the same seed then sample the same responses whatever the arrival order and
+        batching of concurrent requests (the n samples of a prompt are exchangeable), so methods
+        compared under identical settings see identical first-step rollouts.
+        """
+        key = (self.global_steps, tuple(prompt_ids))
+        k = self._arrivals.get(key, 0)
+        self._arrivals = {kk: v for kk, v in self._arrivals.items() if kk[0] == self.global_steps}
+        self._arrivals[key] = k + 1
+        digest = hashlib.sha256(repr((self.seed, self.global_steps, key[1], k)).encode()).digest()
+        return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
     async def _drain(self) -> None:
         """Sample queued requests batch by batch until the queue is empty."""
@@ -150,7 +168,8 @@ class HFRolloutServer:
         temperature, top_p, top_k = batch[0].key
         samples = sample_batch(self.model, [r.prompt_ids for r in batch], max_new_tokens=max(r.max_tokens for r in batch),
                                eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                               temperature=temperature, top_p=top_p, top_k=top_k, generator=self.generator)
+                               temperature=temperature, top_p=top_p, top_k=top_k,
+                               generator=[torch.Generator().manual_seed(r.seed) for r in batch])
         self.batches += 1
         outputs = []
         for r, s in zip(batch, samples):

@@ -82,7 +82,7 @@ def sample_batch(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = -1,
-    generator: Optional[torch.Generator] = None,
+    generator: Optional[torch.Generator | Sequence[torch.Generator]] = None,
 ) -> list[Sample]:
     """Sample one continuation per prompt (KV-cached, left-padded batch).
 
@@ -94,12 +94,15 @@ def sample_batch(
         pad_token_id: id used for left padding (masked out by the attention mask).
         temperature: > 0; logits are divided by it before softmax.
         top_p, top_k: nucleus / top-k restriction of the drawable set (top_k <= 0: off).
-        generator: torch.Generator for reproducible draws.
+        generator: torch.Generator for reproducible draws, or one generator per prompt (then each
+            prompt's draws do not depend on which other prompts share the batch).
 
     Returns:
         B :class:`Sample` s, in prompt order.
     """
     _validate(prompts, max_new_tokens, temperature, top_p)
+    if isinstance(generator, Sequence) and len(generator) != len(prompts):
+        raise ValueError(f"sample_batch: {len(generator)} generators for {len(prompts)} prompts")
     input_ids, attention_mask = _left_pad(prompts, pad_token_id)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long)
@@ -115,7 +118,10 @@ def sample_batch(
         logits = out.logits[:, -1, :].float() / temperature
         log_probs = torch.log_softmax(logits, dim=-1)
         probs = torch.softmax(_restrict(logits, top_k, top_p), dim=-1)
-        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if isinstance(generator, Sequence):
+            nxt = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator)])
+        else:
+            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         tokens.append(nxt)
         logps.append(log_probs.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
