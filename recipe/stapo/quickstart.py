@@ -5,7 +5,8 @@
     python -m recipe.stapo.quickstart [--out results/quickstart] [--assets assets/tiny] [--steps 5]
 
 Builds (or reuses) the tiny assets, then trains every method with verl's real trainer on CPU
-(:mod:`recipe.stapo.cpu`) under identical settings and seeds, one after the other. Writes into
+(:mod:`recipe.stapo.cpu`) under identical settings and seeds, one after the other, validating
+on the held-out problems before training and after the last step. Writes into
 ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
 checkpoints off), ``summary.md`` (final / mean reward, entropy, STAPO's silenced fraction, step
 time, wall time per method), ``summary.json`` and PNG plots of reward and entropy over steps.
@@ -75,7 +76,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 def _settings(args: argparse.Namespace) -> dict:
     return {"steps": args.steps, "prompts": args.prompts, "n": args.n, "seed": args.seed, "tau_p": args.tau_p,
-            "use_v1": args.trainer == "v1", "assets": str(Path(args.assets).resolve())}
+            "use_v1": args.trainer == "v1", "assets": str(Path(args.assets).resolve()), "validate": True}
 
 
 def method_overrides(method: str, args: argparse.Namespace) -> list[str]:
@@ -108,7 +109,8 @@ def run_method(method: str, index: int, args: argparse.Namespace, assets: Path, 
 
     run = run_cpu_trainer(method, assets, run_dir, steps=args.steps, prompts=args.prompts, n=args.n,
                           mini_batch_prompts=args.prompts // 2 if args.prompts % 2 == 0 else args.prompts,
-                          seed=args.seed, use_v1=settings["use_v1"], timeout=args.timeout, on_step=on_step,
+                          seed=args.seed, use_v1=settings["use_v1"], validate=settings["validate"],
+                          timeout=args.timeout, on_step=on_step,
                           extra=method_overrides(method, args))
     steps = read_metrics(run.metrics) if run.metrics.is_file() else {}
     if not run.ok:
