@@ -246,3 +246,28 @@ def test_grad_norm_of_silenced_and_kept_tokens_from_sum_pi_squared():
     # where old is the true log-prob, the closed form equals stapo_core's from the logits
     untouched = old == log_probs.gather(-1, tokens[..., None]).squeeze(-1)
     torch.testing.assert_close(norm[untouched], logit_grad_norm(logits, tokens)[untouched])
+
+
+@pytest.mark.parametrize("stats_from, entropy_coeff, no_grad", [("current", 0, True), ("rollout", 0, False),
+                                                                ("current", 0.01, False)])
+def test_current_statistics_compute_the_update_entropy_without_grad(stats_from, entropy_coeff, no_grad):
+    """With stats_from=current and no entropy bonus, the engine's entropy is only S2T's statistic:
+    verl's TrainingWorker.set_loss_fn (patched) makes it run without autograd; otherwise untouched."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from verl.workers import engine_workers
+
+    config = actor_config("stapo", f"actor_rollout_ref.actor.policy_loss.stats_from={stats_from}",
+                          f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff}")
+
+    def entropy_fn(logits):
+        return torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)
+
+    worker = SimpleNamespace(engine=SimpleNamespace(compute_entropy_from_logits=entropy_fn))
+    engine_workers.TrainingWorker.set_loss_fn(worker, partial(engine_workers.ppo_loss, config=config))
+    logits = torch.randn(3, 7, requires_grad=True)
+    entropy = worker.engine.compute_entropy_from_logits(logits)
+    assert entropy.requires_grad is not no_grad
+    torch.testing.assert_close(entropy.detach(), entropy_fn(logits).detach())
+    assert worker.loss_fn.keywords["config"] is config

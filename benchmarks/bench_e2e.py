@@ -1,0 +1,186 @@
+"""Per-phase step time of STAPO against JustRL, from two verl runs with identical settings and seeds.
+
+::
+
+    python -m benchmarks.bench_e2e RUN_JUSTRL RUN_STAPO        # run folders (metrics.jsonl) or .jsonl files
+    python -m benchmarks.bench_e2e --from-quickstart results/quickstart
+    python -m benchmarks.bench_e2e --run [--out results/bench_e2e] [--steps 6]   # train both on CPU first
+
+Input: verl's file logger (``verl.utils.tracking.FileLogger``): one JSON object per line,
+``{"step": s, "data": {metric: value, ...}}``, read with :func:`recipe.stapo.cpu.read_metrics`.
+The phases are verl's ``timing_s/<name>`` metrics (``compute_timing_metrics`` in
+``verl/trainer/ppo/metric_utils.py``; the names are those of ``marked_timer`` in the trainers):
+``gen`` (rollout), ``reward``, ``old_log_prob``, ``ref``, ``adv``, ``update_actor``,
+``update_weights`` and ``step`` (the whole step), plus any other ``timing_s/*`` both runs log.
+
+For each phase: the median over steps of each run's time, and the median over steps of the paired
+ratio ``t_STAPO(step) / t_JustRL(step)`` (same step number: same data, same seeds), skipping the
+first ``--warmup-steps`` steps (default 1: compilation, caches, allocator warm-up), with the
+number of steps ``n`` it rests on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+TIMING_PREFIX = "timing_s/"
+#: phases in the order of a step; others both runs log follow, sorted
+PHASE_ORDER = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_weights", "step")
+METRICS_FILE = "metrics.jsonl"
+BASELINE, METHOD = "justrl", "stapo"
+
+
+@dataclass
+class PhaseRow:
+    """One phase: median seconds of each run, median paired ratio, steps used (n)."""
+
+    phase: str
+    baseline_s: float
+    method_s: float
+    ratio: float
+    n: int
+
+
+def metrics_path(run: str | Path) -> Path:
+    """The JSONL file of a run: ``run`` itself if it is a file, else ``run/metrics.jsonl``."""
+    path = Path(run)
+    if path.is_dir():
+        path = path / METRICS_FILE
+    if not path.is_file():
+        raise ValueError(f"no verl file-logger metrics at {path} (expected a run folder with {METRICS_FILE} or a .jsonl file)")
+    return path
+
+
+def load_run(run: str | Path) -> dict[int, dict]:
+    """``{step: {metric: value}}`` of one run (ValueError naming the file and line on a bad line)."""
+    from recipe.stapo.cpu import read_metrics
+
+    path = metrics_path(run)
+    steps = read_metrics(path)
+    if not steps:
+        raise ValueError(f"{path}: no steps logged")
+    return steps
+
+
+def phases(baseline: dict[int, dict], method: dict[int, dict]) -> list[str]:
+    """Timing phases both runs log, in step order (:data:`PHASE_ORDER`), then the others sorted."""
+
+    def names(run):
+        return {k[len(TIMING_PREFIX):] for data in run.values() for k in data if k.startswith(TIMING_PREFIX)}
+
+    common = names(baseline) & names(method)
+    return [p for p in PHASE_ORDER if p in common] + sorted(common - set(PHASE_ORDER))
+
+
+def _seconds(data: dict, phase: str) -> Optional[float]:
+    value = data.get(TIMING_PREFIX + phase)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        return None
+    return float(value)
+
+
+def compare(baseline: dict[int, dict], method: dict[int, dict], *, warmup_steps: int = 1) -> list[PhaseRow]:
+    """Per-phase medians and paired ratios over the steps both runs logged, the first
+    ``warmup_steps`` of them skipped. A step whose baseline time is 0 gives no ratio (never
+    inf/NaN); a phase with no usable step gets NaN medians and n = 0."""
+    if warmup_steps < 0:
+        raise ValueError(f"--warmup-steps={warmup_steps}: expected >= 0")
+    steps = sorted(set(baseline) & set(method))[warmup_steps:]
+    rows = []
+    for phase in phases(baseline, method):
+        pairs = [(_seconds(baseline[s], phase), _seconds(method[s], phase)) for s in steps]
+        pairs = [(b, m) for b, m in pairs if b is not None and m is not None]
+        ratios = [m / b for b, m in pairs if b > 0]
+        median = lambda xs: statistics.median(xs) if xs else math.nan  # noqa: E731
+        rows.append(PhaseRow(phase, median([b for b, _ in pairs]), median([m for _, m in pairs]), median(ratios),
+                             len(ratios)))
+    return rows
+
+
+def markdown_table(rows: Sequence[PhaseRow], baseline: str = BASELINE, method: str = METHOD) -> str:
+    fmt = lambda x, p: "n/a" if math.isnan(x) else f"{x:.{p}f}"  # noqa: E731
+    head = (f"| phase | {baseline} median s | {method} median s | ratio {method}/{baseline} | n |\n"
+            "|---|---|---|---|---|\n")
+    return head + "".join(
+        f"| {r.phase} | {fmt(r.baseline_s, 3)} | {fmt(r.method_s, 3)} | {fmt(r.ratio, 3)} | {r.n} |\n" for r in rows
+    )
+
+
+def report(baseline_run: str | Path, method_run: str | Path, warmup_steps: int = 1) -> str:
+    """The comparison of two runs as printed by the CLI (header, notes and table)."""
+    baseline, method = load_run(baseline_run), load_run(method_run)
+    lines = [f"bench_e2e: {METHOD} {metrics_path(method_run)} vs {BASELINE} {metrics_path(baseline_run)}; "
+             f"median over steps, step(s) {sorted(set(baseline) & set(method))[:warmup_steps]} skipped as warm-up; "
+             "ratio = median of per-step ratios"]
+    if set(baseline) != set(method):
+        lines.append(f"note: the runs logged different steps ({BASELINE}: {len(baseline)}, {METHOD}: {len(method)}); "
+                     "only the common steps are compared")
+    rows = compare(baseline, method, warmup_steps=warmup_steps)
+    if not rows:
+        raise ValueError(f"the runs share no {TIMING_PREFIX}* metric: are these verl runs with timing enabled?")
+    return "\n".join(lines) + "\n\n" + markdown_table(rows)
+
+
+def run_both(out: Path, steps: int, extra: Sequence[str] = ()) -> Optional[Path]:
+    """Train JustRL and STAPO on CPU with identical settings and seeds through the quickstart
+    (:mod:`recipe.stapo.quickstart`, reusing finished runs). Returns the quickstart folder, or
+    None (after printing how to do it by hand) when the CPU path is not available."""
+    try:
+        from recipe.stapo.quickstart import main as quickstart_main
+    except ImportError as e:
+        print(f"the CPU path is not available here ({e}); run the two trainings by hand:\n"
+              f"  bash run_scripts/quickstart.sh --methods {BASELINE},{METHOD} --steps {steps} --out {out}\n"
+              f"  python -m benchmarks.bench_e2e --from-quickstart {out}")
+        return None
+    code = quickstart_main(["--out", str(out), "--methods", f"{BASELINE},{METHOD}", "--steps", str(steps), *extra])
+    if code != 0:
+        raise RuntimeError(f"the quickstart runs failed (exit {code}); see the logs under {out}")
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="*", help=f"RUN_{BASELINE.upper()} RUN_{METHOD.upper()}: run folders or .jsonl files")
+    p.add_argument("--from-quickstart", default=None, help=f"quickstart folder holding {BASELINE}/ and {METHOD}/")
+    p.add_argument("--run", action="store_true", help="train both methods on CPU first (through the quickstart)")
+    p.add_argument("--out", default="results/bench_e2e", help="--run: output folder (default results/bench_e2e)")
+    p.add_argument("--steps", type=int, default=6, help="--run: training steps per method (default 6)")
+    p.add_argument("--warmup-steps", type=int, default=1, help="first steps skipped (default 1)")
+    args = p.parse_args(argv)
+    sources = sum([bool(args.runs), args.from_quickstart is not None, args.run])
+    if sources != 1 or (args.runs and len(args.runs) != 2):
+        p.error(f"give exactly one of: two runs (RUN_{BASELINE.upper()} RUN_{METHOD.upper()}), --from-quickstart DIR, --run")
+    if args.warmup_steps < 0:
+        p.error(f"--warmup-steps={args.warmup_steps}: expected >= 0")
+    if args.steps < 2:
+        p.error(f"--steps={args.steps}: expected >= 2 (step 1 is skipped as warm-up)")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.run:
+        folder = run_both(Path(args.out), args.steps)
+        if folder is None:
+            return 1
+        runs = (folder / BASELINE, folder / METHOD)
+    elif args.from_quickstart is not None:
+        runs = (Path(args.from_quickstart) / BASELINE, Path(args.from_quickstart) / METHOD)
+    else:
+        runs = tuple(args.runs)
+    try:
+        print(report(*runs, warmup_steps=args.warmup_steps))
+    except ValueError as e:
+        print(f"bench_e2e: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
