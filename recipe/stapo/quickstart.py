@@ -46,13 +46,22 @@ def _fmt(value: Optional[float], digits: int = 3) -> str:
     return f"{value:.{digits}g}" if abs(value) < 1e-3 and value != 0 else f"{value:.{digits}f}"
 
 
+def _validation_accuracy(data: dict) -> Optional[float]:
+    """verl's validation accuracy in one step's record (``val-core/<source>/acc/mean@N``), if any."""
+    values = [v for k, v in data.items() if k.startswith("val-core/") and "/acc/" in k]
+    return sum(values) / len(values) if values else None
+
+
 def summarise(method: str, steps: dict[int, dict], wall_s: Optional[float], error: Optional[str] = None) -> dict:
     """One summary row from a run's per-step metrics (means over the logged steps)."""
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     reward, entropy = _series(steps, REWARD), _series(steps, ENTROPY)
     silenced, step_time = _series(steps, SILENCED), _series(steps, STEP_TIME)
+    validation = [_validation_accuracy(steps[s]) for s in sorted(steps)]
+    validation = [v for v in validation if v is not None]
     return {
-        "method": method, "steps": len(steps), "error": error, "wall_s": wall_s,
+        "method": method, "steps": len(reward), "error": error, "wall_s": wall_s,
+        "val_acc_first": validation[0] if validation else None, "val_acc_last": validation[-1] if validation else None,
         "final_reward": reward[-1] if reward else None, "mean_reward": mean(reward),
         "final_entropy": entropy[-1] if entropy else None, "mean_entropy": mean(entropy),
         "mean_silenced_frac": mean(silenced), "mean_step_s": mean(step_time),
@@ -62,14 +71,15 @@ def summarise(method: str, steps: dict[int, dict], wall_s: Optional[float], erro
 def markdown_table(rows: list[dict]) -> str:
     """The summary table (markdown)."""
     head = ("| method | steps | final reward | mean reward | final entropy | mean entropy | silenced frac (S2T) "
-            "| mean step s | wall s |\n|---|---|---|---|---|---|---|---|---|\n")
+            "| val acc before -> after | mean step s | wall s |\n|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | |")
             continue
         lines.append(f"| {r['method']} | {r['steps']} | {_fmt(r['final_reward'])} | {_fmt(r['mean_reward'])} | "
                      f"{_fmt(r['final_entropy'])} | {_fmt(r['mean_entropy'])} | {_fmt(r['mean_silenced_frac'])} | "
+                     f"{_fmt(r.get('val_acc_first'))} -> {_fmt(r.get('val_acc_last'))} | "
                      f"{_fmt(r['mean_step_s'], 2)} | {_fmt(r['wall_s'], 1)} |")
     return head + "\n".join(lines) + "\n"
 
@@ -103,6 +113,12 @@ def run_method(method: str, index: int, args: argparse.Namespace, assets: Path, 
     print(f"{tag}: training {args.steps} steps (log: {run_dir / 'metrics.log'})", flush=True)
 
     def on_step(step: int, data: dict) -> None:
+        validation = {k: v for k, v in data.items() if k.startswith("val-core/")}
+        if validation:
+            print(f"{tag}: validation after step {step}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in validation.items()),
+                  flush=True)
+        if REWARD not in data:
+            return  # a validation-only record (before training)
         extra = f", silenced {_fmt(data.get(SILENCED))}" if SILENCED in data else ""
         print(f"{tag}: step {step}/{args.steps}: reward {_fmt(data.get(REWARD))}, entropy "
               f"{_fmt(data.get(ENTROPY))}{extra}, {_fmt(data.get(STEP_TIME), 2)} s", flush=True)

@@ -219,6 +219,9 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
                 seen.add(step)
                 on_step(step, data)
 
+    # verl's file logger truncates the file when it opens it; removing it first keeps on_step from
+    # reporting a previous run's steps in the seconds before that happens
+    metrics.unlink(missing_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file), stdout=out,
                                 stderr=subprocess.STDOUT, cwd=REPO_ROOT)
