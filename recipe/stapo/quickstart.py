@@ -86,12 +86,17 @@ def markdown_table(rows: list[dict]) -> str:
 
 def _settings(args: argparse.Namespace) -> dict:
     return {"steps": args.steps, "prompts": args.prompts, "n": args.n, "seed": args.seed, "tau_p": args.tau_p,
-            "use_v1": args.trainer == "v1", "assets": str(Path(args.assets).resolve()), "validate": True}
+            "use_v1": args.trainer == "v1", "assets": str(Path(args.assets).resolve()), "validate": True,
+            "token_dump": True}
 
 
-def method_overrides(method: str, args: argparse.Namespace) -> list[str]:
-    """What differs between the methods beyond ``method=``: only STAPO's tau_p (see --tau-p)."""
-    return [f"actor_rollout_ref.actor.policy_loss.tau_p={args.tau_p}"] if method == "stapo" else []
+def method_overrides(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
+    """Overrides beyond ``method=``: the token dump into the run folder (every method, for
+    ``python -m recipe.stapo.inspect``) and STAPO's tau_p (see --tau-p), the only difference."""
+    overrides = [f"recipe.token_dump.dir={run_dir}"]
+    if method == "stapo":
+        overrides.append(f"actor_rollout_ref.actor.policy_loss.tau_p={args.tau_p}")
+    return overrides
 
 
 def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
@@ -127,7 +132,7 @@ def run_method(method: str, index: int, args: argparse.Namespace, assets: Path, 
                           mini_batch_prompts=args.prompts // 2 if args.prompts % 2 == 0 else args.prompts,
                           seed=args.seed, use_v1=settings["use_v1"], validate=settings["validate"],
                           timeout=args.timeout, on_step=on_step,
-                          extra=method_overrides(method, args))
+                          extra=method_overrides(method, args, run_dir))
     steps = read_metrics(run.metrics) if run.metrics.is_file() else {}
     if not run.ok:
         print(f"{tag}: FAILED (exit {run.returncode}) after {run.wall_s} s; log tail:\n{run.tail(25)}", flush=True)
@@ -174,6 +179,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     plots = plot_runs(finished, out) if finished else []
     print("\n" + table, flush=True)
     print(f"[quickstart] wrote {out / 'summary.md'}" + "".join(f", {p.name}" for p in plots), flush=True)
+    if "stapo" in finished:
+        print(f"[quickstart] silenced tokens: python -m recipe.stapo.inspect {finished['stapo']}", flush=True)
     return 1 if any(r["error"] for r in rows) else 0
 
 
