@@ -147,7 +147,7 @@ def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None, device=None
 
     ``data`` is the mini-batch TensorDict one data-parallel rank holds; ``group`` the data-parallel
     group (the mini-batch is the union of every rank's part). Uses the rollout-time statistics:
-    ``old_log_probs`` and the ``entropy`` field kept by :mod:`verl_patches.trainer_hooks`.
+    ``old_log_probs`` and the ``entropy`` field kept by :mod:`verl_patches.install`.
     Multiplies ``response_mask`` and ``loss_mask`` by the keep mask and returns the metrics.
     ``device``: where to compute (the engine's device: collectives over verl's data-parallel group
     may only accept device tensors, as verl's own ``batch_num_tokens`` all-reduce assumes); the
@@ -157,7 +157,7 @@ def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None, device=None
     if missing:
         raise KeyError(
             f"S2T (stats_from=rollout, scope=mini_batch) needs the fields {missing} in the actor's "
-            "mini-batch; the rollout entropy is kept by verl_patches.trainer_hooks: is "
+            "mini-batch; the rollout entropy is kept by verl_patches.install: is "
             "VERL_USE_EXTERNAL_MODULES=verl_patches set in the driver?"
         )
     response_mask = data["response_mask"]

@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from recipe.stapo.config_utils import METHODS  # noqa: F401  (re-exported for the quickstart and tests)
+
 from .assets import asset_paths
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -27,7 +29,6 @@ CPU_ENV_VARS = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"}
 METRICS_FILE = "metrics.jsonl"
 #: FSDP mixed-precision policy computing in float32 (verl's default computes in bfloat16)
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
-METHODS = ("grpo", "entropy20", "justrl", "stapo")
 
 
 def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[str, str]] = None,
