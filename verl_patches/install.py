@@ -21,14 +21,14 @@ What is patched, each at one place and never by editing verl's files:
 4. ``RayPPOTrainer._compute_old_log_prob`` (legacy trainer): keeps a copy of the rollout-time
    entropy in the batch as ``entropy`` (the legacy trainer drops ``entropys`` after logging it; the
    TransferQueue trainer already keeps ``entropy``).
-5. ``PPOTrainer._compute_old_log_prob`` (TransferQueue trainer): honours verl's
+5. ``PPOTrainer._compute_old_log_prob`` (TransferQueue trainer): logs the step's entropy
+   quantiles (:mod:`verl_patches.step_metrics`) for every method, and honours verl's
    ``actor.calculate_sum_pi_squared`` as the legacy trainer does, so the actor can log the
    closed-form gradient norm of silenced vs kept tokens (``actor/s2t/grad_norm_*``).
 6. ``TrainingWorker.set_loss_fn``: with ``stats_from=current`` and no entropy bonus, the engine
    computes the update's entropy without autograd (it is only S2T's statistic).
-7. ``_update_actor`` of both trainers: logs the step's entropy quantiles
-   (:mod:`verl_patches.step_metrics`) for every method; the legacy trainer then drops the kept
-   entropy from the batch unless the policy loss needs it in the actor.
+7. ``RayPPOTrainer._update_actor`` (legacy trainer): logs the step's entropy quantiles for every
+   method, then drops the kept entropy from the batch unless the policy loss needs it in the actor.
 """
 
 from __future__ import annotations
@@ -159,7 +159,8 @@ def _patch_legacy_trainer() -> None:
     @functools.wraps(original)
     def compute_old_log_prob(self, batch):
         old_log_prob, mfu = original(self, batch)
-        old_log_prob.batch[ROLLOUT_ENTROPY_FIELD] = old_log_prob.batch["entropys"].clone()
+        # the same tensor under a second name: verl pops "entropys" after logging its mean
+        old_log_prob.batch[ROLLOUT_ENTROPY_FIELD] = old_log_prob.batch["entropys"]
         return old_log_prob, mfu
 
     original_update = RayPPOTrainer._update_actor
@@ -184,50 +185,46 @@ def _patch_v1_trainer() -> None:
     import transfer_queue as tq
 
     from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+    from verl.workers.utils.padding import response_from_nested
 
-    from .token_selection import ROLLOUT_ENTROPY_FIELD, to_padded
+    from .token_selection import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD, to_padded
 
-    original = PPOTrainer._update_actor
+    original = PPOTrainer._compute_old_log_prob
     if getattr(original, "_stapo_wrapped", False):
         return
 
-    from verl.workers.utils.padding import response_from_nested
-
-    from .token_selection import SUM_PI_SQUARED_FIELD
-
-    original_old_log_prob = PPOTrainer._compute_old_log_prob
-
-    @functools.wraps(original_old_log_prob)
+    @functools.wraps(original)
     def compute_old_log_prob(self, batch, metrics):
-        """verl's legacy trainer honours ``actor.calculate_sum_pi_squared``; the v1 one does not:
-        ask the worker for it and store it per response token, as ``old_log_probs``."""
+        """Adds the step's entropy quantiles to ``metrics``, and honours
+        ``actor.calculate_sum_pi_squared`` (the legacy trainer does, the v1 one does not): asks the
+        worker for it and stores it per response token, as ``old_log_probs``. One read of the
+        queue serves both."""
         wanted = self.config.actor_rollout_ref.actor.get("calculate_sum_pi_squared", False)
         if wanted:
             batch.extra_info["calculate_sum_pi_squared"] = True
-        batch = original_old_log_prob(self, batch, metrics)
+        batch = original(self, batch, metrics)
+        batch.extra_info["calculate_sum_pi_squared"] = False  # the update must not compute it
+        if _bypasses_old_log_prob(self.config):  # old_log_probs = rollout log-probs: no entropy computed
+            return batch
+        fields = [ROLLOUT_ENTROPY_FIELD, "response_mask"] + ([SUM_PI_SQUARED_FIELD] if wanted else [])
+        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
+        mask = to_padded(data["response_mask"])
+        metrics.update(entropy_quantile_metrics(to_padded(data[ROLLOUT_ENTROPY_FIELD], mask.shape[1]), mask))
         if wanted:
-            batch.extra_info["calculate_sum_pi_squared"] = False
-            data = tq.kv_batch_get(
-                keys=batch.keys, partition_id=batch.partition_id, select_fields=[SUM_PI_SQUARED_FIELD, "response_mask"]
-            )
             data[SUM_PI_SQUARED_FIELD] = response_from_nested(data[SUM_PI_SQUARED_FIELD], data["response_mask"])
             batch = tq.kv_batch_put(
                 keys=batch.keys, partition_id=batch.partition_id, fields=data.select(SUM_PI_SQUARED_FIELD)
             )
         return batch
 
-    @functools.wraps(original)
-    def update_actor(self, batch, metrics):
-        data = tq.kv_batch_get(
-            keys=batch.keys, partition_id=batch.partition_id, select_fields=[ROLLOUT_ENTROPY_FIELD, "response_mask"]
-        )
-        mask = to_padded(data["response_mask"])
-        metrics.update(entropy_quantile_metrics(to_padded(data[ROLLOUT_ENTROPY_FIELD], mask.shape[1]), mask))
-        return original(self, batch, metrics)
-
-    update_actor._stapo_wrapped = True
-    PPOTrainer._update_actor = update_actor
+    compute_old_log_prob._stapo_wrapped = True
     PPOTrainer._compute_old_log_prob = compute_old_log_prob
+
+
+def _bypasses_old_log_prob(config) -> bool:
+    """verl's rollout-correction bypass mode: old log-probs are the rollout's, none recomputed."""
+    rollout_corr = config.algorithm.get("rollout_correction", None)
+    return bool(rollout_corr and rollout_corr.get("bypass_mode", False))
 
 
 def _needs_rollout_entropy(policy_loss_cfg) -> bool:
