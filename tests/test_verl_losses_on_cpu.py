@@ -59,6 +59,16 @@ def run_ppo_loss(config, mask, old, log_prob, adv, *, valid=None, entropy=None, 
     return loss.detach(), lp.grad, metrics, data
 
 
+def assert_equals_reference(loss, grad, log_prob, old, adv, loss_mask):
+    """``loss`` and its gradient w.r.t. log_prob equal stapo_core's clipped loss over ``loss_mask``
+    (token-mean, JustRL's clip [0.8, 1.28], verl's dual clip 3.0), computed directly."""
+    lp = log_prob.clone().requires_grad_(True)
+    ref, _ = clipped_policy_loss(lp, old, adv, loss_mask, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach())
+    torch.testing.assert_close(grad, lp.grad)
+
+
 def test_stapo_mini_batch_scope_equals_stapo_core():
     """scope=mini_batch: fold the S2T mask into the mini-batch, then verl's ppo_loss == stapo_core."""
     config = actor_config("stapo")
@@ -73,11 +83,7 @@ def test_stapo_mini_batch_scope_equals_stapo_core():
     loss, grad, _, _ = run_ppo_loss(
         config, data["response_mask"], old, log_prob, adv, valid=mask, batch_num_tokens=int(data["loss_mask"].sum())
     )
-    lp = log_prob.clone().requires_grad_(True)
-    ref, _ = clipped_policy_loss(lp, old, adv, mask * expected_keep, clip_low=0.2, clip_high=0.28, clip_c=3.0)
-    ref.backward()
-    torch.testing.assert_close(loss, ref.detach())
-    torch.testing.assert_close(grad, lp.grad)
+    assert_equals_reference(loss, grad, log_prob, old, adv, mask * expected_keep)
     assert torch.all(grad[expected_keep == 0] == 0)
 
 
@@ -94,12 +100,8 @@ def test_stapo_micro_batch_scope_equals_stapo_core(stats_from):
     stats_lp = old if stats_from == "rollout" else log_prob
     loss, grad, metrics, _ = run_ppo_loss(config, mask, old, log_prob, adv, entropy=entropy, current_entropy=entropy)
     keep = s2t_mask(stats_lp, entropy, adv, mask).keep
-    lp = log_prob.clone().requires_grad_(True)
-    ref, _ = clipped_policy_loss(lp, old, adv, mask * keep, clip_low=0.2, clip_high=0.28, clip_c=3.0)
-    ref.backward()
     assert metrics["s2t/silenced"].aggregate() == keep.numel() - keep.sum().item() - (mask == 0).sum().item()
-    torch.testing.assert_close(loss, ref.detach())
-    torch.testing.assert_close(grad, lp.grad)
+    assert_equals_reference(loss, grad, log_prob, old, adv, mask * keep)
 
 
 def test_entropy_topk_equals_stapo_core():
@@ -112,11 +114,7 @@ def test_entropy_topk_equals_stapo_core():
     loss, grad, _, _ = run_ppo_loss(
         config, data["response_mask"], old, log_prob, adv, valid=mask, batch_num_tokens=int(data["loss_mask"].sum())
     )
-    lp = log_prob.clone().requires_grad_(True)
-    ref, _ = clipped_policy_loss(lp, old, adv, mask * keep, clip_low=0.2, clip_high=0.28, clip_c=3.0)
-    ref.backward()
-    torch.testing.assert_close(loss, ref.detach())
-    torch.testing.assert_close(grad, lp.grad)
+    assert_equals_reference(loss, grad, log_prob, old, adv, mask * keep)
 
 
 def test_rollout_and_current_statistics_agree_when_policy_equals_rollout_policy():
@@ -168,11 +166,7 @@ def test_vanilla_matches_independent_clipped_loss():
     config = actor_config("justrl")
     mask, old, log_prob, _, adv = random_batch(seed=5)
     loss, grad, _, _ = run_ppo_loss(config, mask, old, log_prob, adv)
-    lp = log_prob.clone().requires_grad_(True)
-    ref, _ = clipped_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=3.0)
-    ref.backward()
-    torch.testing.assert_close(loss, ref.detach())
-    torch.testing.assert_close(grad, lp.grad)
+    assert_equals_reference(loss, grad, log_prob, old, adv, mask)
 
 
 def test_stapo_loss_without_recipe_config_fails_clearly():
