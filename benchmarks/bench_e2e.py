@@ -7,7 +7,7 @@
     python -m benchmarks.bench_e2e --run [--out results/bench_e2e] [--steps 6]   # train both on CPU first
 
 Input: verl's file logger (``verl.utils.tracking.FileLogger``): one JSON object per line,
-``{"step": s, "data": {metric: value, ...}}``, read with :func:`recipe.stapo.cpu.read_metrics`.
+``{"step": s, "data": {metric: value, ...}}``, read with :func:`recipe.stapo.metrics.read_metrics`.
 The phases are verl's ``timing_s/<name>`` metrics (``compute_timing_metrics`` in
 ``verl/trainer/ppo/metric_utils.py``; the names are those of ``marked_timer`` in the trainers):
 ``gen`` (rollout), ``reward``, ``old_log_prob``, ``ref``, ``adv``, ``update_actor``,
@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from recipe.stapo.metrics import find_metrics_file, read_metrics
+
 TIMING_PREFIX = "timing_s/"
 #: phases in the order of a step; others both runs log follow, sorted
 PHASE_ORDER = ("gen", "reward", "old_log_prob", "ref", "values", "adv", "update_actor", "update_weights", "step")
-METRICS_FILE = "metrics.jsonl"
 BASELINE, METHOD = "justrl", "stapo"
 
 
@@ -47,21 +48,9 @@ class PhaseRow:
     n: int
 
 
-def metrics_path(run: str | Path) -> Path:
-    """The JSONL file of a run: ``run`` itself if it is a file, else ``run/metrics.jsonl``."""
-    path = Path(run)
-    if path.is_dir():
-        path = path / METRICS_FILE
-    if not path.is_file():
-        raise ValueError(f"no verl file-logger metrics at {path} (expected a run folder with {METRICS_FILE} or a .jsonl file)")
-    return path
-
-
 def load_run(run: str | Path) -> dict[int, dict]:
     """``{step: {metric: value}}`` of one run (ValueError naming the file and line on a bad line)."""
-    from recipe.stapo.cpu import read_metrics
-
-    path = metrics_path(run)
+    path = find_metrics_file(run)
     steps = read_metrics(path)
     if not steps:
         raise ValueError(f"{path}: no steps logged")
@@ -115,7 +104,7 @@ def markdown_table(rows: Sequence[PhaseRow], baseline: str = BASELINE, method: s
 def report(baseline_run: str | Path, method_run: str | Path, warmup_steps: int = 1) -> str:
     """The comparison of two runs as printed by the CLI (header, notes and table)."""
     baseline, method = load_run(baseline_run), load_run(method_run)
-    lines = [f"bench_e2e: {METHOD} {metrics_path(method_run)} vs {BASELINE} {metrics_path(baseline_run)}; "
+    lines = [f"bench_e2e: {METHOD} {find_metrics_file(method_run)} vs {BASELINE} {find_metrics_file(baseline_run)}; "
              f"median over steps, step(s) {sorted(set(baseline) & set(method))[:warmup_steps]} skipped as warm-up; "
              "ratio = median of per-step ratios"]
     if set(baseline) != set(method):
@@ -176,7 +165,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         runs = tuple(args.runs)
     try:
         print(report(*runs, warmup_steps=args.warmup_steps))
-    except ValueError as e:
+    except (ValueError, FileNotFoundError) as e:
         print(f"bench_e2e: {e}", file=sys.stderr)
         return 2
     return 0

@@ -12,10 +12,12 @@ Statistics pooled over a ``torch.distributed`` group use :mod:`stapo_core.distri
 
 from .grad_norm import entropy_from_logits, grad_norm_bounds, logit_grad_norm
 from .loss import AGG_MODES, aggregate_loss, clipped_policy_loss, clipped_surrogate
-from .s2t import STRATEGIES, S2TResult, quantile_sorted_padded, s2t_mask, top_entropy_mask
+from .s2t import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES, S2TResult, quantile_sorted_padded, s2t_mask, top_entropy_mask
 
 __all__ = [
     "AGG_MODES",
+    "DEFAULT_Q",
+    "DEFAULT_TAU_P",
     "STRATEGIES",
     "S2TResult",
     "aggregate_loss",

@@ -28,6 +28,9 @@ from .distributed import all_reduce_sum, exchange_counts, gather_padded, group_r
 
 #: S2T strategies: the paper's method and its three ablations
 STRATEGIES = ("low_entropy", "high_entropy", "random", "full")
+#: the paper's S2T defaults: candidates have p < DEFAULT_TAU_P; the DEFAULT_Q-quantile of their entropies splits them
+DEFAULT_TAU_P = 0.002
+DEFAULT_Q = 0.75
 
 #: order of the entries of the stats vector reduced over ranks (see _stats_vector)
 _STAT_SUMS = (
@@ -251,8 +254,8 @@ def s2t_mask(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    tau_p: float = 0.002,
-    q: float = 0.75,
+    tau_p: float = DEFAULT_TAU_P,
+    q: float = DEFAULT_Q,
     strategy: str = "low_entropy",
     generator: Optional[torch.Generator] = None,
     group=None,
@@ -388,4 +391,4 @@ def top_entropy_mask(
     return keep.float()
 
 
-__all__ = ["S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_mask", "top_count", "top_entropy_mask"]
+__all__ = ["DEFAULT_Q", "DEFAULT_TAU_P", "S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_mask", "top_count", "top_entropy_mask"]

@@ -13,7 +13,7 @@ import torch
 
 from recipe.stapo.cpu.assets import (INSTRUCTION, AssetConfig, asset_paths, build_assets, encode_chat, is_built,
                                      main, make_model, make_pairs, make_problem, train_tokenizer)
-from recipe.stapo.cpu.sampling import sample_batch
+from verl_patches.cpu.sampling import sample_batch
 
 #: a seconds-fast config for the mechanics tests (the default config is built once, below)
 QUICK = AssetConfig(n_train=64, n_val=16, max_warmup_steps=20, eval_every=10, eval_prompts=8, target_success=1.1)

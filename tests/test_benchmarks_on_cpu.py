@@ -228,9 +228,9 @@ def test_bench_e2e_degenerate_and_bad_inputs(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"step": 1, "data": {}}\nnot json\n{"step": 2, "data": {}}\n')
     assert bench_e2e.main([str(bad), str(tmp_path / "b")]) == 2
-    assert "bad.jsonl:2" in capsys.readouterr().err
+    assert "bad.jsonl: line 2" in capsys.readouterr().err
     assert bench_e2e.main([str(tmp_path / "missing"), str(tmp_path / "b")]) == 2
-    assert "no verl file-logger metrics" in capsys.readouterr().err
+    assert "no such run folder or metrics file" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench_e2e.main([str(tmp_path / "a")])  # one run only
 

@@ -295,5 +295,5 @@ def test_read_metrics_tolerates_only_a_truncated_last_line(tmp_path):
     path.write_text('{"step": 1, "data": {"a": 1.0}}\n{"step": 2, "data": {"a": 2.0}}\n{"step": 3, "da')
     assert read_metrics(path) == {1: {"a": 1.0}, 2: {"a": 2.0}}
     path.write_text('{"step": 1, "data": {"a": 1.0}}\nnot json\n{"step": 2, "data": {"a": 2.0}}\n')
-    with pytest.raises(ValueError, match=r"m.jsonl:2"):
+    with pytest.raises(ValueError, match=r"m.jsonl: line 2"):
         read_metrics(path)

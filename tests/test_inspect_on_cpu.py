@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from recipe.stapo import inspect as insp
-from recipe.stapo import token_dump as td
+from stapo_core import token_records as td
 from stapo_core import entropy_from_logits, s2t_mask
 
 #: token strings of the tiny vocabulary: HTML/Markdown specials on purpose

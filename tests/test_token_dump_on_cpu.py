@@ -23,8 +23,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from recipe.stapo import token_dump as td
-from verl_patches import token_dump as tdp
+from stapo_core import token_records as td
+import stapo_core
+from verl_patches.token_dump import hook, scoring, settings
 
 VOCAB = 48
 TAU_P = 0.03  # ~1.5/|V|: a good share of the random model's sampled tokens are rare
@@ -43,15 +44,15 @@ def test_select_responses_rule():
     positive = {0, 2, 4, 6, 7}
     # (k, responses with advantage <= 0 drawn): k // 4 of them, more only when positives run out
     for k, want_other in [(1, 0), (3, 0), (4, 1), (6, 1), (7, 2), (8, 3), (20, 3)]:
-        got = tdp.select_responses(adv, k, (3, 0))
+        got = scoring.select_responses(adv, k, (3, 0))
         assert got == sorted(set(got)) and len(got) == min(k, len(adv))
         assert sum(i not in positive for i in got) == want_other, (k, got)
-    assert tdp.select_responses(adv, 4, (3, 0)) == tdp.select_responses(adv, 4, (3, 0))
-    draws = {tuple(tdp.select_responses(adv, 4, (step, rank))) for step in range(6) for rank in range(2)}
+    assert scoring.select_responses(adv, 4, (3, 0)) == scoring.select_responses(adv, 4, (3, 0))
+    draws = {tuple(scoring.select_responses(adv, 4, (step, rank))) for step in range(6) for rank in range(2)}
     assert len(draws) > 1  # seeded by step and rank
-    assert tdp.select_responses([-1.0, 0.0], 4, (1, 0)) == [0, 1]
+    assert scoring.select_responses([-1.0, 0.0], 4, (1, 0)) == [0, 1]
     with pytest.raises(ValueError, match="k=0"):
-        tdp.select_responses(adv, 0, (1, 0))
+        scoring.select_responses(adv, 0, (1, 0))
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -59,7 +60,7 @@ def test_token_stats_chunked_matches_float64(temperature):
     gen = torch.Generator().manual_seed(0)
     logits = (torch.randn(37, 101, generator=gen) * 4).to(torch.bfloat16)
     targets = torch.randint(0, 101, (37,), generator=gen)
-    got = tdp.token_stats(logits, targets, temperature=temperature, chunk_size=8)
+    got = scoring.token_stats(logits, targets, temperature=temperature, chunk_size=8)
     a = logits.double() / temperature
     probs = torch.softmax(a, -1)
     p = probs.gather(-1, targets[:, None]).squeeze(-1)
@@ -70,29 +71,29 @@ def test_token_stats_chunked_matches_float64(temperature):
     assert torch.allclose(got["top_prob"].double(), top_p, atol=1e-6)
     assert torch.equal(got["top_prob"], got["top_prob"].sort(-1, descending=True).values)
     assert torch.allclose(probs.gather(-1, got["top_ids"]), top_p, atol=1e-6)  # ties may swap ids
-    empty = tdp.token_stats(logits[:0], targets[:0])
+    empty = scoring.token_stats(logits[:0], targets[:0])
     assert empty["prob"].shape == (0,) and empty["top_ids"].shape == (0, 5)
     with pytest.raises(ValueError, match="temperature"):
-        tdp.token_stats(logits, targets, temperature=0.0)
+        scoring.token_stats(logits, targets, temperature=0.0)
 
 
 def test_settings_from_env_names_the_key(tmp_path):
-    s = tdp.settings_from_env({tdp.DIR_ENV: str(tmp_path)})
+    s = settings.settings_from_env({settings.DIR_ENV: str(tmp_path)})
     assert (s.run_dir, s.responses, s.context, s.ids, s.method) == (tmp_path, 4, 16, False, None)
-    s = tdp.settings_from_env({tdp.DIR_ENV: "r", tdp.RESPONSES_ENV: "2", tdp.CONTEXT_ENV: "0", tdp.IDS_ENV: "1",
-                               tdp.METHOD_ENV: "justrl"})
+    s = settings.settings_from_env({settings.DIR_ENV: "r", settings.RESPONSES_ENV: "2", settings.CONTEXT_ENV: "0", settings.IDS_ENV: "1",
+                               settings.METHOD_ENV: "justrl"})
     assert (s.responses, s.context, s.ids, s.method) == (2, 0, True, "justrl")
     for env, match in [({}, "recipe.token_dump.dir"),
-                       ({tdp.RESPONSES_ENV: "0"}, "recipe.token_dump.responses=0"),
-                       ({tdp.RESPONSES_ENV: "four"}, "recipe.token_dump.responses='four'"),
-                       ({tdp.CONTEXT_ENV: "-1"}, "recipe.token_dump.context=-1"),
-                       ({tdp.IDS_ENV: "maybe"}, tdp.IDS_ENV)]:
+                       ({settings.RESPONSES_ENV: "0"}, "recipe.token_dump.responses=0"),
+                       ({settings.RESPONSES_ENV: "four"}, "recipe.token_dump.responses='four'"),
+                       ({settings.CONTEXT_ENV: "-1"}, "recipe.token_dump.context=-1"),
+                       ({settings.IDS_ENV: "maybe"}, settings.IDS_ENV)]:
         with pytest.raises(ValueError, match=match):
-            tdp.settings_from_env({tdp.DIR_ENV: "r", **env} if env else env)
+            settings.settings_from_env({settings.DIR_ENV: "r", **env} if env else env)
 
 
 def test_first_mini_batch_tracker():
-    tracker = tdp.MiniBatchTracker()
+    tracker = scoring.MiniBatchTracker()
     # 2 steps of 3 mini-batches, then 1 step of 1: verl flags the last mini-batch of each step
     flags = [False, False, True, False, False, True, True]
     assert [tracker.observe(f) for f in flags] == [True, False, False, True, False, False, True]
@@ -103,12 +104,12 @@ def test_write_step_replaces_atomically(tmp_path):
     rec = {"kind": "response", "step": 1, "method": "m", "uid": "u", "response_index": 0, "advantage": 1.0,
            "n_tokens": 1, "tau_p": 0.5, "tau_h": None,
            "quadrants": {q: {"count": 0, "grad_norm_sum": 0.0} for q in td.QUADRANTS}}
-    path = tdp.write_step(tmp_path, 1, [rec, rec])
+    path = td.write_step(tmp_path, 1, [rec, rec])
     assert path == td.step_file(tmp_path, 1)
-    tdp.write_step(tmp_path, 1, [rec])  # a step trained again (resume) replaces its file
+    td.write_step(tmp_path, 1, [rec])  # a step trained again (resume) replaces its file
     assert len(td.read_records(tmp_path)[1]) == 1
     with pytest.raises(ValueError, match="record #1"):
-        tdp.write_step(tmp_path, 1, [rec, {**rec, "tau_p": 2.0}])
+        td.write_step(tmp_path, 1, [rec, {**rec, "tau_p": 2.0}])
     assert len(td.read_records(tmp_path)[1]) == 1 and sorted(p.name for p in path.parent.iterdir()) == [path.name]
 
 
@@ -250,18 +251,18 @@ def _stapo_cfg(**kw):
 
 def _switch_on(monkeypatch, run_dir: Path) -> None:
     """Dump into ``run_dir``, as a fresh worker process would (no mini-batch seen yet)."""
-    monkeypatch.setattr(tdp, "_tracker", tdp.MiniBatchTracker())
-    monkeypatch.setenv(tdp.DIR_ENV, str(run_dir))
+    monkeypatch.setattr(hook, "_tracker", scoring.MiniBatchTracker())
+    monkeypatch.setenv(settings.DIR_ENV, str(run_dir))
 
 
 @pytest.fixture
 def dump_env(tmp_path, monkeypatch):
     """The dump on into ``tmp_path``: 6 responses, 2 tokens of context, no ids, default method."""
     _switch_on(monkeypatch, tmp_path)
-    monkeypatch.setenv(tdp.RESPONSES_ENV, "6")
-    monkeypatch.setenv(tdp.CONTEXT_ENV, "2")
-    monkeypatch.delenv(tdp.IDS_ENV, raising=False)
-    monkeypatch.delenv(tdp.METHOD_ENV, raising=False)
+    monkeypatch.setenv(settings.RESPONSES_ENV, "6")
+    monkeypatch.setenv(settings.CONTEXT_ENV, "2")
+    monkeypatch.delenv(settings.IDS_ENV, raising=False)
+    monkeypatch.delenv(settings.METHOD_ENV, raising=False)
     return tmp_path
 
 
@@ -334,8 +335,8 @@ def test_dump_matches_independent_forward(model, batch, dump_env, layout, monkey
 def test_both_layouts_dump_the_same_records(model, batch, dump_env, monkeypatch):
     """The TransferQueue (jagged) and legacy (padded) mini-batches of the same responses give
     identical records."""
-    monkeypatch.setenv(tdp.RESPONSES_ENV, "5")
-    monkeypatch.setenv(tdp.IDS_ENV, "1")
+    monkeypatch.setenv(settings.RESPONSES_ENV, "5")
+    monkeypatch.setenv(settings.IDS_ENV, "1")
     dumps = {}
     for layout in ("v1", "legacy"):
         _switch_on(monkeypatch, dump_env / layout)
@@ -366,10 +367,10 @@ def test_s2t_inside_the_loss_is_recomputed(model, batch, dump_env, monkeypatch):
 
 
 def test_forward_uses_the_engine_autocast():
-    assert isinstance(tdp._autocast(SimpleNamespace(), torch.device("cpu")), contextlib.nullcontext)
-    assert isinstance(tdp._autocast(SimpleNamespace(_autocast_dtype=torch.float32), torch.device("cpu")),
+    assert isinstance(hook._autocast(SimpleNamespace(), torch.device("cpu")), contextlib.nullcontext)
+    assert isinstance(hook._autocast(SimpleNamespace(_autocast_dtype=torch.float32), torch.device("cpu")),
                       contextlib.nullcontext)
-    with tdp._autocast(SimpleNamespace(_autocast_dtype=torch.bfloat16), torch.device("cpu")):
+    with hook._autocast(SimpleNamespace(_autocast_dtype=torch.bfloat16), torch.device("cpu")):
         assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
 
 
@@ -380,12 +381,12 @@ def test_baseline_without_rollout_entropy(model, batch, dump_env, monkeypatch):
 
     from stapo_core import s2t_mask
 
-    monkeypatch.setenv(tdp.METHOD_ENV, "justrl")
+    monkeypatch.setenv(settings.METHOD_ENV, "justrl")
     hook, worker = _hook(model, PolicyLossConfig(loss_mode="vanilla"), last_epoch=0)
     metrics = _metrics_of(hook(worker, _mini_batch(batch, "legacy", last=True, with_entropy=False)))
     assert not any(k.startswith("s2t/") for k in metrics)
     tokens, responses = td.read_records(dump_env, progress=False)
-    assert all(r["method"] == "justrl" and r["tau_p"] == tdp.DEFAULT_TAU_P for r in responses)
+    assert all(r["method"] == "justrl" and r["tau_p"] == stapo_core.DEFAULT_TAU_P for r in responses)
     assert all(r["tau_h_source"] == "sampled" for r in responses) and not any(t["silenced"] for t in tokens)
     rows = [batch[r["row"]] for r in responses]
     width = max(len(b["response"]) for b in rows)
@@ -395,14 +396,14 @@ def test_baseline_without_rollout_entropy(model, batch, dump_env, monkeypatch):
 
     ref = s2t_mask(pad([b["ref"]["p"].log() for b in rows]), pad([b["ref"]["H"] for b in rows]),
                    pad([b["adv"] * b["mask"].float() for b in rows]), pad([b["mask"] for b in rows]),
-                   tau_p=tdp.DEFAULT_TAU_P, q=tdp.DEFAULT_Q)
+                   tau_p=stapo_core.DEFAULT_TAU_P, q=stapo_core.DEFAULT_Q)
     want = ref.stats["tau_h"]
     assert all((r["tau_h"] is None) if math.isnan(want) else r["tau_h"] == pytest.approx(want, abs=1e-5)
                for r in responses)
 
 
 def test_dump_off_writes_nothing(model, batch, tmp_path, monkeypatch):
-    monkeypatch.delenv(tdp.DIR_ENV, raising=False)
+    monkeypatch.delenv(settings.DIR_ENV, raising=False)
     monkeypatch.chdir(tmp_path)
     hook, worker = _hook(model, _stapo_cfg(), last_epoch=0)
     metrics = _metrics_of(hook(worker, _mini_batch(batch, "v1", last=True)))
@@ -413,7 +414,7 @@ def test_dump_off_writes_nothing(model, batch, tmp_path, monkeypatch):
 
     default = yaml.safe_load((Path(__file__).parents[1] / "recipe/stapo/config/stapo_trainer.yaml").read_text())
     assert default["recipe"]["token_dump"]["dir"] == ""
-    assert default["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"][tdp.DIR_ENV] == "${recipe.token_dump.dir}"
+    assert default["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"][settings.DIR_ENV] == "${recipe.token_dump.dir}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -439,7 +440,7 @@ def real_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("token_dump_run")
     extra = [f"recipe.token_dump.dir={run_dir}", f"recipe.token_dump.responses={REAL_RESPONSES}",
              "recipe.token_dump.context=8", f"actor_rollout_ref.actor.policy_loss.tau_p={REAL_TAU_P}",
-             f"++ray_kwargs.ray_init.runtime_env.env_vars.{tdp.IDS_ENV}='1'"]
+             f"++ray_kwargs.ray_init.runtime_env.env_vars.{settings.IDS_ENV}='1'"]
     run = run_cpu_trainer("stapo", assets.root, run_dir, steps=2, timeout=RUN_TIMEOUT_S, extra=extra)
     print(f"[token dump] {run}")
     assert run.ok, f"{run} failed; log tail:\n{run.tail()}"

@@ -118,7 +118,7 @@ def _with_mini_batch_selection(train_batch):
 
     from verl.utils import tensordict_utils as tu
 
-    from . import token_dump
+    from .token_dump import hook as token_dump, settings as token_dump_settings
     from .token_selection import fold_into_mini_batch, uses_mini_batch_scope
 
     if getattr(train_batch, "_stapo_wrapped", False):
@@ -134,7 +134,7 @@ def _with_mini_batch_selection(train_batch):
                 metrics = fold_into_mini_batch(
                     cfg, data, group=self.engine.get_data_parallel_group(), device=_engine_device(self.engine)
                 )
-            if token_dump.enabled():
+            if token_dump_settings.enabled():
                 metrics.update(token_dump.dump_mini_batch(self, data, response_mask, cfg))
         output = train_batch(self, data, *args, **kwargs)
         if metrics and output is not None:

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .data.fileio import atomic_write_text
-from .token_dump import QUADRANTS, read_records
+from stapo_core.fileio import atomic_write_text
+from stapo_core.token_records import QUADRANTS, read_records
 
 QUADRANT_LABELS = {
     "lowp_lowh": "low p, low H (spurious: what STAPO silences)",

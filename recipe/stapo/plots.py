@@ -7,25 +7,14 @@ CLI::
 Writes ``DIR/curves.png`` (all panels) and one ``DIR/<panel>.png`` per panel that some run logged:
 reward, entropy, response length, silenced fraction (log scale), validation accuracy, over steps.
 
-Where the metrics are (:func:`find_metrics_file`): verl's ``FileLogger`` (``verl/utils/tracking.py``)
-writes ``{"step": <int>, "data": {<metric>: <value>, ...}}`` per line to ``$VERL_FILE_LOGGER_PATH``,
-or else to ``$VERL_FILE_LOGGER_ROOT/<project_name>/<experiment_name>.jsonl`` (root default: the
-working directory). The recipe's CPU path sets ``VERL_FILE_LOGGER_PATH=RUN_DIR/metrics.jsonl``. So a
-run is found as: ``RUN_DIR`` itself when it is a ``.jsonl`` file; else ``RUN_DIR/metrics.jsonl``;
-else the single ``*.jsonl`` file under ``RUN_DIR`` (searched recursively, the token dump excluded)
-whose first line is a step record. Several such files is an error that lists them (pass the file).
-
-A metric missing from a run is skipped for that run with a note; a panel no run logged is left out
-of the per-panel PNGs and marked "not logged" in ``curves.png``. A blank or malformed line is an
-error naming the file and line, except a truncated last line (a run killed mid-write), which is
-skipped with a warning. Repeated steps (e.g. validation logged separately) merge; for one metric
-the later value wins.
+Where a run's metrics are and how they are read: :mod:`recipe.stapo.metrics`. A metric missing from
+a run is skipped for that run with a note; a panel no run logged is left out of the per-panel PNGs
+and marked "not logged" in ``curves.png``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import re
@@ -34,15 +23,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from .token_dump import TOKEN_DUMP_DIR, TOKEN_DUMP_FILE, iter_jsonl
+from stapo_core.fileio import atomic_write
 
-#: where the recipe's CPU path points verl's file logger (recipe.stapo.cpu.METRICS_FILE)
-DEFAULT_METRICS_FILE = "metrics.jsonl"
+from .metrics import Series, find_metrics_file, metric_series
+from .metrics import read_metrics as read_steps
+
 #: validation accuracy keys: val-core/<data_source>/<acc|reward>/mean@<N> (verl's ray_trainer)
 _VAL_MEAN_RE = re.compile(r"^val-core/(?P<source>.+)/(?P<var>[^/]+)/mean@(?P<n>\d+)$")
 
-#: a metric's series: steps (ascending) and values, same length
-Series = tuple[list[int], list[float]]
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,75 +38,10 @@ Series = tuple[list[int], list[float]]
 # --------------------------------------------------------------------------------------------
 
 
-def _is_step_record(obj) -> bool:
-    return isinstance(obj, dict) and isinstance(obj.get("step"), int) and not isinstance(obj.get("step"), bool)
-
-
-def _first_record(path: Path):
-    try:
-        with open(path, "r", encoding="utf-8") as handle:
-            return json.loads(handle.readline())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-
-
-def find_metrics_file(run: str | os.PathLike) -> Path:
-    """The file-logger JSONL of a run (rule in the module docstring).
-
-    Raises:
-        FileNotFoundError: no run folder, or no step-record JSONL in it.
-        ValueError: several candidate files (they are listed).
-    """
-    run = Path(run)
-    if run.is_file():
-        return run
-    if not run.is_dir():
-        raise FileNotFoundError(f"{run}: no such run folder or metrics file")
-    if (run / DEFAULT_METRICS_FILE).is_file():
-        return run / DEFAULT_METRICS_FILE
-    found = sorted(
-        p for p in run.rglob("*.jsonl")
-        if TOKEN_DUMP_DIR not in p.relative_to(run).parts and p.name != TOKEN_DUMP_FILE
-        and _is_step_record(_first_record(p))
-    )
-    if not found:
-        raise FileNotFoundError(f"{run}: no metrics JSONL (neither {DEFAULT_METRICS_FILE} nor any *.jsonl "
-                                f"of {{'step', 'data'}} lines); run with trainer.logger including 'file'")
-    if len(found) > 1:
-        listed = ", ".join(str(p) for p in found)
-        raise ValueError(f"{run}: several metrics files ({listed}); pass the one to plot instead of the folder")
-    return found[0]
-
-
-def _numeric(value) -> Optional[float]:
-    """A finite float, or None for anything else (strings, lists, NaN, inf, booleans)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
 def read_metrics(path: str | os.PathLike) -> dict[str, Series]:
-    """Every numeric metric of a file-logger JSONL, as a series over steps.
-
-    Accepts verl's ``{"step": s, "data": {...}}`` lines and flat ``{"step": s, "<metric>": v, ...}``
-    lines. Non-finite or non-numeric values are dropped.
-
-    Raises:
-        ValueError: a blank or malformed line or a line without an integer ``step`` (names the file
-            and line; a truncated last line is skipped with a warning instead).
-    """
-    path = Path(path)
-    by_metric: dict[str, dict[int, float]] = {}
-    for number, obj in iter_jsonl(path):
-        if not _is_step_record(obj):
-            raise ValueError(f"{path}: line {number} is not a step record (a JSON object with an integer 'step')")
-        data = obj.get("data", {k: v for k, v in obj.items() if k != "step"})
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: line {number}: 'data' must be a JSON object, got {type(data).__name__}")
-        for key, value in data.items():
-            if (v := _numeric(value)) is not None:
-                by_metric.setdefault(key, {})[obj["step"]] = v
-    return {key: (sorted(vals), [vals[s] for s in sorted(vals)]) for key, vals in by_metric.items()}
+    """Every finite numeric metric of a file-logger JSONL, as a series over steps
+    (:func:`recipe.stapo.metrics.read_metrics`, then :func:`recipe.stapo.metrics.metric_series`)."""
+    return metric_series(read_steps(path))
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,8 +170,6 @@ def panel_figure(panel: Panel, lines: Mapping[str, Series]):
 
 
 def _save(fig, path: Path) -> Path:
-    from .data.fileio import atomic_write
-
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     _pyplot().close(fig)
     return path

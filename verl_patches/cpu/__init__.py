@@ -18,38 +18,9 @@ this package changes nothing: no registration, no patch.
 - :func:`verl_patches.cpu.hf_rollout.register`: the ``hf`` rollout (server replica + trainer adapter).
 """
 
-from __future__ import annotations
+from .activation import PLATFORM_ENV, activate, cpu_selected, is_active
 
-import os
+__all__ = ["PLATFORM_ENV", "activate", "cpu_selected", "is_active"]
 
-PLATFORM_ENV = "VERL_PLATFORM"
-
-_ACTIVE = False
-
-
-def cpu_selected() -> bool:
-    """True when this process selected the CPU path (``VERL_PLATFORM=cpu``)."""
-    return os.environ.get(PLATFORM_ENV, "").strip().lower() == "cpu"
-
-
-def is_active() -> bool:
-    """True once :func:`activate` ran in this process."""
-    return _ACTIVE
-
-
-def activate() -> None:
-    """Register the CPU platform and the HF rollout and apply the CPU patches (idempotent)."""
-    global _ACTIVE
-    if _ACTIVE:
-        return
-    from . import hf_rollout, platform
-
-    platform.register()
-    platform.patch_init_process_group()
-    platform.patch_fsdp2_offload_pinning()
-    hf_rollout.register()
-    _ACTIVE = True
-
-
-if cpu_selected():
+if cpu_selected():  # selected by the environment, never by import alone
     activate()

@@ -6,7 +6,7 @@ This module supplies the three pieces verl's rollout machinery expects, in its o
 - :class:`HFRolloutServer`: the server, a Ray actor (one per replica) holding a copy of the policy
   as a ``transformers`` causal LM. ``generate`` is verl's token-in/token-out call: it returns a
   ``TokenOutput(token_ids, log_probs, stop_reason, extra_fields)``. Concurrent requests are
-  batched (a short collection window) and sampled by :func:`recipe.stapo.cpu.sampling.sample_batch`;
+  batched (a short collection window) and sampled by :func:`verl_patches.cpu.sampling.sample_batch`;
   control calls (sleep, wake_up, cache and profiling calls) are no-ops: there is no KV cache pool
   to free on CPU.
 - :class:`HFReplica`: the ``RolloutReplica`` (``RolloutReplicaRegistry["hf"]``) that launches the
@@ -162,7 +162,7 @@ class HFRolloutServer:
                     r.future.set_result(out)
 
     def _sample(self, batch: list[_Request]):
-        from recipe.stapo.cpu.sampling import sample_batch
+        from verl_patches.cpu.sampling import sample_batch
         from verl.workers.rollout.replica import TokenOutput
 
         temperature, top_p, top_k = batch[0].key

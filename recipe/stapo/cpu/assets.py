@@ -232,7 +232,7 @@ def success_rate(model, tokenizer, questions: list[str], truths: list[str], cfg:
     equals the ground truth. A plain check used only to stop the warm-up."""
     import torch
 
-    from recipe.stapo.cpu.sampling import sample_batch
+    from verl_patches.cpu.sampling import sample_batch
 
     model.eval()
     gen = torch.Generator().manual_seed(seed)

@@ -1,30 +1,17 @@
-"""Training-time dump of the S2T candidate tokens of a few sampled responses (issue 6).
+"""The actor-side hook of the token dump: the candidate tokens of a few sampled responses per step.
 
-Off by default. ``recipe.token_dump.dir=<run folder>`` turns it on for any method (baselines too,
-so their spurious tokens can be inspected); the recipe passes the settings to every Ray worker as
-environment variables:
-
-=============================  ================================  =========================================
-variable                       config key                        meaning
-=============================  ================================  =========================================
-``STAPO_TOKEN_DUMP_DIR``       ``recipe.token_dump.dir``         run folder; empty = off
-``STAPO_TOKEN_DUMP_RESPONSES`` ``recipe.token_dump.responses``   responses sampled per data-parallel rank and step (>= 1)
-``STAPO_TOKEN_DUMP_CONTEXT``   ``recipe.token_dump.context``     tokens of context each side of a token (>= 0)
-``STAPO_TOKEN_DUMP_IDS``       ``recipe.token_dump.ids``         ``true``: response records also carry
-                                                                 ``prompt_ids`` / ``response_ids`` (for exact
-                                                                 offline re-scoring; larger files)
-``STAPO_TOKEN_DUMP_METHOD``    ``recipe.method``                 ``method`` written in the records
-                                                                 (default: the policy loss mode)
-=============================  ================================  =========================================
+Off by default; switched on and configured by :mod:`verl_patches.token_dump.settings`
+(``recipe.token_dump.dir=<run folder>``), for any method (baselines too, so their spurious tokens
+can be inspected).
 
 What is written, once per training step, to ``<dir>/s2t_tokens/step_XXXXXX.jsonl``
-(:func:`recipe.stapo.token_dump.step_file`, records of :mod:`recipe.stapo.token_dump`; data-parallel
+(:func:`stapo_core.token_records.step_file`, records of :mod:`stapo_core.token_records`; data-parallel
 rank 0 writes the records of every rank, so the folder only needs to exist on its node; a step
 file is replaced atomically, so a resumed run rewrites the steps it trains again):
 
 * one ``response`` record per sampled response: advantage, token count, ``tau_p`` / ``tau_h`` and
   the four probability x entropy quadrants over its response tokens
-  (:func:`recipe.stapo.token_dump.response_record`, so the numbers come from one place);
+  (:func:`stapo_core.token_records.response_record`, so the numbers come from one place);
 * one ``token`` record per *candidate* token (inside the response mask, advantage > 0,
   ``p < tau_p``): token text, position in the response, ``context`` tokens of context each side
   (decoded with the model's tokenizer), p, entropy, advantage, the closed-form logit-gradient norm
@@ -75,270 +62,18 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Optional
 
-import numpy as np
 import torch
 
-#: run folder; empty or unset: the dump is off
-DIR_ENV = "STAPO_TOKEN_DUMP_DIR"
-RESPONSES_ENV = "STAPO_TOKEN_DUMP_RESPONSES"
-CONTEXT_ENV = "STAPO_TOKEN_DUMP_CONTEXT"
-IDS_ENV = "STAPO_TOKEN_DUMP_IDS"
-METHOD_ENV = "STAPO_TOKEN_DUMP_METHOD"
-DEFAULT_RESPONSES = 4
-DEFAULT_CONTEXT = 16
-#: the paper's S2T defaults, used for methods whose loss config has no tau_p / q
-DEFAULT_TAU_P = 0.002
-DEFAULT_Q = 0.75
-TOP_K = 5
-#: response positions whose float32 softmax is materialised at once (151,936 x 1024 x 4 B = 0.6 GB)
-CHUNK_POSITIONS = 1024
+from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
+
+from stapo_core.token_records import write_step
+from .scoring import MiniBatchTracker, SampledResponse, build_records, select_responses, token_stats
+from .settings import settings_from_env
+
 METRIC_PREFIX = "token_dump/"
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
-
-
-def enabled() -> bool:
-    """True when ``STAPO_TOKEN_DUMP_DIR`` is set and non-empty."""
-    return bool(os.environ.get(DIR_ENV, ""))
-
-
-# --------------------------------------------------------------------------------------------
-# settings
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class DumpSettings:
-    """run_dir: the run folder; responses: K per rank; context: tokens each side; ids: store the
-    sequences' token ids in the response records; method: the records' ``method`` (None: loss mode)."""
-
-    run_dir: Path
-    responses: int = DEFAULT_RESPONSES
-    context: int = DEFAULT_CONTEXT
-    ids: bool = False
-    method: Optional[str] = None
-
-
-def _int_setting(env: Mapping[str, str], name: str, key: str, default: int, minimum: int) -> int:
-    raw = env.get(name, "")
-    if raw == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"token dump: {key}={raw!r} (env {name}) must be an integer >= {minimum}") from None
-    if value < minimum:
-        raise ValueError(f"token dump: {key}={value} (env {name}) must be an integer >= {minimum}")
-    return value
-
-
-def settings_from_env(env: Optional[Mapping[str, str]] = None) -> DumpSettings:
-    """The dump's settings from the environment (default ``os.environ``).
-
-    Raises:
-        ValueError: the dump is off, or a malformed value (names the config key and the variable).
-    """
-    env = os.environ if env is None else env
-    run_dir = env.get(DIR_ENV, "")
-    if not run_dir:
-        raise ValueError(f"token dump is off: set recipe.token_dump.dir (env {DIR_ENV}) to a run folder")
-    ids = env.get(IDS_ENV, "").strip().lower()
-    if ids not in _TRUE + _FALSE:
-        raise ValueError(f"token dump: {IDS_ENV}={env.get(IDS_ENV)!r} must be one of 1/0/true/false")
-    return DumpSettings(
-        run_dir=Path(run_dir),
-        responses=_int_setting(env, RESPONSES_ENV, "recipe.token_dump.responses", DEFAULT_RESPONSES, 1),
-        context=_int_setting(env, CONTEXT_ENV, "recipe.token_dump.context", DEFAULT_CONTEXT, 0),
-        ids=ids in _TRUE,
-        method=env.get(METHOD_ENV) or None,
-    )
-
-
-# --------------------------------------------------------------------------------------------
-# pure pieces (no verl, no process group)
-# --------------------------------------------------------------------------------------------
-
-
-class MiniBatchTracker:
-    """Tells the first mini-batch of each update step, per process.
-
-    verl's ``train_mini_batch`` flags its last mini-batch with ``update_lr_scheduler=True``; the
-    first is the process's first call or the call after a flagged one (robust to any number of
-    mini-batches and PPO epochs).
-    """
-
-    def __init__(self) -> None:
-        self._next_is_first = True
-        self.steps_seen = 0
-
-    def observe(self, is_last: bool) -> bool:
-        """Record one mini-batch (``is_last``: verl's flag); True when it is a step's first."""
-        first = self._next_is_first
-        self._next_is_first = bool(is_last)
-        self.steps_seen += int(first)
-        return first
-
-
-def select_responses(advantages: Sequence[float], k: int, seed: Sequence[int]) -> list[int]:
-    """Indices (ascending) of up to ``k`` responses to dump, drawn with ``numpy.random.default_rng(seed)``.
-
-    ``min(k // 4, #non-positive)`` come from responses with advantage <= 0 and the rest from
-    positive ones; a pool that is short is topped up from the other, so ``min(k, len)`` are drawn.
-
-    Args:
-        advantages: one float per response (its scalar advantage).
-        k: responses wanted (>= 1). seed: e.g. ``(step, rank)``.
-    """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"select_responses: k={k!r} must be an integer >= 1")
-    adv = np.asarray(advantages, dtype=np.float64).reshape(-1)
-    positive, other = np.flatnonzero(adv > 0), np.flatnonzero(~(adv > 0))
-    n_other = min(len(other), k // 4)
-    n_pos = min(len(positive), k - n_other)
-    n_other = min(len(other), k - n_pos)
-    rng = np.random.default_rng([int(s) for s in seed])
-    picked = np.concatenate([rng.choice(positive, n_pos, replace=False), rng.choice(other, n_other, replace=False)])
-    return sorted(int(i) for i in picked)
-
-
-def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, top_k: int = TOP_K,
-                chunk_size: int = CHUNK_POSITIONS) -> dict[str, torch.Tensor]:
-    """Per-position statistics of the sampled tokens, in float32, ``chunk_size`` positions at a time.
-
-    Args:
-        logits: ``(T, V)`` any float dtype: the logits predicting each sampled token.
-        targets: ``(T,)`` integer ids of the sampled tokens.
-        temperature: the logits are divided by it (as verl does for log-probs), > 0.
-        top_k: alternatives kept per position (capped at V).
-
-    Returns:
-        ``log_prob``, ``prob``, ``entropy`` (nats), ``grad_norm`` (sqrt(1 - 2 p + sum p^2)): ``(T,)``
-        float32; ``top_prob`` ``(T, k)`` float32 (descending) and ``top_ids`` ``(T, k)`` int64.
-    """
-    from stapo_core import entropy_from_logits, logit_grad_norm
-
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"token_stats: logits (T, V) and targets (T,) expected, got {tuple(logits.shape)} "
-                         f"and {tuple(targets.shape)}")
-    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"token_stats: temperature={temperature!r} must be a positive number")
-    k = min(top_k, logits.shape[1])
-    parts: dict[str, list] = {name: [] for name in ("log_prob", "entropy", "grad_norm", "top_prob", "top_ids")}
-    for start in range(0, logits.shape[0], chunk_size):
-        a = logits[start : start + chunk_size].float() / temperature
-        tgt = targets[start : start + chunk_size].to(a.device).long()
-        lse = torch.logsumexp(a, -1)
-        top_val, top_ids = a.topk(k, -1)
-        parts["log_prob"].append(a.gather(-1, tgt[:, None]).squeeze(-1) - lse)
-        parts["entropy"].append(entropy_from_logits(a))
-        parts["grad_norm"].append(logit_grad_norm(a, tgt))
-        parts["top_prob"].append(torch.exp(top_val - lse[:, None]))
-        parts["top_ids"].append(top_ids)
-    if not parts["log_prob"]:  # T = 0
-        empty = logits.new_zeros(0, dtype=torch.float32)
-        return {"log_prob": empty, "prob": empty, "entropy": empty, "grad_norm": empty,
-                "top_prob": logits.new_zeros((0, k), dtype=torch.float32),
-                "top_ids": torch.zeros((0, k), dtype=torch.long, device=logits.device)}
-    out = {name: torch.cat(chunks) for name, chunks in parts.items()}
-    out["prob"] = out["log_prob"].exp()
-    return out
-
-
-@dataclass
-class SampledResponse:
-    """One sampled response, everything on the host.
-
-    prompt_ids / response_ids: unpadded token ids. stats: :func:`token_stats` over the response
-    positions (``(R,)`` / ``(R, k)``). mask: ``(R,)`` the original response mask (1 = response
-    token). advantages: ``(R,)``. silenced: ``(R,)`` bool. old_log_prob: ``(R,)`` rollout log-probs
-    (for the agreement check). uid / response_index / rank / row: identity.
-    """
-
-    prompt_ids: list
-    response_ids: list
-    stats: dict
-    mask: torch.Tensor
-    advantages: torch.Tensor
-    silenced: torch.Tensor
-    old_log_prob: Optional[torch.Tensor]
-    uid: str
-    response_index: int
-    rank: int
-    row: int
-
-    @property
-    def advantage(self) -> float:
-        """The response's advantage: mean over its mask tokens (GRPO: the shared scalar)."""
-        m = self.mask != 0
-        return float(self.advantages[m].double().mean()) if bool(m.any()) else 0.0
-
-
-def build_records(resp: SampledResponse, *, step: int, method: str, tau_p: float, tau_h: Optional[float],
-                  context: int, decode: Callable[[list], str], extra: Optional[dict] = None,
-                  ids: bool = False) -> list[dict]:
-    """The token records of ``resp``'s candidates, then its response record (validated dicts).
-
-    Candidates: mask != 0, advantage > 0, ``prob < tau_p`` (p from ``resp.stats``). Context: up to
-    ``context`` tokens before the token (prompt included) and after it (within the response),
-    decoded with ``decode(list_of_ids) -> str``. ``extra`` keys are added to every record;
-    ``ids`` adds ``prompt_ids`` / ``response_ids`` to the response record.
-    """
-    from recipe.stapo import token_dump as td
-
-    s = resp.stats
-    prob, entropy, grad_norm = s["prob"], s["entropy"], s["grad_norm"]
-    full = list(resp.prompt_ids) + list(resp.response_ids)
-    n_prompt, n_resp = len(resp.prompt_ids), len(resp.response_ids)
-    extra = dict(extra or {}, rank=resp.rank, row=resp.row)
-    candidate = (resp.mask != 0) & (resp.advantages > 0) & (prob < tau_p)
-    records = []
-    for pos in torch.nonzero(candidate).reshape(-1).tolist():
-        at = n_prompt + pos
-        records.append(td.validate_token_record({
-            "kind": "token", "step": step, "method": method, "uid": resp.uid,
-            "response_index": resp.response_index, "position": pos, "token_id": int(full[at]),
-            "token": decode([full[at]]), "context_before": decode(full[max(0, at - context) : at]),
-            "context_after": decode(full[at + 1 : min(n_prompt + n_resp, at + 1 + context)]),
-            "prob": float(prob[pos]), "entropy": max(float(entropy[pos]), 0.0),
-            "advantage": float(resp.advantages[pos]), "candidate": True, "silenced": bool(resp.silenced[pos]),
-            "grad_norm": float(grad_norm[pos]),
-            "top5": [[decode([int(i)]), min(max(float(p), 0.0), 1.0)]
-                     for p, i in zip(s["top_prob"][pos].tolist(), s["top_ids"][pos].tolist())],
-            **extra,
-        }))
-    rec = td.response_record(step=step, method=method, uid=resp.uid, response_index=resp.response_index,
-                             advantage=resp.advantage, prob=prob, entropy=entropy.clamp(min=0.0),
-                             grad_norm=grad_norm, mask=resp.mask, tau_p=tau_p, tau_h=tau_h)
-    rec.update(extra)
-    if ids:
-        rec.update(prompt_ids=[int(i) for i in resp.prompt_ids], response_ids=[int(i) for i in resp.response_ids])
-    records.append(rec)
-    return records
-
-
-def write_step(run_dir: str | os.PathLike, step: int, records: list) -> Path:
-    """Write ``records`` as the step's file (``step_file(run_dir, step)``), replacing it atomically.
-
-    The records are validated and written to a temporary sibling first; a bad record raises
-    ValueError and leaves any existing step file as it was.
-    """
-    from recipe.stapo import token_dump as td
-
-    path = td.step_file(run_dir, step)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.unlink(missing_ok=True)
-        td.write_records(tmp, records)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
 
 # --------------------------------------------------------------------------------------------
 # verl glue: layouts, the forward, the collectives
@@ -346,7 +81,7 @@ def write_step(run_dir: str | os.PathLike, step: int, records: list) -> Path:
 
 
 def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    from .token_selection import to_padded
+    from ..token_selection import to_padded
 
     return to_padded(t, width)[:, :width]
 
@@ -411,8 +146,8 @@ def _response_logits(engine, input_ids: torch.Tensor, position_ids: torch.Tensor
 
 def _loss_settings(cfg) -> tuple[float, float, str, bool]:
     """``(tau_p, q, strategy, s2t_in_loss)`` of the dump for the policy-loss config ``cfg``."""
-    from .config import S2TPolicyLossConfig
-    from .token_selection import uses_mini_batch_scope
+    from ..config import S2TPolicyLossConfig
+    from ..token_selection import uses_mini_batch_scope
 
     tau_p = float(getattr(cfg, "tau_p", DEFAULT_TAU_P))
     q = float(getattr(cfg, "q", DEFAULT_Q))
@@ -568,7 +303,7 @@ def dump_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg) ->
 
 def _host_fields(data, response_mask: Optional[torch.Tensor]) -> dict:
     """Padded ``(B, R)`` host copies of the per-token fields, the rows' sequences and response lengths."""
-    from .token_selection import ROLLOUT_ENTROPY_FIELD, to_padded
+    from ..token_selection import ROLLOUT_ENTROPY_FIELD, to_padded
 
     current = data["response_mask"]
     original = current if response_mask is None else response_mask
@@ -654,10 +389,3 @@ def _prob_diff(resp: SampledResponse) -> float:
     if not bool(m.any()):
         return 0.0
     return float((resp.stats["prob"][m].double() - resp.old_log_prob[m].double().exp()).abs().max())
-
-
-__all__ = [
-    "CHUNK_POSITIONS", "CONTEXT_ENV", "DIR_ENV", "DumpSettings", "IDS_ENV", "METHOD_ENV", "MiniBatchTracker",
-    "RESPONSES_ENV", "SampledResponse", "build_records", "dump_mini_batch", "enabled", "select_responses",
-    "settings_from_env", "token_stats", "write_step",
-]

@@ -1,7 +1,9 @@
-"""The spurious-token dump: record schema, reader/writer and the four-quadrant counts.
+"""The spurious-token dump's records: schema, writer, reader and the four-quadrant counts.
 
-The actor writes, during training, what S2T saw; ``python -m recipe.stapo.inspect`` reads it.
-Both sides use this module, so the format and the numbers come from one place.
+The actor hook (``verl_patches.token_dump.hook``) writes, during training, what S2T saw; the
+inspector (``python -m recipe.stapo.inspect``) and the plots read it. All of them use this module,
+so the format and the numbers come from one place. Plain Python + numpy: it lives in
+``stapo_core`` (the bottom of the import graph) so that reading a dump never imports verl.
 
 Files (JSON Lines, UTF-8, one record per line), under a run folder ``RUN_DIR``:
 
@@ -30,11 +32,12 @@ import json
 import math
 import os
 import re
-import warnings
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, TypedDict, Union
 
 import numpy as np
+
+from .fileio import atomic_write_text, iter_jsonl
 
 #: folder of per-step dump files inside a run folder
 TOKEN_DUMP_DIR = "s2t_tokens"
@@ -238,6 +241,18 @@ def step_file(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / TOKEN_DUMP_DIR / STEP_FILE_PATTERN.format(step=step)
 
 
+def _encode(path: Path, records: Iterable[Record]) -> str:
+    """Validate every record and return them as JSON Lines text (ValueError names ``path`` and the
+    index of the first bad record; nothing is written)."""
+    lines = []
+    for i, rec in enumerate(records):
+        try:
+            lines.append(json.dumps(validate_record(rec), ensure_ascii=False, allow_nan=False))
+        except RecordError as exc:
+            raise ValueError(f"{path}: record #{i} is invalid: {exc}") from None
+    return "".join(line + "\n" for line in lines)
+
+
 def write_records(path: str | os.PathLike, records: Iterable[Record]) -> int:
     """Validate every record, then append them to ``path`` (created with its folders) and flush.
 
@@ -248,43 +263,25 @@ def write_records(path: str | os.PathLike, records: Iterable[Record]) -> int:
         ValueError: naming the file and the index of the first bad record.
     """
     path = Path(path)
-    lines = []
-    for i, rec in enumerate(records):
-        try:
-            lines.append(json.dumps(validate_record(rec), ensure_ascii=False, allow_nan=False))
-        except RecordError as exc:
-            raise ValueError(f"{path}: record #{i} is invalid: {exc}") from None
-    if not lines:
+    text = _encode(path, records)
+    if not text:
         return 0
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as handle:
-        handle.write("\n".join(lines) + "\n")
+        handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
-    return len(lines)
+    return text.count("\n")
 
 
-def iter_jsonl(path: Path):
-    """``(line_number, object)`` for each line of a JSON Lines file (1-based numbers).
+def write_step(run_dir: str | os.PathLike, step: int, records: Iterable[Record]) -> Path:
+    """Write ``records`` as the step's file (:func:`step_file`), replacing it atomically.
 
-    A blank or unparsable line raises ValueError naming the file and the line, except a LAST line
-    without its newline that does not parse (a write cut short): it is skipped with a warning.
+    The records are validated first; a bad record raises ValueError and leaves any existing step
+    file as it was (a resumed run rewrites the steps it trains again).
     """
-    with open(path, "r", encoding="utf-8") as handle:
-        lines = handle.read().split("\n")
-    complete = lines[-1] == ""  # the file ends with a newline
-    body = lines[:-1] if complete else lines
-    for number, line in enumerate(body, start=1):
-        if not line.strip():
-            raise ValueError(f"{path}: line {number} is empty")
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            if number == len(body) and not complete:
-                warnings.warn(f"{path}: ignoring truncated last line {number} ({exc.msg})", stacklevel=2)
-                return
-            raise ValueError(f"{path}: line {number} is not valid JSON: {exc.msg} (column {exc.colno})") from None
-        yield number, obj
+    path = step_file(run_dir, step)
+    return atomic_write_text(path, _encode(path, records))
 
 
 def dump_files(run_dir: str | os.PathLike) -> list[Path]:

@@ -1,0 +1,230 @@
+"""Run verl's real trainer (``python -m recipe.stapo.main_stapo``) on a machine without a GPU, with
+the tiny assets of :mod:`recipe.stapo.cpu.assets`: the environment, the Hydra overrides (each commented
+with what it cures) and a blocking runner. Used by the quickstart, the tests and users alike::
+
+    from recipe.stapo.cpu import cpu_env, cpu_overrides, trainer_command
+    cmd = trainer_command("stapo", cpu_overrides("assets/tiny", "results/run", steps=4))
+    subprocess.run(cmd, env=cpu_env("results/run"), check=True)
+
+The verl-side shims (platform, HF rollout) are :mod:`verl_patches.cpu`; docs/cpu.md explains each fix.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
+
+from recipe.stapo.config_utils import METHODS
+from recipe.stapo.metrics import METRICS_FILE, read_metrics
+
+from .assets import asset_paths
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+#: modules every verl process imports (the recipe's patches, then the CPU shims)
+EXTERNAL_MODULES = ("verl_patches", "verl_patches.cpu")
+#: what selects the CPU path in every process (see verl_patches.cpu)
+CPU_ENV_VARS = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"}
+#: FSDP mixed-precision policy computing in float32 (verl's default computes in bfloat16)
+FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+
+
+def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[str, str]] = None,
+            metrics_file: str = METRICS_FILE) -> dict[str, str]:
+    """Environment for a CPU run: ``base`` (default ``os.environ``) plus
+
+    - ``VERL_PLATFORM=cpu`` (selects :mod:`verl_patches.cpu`'s platform and activates its shims),
+    - ``VERL_USE_EXTERNAL_MODULES`` with ``verl_patches`` and ``verl_patches.cpu`` (imported by every
+      verl process, Ray workers included), ``VERL_ENGINE_DEVICE=cuda`` (picks the FSDP engine class;
+      it still runs on the cpu device),
+    - ``VERL_FILE_LOGGER_PATH=<run_dir>/<metrics_file>`` when ``run_dir`` is given (verl's file
+      logger writes one ``{"step": s, "data": {...}}`` JSON line per step there; it truncates the
+      file when it opens it, so a resumed run needs another ``metrics_file``),
+    - the repository on ``PYTHONPATH``, tokenizer parallelism off.
+    """
+    env = dict(os.environ if base is None else base)
+    modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+    for module in reversed(EXTERNAL_MODULES):
+        if module not in modules:
+            modules.insert(0, module)
+    env.update({
+        **CPU_ENV_VARS,
+        "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
+    })
+    if run_dir is not None:
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        env["VERL_FILE_LOGGER_PATH"] = str(Path(run_dir).resolve() / metrics_file)
+    return env
+
+
+def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, steps: int = 2,
+                  prompts: int = 4, n: int = 4, mini_batch_prompts: int = 2, response_length: int = 32,
+                  prompt_length: int = 64, lr: float = 1e-4, seed: int = 0, use_v1: bool = True,
+                  save_freq: int = -1, resume: bool = False, resume_from: Optional[str | os.PathLike] = None,
+                  validate: bool = False,
+                  experiment_name: Optional[str] = None, extra: Sequence[str] = ()) -> list[str]:
+    """Hydra overrides running the recipe on CPU with the tiny assets in ``assets_dir``.
+
+    Args:
+        assets_dir: folder built by :func:`recipe.stapo.cpu.assets.build_assets`.
+        out_dir: run folder: checkpoints go to ``out_dir/checkpoints``.
+        steps: training steps. prompts / n: prompts per step and responses per prompt.
+        mini_batch_prompts: prompts per PPO mini-batch (``prompts / mini_batch_prompts`` updates per step).
+        response_length / prompt_length: max tokens (the tiny task needs ~22 / ~42).
+        lr: actor learning rate (constant, no warm-up). seed: data shuffling and sampling seed.
+        use_v1: verl's TransferQueue trainer (True) or the legacy trainer (False).
+        save_freq: checkpoint every ``save_freq`` steps (-1: never). resume: ``resume_mode=auto``
+            (continue from the latest checkpoint in ``out_dir/checkpoints``) instead of ``disable``.
+        resume_from: a ``global_step_<k>`` checkpoint folder to resume from (``resume_mode=resume_path``).
+        validate: validate before training and at the end (``test_freq = steps``).
+        experiment_name: defaults to the run folder's name.
+        extra: more overrides, appended last (they win).
+
+    The method is chosen by ``method=<name>``, given separately (see :func:`trainer_command`).
+    """
+    if prompts % mini_batch_prompts:
+        raise ValueError(f"cpu_overrides: prompts={prompts} must be a multiple of mini_batch_prompts={mini_batch_prompts}")
+    if min(steps, prompts, n, response_length, prompt_length) < 1:
+        raise ValueError("cpu_overrides: steps, prompts, n, response_length and prompt_length must be >= 1")
+    assets = asset_paths(assets_dir)
+    if not assets.manifest.is_file():
+        raise ValueError(f"cpu_overrides: no tiny assets in {assets.root} (build them with "
+                         f"`python -m recipe.stapo.cpu.assets {assets.root}`)")
+    out = Path(out_dir).resolve()
+    sequences = prompts * n
+    actor, rollout, ref = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
+    overrides = [
+        # data (no DataLoader worker processes: they cost ~75 s and leave a traceback at exit)
+        f"data.train_files={assets.train}", f"data.val_files={assets.val}",
+        f"data.max_prompt_length={prompt_length}", f"data.max_response_length={response_length}",
+        f"data.train_batch_size={prompts}", f"data.val_batch_size={prompts}", "data.dataloader_num_workers=0",
+        "data.filter_overlong_prompts_workers=1", f"data.seed={seed}",
+        # model: the tiny Qwen3, eager attention (no FlashAttention on CPU), padded (no varlen kernels)
+        "recipe.model=tiny_cpu", f"actor_rollout_ref.model.path={assets.model}",
+        "+actor_rollout_ref.model.override_config.attn_implementation=eager",
+        "actor_rollout_ref.model.use_remove_padding=false",
+        "actor_rollout_ref.model.enable_gradient_checkpointing=false",
+        # actor / ref: FSDP2 (FSDP1 needs an accelerator), float32 compute (as the rollout), no torch.compile
+        f"{actor}.strategy=fsdp2", f"{ref}.strategy=fsdp2",
+        f"+{actor}.fsdp_config.mixed_precision={FP32}", f"+{ref}.fsdp_config.mixed_precision={FP32}",
+        f"{actor}.use_torch_compile=false", f"{ref}.use_torch_compile=false",
+        f"{actor}.ppo_mini_batch_size={mini_batch_prompts}",
+        f"{actor}.ppo_micro_batch_size_per_gpu={mini_batch_prompts * n}",
+        f"{actor}.optim.lr={lr}", f"{actor}.optim.lr_warmup_steps=0",
+        f"{rollout}.log_prob_micro_batch_size_per_gpu={sequences}",
+        f"{ref}.log_prob_micro_batch_size_per_gpu={sequences}",
+        # rollout: the HF rollout of verl_patches.cpu, one replica, one agent-loop worker
+        f"{rollout}.name=hf", f"{rollout}.n={n}", f"{rollout}.tensor_model_parallel_size=1",
+        f"{rollout}.agent.num_workers=1", f"{rollout}.seed={seed}",
+        "reward.num_workers=1",
+        # v1 trainer: one TransferQueue storage unit (it waits for all of them)
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        # Ray: one logical GPU slot, enough CPU slots for the actors; the selection reaches every worker
+        "+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=8",
+        "+ray_kwargs.ray_init.include_dashboard=false",
+        *_runtime_env_overrides(),
+        # trainer
+        "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
+        f"trainer.use_v1={str(use_v1).lower()}", "trainer.logger=[console,file]",
+        "trainer.project_name=stapo_cpu", f"trainer.experiment_name={experiment_name or out.name}",
+        f"trainer.total_training_steps={steps}", "trainer.total_epochs=1000",
+        f"trainer.save_freq={save_freq}", *_resume_overrides(resume, resume_from),
+        f"trainer.default_local_dir={out / 'checkpoints'}",
+        f"trainer.val_before_train={str(validate).lower()}", f"trainer.test_freq={steps if validate else -1}",
+        f"{actor}.fsdp_config.seed={seed}",
+    ]
+    return overrides + list(extra)
+
+
+def _resume_overrides(resume: bool, resume_from: Optional[str | os.PathLike]) -> list[str]:
+    if resume_from is None:
+        return [f"trainer.resume_mode={'auto' if resume else 'disable'}"]
+    path = Path(resume_from).resolve()
+    if not path.name.startswith("global_step_") or not path.is_dir():
+        raise ValueError(f"cpu_overrides: resume_from={path} is not a verl checkpoint folder (global_step_<k>)")
+    return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={path}"]
+
+
+def _runtime_env_overrides() -> list[str]:
+    """``ray_kwargs.ray_init.runtime_env.env_vars`` entries selecting the CPU path in Ray workers
+    (quoted: a comma in an unquoted Hydra value would make a sweep)."""
+    env = {**CPU_ENV_VARS, "VERL_USE_EXTERNAL_MODULES": ",".join(EXTERNAL_MODULES)}
+    return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'" for key, value in env.items()]
+
+
+def trainer_command(method: str, overrides: Sequence[str], python: str = sys.executable) -> list[str]:
+    """``python -m recipe.stapo.main_stapo method=<method> <overrides...>`` as an argv list."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    return [python, "-m", "recipe.stapo.main_stapo", f"method={method}", *overrides]
+
+
+def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | os.PathLike, *,
+                    metrics_file: str = METRICS_FILE, timeout: Optional[float] = None,
+                    log_file: Optional[str | os.PathLike] = None,
+                    on_step: Optional[Callable[[int, dict], None]] = None, **overrides_kwargs) -> "CPURun":
+    """Run ``python -m recipe.stapo.main_stapo method=<method>`` on CPU (blocking).
+
+    ``overrides_kwargs`` go to :func:`cpu_overrides`. stdout+stderr go to ``log_file`` (default
+    ``run_dir/<metrics_file stem>.log``). ``on_step(step, metrics)`` is called for each step as
+    soon as verl's file logger writes it. Returns a :class:`CPURun` (return code, wall seconds,
+    paths); it never raises on a failed or timed-out run (return code -9), so callers can report
+    the log.
+    """
+    import subprocess
+    import time
+
+    run_dir = Path(run_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = Path(log_file) if log_file else run_dir / (Path(metrics_file).stem + ".log")
+    metrics = run_dir / metrics_file
+    cmd = trainer_command(method, cpu_overrides(assets_dir, run_dir, **overrides_kwargs))
+    start, seen = time.time(), set()
+
+    def report_new_steps() -> None:
+        if on_step is None or not metrics.is_file():
+            return
+        for step, data in sorted(read_metrics(metrics).items()):
+            if step not in seen:
+                seen.add(step)
+                on_step(step, data)
+
+    # verl's file logger truncates the file when it opens it; removing it first keeps on_step from
+    # reporting a previous run's steps in the seconds before that happens
+    metrics.unlink(missing_ok=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file), stdout=out,
+                                stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        while proc.poll() is None:
+            if timeout is not None and time.time() - start > timeout:
+                proc.kill()
+                proc.wait()
+                break
+            report_new_steps()
+            time.sleep(1.0)
+        report_new_steps()
+    code = -9 if proc.returncode is None or (timeout is not None and time.time() - start > timeout
+                                             and proc.returncode != 0) else proc.returncode
+    return CPURun(method, code, round(time.time() - start, 1), run_dir, metrics, log)
+
+
+class CPURun:
+    """Outcome of :func:`run_cpu_trainer`."""
+
+    def __init__(self, method: str, returncode: int, wall_s: float, run_dir: Path, metrics: Path, log: Path):
+        self.method, self.returncode, self.wall_s = method, returncode, wall_s
+        self.run_dir, self.metrics, self.log = run_dir, metrics, log
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+    def tail(self, lines: int = 60) -> str:
+        """Last lines of the run's log (for error reports)."""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.is_file() else ""
+
+    def __repr__(self) -> str:
+        return f"CPURun({self.method!r}, returncode={self.returncode}, wall_s={self.wall_s}, run_dir={self.run_dir})"

@@ -1,0 +1,84 @@
+"""Small file helpers shared by every layer: atomic writes, hashes, JSON Lines (no torch, no verl).
+
+The actor-side token dump writes with them, so they live at the bottom of the import graph; data
+preparation, evaluation, the metrics reader and the reports use the same functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+
+def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(chunk_bytes), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], None]) -> Path:
+    """Write ``path`` via ``write_fn(tmp_path)`` on a temp file in the same folder, then rename.
+
+    A crash or an exception inside ``write_fn`` leaves ``path`` as it was (absent or old) and
+    removes the temp file.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write_fn(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Atomically write a UTF-8 text file."""
+
+    def _write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+    return atomic_write(path, _write)
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
+    """Atomically write ``obj`` as indented JSON."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def iter_jsonl(path: str | os.PathLike):
+    """``(line_number, object)`` for each line of a JSON Lines file (1-based numbers).
+
+    A blank or unparsable line raises ValueError naming the file and the line, except a LAST line
+    without its newline that does not parse (a write cut short): it is skipped with a warning.
+    """
+    with open(path, "r", encoding="utf-8") as handle:
+        lines = handle.read().split("\n")
+    complete = lines[-1] == ""  # the file ends with a newline
+    body = lines[:-1] if complete else lines
+    for number, line in enumerate(body, start=1):
+        if not line.strip():
+            raise ValueError(f"{path}: line {number} is empty")
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if number == len(body) and not complete:
+                warnings.warn(f"{path}: ignoring truncated last line {number} ({exc.msg})", stacklevel=2)
+                return
+            raise ValueError(f"{path}: line {number} is not valid JSON: {exc.msg} (column {exc.colno})") from None
+        yield number, obj
