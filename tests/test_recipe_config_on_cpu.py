@@ -42,10 +42,11 @@ def flat(cfg) -> dict:
 
 # What the spec (sections 4-5) lets each method change relative to JustRL, beyond its name.
 ALLOWED_VS_JUSTRL = {
-    "stapo": {f"{PL}._target_", f"{PL}.loss_mode", f"{PL}.tau_p", f"{PL}.q", f"{PL}.strategy",
+    "stapo": {f"{PL}._target_", f"{PL}.token_selection", f"{PL}.tau_p", f"{PL}.q", f"{PL}.strategy",
               f"{PL}.stats_from", f"{PL}.scope", f"{PL}.seed"},
-    "entropy20": {f"{PL}._target_", f"{PL}.loss_mode", f"{PL}.entropy_top_ratio", f"{PL}.stats_from", f"{PL}.scope"},
-    "grpo": {f"{ACTOR}.loss_agg_mode", f"{ACTOR}.clip_ratio_high", f"{ACTOR}.use_kl_loss",
+    "entropy20": {f"{PL}._target_", f"{PL}.token_selection", f"{PL}.entropy_top_ratio", f"{PL}.stats_from",
+                  f"{PL}.scope"},
+    "grpo": {f"{ACTOR}.loss_agg_mode", f"{ACTOR}.clip_ratio_high", f"{ACTOR}.clip_ratio_c", f"{ACTOR}.use_kl_loss",
              f"{ACTOR}.kl_loss_coef", f"{ACTOR}.kl_loss_type"},
     "justrl": set(),
 }
@@ -76,14 +77,18 @@ def test_shared_settings_are_the_papers(composed):
         assert a.ppo_micro_batch_size_per_gpu == 1 and a.entropy_coeff == 0
         assert cfg.algorithm.adv_estimator == "grpo" and not cfg.algorithm.filter_groups.enable
         assert (cfg.actor_rollout_ref.rollout.temperature, cfg.actor_rollout_ref.rollout.top_p) == (1.0, 1.0)
+        val = cfg.actor_rollout_ref.rollout.val_kwargs
+        assert (val.n, val.temperature, val.top_p) == (32, 0.7, 0.9)  # JustRL's validation
         if method == "grpo":
             assert (a.loss_agg_mode, a.clip_ratio_low, a.clip_ratio_high) == ("seq-mean-token-mean", 0.2, 0.2)
-            assert a.use_kl_loss and a.kl_loss_coef == 0.04
+            assert a.use_kl_loss and a.kl_loss_coef == 0.04 and a.clip_ratio_c == 3.0
         else:
             assert (a.loss_agg_mode, a.clip_ratio_low, a.clip_ratio_high) == ("token-mean", 0.2, 0.28)
-            assert not a.use_kl_loss
+            assert not a.use_kl_loss and a.clip_ratio_c == 10.0  # JustRL's dual clip
     s2t = composed["stapo"].actor_rollout_ref.actor.policy_loss
-    assert (s2t.loss_mode, s2t.tau_p, s2t.q, s2t.strategy) == ("stapo", 0.002, 0.75, "low_entropy")
+    assert (s2t.loss_mode, s2t.token_selection, s2t.tau_p, s2t.q, s2t.strategy) == (
+        "vanilla", "s2t", 0.002, 0.75, "low_entropy")
+    assert s2t.stats_from == "current" and s2t.scope is None  # Algorithm 1: current policy, whole mini-batch
     assert composed["entropy20"].actor_rollout_ref.actor.policy_loss.entropy_top_ratio == 0.2
 
 
@@ -100,7 +105,7 @@ def dry_run(script: Path, *args: str, env_extra=None) -> list[str]:
 def test_every_run_script_composes_to_a_valid_verl_config(script):
     (overrides,) = dry_run(ROOT / "run_scripts" / script)
     cfg = compose(overrides)
-    validate(cfg)  # verl's own validation, incl. the actor dataclass (and S2TPolicyLossConfig)
+    validate(cfg)  # verl's own validation, incl. the actor dataclass (and TokenSelectionLossConfig)
     size, method = script[len("qwen3_"):-len(".sh")].split("_")
     assert cfg.recipe.method == method
     assert cfg.recipe.model == "qwen3_" + size.replace(".", "_")
@@ -157,9 +162,10 @@ def test_unknown_s2t_key_fails():
         compose(["method=stapo", f"{PL}.tau_pp=0.1"])
 
 
-def test_current_statistics_cannot_pool_over_mini_batch():
-    cfg = compose(["method=stapo", f"{PL}.stats_from=current", f"{PL}.scope=mini_batch"])
-    with pytest.raises(ValueError, match="scope"):
+@pytest.mark.parametrize("retired, selection", [("stapo", "s2t"), ("entropy_topk", "entropy_topk")])
+def test_retired_loss_modes_name_the_new_keys(retired, selection):
+    cfg = compose(["method=stapo", f"{PL}.loss_mode={retired}"])
+    with pytest.raises(ValueError, match=f"loss_mode=vanilla token_selection={selection}"):
         validate(cfg)
 
 
@@ -169,7 +175,7 @@ def test_models_select_qwen3_base_checkpoints(model):
     size = {"qwen3_1_7b": "1.7B", "qwen3_8b": "8B", "qwen3_14b": "14B"}[model]
     assert cfg.actor_rollout_ref.model.path.endswith(f"Qwen3-{size}-Base")
     actor = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
-    assert actor.policy_loss.loss_mode == "stapo"
+    assert (actor.policy_loss.loss_mode, actor.policy_loss.token_selection) == ("vanilla", "s2t")
 
 
 def test_ray_env_vars_reach_ray_resolved_and_as_strings():

@@ -1,7 +1,7 @@
-"""The registered policy losses through verl's own ``ppo_loss`` call path, against stapo_core.
+"""Token selection through verl's own ``ppo_loss`` call path, against stapo_core.
 
 Each test builds an ``FSDPActorConfig`` from the recipe's composed config (so the YAML, the
-``S2TPolicyLossConfig`` and verl's dataclass conversion are all exercised) and a micro-batch
+``TokenSelectionLossConfig`` and verl's dataclass conversion are all exercised) and a micro-batch
 TensorDict in the layout verl's actor hands the loss.
 """
 
@@ -17,10 +17,14 @@ from verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils import losses as verl_losses
-from verl_patches.losses import ppo_loss_with_token_fields
+from verl_patches.losses import ppo_loss_with_token_selection
 from verl_patches.token_selection import fold_into_mini_batch
 
 B, R = 6, 12
+#: the recipe's dual clip for JustRL / STAPO / 20-Entropy (JustRL's script)
+CLIP_C = 10.0
+ROLLOUT = "actor_rollout_ref.actor.policy_loss.stats_from=rollout"
+MICRO = "actor_rollout_ref.actor.policy_loss.scope=micro_batch"
 
 
 def actor_config(method: str, *overrides: str):
@@ -54,16 +58,16 @@ def run_ppo_loss(config, mask, old, log_prob, adv, *, valid=None, entropy=None, 
     model_output = {"log_probs": flat_model_output(lp, valid)}
     if current_entropy is not None:
         model_output["entropy"] = flat_model_output(current_entropy, valid)
-    loss, metrics = ppo_loss_with_token_fields(config=config, model_output=model_output, data=data)
+    loss, metrics = ppo_loss_with_token_selection(config=config, model_output=model_output, data=data)
     loss.backward()
     return loss.detach(), lp.grad, metrics, data
 
 
 def assert_equals_reference(loss, grad, log_prob, old, adv, loss_mask):
     """``loss`` and its gradient w.r.t. log_prob equal stapo_core's clipped loss over ``loss_mask``
-    (token-mean, JustRL's clip [0.8, 1.28], verl's dual clip 3.0), computed directly."""
+    (token-mean, JustRL's clip [0.8, 1.28] and dual clip 10), computed directly."""
     lp = log_prob.clone().requires_grad_(True)
-    ref, _ = clipped_policy_loss(lp, old, adv, loss_mask, clip_low=0.2, clip_high=0.28, clip_c=3.0)
+    ref, _ = clipped_policy_loss(lp, old, adv, loss_mask, clip_low=0.2, clip_high=0.28, clip_c=CLIP_C)
     ref.backward()
     torch.testing.assert_close(loss, ref.detach())
     torch.testing.assert_close(grad, lp.grad)
@@ -71,7 +75,7 @@ def assert_equals_reference(loss, grad, log_prob, old, adv, loss_mask):
 
 def test_stapo_mini_batch_scope_equals_stapo_core():
     """scope=mini_batch: fold the S2T mask into the mini-batch, then verl's ppo_loss == stapo_core."""
-    config = actor_config("stapo")
+    config = actor_config("stapo", ROLLOUT)
     mask, old, log_prob, entropy, adv = random_batch()
     data = micro_batch(mask, old, adv, entropy=entropy)
     metrics = fold_into_mini_batch(config.policy_loss, data)
@@ -121,9 +125,10 @@ def test_rollout_and_current_statistics_agree_when_policy_equals_rollout_policy(
     """First mini-batch of a step: the policy is the rollout policy, so p and H are the same and
     both statistics silence the same tokens and give the same loss."""
     mask, old, _, entropy, adv = random_batch(seed=3)
-    rollout = actor_config("stapo")
+    rollout = actor_config("stapo", ROLLOUT)
     current = actor_config(
-        "stapo", "actor_rollout_ref.actor.policy_loss.stats_from=current", "actor_rollout_ref.actor.calculate_entropy=true"
+        "stapo", "actor_rollout_ref.actor.policy_loss.stats_from=current", MICRO,
+        "actor_rollout_ref.actor.calculate_entropy=true"
     )
     data = micro_batch(mask, old, adv, entropy=entropy)
     fold_metrics = fold_into_mini_batch(rollout.policy_loss, data)
@@ -150,7 +155,7 @@ def test_builtin_losses_unchanged_by_patches(loss_mode):
     config = actor_config("justrl", f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}")
     mask, old, log_prob, entropy, adv = random_batch(seed=4)
     outs = []
-    for fn in (verl_losses.ppo_loss, ppo_loss_with_token_fields):
+    for fn in (verl_losses.ppo_loss, ppo_loss_with_token_selection):
         torch.manual_seed(0)  # clip_cov / kl_cov draw random tokens
         data = micro_batch(mask, old, adv, entropy=entropy)
         lp = log_prob.clone().requires_grad_(True)
@@ -169,15 +174,8 @@ def test_vanilla_matches_independent_clipped_loss():
     assert_equals_reference(loss, grad, log_prob, old, adv, mask)
 
 
-def test_stapo_loss_without_recipe_config_fails_clearly():
-    config = actor_config("justrl", "actor_rollout_ref.actor.policy_loss.loss_mode=stapo")
-    mask, old, log_prob, _, adv = random_batch(seed=6)
-    with pytest.raises(TypeError, match="S2TPolicyLossConfig"):
-        run_ppo_loss(config, mask, old, log_prob, adv)
-
-
 def test_degenerate_batches_give_finite_losses():
-    config = actor_config("stapo")
+    config = actor_config("stapo", ROLLOUT)
     mask, old, log_prob, entropy, _ = random_batch(seed=7)
     for adv in (torch.zeros(B, R), -torch.ones(B, R)):  # zero advantages; no candidates
         data = micro_batch(mask, old, adv, entropy=entropy)
@@ -186,7 +184,7 @@ def test_degenerate_batches_give_finite_losses():
         loss, grad, _, _ = run_ppo_loss(config, data["response_mask"], old, log_prob, adv, valid=mask)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
     # everything silenced: every token a positive-advantage rare token, strategy full
-    full = actor_config("stapo", "actor_rollout_ref.actor.policy_loss.strategy=full")
+    full = actor_config("stapo", ROLLOUT, "actor_rollout_ref.actor.policy_loss.strategy=full")
     rare = torch.full((B, R), -9.0)
     data = micro_batch(mask, rare, torch.ones(B, R), entropy=entropy)
     fold_into_mini_batch(full.policy_loss, data)
@@ -199,7 +197,8 @@ def test_current_statistics_report_agreement_with_rollout_statistics():
     """stats_from=current logs the overlap of its silenced set with the rollout-statistics one:
     1.0 when the policy is the rollout policy, below 1 once the policy drifted."""
     config = actor_config(
-        "stapo", "actor_rollout_ref.actor.policy_loss.stats_from=current", "actor_rollout_ref.actor.calculate_entropy=true"
+        "stapo", "actor_rollout_ref.actor.policy_loss.stats_from=current", MICRO,
+        "actor_rollout_ref.actor.calculate_entropy=true"
     )
     mask, old, log_prob, entropy, adv = random_batch(seed=8)
     _, _, same, _ = run_ppo_loss(config, mask, old, old, adv, entropy=entropy, current_entropy=entropy)
@@ -219,7 +218,7 @@ def test_grad_norm_of_silenced_and_kept_tokens_from_sum_pi_squared():
     and kept tokens, from distributions built explicitly (so sum pi^2 is known independently)."""
     from stapo_core import logit_grad_norm
 
-    config = actor_config("stapo")
+    config = actor_config("stapo", ROLLOUT)
     mask, old, _, entropy, adv = random_batch(seed=9)
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(B, R, 50, generator=g) * 3
@@ -252,7 +251,7 @@ def test_current_statistics_compute_the_update_entropy_without_grad(stats_from, 
 
     from verl.workers import engine_workers
 
-    config = actor_config("stapo", f"actor_rollout_ref.actor.policy_loss.stats_from={stats_from}",
+    config = actor_config("stapo", f"actor_rollout_ref.actor.policy_loss.stats_from={stats_from}", MICRO,
                           f"actor_rollout_ref.actor.entropy_coeff={entropy_coeff}")
 
     def entropy_fn(logits):

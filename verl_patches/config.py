@@ -1,9 +1,15 @@
-"""`S2TPolicyLossConfig`: the policy-loss settings of STAPO and 20-Entropy.
+"""`TokenSelectionLossConfig`: verl's policy-loss settings plus which tokens carry gradient.
 
 Named by ``_target_`` in the recipe YAML (``actor_rollout_ref.actor.policy_loss``), so verl turns it
-into this dataclass in the driver and again in every worker. Instantiating it imports this module,
-and so :mod:`verl_patches`, in that process. Every field is validated at construction: a typo or a
-bad value fails in the driver, before any worker starts, with a message naming the key.
+into this dataclass in the driver and again in every worker. Every field is validated at
+construction: a typo or a bad value fails in the driver, before any worker starts, with a message
+naming the key. The S2T defaults are :mod:`stapo_core`'s constants (the paper's values), and every
+decision about where the selection statistics come from is a property of this class, so the
+actor hook, the loss wrapper, the trainers' patches and the driver ask the same question the same
+way.
+
+Token selection is independent of the loss: ``token_selection`` picks the tokens, ``loss_mode`` (any
+policy loss verl registers: vanilla, gspo, cispo, clip_cov, ...) computes the loss over them.
 """
 
 from __future__ import annotations
@@ -12,90 +18,124 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from stapo_core import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES
 from verl.workers.config import PolicyLossConfig
 
 #: config path of this block, used in error messages
 KEY_PREFIX = "actor_rollout_ref.actor.policy_loss"
 
-#: loss modes this recipe registers with verl (verl_patches.losses)
-S2T_LOSS_MODES = ("stapo", "entropy_topk")
-STRATEGIES = ("low_entropy", "high_entropy", "random", "full")
+#: token selectors: none (every response token), S2T (STAPO), 20-Entropy's top-entropy rank
+TOKEN_SELECTIONS = ("none", "s2t", "entropy_topk")
+#: where p and H come from: the old (rollout) policy, or the policy being updated
 STATS_FROM = ("rollout", "current")
+#: what the statistic is pooled over: the whole PPO mini-batch, or one micro-batch of every rank
 SCOPES = ("mini_batch", "micro_batch")
+#: loss modes of earlier versions of this recipe, now a loss mode + a token selection
+_RETIRED_LOSS_MODES = {"stapo": "s2t", "entropy_topk": "entropy_topk"}
+
+
+def is_number(x) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass
-class S2TPolicyLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus the S2T settings.
+class TokenSelectionLossConfig(PolicyLossConfig):
+    """verl's ``PolicyLossConfig`` plus the token selection of STAPO (S2T) and 20-Entropy.
 
     Args:
-        loss_mode: ``stapo`` (clipped surrogate with S2T) or ``entropy_topk`` (20-Entropy); the
-            built-in verl modes are also accepted, in which case the S2T fields are ignored.
-        tau_p: probability threshold: candidates have ``p < tau_p`` (paper: 0.002).
-        q: entropy quantile of the candidate set (paper: 0.75).
-        strategy: which candidates are silenced: ``low_entropy`` (STAPO), ``high_entropy``,
+        loss_mode: any policy loss registered with verl (``vanilla`` for JustRL/STAPO/20-Entropy).
+        token_selection: ``none``, ``s2t`` (STAPO) or ``entropy_topk`` (20-Entropy).
+        tau_p: S2T: candidates have ``p < tau_p`` (paper: 0.002).
+        q: S2T: entropy quantile of the candidate set (paper: 0.75).
+        strategy: S2T: which candidates are silenced: ``low_entropy`` (STAPO), ``high_entropy``,
             ``random`` or ``full`` (the paper's ablations).
+        entropy_top_ratio: 20-Entropy: the fraction of highest-entropy response tokens kept.
         stats_from: where ``p`` and ``H`` come from. ``rollout``: the old-policy log-probs and
-            entropies the trainer computes once per step (no extra forward; pooled exactly over the
-            mini-batch). ``current``: the policy being updated, inside the loss (Algorithm 1).
-        scope: what the q-quantile (or the top-entropy rank) is pooled over. ``mini_batch``: the
-            whole mini-batch, all micro-batches and data-parallel ranks (only with
-            ``stats_from=rollout``). ``micro_batch``: the current micro-batch of every
-            data-parallel rank. ``None`` picks the widest scope ``stats_from`` allows.
-        entropy_top_ratio: 20-Entropy: the fraction of highest-entropy response tokens that carry
-            the policy gradient.
-        seed: seed of the generator of the ``random`` strategy (offset by the step counter).
+            entropies the trainer computes once per step (no extra forward). ``current``: the
+            policy being updated (the paper's Algorithm 1): with ``scope=mini_batch``, one no-grad
+            forward of each mini-batch after the first; with ``scope=micro_batch``, the update's own
+            forward (needs ``actor.calculate_entropy=true``, which the driver sets).
+        scope: what the quantile (or the top-entropy rank) is pooled over. ``mini_batch``: the whole
+            PPO mini-batch, all micro-batches and data-parallel ranks; the mask is folded into the
+            mini-batch before verl counts its tokens. ``micro_batch``: the current micro-batch of
+            every data-parallel rank, inside the loss (20-Entropy's reference code). ``None``:
+            ``mini_batch``.
+        seed: seed of the generator of S2T's ``random`` strategy.
     """
 
-    loss_mode: str = "stapo"
-    tau_p: float = 0.002
-    q: float = 0.75
+    loss_mode: str = "vanilla"
+    token_selection: str = "none"
+    tau_p: float = DEFAULT_TAU_P
+    q: float = DEFAULT_Q
     strategy: str = "low_entropy"
+    entropy_top_ratio: float = 0.2
     stats_from: str = "rollout"
     scope: Optional[str] = None
-    entropy_top_ratio: float = 0.2
     seed: int = 0
 
     def __post_init__(self):
         def fail(key, value, expected):
             raise ValueError(f"{KEY_PREFIX}.{key}={value!r} is invalid: expected {expected}")
 
+        if self.loss_mode in _RETIRED_LOSS_MODES:
+            fail("loss_mode", self.loss_mode,
+                 f"a verl policy loss; token selection is its own key now: loss_mode=vanilla "
+                 f"token_selection={_RETIRED_LOSS_MODES[self.loss_mode]}")
         if not isinstance(self.loss_mode, str):
             fail("loss_mode", self.loss_mode, "a registered policy loss name")
-        if not _is_number(self.tau_p) or not 0.0 < self.tau_p < 1.0:
+        if self.token_selection not in TOKEN_SELECTIONS:
+            fail("token_selection", self.token_selection, f"one of {list(TOKEN_SELECTIONS)}")
+        if not is_number(self.tau_p) or not 0.0 < self.tau_p < 1.0:
             fail("tau_p", self.tau_p, "a probability in (0, 1)")
-        if not _is_number(self.q) or not 0.0 < self.q < 1.0:
+        if not is_number(self.q) or not 0.0 < self.q < 1.0:
             fail("q", self.q, "a quantile in (0, 1)")
         if self.strategy not in STRATEGIES:
             fail("strategy", self.strategy, f"one of {list(STRATEGIES)}")
+        if not is_number(self.entropy_top_ratio) or not 0.0 < self.entropy_top_ratio <= 1.0:
+            fail("entropy_top_ratio", self.entropy_top_ratio, "a fraction in (0, 1]")
         if self.stats_from not in STATS_FROM:
             fail("stats_from", self.stats_from, f"one of {list(STATS_FROM)}")
         if self.scope is not None and self.scope not in SCOPES:
             fail("scope", self.scope, f"one of {list(SCOPES)} or null")
-        if self.stats_from == "current" and self.scope == "mini_batch":
-            fail(
-                "scope",
-                self.scope,
-                "micro_batch (or null) with stats_from=current: current-policy statistics exist "
-                "only for the micro-batch being processed",
-            )
-        if not _is_number(self.entropy_top_ratio) or not 0.0 < self.entropy_top_ratio <= 1.0:
-            fail("entropy_top_ratio", self.entropy_top_ratio, "a fraction in (0, 1]")
-        if not isinstance(self.seed, int):
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             fail("seed", self.seed, "an integer")
 
-    @property
-    def resolved_scope(self) -> str:
-        """``scope`` with ``None`` resolved to the widest scope ``stats_from`` allows."""
-        if self.scope is not None:
-            return self.scope
-        return "mini_batch" if self.stats_from == "rollout" else "micro_batch"
+    # -- the decisions, each asked in one place --------------------------------------------------
 
     @property
     def selects_tokens(self) -> bool:
-        """True when this config's loss mode is one of ours (S2T or 20-Entropy)."""
-        return self.loss_mode in S2T_LOSS_MODES
+        """True when some response tokens may lose their gradient."""
+        return self.token_selection != "none"
 
+    @property
+    def resolved_scope(self) -> str:
+        """``scope`` with ``None`` resolved to ``mini_batch``."""
+        return self.scope or "mini_batch"
 
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    @property
+    def folds_into_mini_batch(self) -> bool:
+        """The actor folds the keep mask into each mini-batch before verl counts its tokens."""
+        return self.selects_tokens and self.resolved_scope == "mini_batch"
+
+    @property
+    def selects_in_loss(self) -> bool:
+        """The keep mask is computed per micro-batch, inside the loss wrapper."""
+        return self.selects_tokens and self.resolved_scope == "micro_batch"
+
+    @property
+    def needs_rollout_entropy(self) -> bool:
+        """The actor needs the rollout-time entropy in its batch: the statistic itself
+        (``stats_from=rollout``), or S2T's first mini-batch of a step (``current``, mini-batch
+        scope: the policy has not moved yet, so the rollout statistics are the current ones)."""
+        return self.selects_tokens and (self.stats_from == "rollout" or self.folds_into_mini_batch)
+
+    @property
+    def forwards_current_policy(self) -> bool:
+        """Each mini-batch after the first gets one extra no-grad forward of the current policy."""
+        return self.folds_into_mini_batch and self.stats_from == "current"
+
+    @property
+    def needs_update_entropy(self) -> bool:
+        """The update's forward must compute the entropy (``actor.calculate_entropy=true``)."""
+        return self.selects_in_loss and self.stats_from == "current"

@@ -4,20 +4,22 @@ How the patches reach every process (driver, task runner, Ray workers): the envi
 ``VERL_USE_EXTERNAL_MODULES=verl_patches``, which ``import verl`` reads in every process and
 imports. ``recipe.stapo.main_stapo`` sets it in the driver (local Ray workers inherit it) and the
 recipe YAML passes it to remote workers through ``ray_kwargs.ray_init.runtime_env.env_vars``. The
-config class ``verl_patches.config.S2TPolicyLossConfig`` (named by ``_target_``) imports this
+config class ``verl_patches.config.TokenSelectionLossConfig`` (named by ``_target_``) imports this
 package again wherever a config is built, which is harmless.
 
 What is patched, each at one place and never by editing verl's files:
 
-1. ``register_policy_loss``: adds ``stapo`` and ``entropy_topk`` (verl_patches.losses).
-2. ``verl.workers.engine_workers.ppo_loss`` -> ``ppo_loss_with_token_fields``: the same loss with
-   the entropies and the data-parallel group visible to the policy loss (verl binds this
-   module-level name in ``init_model``).
-3. ``TrainingWorker.train_batch`` (called once per mini-batch): folds the S2T / 20-Entropy mask
+1. ``verl.workers.engine_workers.ppo_loss`` -> ``ppo_loss_with_token_selection``: verl's loss, with
+   the micro-batch-scope selection and the guards for silenced mini-batches
+   (:mod:`verl_patches.losses`; verl binds this module-level name in ``init_model``).
+2. ``TrainingWorker.train_batch`` (called once per mini-batch): folds the S2T / 20-Entropy mask
    into ``response_mask`` and ``loss_mask`` before verl counts the mini-batch's loss tokens, when
-   the policy loss asks for ``scope=mini_batch``; its metrics join the step's actor metrics. When
-   the token dump is on (``recipe.token_dump.dir``), it also writes the candidate tokens of a few
-   sampled responses (:mod:`verl_patches.token_dump`).
+   the policy loss asks for ``scope=mini_batch`` (with ``stats_from=current``, after one no-grad
+   forward of the mini-batch under the current policy, from the second mini-batch of a step on);
+   its metrics join the step's actor metrics. When the token dump is on
+   (``recipe.token_dump.dir``), it also writes the candidate tokens of a few sampled responses
+   (:mod:`verl_patches.token_dump`).
+3. (removed: the recipe registers no policy loss; token selection composes with verl's own.)
 4. ``RayPPOTrainer._compute_old_log_prob`` (legacy trainer): keeps a copy of the rollout-time
    entropy in the batch as ``entropy`` (the legacy trainer drops ``entropys`` after logging it; the
    TransferQueue trainer already keeps ``entropy``).
@@ -48,9 +50,9 @@ def install() -> None:
         return
     from verl.workers import engine_workers
 
-    from . import losses  # noqa: F401  (registers the policy losses)
+    from . import losses
 
-    engine_workers.ppo_loss = losses.ppo_loss_with_token_fields
+    engine_workers.ppo_loss = losses.ppo_loss_with_token_selection
     engine_workers.TrainingWorker.train_batch = _with_mini_batch_selection(engine_workers.TrainingWorker.train_batch)
     engine_workers.TrainingWorker.set_loss_fn = _with_statistic_only_entropy(engine_workers.TrainingWorker.set_loss_fn)
     _patch_legacy_trainer()
@@ -102,13 +104,12 @@ def _with_statistic_only_entropy(set_loss_fn):
 
 def statistic_only_entropy(actor_config) -> bool:
     """True when the update's entropy serves only S2T's current statistics (no entropy bonus)."""
-    from .config import S2TPolicyLossConfig
+    from .config import TokenSelectionLossConfig
 
     policy_loss = getattr(actor_config, "policy_loss", None)
     return (
-        isinstance(policy_loss, S2TPolicyLossConfig)
-        and policy_loss.selects_tokens
-        and policy_loss.stats_from == "current"
+        isinstance(policy_loss, TokenSelectionLossConfig)
+        and policy_loss.needs_update_entropy
         and actor_config.entropy_coeff == 0
     )
 
@@ -118,11 +119,14 @@ def _with_mini_batch_selection(train_batch):
 
     from verl.utils import tensordict_utils as tu
 
+    from .config import TokenSelectionLossConfig
     from .token_dump import hook as token_dump, settings as token_dump_settings
-    from .token_selection import fold_into_mini_batch, uses_mini_batch_scope
+    from .token_dump.scoring import MiniBatchTracker
+    from .token_selection import fold_into_mini_batch
 
     if getattr(train_batch, "_stapo_wrapped", False):
         return train_batch
+    tracker = MiniBatchTracker()
 
     @functools.wraps(train_batch)  # keeps verl's dispatch attributes
     def wrapped(self, data, *args, **kwargs):
@@ -130,9 +134,14 @@ def _with_mini_batch_selection(train_batch):
         metrics = {}
         if isinstance(data, TensorDict):
             response_mask = data.get("response_mask", None)  # before any token is silenced
-            if uses_mini_batch_scope(cfg):
+            first = tracker.observe(bool(tu.get(data, "update_lr_scheduler", True)))
+            if isinstance(cfg, TokenSelectionLossConfig) and cfg.folds_into_mini_batch:
+                current = None
+                if cfg.forwards_current_policy and not first:
+                    current = current_policy_statistics(self, data)
                 metrics = fold_into_mini_batch(
-                    cfg, data, group=self.engine.get_data_parallel_group(), device=_engine_device(self.engine)
+                    cfg, data, group=self.engine.get_data_parallel_group(), device=_engine_device(self.engine),
+                    current=current,
                 )
             if token_dump_settings.enabled():
                 metrics.update(token_dump.dump_mini_batch(self, data, response_mask, cfg))
@@ -145,6 +154,28 @@ def _with_mini_batch_selection(train_batch):
 
     wrapped._stapo_wrapped = True
     return wrapped
+
+
+def current_policy_statistics(worker, data) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_prob, entropy)`` of the mini-batch's response tokens under the policy being updated:
+    one no-grad forward through verl's own inference path (``TrainingWorker.infer_batch``, the pass
+    that computes the old log-probs, with its micro-batch and token-budget settings), on a shallow
+    copy of the mini-batch so that nothing verl adds to it leaks into the update. Returned in the
+    mini-batch's layout of ``response_mask`` (jagged or padded)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import response_from_nested
+
+    view = data.copy()
+    for key in ("micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz"):
+        view.pop(key, None) if key in view.keys() else None
+    tu.assign_non_tensor(view, calculate_entropy=True, compute_loss=False)
+    output = worker.infer_batch(view)
+    mask = data["response_mask"]
+    log_prob, entropy = output["log_probs"], output["entropy"]
+    if mask.is_nested:
+        return response_from_nested(log_prob, mask), response_from_nested(entropy, mask)
+    width = mask.shape[1]
+    return log_prob[:, -width:], entropy[:, -width:]
 
 
 def _patch_legacy_trainer() -> None:
@@ -170,7 +201,7 @@ def _patch_legacy_trainer() -> None:
         metrics = {}
         if ROLLOUT_ENTROPY_FIELD in batch.batch.keys():
             metrics = entropy_quantile_metrics(batch.batch[ROLLOUT_ENTROPY_FIELD], batch.batch["response_mask"])
-            if not _needs_rollout_entropy(self.config.actor_rollout_ref.actor.policy_loss):
+            if not _policy_loss(self.config).needs_rollout_entropy:
                 batch.batch.pop(ROLLOUT_ENTROPY_FIELD)  # baselines: do not ship it to the actor
         output = original_update(self, batch)
         output.meta_info["metrics"].update(metrics)
@@ -227,9 +258,13 @@ def _bypasses_old_log_prob(config) -> bool:
     return bool(rollout_corr and rollout_corr.get("bypass_mode", False))
 
 
-def _needs_rollout_entropy(policy_loss_cfg) -> bool:
-    """True when the actor needs the rollout entropy: our loss modes with rollout statistics (the
-    driver holds the config as a DictConfig)."""
-    from .config import S2T_LOSS_MODES
+def _policy_loss(config):
+    """The driver's policy-loss settings as the recipe's dataclass (the driver holds a DictConfig)."""
+    from verl.utils.config import omega_conf_to_dataclass
 
-    return policy_loss_cfg.get("loss_mode") in S2T_LOSS_MODES and policy_loss_cfg.get("stats_from", "rollout") == "rollout"
+    from .config import TokenSelectionLossConfig
+
+    cfg = config.actor_rollout_ref.actor.policy_loss
+    if cfg.get("_target_", None) is None:
+        return TokenSelectionLossConfig(loss_mode=cfg.get("loss_mode", "vanilla"))
+    return omega_conf_to_dataclass(cfg)

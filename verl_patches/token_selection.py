@@ -1,14 +1,16 @@
 """Which response tokens carry policy gradient: S2T (STAPO) and 20-Entropy, on verl's tensors.
 
-Two places call :func:`select_tokens`:
+The selection is independent of the policy loss: it only shrinks the mask the loss runs over, so
+it composes with every loss mode verl registers. Two places call :func:`select_tokens`:
 
-* :func:`fold_into_mini_batch` (``scope=mini_batch``; ``stats_from=rollout``): once per mini-batch,
-  in the actor worker, before verl counts the mini-batch's loss tokens. The keep mask is folded
-  into ``response_mask`` and ``loss_mask``, so verl's own ``batch_num_tokens`` (the token-mean
-  denominator, all-reduced over data-parallel ranks) counts only the tokens that remain: the loss
-  is exactly the paper's ``sum(M * L) / sum(M)`` over the mini-batch, whatever the micro-batch size
-  or the number of ranks.
-* the registered policy losses (``scope=micro_batch``): once per micro-batch, inside the loss,
+* :func:`fold_into_mini_batch` (``scope=mini_batch``): once per mini-batch, in the actor worker,
+  before verl counts the mini-batch's loss tokens. The keep mask is folded into ``response_mask``
+  and ``loss_mask``, so verl's own ``batch_num_tokens`` (the token-mean denominator, all-reduced
+  over data-parallel ranks) counts only the tokens that remain: the loss is exactly the paper's
+  ``sum(M * L) / sum(M)`` over the mini-batch, whatever the micro-batch size or the number of
+  ranks. For the seq-mean modes, verl's sequence count is replaced by the count of sequences that
+  keep at least one token: a fully silenced sequence drops out instead of contributing 0.
+* the loss wrapper (``scope=micro_batch``, :mod:`verl_patches.losses`): once per micro-batch,
   pooled over the data-parallel group's current micro-batches.
 
 verl stores per-token fields either padded ``(batch, resp_len)`` (legacy trainer) or as jagged
@@ -25,14 +27,17 @@ import torch
 
 from stapo_core import s2t_mask, top_entropy_mask
 
-from .config import S2TPolicyLossConfig
+from .config import TokenSelectionLossConfig
 
 #: metric prefixes, after verl adds "actor/": actor/s2t/..., actor/entropy_topk/...
 S2T_METRIC_PREFIX = "s2t/"
 TOPK_METRIC_PREFIX = "entropy_topk/"
 
-#: the batch field that carries the rollout-time (old-policy) entropy to the actor
+#: the batch field that carries the rollout-time (old-policy) entropy to the actor (verl's own name
+#: in the TransferQueue trainer; the legacy trainer's copy gets the same name)
 ROLLOUT_ENTROPY_FIELD = "entropy"
+#: aggregation modes whose denominator counts sequences (verl's ``global_batch_size``)
+SEQ_MEAN_MODES = ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 #: verl's field of sum_n pi_n^2 per token (rollout time, with actor.calculate_sum_pi_squared=true)
 SUM_PI_SQUARED_FIELD = "sum_pi_squared"
 
@@ -61,7 +66,7 @@ class Selection:
 
 
 def select_tokens(
-    cfg: S2TPolicyLossConfig,
+    cfg: TokenSelectionLossConfig,
     *,
     log_prob: torch.Tensor,
     entropy: torch.Tensor,
@@ -69,13 +74,13 @@ def select_tokens(
     response_mask: torch.Tensor,
     group=None,
 ) -> Selection:
-    """The tokens ``cfg.loss_mode`` keeps: S2T (``stapo``) or the top-entropy rank (``entropy_topk``).
+    """The tokens ``cfg.token_selection`` keeps: S2T (``s2t``) or the top-entropy rank (``entropy_topk``).
 
     Args:
         log_prob, entropy, advantages, response_mask: ``(batch, resp_len)`` padded tensors.
         group: data-parallel process group to pool the statistic over (None: this process only).
     """
-    if cfg.loss_mode == "stapo":
+    if cfg.token_selection == "s2t":
         rank = torch.distributed.get_rank(group) if group is not None else 0
         generator = _generator(cfg.seed * 1_000_003 + rank, log_prob.device) if cfg.strategy == "random" else None
         result = s2t_mask(
@@ -92,7 +97,7 @@ def select_tokens(
         metrics = {S2T_METRIC_PREFIX + k: float(v) for k, v in result.stats.items() if not math.isnan(float(v))}
         tokens = float(result.stats["tokens"])
         return Selection(result.keep, tokens, tokens - float(result.stats["silenced"]), metrics)
-    if cfg.loss_mode == "entropy_topk":
+    if cfg.token_selection == "entropy_topk":
         keep = top_entropy_mask(entropy, response_mask, ratio=cfg.entropy_top_ratio, group=group)
         counts = torch.stack([response_mask.float().sum(), keep.sum()])
         if group is not None:
@@ -104,7 +109,7 @@ def select_tokens(
             TOPK_METRIC_PREFIX + "kept_frac": kept / max(tokens, 1.0),
         }
         return Selection(keep, tokens, kept, metrics)
-    raise ValueError(f"select_tokens: loss_mode {cfg.loss_mode!r} selects no tokens")
+    raise ValueError(f"select_tokens: token_selection {cfg.token_selection!r} selects no tokens")
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,27 +143,28 @@ def multiply_like(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def uses_mini_batch_scope(cfg) -> bool:
-    return isinstance(cfg, S2TPolicyLossConfig) and cfg.selects_tokens and cfg.resolved_scope == "mini_batch"
-
-
-def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None, device=None) -> dict[str, float]:
+def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device=None,
+                         current: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> dict[str, float]:
     """Silence tokens of one mini-batch in place, before verl counts its loss tokens.
 
     ``data`` is the mini-batch TensorDict one data-parallel rank holds; ``group`` the data-parallel
-    group (the mini-batch is the union of every rank's part). Uses the rollout-time statistics:
-    ``old_log_probs`` and the ``entropy`` field kept by :mod:`verl_patches.install`.
-    Multiplies ``response_mask`` and ``loss_mask`` by the keep mask and returns the metrics.
+    group (the mini-batch is the union of every rank's part). The statistics are ``current`` =
+    ``(log_prob, entropy)`` of the policy being updated (padded ``(batch, resp_len)``, from a no-grad
+    forward of this mini-batch) when given, else the rollout-time ones: ``old_log_probs`` and the
+    ``entropy`` field kept by :mod:`verl_patches.install`. Multiplies ``response_mask`` and
+    ``loss_mask`` by the keep mask, sets verl's ``global_batch_size`` to the sequences that keep a
+    token (seq-mean modes), and returns the metrics.
     ``device``: where to compute (the engine's device: collectives over verl's data-parallel group
     may only accept device tensors, as verl's own ``batch_num_tokens`` all-reduce assumes); the
     mini-batch itself stays where it is.
     """
-    missing = [k for k in ("response_mask", "old_log_probs", "advantages", ROLLOUT_ENTROPY_FIELD) if k not in data]
+    needed = ["response_mask", "advantages"] + ([] if current is not None else ["old_log_probs", ROLLOUT_ENTROPY_FIELD])
+    missing = [k for k in needed if k not in data]
     if missing:
         raise KeyError(
-            f"S2T (stats_from=rollout, scope=mini_batch) needs the fields {missing} in the actor's "
-            "mini-batch; the rollout entropy is kept by verl_patches.install: is "
-            "VERL_USE_EXTERNAL_MODULES=verl_patches set in the driver?"
+            f"token selection (scope=mini_batch) needs the fields {missing} in the actor's mini-batch; "
+            "the rollout entropy is kept by verl_patches.install: is VERL_USE_EXTERNAL_MODULES=verl_patches "
+            "set in the driver?"
         )
     response_mask = data["response_mask"]
     width = to_padded(response_mask).shape[1]
@@ -166,17 +172,20 @@ def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None, device=None
     def field(name: str) -> torch.Tensor:
         return to_padded(data[name], width).to(device).float()
 
-    mask, log_prob = field("response_mask"), field("old_log_probs")
+    mask = field("response_mask")
+    if current is None:
+        log_prob, entropy = field("old_log_probs"), field(ROLLOUT_ENTROPY_FIELD)
+    else:
+        log_prob, entropy = (to_padded(t, width)[:, :width].to(device).float() for t in current)
     selection = select_tokens(
-        cfg,
-        log_prob=log_prob,
-        entropy=field(ROLLOUT_ENTROPY_FIELD),
-        advantages=field("advantages"),
-        response_mask=mask,
-        group=group,
+        cfg, log_prob=log_prob, entropy=entropy, advantages=field("advantages"), response_mask=mask, group=group
     )
     metrics = dict(selection.metrics)
-    if SUM_PI_SQUARED_FIELD in data and cfg.loss_mode == "stapo":
+    if current is not None and "old_log_probs" in data and ROLLOUT_ENTROPY_FIELD in data:
+        rollout = select_tokens(cfg, log_prob=field("old_log_probs"), entropy=field(ROLLOUT_ENTROPY_FIELD),
+                                advantages=field("advantages"), response_mask=mask, group=group)
+        metrics.update(rollout_agreement(cfg, selection.keep, rollout.keep, mask, group))
+    if SUM_PI_SQUARED_FIELD in data and cfg.token_selection == "s2t" and current is None:
         metrics.update(
             grad_norm_metrics(
                 log_prob=log_prob,
@@ -190,7 +199,38 @@ def fold_into_mini_batch(cfg: S2TPolicyLossConfig, data, group=None, device=None
     data["response_mask"] = multiply_like(response_mask, keep)
     if "loss_mask" in data:
         data["loss_mask"] = multiply_like(data["loss_mask"], keep)
+    _count_remaining_sequences(data, mask * selection.keep, group)
     return metrics
+
+
+def _count_remaining_sequences(data, kept: torch.Tensor, group) -> None:
+    """Set verl's ``global_batch_size`` (the seq-mean denominator) to the number of sequences of the
+    mini-batch, over every rank, that keep at least one token."""
+    from verl.utils import tensordict_utils as tu
+
+    if tu.get(data, "global_batch_size", None) is None:
+        return
+    count = (kept.sum(-1) > 0).sum().double()
+    if group is not None:
+        torch.distributed.all_reduce(count, group=group)
+    tu.assign_non_tensor(data, global_batch_size=max(int(count.item()), 1))
+
+
+def rollout_agreement(cfg, keep_current: torch.Tensor, keep_rollout: torch.Tensor, response_mask: torch.Tensor,
+                      group=None) -> dict[str, float]:
+    """How far current-policy statistics drift from rollout ones (diagnostic).
+
+    ``s2t/rollout_agreement`` (``entropy_topk/rollout_agreement``): |A & B| / |A | B| of the tokens
+    dropped with current statistics (A) and with rollout statistics (B), pooled over ``group``;
+    1.0 when both drop nothing.
+    """
+    dropped_now, dropped_rollout = response_mask * (1 - keep_current), response_mask * (1 - keep_rollout)
+    counts = torch.stack([(dropped_now * dropped_rollout).sum(), torch.maximum(dropped_now, dropped_rollout).sum()])
+    if group is not None:
+        torch.distributed.all_reduce(counts, group=group)
+    both, either = counts.tolist()
+    prefix = S2T_METRIC_PREFIX if cfg.token_selection == "s2t" else TOPK_METRIC_PREFIX
+    return {prefix + "rollout_agreement": 1.0 if either == 0 else both / either}
 
 
 def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, group=None) -> dict[str, float]:

@@ -146,14 +146,13 @@ def _response_logits(engine, input_ids: torch.Tensor, position_ids: torch.Tensor
 
 def _loss_settings(cfg) -> tuple[float, float, str, bool]:
     """``(tau_p, q, strategy, s2t_in_loss)`` of the dump for the policy-loss config ``cfg``."""
-    from ..config import S2TPolicyLossConfig
-    from ..token_selection import uses_mini_batch_scope
+    from ..config import TokenSelectionLossConfig
 
     tau_p = float(getattr(cfg, "tau_p", DEFAULT_TAU_P))
     q = float(getattr(cfg, "q", DEFAULT_Q))
-    is_s2t = isinstance(cfg, S2TPolicyLossConfig) and cfg.loss_mode == "stapo"
+    is_s2t = isinstance(cfg, TokenSelectionLossConfig) and cfg.token_selection == "s2t"
     strategy = cfg.strategy if is_s2t and cfg.strategy in ("low_entropy", "high_entropy") else "low_entropy"
-    return tau_p, q, strategy, is_s2t and not uses_mini_batch_scope(cfg)
+    return tau_p, q, strategy, is_s2t and cfg.selects_in_loss
 
 
 def _uids_and_indices(data, batch: int, step: int, rank: int) -> tuple[list, list]:
