@@ -19,7 +19,7 @@ micro-batch):
 3. ``stats_from=rollout`` modes: ``fold_into_mini_batch`` (the S2T / top-entropy mask folded into
    the mini-batch from the rollout log-probs and entropies, as the actor does once per mini-batch);
 4. verl's token count ``batch_num_tokens = sum(loss_mask)`` (every mode), then
-   ``verl_patches.losses.ppo_loss_with_token_fields`` (verl's ``ppo_loss`` as installed) and
+   ``verl_patches.losses.ppo_loss_with_token_selection`` (verl's ``ppo_loss`` as installed) and
    ``loss.backward()``.
 
 Modes (:data:`MODES`): ``vanilla`` (JustRL), ``vanilla+entropy`` (JustRL with verl's own entropy
@@ -109,7 +109,8 @@ class Mode:
     role: str = ""
 
 
-_CURRENT = ("actor_rollout_ref.actor.policy_loss.stats_from=current", "actor_rollout_ref.actor.calculate_entropy=true")
+_CURRENT = ("actor_rollout_ref.actor.policy_loss.stats_from=current", "actor_rollout_ref.actor.policy_loss.scope=micro_batch",
+            "actor_rollout_ref.actor.calculate_entropy=true")
 _CURRENT_TARGET = Target(1.10, "vanilla+entropy")
 
 MODES = {
@@ -118,7 +119,7 @@ MODES = {
         Mode("vanilla", ("method=justrl",), role="reference (JustRL)"),
         Mode("vanilla+entropy", ("method=justrl", "actor_rollout_ref.actor.calculate_entropy=true"), entropy="grad",
              role="reference (verl's entropy)"),
-        Mode("stapo-rollout", ("method=stapo",), fold=True, rollout_entropy=True, target=Target(1.02, "vanilla")),
+        Mode("stapo-rollout", ("method=stapo", "actor_rollout_ref.actor.policy_loss.stats_from=rollout"), fold=True, rollout_entropy=True, target=Target(1.02, "vanilla")),
         Mode("stapo-current", ("method=stapo", *_CURRENT), entropy="grad", target=_CURRENT_TARGET),
         Mode("stapo-current-nograd", ("method=stapo", *_CURRENT), entropy="nograd", target=_CURRENT_TARGET,
              role="proposed fix"),
@@ -311,7 +312,7 @@ def loss_step(mode: Mode, inputs: LossInputs, data, entropy_fn: Callable) -> tor
     """One forward + backward of the policy-loss path (module docstring, steps 1-4). Returns the loss."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.torch_functional import logprobs_from_logits
-    from verl_patches.losses import ppo_loss_with_token_fields
+    from verl_patches.losses import ppo_loss_with_token_selection
     from verl_patches.token_selection import fold_into_mini_batch
 
     config = actor_config(mode.name)
@@ -328,7 +329,7 @@ def loss_step(mode: Mode, inputs: LossInputs, data, entropy_fn: Callable) -> tor
     elif mode.entropy == "candidates":
         model_output["entropy"] = candidate_entropy(logits, model_output["log_probs"], inputs.flat_positive,
                                                     config.policy_loss.tau_p, entropy_fn)
-    loss, _ = ppo_loss_with_token_fields(config=config, model_output=model_output, data=data)
+    loss, _ = ppo_loss_with_token_selection(config=config, model_output=model_output, data=data)
     loss.backward()
     return loss.detach()
 

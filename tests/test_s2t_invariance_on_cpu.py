@@ -21,7 +21,7 @@ import verl_patches  # noqa: F401
 from recipe.stapo.config_utils import compose
 from verl.utils.config import omega_conf_to_dataclass
 from verl_batch import flat_model_output, micro_batch, right_padded_mask
-from verl_patches.losses import ppo_loss_with_token_fields
+from verl_patches.losses import ppo_loss_with_token_selection
 from verl_patches.token_selection import fold_into_mini_batch
 
 B, R = 8, 10
@@ -60,7 +60,7 @@ def engine_step(config, rows, micro_size, group=None, dp_size=1, seed=0):
         sl = slice(start, start + micro_size)
         mb = micro_batch(folded[sl], old[sl], adv[sl], valid=mask[sl], dp_size=dp_size,
                          batch_num_tokens=int(batch_num_tokens), global_batch_size=B)
-        loss, _ = ppo_loss_with_token_fields(
+        loss, _ = ppo_loss_with_token_selection(
             config=config, model_output={"log_probs": flat_model_output(lp[sl], mask[sl])}, data=mb, dp_group=group
         )
         loss.backward()

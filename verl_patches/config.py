@@ -30,6 +30,9 @@ TOKEN_SELECTIONS = ("none", "s2t", "entropy_topk")
 STATS_FROM = ("rollout", "current")
 #: what the statistic is pooled over: the whole PPO mini-batch, or one micro-batch of every rank
 SCOPES = ("mini_batch", "micro_batch")
+#: verl losses that normalise by their own per-micro-batch counts (not verl's mini-batch counts), so
+#: the micro-batch scope's re-weighting does not give the mean over the remaining tokens
+LOCAL_NORMALISING_LOSS_MODES = ("geo_mean", "sapo")
 #: loss modes of earlier versions of this recipe, now a loss mode + a token selection
 _RETIRED_LOSS_MODES = {"stapo": "s2t", "entropy_topk": "entropy_topk"}
 
@@ -98,6 +101,9 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             fail("stats_from", self.stats_from, f"one of {list(STATS_FROM)}")
         if self.scope is not None and self.scope not in SCOPES:
             fail("scope", self.scope, f"one of {list(SCOPES)} or null")
+        if self.selects_in_loss and self.loss_mode in LOCAL_NORMALISING_LOSS_MODES:
+            fail("scope", self.scope, f"mini_batch (or null) with loss_mode={self.loss_mode}: it normalises per "
+                 "micro-batch itself, so only the mini-batch fold gives the mean over the remaining tokens")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             fail("seed", self.seed, "an integer")
 

@@ -160,22 +160,18 @@ def current_policy_statistics(worker, data) -> tuple[torch.Tensor, torch.Tensor]
     """``(log_prob, entropy)`` of the mini-batch's response tokens under the policy being updated:
     one no-grad forward through verl's own inference path (``TrainingWorker.infer_batch``, the pass
     that computes the old log-probs, with its micro-batch and token-budget settings), on a shallow
-    copy of the mini-batch so that nothing verl adds to it leaks into the update. Returned in the
-    mini-batch's layout of ``response_mask`` (jagged or padded)."""
+    copy of the mini-batch so that nothing verl adds to it leaks into the update. Returned padded
+    ``(batch, max_response_len)``, as verl's loss sees them."""
     from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import response_from_nested
+    from verl.workers.utils.padding import no_padding_2_padding
 
     view = data.copy()
     for key in ("micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz"):
-        view.pop(key, None) if key in view.keys() else None
+        if key in view.keys():  # set by train_batch for the update pass; infer_batch sets its own
+            view.pop(key)
     tu.assign_non_tensor(view, calculate_entropy=True, compute_loss=False)
     output = worker.infer_batch(view)
-    mask = data["response_mask"]
-    log_prob, entropy = output["log_probs"], output["entropy"]
-    if mask.is_nested:
-        return response_from_nested(log_prob, mask), response_from_nested(entropy, mask)
-    width = mask.shape[1]
-    return log_prob[:, -width:], entropy[:, -width:]
+    return no_padding_2_padding(output["log_probs"], data), no_padding_2_padding(output["entropy"], data)
 
 
 def _patch_legacy_trainer() -> None:
