@@ -403,3 +403,13 @@ def test_run_config_records_the_benchmark_data(tmp_path):
     assert stored["data"]["aime24"]["sha256"] == hashlib.sha256((bench / "aime24.parquet").read_bytes()).hexdigest()
     assert stored["data"]["aime24"]["problems"] == 5
     assert stored["data_manifest_sha256"] == hashlib.sha256((bench / "manifest.json").read_bytes()).hexdigest()
+
+
+def test_old_format_verdicts_are_refused_before_any_generation(tmp_path):
+    bench = _bench_dir(tmp_path / "bench", _fixture_rows())
+    old = JsonlStore(tmp_path / "out" / "verifier" / "aime24__train.jsonl")
+    old.append([{"problem_index": 0, "sample": 0, "verifier_correct": True}])  # no identity: previous version
+    backend = CountingScripted(_answers(bench))
+    with pytest.raises(ValueError, match=r"verifier/aime24__train\.jsonl.*new --out"):
+        run_evaluation(_scripted_config(bench, tmp_path / "out"), lambda: backend, verifier=AcceptAll())
+    assert backend.calls == 0
