@@ -413,3 +413,14 @@ def test_old_format_verdicts_are_refused_before_any_generation(tmp_path):
     with pytest.raises(ValueError, match=r"verifier/aime24__train\.jsonl.*new --out"):
         run_evaluation(_scripted_config(bench, tmp_path / "out"), lambda: backend, verifier=AcceptAll())
     assert backend.calls == 0
+
+
+def test_repeated_problem_id_in_a_benchmark_file_is_named(tmp_path):
+    import pandas as pd
+
+    bench = _bench_dir(tmp_path / "bench", _fixture_rows())
+    frame = pd.read_parquet(bench / "aime24.parquet")
+    frame.at[3, "extra_info"] = dict(frame.at[3, "extra_info"], id="b2")  # row 3 claims row 1's id
+    frame.to_parquet(bench / "aime24.parquet", index=False)
+    with pytest.raises(ValueError, match=r"aime24\.parquet: rows 1 and 3 .*'b2'"):
+        run_eval.load_problems(bench / "aime24.parquet")
