@@ -10,7 +10,7 @@ Each INPUT is a ``summary.json`` written by ``recipe.stapo.eval.run_eval`` (its 
 table in the paper's layout (``| model | method | AIME24 | ... | Avg |`` with cells
 ``"1.0/1.0 (0.7/0.9)"``, e.g. ``recipe/stapo/data/fixtures/paper_table2.md``).
 
-Headline (STAPO_SPEC.md section 6): per decoding setting, the mean over model scales of STAPO's
+Headline (the paper's evaluation protocol): per decoding setting, the mean over model scales of STAPO's
 relative gain ``100 * (Avg_STAPO - Avg_best) / Avg_best`` where ``Avg_best`` is the highest Avg
 among the other methods at that scale. The paper's printed Avg column is used when the input is
 a table (that reproduces its +7.13%); :func:`inconsistent_rows` lists rows whose printed Avg
