@@ -234,3 +234,193 @@ def test_verifier_helpers(tmp_path):
     with pytest.raises(ValueError, match="llm_response"):
         load_prompt_template(str(bad))
     assert "{llm_response}" in load_prompt_template(None)
+
+
+# ----------------------------------------------------------------------------------------------
+# resume identity: saved samples belong to problems by (id, prompt hash), never by row position
+# ----------------------------------------------------------------------------------------------
+def _fixture_rows():
+    return [json.loads(line) for line in (FIXTURES / "bench_sample.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _bench_dir(root, rows, names=("aime24",), manifest=False):
+    """Prepared benchmark folder built from ``rows`` (source-dataset dicts) for each name."""
+    root.mkdir(parents=True, exist_ok=True)
+    source = root / "source.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    results = [prepare.prepare_dataset(prepare.BENCHMARK_SPECS[n], root / f"{n}.parquet", str(source)) for n in names]
+    if manifest:
+        prepare.update_manifest(root, results)
+    return root
+
+
+class CountingScripted(ScriptedBackend):
+    """ScriptedBackend that counts the completions it is asked for."""
+
+    def __init__(self, answers):
+        super().__init__(answers)
+        self.calls = 0
+
+    def generate(self, prompts, seeds, sampling):
+        self.calls += len(prompts)
+        return super().generate(prompts, seeds, sampling)
+
+
+def _answers(bench_dir, name="aime24"):
+    return {p.messages[-1]["content"]: p.ground_truth for p in run_eval.load_problems(Path(bench_dir) / f"{name}.parquet")}
+
+
+def _scripted_config(bench_dir, out, **overrides):
+    values = dict(
+        model="scripted", benchmarks_dir=str(bench_dir), out=str(out), benchmarks=("aime24",),
+        n_samples={"aime24": 6}, max_new_tokens=6, backend="hf", batch_size=4, seed=7, decodings=("train",),
+    )
+    values.update(overrides)
+    return EvalConfig(**values)
+
+
+def _file_bytes(out):
+    return {p.relative_to(out): p.read_bytes() for p in sorted(Path(out).rglob("*.jsonl"))}
+
+
+def test_resume_on_reordered_data_matches_samples_by_problem_not_row(tmp_path):
+    rows = _fixture_rows()
+    forward = _bench_dir(tmp_path / "forward", rows)
+    reverse = _bench_dir(tmp_path / "reverse", rows[::-1])
+    answers = _answers(forward)
+    run_evaluation(_scripted_config(forward, tmp_path / "out"), lambda: ScriptedBackend(answers))
+    saved = _file_bytes(tmp_path / "out")
+    resumed_backend = CountingScripted(answers)
+    resumed = run_evaluation(_scripted_config(reverse, tmp_path / "out"), lambda: resumed_backend)
+    fresh = run_evaluation(_scripted_config(reverse, tmp_path / "fresh"), lambda: ScriptedBackend(answers))
+    assert resumed_backend.calls == 0  # every saved sample is reused
+    assert _file_bytes(tmp_path / "out") == saved  # and nothing on disk was touched
+    assert resumed == fresh
+    # the closed form (ScriptedBackend is right exactly when seed % 3 == 0; seeds follow the problem id)
+    problems = run_eval.load_problems(reverse / "aime24.parquet")
+    expected = 100.0 * sum(sum(sample_seed(7, "aime24", "train", p.problem_id, s) % 3 == 0 for s in range(6)) / 6 for p in problems) / len(problems)
+    assert resumed["decodings"]["train"]["benchmarks"]["aime24"]["rule_mean_at_n"] == pytest.approx(expected, abs=1e-9)
+
+
+@pytest.mark.parametrize("change", ["edited_prompt", "other_problem"])
+def test_resume_on_different_problems_is_refused_and_keeps_the_samples(tmp_path, change):
+    rows = _fixture_rows()
+    original = _bench_dir(tmp_path / "original", rows)
+    changed_rows = [dict(r) for r in rows]
+    if change == "edited_prompt":
+        changed_rows[2]["problem"] = "Simplify $\\frac{6}{9}$."  # same id b3, another problem
+        culprit = "b3"
+    else:
+        changed_rows[1] = {"id": "x9", "problem": "What is $2+2$?", "answer": "4"}  # b2 gone, x9 new
+        culprit = "b2"
+    changed = _bench_dir(tmp_path / "changed", changed_rows)
+    run_evaluation(_scripted_config(original, tmp_path / "out"), lambda: ScriptedBackend(_answers(original)))
+    saved = _file_bytes(tmp_path / "out")
+    summary_before = (tmp_path / "out" / "summary.json").read_bytes()
+    backend = CountingScripted(_answers(changed))
+    with pytest.raises(ValueError) as info:
+        run_evaluation(_scripted_config(changed, tmp_path / "out"), lambda: backend)
+    message = str(info.value)
+    assert "aime24" in message and repr(culprit) in message and "--out" in message
+    assert backend.calls == 0
+    assert _file_bytes(tmp_path / "out") == saved
+    assert (tmp_path / "out" / "summary.json").read_bytes() == summary_before
+
+
+def test_old_format_samples_without_identity_are_refused(tmp_path):
+    bench = _bench_dir(tmp_path / "bench", _fixture_rows())
+    problems = run_eval.load_problems(bench / "aime24.parquet")
+    old = JsonlStore(tmp_path / "out" / "generations" / "aime24__train.jsonl")
+    old.append([  # what the previous version wrote: no hash of the problem
+        {"problem_index": p.index, "problem_id": p.problem_id, "sample": 0, "seed": sample_seed(7, "aime24", "train", p.problem_id, 0),
+         "response": "\\boxed{1}", "num_tokens": 3, "finish_reason": "stop"}
+        for p in problems
+    ])
+    before = old.path.read_bytes()
+    backend = CountingScripted(_answers(bench))
+    with pytest.raises(ValueError, match=r"aime24__train\.jsonl.*new --out"):
+        run_evaluation(_scripted_config(bench, tmp_path / "out"), lambda: backend)
+    assert backend.calls == 0 and old.path.read_bytes() == before
+
+
+def test_resume_with_added_problems_generates_only_the_new_ones(tmp_path):
+    rows = _fixture_rows()
+    small = _bench_dir(tmp_path / "small", rows[:3])
+    full = _bench_dir(tmp_path / "full", rows[::-1])  # two more problems, and another order
+    answers = _answers(full)
+    run_evaluation(_scripted_config(small, tmp_path / "out"), lambda: ScriptedBackend(answers))
+    backend = CountingScripted(answers)
+    resumed = run_evaluation(_scripted_config(full, tmp_path / "out"), lambda: backend)
+    assert backend.calls == 2 * 6
+    assert resumed == run_evaluation(_scripted_config(full, tmp_path / "fresh"), lambda: ScriptedBackend(answers))
+
+
+def test_smaller_limit_in_the_same_out_reuses_samples(tmp_path):
+    bench = _bench_dir(tmp_path / "bench", _fixture_rows())
+    answers = _answers(bench)
+    run_evaluation(_scripted_config(bench, tmp_path / "out"), lambda: ScriptedBackend(answers))
+    backend = CountingScripted(answers)
+    limited = run_evaluation(_scripted_config(bench, tmp_path / "out", limit=2), lambda: backend)
+    assert backend.calls == 0
+    assert limited == run_evaluation(_scripted_config(bench, tmp_path / "fresh", limit=2), lambda: ScriptedBackend(answers))
+
+
+class AcceptIfGold(AnswerVerifier):
+    """Accepts every response to a problem whose reference answer is ``gold``; counts its calls."""
+
+    name = "accept-if-gold"
+
+    def __init__(self, gold):
+        self.gold, self.seen = gold, 0
+
+    def verify(self, items):
+        self.seen += len(items)
+        return [item.gold_answer == self.gold for item in items]
+
+
+def test_verifier_cache_follows_the_problem_and_its_answer(tmp_path):
+    rows = _fixture_rows()
+    original = _bench_dir(tmp_path / "original", rows)
+    fixed = [dict(r) for r in rows][::-1]
+    fixed[-2]["answer"] = "8"  # b2's reference answer corrected (same prompt), and the rows reversed
+    fixed_dir = _bench_dir(tmp_path / "fixed", fixed)
+    answers = _answers(original)
+    run_evaluation(_scripted_config(original, tmp_path / "out"), lambda: ScriptedBackend(answers), verifier=AcceptIfGold("7"))
+    again = AcceptIfGold("7")
+    resumed = run_evaluation(_scripted_config(fixed_dir, tmp_path / "out"), lambda: ScriptedBackend(answers), verifier=again)
+    fresh = run_evaluation(_scripted_config(fixed_dir, tmp_path / "fresh"), lambda: ScriptedBackend(answers), verifier=AcceptIfGold("7"))
+    assert resumed == fresh
+    # only b2's samples are judged again (all 6 fail the rule now: the scripted answer is the old "7")
+    assert again.seen == 6
+
+
+def test_run_config_records_the_benchmark_data(tmp_path):
+    import hashlib
+
+    bench = _bench_dir(tmp_path / "bench", _fixture_rows(), manifest=True)
+    run_evaluation(_scripted_config(bench, tmp_path / "out"), lambda: ScriptedBackend(_answers(bench)))
+    stored = json.loads((tmp_path / "out" / "run_config.json").read_text())
+    assert stored["data"]["aime24"]["sha256"] == hashlib.sha256((bench / "aime24.parquet").read_bytes()).hexdigest()
+    assert stored["data"]["aime24"]["problems"] == 5
+    assert stored["data_manifest_sha256"] == hashlib.sha256((bench / "manifest.json").read_bytes()).hexdigest()
+
+
+def test_old_format_verdicts_are_refused_before_any_generation(tmp_path):
+    bench = _bench_dir(tmp_path / "bench", _fixture_rows())
+    old = JsonlStore(tmp_path / "out" / "verifier" / "aime24__train.jsonl")
+    old.append([{"problem_index": 0, "sample": 0, "verifier_correct": True}])  # no identity: previous version
+    backend = CountingScripted(_answers(bench))
+    with pytest.raises(ValueError, match=r"verifier/aime24__train\.jsonl.*new --out"):
+        run_evaluation(_scripted_config(bench, tmp_path / "out"), lambda: backend, verifier=AcceptAll())
+    assert backend.calls == 0
+
+
+def test_repeated_problem_id_in_a_benchmark_file_is_named(tmp_path):
+    import pandas as pd
+
+    bench = _bench_dir(tmp_path / "bench", _fixture_rows())
+    frame = pd.read_parquet(bench / "aime24.parquet")
+    frame.at[3, "extra_info"] = dict(frame.at[3, "extra_info"], id="b2")  # row 3 claims row 1's id
+    frame.to_parquet(bench / "aime24.parquet", index=False)
+    with pytest.raises(ValueError, match=r"aime24\.parquet: rows 1 and 3 .*'b2'"):
+        run_eval.load_problems(bench / "aime24.parquet")

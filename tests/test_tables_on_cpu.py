@@ -121,3 +121,111 @@ def test_bad_cell_is_named(tmp_path):
     bad.write_text("| model | method | AIME24 |\n|---|---|---|\n| 8B | X | 1.0 (oops) |\n")
     with pytest.raises(ValueError, match=r"line 3, column AIME24"):
         parse_markdown_table(bad.read_text(), str(bad))
+
+
+# ----------------------------------------------------------------------------------------------
+# partial, incomplete and non-finite inputs: refused, or (--allow-partial) marked and left out
+# ----------------------------------------------------------------------------------------------
+def _write(tmp_path, name, summary):
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(summary))  # json writes float("nan") as NaN, which json.loads reads back
+    return str(path)
+
+
+def _eight_b(tmp_path, grpo):
+    """8B: JustRL 40, STAPO 50 (both complete) and a GRPO summary at 45 given by ``grpo``."""
+    return [
+        _write(tmp_path, "justrl", _summary("8B", "JustRL", [40.0] * 6, [40.0] * 6)),
+        _write(tmp_path, "stapo", _summary("8B", "STAPO", [50.0] * 6, [50.0] * 6)),
+        _write(tmp_path, "grpo", grpo),
+    ]
+
+
+def _headline_line(text, label):
+    return next(l for l in text.splitlines() if l.startswith(f"Headline {label}"))
+
+
+def test_baseline_missing_a_benchmark_is_refused_or_named(tmp_path, capsys):
+    grpo = _summary("8B", "GRPO", [45.0] * 6, [45.0] * 6)
+    del grpo["decodings"]["train"]["benchmarks"]["aime25"]
+    paths = _eight_b(tmp_path, grpo)
+    with pytest.raises(ValueError, match=r"grpo\.json.*AIME25.*--allow-partial"):
+        load_inputs(paths)
+    assert tables.main(paths) == 2
+    assert "AIME25" in capsys.readouterr().err
+    rows = load_inputs(paths, allow_partial=True)
+    # the strongest complete baseline is JustRL: 50 vs 40 -> +25%, and GRPO is named as left out
+    assert headline(rows, "train")[0] == pytest.approx(25.0)
+    text = tables.report(rows)
+    line = _headline_line(text, "1.0/1.0")
+    assert "+25.00%" in line and "left out" in line and "8B GRPO" in line and "AIME25" in line
+    grpo_line = next(l for l in text.splitlines() if l.startswith("| 8B | GRPO"))
+    assert "†" in grpo_line and "**" not in grpo_line
+
+
+def test_smoke_summary_with_limit_is_refused_or_marked(tmp_path):
+    smoke = _summary("8B", "GRPO", [99.0] * 6, [99.0] * 6)
+    smoke["limit"] = 5
+    for block in smoke["decodings"].values():
+        block["complete"] = False
+    paths = _eight_b(tmp_path, smoke)
+    with pytest.raises(ValueError, match=r"grpo\.json.*limit=5"):
+        load_inputs(paths)
+    out = tmp_path / "t.md"
+    assert tables.main(paths + ["--allow-partial", "--out", str(out)]) == 0
+    text = out.read_text()
+    for label in ("1.0/1.0", "0.7/0.9"):  # the smoke row is not the "strongest baseline"
+        line = _headline_line(text, label)
+        assert "+25.00%" in line and "8B GRPO" in line and "limit=5" in line
+    assert "**99.00**" not in text  # a smoke row is never bolded as the best
+
+
+def test_summary_marked_incomplete_is_refused(tmp_path):
+    grpo = _summary("8B", "GRPO", [45.0] * 6, [45.0] * 6)
+    grpo["decodings"]["justrl"]["complete"] = False
+    with pytest.raises(ValueError, match=r"grpo\.json.*complete"):
+        load_inputs(_eight_b(tmp_path, grpo))
+
+
+def test_missing_decoding_is_refused(tmp_path):
+    grpo = _summary("8B", "GRPO", [45.0] * 6, [45.0] * 6)
+    del grpo["decodings"]["justrl"]
+    paths = _eight_b(tmp_path, grpo)
+    with pytest.raises(ValueError, match=r"grpo\.json.*0\.7/0\.9"):
+        load_inputs(paths)
+    rows = load_inputs(paths, allow_partial=True)
+    # its complete 1.0/1.0 results still count there: 50 vs 45
+    assert headline(rows, "train")[0] == pytest.approx(100 * 5 / 45)
+    assert headline(rows, "justrl")[0] == pytest.approx(25.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), "12.5"])
+def test_non_finite_value_is_refused_and_never_printed(tmp_path, bad):
+    stapo = _summary("8B", "STAPO", [50.0] * 6, [50.0] * 6)
+    stapo["decodings"]["train"]["benchmarks"]["minerva"]["mean_at_n"] = bad
+    paths = [
+        _write(tmp_path, "justrl", _summary("8B", "JustRL", [40.0] * 6, [40.0] * 6)),
+        _write(tmp_path, "stapo", stapo),
+    ]
+    with pytest.raises(ValueError, match=r"stapo\.json.*Minerva"):
+        load_inputs(paths)
+    out = tmp_path / "t.md"
+    assert tables.main(paths + ["--allow-partial", "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "nan" not in text.lower() and "inf" not in text.lower()
+    assert "n/a" in _headline_line(text, "1.0/1.0") and "8B STAPO" in _headline_line(text, "1.0/1.0")
+    assert "+25.00%" in _headline_line(text, "0.7/0.9")
+
+
+def test_markdown_row_with_a_missing_cell_is_refused(tmp_path):
+    table = PAPER.read_text().splitlines()
+    index = next(i for i, l in enumerate(table) if l.startswith("| 8B | 20-Entropy"))
+    cells = table[index].split("|")
+    cells[3] = " - (-) "  # AIME24 cell of the strongest 8B baseline
+    table[index] = "|".join(cells)
+    path = tmp_path / "t.md"
+    path.write_text("\n".join(table) + "\n")
+    with pytest.raises(ValueError, match=r"8B 20-Entropy.*AIME24"):
+        load_inputs([str(path)])
+    rows = load_inputs([str(path)], allow_partial=True)
+    assert "8B 20-Entropy" in _headline_line(tables.report(rows), "1.0/1.0")

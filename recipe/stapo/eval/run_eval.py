@@ -12,7 +12,12 @@ Outputs under ``OUT``: ``generations/<bench>__<decoding>.jsonl`` (one line per s
 and flushed as generated), ``verifier/<bench>__<decoding>.jsonl`` (verifier cache),
 ``run_config.json``, ``summary.json`` and ``summary.md``. Rerunning the same command resumes: only
 missing samples are generated; a run on a different model or setting in the same ``OUT`` is
-refused (``run_config.json`` names the key that differs).
+refused (``run_config.json`` names the key that differs). Saved samples are matched to problems by
+problem id and prompt hash, not by row: a resume on data with other problems (or records written
+by an older version, without that identity) is refused before anything is generated, naming the
+benchmark and the first problem that differs; the same problems reordered or with problems added
+resume correctly. ``run_config.json`` records the sha256 of each benchmark file and of the data's
+``manifest.json``.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from recipe.stapo.data.fileio import atomic_write_json, atomic_write_text
-from recipe.stapo.data.prepare import BENCHMARK_SPECS
+from recipe.stapo.data.fileio import atomic_write_json, atomic_write_text, sha256_file
+from recipe.stapo.data.prepare import BENCHMARK_SPECS, MANIFEST_NAME
 from recipe.stapo.eval.backends import GenerationBackend, SamplingConfig, build_backend
-from recipe.stapo.eval.generate import JsonlStore, Problem, generate_samples
+from recipe.stapo.eval.generate import JsonlStore, Problem, VerdictCache, generate_samples, saved_samples
 from recipe.stapo.eval.grade import apply_verifier, grade_rule, mean_at_n
 from recipe.stapo.eval.verifier import AnswerVerifier, build_verifier
 
@@ -84,7 +89,8 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
 
     Raises:
         FileNotFoundError: the file is missing (names it and the prepare command).
-        ValueError: a needed column or a row's field is missing (names file and row).
+        ValueError: a needed column or a row's field is missing, or two rows share a problem id
+            (names file and rows).
     """
     import pandas as pd
 
@@ -94,8 +100,9 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
     missing = [c for c in ("prompt", "reward_model", "extra_info") if c not in frame.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}")
-    problems = []
-    for index, row in enumerate(frame.to_dict(orient="records")[:limit]):
+    problems: list[Problem] = []
+    first_row: dict[str, int] = {}
+    for index, row in enumerate(frame.to_dict(orient="records")):
         try:
             messages = tuple({"role": str(m["role"]), "content": str(m["content"])} for m in row["prompt"])
             truth = str(row["reward_model"]["ground_truth"])
@@ -103,16 +110,46 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
             problem_id = str(extra.get("id", index))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{path}: row {index}: malformed prompt/reward_model/extra_info ({exc})") from exc
+        if problem_id in first_row:
+            raise ValueError(
+                f"{path}: rows {first_row[problem_id]} and {index} share the problem id {problem_id!r} "
+                "(ids identify problems and their samples); re-prepare the data"
+            )
+        first_row[problem_id] = index
         question = next((m["content"] for m in messages if m["role"] == "user"), messages[-1]["content"])
         problems.append(Problem(index, problem_id, messages, truth, question))
     if not problems:
         raise ValueError(f"{path}: no problems")
-    return problems
+    return problems[:limit]
 
 
-def check_run_config(out: Path, config: EvalConfig) -> None:
-    """Write ``run_config.json`` or check that a resumed run matches it.
+def data_fingerprint(benchmarks_dir: Path, catalogs: dict[str, list[Problem]]) -> dict:
+    """What ``run_config.json`` records about the benchmark data.
 
+    Returns:
+        ``{"data": {bench: {"file": name, "sha256": hex, "problems": rows}}, "data_manifest_sha256":
+        hex of ``manifest.json`` or None when the folder has none}``.
+    """
+    manifest = benchmarks_dir / MANIFEST_NAME
+    return {
+        "data": {
+            bench: {"file": f"{bench}.parquet", "sha256": sha256_file(benchmarks_dir / f"{bench}.parquet"), "problems": len(problems)}
+            for bench, problems in catalogs.items()
+        },
+        "data_manifest_sha256": sha256_file(manifest) if manifest.is_file() else None,
+    }
+
+
+def check_run_config(out: Path, config: EvalConfig, data: Optional[dict] = None, write: bool = True) -> None:
+    """Check that a resumed run matches ``run_config.json``, then (``write``) write it.
+
+    Args:
+        out: the output folder.
+        config: this run's settings.
+        data: :func:`data_fingerprint` of this run's benchmark data (recorded; a benchmark whose
+            file hash changed since the folder was made gets a note on stderr -- the saved samples
+            were already checked problem by problem).
+        write: False only checks.
     Raises:
         ValueError: a key in ``_FINGERPRINT_KEYS`` differs from the stored run (names it).
     """
@@ -120,14 +157,27 @@ def check_run_config(out: Path, config: EvalConfig) -> None:
 
     path = out / "run_config.json"
     current = {k: getattr(config, k) for k in _FINGERPRINT_KEYS}
-    if path.exists():
-        stored = json.loads(path.read_text())
-        for key in _FINGERPRINT_KEYS:
-            if key in stored and stored[key] != current[key]:
-                raise ValueError(
-                    f"{path}: this output folder was made with {key}={stored[key]!r}, not {current[key]!r}; "
-                    "use another --out or delete the folder"
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    for key in _FINGERPRINT_KEYS:
+        if key in stored and stored[key] != current[key]:
+            raise ValueError(
+                f"{path}: this output folder was made with {key}={stored[key]!r}, not {current[key]!r}; "
+                "use another --out or delete the folder"
+            )
+    if not write:
+        return
+    if data is not None:
+        data = dict(data, data={**stored.get("data", {}), **data["data"]})  # benchmarks of other runs are kept
+        for bench, entry in data["data"].items():
+            before = stored.get("data", {}).get(bench, {}).get("sha256")
+            if before is not None and before != entry["sha256"]:
+                print(
+                    f"note: {bench}: {entry['file']} differs from the file this folder was started with "
+                    f"(sha256 {before[:12]}... -> {entry['sha256'][:12]}...); its saved samples matched the "
+                    "problems of the new file by id and prompt",
+                    file=sys.stderr,
                 )
+        current.update(data)
     atomic_write_json(path, current)
 
 
@@ -193,8 +243,16 @@ def run_evaluation(
     config.validate()
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    check_run_config(out, config)
-    problems = {b: load_problems(Path(config.benchmarks_dir) / f"{b}.parquet", config.limit) for b in config.benchmarks}
+    check_run_config(out, config, write=False)
+    data_dir = Path(config.benchmarks_dir)
+    catalogs = {b: load_problems(data_dir / f"{b}.parquet") for b in config.benchmarks}
+    problems = {b: catalog[: config.limit] for b, catalog in catalogs.items()}
+    for decoding in config.decodings:  # every saved sample must belong to this data, before any work
+        for bench in config.benchmarks:
+            saved_samples(_store(out, "generations", bench, decoding), catalogs[bench], bench, decoding, config.seed, str(data_dir / f"{bench}.parquet"))
+            if verifier is not None or config.verifier != "none":
+                VerdictCache(_store(out, "verifier", bench, decoding), [], {}).load()  # refuses old-format verdicts
+    check_run_config(out, config, data_fingerprint(data_dir, catalogs))
     lazy = _LazyBackend(backend_factory or (lambda: build_backend(config.backend, config.model)))
     backend = _DeferredBackend(lazy)
     records = {}
@@ -205,6 +263,7 @@ def run_evaluation(
             records[bench, decoding] = generate_samples(
                 backend, problems[bench], config.n_samples[bench], sampling, _store(out, "generations", bench, decoding),
                 bench, decoding, config.seed, config.batch_size, after_batch,
+                catalog=catalogs[bench], data_label=str(data_dir / f"{bench}.parquet"),
             )
     lazy.release()
     if verifier is None and config.verifier != "none":  # built only now: the policy's GPU memory is free
@@ -234,7 +293,8 @@ def summarise(config: EvalConfig, problems: dict, records: dict, verifier: Optio
             recs, probs, n = records[bench, decoding], problems[bench], config.n_samples[bench]
             graded = grade_rule(recs, probs, config.reward_timeout_s, desc=f"grade {bench}/{decoding}")
             if verifier is not None:
-                graded = apply_verifier(graded, recs, probs, verifier, _store(out, "verifier", bench, decoding))
+                cache = VerdictCache(_store(out, "verifier", bench, decoding), probs, recs)
+                graded = apply_verifier(graded, recs, probs, verifier, cache)  # type: ignore[arg-type]
             used = [recs[p.index, s] for p in probs for s in range(n)]
             benches[bench] = {
                 "mean_at_n": mean_at_n(graded, probs, n),
