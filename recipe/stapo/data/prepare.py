@@ -40,7 +40,7 @@ from recipe.stapo.data.fileio import atomic_write, atomic_write_json, sha256_fil
 from recipe.stapo.reward.answers import MAX_GROUND_TRUTH_CHARS, ground_truth_problem
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
-"""Instruction appended to every problem (STAPO_SPEC.md section 5)."""
+"""Instruction appended to every problem (the paper's and JustRL's prompt)."""
 PROMPT_JOINER = "\n\n"
 MANIFEST_NAME = "manifest.json"
 TRAIN_DATA_SOURCE = "math_dapo"
@@ -108,7 +108,7 @@ BENCHMARK_SPECS: dict[str, SourceSpec] = {
         ),
     )
 }
-"""The six benchmarks (STAPO_SPEC.md section 6), in the paper's column order."""
+"""The six benchmarks of the paper's evaluation, in its Table 2 column order."""
 
 
 @dataclass
