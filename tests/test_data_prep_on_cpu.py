@@ -124,3 +124,56 @@ def test_bad_cli_arguments_are_clear(tmp_path):
     assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "aime99"]) == 2
     assert main(["bench", "--out-dir", str(tmp_path), "--source", "nonsense"]) == 2
     assert main(["train", "--out-dir", str(tmp_path), "--source", str(tmp_path / "missing.jsonl")]) == 2
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_train_never_takes_a_worked_solution_as_the_answer(tmp_path):
+    source = _write_jsonl(tmp_path / "math.jsonl", [
+        {"id": "s1", "problem": "What is 1 + 1?", "solution": "We add one and one, so the answer is $\\boxed{2}$."},
+        {"id": "s2", "problem": "What is 2 + 2?", "answer": "4"},
+    ])
+    with pytest.raises(ValueError) as err:
+        prepare.prepare_dataset(prepare.TRAIN_SPEC, tmp_path / "train.parquet", str(source))
+    assert "row 1: missing answer (looked for reward_model.ground_truth, answer)" in str(err.value)
+    assert "row 2" not in str(err.value) and not (tmp_path / "train.parquet").exists()
+
+
+LONGEST = "1" * prepare.MAX_GROUND_TRUTH_CHARS
+BAD_TRUTHS = [  # (answer cell, words the error names)
+    ([None], "NoneType"),
+    (True, "bool"),
+    (float("nan"), "non-finite"),  # Python's json reads the NaN literal
+    ({"value": 3}, "dict"),
+    ([], "empty list"),
+    (["7", None], "NoneType"),
+    ("9" * (prepare.MAX_GROUND_TRUTH_CHARS + 1), f"more than MAX_GROUND_TRUTH_CHARS={prepare.MAX_GROUND_TRUTH_CHARS}"),
+]
+
+
+def test_bad_ground_truths_are_errors_naming_file_row_and_problem(tmp_path):
+    rows = [{"id": "ok1", "problem": "p0", "answer": LONGEST}]
+    rows += [{"id": f"bad{i}", "problem": f"p{i}", "answer": value} for i, (value, _) in enumerate(BAD_TRUTHS, start=1)]
+    source = _write_jsonl(tmp_path / "amc.jsonl", rows)
+    with pytest.raises(ValueError) as err:
+        prepare.prepare_dataset(prepare.BENCHMARK_SPECS["amc23"], tmp_path / "amc23.parquet", str(source))
+    message = str(err.value)
+    assert str(source.resolve()) in message and f"{len(BAD_TRUTHS)} invalid row(s)" in message
+    for row, (_, words) in enumerate(BAD_TRUTHS, start=2):
+        line = next(line for line in message.splitlines() if f": row {row}: " in line)
+        assert "invalid answer (field answer)" in line and words in line, line
+    assert ": row 1: " not in message and not list(tmp_path.glob("*.parquet"))
+
+
+def test_drop_invalid_drops_and_counts_bad_ground_truths(tmp_path):
+    rows = [{"id": "ok1", "problem": "p0", "answer": LONGEST}, {"id": "ok2", "problem": "p", "answer": 12.0}]
+    rows += [{"id": f"bad{i}", "problem": f"p{i}", "answer": value} for i, (value, _) in enumerate(BAD_TRUTHS, start=1)]
+    source = _write_jsonl(tmp_path / "amc.jsonl", rows)
+    assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "amc23", "--source", f"amc23={source}", "--drop-invalid"]) == 0
+    frame = pd.read_parquet(tmp_path / "amc23.parquet")
+    assert [r["ground_truth"] for r in frame["reward_model"]] == [LONGEST, "12"]
+    entry = json.loads((tmp_path / "manifest.json").read_text())["datasets"]["amc23"]
+    assert entry["dropped_invalid"] == len(BAD_TRUTHS) and entry["rows"] == 2

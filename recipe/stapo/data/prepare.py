@@ -7,9 +7,11 @@ CLI::
         [--source aime24=path/to/aime24.jsonl ...] [--drop-invalid]
 
 Each source is a Hugging Face dataset id (loaded with ``datasets.load_dataset``) or a local
-``.parquet`` / ``.jsonl`` / ``.json`` file (works offline). Every row is validated (problem and
-answer present and non-empty, ids unique); a bad row is an error naming the file and the row
-(1-based), unless ``--drop-invalid`` drops and counts it. Outputs are written to a temp file and
+``.parquet`` / ``.jsonl`` / ``.json`` file (works offline). Every row is validated (problem
+present and non-empty; answer present, a string, number or list of them, non-empty and at most
+``MAX_GROUND_TRUTH_CHARS`` characters; ids unique); a bad row is an error naming the file and the
+row (1-based), unless ``--drop-invalid`` drops and counts it. The answer is only ever taken from an
+answer field, never from a worked solution. Outputs are written to a temp file and
 renamed, and ``OUT/manifest.json`` records row counts and sha256 hashes of output and source.
 
 Output schema (one row per problem; what verl's RLHFDataset reads)::
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -34,9 +37,10 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 from tqdm import tqdm
 
 from recipe.stapo.data.fileio import atomic_write, atomic_write_json, sha256_file
+from recipe.stapo.reward.answers import MAX_GROUND_TRUTH_CHARS, ground_truth_problem
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
-"""Instruction appended to every problem (STAPO_SPEC.md section 5)."""
+"""Instruction appended to every problem (the paper's and JustRL's prompt)."""
 PROMPT_JOINER = "\n\n"
 MANIFEST_NAME = "manifest.json"
 TRAIN_DATA_SOURCE = "math_dapo"
@@ -76,7 +80,7 @@ TRAIN_SPEC = SourceSpec(
     hf_id="BytedTsinghua-SIA/DAPO-Math-17k",
     split="train",
     problem_fields=("prompt.0.content", "problem", "question"),
-    answer_fields=("reward_model.ground_truth", "answer", "solution"),
+    answer_fields=("reward_model.ground_truth", "answer"),  # never "solution": a worked solution is no answer
     id_fields=("extra_info.index", "id"),
     strip_prefix=DAPO_PREFIX,
     strip_suffix=DAPO_SUFFIX,
@@ -104,7 +108,7 @@ BENCHMARK_SPECS: dict[str, SourceSpec] = {
         ),
     )
 }
-"""The six benchmarks (STAPO_SPEC.md section 6), in the paper's column order."""
+"""The six benchmarks of the paper's evaluation, in its Table 2 column order."""
 
 
 @dataclass
@@ -209,13 +213,25 @@ def _first_present(row: Any, paths: Sequence[str]) -> tuple[Optional[str], Any]:
 
 def answer_to_text(value: Any) -> str:
     """Ground truth as a string: ints stay ints (``5.0`` -> ``"5"``), a one-element list is
-    unwrapped, a longer list is joined with ", ", surrounding ``$`` are stripped."""
+    unwrapped, a longer list is joined with ", ", surrounding ``$`` are stripped.
+
+    Raises:
+        ValueError: naming the problem, for a value that is not a string, a finite number or a
+            non-empty list of them (None, a bool, NaN, a dict, ...).
+    """
     if hasattr(value, "tolist") and not isinstance(value, str):
         value = value.tolist()
     if isinstance(value, (list, tuple)):
-        value = value[0] if len(value) == 1 else ", ".join(answer_to_text(v) for v in value)
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
+        if not value:
+            raise ValueError("an empty list")
+        return answer_to_text(value[0]) if len(value) == 1 else ", ".join(answer_to_text(v) for v in value)
+    if value is None or isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"a value of type {type(value).__name__} ({value!r:.40}), not a string or number")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"a non-finite number ({value!r})")
+        if value.is_integer():
+            value = int(value)
     return str(value).strip().strip("$").strip()
 
 
@@ -249,9 +265,15 @@ def _extract(spec: SourceSpec, number: int, row: Any) -> tuple[Optional[_Record]
     answer_path, answer = _first_present(row, spec.answer_fields)
     if answer is None:
         return None, f"missing answer (looked for {', '.join(spec.answer_fields)})"
-    answer = answer_to_text(answer)
+    try:
+        answer = answer_to_text(answer)
+    except ValueError as exc:
+        return None, f"invalid answer (field {answer_path}): {exc}"
     if not answer:
         return None, f"empty answer (field {answer_path})"
+    unusable = ground_truth_problem(answer)  # e.g. longer than MAX_GROUND_TRUTH_CHARS: a solution, not an answer
+    if unusable:
+        return None, f"invalid answer (field {answer_path}): {unusable}"
     _, source_id = _first_present(row, spec.id_fields)
     return _Record(problem, answer, str(number if source_id is None else source_id)), None
 

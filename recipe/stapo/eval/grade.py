@@ -1,9 +1,11 @@
 """Grading of generated samples and the mean@N metric.
 
-Stage 1 is the training reward's own rule (:func:`recipe.stapo.reward.grade_solution`: last
-``\\boxed{}`` in the final 300 characters, normalised string or symbolic equality). Stage 2, when
-a verifier is given, re-checks only the stage-1 failures; its judgements are appended to a JSONL
-cache so an interrupted grading resumes too.
+Stage 1 is the lenient rule (:func:`recipe.stapo.reward.lenient.grade_solution`: last
+``\\boxed{}`` in the final 300 characters, normalised string or symbolic equality, a hard time
+limit per answer), deliberately not the strict training reward: evaluation asks whether the answer
+is right, not whether it is written exactly like the ground truth. Stage 2, when a verifier is
+given, re-checks only the stage-1 failures; its judgements are appended to a JSONL cache so an
+interrupted grading resumes too.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from tqdm import tqdm
 
 from recipe.stapo.eval.generate import JsonlStore, Problem
 from recipe.stapo.eval.verifier import AnswerVerifier, VerifyItem
-from recipe.stapo.reward import DEFAULT_TIMEOUT_S, grade_solution
+from recipe.stapo.reward.lenient import DEFAULT_TIMEOUT_S, grade_solution
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,46 @@
+"""Rewards of the STAPO recipe (re-exports only; each idea lives in its own module).
+
+- :mod:`~recipe.stapo.reward.strict`: ``compute_score``, the training reward (JustRL's: verl's
+  ``math_dapo`` with strict box verification). The recipe's YAML names it.
+- :mod:`~recipe.stapo.reward.lenient`: ``compute_score_lenient`` / ``grade_solution``, normalised or
+  symbolic equality, time-bounded; the evaluation's rule-based grader, and a training option.
+- :mod:`~recipe.stapo.reward.answers`: ground-truth validation, answer extraction, normalisation.
+- :mod:`~recipe.stapo.reward.guard`: the process guard (hard wall-clock limit from any thread).
+"""
+
+from recipe.stapo.reward.answers import (
+    MAX_GROUND_TRUTH_CHARS,
+    ground_truth_problem,
+    ground_truth_text,
+    last_boxed_content,
+    normalize_answer,
+    symbolic_equal,
+)
+from recipe.stapo.reward.guard import TimeLimitedRunner, get_runner
+from recipe.stapo.reward.lenient import (
+    DEFAULT_TIMEOUT_S,
+    TAIL_CHARS,
+    answers_equivalent,
+    compute_score_lenient,
+    grade_solution,
+)
+from recipe.stapo.reward.strict import CORRECT_SCORE, WRONG_SCORE, compute_score
+
+__all__ = [
+    "CORRECT_SCORE",
+    "DEFAULT_TIMEOUT_S",
+    "MAX_GROUND_TRUTH_CHARS",
+    "TAIL_CHARS",
+    "WRONG_SCORE",
+    "TimeLimitedRunner",
+    "answers_equivalent",
+    "compute_score",
+    "compute_score_lenient",
+    "get_runner",
+    "grade_solution",
+    "ground_truth_problem",
+    "ground_truth_text",
+    "last_boxed_content",
+    "normalize_answer",
+    "symbolic_equal",
+]

@@ -1,0 +1,155 @@
+"""Process guard: run a function under a hard wall-clock limit, from any thread.
+
+Signal-based timeouts (``math_verify``'s own) only work in a process's main thread, but verl 0.9.1
+calls reward functions from executor threads (``RewardManager.run_single`` ->
+``loop.run_in_executor``), and a computation stuck in C code (sympy) cannot be interrupted from
+Python at all. So the guard runs the call in a persistent helper process and kills that process
+when the limit passes; a fresh helper is started on demand.
+
+Nothing here knows about answers or rewards: callers pass a picklable top-level function (or its
+``"module:function"`` name) and its arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import queue
+import subprocess
+import sys
+import threading
+from typing import Any, Callable, Optional
+
+WORKERS_ENV = "STAPO_REWARD_WORKERS"
+"""Environment variable: how many helper processes one process may run (default min(4, CPUs))."""
+
+
+def _guard_worker_main(read_fd: int, write_fd: int) -> None:
+    """Loop of a helper process: receive ``(fn, args)``, send ``("ok"|"err", value)``."""
+    from multiprocessing.connection import Connection
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # its own timeouts are expected here
+    inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    outbox.send(("ready", None))
+    while True:
+        try:
+            fn, args = inbox.recv()
+        except EOFError:
+            return
+        try:
+            if isinstance(fn, str):  # "module:function", imported here
+                module_name, _, attr = fn.partition(":")
+                fn = getattr(importlib.import_module(module_name), attr)
+            outbox.send(("ok", fn(*args)))
+        except Exception as exc:  # noqa: BLE001 - report to the parent, keep serving
+            outbox.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+_WORKER_CODE = (
+    "import sys; from recipe.stapo.reward.guard import _guard_worker_main; "
+    "_guard_worker_main(int(sys.argv[1]), int(sys.argv[2]))"
+)
+
+
+class _GuardWorker:
+    """One helper process (a fresh interpreter, so the caller's ``__main__`` is never re-run)
+    and the parent's ends of its two pipes."""
+
+    def __init__(self, startup_timeout_s: float):
+        from multiprocessing.connection import Connection
+
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or ".") for p in sys.path)
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", _WORKER_CODE, str(to_child_r), str(from_child_w)],
+                pass_fds=(to_child_r, from_child_w),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self.inbox = Connection(from_child_r, writable=False)
+        self.outbox = Connection(to_child_w, readable=False)
+        if not self.inbox.poll(startup_timeout_s):
+            self.kill()
+            raise RuntimeError(f"reward guard worker did not start within {startup_timeout_s}s")
+        self.inbox.recv()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+        self.inbox.close()
+        self.outbox.close()
+
+
+class TimeLimitedRunner:
+    """Runs picklable top-level functions in persistent helper processes under a hard time limit.
+
+    Thread-safe: concurrent callers each take an idle helper (up to ``max_workers`` are spawned
+    lazily); time spent waiting for a free helper, or for a new one to start, does not count
+    against a call's limit. A call that exceeds its limit kills its helper, so the limit holds even
+    for code stuck in C and even when called outside the main thread.
+
+    Args:
+        max_workers: most helper processes alive at once.
+        startup_timeout_s: limit for a helper to start (import) before it counts as failed.
+    """
+
+    def __init__(self, max_workers: int = 2, startup_timeout_s: float = 60.0):
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        self._idle: "queue.Queue[_GuardWorker]" = queue.Queue()
+        self._slots = threading.Semaphore(max_workers)
+        self._startup_timeout_s = startup_timeout_s
+
+    def call(self, fn: Callable[..., Any] | str, args: tuple, timeout_s: float) -> tuple[str, Any]:
+        """Run ``fn(*args)`` in a helper; ``fn`` is a picklable function or ``"module:function"``.
+
+        Returns:
+            ``("ok", result)``, ``("err", message)`` when ``fn`` raised, ``("timeout", None)`` when it
+            ran past ``timeout_s`` (its helper is killed), or ``("unavailable", message)`` when no
+            helper process could be started.
+        """
+        with self._slots:
+            try:
+                worker = self._idle.get_nowait()
+            except queue.Empty:
+                try:
+                    worker = _GuardWorker(self._startup_timeout_s)
+                except Exception as exc:  # noqa: BLE001 - reported as a status, never raised
+                    return "unavailable", f"{type(exc).__name__}: {exc}"
+            try:
+                worker.outbox.send((fn, args))
+            except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable function
+                worker.kill()
+                return "err", f"cannot send the call: {type(exc).__name__}: {exc}"
+            try:
+                if not worker.inbox.poll(timeout_s):
+                    worker.kill()
+                    return "timeout", None
+                status, value = worker.inbox.recv()
+            except (EOFError, OSError, BrokenPipeError) as exc:
+                worker.kill()
+                return "err", f"worker died: {type(exc).__name__}: {exc}"
+            self._idle.put(worker)
+            return status, value
+
+
+_RUNNER: Optional[TimeLimitedRunner] = None
+_RUNNER_LOCK = threading.Lock()
+
+
+def get_runner() -> TimeLimitedRunner:
+    """The process-wide runner; :data:`WORKERS_ENV` sets its size (default min(4, CPUs))."""
+    global _RUNNER
+    with _RUNNER_LOCK:
+        if _RUNNER is None:
+            default = min(4, os.cpu_count() or 1)
+            _RUNNER = TimeLimitedRunner(max_workers=int(os.environ.get(WORKERS_ENV, default)))
+        return _RUNNER

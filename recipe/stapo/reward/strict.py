@@ -1,0 +1,65 @@
+"""The training reward: JustRL's, i.e. verl's own ``math_dapo.compute_score`` with strict box verification.
+
+verl 0.9.1's ``verl.utils.reward_score.math_dapo.compute_score(solution_str, ground_truth,
+strict_box_verify=True)`` keeps the last 300 characters of the response, takes the last
+``\\boxed{...}`` inside their final 100 characters and compares its content with the ground truth
+by exact string equality: +1.0 when equal, -1.0 otherwise (no box, box earlier in the response,
+``\\fbox``, ``0.5`` against ``1/2``, ``\\dfrac`` against ``\\frac``, an extra space...). No
+normalisation, no symbolic check. This module calls that function; it adds only one rule:
+
+* a ground truth that :func:`recipe.stapo.reward.answers.ground_truth_text` rejects (None, empty,
+  whitespace only, not a string or number, longer than ``MAX_GROUND_TRUTH_CHARS``) is never
+  matched: -1.0. verl alone would score +1.0 for ``None`` against a response without a box (its
+  "no box" ``None`` equals the ``None`` ground truth) and for ``""`` against ``\\boxed{}``.
+
+A numeric ground truth is converted to its string first (verl would compare a string with a number
+and never match); the data preparation writes strings, for which the result is verl's, unchanged.
+
+Time: verl's function only ever looks at 300 characters of the response and compares two strings,
+so a call takes microseconds whatever the input's length; no helper process is involved, and the
+paper's reward never depends on one.
+
+verl entry point: ``reward.custom_reward_function.path=pkg://recipe.stapo.reward``,
+``.name=compute_score`` (the recipe's default). verl 0.9.1's reward managers call
+``compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
+**reward_kwargs)`` and log every key of the returned dict as ``reward_extra_info``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from recipe.stapo.reward.answers import ground_truth_text
+
+logger = logging.getLogger(__name__)
+
+CORRECT_SCORE = 1.0
+WRONG_SCORE = -1.0
+
+
+def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> dict:
+    """verl custom reward function: JustRL's strict DAPO reward (+1 correct / -1 wrong).
+
+    Args:
+        data_source: dataset name (unused: every source is graded by the same rule).
+        solution_str: decoded response text (a non-string is converted with ``str``).
+        ground_truth: reference answer (see :func:`~recipe.stapo.reward.answers.ground_truth_text`).
+        extra_info: per-row info from the parquet (unused).
+        **kwargs: anything else verl passes (``reward_router_address``, ...) is ignored.
+    Returns:
+        ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None}``: verl's result; ``pred``
+        is the content of the box verl found. Never raises.
+    """
+    from verl.utils.reward_score.math_dapo import compute_score as verl_math_dapo_score
+
+    text = solution_str if isinstance(solution_str, str) else str(solution_str)
+    gold = ground_truth_text(ground_truth)
+    try:
+        result = verl_math_dapo_score(text, gold, strict_box_verify=True) if gold is not None else None
+    except Exception as exc:  # noqa: BLE001 - a reward must never crash a worker
+        logger.warning("reward: grading failed (%s: %s); scoring -1", type(exc).__name__, exc)
+        result = None
+    if result is None:
+        return {"score": WRONG_SCORE, "acc": False, "pred": None}
+    return {"score": float(result["score"]), "acc": bool(result["acc"]), "pred": result["pred"]}
