@@ -48,7 +48,7 @@ Peak memory (extra over what is allocated before the call: inputs, parameters, t
   about 1 MiB, so memory ratios use ``(peak + 1 MiB) / (peak_ref + 1 MiB)`` and a target "no more
   memory" allows 1% + 1 MiB.
 
-Targets (issue 7): ``stapo-rollout`` time <= 1.02 x vanilla, peak <= vanilla; ``stapo-current``
+Targets: ``stapo-rollout`` time <= 1.02 x vanilla, peak <= vanilla; ``stapo-current``
 (and the proposed ``-nograd`` / ``-candidates``) time <= 1.10 x vanilla, peak <= vanilla+entropy.
 """
 

@@ -64,14 +64,19 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 def iter_jsonl(path: str | os.PathLike):
     """``(line_number, object)`` for each line of a JSON Lines file (1-based numbers).
 
-    A blank or unparsable line raises ValueError naming the file and the line, except a LAST line
-    without its newline that does not parse (a write cut short): it is skipped with a warning.
+    A blank, undecodable (not UTF-8) or unparsable line raises ValueError naming the file and the
+    line, except a LAST line without its newline that does not parse (a write cut short): it is
+    skipped with a warning.
     """
-    with open(path, "r", encoding="utf-8") as handle:
-        lines = handle.read().split("\n")
-    complete = lines[-1] == ""  # the file ends with a newline
+    with open(path, "rb") as handle:
+        lines = handle.read().split(b"\n")
+    complete = lines[-1] == b""  # the file ends with a newline
     body = lines[:-1] if complete else lines
-    for number, line in enumerate(body, start=1):
+    for number, raw in enumerate(body, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: line {number} is not UTF-8 text (byte {exc.start}): not a JSON Lines file?") from None
         if not line.strip():
             raise ValueError(f"{path}: line {number} is empty")
         try:

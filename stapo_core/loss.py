@@ -1,6 +1,6 @@
 """Clipped policy-gradient surrogate (PPO / DAPO / JustRL) and its aggregation.
 
-Per token (STAPO_SPEC.md, Section 1), with r = pi_theta / pi_old = exp(log_prob - old_log_prob):
+Per token (docs/method.md, "Objective"), with r = pi_theta / pi_old = exp(log_prob - old_log_prob):
 
     L_{i,t} = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)            (loss = negated objective)
 

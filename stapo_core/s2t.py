@@ -1,6 +1,6 @@
 """Token selection: S2T (Silencing Spurious Tokens, STAPO) and 20-Entropy's top-entropy mask.
 
-S2T (STAPO paper, Section 2 of STAPO_SPEC.md). A response token is *silenced* (M = 0) when
+S2T (docs/method.md, "S2T"). A response token is *silenced* (M = 0) when
 
     A_i > 0,   p_{i,t} = exp(log_prob_{i,t}) < tau_p,   H_{i,t} < tau_h,
 

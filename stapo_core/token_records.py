@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, TypedDict, Union
 
@@ -311,28 +312,47 @@ def dump_files(run_dir: str | os.PathLike) -> list[Path]:
     return files
 
 
-def read_records(run_dir: str | os.PathLike, progress: bool = True) -> tuple[list[TokenRecord], list[ResponseRecord]]:
+@dataclass(frozen=True)
+class Dump:
+    """What :func:`read_dump` found: validated records in file order, and the files that held no
+    record (``(path, reason)``), e.g. an empty step file left by a run killed while writing."""
+
+    tokens: list
+    responses: list
+    skipped: list
+
+
+def read_dump(run_dir: str | os.PathLike, progress: bool = True) -> Dump:
     """All validated records of a run's dump (see :func:`dump_files` for where they are looked for).
 
-    Returns:
-        ``(tokens, responses)`` in file order.
-
     Raises:
-        FileNotFoundError: no dump. ValueError: a bad line or record (names the file and line).
+        FileNotFoundError: no dump. ValueError: an unreadable line or a bad record (names the file
+            and line).
     """
     from tqdm import tqdm
 
     tokens: list = []
     responses: list = []
+    skipped: list = []
     files = dump_files(run_dir)
     for path in tqdm(files, desc="reading token dump", unit="file", disable=not progress or len(files) < 2):
+        count = 0
         for number, obj in iter_jsonl(path):
             try:
                 rec = validate_record(obj)
             except RecordError as exc:
                 raise ValueError(f"{path}: line {number}: {exc}") from None
             (tokens if rec["kind"] == "token" else responses).append(rec)
-    return tokens, responses
+            count += 1
+        if count == 0:
+            skipped.append((str(path), "no record (empty file)"))
+    return Dump(tokens, responses, skipped)
+
+
+def read_records(run_dir: str | os.PathLike, progress: bool = True) -> tuple[list[TokenRecord], list[ResponseRecord]]:
+    """``(tokens, responses)`` of :func:`read_dump` (files without records are skipped)."""
+    dump = read_dump(run_dir, progress=progress)
+    return dump.tokens, dump.responses
 
 
 # --------------------------------------------------------------------------------------------

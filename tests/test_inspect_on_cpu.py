@@ -1,8 +1,9 @@
-"""recipe.stapo.token_dump and recipe.stapo.inspect on a synthetic dump from a tiny real Qwen3.
+"""The token-dump records and ``recipe.stapo.inspect`` on a dump from a tiny real Qwen3.
 
-The dump is built as the actor would: a random tiny ``Qwen3ForCausalLM`` scores sampled-looking
-responses; p, H, top-5 and the gradient norm come from its logits, the S2T mask and tau_h from
-``stapo_core.s2t_mask``, and the records are written with ``token_dump.write_records``.
+The dump is built with the actor's own code: a random tiny ``Qwen3ForCausalLM`` scores
+sampled-looking responses, the actor-side scoring (``verl_patches.token_dump.scoring.token_stats``)
+turns its logits into p, H, top-5 and the gradient norm, ``stapo_core.s2t_mask`` gives the mask and
+tau_h, ``scoring.build_records`` builds the records and ``token_records.write_step`` writes them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 
 from recipe.stapo import inspect as insp
 from stapo_core import token_records as td
-from stapo_core import entropy_from_logits, s2t_mask
+from stapo_core import s2t_mask
+from verl_patches.token_dump import scoring
 
 #: token strings of the tiny vocabulary: HTML/Markdown specials on purpose
 SPECIAL = ["<b>", "&amp;", "a|b", "</td>", '"q"', "\n", " ", "x_1", "*"]
@@ -47,15 +49,16 @@ def _step_tensors(model, step: int):
         logits = model(input_ids=ids).logits[:, PROMPT_LEN - 1 : -1].float()  # predicts the response tokens
     resp = ids[:, PROMPT_LEN:]
     probs = torch.softmax(logits, -1)
-    log_p = torch.log_softmax(logits, -1).gather(-1, resp.unsqueeze(-1)).squeeze(-1)
-    p = log_p.exp()  # exactly what s2t_mask compares with tau_p
-    grad_norm = torch.sqrt(1 - 2 * p + (probs * probs).sum(-1))  # closed form, per unit weight
+    # the actor's scoring of every position: what the writer dumps and s2t_mask compares with tau_p
+    stats = [scoring.token_stats(logits[i], resp[i]) for i in range(batch)]
+    log_p, entropy, grad_norm = (torch.stack([st[k] for st in stats]) for k in ("log_prob", "entropy", "grad_norm"))
+    p = log_p.exp()
     lengths = torch.tensor([RESP_LEN - (i % 3) for i in range(batch)])  # some padding
     mask = (torch.arange(RESP_LEN)[None] < lengths[:, None]).float()
     rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
     adv = ((rewards - rewards.mean(1, keepdim=True)) / rewards.std(1, keepdim=True)).reshape(-1)
-    return {"ids": ids, "resp": resp, "probs": probs, "log_p": log_p, "p": p, "H": entropy_from_logits(logits),
-            "g": grad_norm, "adv": adv, "mask": mask}
+    return {"ids": ids, "resp": resp, "probs": probs, "log_p": log_p, "p": p, "H": entropy,
+            "g": grad_norm, "adv": adv, "mask": mask, "stats": stats}
 
 
 def _text(ids) -> str:
@@ -63,31 +66,22 @@ def _text(ids) -> str:
 
 
 def _records(step: int, t: dict, method: str = "stapo"):
-    """The token and response records the actor would dump for one step."""
+    """The token and response records the actor writes for one step (its own record builder)."""
     result = s2t_mask(t["log_p"], t["H"], t["adv"], t["mask"], tau_p=TAU_P, q=0.75)
     tau_h = result.stats["tau_h"]
     tokens, responses = [], []
     for i in range(t["resp"].shape[0]):
-        uid, a = f"prompt{i // N}", float(t["adv"][i])
         n = int(t["mask"][i].sum())
-        responses.append(td.response_record(step=step, method=method, uid=uid, response_index=i % N, advantage=a,
-                                            prob=t["p"][i], entropy=t["H"][i], grad_norm=t["g"][i],
-                                            mask=t["mask"][i], tau_p=TAU_P, tau_h=tau_h))
         full = t["ids"][i].tolist()
-        for pos in range(n):
-            if not (a > 0 and float(t["p"][i, pos]) < TAU_P):
-                continue
-            at = PROMPT_LEN + pos
-            top_p, top_i = t["probs"][i, pos].topk(5)
-            tokens.append({
-                "kind": "token", "step": step, "method": method, "uid": uid, "response_index": i % N,
-                "position": pos, "token_id": full[at], "token": VOCAB[full[at]],
-                "context_before": _text(full[max(0, at - CONTEXT) : at]),
-                "context_after": _text(full[at + 1 : min(PROMPT_LEN + n, at + 1 + CONTEXT)]),
-                "prob": float(t["p"][i, pos]), "entropy": float(t["H"][i, pos]), "advantage": a,
-                "candidate": True, "silenced": bool(result.keep[i, pos] == 0), "grad_norm": float(t["g"][i, pos]),
-                "top5": [[VOCAB[j], float(q)] for q, j in zip(top_p.tolist(), top_i.tolist())],
-            })
+        resp = scoring.SampledResponse(
+            prompt_ids=full[:PROMPT_LEN], response_ids=full[PROMPT_LEN:PROMPT_LEN + n],
+            stats={k: v[:n] for k, v in t["stats"][i].items()}, mask=t["mask"][i, :n],
+            advantages=t["adv"][i].expand(n), silenced=result.keep[i, :n] == 0, old_log_prob=None,
+            uid=f"prompt{i // N}", response_index=i % N, rank=0, row=i)
+        records = scoring.build_records(resp, step=step, method=method, tau_p=TAU_P, tau_h=tau_h, context=CONTEXT,
+                                        decode=_text)
+        tokens += [r for r in records if r["kind"] == "token"]
+        responses += [r for r in records if r["kind"] == "response"]
     return tokens, responses, result.stats
 
 
@@ -100,7 +94,7 @@ def run(tmp_path_factory):
     for step in (1, 2):
         tensors[step] = _step_tensors(model, step)
         tokens, responses, stats[step] = _records(step, tensors[step])
-        td.write_records(td.step_file(run_dir, step), tokens + responses)
+        td.write_step(run_dir, step, tokens + responses)
         all_tokens += tokens
         all_responses += responses
     return run_dir, all_tokens, all_responses, tensors, stats
@@ -117,7 +111,8 @@ def test_dump_round_trip(run):
 
 
 def test_grad_norm_closed_form_matches_autograd(run):
-    """The dumped grad_norm is ||d log p_k / d logits||, checked against autograd on a few tokens."""
+    """The writer's grad_norm (the actor's token_stats) is ||d log p_k / d logits||, checked against
+    autograd on a few tokens."""
     _, tokens, _, tensors, _ = run
     for tok in tokens[:5]:
         t = tensors[tok["step"]]
@@ -310,3 +305,40 @@ def test_degenerate_dump_renders_finite(tmp_path):
     md, page = md_path.read_text(), html_path.read_text()
     assert "nan" not in md.lower() and "nan" not in page.lower()
     assert "| 0 | justrl | 1 | 0 | 0 | 0 | 0 | 0 | 0.002 | - |" in md
+
+
+def test_step_file_of_random_bytes_names_the_file_and_line(run, tmp_path, capsys):
+    run_dir, *_ = run
+    bad = tmp_path / "bytes"
+    (bad / "s2t_tokens").mkdir(parents=True)
+    for f in (run_dir / "s2t_tokens").iterdir():
+        (bad / "s2t_tokens" / f.name).write_bytes(f.read_bytes())
+    junk = bad / "s2t_tokens" / "step_000003.jsonl"
+    junk.write_bytes(bytes([0xFF, 0xFE, 0x00, 0x81, 0xC3]) * 64)  # binary garbage, not UTF-8
+    assert insp.main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "step_000003.jsonl: line 1 is not UTF-8" in err
+
+
+def test_empty_step_file_is_reported_as_skipped(run, tmp_path, capsys):
+    run_dir, tokens, responses, *_ = run
+    copy = tmp_path / "empty_step"
+    (copy / "s2t_tokens").mkdir(parents=True)
+    for f in (run_dir / "s2t_tokens").iterdir():
+        (copy / "s2t_tokens" / f.name).write_bytes(f.read_bytes())
+    (copy / "s2t_tokens" / "step_000003.jsonl").write_text("")
+    assert insp.main([str(copy)]) == 0
+    err = capsys.readouterr().err
+    assert "skipped" in err and "step_000003.jsonl" in err
+    report = (copy / "inspect" / "report.md").read_text()
+    assert "## Skipped files" in report and "step_000003.jsonl" in report
+    assert f"{len(tokens)} token records, {len(responses)} response records" in report  # the rest is read
+
+
+def test_dump_without_usable_record_exits_non_zero(tmp_path, capsys):
+    (tmp_path / "s2t_tokens").mkdir()
+    (tmp_path / "s2t_tokens" / "step_000001.jsonl").write_text("")
+    assert insp.main([str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "no usable record" in err and "step_000001.jsonl" in err
+    assert not (tmp_path / "inspect").exists()

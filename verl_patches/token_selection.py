@@ -234,7 +234,7 @@ def rollout_agreement(cfg, keep_current: torch.Tensor, keep_rollout: torch.Tenso
 
 
 def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, group=None) -> dict[str, float]:
-    """Mean closed-form gradient norm of silenced and of kept response tokens (STAPO_SPEC sec. 3).
+    """Mean closed-form gradient norm of silenced and of kept response tokens (docs/method.md, "Why these tokens").
 
     ``||d log pi_k / d logits|| = sqrt(1 - 2 pi_k + sum_n pi_n^2)`` per unit weight, from the
     rollout-time ``sum_pi_squared`` (verl computes it with ``actor.calculate_sum_pi_squared=true``).

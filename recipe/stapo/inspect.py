@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from stapo_core.fileio import atomic_write_text
-from stapo_core.token_records import QUADRANTS, read_records
+from stapo_core.token_records import QUADRANTS, read_dump
 
 QUADRANT_LABELS = {
     "lowp_lowh": "low p, low H (spurious: what STAPO silences)",
@@ -154,17 +154,28 @@ class Report:
     quadrants: list
     n_tokens: int
     n_responses: int
+    skipped: tuple = ()
 
 
 def build_report(run_dir: str | Path, top: int = 20, seed: int = 0) -> Report:
     """Read the dump of ``run_dir`` and aggregate it (FileNotFoundError without a dump)."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top={top!r} is invalid: expected a positive integer")
-    tokens, responses = read_records(run_dir)
+    dump = read_dump(run_dir)
+    tokens, responses = dump.tokens, dump.responses
+    for path, reason in dump.skipped:
+        print(f"warning: skipped {path}: {reason}", file=sys.stderr)
+    if not tokens and not responses:
+        raise NoRecordsError(f"{run_dir}: the dump holds no usable record ({len(dump.skipped)} file(s) skipped: "
+                             + "; ".join(f"{p}: {r}" for p, r in dump.skipped) + ")")
     silenced, kept = sample_tokens(tokens, top, seed)
     return Report(run_dir=str(run_dir), steps=step_summaries(tokens, responses), silenced_sample=silenced,
                   kept_sample=kept, frequent=frequent_silenced(tokens, top), quadrants=quadrant_table(responses),
-                  n_tokens=len(tokens), n_responses=len(responses))
+                  n_tokens=len(tokens), n_responses=len(responses), skipped=tuple(dump.skipped))
+
+
+class NoRecordsError(ValueError):
+    """The dump exists but holds no usable record."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -224,6 +235,7 @@ def render_markdown(report: Report) -> str:
         f"# S2T spurious-token report\n\nRun: `{report.run_dir}`. {report.n_tokens} token records, "
         f"{report.n_responses} response records.",
         "## Summary per step\n\n" + _md_table(STEP_HEADER, _step_rows(report)),
+        *(["## Skipped files\n\n" + "\n".join(f"- `{p}`: {r}" for p, r in report.skipped)] if report.skipped else []),
         "## Sample of silenced tokens\n\n" + _md_table(SAMPLE_HEADER, _md_sample_rows(report.silenced_sample)),
         "## Sample of kept candidates\n\n" + _md_table(SAMPLE_HEADER, _md_sample_rows(report.kept_sample)),
         "## Most frequent silenced tokens\n\n" + _md_table(FREQ_HEADER, [
@@ -279,6 +291,8 @@ def render_html(report: Report) -> str:
     """The self-contained HTML report (inline CSS, no script, all dumped strings escaped)."""
     sections = [
         ("Summary per step", _html_table(STEP_HEADER, [[_h(c) for c in row] for row in _step_rows(report)])),
+        *([("Skipped files", "<ul>" + "".join(f"<li><code>{_h(p)}</code>: {_h(r)}</li>" for p, r in report.skipped)
+            + "</ul>")] if report.skipped else []),
         ("Sample of silenced tokens", _html_table(SAMPLE_HEADER, _html_sample_rows(report.silenced_sample))),
         ("Sample of kept candidates", _html_table(SAMPLE_HEADER, _html_sample_rows(report.kept_sample))),
         ("Most frequent silenced tokens", _html_table(FREQ_HEADER, [
@@ -320,6 +334,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--top must be a positive integer, got {args.top}")
     try:
         paths = write_report(args.run_dir, args.out, top=args.top, seed=args.seed)
+    except NoRecordsError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""LLM answer verifiers that re-check the rule-based grader's failures (STAPO_SPEC.md section 6).
+"""LLM answer verifiers that re-check the rule-based grader's failures (docs/eval.md).
 
 The paper re-checks rule-based failures with CompassVerifier-3B. :class:`AnswerVerifier` is the
 interface (any model or service can plug in); :class:`CompassVerifier` is the vLLM
