@@ -1,18 +1,22 @@
 """STAPO's math in plain PyTorch (no verl import).
 
 * :func:`s2t_mask`: S2T, the keep mask that silences spurious tokens (and the paper's ablations);
-* :func:`top_entropy_mask`: 20-Entropy's top-``ratio`` highest-entropy tokens;
+* :func:`entropy_topk_mask`: 20-Entropy's top-``ratio`` highest-entropy tokens (``entropy_topk``);
 * :func:`clipped_policy_loss` / :func:`clipped_surrogate` / :func:`aggregate_loss`: the clipped
   surrogate (asymmetric clip, optional dual clip) and its aggregations;
 * :func:`entropy_from_logits`, :func:`logit_grad_norm`, :func:`grad_norm_bounds`: the paper's
   gradient-norm identity and bounds.
 
-Statistics pooled over a ``torch.distributed`` group use :mod:`stapo_core.distributed`.
+Statistics pooled over a ``torch.distributed`` group use :mod:`stapo_core.distributed`. Also here,
+because every layer shares them and none of them needs verl: the token-dump record format
+(:mod:`stapo_core.token_records`) and small file helpers (:mod:`stapo_core.fileio`).
 """
 
+from .checks import is_number
+from .entropy_topk import entropy_topk_mask
 from .grad_norm import entropy_from_logits, grad_norm_bounds, logit_grad_norm
 from .loss import AGG_MODES, aggregate_loss, clipped_policy_loss, clipped_surrogate
-from .s2t import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES, S2TResult, quantile_sorted_padded, s2t_mask, top_entropy_mask
+from .s2t import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES, S2TResult, quantile_sorted_padded, s2t_mask
 
 __all__ = [
     "AGG_MODES",
@@ -24,9 +28,10 @@ __all__ = [
     "clipped_policy_loss",
     "clipped_surrogate",
     "entropy_from_logits",
+    "entropy_topk_mask",
     "grad_norm_bounds",
+    "is_number",
     "logit_grad_norm",
     "quantile_sorted_padded",
     "s2t_mask",
-    "top_entropy_mask",
 ]

@@ -26,6 +26,8 @@ from typing import Optional
 
 import torch
 
+from .checks import is_number
+
 #: aggregation modes of :func:`aggregate_loss`
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -34,14 +36,11 @@ LOG_RATIO_CLAMP = 20.0
 
 
 def _check_clip(clip_low, clip_high, clip_c) -> None:
-    def is_real(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-    if not is_real(clip_low) or not 0.0 <= clip_low < 1.0:
+    if not is_number(clip_low) or not 0.0 <= clip_low < 1.0:
         raise ValueError(f"clip_low={clip_low!r} is invalid: expected a number in [0, 1) (so that 1 - clip_low > 0)")
-    if not is_real(clip_high) or clip_high < 0.0:
+    if not is_number(clip_high) or clip_high < 0.0:
         raise ValueError(f"clip_high={clip_high!r} is invalid: expected a finite number >= 0")
-    if clip_c is not None and (not is_real(clip_c) or clip_c <= 1.0):
+    if clip_c is not None and (not is_number(clip_c) or clip_c <= 1.0):
         raise ValueError(f"clip_c={clip_c!r} is invalid: expected None (no dual clip) or a finite number > 1")
 
 

@@ -1,4 +1,4 @@
-"""Token selection: S2T (Silencing Spurious Tokens, STAPO) and 20-Entropy's top-entropy mask.
+"""S2T (Silencing Spurious Tokens, STAPO): the keep mask that silences spurious tokens.
 
 S2T (docs/method.md, "S2T"). A response token is *silenced* (M = 0) when
 
@@ -24,6 +24,7 @@ from typing import Optional
 
 import torch
 
+from .checks import is_number
 from .distributed import all_reduce_sum, exchange_counts, gather_padded, group_rank
 
 #: S2T strategies: the paper's method and its three ablations
@@ -65,13 +66,9 @@ class S2TResult:
 # --------------------------------------------------------------------------------------------
 
 
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _check_fraction(name: str, value, *, include_one: bool = False) -> float:
     """``value`` as a float if it lies in (0, 1) (or (0, 1] with ``include_one``), else ValueError."""
-    if not _is_real(value) or not (value > 0.0 and (value <= 1.0 if include_one else value < 1.0)):
+    if not is_number(value) or not (value > 0.0 and (value <= 1.0 if include_one else value < 1.0)):
         interval = "(0, 1]" if include_one else "(0, 1)"
         raise ValueError(f"{name}={value!r} is invalid: expected a number in {interval}")
     return float(value)
@@ -314,81 +311,4 @@ def s2t_mask(
     return S2TResult(keep=keep, stats=_stats_dict(values))
 
 
-# --------------------------------------------------------------------------------------------
-# 20-Entropy
-# --------------------------------------------------------------------------------------------
-
-
-def top_count(num_tokens: int, ratio: float) -> int:
-    """k = ceil(ratio * num_tokens), the product rounded to 9 decimals first so that float error
-    does not add a token (0.2 * 15 = 3.0000000000000004 gives 3, not 4)."""
-    return min(num_tokens, math.ceil(round(ratio * num_tokens, 9)))
-
-
-def _host_token_counts(mask: torch.Tensor, entropy: torch.Tensor, group) -> list:
-    """``[[tokens, nonfinite_entropy] per rank]`` on the host (one sync; one all-gather with group)."""
-    counts = torch.stack([mask.sum(), (mask & ~torch.isfinite(entropy)).sum()])
-    if group is None:
-        return [counts.tolist()]
-    return exchange_counts(counts, group).tolist()
-
-
-def _pooled_entropies(entropy, mask, width, group):
-    """``(pooled, lower_ranks)``: 1-D response entropies of every rank (``-inf`` padding), and the
-    part of it that lower ranks hold (empty for a single process)."""
-    if group is None:
-        pooled = torch.where(mask, entropy, torch.full_like(entropy, -math.inf)).reshape(-1)
-        return pooled, pooled[:0]
-    rows = gather_padded(entropy, mask, width, group, fill=-math.inf)  # (world, width)
-    return rows.reshape(-1), rows[: group_rank(group)]
-
-
-def top_entropy_mask(
-    entropy: torch.Tensor, response_mask: torch.Tensor, *, ratio: float = 0.2, group=None
-) -> torch.Tensor:
-    """20-Entropy (Wang et al. 2025): keep the ``k = ceil(ratio * N)`` highest-entropy response tokens.
-
-    N counts the response tokens of the pooled batch (every rank of ``group``). Exactly k tokens
-    are kept. Ties at the threshold (the k-th largest entropy v) are broken deterministically and
-    identically on every rank: all tokens with H > v are kept, then tokens with H == v in the
-    order (rank, flat row-major index) until k are kept, i.e. the choice a single process makes on
-    the ranks' batches concatenated along the batch dimension.
-
-    Args:
-        entropy: ``(batch, resp_len)`` float, any float dtype (compared in float32).
-        response_mask: ``(batch, resp_len)``, nonzero marks response tokens.
-        ratio: fraction in (0, 1].
-        group: ``torch.distributed`` process group to pool over, or None.
-
-    Returns:
-        float32 ``(batch, resp_len)``: 1 for kept tokens, 0 elsewhere (always 0 outside the mask).
-
-    Raises:
-        ValueError: bad ``ratio``, shape mismatch, non-finite entropy inside ``response_mask``
-            (raised on every rank of ``group`` alike).
-
-    One host sync (the token counts); with ``group`` one all-gather of counts and one of the
-    response entropies (padded to the largest rank's count).
-    """
-    ratio = _check_fraction("ratio", ratio, include_one=True)
-    _check_token_tensors("top_entropy_mask", response_mask, entropy=entropy)
-    ent = entropy.detach().float()
-    mask = response_mask != 0
-    per_rank = _host_token_counts(mask, ent, group)
-    _raise_if_nonfinite("top_entropy_mask", {"entropy": sum(r[1] for r in per_rank)})
-    k = top_count(sum(r[0] for r in per_rank), ratio)
-    if k == 0:
-        return torch.zeros_like(ent)
-
-    pooled, lower_ranks = _pooled_entropies(ent, mask, max(r[0] for r in per_rank), group)
-    threshold = torch.topk(pooled, k).values[-1]  # v, the k-th largest pooled entropy
-    ties_before = (lower_ranks == threshold).sum()  # ties held by lower ranks come first
-    ties_wanted = k - (pooled > threshold).sum()
-
-    tie = mask & (ent == threshold)
-    tie_order = torch.cumsum(tie.reshape(-1).long(), 0).reshape(tie.shape)  # 1-based among local ties
-    keep = (mask & (ent > threshold)) | (tie & (ties_before + tie_order <= ties_wanted))
-    return keep.float()
-
-
-__all__ = ["DEFAULT_Q", "DEFAULT_TAU_P", "S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_mask", "top_count", "top_entropy_mask"]
+__all__ = ["DEFAULT_Q", "DEFAULT_TAU_P", "S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_mask"]

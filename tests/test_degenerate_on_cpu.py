@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stapo_core import AGG_MODES, STRATEGIES, clipped_policy_loss, s2t_mask, top_entropy_mask
+from stapo_core import AGG_MODES, STRATEGIES, clipped_policy_loss, s2t_mask, entropy_topk_mask
 
 RARE = math.log(1e-4)
 
@@ -48,7 +48,7 @@ def test_zero_sized_batch():
     for strategy in STRATEGIES:
         result = s2t_mask(*_batch(batch=0), strategy=strategy)
         assert result.keep.shape == (0, 6) and result.stats["tokens"] == 0
-    assert top_entropy_mask(torch.zeros(0, 4), torch.zeros(0, 4)).shape == (0, 4)
+    assert entropy_topk_mask(torch.zeros(0, 4), torch.zeros(0, 4)).shape == (0, 4)
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
@@ -96,32 +96,32 @@ def test_top_entropy_non_finite_inside_mask_raises():
     entropy = torch.rand(2, 5)
     entropy[1, 1] = math.nan
     with pytest.raises(ValueError, match="non-finite.*entropy"):
-        top_entropy_mask(entropy, torch.ones(2, 5))
+        entropy_topk_mask(entropy, torch.ones(2, 5))
 
 
 def test_top_entropy_empty_mask_and_full_ratio():
     entropy = torch.rand(3, 4)
-    assert torch.all(top_entropy_mask(entropy, torch.zeros(3, 4)) == 0)
+    assert torch.all(entropy_topk_mask(entropy, torch.zeros(3, 4)) == 0)
     mask = (torch.arange(12).reshape(3, 4) % 3 != 0).float()
-    assert torch.equal(top_entropy_mask(entropy, mask, ratio=1.0), mask)
+    assert torch.equal(entropy_topk_mask(entropy, mask, ratio=1.0), mask)
 
 
 def test_top_entropy_exactly_k_with_ties_in_flat_order():
     entropy = torch.tensor([[1.0, 2.0, 2.0], [2.0, 0.5, 2.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])  # the masked 2.0 never counts
     # N = 5, k = ceil(0.5 * 5) = 3: the three tokens of entropy 2.0 inside the mask
-    assert top_entropy_mask(entropy, mask, ratio=0.5).tolist() == [[0, 1, 0], [1, 0, 1]]
+    assert entropy_topk_mask(entropy, mask, ratio=0.5).tolist() == [[0, 1, 0], [1, 0, 1]]
     # k = ceil(0.4 * 5) = 2: ties at 2.0 broken in row-major order
-    assert top_entropy_mask(entropy, mask, ratio=0.4).tolist() == [[0, 1, 0], [1, 0, 0]]
+    assert entropy_topk_mask(entropy, mask, ratio=0.4).tolist() == [[0, 1, 0], [1, 0, 0]]
     # float error of 0.2 * 15 = 3.0000000000000004 does not add a token
-    assert top_entropy_mask(torch.rand(3, 5), torch.ones(3, 5), ratio=0.2).sum() == 3
+    assert entropy_topk_mask(torch.rand(3, 5), torch.ones(3, 5), ratio=0.2).sum() == 3
 
 
 def test_bf16_everywhere():
     log_prob, entropy, adv, mask = _batch(dtype=torch.bfloat16)
     result = s2t_mask(log_prob, entropy, adv, mask, q=0.5)
     assert result.keep.dtype == torch.float32 and result.stats["silenced"] == 9  # half of 18 distinct values
-    keep = top_entropy_mask(entropy, mask)
+    keep = entropy_topk_mask(entropy, mask)
     assert keep.dtype == torch.float32 and keep.sum() == math.ceil(0.2 * 18)
     new = log_prob.clone().requires_grad_(True)
     loss, _ = clipped_policy_loss(new, log_prob - 0.05, adv, mask * result.keep)

@@ -12,7 +12,7 @@ from stapo_core import (
     grad_norm_bounds,
     logit_grad_norm,
     s2t_mask,
-    top_entropy_mask,
+    entropy_topk_mask,
 )
 
 BAD_FRACTIONS = [0, 1, -0.1, 1.5, 0.0, 1.0, math.nan, math.inf, True, "0.5", None]
@@ -69,12 +69,12 @@ def test_s2t_response_mask_must_be_2d():
 @pytest.mark.parametrize("ratio", [0, -0.2, 1.5, math.nan, None])
 def test_top_entropy_ratio(ratio):
     with pytest.raises(ValueError, match="ratio"):
-        top_entropy_mask(torch.rand(2, 3), torch.ones(2, 3), ratio=ratio)
+        entropy_topk_mask(torch.rand(2, 3), torch.ones(2, 3), ratio=ratio)
 
 
 def test_top_entropy_shape_mismatch():
     with pytest.raises(ValueError, match="entropy.*response_mask"):
-        top_entropy_mask(torch.rand(2, 3), torch.ones(2, 4))
+        entropy_topk_mask(torch.rand(2, 3), torch.ones(2, 4))
 
 
 @pytest.mark.parametrize("agg", ["token-sum", "mean", "", None])

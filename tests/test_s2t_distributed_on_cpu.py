@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from _dist_utils import SyncRecorder, run_on_ranks
-from stapo_core import s2t_mask, top_entropy_mask
+from stapo_core import s2t_mask, entropy_topk_mask
 
 WORLD = 2
 
@@ -117,7 +117,7 @@ def _s2t_on_rank(rank, group, case):
 
 
 def _top_on_rank(rank, group, case):
-    return {"keep": top_entropy_mask(*case["ranks"][rank], ratio=case["ratio"], group=group)}
+    return {"keep": entropy_topk_mask(*case["ranks"][rank], ratio=case["ratio"], group=group)}
 
 
 def _rank_body(rank, group, payload):
@@ -135,7 +135,7 @@ def _count_syncs(rank, group, s2t_batch, top_batch):
     for name, call in [
         ("low_entropy", lambda: s2t_mask(*s2t_batch, group=group)),
         ("random", lambda: s2t_mask(*s2t_batch, strategy="random", generator=_generator(rank), group=group)),
-        ("top_entropy", lambda: top_entropy_mask(*top_batch, group=group)),
+        ("top_entropy", lambda: entropy_topk_mask(*top_batch, group=group)),
     ]:
         with SyncRecorder() as recorder:
             call()
@@ -206,14 +206,14 @@ def test_s2t_mask_pooled_equals_single_process(rank_results, case):
 
 
 @pytest.mark.parametrize("case", _top_cases(), ids=lambda c: c["name"])
-def test_top_entropy_mask_pooled_equals_single_process(rank_results, case):
+def test_entropy_topk_mask_pooled_equals_single_process(rank_results, case):
     got = [r["top"][case["name"]] for r in rank_results]
     ranks = case["ranks"]
     if case["name"].startswith("nonfinite"):
         for g in got:
             assert "non-finite" in g["error"] and "entropy" in g["error"]
         return
-    whole = top_entropy_mask(_concat([r[0] for r in ranks]), _concat([r[1] for r in ranks]), ratio=case["ratio"])
+    whole = entropy_topk_mask(_concat([r[0] for r in ranks]), _concat([r[1] for r in ranks]), ratio=case["ratio"])
     for r in range(WORLD):
         width = ranks[r][0].shape[1]
         assert torch.equal(got[r]["keep"], whole[_rows(ranks, r), :width])

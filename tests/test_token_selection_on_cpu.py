@@ -2,7 +2,7 @@
 
 References are computed another way: verl's own ``ppo_loss`` on a batch whose response mask
 already excludes the silenced tokens (with its token and sequence counts recounted by hand), and
-``stapo_core.s2t_mask`` / ``top_entropy_mask`` called directly with the values the config carries.
+``stapo_core.s2t_mask`` / ``entropy_topk_mask`` called directly with the values the config carries.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import importlib
 
 import verl_patches  # noqa: F401  (installs the patches)
 from recipe.stapo.config_utils import compose, validate
-from stapo_core import s2t_mask, top_entropy_mask
+from stapo_core import s2t_mask, entropy_topk_mask
 from verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
@@ -148,7 +148,7 @@ def test_entropy_topk_reference_code_reading_selects_per_micro_batch_from_curren
     out = {"log_probs": flat_model_output(lp, mask), "entropy": flat_model_output(current_entropy, mask)}
     loss, metrics = ppo_loss_with_token_selection(config=config, model_output=out, data=data)
     loss.backward()
-    keep = top_entropy_mask(current_entropy, mask, ratio=0.2)
+    keep = entropy_topk_mask(current_entropy, mask, ratio=0.2)
     assert metrics["entropy_topk/kept"].aggregate() == keep.sum().item() > 0
     want = reference(config, keep, mask, old, log_prob, adv)
     torch.testing.assert_close(loss.detach(), want[0])

@@ -12,7 +12,7 @@ import torch
 
 import verl_patches  # noqa: F401  (installs the patches)
 from recipe.stapo.config_utils import compose
-from stapo_core import clipped_policy_loss, s2t_mask, top_entropy_mask
+from stapo_core import clipped_policy_loss, s2t_mask, entropy_topk_mask
 from verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.config import omega_conf_to_dataclass
@@ -113,7 +113,7 @@ def test_entropy_topk_equals_stapo_core():
     mask, old, log_prob, entropy, adv = random_batch(seed=2)
     data = micro_batch(mask, old, adv, entropy=entropy)
     metrics = fold_into_mini_batch(config.policy_loss, data)
-    keep = top_entropy_mask(entropy, mask, ratio=0.2)
+    keep = entropy_topk_mask(entropy, mask, ratio=0.2)
     assert metrics["entropy_topk/kept"] == keep.sum().item() > 0
     loss, grad, _, _ = run_ppo_loss(
         config, data["response_mask"], old, log_prob, adv, valid=mask, batch_num_tokens=int(data["loss_mask"].sum())

@@ -14,11 +14,10 @@ policy loss verl registers: vanilla, gspo, cispo, clip_cov, ...) computes the lo
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
-from stapo_core import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES
+from stapo_core import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES, is_number
 from verl.workers.config import PolicyLossConfig
 
 #: config path of this block, used in error messages
@@ -35,11 +34,6 @@ SCOPES = ("mini_batch", "micro_batch")
 LOCAL_NORMALISING_LOSS_MODES = ("geo_mean", "sapo")
 #: loss modes of earlier versions of this recipe, now a loss mode + a token selection
 _RETIRED_LOSS_MODES = {"stapo": "s2t", "entropy_topk": "entropy_topk"}
-
-
-def is_number(x) -> bool:
-    """A finite int or float (not a bool)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass

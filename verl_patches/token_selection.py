@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from stapo_core import s2t_mask, top_entropy_mask
+from stapo_core import s2t_mask, entropy_topk_mask
 
 from .config import TokenSelectionLossConfig
 
@@ -98,7 +98,7 @@ def select_tokens(
         tokens = float(result.stats["tokens"])
         return Selection(result.keep, tokens, tokens - float(result.stats["silenced"]), metrics)
     if cfg.token_selection == "entropy_topk":
-        keep = top_entropy_mask(entropy, response_mask, ratio=cfg.entropy_top_ratio, group=group)
+        keep = entropy_topk_mask(entropy, response_mask, ratio=cfg.entropy_top_ratio, group=group)
         counts = torch.stack([response_mask.float().sum(), keep.sum()])
         if group is not None:
             torch.distributed.all_reduce(counts, group=group)

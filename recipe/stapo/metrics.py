@@ -17,11 +17,11 @@ metric the later value wins.
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Optional
 
+from stapo_core.checks import is_number
 from stapo_core.fileio import iter_jsonl
 from stapo_core.token_records import TOKEN_DUMP_DIR, TOKEN_DUMP_FILE
 
@@ -95,9 +95,7 @@ def read_metrics(path: str | os.PathLike) -> dict[int, dict]:
 
 def _numeric(value) -> Optional[float]:
     """A finite float, or None for anything else (strings, lists, NaN, inf, booleans)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
+    return float(value) if is_number(value) else None
 
 
 def metric_series(steps: dict[int, dict]) -> dict[str, Series]:

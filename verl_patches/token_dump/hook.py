@@ -314,7 +314,7 @@ def _host_fields(data, response_mask: Optional[torch.Tensor]) -> dict:
         "batch": len(lengths), "width": width, "lengths": lengths, "mask": mask,
         "folded": _padded(current, width).cpu(), "advantages": adv,
         "old_log_prob": _padded(data["old_log_probs"], width).float().cpu() if "old_log_probs" in data else None,
-        "entropy": _padded(data[ROLLOUT_ENTROPY_FIELD], width).float().cpu() if ROLLOUT_ENTROPY_FIELD in data else None,
+        "rollout_entropy": _padded(data[ROLLOUT_ENTROPY_FIELD], width).float().cpu() if ROLLOUT_ENTROPY_FIELD in data else None,
         "input_ids": list(data["input_ids"].unbind()), "position_ids": list(data["position_ids"].unbind()),
         "responses": _padded(data["responses"], width).cpu() if "responses" in data else None,
     }
@@ -350,9 +350,9 @@ def _entropy_threshold(fields: dict, sampled: list, picked: list, group: _Group,
     (``mini_batch`` source) or ``(k, R)`` over the sampled rows (``sampled`` source)."""
     from stapo_core import s2t_mask
 
-    if fields["entropy"] is not None and fields["old_log_prob"] is not None:
+    if fields["rollout_entropy"] is not None and fields["old_log_prob"] is not None:
         source = "mini_batch"
-        log_prob, entropy, adv, mask = fields["old_log_prob"], fields["entropy"], fields["advantages"], fields["mask"]
+        log_prob, entropy, adv, mask = fields["old_log_prob"], fields["rollout_entropy"], fields["advantages"], fields["mask"]
     else:
         source = "sampled"
         width = fields["width"]

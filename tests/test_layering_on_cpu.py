@@ -1,0 +1,91 @@
+"""The project's import graph: stapo_core <- verl_patches <- recipe, no cycles, thin __init__ files.
+
+Read from the source with ``ast`` (every import, at module level or inside a function), so the test
+needs no import side effect and fails on the first upward import anyone adds.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+#: each layer and the project layers it may import (besides itself)
+ALLOWED = {
+    "stapo_core": set(),
+    "verl_patches": {"stapo_core"},
+    "recipe": {"stapo_core", "verl_patches"},
+    "benchmarks": {"stapo_core", "verl_patches", "recipe"},
+}
+FORBIDDEN_THIRD_PARTY = {"stapo_core": {"verl", "ray", "transformers", "hydra", "omegaconf"}}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, top_level_only: bool = False) -> set[str]:
+    """Absolute names of every module ``path`` imports (relative imports resolved); with
+    ``top_level_only``, only the imports run when the module is imported."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    names = set()
+    for node in (tree.body if top_level_only else ast.walk(tree)):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            names.add(module)
+            names |= {f"{module}.{alias.name}" for alias in node.names}  # `from pkg import submodule`
+    return names
+
+
+def sources(layer: str) -> list[Path]:
+    return sorted(p for p in (ROOT / layer).rglob("*.py"))
+
+
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
+def test_imports_flow_one_way(layer):
+    others = set(ALLOWED) - {layer} - ALLOWED[layer]
+    bad = [f"{p.relative_to(ROOT)} imports {name}" for p in sources(layer) for name in sorted(imports_of(p))
+           if name.split(".")[0] in others | FORBIDDEN_THIRD_PARTY.get(layer, set())]
+    assert not bad, "upward imports:\n" + "\n".join(bad)
+
+
+def test_no_import_cycles_between_modules():
+    """Imports between the project's own modules (lazy ones inside functions too) form no cycle."""
+    modules = {module_name(p): p for layer in ALLOWED for p in sources(layer)}
+    graph = {}
+    for name, path in modules.items():
+        deps = imports_of(path)
+        # a package's own __init__ is not a dependency of its submodules
+        graph[name] = {d for d in deps if d in modules and d != name and not name.startswith(d + ".")}
+    state: dict[str, int] = {}
+
+    def visit(node, stack):
+        state[node] = 1
+        for dep in graph[node]:
+            if state.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(stack[stack.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep, stack + [dep])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_init_files_hold_no_logic():
+    """``__init__.py`` files re-export (and the two documented import-time switches); no definitions."""
+    for layer in ALLOWED:
+        for path in (ROOT / layer).rglob("__init__.py"):
+            tree = ast.parse(path.read_text())
+            defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
+            assert not defs, f"{path.relative_to(ROOT)} defines {defs}: move them to a module"
