@@ -93,6 +93,9 @@ def test_two_steps_train(runs, method, use_v1):
         assert all(math.isfinite(v) for v in s2t.values())
         assert 0 <= s2t["actor/s2t/silenced"] <= s2t["actor/s2t/candidates"] <= s2t["actor/s2t/tokens"]
         assert "actor/s2t/grad_norm_kept" in s2t  # rollout-time sum_pi_squared reached the actor
+        # stats_from=current (the recipe's default): mini-batch 2 of each step ran one forward of the
+        # updated policy through verl's inference path and compared its silenced set with the rollout one
+        assert 0.0 <= s2t["actor/s2t/rollout_agreement"] <= 1.0
     if method == "entropy20":
         tokens, kept = data["actor/entropy_topk/tokens"], data["actor/entropy_topk/kept"]
         assert 0.2 * tokens <= kept <= 0.2 * tokens + 1  # ceil(0.2 N) per mini-batch, averaged

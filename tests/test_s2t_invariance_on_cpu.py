@@ -108,3 +108,46 @@ def test_data_parallel_ranks_give_the_single_process_result(method):
         # FSDP averages gradients over the 2 ranks
         torch.testing.assert_close(r["grad"] / 2, ref_grad[r["rows"]])
     torch.testing.assert_close((ranks[0]["loss"] + ranks[1]["loss"]) / 2, ref_loss)
+
+
+@pytest.mark.parametrize("method", ["stapo", "entropy20"])
+def test_dynamic_batching_does_not_change_mask_loss_or_gradient(method):
+    """verl's dynamic batch size (micro-batches packed by a token budget, rows reordered) against
+    fixed micro-batches: the fold happens before either split, so the silenced set, the summed loss
+    and its gradient are the same (stats_from=rollout)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine.utils import prepare_micro_batches
+
+    config = omega_conf_to_dataclass(compose([f"method={method}", "model=qwen3_1_7b",
+                                              "actor_rollout_ref.actor.policy_loss.stats_from=rollout"]
+                                             ).actor_rollout_ref.actor)
+    mask, old, log_prob, entropy, adv = make_mini_batch(seed=3)
+    results = {}
+    for dynamic in (False, True):
+        data = micro_batch(mask, old, adv, entropy=entropy)
+        data["input_ids"] = torch.ones_like(data["attention_mask"])
+        data["row"] = torch.arange(B)
+        fold_into_mini_batch(config.policy_loss, data)
+        tu.assign_non_tensor(data, use_dynamic_bsz=dynamic, micro_batch_size_per_gpu=2,
+                             max_token_len_per_gpu=3 * (R + 3))  # 2-3 sequences per micro-batch
+        batch_num_tokens = int(data["loss_mask"].sum())
+        micro_batches, _ = prepare_micro_batches(data)
+        lp = log_prob.clone().requires_grad_(True)
+        total = torch.zeros(())
+        for mb in micro_batches:
+            rows = mb["row"].tolist()
+            folded = mb["response_mask"]
+            step = micro_batch(folded, old[rows], adv[rows], valid=mask[rows], batch_num_tokens=batch_num_tokens,
+                               global_batch_size=tu.get(data, "global_batch_size"))
+            loss, _ = ppo_loss_with_token_selection(
+                config=config, model_output={"log_probs": flat_model_output(lp[rows], mask[rows])}, data=step)
+            loss.backward()
+            total = total + loss.detach()
+        orders = [mb["row"].tolist() for mb in micro_batches]
+        results[dynamic] = (total, lp.grad, data["response_mask"].clone(), orders)
+    fixed, dyn = results[False], results[True]
+    assert sorted(r for o in dyn[3] for r in o) == list(range(B)) and dyn[3] != fixed[3]  # really repacked
+    torch.testing.assert_close(dyn[2], fixed[2], rtol=0, atol=0)
+    assert (mask - fixed[2]).sum() > 0
+    torch.testing.assert_close(dyn[0], fixed[0])
+    torch.testing.assert_close(dyn[1], fixed[1])
