@@ -45,10 +45,13 @@ def _chunked_rows(fn: Callable, rows: list, chunk_size: Optional[int]) -> torch.
 def _entropy_rows(logits: torch.Tensor) -> torch.Tensor:
     """(P, V) any float -> (P,) float32: H = logsumexp(a) - sum softmax(a) a.
 
-    ``-inf`` logits (tokens masked out of the vocabulary) have pi = 0 and contribute 0 to the
-    sum (instead of 0 * -inf = NaN), in the value and in the gradient.
+    Computed on ``a - max(a)``, where both ``logsumexp`` and ``-sum softmax(a) a`` are non-negative,
+    so the two terms add instead of cancelling (float32 stays accurate for peaked distributions over
+    large vocabularies). ``-inf`` logits (tokens masked out of the vocabulary) have pi = 0 and
+    contribute 0 to the sum (instead of 0 * -inf = NaN), in the value and in the gradient.
     """
     a = logits.float()
+    a = a - a.max(-1, keepdim=True).values.detach()  # H is shift-invariant; the shift carries no gradient
     a_finite = torch.where(torch.isneginf(a), torch.zeros_like(a), a)
     return torch.logsumexp(a, -1) - (torch.softmax(a, -1) * a_finite).sum(-1)
 
