@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import re
+import statistics
 
 import pytest
 import torch
@@ -262,3 +263,15 @@ def test_bench_e2e_run_trains_both_through_the_quickstart(tmp_path, monkeypatch,
     monkeypatch.setitem(sys.modules, "recipe.stapo.quickstart", None)  # the CPU path missing
     assert bench_e2e.main(["--run", "--out", str(tmp_path / "q2")]) == 1
     assert "run_scripts/quickstart.sh --methods justrl,stapo" in capsys.readouterr().out
+
+
+def test_current_stats_cost_model():
+    """The extra forwards of stats_from=current: (M-1)/M of a forward, against M forward+backward
+    passes of 1/M of the batch (4 forward-equivalents with gradient checkpointing, 3 without)."""
+    from benchmarks import bench_current_stats as bcs
+
+    assert bcs.expected_share(1) == 0.0  # one mini-batch: the rollout statistics are the current ones
+    assert bcs.expected_share(4) == pytest.approx(3 / 16)
+    assert bcs.expected_share(4, checkpointing=False) == pytest.approx(0.25)
+    steps = {s: {"timing_s/old_log_prob": 1.0, "timing_s/update_actor": 4.0 * s} for s in (1, 2, 3)}
+    assert bcs.measured_share(steps, 4, warmup_steps=1) == pytest.approx(0.75 * statistics.median([1 / 8, 1 / 12]))

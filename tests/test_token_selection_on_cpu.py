@@ -168,6 +168,8 @@ class FakeWorker:
     def __init__(self, config, current=None):
         self.loss_fn = partial(engine_workers.ppo_loss, config=config)
         self.engine = SimpleNamespace(get_data_parallel_group=lambda: None, module=torch.nn.Linear(1, 1))
+        self.engine_config = SimpleNamespace(infer_micro_batch_size_per_gpu=4, use_dynamic_bsz=False,
+                                             infer_max_token_len_per_gpu=None)
         self.current, self.forwards, self.seen = current, 0, []
         # verl's train_batch replaced by a recorder, under the recipe's wrapper (one per worker, as in verl)
         self.train_batch = importlib.import_module("verl_patches.install")._with_mini_batch_selection(
@@ -176,6 +178,7 @@ class FakeWorker:
     def infer_batch(self, data):
         self.forwards += 1
         assert tu.get(data, "calculate_entropy") and not tu.get(data, "compute_loss")
+        assert len(data) % tu.get(data, "micro_batch_size_per_gpu") == 0  # B = 6, infer micro size 4 -> 2
         lp, ent = self.current
         valid = data["attention_mask"][:, -R:]
         return {"log_probs": flat_model_output(lp, valid), "entropy": flat_model_output(ent, valid)}

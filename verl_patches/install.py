@@ -36,6 +36,7 @@ What is patched, each at one place and never by editing verl's files:
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -166,10 +167,13 @@ def current_policy_statistics(worker, data) -> tuple[torch.Tensor, torch.Tensor]
     from verl.workers.utils.padding import no_padding_2_padding
 
     view = data.copy()
-    for key in ("micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz"):
-        if key in view.keys():  # set by train_batch for the update pass; infer_batch sets its own
-            view.pop(key)
-    tu.assign_non_tensor(view, calculate_entropy=True, compute_loss=False)
+    engine_config = worker.engine_config
+    micro = engine_config.infer_micro_batch_size_per_gpu or len(data)
+    tu.assign_non_tensor(  # the inference pass's settings (a micro-batch size that divides the mini-batch)
+        view, calculate_entropy=True, compute_loss=False, use_dynamic_bsz=engine_config.use_dynamic_bsz,
+        max_token_len_per_gpu=engine_config.infer_max_token_len_per_gpu,
+        micro_batch_size_per_gpu=math.gcd(int(micro), len(data)),
+    )
     output = worker.infer_batch(view)
     return no_padding_2_padding(output["log_probs"], data), no_padding_2_padding(output["entropy"], data)
 
