@@ -89,3 +89,19 @@ def test_init_files_hold_no_logic():
             tree = ast.parse(path.read_text())
             defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
             assert not defs, f"{path.relative_to(ROOT)} defines {defs}: move them to a module"
+
+
+def test_readme_layout_table_matches_the_tree():
+    """Every folder the README's layout table lists exists, and every top-level folder of the
+    project (besides hidden ones and generated outputs) is listed."""
+    import re
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `([^`]+)/` \|", section, flags=re.M))
+    assert listed, "no layout table in README.md"
+    assert all((ROOT / name).is_dir() for name in listed), sorted(n for n in listed if not (ROOT / n).is_dir())
+    ignored = {"assets", "results", "outputs", "checkpoints", "data"}
+    tracked = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in ignored
+               and not p.name.endswith(".egg-info") and p.name != "__pycache__"}
+    assert tracked <= {n.split("/")[0] for n in listed}, sorted(tracked - {n.split("/")[0] for n in listed})
