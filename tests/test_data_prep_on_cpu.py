@@ -9,6 +9,7 @@ import pytest
 
 from recipe.stapo.data import prepare
 from recipe.stapo.data.prepare import PROMPT_JOINER, PROMPT_SUFFIX, main
+from recipe.stapo.reward import MAX_GROUND_TRUTH_CHARS
 
 FIXTURES = Path(prepare.__file__).parent / "fixtures"
 
@@ -142,7 +143,7 @@ def test_train_never_takes_a_worked_solution_as_the_answer(tmp_path):
     assert "row 2" not in str(err.value) and not (tmp_path / "train.parquet").exists()
 
 
-LONGEST = "1" * prepare.MAX_GROUND_TRUTH_CHARS
+LONGEST = "1" * MAX_GROUND_TRUTH_CHARS
 BAD_TRUTHS = [  # (answer cell, words the error names)
     ([None], "NoneType"),
     (True, "bool"),
@@ -150,7 +151,7 @@ BAD_TRUTHS = [  # (answer cell, words the error names)
     ({"value": 3}, "dict"),
     ([], "empty list"),
     (["7", None], "NoneType"),
-    ("9" * (prepare.MAX_GROUND_TRUTH_CHARS + 1), f"more than MAX_GROUND_TRUTH_CHARS={prepare.MAX_GROUND_TRUTH_CHARS}"),
+    ("9" * (MAX_GROUND_TRUTH_CHARS + 1), f"more than MAX_GROUND_TRUTH_CHARS={MAX_GROUND_TRUTH_CHARS}"),
 ]
 
 

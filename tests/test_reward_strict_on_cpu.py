@@ -88,3 +88,11 @@ def test_evaluation_grades_with_the_lenient_rule_not_the_strict_one():
     records = {(i, 0): {"response": response} for i, (response, _, _, _) in enumerate(TABLE)}
     graded = grade.grade_rule(records, problems)
     assert [graded[(i, 0)].rule_correct for i in range(len(TABLE))] == [l == 1.0 for _, _, _, l in TABLE]
+
+
+def test_training_reward_ignores_the_extra_keywords_verl_passes():
+    result = compute_score(
+        data_source="math_dapo", solution_str="\\boxed{3}", ground_truth="3", extra_info={"index": 0},
+        reward_router_address="ignored:0", reward_model_tokenizer=None,
+    )
+    assert result == verl_math_dapo_score("\\boxed{3}", "3", strict_box_verify=True) == {"score": 1.0, "acc": True, "pred": "3"}

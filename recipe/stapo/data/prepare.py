@@ -9,10 +9,11 @@ CLI::
 Each source is a Hugging Face dataset id (loaded with ``datasets.load_dataset``) or a local
 ``.parquet`` / ``.jsonl`` / ``.json`` file (works offline). Every row is validated (problem
 present and non-empty; answer present, a string, number or list of them, non-empty and at most
-``MAX_GROUND_TRUTH_CHARS`` characters; ids unique); a bad row is an error naming the file and the
-row (1-based), unless ``--drop-invalid`` drops and counts it. The answer is only ever taken from an
-answer field, never from a worked solution. Outputs are written to a temp file and
-renamed, and ``OUT/manifest.json`` records row counts and sha256 hashes of output and source.
+``recipe.stapo.reward.MAX_GROUND_TRUTH_CHARS`` characters; ids unique); a bad row is an error
+naming the file and the row (1-based), unless ``--drop-invalid`` drops and counts it. The answer
+is only ever taken from an answer field, never from a worked solution. Outputs are written to a
+temp file and renamed, and ``OUT/manifest.json`` records row counts and sha256 hashes of output
+and source.
 
 Output schema (one row per problem; what verl's RLHFDataset reads)::
 
@@ -37,7 +38,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 from tqdm import tqdm
 
 from recipe.stapo.data.fileio import atomic_write, atomic_write_json, sha256_file
-from recipe.stapo.reward.answers import MAX_GROUND_TRUTH_CHARS, ground_truth_problem
+from recipe.stapo.reward.answers import ground_truth_problem
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 """Instruction appended to every problem (the paper's and JustRL's prompt)."""

@@ -184,3 +184,9 @@ def symbolic_equal(pred: str, gold: str, norm_pred: str, norm_gold: str, inner_t
         except Exception:  # noqa: BLE001 - any failure of the symbolic stage means "not shown equal"
             continue
     return False
+
+
+def warm_up_symbolic() -> None:
+    """Import ``math_verify`` and sympy and run one comparison (a guard helper's warm-up, so that
+    seconds of imports on a busy machine never count against an answer's time limit)."""
+    symbolic_equal("0.5", "\\frac{1}{2}", "0.5", "\\frac{1}{2}")

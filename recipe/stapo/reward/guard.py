@@ -25,12 +25,27 @@ WORKERS_ENV = "STAPO_REWARD_WORKERS"
 """Environment variable: how many helper processes one process may run (default min(4, CPUs))."""
 
 
-def _guard_worker_main(read_fd: int, write_fd: int) -> None:
-    """Loop of a helper process: receive ``(fn, args)``, send ``("ok"|"err", value)``."""
+def _resolve(fn: Callable[..., Any] | str) -> Callable[..., Any]:
+    """A function, or the function a ``"module:function"`` name points at (imported here)."""
+    if isinstance(fn, str):
+        module_name, _, attr = fn.partition(":")
+        return getattr(importlib.import_module(module_name), attr)
+    return fn
+
+
+def _guard_worker_main(read_fd: int, write_fd: int, warm_up: str = "") -> None:
+    """Loop of a helper process: run ``warm_up`` (a ``"module:function"`` name, called without
+    arguments; its errors are ignored), report ready, then receive ``(fn, args)`` and send
+    ``("ok"|"err", value)`` until the parent closes the pipe."""
     from multiprocessing.connection import Connection
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its own timeouts are expected here
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
+    if warm_up:
+        try:
+            _resolve(warm_up)()
+        except Exception:  # noqa: BLE001 - a failing warm-up only costs the first call its speed
+            pass
     outbox.send(("ready", None))
     while True:
         try:
@@ -38,17 +53,14 @@ def _guard_worker_main(read_fd: int, write_fd: int) -> None:
         except EOFError:
             return
         try:
-            if isinstance(fn, str):  # "module:function", imported here
-                module_name, _, attr = fn.partition(":")
-                fn = getattr(importlib.import_module(module_name), attr)
-            outbox.send(("ok", fn(*args)))
+            outbox.send(("ok", _resolve(fn)(*args)))
         except Exception as exc:  # noqa: BLE001 - report to the parent, keep serving
             outbox.send(("err", f"{type(exc).__name__}: {exc}"))
 
 
 _WORKER_CODE = (
     "import sys; from recipe.stapo.reward.guard import _guard_worker_main; "
-    "_guard_worker_main(int(sys.argv[1]), int(sys.argv[2]))"
+    "_guard_worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])"
 )
 
 
@@ -56,7 +68,7 @@ class _GuardWorker:
     """One helper process (a fresh interpreter, so the caller's ``__main__`` is never re-run)
     and the parent's ends of its two pipes."""
 
-    def __init__(self, startup_timeout_s: float):
+    def __init__(self, startup_timeout_s: float, warm_up: str = ""):
         from multiprocessing.connection import Connection
 
         to_child_r, to_child_w = os.pipe()
@@ -65,7 +77,7 @@ class _GuardWorker:
         env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or ".") for p in sys.path)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-c", _WORKER_CODE, str(to_child_r), str(from_child_w)],
+                [sys.executable, "-c", _WORKER_CODE, str(to_child_r), str(from_child_w), warm_up],
                 pass_fds=(to_child_r, from_child_w),
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -92,21 +104,25 @@ class TimeLimitedRunner:
     """Runs picklable top-level functions in persistent helper processes under a hard time limit.
 
     Thread-safe: concurrent callers each take an idle helper (up to ``max_workers`` are spawned
-    lazily); time spent waiting for a free helper, or for a new one to start, does not count
-    against a call's limit. A call that exceeds its limit kills its helper, so the limit holds even
-    for code stuck in C and even when called outside the main thread.
+    lazily); time spent waiting for a free helper, or for a new one to start (and warm up), does
+    not count against a call's limit. A call that exceeds its limit kills its helper, so the limit
+    holds even for code stuck in C and even when called outside the main thread.
 
     Args:
         max_workers: most helper processes alive at once.
-        startup_timeout_s: limit for a helper to start (import) before it counts as failed.
+        startup_timeout_s: limit for a helper to start (import, warm up) before it counts as failed.
+        warm_up: ``"module:function"`` each helper calls once, without arguments, before it takes
+            calls (e.g. to import sympy, seconds on a busy machine, outside every call's limit);
+            empty for none.
     """
 
-    def __init__(self, max_workers: int = 2, startup_timeout_s: float = 60.0):
+    def __init__(self, max_workers: int = 2, startup_timeout_s: float = 60.0, warm_up: str = ""):
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self._idle: "queue.Queue[_GuardWorker]" = queue.Queue()
         self._slots = threading.Semaphore(max_workers)
         self._startup_timeout_s = startup_timeout_s
+        self._warm_up = warm_up
 
     def call(self, fn: Callable[..., Any] | str, args: tuple, timeout_s: float) -> tuple[str, Any]:
         """Run ``fn(*args)`` in a helper; ``fn`` is a picklable function or ``"module:function"``.
@@ -121,7 +137,7 @@ class TimeLimitedRunner:
                 worker = self._idle.get_nowait()
             except queue.Empty:
                 try:
-                    worker = _GuardWorker(self._startup_timeout_s)
+                    worker = _GuardWorker(self._startup_timeout_s, self._warm_up)
                 except Exception as exc:  # noqa: BLE001 - reported as a status, never raised
                     return "unavailable", f"{type(exc).__name__}: {exc}"
             try:
@@ -145,11 +161,12 @@ _RUNNER: Optional[TimeLimitedRunner] = None
 _RUNNER_LOCK = threading.Lock()
 
 
-def get_runner() -> TimeLimitedRunner:
-    """The process-wide runner; :data:`WORKERS_ENV` sets its size (default min(4, CPUs))."""
+def get_runner(warm_up: str = "") -> TimeLimitedRunner:
+    """The process-wide runner, created by the first call (with its ``warm_up``, see
+    :class:`TimeLimitedRunner`); :data:`WORKERS_ENV` sets its size (default min(4, CPUs))."""
     global _RUNNER
     with _RUNNER_LOCK:
         if _RUNNER is None:
             default = min(4, os.cpu_count() or 1)
-            _RUNNER = TimeLimitedRunner(max_workers=int(os.environ.get(WORKERS_ENV, default)))
+            _RUNNER = TimeLimitedRunner(max_workers=int(os.environ.get(WORKERS_ENV, default)), warm_up=warm_up)
         return _RUNNER

@@ -41,6 +41,7 @@ symbolic_check: Callable[..., bool] = symbolic_equal
 it); called as ``symbolic_check(pred, gold, norm_pred, norm_gold, inner_timeout_s)``."""
 
 _UNAVAILABLE_WARNED = False
+_WARM_UP = "recipe.stapo.reward.answers:warm_up_symbolic"
 
 
 def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
@@ -58,7 +59,7 @@ def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_
     if norm_pred == norm_gold:
         return True
     inner = max(1, int(timeout_s / 3))
-    status, value = get_runner().call(symbolic_check, (pred, gold, norm_pred, norm_gold, inner), timeout_s)
+    status, value = get_runner(_WARM_UP).call(symbolic_check, (pred, gold, norm_pred, norm_gold, inner), timeout_s)
     if status == "err":
         logger.warning("reward: symbolic check failed (%s); counting the answer as wrong", value)
     if status == "unavailable":
