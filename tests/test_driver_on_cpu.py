@@ -132,7 +132,7 @@ def test_secrets_never_reach_the_hydra_config(monkeypatch):
 
 def test_submitted_job_carries_exactly_the_allowed_variables():
     environ = {"PATH": "/usr/bin", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "x", "WANDB_API_KEY": "k",
-               "WANDB_PROJECT_SECRET_THING": "no", "HF_TOKEN": "t", "HF_HOME": "/hf", "STAPO_DATA_DIR": "/d",
+               "WANDB_PROJECT_SECRET_THING": "no", "STAPO_DRY_RUN": "1", "HF_TOKEN": "t", "HF_HOME": "/hf", "STAPO_DATA_DIR": "/d",
                "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "mymod", "CUDA_VISIBLE_DEVICES": "0"}
     assert forwarded_env(environ) == {"HF_HOME": "/hf", "HF_TOKEN": "t", "STAPO_DATA_DIR": "/d",
                                       "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "mymod",

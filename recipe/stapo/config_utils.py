@@ -50,6 +50,8 @@ FORWARDED_ENV_NAMES = ("VERL_USE_EXTERNAL_MODULES",
                        "WANDB_RESUME", "WANDB_RUN_ID", "WANDB_TAGS", "WANDB_NOTES",
                        "HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT",
                        "HF_HUB_CACHE", "HF_HUB_ENABLE_HF_TRANSFER")
+#: launcher-only variables never forwarded (the job's driver must train, not just check)
+NOT_FORWARDED_ENV_NAMES = ("STAPO_DRY_RUN",)
 #: never uploaded with the job's working directory (data, outputs, environments)
 WORKING_DIR_EXCLUDES = (".git", ".venv", "data", "results", "checkpoints", "assets", "wandb", "outputs",
                         "__pycache__", "*.parquet", "*.safetensors")
@@ -240,9 +242,9 @@ def describe(config: DictConfig) -> str:
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``environ`` a submitted job carries: ``VERL_USE_EXTERNAL_MODULES``, every
-    ``STAPO_*`` variable and an allow-list of ``WANDB_*`` / ``HF_*`` ones (:data:`FORWARDED_ENV_NAMES`)."""
-    return {k: v for k, v in sorted(environ.items())
-            if k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES)}
+    ``STAPO_*`` variable (but ``STAPO_DRY_RUN``) and an allow-list of ``WANDB_*`` / ``HF_*`` ones (:data:`FORWARDED_ENV_NAMES`)."""
+    return {k: v for k, v in sorted(environ.items()) if k not in NOT_FORWARDED_ENV_NAMES
+            and (k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES))}
 
 
 def job_runtime_env(environ: Mapping[str, str]) -> dict:
