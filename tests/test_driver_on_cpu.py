@@ -142,3 +142,26 @@ def test_submitted_job_carries_exactly_the_allowed_variables():
                                        "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "verl_patches,mymod",
                                        "WANDB_API_KEY": "k", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
     assert {".git", ".venv", "data", "checkpoints"} <= set(runtime_env["excludes"])
+
+
+def _run_env(overrides, environ):
+    from recipe.stapo.config_utils import ensure_wandb_resume
+
+    cfg = compose(overrides)
+    return ensure_wandb_resume(cfg, environ), cfg
+
+
+def test_wandb_run_id_is_fixed_by_project_and_experiment():
+    """verl's wandb.init passes no id: the driver gives every worker one that a resumed run repeats."""
+    first, cfg = _run_env(["method=stapo", "trainer.experiment_name=a/b c"], {})
+    again, _ = _run_env(["method=stapo", "trainer.experiment_name=a/b c"], {})
+    other, _ = _run_env(["method=stapo", "trainer.experiment_name=a/b d"], {})
+    project, _ = _run_env(["method=stapo", "trainer.experiment_name=a/b c", "trainer.project_name=p2"], {})
+    assert first == again and first["WANDB_RESUME"] == "allow"
+    assert len({first["WANDB_RUN_ID"], other["WANDB_RUN_ID"], project["WANDB_RUN_ID"]}) == 3
+    assert not set("/\\#?%: ") & set(first["WANDB_RUN_ID"]) and first["WANDB_RUN_ID"].startswith("a-b-c-")
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.WANDB_RUN_ID == first["WANDB_RUN_ID"]
+    mine, _ = _run_env(["method=stapo"], {"WANDB_RUN_ID": "mine", "WANDB_RESUME": "must"})
+    assert mine == {"WANDB_RUN_ID": "mine", "WANDB_RESUME": "must"}
+    none, cfg = _run_env(["method=stapo", "trainer.logger=[console,file]"], {})
+    assert none == {} and "WANDB_RUN_ID" not in cfg.ray_kwargs.ray_init.runtime_env.env_vars

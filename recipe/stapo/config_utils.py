@@ -7,8 +7,8 @@ never the reverse. Everything here runs in the launching process, before Ray sta
   scripts); :func:`validate`: verl's own validation.
 - :func:`prepare`: what the driver does to a composed config before handing it to verl: loss mode
   registered, statistics the loss needs switched on, every interpolation resolved with the
-  launching shell's environment, data / model / checkpoint paths made absolute, Ray's environment
-  variables as strings, then :func:`validate`.
+  launching shell's environment, data / model / checkpoint paths made absolute, a wandb run id a
+  resumed run continues, Ray's environment variables as strings, then :func:`validate`.
 - :func:`job_runtime_env`: the Ray job runtime environment of ``LAUNCH=submit``
   (``run_scripts/common.sh``): the only way secrets reach the workers (never the Hydra config,
   which verl logs to wandb).
@@ -19,7 +19,9 @@ Importing this module imports no verl (``VERL_USE_EXTERNAL_MODULES`` must be set
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -198,6 +200,37 @@ def resolve_paths(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     OmegaConf.resolve(config)
 
 
+def wandb_run_id(project: str, experiment: str) -> str:
+    """A wandb run id fixed by the project and experiment names: the experiment name with characters
+    wandb refuses replaced, plus 8 hex digits of a hash of both names (unique after truncation)."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", experiment).strip("-")[:40] or "run"
+    return f"{readable}-{hashlib.sha1(f'{project}/{experiment}'.encode()).hexdigest()[:8]}"
+
+
+def ensure_wandb_resume(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """With the wandb logger: ``WANDB_RUN_ID`` and ``WANDB_RESUME`` for every Ray worker, so a run
+    resumed from its checkpoints (verl's ``resume_mode=auto``, same project and experiment) continues
+    the same wandb run instead of opening a new one (verl's ``wandb.init`` passes no id).
+
+    The launching shell's ``WANDB_RUN_ID`` / ``WANDB_RESUME`` win; otherwise the id is
+    :func:`wandb_run_id` and ``WANDB_RESUME=allow`` (continue the run if it exists, else create it).
+    Returns the variables set (neither is a secret).
+    """
+    environ = os.environ if environ is None else environ
+    loggers = OmegaConf.select(config, "trainer.logger", default=[]) or []
+    if "wandb" not in ([loggers] if isinstance(loggers, str) else list(loggers)):
+        return {}
+    run_env = {
+        "WANDB_RUN_ID": environ.get("WANDB_RUN_ID")
+        or wandb_run_id(str(config.trainer.project_name), str(config.trainer.experiment_name)),
+        "WANDB_RESUME": environ.get("WANDB_RESUME", "allow"),
+    }
+    with open_dict(config):
+        for key, value in run_env.items():
+            OmegaConf.update(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{key}", value, force_add=True)
+    return run_env
+
+
 def stringify_ray_env_vars(config: DictConfig) -> None:
     """Ray accepts only string environment variables; the YAML interpolates numbers into them."""
     env_vars = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars")
@@ -214,12 +247,14 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
 
     1. the loss mode is registered (:func:`check_loss_mode`); 2. statistics the loss reads are
     switched on (:func:`ensure_loss_statistics`); 3. interpolations resolved, paths absolute
-    (:func:`resolve_paths`); 4. Ray env vars as strings; 5. verl's :func:`validate`. Any mistake
+    (:func:`resolve_paths`); 4. with wandb, a run id that a resumed run continues
+    (:func:`ensure_wandb_resume`); 5. Ray env vars as strings; 6. verl's :func:`validate`. Any mistake
     raises ``ValueError`` naming the key, before Ray starts.
     """
     check_loss_mode(config)
     ensure_loss_statistics(config, log=log)
     resolve_paths(config, cwd=cwd, log=log)
+    ensure_wandb_resume(config)
     stringify_ray_env_vars(config)
     validate(config)
     return config
