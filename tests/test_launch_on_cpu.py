@@ -140,3 +140,18 @@ def test_eval_default_output_folder_is_unique_per_checkpoint(tmp_path, model, en
     assert proc.returncode == 0, proc.stderr
     argv = proc.stdout.splitlines()
     assert argv[argv.index("--out") + 1] == str(ROOT / "results" / "eval" / expected)
+
+
+@pytest.mark.parametrize("model", ["qwen3_1_7b", "qwen3_8b", "qwen3_14b"])
+def test_throughput_settings_fit_the_longest_sequence(model):
+    """Dynamic batch size in every pass, token budgets that hold the longest sequence (verl refuses a
+    sequence longer than the budget), chunked entropy."""
+    cfg = compose([f"model={model}"])
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    a, rollout, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref
+    # verl's engine worker asserts the update and the log-prob passes agree on dynamic batching
+    assert a.use_dynamic_bsz and rollout.log_prob_use_dynamic_bsz and ref.log_prob_use_dynamic_bsz
+    assert a.entropy_from_logits_with_chunking
+    for budget in (a.ppo_max_token_len_per_gpu, rollout.log_prob_max_token_len_per_gpu,
+                   ref.log_prob_max_token_len_per_gpu):
+        assert budget >= longest and budget % longest == 0
