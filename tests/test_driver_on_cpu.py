@@ -24,8 +24,7 @@ DRIVER_TIMEOUT_S = 180
 
 
 def _driver(*args: str, env_extra=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, **(env_extra or {})}
-    env.pop("STAPO_DRY_RUN", None)
+    env = {k: v for k, v in os.environ.items() if k != "STAPO_DRY_RUN"}
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-m", "recipe.stapo.main_stapo", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
