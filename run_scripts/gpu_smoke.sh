@@ -12,6 +12,7 @@
 #   SMOKE_DEVICE [gpu]     cpu: the same script without a GPU: the tiny model built in ASSETS
 #                          [assets/tiny], verl's real trainer on CPU with an HF rollout, HF evaluation
 #                          (the project's tests run this mode)
+#   STAPO_DRY_RUN=1        print the training commands only
 # It stops at the first failure and names the log to read.
 set -euo pipefail
 launch_dir=$PWD
@@ -80,6 +81,11 @@ for m in "${methods[@]}"; do
   run_dir=$out/$m
   mkdir -p "$run_dir"
   mapfile -t run_overrides < <(overrides "$run_dir")
+  if [ "${STAPO_DRY_RUN:-0}" != "0" ]; then   # print each run's command (common.sh), nothing else
+    NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python LAUNCH=local \
+      bash "$here/common.sh" "$m" qwen3_1_7b "${run_overrides[@]}" "$@"
+    continue
+  fi
   echo "[smoke] $m: $steps step(s), log in $run_dir/train.log" >&2
   if ! VERL_FILE_LOGGER_PATH=$run_dir/metrics.jsonl STAPO_DATA_DIR=${data:-} LAUNCH=local \
        NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python \
@@ -91,6 +97,7 @@ for m in "${methods[@]}"; do
   [ -d "$run_dir/checkpoints/global_step_$steps" ] || { echo "[smoke] $m: no checkpoint global_step_$steps in $run_dir/checkpoints" >&2; exit 1; }
 done
 
+[ "${STAPO_DRY_RUN:-0}" != "0" ] && exit 0
 last=${methods[${#methods[@]}-1]}
 echo "[smoke] evaluating $last's checkpoint on 2 problems" >&2
 MODEL=$out/$last/checkpoints/global_step_$steps BENCH_DIR=$bench_dir OUT=$out/eval BACKEND=$eval_backend \

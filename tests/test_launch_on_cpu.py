@@ -155,3 +155,26 @@ def test_throughput_settings_fit_the_longest_sequence(model):
     for budget in (a.ppo_max_token_len_per_gpu, rollout.log_prob_max_token_len_per_gpu,
                    ref.log_prob_max_token_len_per_gpu):
         assert budget >= longest and budget % longest == 0
+
+
+def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
+    """GPU mode of run_scripts/gpu_smoke.sh (dry run): one command per method, each a valid verl config
+    on one node with the local model, short lengths and a checkpoint at the last step."""
+    from recipe.stapo.config_utils import METHODS, validate
+
+    model = tmp_path / "Qwen3-1.7B-Base"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    proc = _run(ROOT / "run_scripts" / "gpu_smoke.sh", cwd=tmp_path, MODEL="Qwen3-1.7B-Base", GPUS="8",
+                STAPO_DRY_RUN="1", OUT="smoke")
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
+    assert [_value(c, "method") for c in commands] == list(METHODS)
+    for argv in commands:
+        cfg = compose(argv[3:])
+        validate(cfg)
+        assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (1, 8)
+        assert cfg.actor_rollout_ref.model.path == str(model)
+        assert cfg.trainer.total_training_steps == cfg.trainer.save_freq == 2
+        assert cfg.trainer.default_local_dir == str(tmp_path / "smoke" / cfg.recipe.method / "checkpoints")
+        assert cfg.data.max_response_length <= 1024 and "wandb" not in cfg.trainer.logger
