@@ -2,21 +2,46 @@
 # One paper run: bash run_scripts/common.sh METHOD MODEL [hydra overrides...]
 #   METHOD: grpo | entropy20 | justrl | stapo      MODEL: qwen3_1_7b | qwen3_8b | qwen3_14b
 # Environment (defaults in brackets):
+#   LAUNCH [local]                      local: run the driver here (one node, or the head of a Ray cluster
+#                                       whose nodes share this environment); submit: `ray job submit` to
+#                                       the cluster at RAY_ADDRESS (multi-node; docs/cluster.md)
+#   RAY_ADDRESS [http://127.0.0.1:8265] submit: the Ray dashboard of the head node
 #   NNODES [8]  GPUS_PER_NODE [8]       the paper used 64 GPUs
 #   STAPO_DATA_DIR [data/stapo]         train.parquet, aime24.parquet from `python -m recipe.stapo.data.prepare`
 #   STAPO_MODEL_DIR [Qwen]              folder holding Qwen3-*-Base (or the hub org name)
-#   CKPT_DIR [checkpoints]              checkpoints go to CKPT_DIR/<project>/<experiment>
+#   CKPT_DIR [checkpoints]              checkpoints go to CKPT_DIR/<project>/<experiment>; on a cluster it
+#                                       must be storage every node sees
 #   LOGGER [wandb]                      wandb | console | file | tensorboard (comma-separated)
 #   PROJECT [stapo]  EXPERIMENT [MODEL_METHOD]
-#   PYTHON [python3]                    interpreter with requirements.txt installed
-#   STAPO_DRY_RUN=1                     print the command instead of running it
+#   PYTHON [python3]                    interpreter with requirements.txt installed (every node: same path)
+#   STAPO_DRY_RUN=1                     print the exact command instead of running it
+#   STAPO_DRY_RUN=check                 print it, then validate the composed config here (no Ray)
+# Relative paths are taken from the directory you launch from and passed on as absolute paths.
+# Submit mode forwards only VERL_USE_EXTERNAL_MODULES, STAPO_* and a list of WANDB_*/HF_* variables
+# (recipe/stapo/config_utils.py) to the job; they never enter the Hydra config.
 set -euo pipefail
 if [ $# -lt 2 ]; then
   echo "usage: $0 METHOD MODEL [hydra overrides...]" >&2
   exit 2
 fi
 method=$1; model=$2; shift 2
+launch_dir=$PWD
 cd "$(dirname "$0")/.."
+repo=$PWD
+
+# abs PATH BASE: PATH made absolute against BASE (URIs such as hdfs://... unchanged)
+abs() {
+  case "$1" in
+    *://*|/*) printf '%s' "$1" ;;
+    "~"|"~/"*) printf '%s' "$HOME${1#\~}" ;;
+    *) printf '%s/%s' "$2" "$1" ;;
+  esac
+}
+
+case "${LAUNCH:-local}" in
+  local|submit) ;;
+  *) echo "LAUNCH: unknown mode '${LAUNCH}' (expected local or submit)" >&2; exit 2 ;;
+esac
 
 loggers="console"
 IFS=',' read -ra wanted <<< "${LOGGER:-wandb}"
@@ -28,20 +53,58 @@ for l in "${wanted[@]}"; do
   esac
 done
 
-cmd=(
-  "${PYTHON:-python3}" -m recipe.stapo.main_stapo
+# user-given paths are relative to where you launched; the defaults to the repository
+if [ -n "${STAPO_DATA_DIR:-}" ]; then export STAPO_DATA_DIR="$(abs "$STAPO_DATA_DIR" "$launch_dir")"
+else export STAPO_DATA_DIR="$repo/data/stapo"; fi
+if [ -n "${STAPO_MODEL_DIR:-}" ]; then
+  case "$STAPO_MODEL_DIR" in
+    /*|./*|../*|"~"*) export STAPO_MODEL_DIR="$(abs "$STAPO_MODEL_DIR" "$launch_dir")" ;;
+    *) [ -d "$launch_dir/$STAPO_MODEL_DIR" ] && export STAPO_MODEL_DIR="$launch_dir/$STAPO_MODEL_DIR" ;;
+  esac
+fi
+if [ -n "${CKPT_DIR:-}" ]; then ckpt="$(abs "$CKPT_DIR" "$launch_dir")"; else ckpt="$repo/checkpoints"; fi
+project=${PROJECT:-stapo}
+experiment=${EXPERIMENT:-${model}_${method}}
+python=${PYTHON:-python3}
+export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_patches}"
+
+train=(
+  -m recipe.stapo.main_stapo
   "method=$method" "model=$model"
   "trainer.nnodes=${NNODES:-8}"
   "trainer.n_gpus_per_node=${GPUS_PER_NODE:-8}"
   "trainer.logger=[$loggers]"
-  "trainer.project_name=${PROJECT:-stapo}"
-  "trainer.experiment_name=${EXPERIMENT:-${model}_${method}}"
-  "trainer.default_local_dir=${CKPT_DIR:-checkpoints}/${PROJECT:-stapo}/${EXPERIMENT:-${model}_${method}}"
+  "trainer.project_name=$project"
+  "trainer.experiment_name=$experiment"
+  "trainer.default_local_dir=$ckpt/$project/$experiment"
   "$@"
 )
-if [ "${STAPO_DRY_RUN:-0}" = "1" ]; then
+
+if [ "${LAUNCH:-local}" = submit ]; then
+  # the job's runtime env (secrets included) goes through a private file, never the command line
+  runtime_env=$(mktemp "${TMPDIR:-/tmp}/stapo_runtime_env.XXXXXX.json")
+  chmod 600 "$runtime_env"
+  trap 'rm -f "$runtime_env"' EXIT
+  "$python" -m recipe.stapo.config_utils runtime-env > "$runtime_env"
+  cmd=("${RAY:-ray}" job submit --address "${RAY_ADDRESS:-http://127.0.0.1:8265}"
+       --working-dir "$repo" --runtime-env "$runtime_env" -- "$python" "${train[@]}")
+else
+  cmd=("$python" "${train[@]}")
+fi
+
+if [ "${STAPO_DRY_RUN:-0}" != "0" ]; then
   printf '%q ' "${cmd[@]}"; echo
+  if [ "${LAUNCH:-local}" = submit ]; then
+    echo "[stapo] the job carries these variables (values not shown):" \
+         "$("$python" -c 'import json,sys; print(" ".join(json.load(open(sys.argv[1]))["env_vars"]))' "$runtime_env")" >&2
+  fi
+  if [ "$STAPO_DRY_RUN" = check ]; then
+    "$python" "${train[@]}" --check >&2
+  fi
   exit 0
 fi
-export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_patches}"
-exec "${cmd[@]}"
+if [ "${LAUNCH:-local}" = submit ]; then
+  "${cmd[@]}"   # not exec: the runtime env file is removed when the job ends
+else
+  exec "${cmd[@]}"
+fi

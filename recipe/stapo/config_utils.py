@@ -1,25 +1,85 @@
-"""Compose and validate the recipe's Hydra config without starting anything (tests, scripts)."""
+"""The recipe's config, from composition to the config verl receives (the driver's side of a run).
+
+Imports flow one way: :mod:`recipe.stapo.main_stapo` (the Hydra entry point) imports this module,
+never the reverse. Everything here runs in the launching process, before Ray starts:
+
+- :func:`compose`: the config ``python -m recipe.stapo.main_stapo <overrides>`` runs with (tests,
+  scripts); :func:`validate`: verl's own validation.
+- :func:`prepare`: what the driver does to a composed config before handing it to verl: loss mode
+  registered, statistics the loss needs switched on, every interpolation resolved with the
+  launching shell's environment, data / model / checkpoint paths made absolute, a wandb run id a
+  resumed run continues, Ray's environment variables as strings, then :func:`validate`.
+- :func:`job_runtime_env`: the Ray job runtime environment of ``LAUNCH=submit``
+  (``run_scripts/common.sh``): the only way secrets reach the workers (never the Hydra config,
+  which verl logs to wandb).
+
+Importing this module imports no verl (``VERL_USE_EXTERNAL_MODULES`` must be set first, see
+:func:`ensure_patch_module_env`).
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+import hashlib
+import os
+import re
+from pathlib import Path
+from typing import Callable, Mapping, Optional, Sequence
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 METHODS = ("grpo", "entropy20", "justrl", "stapo")
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
+CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
+CONFIG_NAME = "stapo_trainer"
+#: the module every verl process must import (it installs the recipe's patches, see verl_patches/install.py)
+PATCH_MODULE = "verl_patches"
+
+POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
+CALCULATE_ENTROPY = "actor_rollout_ref.actor.calculate_entropy"
+#: loss modes whose token selection reads ``stats_from`` (verl_patches.config.S2T_LOSS_MODES)
+SELECTING_LOSS_MODES = ("stapo", "entropy_topk")
+
+#: config keys holding local paths, made absolute in the driver (None/empty values are left alone)
+DATA_PATH_KEYS = ("data.train_files", "data.val_files")
+OUTPUT_PATH_KEYS = ("trainer.default_local_dir", "trainer.resume_from_path", "trainer.validation_data_dir",
+                    "trainer.rollout_data_dir", "recipe.token_dump.dir")
+MODEL_PATH_KEYS = ("actor_rollout_ref.model.path",)
+
+#: what ``LAUNCH=submit`` forwards to the Ray job, beyond VERL_USE_EXTERNAL_MODULES and STAPO_*
+FORWARDED_ENV_PREFIXES = ("STAPO_",)
+FORWARDED_ENV_NAMES = ("VERL_USE_EXTERNAL_MODULES",
+                       "WANDB_API_KEY", "WANDB_ENTITY", "WANDB_BASE_URL", "WANDB_MODE", "WANDB_DIR",
+                       "WANDB_RESUME", "WANDB_RUN_ID", "WANDB_TAGS", "WANDB_NOTES",
+                       "HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT",
+                       "HF_HUB_CACHE", "HF_HUB_ENABLE_HF_TRANSFER")
+#: launcher-only variables never forwarded (the job's driver must train, not just check)
+NOT_FORWARDED_ENV_NAMES = ("STAPO_DRY_RUN",)
+#: never uploaded with the job's working directory (data, outputs, environments)
+WORKING_DIR_EXCLUDES = (".git", ".venv", "data", "results", "checkpoints", "assets", "wandb", "outputs",
+                        "__pycache__", "*.parquet", "*.safetensors")
+
+
+def ensure_patch_module_env(environ: Optional[dict] = None) -> None:
+    """Put ``verl_patches`` first in ``VERL_USE_EXTERNAL_MODULES`` (other modules the user set are kept).
+
+    ``environ`` defaults to ``os.environ``; it must be set before ``import verl``.
+    """
+    environ = os.environ if environ is None else environ
+    modules = [m for m in environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
+    if PATCH_MODULE not in modules:
+        modules.insert(0, PATCH_MODULE)
+    environ["VERL_USE_EXTERNAL_MODULES"] = ",".join(modules)
 
 
 def compose(overrides: Sequence[str] = ()) -> DictConfig:
-    """The config ``python -m recipe.stapo.main_stapo <overrides>`` would run with.
+    """The config ``python -m recipe.stapo.main_stapo <overrides>`` would run with (interpolations
+    unresolved, as Hydra gives it to the entry point).
 
     Raises ``ValueError`` naming the group for an unknown ``method=`` or ``model=``.
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import MissingConfigException
-
-    from recipe.stapo.main_stapo import CONFIG_DIR, CONFIG_NAME
 
     for override in overrides:
         for group, valid in (("method", METHODS), ("model", MODELS)):
@@ -46,3 +106,209 @@ def validate(config: DictConfig) -> None:
         if isinstance(e.__cause__, ValueError):  # a bad value in a config dataclass: show its own message
             raise ValueError(str(e.__cause__)) from None
         raise
+
+
+# ------------------------------------------------------------------------------------------------
+# driver checks
+# ------------------------------------------------------------------------------------------------
+
+
+def check_loss_mode(config: DictConfig) -> None:
+    """Fail (``ValueError`` naming the key) unless the policy loss is registered with verl.
+
+    Imports :mod:`verl_patches` (which registers ``stapo`` and ``entropy_topk``) and reads verl's
+    policy-loss registry, as the actor will in every worker.
+    """
+    import verl_patches  # noqa: F401  (registers the recipe's policy losses)
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    mode = OmegaConf.select(config, f"{POLICY_LOSS}.loss_mode", default="vanilla")
+    if mode not in POLICY_LOSS_REGISTRY:
+        raise ValueError(f"{POLICY_LOSS}.loss_mode={mode!r} is not a registered policy loss: expected one of "
+                         f"{sorted(POLICY_LOSS_REGISTRY)}")
+
+
+def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = print) -> list[str]:
+    """Switch on what the policy loss reads and the actor would otherwise not compute.
+
+    Today: ``stats_from=current`` (S2T / 20-Entropy statistics from the policy being updated) needs
+    the current entropy, so ``actor.calculate_entropy`` is set to true (the recipe's patches compute
+    it without autograd when ``entropy_coeff=0``). Each change is logged through ``log``; returns the
+    overrides applied (``key=value`` strings).
+    """
+    policy_loss = OmegaConf.select(config, POLICY_LOSS)
+    if policy_loss is None or policy_loss.get("loss_mode") not in SELECTING_LOSS_MODES:
+        return []
+    applied = []
+    if policy_loss.get("stats_from", "rollout") == "current" and not OmegaConf.select(config, CALCULATE_ENTROPY):
+        with open_dict(config):
+            OmegaConf.update(config, CALCULATE_ENTROPY, True, force_add=True)
+        applied.append(f"{CALCULATE_ENTROPY}=true")
+        log(f"[stapo] {POLICY_LOSS}.stats_from=current reads the current entropy: setting {CALCULATE_ENTROPY}=true")
+    return applied
+
+
+# ------------------------------------------------------------------------------------------------
+# paths and interpolations
+# ------------------------------------------------------------------------------------------------
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path
+
+
+def absolute_path(path: str, cwd: Path) -> str:
+    """``path`` (``~`` expanded) made absolute against ``cwd``; URIs (``hdfs://``...) unchanged."""
+    if _is_remote(path):
+        return path
+    return str((cwd / Path(path).expanduser()).resolve())
+
+
+def local_model_path(path: str, cwd: Path) -> Optional[str]:
+    """The absolute form of a model ``path`` if it names a local folder, else None (a hub id such as
+    ``Qwen/Qwen3-8B-Base``). Explicitly local spellings (``/``, ``./``, ``../``, ``~``) always count."""
+    if _is_remote(path):
+        return None
+    if path.startswith(("/", "./", "../", "~")) or (cwd / Path(path).expanduser()).exists():
+        return absolute_path(path, cwd)
+    return None
+
+
+def resolve_paths(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
+                  log: Callable[[str], None] = print) -> None:
+    """Resolve every interpolation in ``config`` (in place) with this process's environment and make
+    data, model and checkpoint paths absolute against ``cwd`` (default: the current directory).
+
+    After this, what verl's workers see does not depend on their environment or working directory
+    (on a Ray cluster they have neither the launching shell's variables nor its folder).
+    """
+    cwd = Path(cwd or os.getcwd()).resolve()
+    with open_dict(config):
+        for key in DATA_PATH_KEYS + OUTPUT_PATH_KEYS:
+            value = OmegaConf.select(config, key, default=None)  # resolves the interpolation
+            if isinstance(value, str) and value:
+                OmegaConf.update(config, key, absolute_path(value, cwd))
+            elif isinstance(value, ListConfig):
+                OmegaConf.update(config, key, [absolute_path(str(v), cwd) for v in value])
+        for key in MODEL_PATH_KEYS:
+            value = OmegaConf.select(config, key, default=None)
+            if isinstance(value, str) and value:
+                local = local_model_path(value, cwd)
+                OmegaConf.update(config, key, local or value)
+                if local is None:
+                    log(f"[stapo] {key}={value} is not a local folder: verl will fetch it from the Hugging Face hub")
+    OmegaConf.resolve(config)
+
+
+def wandb_run_id(project: str, experiment: str) -> str:
+    """A wandb run id fixed by the project and experiment names: the experiment name with characters
+    wandb refuses replaced, plus 8 hex digits of a hash of both names (unique after truncation)."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]+", "-", experiment).strip("-")[:40] or "run"
+    return f"{readable}-{hashlib.sha1(f'{project}/{experiment}'.encode()).hexdigest()[:8]}"
+
+
+def ensure_wandb_resume(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """With the wandb logger: ``WANDB_RUN_ID`` and ``WANDB_RESUME`` for every Ray worker, so a run
+    resumed from its checkpoints (verl's ``resume_mode=auto``, same project and experiment) continues
+    the same wandb run instead of opening a new one (verl's ``wandb.init`` passes no id).
+
+    The launching shell's ``WANDB_RUN_ID`` / ``WANDB_RESUME`` win; otherwise the id is
+    :func:`wandb_run_id` and ``WANDB_RESUME=allow`` (continue the run if it exists, else create it).
+    Returns the variables set (neither is a secret).
+    """
+    environ = os.environ if environ is None else environ
+    loggers = OmegaConf.select(config, "trainer.logger", default=[]) or []
+    if "wandb" not in ([loggers] if isinstance(loggers, str) else list(loggers)):
+        return {}
+    run_env = {
+        "WANDB_RUN_ID": environ.get("WANDB_RUN_ID")
+        or wandb_run_id(str(config.trainer.project_name), str(config.trainer.experiment_name)),
+        "WANDB_RESUME": environ.get("WANDB_RESUME", "allow"),
+    }
+    with open_dict(config):
+        for key, value in run_env.items():
+            OmegaConf.update(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{key}", value, force_add=True)
+    return run_env
+
+
+def stringify_ray_env_vars(config: DictConfig) -> None:
+    """Ray accepts only string environment variables; the YAML interpolates numbers into them."""
+    env_vars = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars")
+    if env_vars:
+        with open_dict(config):
+            for key in list(env_vars):
+                value = env_vars[key]
+                env_vars[key] = "" if value is None else str(value)
+
+
+def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
+            log: Callable[[str], None] = print) -> DictConfig:
+    """Everything the driver does to ``config`` (in place) before verl gets it; returns it.
+
+    1. the loss mode is registered (:func:`check_loss_mode`); 2. statistics the loss reads are
+    switched on (:func:`ensure_loss_statistics`); 3. interpolations resolved, paths absolute
+    (:func:`resolve_paths`); 4. with wandb, a run id that a resumed run continues
+    (:func:`ensure_wandb_resume`); 5. Ray env vars as strings; 6. verl's :func:`validate`. Any mistake
+    raises ``ValueError`` naming the key, before Ray starts.
+    """
+    check_loss_mode(config)
+    ensure_loss_statistics(config, log=log)
+    resolve_paths(config, cwd=cwd, log=log)
+    ensure_wandb_resume(config)
+    stringify_ray_env_vars(config)
+    validate(config)
+    return config
+
+
+def describe(config: DictConfig) -> str:
+    """A few lines naming what a prepared config will run (printed by ``--check``)."""
+    pick = lambda key: OmegaConf.select(config, key, default=None)  # noqa: E731
+    keys = ("recipe.method", "recipe.model", f"{POLICY_LOSS}.loss_mode", "actor_rollout_ref.model.path",
+            "data.train_files", "data.val_files", "trainer.default_local_dir", "trainer.nnodes",
+            "trainer.n_gpus_per_node", "trainer.logger", "trainer.project_name", "trainer.experiment_name",
+            "trainer.max_actor_ckpt_to_keep")
+    return "\n".join(f"  {key} = {pick(key)}" for key in keys)
+
+
+# ------------------------------------------------------------------------------------------------
+# LAUNCH=submit: the Ray job's runtime environment
+# ------------------------------------------------------------------------------------------------
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` a submitted job carries: ``VERL_USE_EXTERNAL_MODULES``, every
+    ``STAPO_*`` variable (but ``STAPO_DRY_RUN``) and an allow-list of ``WANDB_*`` / ``HF_*`` ones (:data:`FORWARDED_ENV_NAMES`)."""
+    return {k: v for k, v in sorted(environ.items()) if k not in NOT_FORWARDED_ENV_NAMES
+            and (k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES))}
+
+
+def job_runtime_env(environ: Mapping[str, str]) -> dict:
+    """Runtime env of ``ray job submit`` (the working directory itself is given by ``--working-dir``).
+
+    ``RAY_OVERRIDE_JOB_RUNTIME_ENV=1``: verl's driver calls ``ray.init`` with the config's runtime env,
+    whose variables (``VERL_USE_EXTERNAL_MODULES``...) Ray would otherwise refuse as a conflict with
+    the job's.
+    """
+    env = dict(environ)
+    ensure_patch_module_env(env)
+    env_vars = forwarded_env(env)
+    env_vars["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = "1"
+    return {"env_vars": env_vars, "excludes": list(WORKING_DIR_EXCLUDES)}
+
+
+def _main(argv: Sequence[str]) -> int:
+    """``python -m recipe.stapo.config_utils runtime-env``: print :func:`job_runtime_env` as JSON."""
+    import json
+    import sys
+
+    if list(argv) != ["runtime-env"]:
+        print("usage: python -m recipe.stapo.config_utils runtime-env", file=sys.stderr)
+        return 2
+    print(json.dumps(job_runtime_env(os.environ), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(_main(sys.argv[1:]))

@@ -2,55 +2,37 @@
 
 A thin Hydra entry over verl's own ``run_ppo`` (like verl-recipe's DAPO): the config is
 ``config/stapo_trainer.yaml`` (verl's ``ppo_trainer`` plus the paper's shared settings), the
-``method`` and ``model`` groups select the rest, and every key stays overridable.
+``method`` and ``model`` groups select the rest, and every key stays overridable. What the driver
+does to the config before verl gets it is :func:`recipe.stapo.config_utils.prepare`.
+
+Check a config without starting Ray (seconds): add ``--check`` or set ``STAPO_DRY_RUN=1``; the
+command then validates the whole composed config, prints what it would run and exits.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+import sys
 
-#: the module every process must import: set before verl is imported (see verl_patches/install.py)
-PATCH_MODULE = "verl_patches"
-CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
-CONFIG_NAME = "stapo_trainer"
+from recipe.stapo.config_utils import CONFIG_DIR, CONFIG_NAME, describe, ensure_patch_module_env, prepare
 
-
-def ensure_patch_module_env() -> None:
-    """Add ``verl_patches`` to ``VERL_USE_EXTERNAL_MODULES`` (kept if the user set more modules)."""
-    modules = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
-    if PATCH_MODULE not in modules:
-        modules.insert(0, PATCH_MODULE)
-    os.environ["VERL_USE_EXTERNAL_MODULES"] = ",".join(modules)
-
-
-ensure_patch_module_env()
+ensure_patch_module_env()  # before verl is imported: local Ray workers inherit it
 
 import hydra  # noqa: E402
 
-from recipe.stapo.config_utils import validate  # noqa: E402
+CHECK_FLAG = "--check"
 
 
-def stringify_ray_env_vars(config) -> None:
-    """Ray accepts only string environment variables; the YAML interpolates numbers into them."""
-    from omegaconf import open_dict
-
-    env_vars = config.ray_kwargs.ray_init.runtime_env.get("env_vars")
-    if env_vars:
-        with open_dict(config):
-            for key in list(env_vars):
-                value = env_vars[key]
-                env_vars[key] = "" if value is None else str(value)
-
-
-def run(config) -> None:
-    """Validate ``config`` exactly as verl's ``main_ppo`` does, then train with verl's trainer."""
+def run(config, check: bool = False) -> None:
+    """Prepare ``config`` in the driver, then train with verl's trainer (``check``: stop before Ray)."""
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.utils.device import auto_set_device
 
     auto_set_device(config)
-    validate(config)
-    stringify_ray_env_vars(config)
+    prepare(config)
+    if check:
+        print(f"[stapo] config OK (nothing started):\n{describe(config)}")
+        return
     if config.trainer.use_v1:
         run_ppo(config, task_runner_class=TaskRunnerV1)
     else:
@@ -59,9 +41,22 @@ def run(config) -> None:
         run_ppo(config, task_runner_class=TaskRunner)
 
 
-@hydra.main(config_path="config", config_name=CONFIG_NAME, version_base=None)
-def main(config) -> None:
-    run(config)
+def check_requested(argv: list[str], environ=os.environ) -> bool:
+    """True for ``--check`` in ``argv`` (removed from it, Hydra would refuse it) or ``STAPO_DRY_RUN=1``."""
+    flag = CHECK_FLAG in argv
+    while CHECK_FLAG in argv:
+        argv.remove(CHECK_FLAG)
+    return flag or environ.get("STAPO_DRY_RUN", "0") not in ("", "0")
+
+
+def main() -> None:
+    check = check_requested(sys.argv)
+
+    @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)
+    def entry(config) -> None:
+        run(config, check=check)
+
+    entry()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The first thing to run on a new cluster: one node, short lengths, STEPS training steps of each method
+# (checkpoint at the last step), then an evaluation of 2 problems of that checkpoint. A few minutes on one GPU.
+#   MODEL=/models/Qwen3-1.7B-Base bash run_scripts/gpu_smoke.sh [hydra overrides for every run...]
+# Environment (defaults in brackets):
+#   MODEL                  local Hugging Face folder of the model (GPU mode; required)
+#   GPUS [1]               GPUs of this node to use
+#   STAPO_DATA_DIR [data/stapo]  train.parquet and aime24.parquet (`python -m recipe.stapo.data.prepare`)
+#   METHODS [grpo entropy20 justrl stapo]   STEPS [2]
+#   OUT [results/gpu_smoke]  per-method run folders (metrics.jsonl, log, checkpoints) and eval/
+#   PYTHON [python3]       interpreter with requirements.txt installed
+#   SMOKE_DEVICE [gpu]     cpu: the same script without a GPU: the tiny model built in ASSETS
+#                          [assets/tiny], verl's real trainer on CPU with an HF rollout, HF evaluation
+#                          (the project's tests run this mode)
+#   STAPO_DRY_RUN=1        print the training commands only
+# It stops at the first failure and names the log to read.
+set -euo pipefail
+launch_dir=$PWD
+cd "$(dirname "$0")/.."
+here=$PWD/run_scripts
+python=${PYTHON:-python3}
+abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$2" "$1" ;; esac; }
+out=$(abs "${OUT:-results/gpu_smoke}" "$([ -n "${OUT:-}" ] && echo "$launch_dir" || echo "$PWD")")
+steps=${STEPS:-2}
+read -ra methods <<< "${METHODS:-grpo entropy20 justrl stapo}"
+device=${SMOKE_DEVICE:-gpu}
+mkdir -p "$out"
+
+case "$device" in
+  gpu)
+    : "${MODEL:?set MODEL to a local Hugging Face model folder (e.g. Qwen3-1.7B-Base)}"
+    model=$(abs "$MODEL" "$launch_dir")
+    [ -f "$model/config.json" ] || { echo "MODEL=$model: no config.json (a Hugging Face model folder is needed)" >&2; exit 2; }
+    gpus=${GPUS:-1}
+    if [ -n "${STAPO_DATA_DIR:-}" ]; then data=$(abs "$STAPO_DATA_DIR" "$launch_dir"); else data=$PWD/data/stapo; fi
+    bench_dir=$data
+    eval_backend=vllm; eval_tokens=1024
+    ;;
+  cpu)
+    assets=$(abs "${ASSETS:-assets/tiny}" "$([ -n "${ASSETS:-}" ] && echo "$launch_dir" || echo "$PWD")")
+    "$python" -m recipe.stapo.cpu.assets "$assets" >&2   # reused when already built
+    # the CPU path's environment (VERL_PLATFORM=cpu, the CPU shims in every verl process...)
+    exports=$("$python" -c '
+import os, shlex
+from recipe.stapo.cpu import cpu_env
+for key, value in cpu_env().items():
+    if os.environ.get(key) != value:
+        print(f"export {key}={shlex.quote(value)}")')
+    eval "$exports"
+    bench_dir=$out/bench
+    mkdir -p "$bench_dir"
+    cp "$assets/val.parquet" "$bench_dir/aime24.parquet"
+    eval_backend=hf; eval_tokens=32
+    ;;
+  *) echo "SMOKE_DEVICE: unknown device '$device' (expected gpu or cpu)" >&2; exit 2 ;;
+esac
+
+# overrides RUN_DIR: this device's settings for one short run saving a checkpoint at its last step
+overrides() {
+  local run_dir=$1
+  if [ "$device" = cpu ]; then
+    "$python" -c '
+import sys
+from recipe.stapo.cpu import cpu_overrides
+print("\n".join(cpu_overrides(sys.argv[1], sys.argv[2], steps=int(sys.argv[3]), save_freq=int(sys.argv[3]))))' \
+      "$assets" "$run_dir" "$steps"
+  else
+    printf '%s\n' \
+      "actor_rollout_ref.model.path=$model" "trainer.nnodes=1" "trainer.n_gpus_per_node=$gpus" \
+      "data.max_prompt_length=512" "data.max_response_length=1024" "data.train_batch_size=16" \
+      "actor_rollout_ref.rollout.n=4" "actor_rollout_ref.actor.ppo_mini_batch_size=8" \
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=1" "actor_rollout_ref.rollout.gpu_memory_utilization=0.5" \
+      "trainer.total_training_steps=$steps" "trainer.save_freq=$steps" "trainer.test_freq=-1" \
+      "trainer.val_before_train=false" "trainer.resume_mode=disable" "trainer.logger=[console,file]" \
+      "trainer.default_local_dir=$run_dir/checkpoints"
+  fi
+  printf '%s\n' "trainer.project_name=stapo_smoke" "trainer.experiment_name=smoke_${run_dir##*/}"
+}
+
+for m in "${methods[@]}"; do
+  run_dir=$out/$m
+  mkdir -p "$run_dir"
+  mapfile -t run_overrides < <(overrides "$run_dir")
+  if [ "${STAPO_DRY_RUN:-0}" != "0" ]; then   # print each run's command (common.sh), nothing else
+    NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python LAUNCH=local \
+      bash "$here/common.sh" "$m" qwen3_1_7b "${run_overrides[@]}" "$@"
+    continue
+  fi
+  echo "[smoke] $m: $steps step(s), log in $run_dir/train.log" >&2
+  if ! VERL_FILE_LOGGER_PATH=$run_dir/metrics.jsonl STAPO_DATA_DIR=${data:-} LAUNCH=local \
+       NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python \
+       bash "$here/common.sh" "$m" qwen3_1_7b "${run_overrides[@]}" "$@" > "$run_dir/train.log" 2>&1; then
+    echo "[smoke] $m FAILED: see $run_dir/train.log" >&2
+    tail -n 40 "$run_dir/train.log" >&2
+    exit 1
+  fi
+  [ -d "$run_dir/checkpoints/global_step_$steps" ] || { echo "[smoke] $m: no checkpoint global_step_$steps in $run_dir/checkpoints" >&2; exit 1; }
+done
+
+[ "${STAPO_DRY_RUN:-0}" != "0" ] && exit 0
+last=${methods[${#methods[@]}-1]}
+echo "[smoke] evaluating $last's checkpoint on 2 problems" >&2
+MODEL=$out/$last/checkpoints/global_step_$steps BENCH_DIR=$bench_dir OUT=$out/eval BACKEND=$eval_backend \
+  DECODING=train PYTHON=$python bash "$here/eval.sh" --benchmarks aime24 --n-samples 1 --limit 2 \
+  --max-new-tokens "$eval_tokens" > "$out/eval.log" 2>&1 || {
+    echo "[smoke] evaluation FAILED: see $out/eval.log" >&2; tail -n 40 "$out/eval.log" >&2; exit 1; }
+echo "[smoke] OK: ${methods[*]} trained $steps step(s) each; evaluation in $out/eval" >&2

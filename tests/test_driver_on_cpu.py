@@ -1,0 +1,166 @@
+"""The driver (``python -m recipe.stapo.main_stapo``): config mistakes fail before Ray starts, naming
+the key; ``--check`` / ``STAPO_DRY_RUN=1`` validates without starting anything; the config verl
+receives is fully resolved in the launching shell (its environment, absolute paths) and carries no
+secret."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from recipe.stapo.config_utils import (CALCULATE_ENTROPY, compose, ensure_loss_statistics, forwarded_env,
+                                       job_runtime_env, prepare)
+
+ROOT = Path(__file__).resolve().parents[1]
+PL = "actor_rollout_ref.actor.policy_loss"
+#: what verl prints just before ray.init (verl.trainer.main_ppo.run_ppo)
+RAY_INIT_MARK = "ray init kwargs"
+DRIVER_TIMEOUT_S = 180
+
+
+def _driver(*args: str, env_extra=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "STAPO_DRY_RUN"}
+    env.update(env_extra or {})
+    return subprocess.run([sys.executable, "-m", "recipe.stapo.main_stapo", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
+
+
+def test_unregistered_loss_mode_fails_in_driver_before_ray():
+    """No --check: on a config that passes verl's validation, the driver would go on to start Ray."""
+    proc = _driver("method=stapo", f"{PL}.loss_mode=stapoo", "trainer.nnodes=1", "trainer.n_gpus_per_node=1")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert f"{PL}.loss_mode='stapoo' is not a registered policy loss" in out, out[-3000:]
+    assert "'stapo'" in out and "'entropy_topk'" in out  # the registry after verl_patches is listed
+    assert RAY_INIT_MARK not in out
+
+
+def test_unregistered_loss_mode_fails_in_prepare_naming_the_key():
+    with pytest.raises(ValueError, match=rf"{PL}\.loss_mode='stapoo'"):
+        prepare(compose(["method=stapo", f"{PL}.loss_mode=stapoo"]), log=lambda _: None)
+
+
+@pytest.mark.parametrize("method", ["stapo", "entropy20"])
+def test_current_statistics_switch_the_entropy_on(method):
+    logged = []
+    cfg = compose([f"method={method}", f"{PL}.stats_from=current"])
+    assert OmegaConf.select(cfg, CALCULATE_ENTROPY) is False
+    assert ensure_loss_statistics(cfg, log=logged.append) == [f"{CALCULATE_ENTROPY}=true"]
+    assert OmegaConf.select(cfg, CALCULATE_ENTROPY) is True
+    assert len(logged) == 1 and CALCULATE_ENTROPY in logged[0] and "stats_from=current" in logged[0]
+
+
+@pytest.mark.parametrize("overrides", [["method=stapo"], ["method=justrl"], ["method=entropy20"],
+                                       ["method=stapo", f"{PL}.stats_from=current", f"{CALCULATE_ENTROPY}=true"]])
+def test_no_change_where_no_statistic_is_missing(overrides):
+    cfg = compose(overrides)
+    before = OmegaConf.select(cfg, CALCULATE_ENTROPY)
+    assert ensure_loss_statistics(cfg, log=pytest.fail) == []
+    assert OmegaConf.select(cfg, CALCULATE_ENTROPY) is before
+
+
+def test_check_validates_the_whole_config_without_ray():
+    ok = _driver("method=stapo", "model=qwen3_1_7b", f"{PL}.stats_from=current", "--check")
+    out = ok.stdout + ok.stderr
+    assert ok.returncode == 0, out[-3000:]
+    assert "config OK" in ok.stdout and f"{CALCULATE_ENTROPY}=true" in out
+    assert "recipe.model = qwen3_1_7b" in ok.stdout
+    assert RAY_INIT_MARK not in out
+    bad = _driver("method=stapo", f"{PL}.q=1.5", env_extra={"STAPO_DRY_RUN": "1"})
+    assert bad.returncode != 0 and f"{PL}.q=1.5" in bad.stdout + bad.stderr
+    assert RAY_INIT_MARK not in bad.stdout + bad.stderr
+
+
+def test_config_verl_receives_is_resolved_in_the_launching_shell(tmp_path, monkeypatch):
+    """The shell's STAPO_* values and absolute paths are baked in before ``run_ppo``: a Ray worker
+    with another environment and working directory sees the same config."""
+    import verl.trainer.main_ppo as verl_main
+
+    from recipe.stapo import main_stapo
+
+    (tmp_path / "models" / "Qwen3-8B-Base").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STAPO_DATA_DIR", "rel/data")
+    monkeypatch.setenv("STAPO_MODEL_DIR", "models")
+    received = []
+    monkeypatch.setattr(verl_main, "run_ppo", lambda config, task_runner_class: received.append(config))
+    cfg = compose(["method=stapo", "model=qwen3_8b", "trainer.default_local_dir=ckpt/run1",
+                   "recipe.token_dump.dir=dumps"])
+    main_stapo.run(cfg)
+    (config,) = received
+    # the worker's environment differs: nothing is left to resolve there
+    monkeypatch.delenv("STAPO_DATA_DIR")
+    monkeypatch.setenv("STAPO_MODEL_DIR", "/elsewhere")
+    monkeypatch.chdir("/")
+    raw = OmegaConf.to_container(config, resolve=False)
+    assert "${" not in OmegaConf.to_yaml(raw)
+    assert config.data.train_files == str(tmp_path / "rel/data/train.parquet")
+    assert config.data.val_files == str(tmp_path / "rel/data/aime24.parquet")
+    assert config.actor_rollout_ref.model.path == str(tmp_path / "models/Qwen3-8B-Base")
+    assert config.trainer.default_local_dir == str(tmp_path / "ckpt/run1")
+    env_vars = config.ray_kwargs.ray_init.runtime_env.env_vars
+    assert env_vars.STAPO_TOKEN_DUMP_DIR == str(tmp_path / "dumps") == config.recipe.token_dump.dir
+    assert env_vars.VERL_USE_EXTERNAL_MODULES.split(",")[0] == "verl_patches"
+
+
+def test_hub_model_id_is_kept(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("STAPO_MODEL_DIR", raising=False)
+    logged = []
+    cfg = prepare(compose(["method=justrl", "model=qwen3_1_7b"]), log=logged.append)
+    assert cfg.actor_rollout_ref.model.path == "Qwen/Qwen3-1.7B-Base"
+    assert any("not a local folder" in line for line in logged)
+
+
+SECRETS = {"WANDB_API_KEY": "wandb-secret-0123456789", "HF_TOKEN": "hf_secret_0123456789"}
+
+
+def test_secrets_never_reach_the_hydra_config(monkeypatch):
+    for key, value in SECRETS.items():
+        monkeypatch.setenv(key, value)
+    cfg = prepare(compose(["method=stapo"]), log=lambda _: None)
+    text = OmegaConf.to_yaml(cfg)
+    for key, value in SECRETS.items():
+        assert value not in text and key not in text
+
+
+def test_submitted_job_carries_exactly_the_allowed_variables():
+    environ = {"PATH": "/usr/bin", "HOME": "/root", "AWS_SECRET_ACCESS_KEY": "x", "WANDB_API_KEY": "k",
+               "WANDB_PROJECT_SECRET_THING": "no", "STAPO_DRY_RUN": "1", "HF_TOKEN": "t", "HF_HOME": "/hf", "STAPO_DATA_DIR": "/d",
+               "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "mymod", "CUDA_VISIBLE_DEVICES": "0"}
+    assert forwarded_env(environ) == {"HF_HOME": "/hf", "HF_TOKEN": "t", "STAPO_DATA_DIR": "/d",
+                                      "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "mymod",
+                                      "WANDB_API_KEY": "k"}
+    runtime_env = job_runtime_env(environ)
+    assert runtime_env["env_vars"] == {"HF_HOME": "/hf", "HF_TOKEN": "t", "STAPO_DATA_DIR": "/d",
+                                       "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "verl_patches,mymod",
+                                       "WANDB_API_KEY": "k", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
+    assert {".git", ".venv", "data", "checkpoints"} <= set(runtime_env["excludes"])
+
+
+def _run_env(overrides, environ):
+    from recipe.stapo.config_utils import ensure_wandb_resume
+
+    cfg = compose(overrides)
+    return ensure_wandb_resume(cfg, environ), cfg
+
+
+def test_wandb_run_id_is_fixed_by_project_and_experiment():
+    """verl's wandb.init passes no id: the driver gives every worker one that a resumed run repeats."""
+    first, cfg = _run_env(["method=stapo", "trainer.experiment_name=a/b c"], {})
+    again, _ = _run_env(["method=stapo", "trainer.experiment_name=a/b c"], {})
+    other, _ = _run_env(["method=stapo", "trainer.experiment_name=a/b d"], {})
+    project, _ = _run_env(["method=stapo", "trainer.experiment_name=a/b c", "trainer.project_name=p2"], {})
+    assert first == again and first["WANDB_RESUME"] == "allow"
+    assert len({first["WANDB_RUN_ID"], other["WANDB_RUN_ID"], project["WANDB_RUN_ID"]}) == 3
+    assert not set("/\\#?%: ") & set(first["WANDB_RUN_ID"]) and first["WANDB_RUN_ID"].startswith("a-b-c-")
+    assert cfg.ray_kwargs.ray_init.runtime_env.env_vars.WANDB_RUN_ID == first["WANDB_RUN_ID"]
+    mine, _ = _run_env(["method=stapo"], {"WANDB_RUN_ID": "mine", "WANDB_RESUME": "must"})
+    assert mine == {"WANDB_RUN_ID": "mine", "WANDB_RESUME": "must"}
+    none, cfg = _run_env(["method=stapo", "trainer.logger=[console,file]"], {})
+    assert none == {} and "WANDB_RUN_ID" not in cfg.ray_kwargs.ray_init.runtime_env.env_vars

@@ -1,0 +1,177 @@
+"""``run_scripts/gpu_smoke.sh`` in its CPU mode, end to end, and what it hands on: verl's real trainer
+(tiny model, HF rollout) trains STAPO one step with a checkpoint and the wandb logger (offline);
+``eval.sh`` converts the verl checkpoint with verl's own model merger and evaluates 2 problems with the
+HF backend; a second run resumes from the checkpoint and continues the same wandb run.
+
+Two trainer runs in all (~2-4 min on 2 cores); every test reads what they left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipe.stapo.cpu import read_metrics, run_cpu_trainer
+from recipe.stapo.cpu.assets import build_assets
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "run_scripts" / "gpu_smoke.sh"
+TIMEOUT_S = 900
+PROJECT, EXPERIMENT = "stapo_smoke", "smoke_stapo"  # what gpu_smoke.sh names the stapo run
+WANDB = "trainer.logger=[console,file,wandb]"
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    return build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
+
+
+@pytest.fixture(scope="module")
+def smoke(assets, tmp_path_factory):
+    """gpu_smoke.sh (CPU mode, METHODS=stapo, STEPS=1, wandb offline), then a resumed run to step 2."""
+    root = tmp_path_factory.mktemp("gpu_smoke")
+    out, wandb_dir = root / "smoke", root / "wandb_runs"
+    wandb_dir.mkdir()
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("WANDB_", "STAPO_", "VERL_"))}
+    wandb_env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
+    env = {**clean, **wandb_env, "SMOKE_DEVICE": "cpu", "ASSETS": str(assets), "OUT": str(out), "METHODS": "stapo",
+           "STEPS": "1", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(SMOKE), WANDB], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    resumed = None
+    if proc.returncode == 0:
+        with pytest.MonkeyPatch.context() as mp:
+            for key in [k for k in os.environ if k.startswith(("WANDB_", "STAPO_"))]:
+                mp.delenv(key)
+            for key, value in wandb_env.items():
+                mp.setenv(key, value)
+            resumed = run_cpu_trainer("stapo", assets, out / "stapo", steps=2, resume=True,
+                                      metrics_file="metrics_resume.jsonl", timeout=TIMEOUT_S,
+                                      extra=[f"trainer.project_name={PROJECT}", f"trainer.experiment_name={EXPERIMENT}",
+                                             WANDB])
+    return {"proc": proc, "out": out, "wandb_dir": wandb_dir, "resumed": resumed}
+
+
+def _ok(smoke):
+    proc = smoke["proc"]
+    assert proc.returncode == 0, f"gpu_smoke.sh failed:\n{proc.stderr[-5000:]}"
+    return smoke["out"]
+
+
+def test_smoke_script_trains_saves_and_evaluates(smoke):
+    out = _ok(smoke)
+    assert "[smoke] OK" in smoke["proc"].stderr
+    steps = read_metrics(out / "stapo" / "metrics.jsonl")
+    assert set(steps) == {1}
+    assert any(key.startswith("actor/s2t/") for key in steps[1]), sorted(steps[1])
+    assert (out / "stapo" / "checkpoints" / "global_step_1" / "actor").is_dir()
+
+
+def test_verl_checkpoint_is_converted_by_verls_merger(smoke):
+    """The merged Hugging Face weights are the trained FSDP2 shard's (one rank: the whole tensors)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = _ok(smoke)
+    actor = out / "stapo" / "checkpoints" / "global_step_1" / "actor"
+    merged = actor / "merged_hf"
+    assert (merged / "config.json").is_file() and (merged / "tokenizer_config.json").is_file()
+    assert not (actor / "merged_hf.partial").exists()
+    tensors = {}
+    for shard in merged.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    fsdp = torch.load(actor / "model_world_size_1_rank_0.pt", map_location="cpu", weights_only=False)
+    local = {k: getattr(v, "_local_tensor", v) for k, v in fsdp.items()}
+    # tied embeddings: lm_head is the embedding, stored once in the merged model
+    assert set(local) - {"lm_head.weight"} == set(tensors)
+    for key, value in tensors.items():
+        assert value.shape == local[key].shape, key
+        assert torch.equal(local[key].to(value.dtype), value), key
+
+
+def test_evaluation_of_the_checkpoint_covers_two_problems(smoke):
+    out = _ok(smoke)
+    evaluation = out / "eval"
+    config = json.loads((evaluation / "run_config.json").read_text())
+    assert config["model"].endswith("global_step_1/actor/merged_hf") and config["backend"] == "hf"
+    records = [json.loads(line) for f in (evaluation / "generations").glob("aime24__train.jsonl")
+               for line in f.read_text().splitlines() if line.strip()]
+    assert len(records) == 2  # 2 problems x 1 sample
+    summary = json.loads((evaluation / "summary.json").read_text())
+    assert "aime24" in json.dumps(summary)
+
+
+# ------------------------------------------------------------------------------------------------
+# wandb: read the offline runs back (the .wandb file: W&B's LevelDB-style record log of protobufs)
+# ------------------------------------------------------------------------------------------------
+
+
+def read_wandb_records(path: Path):
+    """Protobuf records of an offline ``run-<id>.wandb`` file: a 7-byte file header (``:W&B``, magic
+    0xBEE1, version), then 32 KiB blocks of chunks, each with a 7-byte header (crc32, length, type:
+    1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    ident, magic, _ = struct.unpack("<4sHB", data[:7])
+    assert ident == b":W&B" and magic == 0xBEE1, f"{path}: not a wandb run file"
+    block, pos, pending = 32768, 7, b""
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            pos += left
+            continue
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            pending = b""
+            yield record
+
+
+def _offline_runs(wandb_dir: Path) -> list[dict]:
+    runs = []
+    for folder in sorted((wandb_dir / "wandb").glob("offline-run-*")):
+        (run_file,) = folder.glob("run-*.wandb")
+        info, history = None, {}
+        for record in read_wandb_records(run_file):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                info = record.run
+            elif kind == "history":
+                items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
+                history[int(items["_step"]) if "_step" in items else record.history.step.num] = items
+        runs.append({"id": info.run_id, "project": info.project, "name": info.display_name, "history": history})
+    return runs
+
+
+def test_wandb_offline_run_has_the_names_and_s2t_metrics(smoke):
+    _ok(smoke)
+    first = _offline_runs(smoke["wandb_dir"])[0]
+    assert (first["project"], first["name"]) == (PROJECT, EXPERIMENT)
+    assert set(first["history"]) == {1}
+    assert any(key.startswith("actor/s2t/") for key in first["history"][1]), sorted(first["history"][1])
+
+
+def test_resumed_run_continues_the_same_wandb_run(smoke):
+    _ok(smoke)
+    resumed = smoke["resumed"]
+    assert resumed is not None and resumed.ok, f"{resumed}:\n{resumed.tail() if resumed else ''}"
+    assert set(read_metrics(resumed.metrics)) == {2}
+    runs = _offline_runs(smoke["wandb_dir"])
+    assert len(runs) == 2
+    assert runs[0]["id"] == runs[1]["id"]
+    assert (runs[1]["project"], runs[1]["name"]) == (PROJECT, EXPERIMENT)
+    assert set(runs[1]["history"]) == {2}

@@ -1,0 +1,180 @@
+"""Launch scripts: ``run_scripts/common.sh`` in both modes (``LAUNCH=local`` / ``submit``) passes
+absolute paths taken from the launching directory, a submitted job carries only the allowed
+variables (secrets through a private file, never the command line or the Hydra config), checkpoints
+are bounded by default, and ``run_scripts/eval.sh`` picks its interpreter and output folder as
+documented."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from recipe.stapo.config_utils import compose
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMON = ROOT / "run_scripts" / "common.sh"
+EVAL = ROOT / "run_scripts" / "eval.sh"
+SECRET = "wandb-secret-0123456789abcdef"
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAPO_", "WANDB_", "HF_", "LAUNCH", "CKPT_DIR"))}
+    env.update(extra)
+    return env
+
+
+def _run(script: Path, *args: str, cwd: Path, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *args], cwd=cwd, env=_env(**env), capture_output=True, text=True)
+
+
+def _value(argv: list[str], key: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in argv if a.startswith(key + "=")]
+    return value
+
+
+def test_submit_mode_prints_ray_job_submit_and_forwards_only_allowed_variables(tmp_path):
+    proc = _run(COMMON, "stapo", "qwen3_8b", "actor_rollout_ref.actor.policy_loss.q=0.5", cwd=tmp_path,
+                LAUNCH="submit", STAPO_DRY_RUN="1", PYTHON=sys.executable, RAY_ADDRESS="http://head:8265",
+                WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET, HF_HOME="/shared/hf", AWS_SECRET_ACCESS_KEY="aws",
+                STAPO_DATA_DIR="rel/data", CKPT_DIR="ck")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stdout.strip().splitlines()
+    argv = shlex.split(line)
+    sep = argv.index("--")
+    head, entry = argv[:sep], argv[sep + 1:]
+    assert head[:3] == ["ray", "job", "submit"]
+    assert head[head.index("--address") + 1] == "http://head:8265"
+    assert head[head.index("--working-dir") + 1] == str(ROOT)
+    runtime_env_file = Path(head[head.index("--runtime-env") + 1])
+    assert not runtime_env_file.exists(), "the runtime env file (it holds secrets) must not outlive the launcher"
+    assert entry[:3] == [sys.executable, "-m", "recipe.stapo.main_stapo"]
+    assert _value(entry, "trainer.default_local_dir") == str(tmp_path / "ck/stapo/qwen3_8b_stapo")
+    assert _value(entry, "actor_rollout_ref.actor.policy_loss.q") == "0.5"
+    names = proc.stderr.split("values not shown):", 1)[1].split()
+    assert set(names) == {"HF_HOME", "HF_TOKEN", "STAPO_DATA_DIR", "VERL_USE_EXTERNAL_MODULES", "WANDB_API_KEY",
+                          "RAY_OVERRIDE_JOB_RUNTIME_ENV"}
+    assert SECRET not in proc.stdout + proc.stderr
+
+
+def test_local_mode_is_unchanged_and_paths_come_from_the_launch_directory(tmp_path):
+    proc = _run(COMMON, "grpo", "qwen3_1_7b", cwd=tmp_path, STAPO_DRY_RUN="1", CKPT_DIR="ck", WANDB_API_KEY=SECRET)
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    assert argv[:3] == ["python3", "-m", "recipe.stapo.main_stapo"]
+    assert _value(argv, "trainer.default_local_dir") == str(tmp_path / "ck/stapo/qwen3_1_7b_grpo")
+    assert SECRET not in proc.stdout + proc.stderr
+    default = _run(COMMON, "grpo", "qwen3_1_7b", cwd=tmp_path, STAPO_DRY_RUN="1")
+    assert _value(shlex.split(default.stdout), "trainer.default_local_dir") == str(ROOT / "checkpoints/stapo/qwen3_1_7b_grpo")
+
+
+def test_dry_run_check_validates_with_the_launching_shells_paths(tmp_path):
+    (tmp_path / "models" / "Qwen3-1.7B-Base").mkdir(parents=True)
+    proc = _run(COMMON, "stapo", "qwen3_1_7b", cwd=tmp_path, STAPO_DRY_RUN="check", PYTHON=sys.executable,
+                STAPO_DATA_DIR="rel/data", STAPO_MODEL_DIR="models", CKPT_DIR="ck")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "config OK" in proc.stderr
+    assert f"data.train_files = {tmp_path}/rel/data/train.parquet" in proc.stderr
+    assert f"actor_rollout_ref.model.path = {tmp_path}/models/Qwen3-1.7B-Base" in proc.stderr
+    assert f"trainer.default_local_dir = {tmp_path}/ck/stapo/qwen3_1_7b_stapo" in proc.stderr
+    bad = _run(COMMON, "stapo", "qwen3_1_7b", "actor_rollout_ref.actor.policy_loss.loss_mode=stapoo", cwd=tmp_path,
+               STAPO_DRY_RUN="check", PYTHON=sys.executable)
+    assert bad.returncode != 0 and "actor_rollout_ref.actor.policy_loss.loss_mode='stapoo'" in bad.stderr
+
+
+def test_unknown_launch_mode_fails(tmp_path):
+    proc = _run(COMMON, "stapo", "qwen3_8b", cwd=tmp_path, LAUNCH="slurm", STAPO_DRY_RUN="1")
+    assert proc.returncode == 2 and "LAUNCH: unknown mode 'slurm'" in proc.stderr
+
+
+def test_checkpoints_are_bounded_by_default_and_overridable():
+    cfg = compose(["method=stapo"])
+    keep = cfg.trainer.max_actor_ckpt_to_keep
+    assert isinstance(keep, int) and 1 <= keep <= 5
+    # enough to resume and to fall back once
+    assert keep >= 2
+    assert compose(["method=stapo", "trainer.max_actor_ckpt_to_keep=null"]).trainer.max_actor_ckpt_to_keep is None
+
+
+# ------------------------------------------------------------------------------------------------
+# eval.sh: interpreter and output folder (the conversion of a verl checkpoint: tests/test_gpu_smoke_on_cpu.py)
+# ------------------------------------------------------------------------------------------------
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    """An interpreter stand-in that prints its argv (one per line) and exits."""
+    fake = tmp_path / "fakepython"
+    fake.write_text('#!/usr/bin/env bash\nfor a in "$@"; do echo "$a"; done\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_eval_uses_python_not_a_stray_venv(tmp_path):
+    fake = _fake_python(tmp_path)
+    proc = _run(EVAL, cwd=tmp_path, MODEL="Qwen/Qwen3-8B", PYTHON=str(fake))
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.splitlines()
+    assert argv[:2] == ["-m", "recipe.stapo.eval.run_eval"]
+    script = EVAL.read_text()
+    assert ".venv" not in script and "VIRTUAL_ENV" not in script
+
+
+@pytest.mark.parametrize("model, env, expected", [
+    ("ckpt/stapo/qwen3_8b_stapo/global_step_300/actor/merged_hf", {}, "qwen3_8b_stapo_step300"),
+    ("ckpt/stapo/qwen3_8b_grpo/global_step_300/actor/merged_hf", {}, "qwen3_8b_grpo_step300"),
+    ("ckpt/stapo/qwen3_8b_stapo/global_step_200/actor/merged_hf", {}, "qwen3_8b_stapo_step200"),
+    ("/models/stapo-8b/hf", {"SCALE": "8B", "METHOD": "STAPO"}, "8B_STAPO_stapo-8b_hf"),
+    ("/models/grpo-8b/hf", {}, "grpo-8b_hf"),
+    ("Qwen/Qwen3-8B", {}, "Qwen_Qwen3-8B"),
+])
+def test_eval_default_output_folder_is_unique_per_checkpoint(tmp_path, model, env, expected):
+    if not model.startswith("/") and "global_step" in model:
+        (tmp_path / model).mkdir(parents=True)
+        (tmp_path / model / "config.json").write_text("{}")
+        (tmp_path / model / "model.safetensors").write_text("")
+    proc = _run(EVAL, cwd=tmp_path, MODEL=model, PYTHON=str(_fake_python(tmp_path)), **env)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.splitlines()
+    assert argv[argv.index("--out") + 1] == str(ROOT / "results" / "eval" / expected)
+
+
+@pytest.mark.parametrize("model", ["qwen3_1_7b", "qwen3_8b", "qwen3_14b"])
+def test_throughput_settings_fit_the_longest_sequence(model):
+    """Dynamic batch size in every pass, token budgets that hold the longest sequence (verl refuses a
+    sequence longer than the budget), chunked entropy."""
+    cfg = compose([f"model={model}"])
+    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
+    a, rollout, ref = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout, cfg.actor_rollout_ref.ref
+    # verl's engine worker asserts the update and the log-prob passes agree on dynamic batching
+    assert a.use_dynamic_bsz and rollout.log_prob_use_dynamic_bsz and ref.log_prob_use_dynamic_bsz
+    assert a.entropy_from_logits_with_chunking
+    for budget in (a.ppo_max_token_len_per_gpu, rollout.log_prob_max_token_len_per_gpu,
+                   ref.log_prob_max_token_len_per_gpu):
+        assert budget >= longest and budget % longest == 0
+
+
+def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
+    """GPU mode of run_scripts/gpu_smoke.sh (dry run): one command per method, each a valid verl config
+    on one node with the local model, short lengths and a checkpoint at the last step."""
+    from recipe.stapo.config_utils import METHODS, validate
+
+    model = tmp_path / "Qwen3-1.7B-Base"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    proc = _run(ROOT / "run_scripts" / "gpu_smoke.sh", cwd=tmp_path, MODEL="Qwen3-1.7B-Base", GPUS="8",
+                STAPO_DRY_RUN="1", OUT="smoke")
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
+    assert [_value(c, "method") for c in commands] == list(METHODS)
+    for argv in commands:
+        cfg = compose(argv[3:])
+        validate(cfg)
+        assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (1, 8)
+        assert cfg.actor_rollout_ref.model.path == str(model)
+        assert cfg.trainer.total_training_steps == cfg.trainer.save_freq == 2
+        assert cfg.trainer.default_local_dir == str(tmp_path / "smoke" / cfg.recipe.method / "checkpoints")
+        assert cfg.data.max_response_length <= 1024 and "wandb" not in cfg.trainer.logger
