@@ -36,7 +36,7 @@ def test_unregistered_loss_mode_fails_in_driver_before_ray():
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     assert f"{PL}.loss_mode='stapoo' is not a registered policy loss" in out, out[-3000:]
-    assert "'stapo'" in out and "'entropy_topk'" in out  # the registry after verl_patches is listed
+    assert "'vanilla'" in out and "'gspo'" in out  # the registry is listed
     assert RAY_INIT_MARK not in out
 
 
@@ -47,8 +47,9 @@ def test_unregistered_loss_mode_fails_in_prepare_naming_the_key():
 
 @pytest.mark.parametrize("method", ["stapo", "entropy20"])
 def test_current_statistics_switch_the_entropy_on(method):
+    """Inside the loss (scope=micro_batch) the current statistics come from the update's forward."""
     logged = []
-    cfg = compose([f"method={method}", f"{PL}.stats_from=current"])
+    cfg = compose([f"method={method}", f"{PL}.stats_from=current", f"{PL}.scope=micro_batch"])
     assert OmegaConf.select(cfg, CALCULATE_ENTROPY) is False
     assert ensure_loss_statistics(cfg, log=logged.append) == [f"{CALCULATE_ENTROPY}=true"]
     assert OmegaConf.select(cfg, CALCULATE_ENTROPY) is True
@@ -56,7 +57,9 @@ def test_current_statistics_switch_the_entropy_on(method):
 
 
 @pytest.mark.parametrize("overrides", [["method=stapo"], ["method=justrl"], ["method=entropy20"],
-                                       ["method=stapo", f"{PL}.stats_from=current", f"{CALCULATE_ENTROPY}=true"]])
+                                       ["method=entropy20", f"{PL}.stats_from=current"],  # mini-batch forward
+                                       ["method=stapo", f"{PL}.stats_from=current", f"{PL}.scope=micro_batch",
+                                        f"{CALCULATE_ENTROPY}=true"]])
 def test_no_change_where_no_statistic_is_missing(overrides):
     cfg = compose(overrides)
     before = OmegaConf.select(cfg, CALCULATE_ENTROPY)
@@ -65,7 +68,7 @@ def test_no_change_where_no_statistic_is_missing(overrides):
 
 
 def test_check_validates_the_whole_config_without_ray():
-    ok = _driver("method=stapo", "model=qwen3_1_7b", f"{PL}.stats_from=current", "--check")
+    ok = _driver("method=stapo", "model=qwen3_1_7b", f"{PL}.stats_from=current", f"{PL}.scope=micro_batch", "--check")
     out = ok.stdout + ok.stderr
     assert ok.returncode == 0, out[-3000:]
     assert "config OK" in ok.stdout and f"{CALCULATE_ENTROPY}=true" in out
@@ -164,3 +167,8 @@ def test_wandb_run_id_is_fixed_by_project_and_experiment():
     assert mine == {"WANDB_RUN_ID": "mine", "WANDB_RESUME": "must"}
     none, cfg = _run_env(["method=stapo", "trainer.logger=[console,file]"], {})
     assert none == {} and "WANDB_RUN_ID" not in cfg.ray_kwargs.ray_init.runtime_env.env_vars
+
+
+def test_retired_loss_mode_fails_in_prepare_naming_the_new_keys():
+    with pytest.raises(ValueError, match="loss_mode=vanilla token_selection=s2t"):
+        prepare(compose(["method=stapo", f"{PL}.loss_mode=stapo"]), log=lambda _: None)

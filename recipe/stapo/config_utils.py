@@ -36,8 +36,6 @@ PATCH_MODULE = "verl_patches"
 
 POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
 CALCULATE_ENTROPY = "actor_rollout_ref.actor.calculate_entropy"
-#: loss modes whose token selection reads ``stats_from`` (verl_patches.config.S2T_LOSS_MODES)
-SELECTING_LOSS_MODES = ("stapo", "entropy_topk")
 
 #: config keys holding local paths, made absolute in the driver (None/empty values are left alone)
 DATA_PATH_KEYS = ("data.train_files", "data.val_files")
@@ -116,13 +114,18 @@ def validate(config: DictConfig) -> None:
 def check_loss_mode(config: DictConfig) -> None:
     """Fail (``ValueError`` naming the key) unless the policy loss is registered with verl.
 
-    Imports :mod:`verl_patches` (which registers ``stapo`` and ``entropy_topk``) and reads verl's
-    policy-loss registry, as the actor will in every worker.
+    Imports :mod:`verl_patches` (installed in every worker too) and reads verl's policy-loss
+    registry, as the actor will in every worker. A loss mode of earlier versions of this recipe
+    (``stapo``, ``entropy_topk``) gets the keys that replace it.
     """
-    import verl_patches  # noqa: F401  (registers the recipe's policy losses)
+    import verl_patches  # noqa: F401  (the patches every worker runs with)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+    from verl_patches.config import RETIRED_LOSS_MODES
 
     mode = OmegaConf.select(config, f"{POLICY_LOSS}.loss_mode", default="vanilla")
+    if mode in RETIRED_LOSS_MODES:
+        raise ValueError(f"{POLICY_LOSS}.loss_mode={mode!r} is not a registered policy loss: token selection is its "
+                         f"own key now: loss_mode=vanilla token_selection={RETIRED_LOSS_MODES[mode]}")
     if mode not in POLICY_LOSS_REGISTRY:
         raise ValueError(f"{POLICY_LOSS}.loss_mode={mode!r} is not a registered policy loss: expected one of "
                          f"{sorted(POLICY_LOSS_REGISTRY)}")
@@ -131,20 +134,32 @@ def check_loss_mode(config: DictConfig) -> None:
 def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = print) -> list[str]:
     """Switch on what the policy loss reads and the actor would otherwise not compute.
 
-    Today: ``stats_from=current`` (S2T / 20-Entropy statistics from the policy being updated) needs
-    the current entropy, so ``actor.calculate_entropy`` is set to true (the recipe's patches compute
-    it without autograd when ``entropy_coeff=0``). Each change is logged through ``log``; returns the
-    overrides applied (``key=value`` strings).
+    Today: token selection from current statistics inside the loss (``stats_from=current`` with
+    ``scope=micro_batch``, the policy-loss config's ``needs_update_entropy``) reads the entropy of the
+    update's own forward, so ``actor.calculate_entropy`` is set to true (the recipe's patches compute
+    it without autograd when ``entropy_coeff=0``). With the default ``scope=mini_batch`` the actor
+    runs its own forward for the statistics and nothing is switched on. Each change is logged
+    through ``log``; returns the overrides applied (``key=value`` strings).
     """
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from verl_patches.config import TokenSelectionLossConfig
+
     policy_loss = OmegaConf.select(config, POLICY_LOSS)
-    if policy_loss is None or policy_loss.get("loss_mode") not in SELECTING_LOSS_MODES:
+    if policy_loss is None or policy_loss.get("_target_", None) is None:
+        return []
+    try:
+        settings = omega_conf_to_dataclass(policy_loss)
+    except Exception:  # a bad value: validate() reports it, naming the key
         return []
     applied = []
-    if policy_loss.get("stats_from", "rollout") == "current" and not OmegaConf.select(config, CALCULATE_ENTROPY):
+    if (isinstance(settings, TokenSelectionLossConfig) and settings.needs_update_entropy
+            and not OmegaConf.select(config, CALCULATE_ENTROPY)):
         with open_dict(config):
             OmegaConf.update(config, CALCULATE_ENTROPY, True, force_add=True)
         applied.append(f"{CALCULATE_ENTROPY}=true")
-        log(f"[stapo] {POLICY_LOSS}.stats_from=current reads the current entropy: setting {CALCULATE_ENTROPY}=true")
+        log(f"[stapo] {POLICY_LOSS}.stats_from=current with scope=micro_batch reads the update's entropy: "
+            f"setting {CALCULATE_ENTROPY}=true")
     return applied
 
 
