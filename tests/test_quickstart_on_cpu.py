@@ -91,3 +91,14 @@ def test_scale_override_is_allowed_and_recorded(fake_assets, tmp_path, monkeypat
     recorded = json.loads((tmp_path / "out" / qs.SETTINGS_FILE).read_text())
     assert recorded["stapo"][f"{S2T}.tau_p"] == recorded["paper"][f"{S2T}.tau_p"] == 0.002
     assert "| `actor_rollout_ref.actor.policy_loss.q` | 0.75 |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_summary_row_means_the_logged_s2t_counts():
+    steps = {0: {"val-core/x/acc/mean@1": 0.25},
+             1: {qs.REWARD: -0.5, qs.CANDIDATES: 3, qs.SILENCED_COUNT: 2, qs.SILENCED: 0.002},
+             2: {qs.REWARD: 0.5, qs.CANDIDATES: 5, qs.SILENCED_COUNT: 4, qs.SILENCED: 0.004, "val-core/x/acc/mean@1": 0.5}}
+    row = qs.summarise("stapo", steps, 10.0)
+    assert (row["mean_candidates"], row["mean_silenced"], row["mean_silenced_frac"]) == (4.0, 3.0, 0.003)
+    assert (row["val_acc_first"], row["val_acc_last"], row["final_reward"], row["steps"]) == (0.25, 0.5, 0.5, 2)
+    table = qs.markdown_table([row])
+    assert "| 4.0 / 3.0 | 0.003 | 0.250 -> 0.500 |" in table

@@ -16,7 +16,7 @@ the summary and refuses to train (exit 2) when any differs from the paper's. Onl
 the paper-scale value of the recipe's config.
 
 Writes into ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
-the S2T token dump, checkpoints off), ``summary.md`` / ``summary.json`` ``settings.json`` and PNG curves. With
+the S2T token dump, checkpoints off), ``summary.md``, ``summary.json``, ``settings.json`` and PNG curves. With
 ``--seeds K > 1`` (study mode) the runs go to ``seed<k>/<method>`` and the curves show one band per
 method across seeds (:func:`recipe.stapo.plots.plot_bands`), and the summary adds the inspector's
 quadrant table over all STAPO runs.
@@ -43,6 +43,8 @@ from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 REWARD = "critic/score/mean"
 ENTROPY = "actor/entropy"
 SILENCED = "actor/s2t/silenced_frac"
+CANDIDATES = "actor/s2t/candidates"
+SILENCED_COUNT = "actor/s2t/silenced"
 STEP_TIME = "timing_s/step"
 DONE = "quickstart_done.json"
 #: the composed settings of the STAPO run and the paper's (written next to summary.json)
@@ -110,20 +112,24 @@ def summarise(method: str, steps: dict[int, dict], wall_s: Optional[float], erro
         "final_reward": reward[-1] if reward else None, "mean_reward": mean(reward),
         "final_entropy": entropy[-1] if entropy else None, "mean_entropy": mean(entropy),
         "mean_silenced_frac": mean(silenced), "mean_step_s": mean(step_time),
+        "mean_candidates": mean(_series(steps, CANDIDATES)),
+        "mean_silenced": mean(_series(steps, SILENCED_COUNT)),
     }
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The summary table (markdown)."""
-    head = ("| method | steps | final reward | mean reward | final entropy | mean entropy | silenced frac (S2T) "
-            "| val acc before -> after | mean step s | wall s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| method | steps | final reward | mean reward | final entropy | mean entropy "
+            "| S2T candidates / silenced per step | silenced frac (S2T) | val acc before -> after | mean step s "
+            "| wall s |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | | |")
             continue
         lines.append(f"| {r['method']} | {r['steps']} | {_fmt(r['final_reward'])} | {_fmt(r['mean_reward'])} | "
-                     f"{_fmt(r['final_entropy'])} | {_fmt(r['mean_entropy'])} | {_fmt(r['mean_silenced_frac'])} | "
+                     f"{_fmt(r['final_entropy'])} | {_fmt(r['mean_entropy'])} | "
+                     f"{_fmt(r.get('mean_candidates'), 1)} / {_fmt(r.get('mean_silenced'), 1)} | {_fmt(r['mean_silenced_frac'])} | "
                      f"{_fmt(r.get('val_acc_first'))} -> {_fmt(r.get('val_acc_last'))} | "
                      f"{_fmt(r['mean_step_s'], 2)} | {_fmt(r['wall_s'], 1)} |")
     return head + "\n".join(lines) + "\n"
