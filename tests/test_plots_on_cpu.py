@@ -290,3 +290,17 @@ def test_plot_bands_writes_png_and_refuses_nothing(seeded_runs, tmp_path):
     assert path.name == "study_curves.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="no runs"):
         plots.plot_bands({"grpo": []}, tmp_path / "out")
+
+
+def test_run_curves_keep_one_colour_per_method(two_runs):
+    runs, _ = two_runs
+    fig = plots.summary_figure(plots.load_runs(runs, progress=False))
+    colours = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            colours.setdefault(line.get_label(), set()).add(line.get_color())
+    assert colours["stapo"] == {plots.METHOD_COLORS["stapo"]}  # also alone in the silenced-fraction panel
+    assert colours["justrl"] == {plots.METHOD_COLORS["justrl"]}
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -126,8 +126,10 @@ def draw_panel(ax, panel: Panel, lines: Mapping[str, Series]) -> None:
         ax.text(0.5, 0.5, f"not logged\n({panel.metric})", ha="center", va="center", transform=ax.transAxes,
                 fontsize=8, color="gray")
         return
+    order = [label.split(" (")[0] for label in lines]
     for label, (steps, values) in lines.items():
-        ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
+        ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label,
+                color=method_color(label.split(" (")[0], order))
     if panel.log_scale:
         ax.set_yscale("symlog", linthresh=_symlog_threshold(lines))
     ax.grid(True, alpha=0.3)
