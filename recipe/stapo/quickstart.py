@@ -337,7 +337,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = [run_method(method, i, len(plan), seed, args, assets, out) for i, (method, seed) in enumerate(plan, start=1)]
 
     study = len(args.seed_list) > 1
-    table = markdown_table(rows if not study else sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"])))
+    table = markdown_table(rows if not study else [{**r, "method": f"{r['method']} (seed {r['seed']})"} for r in
+                                                   sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))])
     finished = [r for r in rows if not r["error"]]
     stapo_dirs = [_run_dir(out, "stapo", r["seed"], args) for r in finished if r["method"] == "stapo"]
     extra_md = settings_markdown(settings)
