@@ -8,16 +8,24 @@ Writes into ``OUT_DIR``:
 
 - ``model/``: a ``Qwen3ForCausalLM`` (random init with a fixed seed, then a short supervised
   warm-up on the task) saved with ``save_pretrained`` (safetensors), together with its tokenizer
-  (a byte-level BPE trained locally, ``PreTrainedTokenizerFast`` with a Qwen-style
-  ``chat_template``, eos ``<|im_end|>``, pad ``<|endoftext|>``). verl loads both from this folder.
+  (a byte-level BPE of ``vocab_size`` tokens trained locally on the task text plus pseudo-word
+  filler text, ``PreTrainedTokenizerFast`` with a Qwen-style ``chat_template``, eos
+  ``<|im_end|>``, pad ``<|endoftext|>``). verl loads both from this folder.
 - ``train.parquet``, ``val.parquet``: addition problems in verl's RL format (``data_source``,
   ``prompt`` = [{"role": "user", "content": ...}], ``ability``, ``reward_model`` =
   {"style": "rule", "ground_truth": ...}, ``extra_info``); every prompt ends with the instruction
   of the real runs. The answer goes in ``\\boxed{}``.
-- ``manifest.json``: the config, its hash, file hashes, the warm-up steps and the measured
-  sampling success rate at temperature 1.0 (target 20-70%, so GRPO advantages are non-zero).
+- ``manifest.json``: the config, its hash, file hashes, the warm-up steps, the measured
+  sampling success rate at temperature 1.0 (target 20-70%, so GRPO advantages are non-zero) and
+  how often sampling at temperature 1.0 draws a token with p < ``tau_p`` (0.002, the paper's).
 
-Everything is deterministic (fixed seeds, single-threaded-safe) and takes seconds. A rerun with the
+The task is shaped like an LLM's reasoning where S2T looks (docs/miniature.md): responses of
+60-110 tokens whose sentences start at genuinely uncertain positions (several equally likely
+phrasings) around near-certain arithmetic, a vocabulary of thousands of tokens the task mostly
+never uses, and a warm-up on targets with a small fraction of random tokens, so that a little
+probability mass is spread over that long tail and is sampled now and then.
+
+Everything is deterministic (fixed seeds, one torch thread); the build is a few minutes on 2 cores. A rerun with the
 same config reuses the folder (the manifest's config hash matches and every file exists); a
 different config rebuilds it. The build happens in a temporary sibling folder that replaces
 ``OUT_DIR`` only when complete, so an interrupted build never leaves a half-written folder.
