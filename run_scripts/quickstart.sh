@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Quickstart on a machine without a GPU (README's main command):
-#   bash run_scripts/quickstart.sh [--steps 5] [--out results/quickstart] [--methods grpo,stapo] ...
+#   bash run_scripts/quickstart.sh [--steps 8] [--out results/quickstart] [--methods grpo,stapo] ...
+#   bash run_scripts/quickstart.sh --out results/study --steps 20 --seeds 3     # study mode: bands across seeds
 # Creates/refreshes .venv (CPU stack), builds the tiny assets in assets/tiny (reused when present),
-# then trains GRPO, 20-Entropy, JustRL and STAPO with verl's real trainer on CPU, a few steps each,
-# identical settings and seeds, and writes results/quickstart/ (per-method run folders with verl's
-# metrics.jsonl, summary.md, summary.json, reward and entropy plots). About 8-10 minutes on 2 cores.
+# then trains GRPO, 20-Entropy, JustRL and STAPO with verl's real trainer on CPU, identical settings
+# and seeds, STAPO at the paper's S2T settings (tau_p = 0.002, q = 0.75; refused otherwise), and
+# writes results/quickstart/ (per-method run folders with verl's metrics.jsonl and the S2T token
+# dump, summary.md with the settings, summary.json, settings.json, curves). See docs/miniature.md.
 # Arguments go to `python -m recipe.stapo.quickstart` (see --help).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -36,6 +36,52 @@ def test_default_assets_succeed_sometimes_but_not_always(default_assets):
     # GRPO needs mixed outcomes within a group: neither never nor always right at T = 1
     assert 0.2 <= manifest["success_rate_t1"] <= 0.7, manifest["success_history"]
     assert manifest["warmup_steps"] <= AssetConfig().max_warmup_steps
+    # the longest prompt fits the CPU path's prompt budget; the sampled responses are long
+    assert manifest["max_prompt_tokens"] <= 64
+    assert manifest["sampled"]["mean_length"] >= 40
+
+
+#: rare sampled tokens (p < 0.002 at temperature 1.0) per 1000 sampled tokens that the shipped
+#: assets must give on the validation problems with seed 0: enough that a quickstart step of
+#: 16 responses x ~80 tokens holds several, few enough that most responses have none
+RARE_PER_1K_BAND = (1.0, 40.0)
+#: at least this many vocabulary entries (the long tail S2T's candidates come from)
+MIN_VOCAB = 2048
+
+
+@pytest.mark.slow
+def test_default_assets_sample_rare_tokens_at_the_papers_tau_p(default_assets):
+    """Re-sample the shipped model on the validation problems (fixed seed), score every sampled
+    token with a full forward pass (not the sampler's log-probs), and count p < 0.002."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from recipe.stapo.cpu.assets import is_correct
+    from stapo_core.s2t import DEFAULT_TAU_P
+
+    paths = asset_paths(default_assets)
+    cfg = AssetConfig()
+    tok = AutoTokenizer.from_pretrained(paths.model)
+    model = AutoModelForCausalLM.from_pretrained(paths.model, attn_implementation="eager", dtype=torch.float32).eval()
+    assert len(tok) >= MIN_VOCAB and cfg.tau_p == DEFAULT_TAU_P == 0.002
+    val = pd.read_parquet(paths.val)
+    prompts = [encode_chat(tok, row.prompt[0]["content"]) for row in val.itertuples()]
+    samples = sample_batch(model, prompts, max_new_tokens=cfg.max_new_tokens, eos_token_ids=[tok.eos_token_id],
+                           pad_token_id=tok.pad_token_id, generator=torch.Generator().manual_seed(0))
+    tokens = rare = rare_in_correct = correct = 0
+    lengths = []
+    for prompt, sample, row in zip(prompts, samples, val.itertuples()):
+        p = _full_forward_log_probs(model, prompt, sample.token_ids).exp()
+        ok = is_correct(tok.decode(sample.token_ids, skip_special_tokens=True), row.reward_model["ground_truth"])
+        tokens += len(p)
+        rare += int((p < DEFAULT_TAU_P).sum())
+        rare_in_correct += int((p < DEFAULT_TAU_P).sum()) if ok else 0
+        correct += ok
+        lengths.append(len(p))
+    rate = 1000 * rare / tokens
+    assert RARE_PER_1K_BAND[0] <= rate <= RARE_PER_1K_BAND[1], (rate, rare, tokens)
+    assert rare_in_correct >= 1  # rare tokens inside rewarded responses: what S2T's candidates are
+    assert 0 < correct < len(samples)
+    assert 40 <= sum(lengths) / len(lengths) <= cfg.max_new_tokens  # reasoning-length responses
 
 
 @pytest.mark.slow
@@ -204,3 +250,74 @@ def test_sampler_rejects_bad_arguments(tiny, kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         sample_batch(model, args.pop("prompts"), **args)
+
+
+# ------------------------------------------------------------------------------------------------
+# the task's text and the warm-up's pieces (fast)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("a,b", [(10, 2), (47, 5), (95, 9), (99, 9), (30, 7)])
+def test_every_phrasing_is_right_and_ends_with_the_boxed_answer(a, b):
+    """Every sampled phrasing passes the strict DAPO check (last \\boxed{} in the final 100 chars,
+    exact integer string) and its arithmetic lines are true."""
+    import random
+    import re
+
+    from recipe.stapo.cpu.assets import is_correct, make_response
+
+    seen = set()
+    for seed in range(40):
+        text = make_response(a, b, random.Random(seed))
+        seen.add(text)
+        assert text.endswith(f"\\boxed{{{a + b}}}") and is_correct(text, str(a + b))
+        assert not is_correct(text, str(a + b + 1))
+        for x, y, s in re.findall(r"(\d+) \+ (\d+) = (\d+)", text):
+            assert int(x) + int(y) == int(s), text
+        for x, y, z, s in re.findall(r"(\d+) \+ (\d+) \+ (\d+) = (\d+)", text):
+            assert int(x) + int(y) + int(z) == int(s), text
+    assert len(seen) >= 20  # many phrasings of one problem: the forking positions
+    assert make_problem(a, b)[1] == make_problem(a, b)[1]  # the reference phrasing is fixed
+
+
+def test_noise_tokens_are_ordinary_and_at_the_configured_rate():
+    import random
+
+    from recipe.stapo.cpu.assets import noisy_response
+
+    ids = list(range(100, 130)) * 400
+    out = noisy_response(ids, 0.01, vocab=3000, n_special=3, rng=random.Random(0))
+    inserted = len(out) - len(ids)
+    assert 0.007 * len(ids) <= inserted <= 0.013 * len(ids)  # binomial(12000, 0.01): mean 120, sd 11
+    it = iter(out)
+    assert all(token in it for token in ids)  # the original ids stay in order
+    assert all(3 <= t < 3000 for t in out)
+    assert noisy_response(ids, 0.0, 3000, 3, random.Random(0)) == ids
+
+
+def test_response_loss_equals_the_models_loss(tiny):
+    import random
+
+    from recipe.stapo.cpu.assets import _sft_batch, make_response, response_loss
+
+    model, tok = tiny
+    rng = random.Random(0)
+    batch = [(encode_chat(tok, make_problem(a, b)[0]),
+              tok(make_response(a, b, rng))["input_ids"] + [tok.eos_token_id]) for a, b in [(12, 3), (45, 9), (70, 2)]]
+    ids, labels = _sft_batch(batch, tok.pad_token_id)
+    with torch.no_grad():
+        torch.testing.assert_close(response_loss(model, ids, labels), model(input_ids=ids, labels=labels).loss,
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_tokenizer_has_a_large_vocabulary_and_short_prompts():
+    """Trained on the build's corpus (task text + filler), the vocabulary is full-size; the task
+    itself uses a small part of it and its prompts stay within the CPU path's 64 tokens."""
+    from recipe.stapo.cpu.assets import tokenizer_corpus
+
+    train, val = make_pairs(QUICK)
+    tok = train_tokenizer(QUICK, tokenizer_corpus(QUICK, train + val))
+    assert len(tok) == QUICK.vocab_size >= 2048
+    assert len(encode_chat(tok, make_problem(99, 9)[0])) <= 64
+    used = {i for a, b in train for i in tok(make_problem(a, b)[1])["input_ids"]}
+    assert len(used) < len(tok) / 4  # most of the vocabulary is the tail the task never uses

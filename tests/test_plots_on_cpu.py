@@ -209,3 +209,98 @@ def test_duplicate_folder_names_need_labels(tmp_path):
         (tmp_path / parent / "run" / "metrics.jsonl").write_text('{"step": 1, "data": {"actor/entropy": 1.0}}\n')
     with pytest.raises(ValueError, match="labelled 'run'"):
         plots.plot_runs([tmp_path / "a" / "run", tmp_path / "b" / "run"], tmp_path / "out")
+
+
+# --------------------------------------------------------------------------------------------
+# study mode: bands across seeds
+# --------------------------------------------------------------------------------------------
+
+
+def _seed_metrics(method: str, seed: int, step: int) -> dict:
+    rng = np.random.default_rng([sum(map(ord, method)), seed, step])
+    data = {"critic/score/mean": float(rng.uniform(-1, 1)), "actor/entropy": float(rng.uniform(0.1, 0.5)),
+            "actor/entropy_p95": float(rng.uniform(1, 2))}
+    if method == "stapo":
+        data |= {"actor/s2t/silenced_frac": float(rng.uniform(0, 1e-3)),
+                 "actor/s2t/grad_norm_kept": float(rng.uniform(0, 0.1)),
+                 "actor/s2t/grad_norm_silenced": float(rng.uniform(0.5, 1.5))}
+    return data
+
+
+@pytest.fixture()
+def seeded_runs(tmp_path, monkeypatch):
+    """grpo and stapo, 3 seeds each; seed 2 of stapo stops one step early."""
+    runs, logged = {}, {}
+    for method in ("grpo", "stapo"):
+        for seed in range(3):
+            from verl.utils.tracking import FileLogger
+
+            path = tmp_path / f"seed{seed}" / method / "metrics.jsonl"
+            path.parent.mkdir(parents=True)
+            monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+            logger = FileLogger("stapo_test", method)
+            last = STEPS[-1] - (1 if (method, seed) == ("stapo", 2) else 0)
+            for step in range(1, last + 1):
+                data = _seed_metrics(method, seed, step)
+                logger.log(data=data, step=step)
+                logged.setdefault(method, {}).setdefault(seed, {})[step] = data
+            logger.finish()
+            runs.setdefault(method, []).append(path.parent)
+    return runs, logged
+
+
+def test_band_is_mean_min_max_over_seeds_with_ragged_steps():
+    b = plots.band([([1, 2, 3], [1.0, 2.0, 3.0]), ([1, 2], [3.0, 6.0])])
+    assert b.steps == [1, 2, 3] and b.seeds == [2, 2, 1]
+    assert b.mean == [2.0, 4.0, 3.0] and b.low == [1.0, 2.0, 3.0] and b.high == [3.0, 6.0, 3.0]
+
+
+def test_band_figure_lines_equal_seed_means_one_colour_per_method(seeded_runs):
+    runs, logged = seeded_runs
+    loaded = {m: [plots.read_metrics(plots.find_metrics_file(r)) for r in dirs] for m, dirs in runs.items()}
+    fig = plots.band_figure(loaded)
+    axes = {name: ax for ax, (name, *_rest) in zip(fig.axes, plots.BAND_PANELS)}
+    colours: dict = {}
+    for name, key in (("reward", "critic/score/mean"), ("entropy", "actor/entropy"),
+                      ("entropy_p95", "actor/entropy_p95"), ("silenced_frac", "actor/s2t/silenced_frac")):
+        lines = axes[name].get_lines()
+        methods = ["grpo", "stapo"] if name != "silenced_frac" else ["stapo"]
+        assert [line.get_label() for line in lines] == methods, name
+        for line, method in zip(lines, methods):
+            seeds = logged[method]
+            steps = sorted({s for per_seed in seeds.values() for s in per_seed})
+            expected = [np.mean([seeds[k][s][key] for k in seeds if s in seeds[k]]) for s in steps]
+            np.testing.assert_array_equal(line.get_xdata(), steps)
+            np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-12)
+            colours.setdefault(method, set()).add(line.get_color())
+        assert len(axes[name].collections) == len(methods)  # one min-max band per method
+    grad = axes["grad_norm"].get_lines()
+    assert [line.get_label() for line in grad] == ["stapo (kept)", "stapo (silenced)"]
+    assert [line.get_linestyle() for line in grad] == ["-", "--"]
+    colours["stapo"] |= {line.get_color() for line in grad}
+    assert colours == {"grpo": {plots.METHOD_COLORS["grpo"]}, "stapo": {plots.METHOD_COLORS["stapo"]}}
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_plot_bands_writes_png_and_refuses_nothing(seeded_runs, tmp_path):
+    runs, _ = seeded_runs
+    (path,) = plots.plot_bands(runs, tmp_path / "out")
+    assert path.name == "study_curves.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="no runs"):
+        plots.plot_bands({"grpo": []}, tmp_path / "out")
+
+
+def test_run_curves_keep_one_colour_per_method(two_runs):
+    runs, _ = two_runs
+    fig = plots.summary_figure(plots.load_runs(runs, progress=False))
+    colours = {}
+    for ax in fig.axes:
+        for line in ax.get_lines():
+            colours.setdefault(line.get_label(), set()).add(line.get_color())
+    assert colours["stapo"] == {plots.METHOD_COLORS["stapo"]}  # also alone in the silenced-fraction panel
+    assert colours["justrl"] == {plots.METHOD_COLORS["justrl"]}
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

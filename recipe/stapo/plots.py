@@ -126,8 +126,10 @@ def draw_panel(ax, panel: Panel, lines: Mapping[str, Series]) -> None:
         ax.text(0.5, 0.5, f"not logged\n({panel.metric})", ha="center", va="center", transform=ax.transAxes,
                 fontsize=8, color="gray")
         return
+    order = [label.split(" (")[0] for label in lines]
     for label, (steps, values) in lines.items():
-        ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
+        ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label,
+                color=method_color(label.split(" (")[0], order))
     if panel.log_scale:
         ax.set_yscale("symlog", linthresh=_symlog_threshold(lines))
     ax.grid(True, alpha=0.3)
@@ -173,6 +175,123 @@ def _save(fig, path: Path) -> Path:
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     _pyplot().close(fig)
     return path
+
+
+# --------------------------------------------------------------------------------------------
+# bands across seeds (study mode)
+# --------------------------------------------------------------------------------------------
+
+#: one colour per method, the same in every panel and figure
+METHOD_COLORS = {"grpo": "tab:blue", "entropy20": "tab:orange", "justrl": "tab:green", "stapo": "tab:red"}
+_SPARE_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
+
+
+def method_color(label: str, order: Sequence[str] = ()) -> str:
+    """The colour of ``label``: :data:`METHOD_COLORS` for a known method, else a spare colour by
+    its position in ``order`` (stable for a given list of labels)."""
+    if label in METHOD_COLORS:
+        return METHOD_COLORS[label]
+    others = [x for x in order if x not in METHOD_COLORS]
+    return _SPARE_COLORS[(others.index(label) if label in others else 0) % len(_SPARE_COLORS)]
+
+
+@dataclass(frozen=True)
+class Band:
+    """Mean and range over seeds at each step: arrays of equal length (``seeds[i]`` runs have step ``steps[i]``)."""
+
+    steps: list
+    mean: list
+    low: list
+    high: list
+    seeds: list
+
+
+def band(series: Sequence[Series]) -> Band:
+    """Per-step mean, min and max over the runs that logged the step (one series per seed)."""
+    values: dict[int, list[float]] = {}
+    for steps, ys in series:
+        for s, y in zip(steps, ys):
+            values.setdefault(s, []).append(y)
+    steps = sorted(values)
+    return Band(steps, [sum(values[s]) / len(values[s]) for s in steps], [min(values[s]) for s in steps],
+                [max(values[s]) for s in steps], [len(values[s]) for s in steps])
+
+
+#: panels of the study figure: (name, title, selector, log scale); the grad-norm panel is special
+BAND_PANELS = (
+    ("reward", "Training reward (critic/score/mean)", _first_of("critic/score/mean", "critic/rewards/mean"), False),
+    ("val_accuracy", "Validation accuracy", _val_accuracy, False),
+    ("entropy", "Mean entropy (actor/entropy)", _first_of("actor/entropy"), False),
+    ("entropy_p95", "p95 entropy (actor/entropy_p95)", _first_of("actor/entropy_p95"), False),
+    ("silenced_frac", "Silenced fraction (actor/s2t/silenced_frac)", _first_of("actor/s2t/silenced_frac"), True),
+    ("grad_norm", "Closed-form grad norm: kept (solid) vs silenced (dashed)", None, False),
+)
+GRAD_NORM_KEYS = (("actor/s2t/grad_norm_kept", "-", "kept"), ("actor/s2t/grad_norm_silenced", "--", "silenced"))
+
+
+def band_lines(name: str, groups: Mapping[str, Sequence[Mapping[str, Series]]]) -> dict[tuple[str, str], Band]:
+    """``{(method, variant): Band}`` of one study panel over ``groups = {method: [metrics per seed]}``
+    (methods without the metric left out; variant is "" except "kept"/"silenced" for grad_norm)."""
+    out = {}
+    for method, runs in groups.items():
+        if name == "grad_norm":
+            for key, _, variant in GRAD_NORM_KEYS:
+                series = [m[key] for m in runs if key in m]
+                if series:
+                    out[(method, variant)] = band(series)
+            continue
+        select = next(p[2] for p in BAND_PANELS if p[0] == name)
+        series = [next(iter(sel.values())) for sel in map(select, runs) if sel]
+        if series:
+            out[(method, "")] = band(series)
+    return out
+
+
+def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale: bool = False,
+               order: Sequence[str] = ()) -> None:
+    """One mean line (and a min-max band when several seeds) per entry, coloured by method."""
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step")
+    if not lines:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="gray")
+        return
+    styles = {variant: style for _, style, variant in GRAD_NORM_KEYS}
+    for (method, variant), b in lines.items():
+        color = method_color(method, order)
+        label = f"{method} ({variant})" if variant else method
+        ax.plot(b.steps, b.mean, styles.get(variant, "-"), color=color, label=label,
+                marker="." if len(b.steps) < 30 else None)
+        if max(b.seeds) > 1:
+            ax.fill_between(b.steps, b.low, b.high, color=color, alpha=0.18, linewidth=0)
+    if log_scale:
+        positive = [v for b in lines.values() for v in b.mean + b.high if v > 0]
+        ax.set_yscale("symlog", linthresh=min(positive) if positive else 1e-6)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def band_figure(groups: Mapping[str, Sequence[Mapping[str, Series]]]):
+    """The study figure: one axes per :data:`BAND_PANELS` entry, bands = min-max over seeds."""
+    plt = _pyplot()
+    ncols = 3
+    nrows = math.ceil(len(BAND_PANELS) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
+    order = list(groups)
+    for ax, (name, title, _, log_scale) in zip(axes.ravel(), BAND_PANELS):
+        draw_bands(ax, title, band_lines(name, groups), log_scale, order)
+    seeds = sorted({len(runs) for runs in groups.values()})
+    fig.suptitle(f"mean over seeds ({'/'.join(map(str, seeds))} per method), band = min..max", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_bands(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
+               name: str = "study_curves.png") -> list[Path]:
+    """Write the study figure (``out_dir/<name>``) from ``{method: [run folder per seed]}``."""
+    loaded = {method: [read_metrics(find_metrics_file(run)) for run in runs] for method, runs in groups.items()}
+    if not any(loaded.values()):
+        raise ValueError("no runs to plot")
+    return [_save(band_figure(loaded), Path(out_dir) / name)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,14 +2,24 @@
 
 ::
 
-    python -m recipe.stapo.quickstart [--out results/quickstart] [--assets assets/tiny] [--steps 5]
+    python -m recipe.stapo.quickstart [--out results/quickstart] [--assets assets/tiny] [--steps 8]
+    python -m recipe.stapo.quickstart --out results/study --steps 20 --seeds 3     # study mode
 
-Builds (or reuses) the tiny assets, then trains every method with verl's real trainer on CPU
-(:mod:`recipe.stapo.cpu`) under identical settings and seeds, one after the other, validating
-on the held-out problems before training and after the last step. Writes into
-``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
-checkpoints off), ``summary.md`` (final / mean reward, entropy, STAPO's silenced fraction, step
-time, wall time per method), ``summary.json`` and PNG plots of reward and entropy over steps.
+Builds (or reuses) the tiny assets (:mod:`recipe.stapo.cpu.assets`), then trains every method
+with verl's real trainer on CPU (:mod:`recipe.stapo.cpu`) under identical settings and seeds, one
+after the other, validating on the held-out problems before training and after the last step.
+
+STAPO runs with the paper's S2T settings (tau_p = 0.002, q = 0.75), clip range, loss aggregation
+and reward: the quickstart composes the exact config of the STAPO run, records those settings in
+the summary and refuses to train (exit 2) when any differs from the paper's. Only scale settings
+(batch sizes, lengths, learning rate, steps, model) differ; the summary lists each of them next to
+the paper-scale value of the recipe's config.
+
+Writes into ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
+the S2T token dump, checkpoints off), ``summary.md``, ``summary.json``, ``settings.json`` and PNG curves. With
+``--seeds K > 1`` (study mode) the runs go to ``seed<k>/<method>`` and the curves show one band per
+method across seeds (:func:`recipe.stapo.plots.plot_bands`), and the summary adds the inspector's
+quadrant table over all STAPO runs.
 
 A method whose run folder already holds a finished run with the same settings is not rerun
 (``--force`` reruns everything); a failed method is reported in the summary and the others still
@@ -25,15 +35,52 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from recipe.stapo.cpu import METHODS, read_metrics, run_cpu_trainer
-from recipe.stapo.cpu.assets import build_assets
-from recipe.stapo.plots import plot_runs
+from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, run_cpu_trainer
+from recipe.stapo.cpu.assets import AssetConfig, build_assets
+from recipe.stapo.plots import plot_bands, plot_runs
+from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
 REWARD = "critic/score/mean"
 ENTROPY = "actor/entropy"
 SILENCED = "actor/s2t/silenced_frac"
+CANDIDATES = "actor/s2t/candidates"
+SILENCED_COUNT = "actor/s2t/silenced"
 STEP_TIME = "timing_s/step"
 DONE = "quickstart_done.json"
+#: the composed settings of the STAPO run and the paper's (written next to summary.json)
+SETTINGS_FILE = "settings.json"
+
+ACTOR = "actor_rollout_ref.actor"
+#: the settings that make STAPO the paper's STAPO: config key -> the paper's value (the reward is
+#: checked against the recipe's own paper-scale config, see :func:`paper_settings`)
+PAPER_S2T = {
+    f"{ACTOR}.policy_loss.loss_mode": "stapo",
+    f"{ACTOR}.policy_loss.tau_p": DEFAULT_TAU_P,
+    f"{ACTOR}.policy_loss.q": DEFAULT_Q,
+    f"{ACTOR}.policy_loss.strategy": "low_entropy",
+    f"{ACTOR}.clip_ratio_low": 0.2,
+    f"{ACTOR}.clip_ratio_high": 0.28,
+    f"{ACTOR}.loss_agg_mode": "token-mean",
+    f"{ACTOR}.entropy_coeff": 0,
+    f"{ACTOR}.use_kl_loss": False,
+    "actor_rollout_ref.rollout.temperature": 1.0,
+    "actor_rollout_ref.rollout.top_p": 1.0,
+}
+REWARD_KEYS = ("reward.custom_reward_function.path", "reward.custom_reward_function.name")
+#: scale settings: allowed to differ from the paper (listed in the summary with both values)
+SCALE_KEYS = {
+    "data.train_batch_size": "prompts per step",
+    "actor_rollout_ref.rollout.n": "responses per prompt",
+    f"{ACTOR}.ppo_mini_batch_size": "prompts per PPO mini-batch",
+    "data.max_prompt_length": "max prompt tokens",
+    "data.max_response_length": "max response tokens",
+    f"{ACTOR}.optim.lr": "learning rate",
+    f"{ACTOR}.optim.lr_warmup_steps": "lr warm-up steps",
+    "trainer.total_training_steps": "training steps",
+    "actor_rollout_ref.model.path": "model",
+}
+#: the quickstart's scale (defaults of the CLI): the tiny model needs a much larger lr than an 8B one
+DEFAULT_STEPS, DEFAULT_PROMPTS, DEFAULT_N, DEFAULT_LR = 8, 4, 4, 1e-4
 
 
 def _series(steps: dict[int, dict], key: str) -> list[float]:
@@ -65,38 +112,114 @@ def summarise(method: str, steps: dict[int, dict], wall_s: Optional[float], erro
         "final_reward": reward[-1] if reward else None, "mean_reward": mean(reward),
         "final_entropy": entropy[-1] if entropy else None, "mean_entropy": mean(entropy),
         "mean_silenced_frac": mean(silenced), "mean_step_s": mean(step_time),
+        "mean_candidates": mean(_series(steps, CANDIDATES)),
+        "mean_silenced": mean(_series(steps, SILENCED_COUNT)),
     }
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The summary table (markdown)."""
-    head = ("| method | steps | final reward | mean reward | final entropy | mean entropy | silenced frac (S2T) "
-            "| val acc before -> after | mean step s | wall s |\n|---|---|---|---|---|---|---|---|---|---|\n")
+    head = ("| method | steps | final reward | mean reward | final entropy | mean entropy "
+            "| S2T candidates / silenced per step | silenced frac (S2T) | val acc before -> after | mean step s "
+            "| wall s |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | |")
+            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | | |")
             continue
         lines.append(f"| {r['method']} | {r['steps']} | {_fmt(r['final_reward'])} | {_fmt(r['mean_reward'])} | "
-                     f"{_fmt(r['final_entropy'])} | {_fmt(r['mean_entropy'])} | {_fmt(r['mean_silenced_frac'])} | "
+                     f"{_fmt(r['final_entropy'])} | {_fmt(r['mean_entropy'])} | "
+                     f"{_fmt(r.get('mean_candidates'), 1)} / {_fmt(r.get('mean_silenced'), 1)} | {_fmt(r['mean_silenced_frac'])} | "
                      f"{_fmt(r.get('val_acc_first'))} -> {_fmt(r.get('val_acc_last'))} | "
                      f"{_fmt(r['mean_step_s'], 2)} | {_fmt(r['wall_s'], 1)} |")
     return head + "\n".join(lines) + "\n"
 
 
-def _settings(args: argparse.Namespace) -> dict:
-    return {"steps": args.steps, "prompts": args.prompts, "n": args.n, "seed": args.seed, "tau_p": args.tau_p,
+def _settings(args: argparse.Namespace, seed: int) -> dict:
+    return {"steps": args.steps, "prompts": args.prompts, "n": args.n, "seed": seed, "lr": args.lr,
+            "response_length": args.response_length, "prompt_length": args.prompt_length,
             "use_v1": args.trainer == "v1", "assets": str(Path(args.assets).resolve()), "validate": True,
-            "token_dump": True}
+            "test_freq": args.test_freq, "token_dump": True, "overrides": list(args.override)}
 
 
 def method_overrides(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
-    """Overrides beyond ``method=``: the token dump into the run folder (every method, for
-    ``python -m recipe.stapo.inspect``) and STAPO's tau_p (see --tau-p), the only difference."""
+    """Overrides beyond ``method=`` and the CPU scale: the token dump into the run folder (every
+    method, for ``python -m recipe.stapo.inspect``), the validation interval, then ``--override``."""
     overrides = [f"recipe.token_dump.dir={run_dir}"]
-    if method == "stapo":
-        overrides.append(f"actor_rollout_ref.actor.policy_loss.tau_p={args.tau_p}")
-    return overrides
+    if args.test_freq:
+        overrides.append(f"trainer.test_freq={args.test_freq}")
+    return overrides + list(args.override)
+
+
+def run_kwargs(args: argparse.Namespace, seed: int) -> dict:
+    """Keyword arguments of :func:`recipe.stapo.cpu.cpu_overrides` for one run."""
+    return dict(steps=args.steps, prompts=args.prompts, n=args.n,
+                mini_batch_prompts=args.prompts // 2 if args.prompts % 2 == 0 else args.prompts,
+                response_length=args.response_length, prompt_length=args.prompt_length, lr=args.lr, seed=seed,
+                use_v1=args.trainer == "v1", validate=True)
+
+
+def _select(config, key: str):
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(config, key, default=None)
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def paper_settings() -> dict:
+    """The paper's value of every checked key: :data:`PAPER_S2T` and the reward function of the
+    recipe's paper-scale config (``method=stapo`` with no other override)."""
+    from recipe.stapo.config_utils import compose
+
+    paper = compose(["method=stapo"])
+    return {**PAPER_S2T, **{key: _select(paper, key) for key in REWARD_KEYS}}
+
+
+def run_settings(method: str, overrides: list[str]) -> dict:
+    """The checked and the scale settings of the config ``main_stapo method=<method> <overrides>``
+    runs with (composed by Hydra exactly as the trainer composes it)."""
+    from recipe.stapo.config_utils import compose
+
+    config = compose([f"method={method}", *overrides])
+    return {key: _select(config, key) for key in [*PAPER_S2T, *REWARD_KEYS, *SCALE_KEYS]}
+
+
+def s2t_differences(settings: dict, paper: dict) -> list[str]:
+    """One line per checked key whose value differs from the paper's (empty: the paper's STAPO)."""
+    return [f"{key} = {settings.get(key)!r}, the paper's is {value!r}" for key, value in paper.items()
+            if settings.get(key) != value]
+
+
+def check_stapo_settings(args: argparse.Namespace, assets: Path, out: Path) -> tuple[dict, list[str]]:
+    """Compose the STAPO run's config (first seed) and compare it with the paper's settings.
+    Returns (its settings, the differences)."""
+    seed = args.seed_list[0]
+    run_dir = _run_dir(out, "stapo", seed, args)
+    overrides = cpu_overrides(assets, run_dir, **run_kwargs(args, seed)) + method_overrides("stapo", args, run_dir)
+    settings = run_settings("stapo", overrides)
+    return settings, s2t_differences(settings, paper_settings())
+
+
+def settings_markdown(settings: dict) -> str:
+    """The summary's settings section: the checked S2T settings (all the paper's) and the scale
+    settings next to the recipe's paper-scale values."""
+    from recipe.stapo.config_utils import compose
+
+    paper = compose(["method=stapo"])
+    lines = ["## STAPO settings (checked: equal to the paper's)\n", "| setting | value |", "|---|---|"]
+    lines += [f"| `{key}` | {settings[key]} |" for key in [*PAPER_S2T, *REWARD_KEYS]]
+    lines += ["", "## Scale settings (the only differences from the paper's runs)\n",
+              "| setting | quickstart | paper-scale config |", "|---|---|---|"]
+    for key, label in SCALE_KEYS.items():
+        ours, theirs = settings[key], _select(paper, key)
+        if key.endswith("model.path"):
+            ours = f"tiny Qwen3 ({Path(str(ours)).parent.name}/{Path(str(ours)).name})"
+        lines.append(f"| {label} (`{key}`) | {ours} | {theirs} |")
+    return "\n".join(lines) + "\n"
+
+
+def _run_dir(out: Path, method: str, seed: int, args: argparse.Namespace) -> Path:
+    return out / method if len(args.seed_list) == 1 else out / f"seed{seed}" / method
 
 
 def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
@@ -107,14 +230,15 @@ def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
     return done if done.get("settings") == settings else None
 
 
-def run_method(method: str, index: int, args: argparse.Namespace, assets: Path, out: Path) -> dict:
-    """Train one method (or reuse its finished run); returns its summary row."""
-    run_dir, settings = out / method, _settings(args)
-    tag = f"[quickstart] ({index}/{len(args.methods)}) {method}"
+def run_method(method: str, index: int, total: int, seed: int, args: argparse.Namespace, assets: Path,
+               out: Path) -> dict:
+    """Train one method with one seed (or reuse its finished run); returns its summary row."""
+    run_dir, settings = _run_dir(out, method, seed, args), _settings(args, seed)
+    tag = f"[quickstart] ({index}/{total}) {method}" + (f" seed {seed}" if len(args.seed_list) > 1 else "")
     done = None if args.force else _finished(run_dir, settings)
     if done is not None:
         print(f"{tag}: reusing the finished run in {run_dir}", flush=True)
-        return summarise(method, read_metrics(run_dir / "metrics.jsonl"), done["wall_s"])
+        return {**summarise(method, read_metrics(run_dir / "metrics.jsonl"), done["wall_s"]), "seed": seed}
     print(f"{tag}: training {args.steps} steps (log: {run_dir / 'metrics.log'})", flush=True)
 
     def on_step(step: int, data: dict) -> None:
@@ -124,63 +248,118 @@ def run_method(method: str, index: int, args: argparse.Namespace, assets: Path, 
                   flush=True)
         if REWARD not in data:
             return  # a validation-only record (before training)
-        extra = f", silenced {_fmt(data.get(SILENCED))}" if SILENCED in data else ""
+        extra = ""
+        if SILENCED in data:
+            extra = (f", candidates {_fmt(data.get('actor/s2t/candidates'), 1)}, silenced "
+                     f"{_fmt(data.get('actor/s2t/silenced'), 1)} ({_fmt(data.get(SILENCED))})")
         print(f"{tag}: step {step}/{args.steps}: reward {_fmt(data.get(REWARD))}, entropy "
               f"{_fmt(data.get(ENTROPY))}{extra}, {_fmt(data.get(STEP_TIME), 2)} s", flush=True)
 
-    run = run_cpu_trainer(method, assets, run_dir, steps=args.steps, prompts=args.prompts, n=args.n,
-                          mini_batch_prompts=args.prompts // 2 if args.prompts % 2 == 0 else args.prompts,
-                          seed=args.seed, use_v1=settings["use_v1"], validate=settings["validate"],
-                          timeout=args.timeout, on_step=on_step,
-                          extra=method_overrides(method, args, run_dir))
+    run = run_cpu_trainer(method, assets, run_dir, timeout=args.timeout, on_step=on_step,
+                          extra=method_overrides(method, args, run_dir), **run_kwargs(args, seed))
     steps = read_metrics(run.metrics) if run.metrics.is_file() else {}
     if not run.ok:
         print(f"{tag}: FAILED (exit {run.returncode}) after {run.wall_s} s; log tail:\n{run.tail(25)}", flush=True)
-        return summarise(method, steps, run.wall_s, error=f"exit {run.returncode}, see {run.log}")
+        return {**summarise(method, steps, run.wall_s, error=f"exit {run.returncode}, see {run.log}"), "seed": seed}
     (run_dir / DONE).write_text(json.dumps({"settings": settings, "wall_s": run.wall_s}))
     print(f"{tag}: done in {run.wall_s} s", flush=True)
-    return summarise(method, steps, run.wall_s)
+    return {**summarise(method, steps, run.wall_s), "seed": seed}
+
+
+def quadrant_markdown(stapo_dirs: list[Path]) -> str:
+    """The inspector's four-quadrant table (:func:`recipe.stapo.inspect.quadrant_table`) over the
+    token dumps of all ``stapo_dirs`` together (every step of every seed); also writes each run's
+    ``inspect/report.md``."""
+    from recipe.stapo.inspect import QUADRANT_LABELS, quadrant_table, write_report
+    from stapo_core.token_records import read_records
+
+    responses, tokens = [], []
+    for run_dir in stapo_dirs:
+        tok, resp = read_records(run_dir, progress=False)
+        tokens += tok
+        responses += resp
+        write_report(run_dir)
+    rows = quadrant_table(responses)
+    silenced = sum(t["silenced"] for t in tokens)
+    candidates = sum(t["candidate"] for t in tokens)
+    head = (f"## Token quadrants of STAPO's positive-advantage responses ({len(stapo_dirs)} run(s), all steps; "
+            f"{candidates} candidates, {silenced} silenced)\n\n| quadrant | tokens | share | mean grad norm |\n"
+            "|---|---|---|---|\n")
+    return head + "".join(f"| {QUADRANT_LABELS[r.name]} | {r.count} | {_fmt(r.share, 4)} | {_fmt(r.mean_grad_norm)} |\n"
+                          for r in rows)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.quickstart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/quickstart", help="output folder (default: results/quickstart)")
     parser.add_argument("--assets", default="assets/tiny", help="tiny assets folder (built if missing)")
-    parser.add_argument("--steps", type=int, default=5, help="training steps per method (default 5)")
-    parser.add_argument("--prompts", type=int, default=4, help="prompts per step (default 4)")
-    parser.add_argument("--n", type=int, default=4, help="responses per prompt (default 4)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tau-p", type=float, default=0.5,
-                        help="STAPO's probability threshold (default 0.5: the tiny model is far more confident than "
-                             "an LLM, so with the paper's 0.002 no token is ever a candidate)")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per run (default {DEFAULT_STEPS})")
+    parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help=f"prompts per step (default {DEFAULT_PROMPTS})")
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help=f"responses per prompt (default {DEFAULT_N})")
+    parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"actor learning rate (default {DEFAULT_LR})")
+    parser.add_argument("--response-length", type=int, default=AssetConfig().max_new_tokens,
+                        help="max response tokens (default: the assets' sampling length)")
+    parser.add_argument("--prompt-length", type=int, default=64, help="max prompt tokens (default 64)")
+    parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds per method (default 1; more: study mode, one band per method across seeds)")
+    parser.add_argument("--test-freq", type=int, default=0,
+                        help="validate every N steps too (default 0: before training and after the last step)")
     parser.add_argument("--trainer", choices=("v1", "legacy"), default="v1", help="verl trainer (default v1)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per method before it is stopped")
+    parser.add_argument("--override", action="append", default=[],
+                        help="extra Hydra override for every run (repeatable); refused if it changes STAPO's "
+                             "paper settings")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it is stopped")
     parser.add_argument("--force", action="store_true", help="rerun methods that already finished")
     args = parser.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown or not args.methods:
         parser.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
-    if args.steps < 1 or args.prompts < 1 or args.n < 2:
-        parser.error("--steps and --prompts must be >= 1 and --n >= 2 (GRPO needs a group)")
+    if args.steps < 1 or args.prompts < 1 or args.n < 2 or args.seeds < 1:
+        parser.error("--steps, --prompts and --seeds must be >= 1 and --n >= 2 (GRPO needs a group)")
+    args.seed_list = [args.seed + k for k in range(args.seeds)]
 
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     print(f"[quickstart] tiny assets in {Path(args.assets).resolve()} (built once, then reused)", flush=True)
     assets = build_assets(args.assets).root
-    rows = [run_method(method, i, args, assets, out) for i, method in enumerate(args.methods, start=1)]
+    settings, differences = check_stapo_settings(args, assets, out)
+    if differences:
+        print("[quickstart] refusing to run: STAPO would not run with the paper's settings:\n  "
+              + "\n  ".join(differences), file=sys.stderr, flush=True)
+        return 2
+    print(f"[quickstart] STAPO at the paper's settings: tau_p={settings[f'{ACTOR}.policy_loss.tau_p']}, "
+          f"q={settings[f'{ACTOR}.policy_loss.q']}, clip [{1 - settings[f'{ACTOR}.clip_ratio_low']:g}, "
+          f"{1 + settings[f'{ACTOR}.clip_ratio_high']:g}], {settings[f'{ACTOR}.loss_agg_mode']}", flush=True)
+    plan = [(method, seed) for seed in args.seed_list for method in args.methods]
+    rows = [run_method(method, i, len(plan), seed, args, assets, out) for i, (method, seed) in enumerate(plan, start=1)]
 
-    table = markdown_table(rows)
-    (out / "summary.md").write_text(f"# STAPO quickstart (CPU, tiny model, {args.steps} steps, verl "
-                                    f"{args.trainer} trainer, STAPO tau_p={args.tau_p})\n\n{table}")
+    study = len(args.seed_list) > 1
+    table = markdown_table(rows if not study else [{**r, "method": f"{r['method']} (seed {r['seed']})"} for r in
+                                                   sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))])
+    finished = [r for r in rows if not r["error"]]
+    stapo_dirs = [_run_dir(out, "stapo", r["seed"], args) for r in finished if r["method"] == "stapo"]
+    extra_md = settings_markdown(settings)
+    if stapo_dirs:
+        try:
+            extra_md += "\n" + quadrant_markdown(stapo_dirs)
+        except (FileNotFoundError, ValueError) as exc:
+            extra_md += f"\n(no token quadrants: {exc})\n"
+    (out / "summary.md").write_text(f"# STAPO quickstart (CPU, tiny model, {args.steps} steps, "
+                                    f"{len(args.seed_list)} seed(s), verl {args.trainer} trainer)\n\n{table}\n{extra_md}")
     (out / "summary.json").write_text(json.dumps(rows, indent=2))
-    finished = {r["method"]: out / r["method"] for r in rows if not r["error"]}
-    plots = plot_runs(finished, out) if finished else []
+    (out / SETTINGS_FILE).write_text(json.dumps({"stapo": settings, "paper": paper_settings()}, indent=2, default=str))
+    if study:
+        bands = {m: [_run_dir(out, m, r["seed"], args) for r in finished if r["method"] == m] for m in args.methods}
+        plots = plot_bands({m: dirs for m, dirs in bands.items() if dirs}, out) if finished else []
+    else:
+        plots = plot_runs({r["method"]: out / r["method"] for r in finished}, out) if finished else []
     print("\n" + table, flush=True)
     print(f"[quickstart] wrote {out / 'summary.md'}" + "".join(f", {p.name}" for p in plots), flush=True)
-    if "stapo" in finished:
-        print(f"[quickstart] silenced tokens: python -m recipe.stapo.inspect {finished['stapo']}", flush=True)
+    for run_dir in stapo_dirs:
+        print(f"[quickstart] silenced tokens: python -m recipe.stapo.inspect {run_dir}", flush=True)
     return 1 if any(r["error"] for r in rows) else 0
 
 

@@ -1,0 +1,104 @@
+"""The quickstart runs STAPO at the paper's settings: it composes the STAPO run's config, records
+the S2T settings and refuses to train when any differs from the paper's (no trainer is started here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recipe.stapo import quickstart as qs
+from recipe.stapo.cpu.assets import asset_paths
+from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
+
+S2T = "actor_rollout_ref.actor.policy_loss"
+
+
+@pytest.fixture()
+def fake_assets(tmp_path, monkeypatch) -> Path:
+    """An assets folder the CPU overrides accept; build_assets is not run (no warm-up here)."""
+    root = tmp_path / "assets"
+    root.mkdir()
+    (root / "manifest.json").write_text("{}")
+    monkeypatch.setattr(qs, "build_assets", lambda folder: asset_paths(root))
+    return root
+
+
+def _run_trainer_forbidden(*args, **kwargs):
+    raise AssertionError("the trainer must not start")
+
+
+def test_paper_values_are_the_papers():
+    paper = qs.paper_settings()
+    assert paper[f"{S2T}.tau_p"] == DEFAULT_TAU_P == 0.002 and paper[f"{S2T}.q"] == DEFAULT_Q == 0.75
+    assert (paper["actor_rollout_ref.actor.clip_ratio_low"], paper["actor_rollout_ref.actor.clip_ratio_high"]) == (0.2, 0.28)
+    assert paper["actor_rollout_ref.actor.loss_agg_mode"] == "token-mean"
+    assert paper["reward.custom_reward_function.path"]  # the recipe's reward, read from its config
+
+
+def test_quickstart_stapo_config_has_the_papers_settings(fake_assets, tmp_path):
+    import argparse
+
+    ns = argparse.Namespace(steps=8, prompts=4, n=4, lr=1e-4, response_length=160, prompt_length=64, seed_list=[0],
+                            test_freq=0, override=[], trainer="v1", assets=str(fake_assets))
+    settings, differences = qs.check_stapo_settings(ns, fake_assets, tmp_path / "out")
+    assert differences == []
+    assert settings[f"{S2T}.tau_p"] == 0.002 and settings[f"{S2T}.q"] == 0.75
+    # scale settings are the quickstart's, and differ from the paper-scale config
+    assert settings["data.train_batch_size"] == 4 and settings["actor_rollout_ref.rollout.n"] == 4
+    assert settings["data.max_response_length"] == 160
+    text = qs.settings_markdown(settings)
+    for key in [*qs.PAPER_S2T, *qs.SCALE_KEYS]:
+        assert f"`{key}`" in text, key
+    assert "| `actor_rollout_ref.actor.policy_loss.tau_p` | 0.002 |" in text
+
+
+def test_differences_name_the_key_and_both_values():
+    paper = {f"{S2T}.tau_p": 0.002, f"{S2T}.q": 0.75}
+    assert qs.s2t_differences(dict(paper), paper) == []
+    assert qs.s2t_differences({**paper, f"{S2T}.q": 0.5}, paper) == [f"{S2T}.q = 0.5, the paper's is 0.75"]
+    assert qs.s2t_differences({f"{S2T}.q": 0.75}, paper) == [f"{S2T}.tau_p = None, the paper's is 0.002"]
+
+
+@pytest.mark.parametrize("override,key", [
+    (f"{S2T}.tau_p=0.5", f"{S2T}.tau_p"),
+    (f"{S2T}.q=0.5", f"{S2T}.q"),
+    ("actor_rollout_ref.actor.clip_ratio_high=0.2", "actor_rollout_ref.actor.clip_ratio_high"),
+    ("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.loss_agg_mode"),
+])
+def test_quickstart_refuses_non_paper_stapo(fake_assets, tmp_path, monkeypatch, capsys, override, key):
+    monkeypatch.setattr(qs, "run_cpu_trainer", _run_trainer_forbidden)
+    code = qs.main(["--out", str(tmp_path / "out"), "--assets", str(fake_assets), "--override", override])
+    assert code == 2
+    assert f"{key} = " in capsys.readouterr().err
+
+
+def test_scale_override_is_allowed_and_recorded(fake_assets, tmp_path, monkeypatch):
+    """A scale override passes the check; the run is attempted with it (a stub trainer fails it)."""
+    calls = []
+
+    def stub(method, assets, run_dir, **kwargs):
+        calls.append((method, kwargs["extra"]))
+        from recipe.stapo.cpu.trainer import CPURun
+
+        return CPURun(method, 1, 0.0, Path(run_dir), Path(run_dir) / "metrics.jsonl", Path(run_dir) / "x.log")
+
+    monkeypatch.setattr(qs, "run_cpu_trainer", stub)
+    code = qs.main(["--out", str(tmp_path / "out"), "--assets", str(fake_assets), "--methods", "stapo",
+                    "--override", "actor_rollout_ref.actor.optim.weight_decay=0.0"])
+    assert code == 1 and calls and "actor_rollout_ref.actor.optim.weight_decay=0.0" in calls[0][1]
+    recorded = json.loads((tmp_path / "out" / qs.SETTINGS_FILE).read_text())
+    assert recorded["stapo"][f"{S2T}.tau_p"] == recorded["paper"][f"{S2T}.tau_p"] == 0.002
+    assert "| `actor_rollout_ref.actor.policy_loss.q` | 0.75 |" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def test_summary_row_means_the_logged_s2t_counts():
+    steps = {0: {"val-core/x/acc/mean@1": 0.25},
+             1: {qs.REWARD: -0.5, qs.CANDIDATES: 3, qs.SILENCED_COUNT: 2, qs.SILENCED: 0.002},
+             2: {qs.REWARD: 0.5, qs.CANDIDATES: 5, qs.SILENCED_COUNT: 4, qs.SILENCED: 0.004, "val-core/x/acc/mean@1": 0.5}}
+    row = qs.summarise("stapo", steps, 10.0)
+    assert (row["mean_candidates"], row["mean_silenced"], row["mean_silenced_frac"]) == (4.0, 3.0, 0.003)
+    assert (row["val_acc_first"], row["val_acc_last"], row["final_reward"], row["steps"]) == (0.25, 0.5, 0.5, 2)
+    table = qs.markdown_table([row])
+    assert "| 4.0 / 3.0 | 0.003 | 0.250 -> 0.500 |" in table
