@@ -54,12 +54,15 @@ ACTOR = "actor_rollout_ref.actor"
 #: the settings that make STAPO the paper's STAPO: config key -> the paper's value (the reward is
 #: checked against the recipe's own paper-scale config, see :func:`paper_settings`)
 PAPER_S2T = {
-    f"{ACTOR}.policy_loss.loss_mode": "stapo",
+    f"{ACTOR}.policy_loss.loss_mode": "vanilla",
+    f"{ACTOR}.policy_loss.token_selection": "s2t",
     f"{ACTOR}.policy_loss.tau_p": DEFAULT_TAU_P,
     f"{ACTOR}.policy_loss.q": DEFAULT_Q,
     f"{ACTOR}.policy_loss.strategy": "low_entropy",
+    f"{ACTOR}.policy_loss.stats_from": "current",
     f"{ACTOR}.clip_ratio_low": 0.2,
     f"{ACTOR}.clip_ratio_high": 0.28,
+    f"{ACTOR}.clip_ratio_c": 10.0,
     f"{ACTOR}.loss_agg_mode": "token-mean",
     f"{ACTOR}.entropy_coeff": 0,
     f"{ACTOR}.use_kl_loss": False,

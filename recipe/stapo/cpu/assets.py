@@ -46,7 +46,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-#: instruction appended to every prompt (as in the real runs; STAPO_SPEC.md section 5)
+#: instruction appended to every prompt (as in the real runs; docs/method.md, "Training settings")
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 DATA_SOURCE = "stapo_tiny_addition"
 CHAT_TEMPLATE = (
