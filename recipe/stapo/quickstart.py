@@ -9,7 +9,9 @@ Builds (or reuses) the tiny assets, then trains every method with verl's real tr
 on the held-out problems before training and after the last step. Writes into
 ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
 checkpoints off), ``summary.md`` (final / mean reward, entropy, STAPO's silenced fraction, step
-time, wall time per method), ``summary.json`` and PNG plots of reward and entropy over steps.
+time, wall time per method, then what makes the run reproducible: seed, asset hash, library
+versions, thread counts), ``summary.json`` (``methods``: the rows, ``reproducibility``: the same
+record) and PNG plots of reward and entropy over steps.
 
 A method whose run folder already holds a finished run with the same settings is not rerun
 (``--force`` reruns everything); a failed method is reported in the summary and the others still
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 from recipe.stapo.cpu import METHODS, read_metrics, run_cpu_trainer
+from recipe.stapo.cpu import reproducibility
 from recipe.stapo.cpu.assets import build_assets
 from recipe.stapo.plots import plot_runs
 
@@ -172,9 +175,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = [run_method(method, i, args, assets, out) for i, method in enumerate(args.methods, start=1)]
 
     table = markdown_table(rows)
+    provenance = reproducibility.collect(args.seed, assets)  # what it takes to repeat these numbers
     (out / "summary.md").write_text(f"# STAPO quickstart (CPU, tiny model, {args.steps} steps, verl "
-                                    f"{args.trainer} trainer, STAPO tau_p={args.tau_p})\n\n{table}")
-    (out / "summary.json").write_text(json.dumps(rows, indent=2))
+                                    f"{args.trainer} trainer, STAPO tau_p={args.tau_p})\n\n{table}\n"
+                                    f"{reproducibility.markdown(provenance)}")
+    (out / "summary.json").write_text(json.dumps({"methods": rows, "reproducibility": provenance}, indent=2))
     finished = {r["method"]: out / r["method"] for r in rows if not r["error"]}
     plots = plot_runs(finished, out) if finished else []
     print("\n" + table, flush=True)

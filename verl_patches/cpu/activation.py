@@ -20,12 +20,14 @@ def is_active() -> bool:
 
 
 def activate() -> None:
-    """Register the CPU platform and the HF rollout and apply the CPU patches (idempotent)."""
+    """Fix torch's thread count (``STAPO_CPU_THREADS``), register the CPU platform and the HF
+    rollout and apply the CPU patches (idempotent)."""
     global _ACTIVE
     if _ACTIVE:
         return
     from . import hf_rollout, platform
 
+    platform.pin_threads()
     platform.register()
     platform.patch_init_process_group()
     platform.patch_fsdp2_offload_pinning()
