@@ -2,7 +2,7 @@
 
 Two identical 2-step STAPO runs (tau_p = 0.5, so that the tiny model has spurious-token candidates
 and the S2T mask is active), each writing a checkpoint after its last step. The second run shares
-the machine with a busy process, so a result that depended on load or timing (how requests are
+the machine with a busy (niced) process, so a result that depended on load or timing (how requests are
 batched, how many threads an op gets) would show. Every logged metric but the wall-clock ones must
 be equal, and so must every tensor of the saved model and optimizer state.
 """
@@ -27,6 +27,8 @@ STEPS = 2
 #: metrics measuring wall-clock time or memory, which no seed fixes
 WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
 WALL_CLOCK_NAMES = ("actor/token_dump/seconds",)
+#: a process keeping a core busy during the second run
+BUSY_LOOP = "import os\nos.nice(19)\nwhile True: pass"
 S2T_KEYS = ("actor/s2t/candidates", "actor/s2t/silenced", "actor/s2t/silenced_frac")
 
 
@@ -40,7 +42,8 @@ def two_runs(assets, tmp_path_factory):
     root = tmp_path_factory.mktemp("reproducible")
     runs = []
     for i in range(2):
-        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if i == 1 else None
+        # niced: it takes every idle cycle (timing changes) without starving Ray's start-up
+        busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if i == 1 else None
         try:
             runs.append(run_cpu_trainer("stapo", assets, root / f"run{i}", steps=STEPS, save_freq=STEPS,
                                         timeout=RUN_TIMEOUT_S,
