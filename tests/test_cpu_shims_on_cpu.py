@@ -351,3 +351,17 @@ def test_read_metrics_tolerates_only_a_truncated_last_line(tmp_path):
     path.write_text('{"step": 1, "data": {"a": 1.0}}\nnot json\n{"step": 2, "data": {"a": 2.0}}\n')
     with pytest.raises(ValueError, match=r"m.jsonl: line 2"):
         read_metrics(path)
+
+
+def test_v1_ordering_patches_sort_batches_and_count_uids_only_under_full_determinism(monkeypatch):
+    from verl_patches.cpu import ordering
+
+    keys = ["b_0_0", "a_10_0", "a_2_1", "a_2_0", "odd"]
+    assert sorted(keys, key=ordering.trajectory_sort_key) == ["a_2_0", "a_2_1", "a_10_0", "b_0_0", "odd"]
+    counter = ordering._CountingUUID()
+    monkeypatch.setenv(ordering.FULL_DETERMINISM_ENV, "1")
+    assert [str(counter.uuid4()) for _ in range(2)] == ["00000000-0000-0000-0000-000000000001",
+                                                        "00000000-0000-0000-0000-000000000002"]
+    monkeypatch.setenv(ordering.FULL_DETERMINISM_ENV, "0")
+    assert len({counter.uuid4() for _ in range(3)}) == 3 and counter.uuid4().version == 4
+    assert counter.UUID is ordering._uuid.UUID  # anything else is the uuid module's
