@@ -35,10 +35,15 @@ def deterministic() -> bool:
 
 
 def patch_v1_sample_index() -> None:
-    """Give each sample of a v1 rollout ``priority = session_id`` (idempotent; see module docs)."""
-    from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopWorkerTQ
+    """Give each sample of a v1 rollout ``priority = session_id`` (idempotent; see module docs).
 
-    original = AgentLoopWorkerTQ._run_agent_loop
+    Patched on verl's ``AgentLoopWorker`` (a plain class), whose ``_run_agent_loop`` the v1 worker
+    inherits: ``AgentLoopWorkerTQ`` is a ``@ray.remote`` actor class, on which an assignment would
+    only set an attribute of Ray's wrapper.
+    """
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    original = AgentLoopWorker._run_agent_loop
     if getattr(original, "_stapo_cpu_patch", False):
         return
 
@@ -49,7 +54,7 @@ def patch_v1_sample_index() -> None:
         return await original(self, *args, **kwargs)
 
     _run_agent_loop._stapo_cpu_patch = True  # type: ignore[attr-defined]
-    AgentLoopWorkerTQ._run_agent_loop = _run_agent_loop
+    AgentLoopWorker._run_agent_loop = _run_agent_loop
 
 
 class _CountingUUID:
