@@ -77,7 +77,7 @@ def test_per_step_metrics_are_identical(two_runs):
     first, second = (_numeric(read_metrics(run.metrics)) for run in two_runs)
     assert {s for s, _ in first} == set(range(1, STEPS + 1))
     assert set(first) == set(second)
-    # the comparison covers what the issue is about: reward, entropy, loss and the S2T counts
+    # the comparison covers what a comparison of methods reads: reward, entropy, loss, S2T counts
     for key in ("critic/score/mean", "actor/entropy", "actor/pg_loss", "actor/grad_norm", *S2T_KEYS):
         assert all((s, key) in first for s in range(1, STEPS + 1)), key
     # S2T is active: some token is a candidate (else the mask would be trivially reproducible)
