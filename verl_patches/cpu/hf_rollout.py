@@ -137,7 +137,9 @@ class HFRolloutServer:
         """Seed of one request, a sha256 digest of (server seed, step, prompt, which sample).
 
         Which sample: with ``rollout.full_determinism`` verl's agent loop sends a stable request id
-        per sample (``det-<index of the sample in the step's batch>``), used as is; a run then
+        per sample (``det-<priority>``: the sample's index in the step's batch with the legacy
+        trainer, in its group with the v1 trainer, see :mod:`verl_patches.cpu.ordering`), used as
+        is; a run then
         gives every sample the same draws whatever the order in which requests arrive. Otherwise
         (verl sends a random id) it is the k-th request of that prompt in the step, in arrival
         order: the n samples of a prompt draw the same n streams, but which batch row gets which
