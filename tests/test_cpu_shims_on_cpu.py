@@ -166,13 +166,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return out
 
 
-def _server(model_dir: Path, response_length: int = 8):
+def _server(model_dir: Path, response_length: int = 8, full_determinism: bool = False):
     from omegaconf import OmegaConf
 
     from verl_patches.cpu.hf_rollout import HFRolloutServer
 
     config = OmegaConf.create({"_target_": "verl.workers.config.RolloutConfig", "name": "hf", "prompt_length": 64,
-                               "response_length": response_length, "seed": 3})
+                               "response_length": response_length, "seed": 3, "full_determinism": full_determinism})
     return HFRolloutServer(config=config, model_config={"path": str(model_dir)}, replica_rank=0)
 
 
@@ -226,6 +226,29 @@ def test_server_rollouts_do_not_depend_on_request_order(tiny_model_dir):
 
 
 @pytest.mark.slow
+def test_deterministic_server_output_depends_only_on_the_request_id(tiny_model_dir):
+    """rollout.full_determinism: verl sends one stable request id per sample ("det-<index>"). Two
+    servers with the same seed, the same requests arriving in different orders and batches: each
+    request id gets bit-identical tokens and log-probs; the samples of one prompt differ."""
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
+    requests = {f"det-{i}": p for i, p in enumerate([[5, 6, 7]] * 3 + [[8, 9, 10, 11, 12, 13]])}
+
+    async def go(server, ids):
+        outs = await asyncio.gather(*[server.generate(prompt_ids=requests[i], sampling_params=dict(params),
+                                                      request_id=i) for i in ids])
+        return {i: (tuple(out.token_ids), tuple(out.log_probs)) for i, out in zip(ids, outs)}
+
+    first = asyncio.run(go(_server(tiny_model_dir, full_determinism=True), list(requests)))
+    second_server = _server(tiny_model_dir, full_determinism=True)
+    second = asyncio.run(go(second_server, ["det-3", "det-1"]))
+    second.update(asyncio.run(go(second_server, ["det-2", "det-0"])))
+    assert second == first  # tuples of floats: equal bit for bit
+    seeds = {second_server._request_seed(requests[i], i) for i in requests}
+    assert len(seeds) == len(requests)
+    assert len({first[i][0] for i in ("det-0", "det-1", "det-2")}) > 1
+
+
+@pytest.mark.slow
 def test_server_greedy_is_argmax_and_weights_update(tiny_model_dir):
     server = _server(tiny_model_dir, response_length=4)
     params = {"temperature": 0, "top_p": 1.0, "top_k": -1}
@@ -272,6 +295,37 @@ def test_cpu_env_selects_the_cpu_path(tmp_path):
     assert (tmp_path / "run").is_dir() and env["PATH"] == "/bin"
 
 
+def test_cpu_env_and_overrides_fix_threads_and_determinism(tmp_path):
+    from recipe.stapo.cpu import cpu_env, cpu_overrides
+
+    env = cpu_env(base={"OMP_NUM_THREADS": "8"}, threads=3)
+    assert {k: env[k] for k in ("STAPO_CPU_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")} == dict.fromkeys(
+        ("STAPO_CPU_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"), "3")
+    assert cpu_env(base={})["STAPO_CPU_THREADS"] == "1"
+    with pytest.raises(ValueError, match="threads"):
+        cpu_env(base={}, threads=0)
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "manifest.json").write_text("{}")
+    overrides = cpu_overrides(tmp_path / "assets", tmp_path / "run")
+    for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config"):
+        assert f"{key}.full_determinism=true" in overrides
+
+
+def test_pin_threads_sets_torch_threads_from_the_environment():
+    from verl_patches.cpu.platform import THREADS_ENV, pin_threads
+
+    before = torch.get_num_threads()
+    try:
+        assert pin_threads({}) is None and torch.get_num_threads() == before
+        wanted = 1 if before != 1 else 2
+        assert pin_threads({THREADS_ENV: str(wanted)}) == wanted and torch.get_num_threads() == wanted
+        for bad in ("0", "-2", "two"):
+            with pytest.raises(ValueError, match=THREADS_ENV):
+                pin_threads({THREADS_ENV: bad})
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_cpu_overrides_validation(tmp_path):
     from recipe.stapo.cpu import cpu_overrides, trainer_command
 
@@ -297,3 +351,17 @@ def test_read_metrics_tolerates_only_a_truncated_last_line(tmp_path):
     path.write_text('{"step": 1, "data": {"a": 1.0}}\nnot json\n{"step": 2, "data": {"a": 2.0}}\n')
     with pytest.raises(ValueError, match=r"m.jsonl: line 2"):
         read_metrics(path)
+
+
+def test_v1_ordering_patches_sort_batches_and_count_uids_only_under_full_determinism(monkeypatch):
+    from verl_patches.cpu import ordering
+
+    keys = ["b_0_0", "a_10_0", "a_2_1", "a_2_0", "odd"]
+    assert sorted(keys, key=ordering.trajectory_sort_key) == ["a_2_0", "a_2_1", "a_10_0", "b_0_0", "odd"]
+    counter = ordering._CountingUUID()
+    monkeypatch.setenv(ordering.FULL_DETERMINISM_ENV, "1")
+    assert [str(counter.uuid4()) for _ in range(2)] == ["00000000-0000-0000-0000-000000000001",
+                                                        "00000000-0000-0000-0000-000000000002"]
+    monkeypatch.setenv(ordering.FULL_DETERMINISM_ENV, "0")
+    assert len({counter.uuid4() for _ in range(3)}) == 3 and counter.uuid4().version == 4
+    assert counter.UUID is ordering._uuid.UUID  # anything else is the uuid module's

@@ -16,7 +16,8 @@ the summary and refuses to train (exit 2) when any differs from the paper's. Onl
 the paper-scale value of the recipe's config.
 
 Writes into ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
-the S2T token dump, checkpoints off), ``summary.md``, ``summary.json``, ``settings.json`` and PNG curves. With
+the S2T token dump, checkpoints off), ``summary.md``, ``summary.json`` (``methods``: the rows, ``reproducibility``: seed, asset hash,
+library versions, thread counts), ``settings.json`` and PNG curves. With
 ``--seeds K > 1`` (study mode) the runs go to ``seed<k>/<method>`` and the curves show one band per
 method across seeds (:func:`recipe.stapo.plots.plot_bands`), and the summary adds the inspector's
 quadrant table over all STAPO runs.
@@ -35,7 +36,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, run_cpu_trainer
+from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
 from recipe.stapo.cpu.assets import AssetConfig, build_assets
 from recipe.stapo.plots import plot_bands, plot_runs
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
@@ -350,9 +351,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             extra_md += "\n" + quadrant_markdown(stapo_dirs)
         except (FileNotFoundError, ValueError) as exc:
             extra_md += f"\n(no token quadrants: {exc})\n"
+    provenance = reproducibility.collect(args.seed_list[0], assets)  # what it takes to repeat these numbers
     (out / "summary.md").write_text(f"# STAPO quickstart (CPU, tiny model, {args.steps} steps, "
-                                    f"{len(args.seed_list)} seed(s), verl {args.trainer} trainer)\n\n{table}\n{extra_md}")
-    (out / "summary.json").write_text(json.dumps(rows, indent=2))
+                                    f"{len(args.seed_list)} seed(s), verl {args.trainer} trainer)\n\n{table}\n{extra_md}\n"
+                                    f"{reproducibility.markdown(provenance)}")
+    (out / "summary.json").write_text(json.dumps({"methods": rows, "reproducibility": provenance}, indent=2))
     (out / SETTINGS_FILE).write_text(json.dumps({"stapo": settings, "paper": paper_settings()}, indent=2, default=str))
     if study:
         bands = {m: [_run_dir(out, m, r["seed"], args) for r in finished if r["method"] == m] for m in args.methods}

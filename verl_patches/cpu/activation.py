@@ -20,14 +20,17 @@ def is_active() -> bool:
 
 
 def activate() -> None:
-    """Register the CPU platform and the HF rollout and apply the CPU patches (idempotent)."""
+    """Fix torch's thread count (``STAPO_CPU_THREADS``), register the CPU platform and the HF
+    rollout and apply the CPU patches, the v1 trainer's ordering ones included (idempotent)."""
     global _ACTIVE
     if _ACTIVE:
         return
-    from . import hf_rollout, platform
+    from . import hf_rollout, ordering, platform
 
+    platform.pin_threads()
     platform.register()
     platform.patch_init_process_group()
     platform.patch_fsdp2_offload_pinning()
     hf_rollout.register()
+    ordering.apply()
     _ACTIVE = True

@@ -8,7 +8,10 @@ This module supplies the three pieces verl's rollout machinery expects, in its o
   ``TokenOutput(token_ids, log_probs, stop_reason, extra_fields)``. Concurrent requests are
   batched (a short collection window) and sampled by :func:`verl_patches.cpu.sampling.sample_batch`;
   control calls (sleep, wake_up, cache and profiling calls) are no-ops: there is no KV cache pool
-  to free on CPU.
+  to free on CPU. With ``actor_rollout_ref.rollout.full_determinism=true`` (see
+  :meth:`HFRolloutServer._request_seed` and :meth:`HFRolloutServer._sample`) every request is
+  seeded by verl's per-sample request id and sampled in a forward of its own, so its tokens and
+  log-probs do not depend on which requests arrived together (machine load, timing).
 - :class:`HFReplica`: the ``RolloutReplica`` (``RolloutReplicaRegistry["hf"]``) that launches the
   server. Only the hybrid mode (rollout colocated with the trainer, verl's default) is supported.
 - :class:`HFServerAdapter`: the ``BaseRollout`` living in the trainer worker
@@ -100,6 +103,8 @@ class HFRolloutServer:
         pad = self.model.config.pad_token_id
         self.pad_token_id = pad if pad is not None else self.eos_token_ids[0]
         self.seed = int(getattr(self.config, "seed", 0) or 0) + replica_rank
+        #: rollout.full_determinism: seed by verl's per-sample request id, one forward per request
+        self.deterministic = bool(getattr(self.config, "full_determinism", False))
         self._arrivals: dict[tuple, int] = {}  # (step, prompt) -> requests seen, for _request_seed
         self._queue: list[_Request] = []
         self._worker: Optional[asyncio.Task] = None
@@ -122,24 +127,33 @@ class HFRolloutServer:
         loop = asyncio.get_running_loop()
         ids = list(map(int, prompt_ids))
         request = _Request(ids, self._max_tokens(len(ids), sampling_params), sampling_key(sampling_params),
-                           self._request_seed(ids), loop.create_future())
+                           self._request_seed(ids, request_id), loop.create_future())
         self._queue.append(request)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.create_task(self._drain())
         return await request.future
 
-    def _request_seed(self, prompt_ids: list[int]) -> int:
-        """Seed of one request: (server seed, step, prompt, k-th request of that prompt in the step).
+    def _request_seed(self, prompt_ids: list[int], request_id: Optional[str] = None) -> int:
+        """Seed of one request, a sha256 digest of (server seed, step, prompt, which sample).
 
-        Runs with the same seed then sample the same responses whatever the arrival order and
-        batching of concurrent requests (the n samples of a prompt are exchangeable), so methods
-        compared under identical settings see identical first-step rollouts.
+        Which sample: with ``rollout.full_determinism`` verl's agent loop sends a stable request id
+        per sample (``det-<priority>``: the sample's index in the step's batch with the legacy
+        trainer, in its group with the v1 trainer, see :mod:`verl_patches.cpu.ordering`), used as
+        is; a run then
+        gives every sample the same draws whatever the order in which requests arrive. Otherwise
+        (verl sends a random id) it is the k-th request of that prompt in the step, in arrival
+        order: the n samples of a prompt draw the same n streams, but which batch row gets which
+        stream follows the arrival order, so the training batch (and its float reductions) is
+        only the same up to a permutation inside each group.
         """
         key = (self.global_steps, tuple(prompt_ids))
-        k = self._arrivals.get(key, 0)
-        self._arrivals = {kk: v for kk, v in self._arrivals.items() if kk[0] == self.global_steps}
-        self._arrivals[key] = k + 1
-        digest = hashlib.sha256(repr((self.seed, self.global_steps, key[1], k)).encode()).digest()
+        if self.deterministic and request_id is not None:
+            which: Any = str(request_id)
+        else:
+            which = self._arrivals.get(key, 0)
+            self._arrivals = {kk: v for kk, v in self._arrivals.items() if kk[0] == self.global_steps}
+            self._arrivals[key] = which + 1
+        digest = hashlib.sha256(repr((self.seed, self.global_steps, key[1], which)).encode()).digest()
         return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
     async def _drain(self) -> None:
@@ -162,15 +176,23 @@ class HFRolloutServer:
                     r.future.set_result(out)
 
     def _sample(self, batch: list[_Request]):
+        """Sample every request of ``batch`` (one sampling key). Batched in one forward, or, when
+        ``self.deterministic``, one forward per request: a batched forward's float results (and so
+        the log-probs and, rarely, a drawn token) can depend on the batch's size and padding,
+        which depend on which requests happened to arrive within one collection window."""
         from verl_patches.cpu.sampling import sample_batch
         from verl.workers.rollout.replica import TokenOutput
 
         temperature, top_p, top_k = batch[0].key
-        samples = sample_batch(self.model, [r.prompt_ids for r in batch], max_new_tokens=max(r.max_tokens for r in batch),
-                               eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
-                               temperature=temperature, top_p=top_p, top_k=top_k,
-                               generator=[torch.Generator().manual_seed(r.seed) for r in batch])
-        self.batches += 1
+        groups = [[r] for r in batch] if self.deterministic else [batch]
+        samples = []
+        for group in groups:
+            samples += sample_batch(self.model, [r.prompt_ids for r in group],
+                                    max_new_tokens=max(r.max_tokens for r in group),
+                                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id,
+                                    temperature=temperature, top_p=top_p, top_k=top_k,
+                                    generator=[torch.Generator().manual_seed(r.seed) for r in group])
+            self.batches += 1
         outputs = []
         for r, s in zip(batch, samples):
             ids, logps = s.token_ids[: r.max_tokens], s.log_probs[: r.max_tokens]

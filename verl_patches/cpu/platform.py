@@ -25,6 +25,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 PLATFORM_NAME = "cpu"
+#: environment variable fixing torch's intra-op thread count in every process of a CPU run
+THREADS_ENV = "STAPO_CPU_THREADS"
 
 
 def _host_memory() -> tuple[int, int]:
@@ -252,3 +254,32 @@ def patch_fsdp2_offload_pinning() -> None:
     cpu_offload_policy._stapo_cpu_patch = True  # type: ignore[attr-defined]
     cpu_offload_policy._stapo_original = original  # type: ignore[attr-defined]
     transformer_impl.CPUOffloadPolicy = cpu_offload_policy
+
+
+def pin_threads(environ: Optional[dict] = None) -> Optional[int]:
+    """Set torch's intra-op thread count of this process to ``$STAPO_CPU_THREADS`` (when set).
+
+    Why: a CPU op that splits a reduction over threads (the weight-gradient sums of a backward,
+    large ``sum`` / ``softmax`` reductions) adds its partial sums in an order that depends on the
+    thread count, so float results differ in the last bits between thread counts. Left alone, the
+    count differs between the processes of a run and between machines: torch defaults to the
+    number of cores, Ray sets ``OMP_NUM_THREADS`` of each actor to its ``num_cpus`` (1 when it
+    requests none) only when unset, and a reused Ray worker keeps what a previous task set. One
+    fixed count in every process (verl imports this package in each of them) removes that.
+
+    Returns the count set, or None when the variable is unset (nothing changed). Raises ValueError
+    naming the variable when it is not a positive integer.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"{THREADS_ENV}={raw!r}: expected a positive integer (torch intra-op threads)")
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads

@@ -28,10 +28,29 @@ EXTERNAL_MODULES = ("verl_patches", "verl_patches.cpu")
 CPU_ENV_VARS = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"}
 #: FSDP mixed-precision policy computing in float32 (verl's default computes in bfloat16)
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
+#: torch intra-op threads in every process of a CPU run (see :func:`thread_env`)
+DEFAULT_THREADS = 1
+
+
+def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:
+    """Environment fixing the thread count of every process of a CPU run to ``threads``.
+
+    ``STAPO_CPU_THREADS`` makes :func:`verl_patches.cpu.platform.pin_threads` call
+    ``torch.set_num_threads`` in each verl process (driver, Ray actors, the HF rollout server);
+    ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set the OpenMP and MKL pools to the same count before
+    torch starts (Ray then leaves them alone), ``MKL_DYNAMIC=FALSE`` keeps MKL from using fewer
+    threads than asked. Float reductions split over threads depend on the count, so one fixed count
+    makes a run repeat bit for bit; 1 (the default) also makes it independent of the machine's
+    number of cores, and avoids oversubscribing a shared machine.
+    """
+    if int(threads) < 1:
+        raise ValueError(f"thread_env: threads must be >= 1, got {threads}")
+    n = str(int(threads))
+    return {"STAPO_CPU_THREADS": n, "OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "MKL_DYNAMIC": "FALSE"}
 
 
 def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[str, str]] = None,
-            metrics_file: str = METRICS_FILE) -> dict[str, str]:
+            metrics_file: str = METRICS_FILE, threads: int = DEFAULT_THREADS) -> dict[str, str]:
     """Environment for a CPU run: ``base`` (default ``os.environ``) plus
 
     - ``VERL_PLATFORM=cpu`` (selects :mod:`verl_patches.cpu`'s platform and activates its shims),
@@ -41,7 +60,8 @@ def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[
     - ``VERL_FILE_LOGGER_PATH=<run_dir>/<metrics_file>`` when ``run_dir`` is given (verl's file
       logger writes one ``{"step": s, "data": {...}}`` JSON line per step there; it truncates the
       file when it opens it, so a resumed run needs another ``metrics_file``),
-    - the repository on ``PYTHONPATH``, tokenizer parallelism off.
+    - the repository on ``PYTHONPATH``, tokenizer parallelism off,
+    - :func:`thread_env` (``threads`` torch / OpenMP / MKL threads in every process).
     """
     env = dict(os.environ if base is None else base)
     modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
@@ -52,6 +72,7 @@ def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[
         **CPU_ENV_VARS,
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
         "TOKENIZERS_PARALLELISM": "false",
+        **thread_env(threads),
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
     })
     if run_dir is not None:
@@ -61,7 +82,7 @@ def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[
 
 
 def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, steps: int = 2,
-                  prompts: int = 4, n: int = 4, mini_batch_prompts: int = 2, response_length: int = 32,
+                  prompts: int = 4, n: int = 4, mini_batch_prompts: int = 2, response_length: int = 160,
                   prompt_length: int = 64, lr: float = 1e-4, seed: int = 0, use_v1: bool = True,
                   save_freq: int = -1, resume: bool = False, resume_from: Optional[str | os.PathLike] = None,
                   validate: bool = False,
@@ -73,7 +94,8 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         out_dir: run folder: checkpoints go to ``out_dir/checkpoints``.
         steps: training steps. prompts / n: prompts per step and responses per prompt.
         mini_batch_prompts: prompts per PPO mini-batch (``prompts / mini_batch_prompts`` updates per step).
-        response_length / prompt_length: max tokens (the tiny task needs ~22 / ~42).
+        response_length / prompt_length: max tokens (the tiny task's responses are ~60-110 tokens, its
+            prompts ~40).
         lr: actor learning rate (constant, no warm-up). seed: data shuffling and sampling seed.
         use_v1: verl's TransferQueue trainer (True) or the legacy trainer (False).
         save_freq: checkpoint every ``save_freq`` steps (-1: never). resume: ``resume_mode=auto``
@@ -116,9 +138,19 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         f"{actor}.optim.lr={lr}", f"{actor}.optim.lr_warmup_steps=0",
         f"{rollout}.log_prob_micro_batch_size_per_gpu={sequences}",
         f"{ref}.log_prob_micro_batch_size_per_gpu={sequences}",
+        # fixed micro-batches (one per mini-batch) instead of the GPU configs' token budgets
+        f"{actor}.use_dynamic_bsz=false", f"{rollout}.log_prob_use_dynamic_bsz=false",
+        f"{ref}.log_prob_use_dynamic_bsz=false",
         # rollout: the HF rollout of verl_patches.cpu, one replica, one agent-loop worker
         f"{rollout}.name=hf", f"{rollout}.n={n}", f"{rollout}.tensor_model_parallel_size=1",
         f"{rollout}.agent.num_workers=1", f"{rollout}.seed={seed}",
+        # validation: one sample per held-out problem (the paper-scale config draws JustRL's 32)
+        f"{rollout}.val_kwargs.n=1",
+        # same seed, same numbers: verl's agent loop sends a per-sample request id, by which the HF
+        # server seeds each sample and samples it in a forward of its own (see verl_patches.cpu);
+        # the actor and reference engines enable torch's deterministic algorithms
+        f"{rollout}.full_determinism=true", f"{actor}.fsdp_config.full_determinism=true",
+        f"{ref}.fsdp_config.full_determinism=true",
         "reward.num_workers=1",
         # v1 trainer: one TransferQueue storage unit (it waits for all of them)
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
@@ -165,10 +197,12 @@ def trainer_command(method: str, overrides: Sequence[str], python: str = sys.exe
 def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | os.PathLike, *,
                     metrics_file: str = METRICS_FILE, timeout: Optional[float] = None,
                     log_file: Optional[str | os.PathLike] = None,
-                    on_step: Optional[Callable[[int, dict], None]] = None, **overrides_kwargs) -> "CPURun":
+                    on_step: Optional[Callable[[int, dict], None]] = None, threads: int = DEFAULT_THREADS,
+                    **overrides_kwargs) -> "CPURun":
     """Run ``python -m recipe.stapo.main_stapo method=<method>`` on CPU (blocking).
 
-    ``overrides_kwargs`` go to :func:`cpu_overrides`. stdout+stderr go to ``log_file`` (default
+    ``overrides_kwargs`` go to :func:`cpu_overrides`; ``threads``: torch threads per process
+    (:func:`thread_env`). stdout+stderr go to ``log_file`` (default
     ``run_dir/<metrics_file stem>.log``). ``on_step(step, metrics)`` is called for each step as
     soon as verl's file logger writes it. Returns a :class:`CPURun` (return code, wall seconds,
     paths); it never raises on a failed or timed-out run (return code -9), so callers can report
@@ -196,7 +230,7 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     # reporting a previous run's steps in the seconds before that happens
     metrics.unlink(missing_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file), stdout=out,
+        proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file, threads=threads), stdout=out,
                                 stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         while proc.poll() is None:
             if timeout is not None and time.time() - start > timeout:

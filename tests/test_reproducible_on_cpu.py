@@ -1,0 +1,119 @@
+"""Same seed, same numbers: verl's real trainer on CPU, run twice, repeats itself bit for bit.
+
+Two identical 2-step STAPO runs (tau_p = 0.5, so that the tiny model has spurious-token candidates
+and the S2T mask is active), each writing a checkpoint after its last step. The second run shares
+the machine with a busy (niced) process, so a result that depended on load or timing (how requests are
+batched, how many threads an op gets) would show. Every logged metric but the wall-clock ones must
+be equal, and so must every tensor of the saved model and optimizer state.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from recipe.stapo.cpu import read_metrics, run_cpu_trainer
+from recipe.stapo.cpu.assets import build_assets
+
+pytestmark = pytest.mark.slow
+
+RUN_TIMEOUT_S = 420
+STEPS = 2
+#: metrics measuring wall-clock time or memory, which no seed fixes
+WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
+WALL_CLOCK_NAMES = ("actor/token_dump/seconds",)
+#: a process keeping a core busy during the second run
+BUSY_LOOP = "import os\nos.nice(19)\nwhile True: pass"
+S2T_KEYS = ("actor/s2t/candidates", "actor/s2t/silenced", "actor/s2t/silenced_frac")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    return build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
+
+
+@pytest.fixture(scope="module")
+def two_runs(assets, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reproducible")
+    runs = []
+    for i in range(2):
+        # niced: it takes every idle cycle (timing changes) without starving Ray's start-up
+        busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if i == 1 else None
+        try:
+            runs.append(run_cpu_trainer("stapo", assets, root / f"run{i}", steps=STEPS, save_freq=STEPS,
+                                        timeout=RUN_TIMEOUT_S,
+                                        extra=["actor_rollout_ref.actor.policy_loss.tau_p=0.5"]))
+        finally:
+            if busy is not None:
+                busy.kill()
+                busy.wait()
+    for run in runs:
+        assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
+    return runs
+
+
+def _numeric(steps: dict[int, dict]) -> dict[tuple[int, str], float]:
+    """(step, metric) -> value for every numeric metric that is not a wall-clock measurement."""
+    out = {}
+    for step, data in steps.items():
+        for key, value in data.items():
+            if key.startswith(WALL_CLOCK_PREFIXES) or key in WALL_CLOCK_NAMES or "/perf/" in key:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[(step, key)] = value
+    return out
+
+
+def _same(a: float, b: float) -> bool:
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
+
+
+def test_per_step_metrics_are_identical(two_runs):
+    first, second = (_numeric(read_metrics(run.metrics)) for run in two_runs)
+    assert {s for s, _ in first} == set(range(1, STEPS + 1))
+    assert set(first) == set(second)
+    # the comparison covers what a comparison of methods reads: reward, entropy, loss, S2T counts
+    for key in ("critic/score/mean", "actor/entropy", "actor/pg_loss", "actor/grad_norm", *S2T_KEYS):
+        assert all((s, key) in first for s in range(1, STEPS + 1)), key
+    # S2T is active: some token is a candidate (else the mask would be trivially reproducible)
+    assert max(first[(s, "actor/s2t/candidates")] for s in range(1, STEPS + 1)) > 0
+    different = {k: (first[k], second[k]) for k in first if not _same(first[k], second[k])}
+    assert not different, f"{len(different)} metrics differ, e.g. {sorted(different.items())[:10]}"
+
+
+def _checkpoint_tensors(run) -> dict[str, torch.Tensor]:
+    """Every tensor of the actor's saved model and optimizer shards, by file and key path."""
+    folder = run.run_dir / "checkpoints" / f"global_step_{STEPS}" / "actor"
+    shards = sorted(folder.glob("model_world_size_*_rank_*.pt")) + sorted(folder.glob("optim_world_size_*_rank_*.pt"))
+    assert any("model_" in p.name for p in shards), f"no model shard in {folder}"
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(prefix: str, obj) -> None:
+        if hasattr(obj, "to_local"):  # a DTensor (FSDP2 shard)
+            obj = obj.to_local()
+        if isinstance(obj, torch.Tensor):
+            tensors[prefix] = obj
+        elif isinstance(obj, dict):
+            for key, value in obj.items():
+                walk(f"{prefix}/{key}", value)
+        elif isinstance(obj, (list, tuple)):
+            for i, value in enumerate(obj):
+                walk(f"{prefix}/{i}", value)
+
+    for path in shards:
+        walk(path.name, torch.load(path, map_location="cpu", weights_only=False))
+    return tensors
+
+
+def test_final_weights_are_identical(two_runs):
+    first, second = (_checkpoint_tensors(run) for run in two_runs)
+    assert set(first) == set(second) and len(first) > 0
+    model = [k for k in first if k.startswith("model_")]
+    assert model, "no model tensor in the checkpoint"
+    different = [k for k in first if first[k].dtype != second[k].dtype or not torch.equal(first[k], second[k])]
+    assert not different, f"{len(different)} of {len(first)} tensors differ, e.g. {different[:5]}"

@@ -1,0 +1,120 @@
+"""Timing-independent sample identity and batch order for verl 0.9.1's TransferQueue (v1) trainer.
+
+Active only under verl's full-determinism mode (``actor_rollout_ref.rollout.full_determinism=true``,
+which makes verl's entry point export ``VERL_FULL_DETERMINISM=1`` to every process); each patch
+checks that variable when it runs, so it changes nothing otherwise. verl facts cured:
+
+- :func:`patch_v1_sample_index`: the v1 agent loop runs the n samples of a prompt without a
+  per-sample ``priority``, so every request carries the request id ``det-0`` and the rollout server
+  cannot tell the samples of a prompt apart except by arrival order. The patch passes the sample's
+  index in its group (verl's ``session_id``) as its priority (the request id becomes
+  ``det-<index>``).
+- :func:`patch_v1_uids`: the trainer names each prompt by ``uuid.uuid4()``, which differs run to
+  run. The patch hands out UUIDs from a per-process counter instead (unique within the trainer
+  process, ordered as the prompts were drawn).
+- :func:`patch_v1_batch_order`: the replay buffer builds the training batch from a set of prompt
+  uids and from TransferQueue's listing, which follows the order in which samples finished (i.e.
+  timing). The patch orders the batch by (step, prompt uid, sample index, output index). The row
+  order decides the order of every float sum over the batch (losses, gradients, logged means).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import uuid as _uuid
+from typing import Any
+
+FULL_DETERMINISM_ENV = "VERL_FULL_DETERMINISM"
+
+
+def deterministic() -> bool:
+    """True when verl's full-determinism mode is on in this process."""
+    return os.environ.get(FULL_DETERMINISM_ENV, "0") == "1"
+
+
+def patch_v1_sample_index() -> None:
+    """Give each sample of a v1 rollout ``priority = session_id`` (idempotent; see module docs).
+
+    Patched on verl's ``AgentLoopWorker`` (a plain class), whose ``_run_agent_loop`` the v1 worker
+    inherits: ``AgentLoopWorkerTQ`` is a ``@ray.remote`` actor class, on which an assignment would
+    only set an attribute of Ray's wrapper.
+    """
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    original = AgentLoopWorker._run_agent_loop
+    if getattr(original, "_stapo_cpu_patch", False):
+        return
+
+    @functools.wraps(original)
+    async def _run_agent_loop(self, *args: Any, **kwargs: Any):
+        if deterministic() and "priority" not in kwargs and isinstance(kwargs.get("session_id"), int):
+            kwargs["priority"] = kwargs["session_id"]
+        return await original(self, *args, **kwargs)
+
+    _run_agent_loop._stapo_cpu_patch = True  # type: ignore[attr-defined]
+    AgentLoopWorker._run_agent_loop = _run_agent_loop
+
+
+class _CountingUUID:
+    """Stands in for the ``uuid`` module in verl's v1 trainer: ``uuid4()`` is a counter UUID under
+    full determinism (ordered, same sequence every run), a random one otherwise."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count(1)
+
+    def uuid4(self) -> _uuid.UUID:
+        return _uuid.UUID(int=next(self._counter)) if deterministic() else _uuid.uuid4()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(_uuid, name)
+
+
+def patch_v1_uids() -> None:
+    """Counter UUIDs for the v1 trainer's prompt uids (idempotent; see module docs)."""
+    from verl.trainer.ppo.v1 import trainer_base
+
+    if not isinstance(trainer_base.uuid, _CountingUUID):
+        trainer_base.uuid = _CountingUUID()
+
+
+def trajectory_sort_key(key: str) -> tuple:
+    """Order of a trajectory key ``{uid}_{session_id}_{index}``: (uid, session, index), numerically
+    for the last two; a key of another form sorts by itself."""
+    parts = key.rsplit("_", 2)
+    if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+        return parts[0], int(parts[1]), int(parts[2])
+    return key, -1, -1
+
+
+def patch_v1_batch_order() -> None:
+    """Order the v1 replay buffer's batches by step, uid, sample, output (idempotent)."""
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+
+    select, materialize = ReplayBuffer._select_prompt_uids, ReplayBuffer._materialize_batch
+    if getattr(select, "_stapo_cpu_patch", False):
+        return
+
+    @functools.wraps(select)
+    def _select_prompt_uids(self, partition_id: str, sampleable_keys: set, batch_size: int):
+        if deterministic():
+            sampleable_keys = sorted(sampleable_keys)  # the original's stable sort by step then keeps uid order
+        return select(self, partition_id, sampleable_keys, batch_size)
+
+    @functools.wraps(materialize)
+    def _materialize_batch(self, partition_id: str, selected_prompt_uids: list, partition_snapshot: dict):
+        if deterministic():
+            partition_snapshot = {k: partition_snapshot[k] for k in sorted(partition_snapshot, key=trajectory_sort_key)}
+        return materialize(self, partition_id, selected_prompt_uids, partition_snapshot)
+
+    _select_prompt_uids._stapo_cpu_patch = True  # type: ignore[attr-defined]
+    ReplayBuffer._select_prompt_uids = _select_prompt_uids
+    ReplayBuffer._materialize_batch = _materialize_batch
+
+
+def apply() -> None:
+    """All three patches (idempotent)."""
+    patch_v1_sample_index()
+    patch_v1_uids()
+    patch_v1_batch_order()
