@@ -15,7 +15,11 @@ this package changes nothing: no registration, no patch.
 - :func:`verl_patches.cpu.platform.register`: platform ``cpu`` (device cpu, gloo, no-op device calls);
 - :func:`verl_patches.cpu.platform.patch_init_process_group`: ``"cpu:gloo,cpu:gloo"`` -> ``"gloo"``;
 - :func:`verl_patches.cpu.platform.patch_fsdp2_offload_pinning`: no pinned memory without CUDA;
-- :func:`verl_patches.cpu.hf_rollout.register`: the ``hf`` rollout (server replica + trainer adapter).
+- :func:`verl_patches.cpu.hf_rollout.register`: the ``hf`` rollout (server replica + trainer adapter);
+- :func:`verl_patches.cpu.platform.pin_threads`: one fixed torch/OpenMP thread count in every process
+  (``STAPO_CPU_THREADS``), so that results do not depend on the machine's load;
+- :func:`verl_patches.cpu.ordering.apply`: under ``rollout.full_determinism``, per-sample request ids
+  and a fixed batch order in verl's TransferQueue trainer (docs/reproducibility.md).
 """
 
 from .activation import PLATFORM_ENV, activate, cpu_selected, is_active

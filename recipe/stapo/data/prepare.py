@@ -37,7 +37,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
-from recipe.stapo.data.fileio import atomic_write, atomic_write_json, sha256_file
+from stapo_core.fileio import atomic_write, atomic_write_json, sha256_file
 from recipe.stapo.reward.answers import ground_truth_problem
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from recipe.stapo.data.fileio import atomic_write_json, atomic_write_text, sha256_file
+from stapo_core.fileio import atomic_write_json, atomic_write_text, sha256_file
 from recipe.stapo.data.prepare import BENCHMARK_SPECS, MANIFEST_NAME
 from recipe.stapo.eval.backends import GenerationBackend, SamplingConfig, build_backend
 from recipe.stapo.eval.generate import JsonlStore, Problem, VerdictCache, generate_samples, saved_samples

@@ -442,7 +442,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.out:
-        from recipe.stapo.data.fileio import atomic_write_text
+        from stapo_core.fileio import atomic_write_text
 
         atomic_write_text(args.out, text)
     print(text, end="")
