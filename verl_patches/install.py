@@ -201,7 +201,7 @@ def _patch_legacy_trainer() -> None:
         metrics = {}
         if ROLLOUT_ENTROPY_FIELD in batch.batch.keys():
             metrics = entropy_quantile_metrics(batch.batch[ROLLOUT_ENTROPY_FIELD], batch.batch["response_mask"])
-            if not _policy_loss(self.config).needs_rollout_entropy:
+            if not _needs_rollout_entropy(self.config):
                 batch.batch.pop(ROLLOUT_ENTROPY_FIELD)  # baselines: do not ship it to the actor
         output = original_update(self, batch)
         output.meta_info["metrics"].update(metrics)
@@ -258,13 +258,12 @@ def _bypasses_old_log_prob(config) -> bool:
     return bool(rollout_corr and rollout_corr.get("bypass_mode", False))
 
 
-def _policy_loss(config):
-    """The driver's policy-loss settings as the recipe's dataclass (the driver holds a DictConfig)."""
+def _needs_rollout_entropy(config) -> bool:
+    """The driver's question to the policy-loss settings (it holds them as a DictConfig): does the
+    actor need the rollout-time entropy in its batch? Only the recipe's token selection does."""
     from verl.utils.config import omega_conf_to_dataclass
 
     from .config import TokenSelectionLossConfig
 
-    cfg = config.actor_rollout_ref.actor.policy_loss
-    if cfg.get("_target_", None) is None:
-        return TokenSelectionLossConfig(loss_mode=cfg.get("loss_mode", "vanilla"))
-    return omega_conf_to_dataclass(cfg)
+    settings = omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)
+    return isinstance(settings, TokenSelectionLossConfig) and settings.needs_rollout_entropy

@@ -1,0 +1,43 @@
+"""S2T on top of another verl policy loss, end to end: STAPO + GSPO with verl's real trainer on CPU.
+
+One run of 2 steps (the tiny assets are shared with the other end-to-end tests of the session):
+the composed pair trains, S2T's mask and metrics are there, and verl's GSPO loss is the one that ran
+(its sequence-level ratio differs from the token-level one, so its clip fraction metric exists).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from recipe.stapo.cpu import read_metrics, run_cpu_trainer
+from recipe.stapo.cpu.assets import build_assets
+
+pytestmark = pytest.mark.slow
+
+PL = "actor_rollout_ref.actor.policy_loss"
+
+
+@pytest.fixture(scope="module")
+def gspo_run(tmp_path_factory):
+    assets = build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
+    run = run_cpu_trainer("stapo", assets, tmp_path_factory.mktemp("stapo_gspo"), steps=2, timeout=420,
+                          extra=[f"{PL}.loss_mode=gspo"])
+    assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
+    return run
+
+
+def test_stapo_on_gspo_trains_with_the_s2t_mask(gspo_run):
+    steps = read_metrics(gspo_run.metrics)
+    assert set(steps) == {1, 2}
+    log = Path(gspo_run.log).read_text(errors="replace")
+    assert "'loss_mode': 'gspo'" in log and "'token_selection': 's2t'" in log  # the composed pair ran
+    for step, data in steps.items():
+        assert math.isfinite(data["actor/pg_loss"]) and math.isfinite(data["actor/grad_norm"])
+        s2t = {k: v for k, v in data.items() if k.startswith("actor/s2t/")}
+        assert 0 <= s2t["actor/s2t/silenced"] <= s2t["actor/s2t/candidates"] <= s2t["actor/s2t/tokens"]
+        assert s2t["actor/s2t/tokens"] > 0
+        assert 0.0 <= s2t["actor/s2t/rollout_agreement"] <= 1.0  # current statistics on mini-batch 2
+    assert max(data["actor/grad_norm"] for data in steps.values()) > 0
