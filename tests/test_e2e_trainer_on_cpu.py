@@ -16,12 +16,10 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 
 from recipe.stapo.cpu import METHODS, read_metrics, run_cpu_trainer
-from recipe.stapo.cpu.assets import build_assets
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +27,6 @@ RUN_TIMEOUT_S = 420
 #: rollout (HF, float32) vs trainer (FSDP2, float32) token probabilities: equal up to float noise
 MAX_PROB_DIFF = 1e-3
 PLAN = [(m, True) for m in METHODS] + [(m, False) for m in METHODS]
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
-from recipe.stapo.cpu.assets import build_assets
 
 pytestmark = pytest.mark.slow
 
@@ -27,11 +26,6 @@ SMOKE = ROOT / "run_scripts" / "gpu_smoke.sh"
 TIMEOUT_S = 900
 PROJECT, EXPERIMENT = "stapo_smoke", "smoke_stapo"  # what gpu_smoke.sh names the stapo run
 WANDB = "trainer.logger=[console,file,wandb]"
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
 
 
 @pytest.fixture(scope="module")

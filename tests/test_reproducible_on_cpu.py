@@ -12,13 +12,11 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
-from recipe.stapo.cpu.assets import build_assets
 
 pytestmark = pytest.mark.slow
 
@@ -30,11 +28,6 @@ WALL_CLOCK_NAMES = ("actor/token_dump/seconds",)
 #: a process keeping a core busy during the second run
 BUSY_LOOP = "import os\nos.nice(19)\nwhile True: pass"
 S2T_KEYS = ("actor/s2t/candidates", "actor/s2t/silenced", "actor/s2t/silenced_frac")
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    return build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
 
 
 @pytest.fixture(scope="module")
