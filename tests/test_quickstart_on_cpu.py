@@ -102,3 +102,42 @@ def test_summary_row_means_the_logged_s2t_counts():
     assert (row["val_acc_first"], row["val_acc_last"], row["final_reward"], row["steps"]) == (0.25, 0.5, 0.5, 2)
     table = qs.markdown_table([row])
     assert "| 4.0 / 3.0 | 0.003 | 0.250 -> 0.500 |" in table
+
+
+def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets, tmp_path, monkeypatch):
+    """The seed's first run validates before training; the seed's other runs skip it and get that
+    record as their step 0, marked with its source (a stub trainer writes verl-style metrics)."""
+    calls = []
+
+    def stub(method, assets, run_dir, **kwargs):
+        from recipe.stapo.cpu.trainer import CPURun
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        before = "trainer.val_before_train=false" not in kwargs["extra"]
+        calls.append((method, kwargs["seed"], before))
+        lines = [{"step": 0, "data": {"val-core/x/acc/mean@1": 0.25 + kwargs["seed"]}}] if before else []
+        lines.append({"step": 1, "data": {qs.REWARD: 0.5, "val-core/x/acc/mean@1": 0.75}})
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return CPURun(method, 0, 1.0, run_dir, run_dir / "metrics.jsonl", run_dir / "x.log")
+
+    monkeypatch.setattr(qs, "run_cpu_trainer", stub)
+    monkeypatch.setattr(qs, "plot_runs", lambda *a, **k: [])
+    monkeypatch.setattr(qs, "plot_bands", lambda *a, **k: [])
+    monkeypatch.setattr(qs, "quadrant_markdown", lambda dirs: "")
+    out = tmp_path / "out"
+    assert qs.main(["--out", str(out), "--assets", str(fake_assets), "--methods", "grpo,stapo", "--seeds", "2",
+                    "--steps", "1"]) == 0
+    assert calls == [("grpo", 0, True), ("stapo", 0, False), ("grpo", 1, True), ("stapo", 1, False)]
+    for seed in (0, 1):
+        first = json.loads((out / f"seed{seed}" / "stapo" / "metrics.jsonl").read_text().splitlines()[0])
+        assert first == {"step": 0, "data": {"val-core/x/acc/mean@1": 0.25 + seed}, qs.SHARED_FROM: "grpo"}
+    rows = json.loads((out / "summary.json").read_text())["methods"]
+    assert {(r["method"], r["seed"]): r["val_acc_first"] for r in rows} == {
+        ("grpo", 0): 0.25, ("stapo", 0): 0.25, ("grpo", 1): 1.25, ("stapo", 1): 1.25}
+    assert "measured once per seed, by grpo (seed 0), grpo (seed 1)" in (out / "summary.md").read_text()
+    # a second invocation reuses every finished run (same settings, validation included)
+    calls.clear()
+    assert qs.main(["--out", str(out), "--assets", str(fake_assets), "--methods", "grpo,stapo", "--seeds", "2",
+                    "--steps", "1"]) == 0
+    assert calls == []

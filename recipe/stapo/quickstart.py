@@ -9,6 +9,11 @@ Builds (or reuses) the tiny assets (:mod:`recipe.stapo.cpu.assets`), then trains
 with verl's real trainer on CPU (:mod:`recipe.stapo.cpu`) under identical settings and seeds, one
 after the other, validating on the held-out problems before training and after the last step.
 
+The validation before training is measured once per seed, by that seed's first run: every method
+starts from the same weights and the validation draws the same samples (same seed, same step), so
+the other runs would repeat the same numbers (~30 s each). Its record is copied into the other
+runs' ``metrics.jsonl`` as the step-0 line, marked ``"shared_from": "<method>"``.
+
 STAPO runs with the paper's S2T settings (tau_p = 0.002, q = 0.75), clip range, loss aggregation
 and reward: the quickstart composes the exact config of the STAPO run, records those settings in
 the summary and refuses to train (exit 2) when any differs from the paper's. Only scale settings
@@ -48,6 +53,8 @@ CANDIDATES = "actor/s2t/candidates"
 SILENCED_COUNT = "actor/s2t/silenced"
 STEP_TIME = "timing_s/step"
 DONE = "quickstart_done.json"
+#: key marking a step-0 validation record copied from the seed's first run (see the module docstring)
+SHARED_FROM = "shared_from"
 #: the composed settings of the STAPO run and the paper's (written next to summary.json)
 SETTINGS_FILE = "settings.json"
 
@@ -139,20 +146,39 @@ def markdown_table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def _settings(args: argparse.Namespace, seed: int) -> dict:
+def _settings(args: argparse.Namespace, seed: int, validate_before: bool = True) -> dict:
     return {"steps": args.steps, "prompts": args.prompts, "n": args.n, "seed": seed, "lr": args.lr,
             "response_length": args.response_length, "prompt_length": args.prompt_length,
             "use_v1": args.trainer == "v1", "assets": str(Path(args.assets).resolve()), "validate": True,
-            "test_freq": args.test_freq, "token_dump": True, "overrides": list(args.override)}
+            "validate_before": validate_before, "test_freq": args.test_freq, "token_dump": True,
+            "overrides": list(args.override)}
 
 
-def method_overrides(method: str, args: argparse.Namespace, run_dir: Path) -> list[str]:
+def method_overrides(method: str, args: argparse.Namespace, run_dir: Path, validate_before: bool = True) -> list[str]:
     """Overrides beyond ``method=`` and the CPU scale: the token dump into the run folder (every
-    method, for ``python -m recipe.stapo.inspect``), the validation interval, then ``--override``."""
+    method, for ``python -m recipe.stapo.inspect``), the validation interval (and no validation
+    before training when the seed's first run measured it), then ``--override``."""
     overrides = [f"recipe.token_dump.dir={run_dir}"]
     if args.test_freq:
         overrides.append(f"trainer.test_freq={args.test_freq}")
+    if not validate_before:
+        overrides.append("trainer.val_before_train=false")
     return overrides + list(args.override)
+
+
+def initial_validation(metrics_file: Path) -> Optional[dict]:
+    """The step-0 record (validation before training) of a run's ``metrics.jsonl``, or None."""
+    if not metrics_file.is_file():
+        return None
+    data = read_metrics(metrics_file).get(0, {})
+    validation = {k: v for k, v in data.items() if k.startswith("val-")}
+    return validation or None
+
+
+def share_initial_validation(metrics_file: Path, validation: dict, source: str) -> None:
+    """Prepend ``validation`` (another run's step-0 record) to ``metrics_file``, marked with its source."""
+    line = json.dumps({"step": 0, "data": validation, SHARED_FROM: source})
+    metrics_file.write_text(line + "\n" + metrics_file.read_text())
 
 
 def run_kwargs(args: argparse.Namespace, seed: int) -> dict:
@@ -235,9 +261,11 @@ def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
 
 
 def run_method(method: str, index: int, total: int, seed: int, args: argparse.Namespace, assets: Path,
-               out: Path) -> dict:
-    """Train one method with one seed (or reuse its finished run); returns its summary row."""
-    run_dir, settings = _run_dir(out, method, seed, args), _settings(args, seed)
+               out: Path, shared: Optional[tuple[str, dict]] = None) -> dict:
+    """Train one method with one seed (or reuse its finished run); returns its summary row.
+    ``shared``: ``(method, step-0 validation record)`` of an earlier run of this seed: this run then
+    skips the validation before training and gets that record instead."""
+    run_dir, settings = _run_dir(out, method, seed, args), _settings(args, seed, validate_before=shared is None)
     tag = f"[quickstart] ({index}/{total}) {method}" + (f" seed {seed}" if len(args.seed_list) > 1 else "")
     done = None if args.force else _finished(run_dir, settings)
     if done is not None:
@@ -260,7 +288,10 @@ def run_method(method: str, index: int, total: int, seed: int, args: argparse.Na
               f"{_fmt(data.get(ENTROPY))}{extra}, {_fmt(data.get(STEP_TIME), 2)} s", flush=True)
 
     run = run_cpu_trainer(method, assets, run_dir, timeout=args.timeout, on_step=on_step,
-                          extra=method_overrides(method, args, run_dir), **run_kwargs(args, seed))
+                          extra=method_overrides(method, args, run_dir, validate_before=shared is None),
+                          **run_kwargs(args, seed))
+    if run.ok and shared is not None:
+        share_initial_validation(run.metrics, shared[1], shared[0])
     steps = read_metrics(run.metrics) if run.metrics.is_file() else {}
     if not run.ok:
         print(f"{tag}: FAILED (exit {run.returncode}) after {run.wall_s} s; log tail:\n{run.tail(25)}", flush=True)
@@ -338,7 +369,13 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"q={settings[f'{ACTOR}.policy_loss.q']}, clip [{1 - settings[f'{ACTOR}.clip_ratio_low']:g}, "
           f"{1 + settings[f'{ACTOR}.clip_ratio_high']:g}], {settings[f'{ACTOR}.loss_agg_mode']}", flush=True)
     plan = [(method, seed) for seed in args.seed_list for method in args.methods]
-    rows = [run_method(method, i, len(plan), seed, args, assets, out) for i, (method, seed) in enumerate(plan, start=1)]
+    rows, shared = [], {}  # shared: seed -> (method, its validation before training)
+    for i, (method, seed) in enumerate(plan, start=1):
+        rows.append(run_method(method, i, len(plan), seed, args, assets, out, shared=shared.get(seed)))
+        if seed not in shared and not rows[-1]["error"]:
+            record = initial_validation(_run_dir(out, method, seed, args) / "metrics.jsonl")
+            if record is not None:
+                shared[seed] = (method, record)
 
     study = len(args.seed_list) > 1
     table = markdown_table(rows if not study else [{**r, "method": f"{r['method']} (seed {r['seed']})"} for r in
@@ -346,6 +383,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     finished = [r for r in rows if not r["error"]]
     stapo_dirs = [_run_dir(out, "stapo", r["seed"], args) for r in finished if r["method"] == "stapo"]
     extra_md = settings_markdown(settings)
+    if shared:
+        extra_md = ("Validation before training: measured once per seed, by "
+                    + ", ".join(f"{m} (seed {sd})" for sd, (m, _) in sorted(shared.items()))
+                    + ", and shared with the seed's other runs (same initial weights, same validation samples).\n\n"
+                    + extra_md)
     if stapo_dirs:
         try:
             extra_md += "\n" + quadrant_markdown(stapo_dirs)
