@@ -1,6 +1,11 @@
 """Invariance of the mini-batch S2T statistic: for one mini-batch, the silenced set and the loss
 (and its gradient) do not change with the micro-batch size or the number of data-parallel ranks.
 
+Both sources of the statistics are covered: the rollout-time ones carried in the mini-batch, and
+``stats_from=current`` (each rank's share of the mini-batch forwarded under the current policy; given
+here as fixed tensors, the forward itself is checked on the real trainer by
+tests/test_current_stats_e2e_on_cpu.py).
+
 The actor's side of verl is reproduced as its engine runs it (``forward_backward_batch``): fold the
 mask into the mini-batch (our ``TrainingWorker.train_batch`` wrapper), count ``batch_num_tokens``
 all-reduced over ranks, split into micro-batches, call the loss per micro-batch and accumulate
@@ -45,11 +50,20 @@ def actor(method):
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
-def engine_step(config, rows, micro_size, group=None, dp_size=1, seed=0):
-    """One mini-batch as verl's actor runs it on this rank. Returns (loss, grad, keep, metrics)."""
+def current_statistics(seed=0):
+    """(log_prob, entropy) of the whole mini-batch under a "current" policy that differs from the
+    rollout one (other probabilities, entropies permuted along each response)."""
+    _, old, log_prob, entropy, _ = make_mini_batch(seed)
+    return log_prob - 0.5 * torch.rand(B, R, generator=torch.Generator().manual_seed(seed + 1)), entropy.flip(1)
+
+
+def engine_step(config, rows, micro_size, group=None, dp_size=1, seed=0, stats="rollout"):
+    """One mini-batch as verl's actor runs it on this rank. Returns (loss, grad, keep, metrics).
+    ``stats``: where the selection's statistics come from (``rollout`` or ``current``)."""
     mask, old, log_prob, entropy, adv = (t[rows] for t in make_mini_batch(seed))
     data = micro_batch(mask, old, adv, entropy=entropy, dp_size=dp_size)
-    metrics = fold_into_mini_batch(config.policy_loss, data, group=group)
+    current = tuple(t[rows] for t in current_statistics(seed)) if stats == "current" else None
+    metrics = fold_into_mini_batch(config.policy_loss, data, group=group, current=current)
     folded = data["response_mask"].clone()
     batch_num_tokens = data["loss_mask"].sum()
     if group is not None:
@@ -68,39 +82,48 @@ def engine_step(config, rows, micro_size, group=None, dp_size=1, seed=0):
     return total, lp.grad, folded, metrics
 
 
+STATS = ["rollout", "current"]
+
+
+@pytest.mark.parametrize("stats", STATS)
 @pytest.mark.parametrize("method", ["stapo", "entropy20"])
-def test_micro_batch_size_does_not_change_mask_or_loss(method):
+def test_micro_batch_size_does_not_change_mask_or_loss(method, stats):
     config = actor(method)
-    ref = engine_step(config, list(range(B)), micro_size=B)
+    ref = engine_step(config, list(range(B)), micro_size=B, stats=stats)
     silenced = int((make_mini_batch()[0] - ref[2]).sum())
     assert silenced > 0
+    if stats == "current":  # the current statistics select other tokens than the rollout ones
+        assert not torch.equal(ref[2], engine_step(config, list(range(B)), micro_size=B)[2])
     for micro_size in (1, 3, 4):
-        out = engine_step(config, list(range(B)), micro_size=micro_size)
+        out = engine_step(config, list(range(B)), micro_size=micro_size, stats=stats)
         torch.testing.assert_close(out[2], ref[2], rtol=0, atol=0)
         torch.testing.assert_close(out[0], ref[0])
         torch.testing.assert_close(out[1], ref[1])
         assert out[3] == ref[3]
 
 
-def _dp_worker(rank, world, init_file, method, out_dir):
+def _dp_worker(rank, world, init_file, method, out_dir, stats):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         config = actor(method)
         # uneven split of the mini-batch: rank 0 holds 3 rows, rank 1 holds 5 (variable candidate counts)
         rows = [0, 1, 2] if rank == 0 else [3, 4, 5, 6, 7]
-        loss, grad, folded, metrics = engine_step(config, rows, micro_size=2, group=dist.group.WORLD, dp_size=world)
+        loss, grad, folded, metrics = engine_step(config, rows, micro_size=2, group=dist.group.WORLD, dp_size=world,
+                                                  stats=stats)
         torch.save({"rows": rows, "loss": loss, "grad": grad, "folded": folded, "metrics": metrics},
                    os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("stats", STATS)
 @pytest.mark.parametrize("method", ["stapo", "entropy20"])
-def test_data_parallel_ranks_give_the_single_process_result(method):
+def test_data_parallel_ranks_give_the_single_process_result(method, stats):
     config = actor(method)
-    ref_loss, ref_grad, ref_folded, ref_metrics = engine_step(config, list(range(B)), micro_size=B)
+    ref_loss, ref_grad, ref_folded, ref_metrics = engine_step(config, list(range(B)), micro_size=B, stats=stats)
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_dp_worker, args=(2, os.path.join(tmp, "init"), method, tmp), nprocs=2, start_method="spawn")
+        mp.start_processes(_dp_worker, args=(2, os.path.join(tmp, "init"), method, tmp, stats), nprocs=2,
+                           start_method="spawn")
         ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
     assert ranks[0]["metrics"] == ranks[1]["metrics"] == ref_metrics  # same tau_h and counts everywhere
     for r in ranks:
