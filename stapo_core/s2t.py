@@ -51,6 +51,7 @@ class S2TResult:
     """Result of :func:`s2t_mask`.
 
     keep: float32 ``(batch, resp_len)``: 1 keep, 0 silenced; 0 outside ``response_mask``.
+    candidate: bool ``(batch, resp_len)``: the candidate set C (A > 0, p < tau_p, inside ``response_mask``).
     stats: python numbers, global over ``group`` when given (identical on every rank):
         ``candidates``, ``silenced``, ``tokens`` (ints), ``silenced_frac`` = silenced / max(tokens, 1),
         ``tau_h`` (the entropy threshold; NaN for ``random``/``full`` or without candidates),
@@ -58,6 +59,7 @@ class S2TResult:
     """
 
     keep: torch.Tensor
+    candidate: torch.Tensor
     stats: dict
 
 
@@ -308,7 +310,7 @@ def s2t_mask(
 
     sums = all_reduce_sum(_stats_vector(mask, lp, ent, adv, candidate, silenced), group)
     values = torch.cat([sums, tau_h.double().reshape(1)]).tolist()  # the one host sync
-    return S2TResult(keep=keep, stats=_stats_dict(values))
+    return S2TResult(keep=keep, candidate=candidate, stats=_stats_dict(values))
 
 
 __all__ = ["DEFAULT_Q", "DEFAULT_TAU_P", "S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_mask"]

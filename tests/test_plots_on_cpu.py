@@ -223,6 +223,7 @@ def _seed_metrics(method: str, seed: int, step: int) -> dict:
     if method == "stapo":
         data |= {"actor/s2t/silenced_frac": float(rng.uniform(0, 1e-3)),
                  "actor/s2t/grad_norm_kept": float(rng.uniform(0, 0.1)),
+                 "actor/s2t/grad_norm_kept_candidates": float(rng.uniform(0.5, 1.5)),
                  "actor/s2t/grad_norm_silenced": float(rng.uniform(0.5, 1.5))}
     return data
 
@@ -275,8 +276,14 @@ def test_band_figure_lines_equal_seed_means_one_colour_per_method(seeded_runs):
             colours.setdefault(method, set()).add(line.get_color())
         assert len(axes[name].collections) == len(methods)  # one min-max band per method
     grad = axes["grad_norm"].get_lines()
-    assert [line.get_label() for line in grad] == ["stapo (kept)", "stapo (silenced)"]
-    assert [line.get_linestyle() for line in grad] == ["-", "--"]
+    assert [line.get_label() for line in grad] == ["stapo (kept)", "stapo (kept candidates)", "stapo (silenced)"]
+    assert [line.get_linestyle() for line in grad] == ["-", ":", "--"]
+    for line, key in zip(grad, ("actor/s2t/grad_norm_kept", "actor/s2t/grad_norm_kept_candidates",
+                                "actor/s2t/grad_norm_silenced")):
+        seeds = logged["stapo"]
+        steps = sorted({s for per_seed in seeds.values() for s in per_seed})
+        expected = [np.mean([seeds[k][s][key] for k in seeds if s in seeds[k]]) for s in steps]
+        np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-12)
     colours["stapo"] |= {line.get_color() for line in grad}
     assert colours == {"grpo": {plots.METHOD_COLORS["grpo"]}, "stapo": {plots.METHOD_COLORS["stapo"]}}
     import matplotlib.pyplot as plt

@@ -136,6 +136,8 @@ def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets
     assert {(r["method"], r["seed"]): r["val_acc_first"] for r in rows} == {
         ("grpo", 0): 0.25, ("stapo", 0): 0.25, ("grpo", 1): 1.25, ("stapo", 1): 1.25}
     assert "measured once per seed, by grpo (seed 0), grpo (seed 1)" in (out / "summary.md").read_text()
+    assert json.loads((out / "summary.json").read_text())["reproducibility"]["seeds"] == [0, 1]
+    assert "- seeds: 0, 1\n" in (out / "summary.md").read_text()
     # a second invocation reuses every finished run (same settings, validation included)
     calls.clear()
     assert qs.main(["--out", str(out), "--assets", str(fake_assets), "--methods", "grpo,stapo", "--seeds", "2",

@@ -215,7 +215,8 @@ def test_current_statistics_report_agreement_with_rollout_statistics():
 
 def test_grad_norm_of_silenced_and_kept_tokens_from_sum_pi_squared():
     """The fold logs the closed-form gradient norm sqrt(1 - 2p + sum pi^2) averaged over silenced
-    and kept tokens, from distributions built explicitly (so sum pi^2 is known independently)."""
+    tokens, kept tokens and kept candidates (A > 0, p < tau_p, entropy above tau_h), from
+    distributions built explicitly (so sum pi^2 is known independently)."""
     from stapo_core import logit_grad_norm
 
     config = actor_config("stapo", ROLLOUT)
@@ -236,6 +237,9 @@ def test_grad_norm_of_silenced_and_kept_tokens_from_sum_pi_squared():
     assert silenced.any()
     assert metrics["s2t/grad_norm_silenced"] == pytest.approx(norm[silenced].mean().item(), rel=1e-6)
     assert metrics["s2t/grad_norm_kept"] == pytest.approx(norm[kept].mean().item(), rel=1e-6)
+    kept_candidates = kept & (adv > 0) & (old.exp() < config.policy_loss.tau_p)
+    assert kept_candidates.any() and kept_candidates.sum() < kept.sum()
+    assert metrics["s2t/grad_norm_kept_candidates"] == pytest.approx(norm[kept_candidates].mean().item(), rel=1e-6)
     # where old is the true log-prob, the closed form equals stapo_core's from the logits
     untouched = old == log_probs.gather(-1, tokens[..., None]).squeeze(-1)
     torch.testing.assert_close(norm[untouched], logit_grad_norm(logits, tokens)[untouched])

@@ -26,7 +26,7 @@ What is patched, each at one place and never by editing verl's files:
 5. ``PPOTrainer._compute_old_log_prob`` (TransferQueue trainer): logs the step's entropy
    quantiles (:mod:`verl_patches.step_metrics`) for every method, and honours verl's
    ``actor.calculate_sum_pi_squared`` as the legacy trainer does, so the actor can log the
-   closed-form gradient norm of silenced vs kept tokens (``actor/s2t/grad_norm_*``).
+   closed-form gradient norm of silenced vs kept tokens and kept candidates (``actor/s2t/grad_norm_*``).
 6. ``TrainingWorker.set_loss_fn``: with ``stats_from=current`` and no entropy bonus, the engine
    computes the update's entropy without autograd (it is only S2T's statistic).
 7. ``RayPPOTrainer._update_actor`` (legacy trainer): logs the step's entropy quantiles for every

@@ -57,12 +57,14 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
 class Selection:
     """keep: float32 ``(batch, resp_len)``, 1 where the token carries gradient (0 outside the
     response mask); tokens / kept: global counts over the pooled group; metrics: python floats
-    named ``s2t/*`` or ``entropy_topk/*``, undefined (NaN) statistics omitted."""
+    named ``s2t/*`` or ``entropy_topk/*``, undefined (NaN) statistics omitted; candidate: S2T's
+    candidate set (bool, like ``keep``), None for ``entropy_topk``."""
 
     keep: torch.Tensor
     tokens: float
     kept: float
     metrics: dict
+    candidate: Optional[torch.Tensor] = None
 
 
 def select_tokens(
@@ -96,7 +98,7 @@ def select_tokens(
         )
         metrics = {S2T_METRIC_PREFIX + k: float(v) for k, v in result.stats.items() if not math.isnan(float(v))}
         tokens = float(result.stats["tokens"])
-        return Selection(result.keep, tokens, tokens - float(result.stats["silenced"]), metrics)
+        return Selection(result.keep, tokens, tokens - float(result.stats["silenced"]), metrics, result.candidate)
     if cfg.token_selection == "entropy_topk":
         keep = entropy_topk_mask(entropy, response_mask, ratio=cfg.entropy_top_ratio, group=group)
         counts = torch.stack([response_mask.float().sum(), keep.sum()])
@@ -192,6 +194,7 @@ def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device
                 sum_pi_squared=field(SUM_PI_SQUARED_FIELD),
                 response_mask=mask,
                 keep=selection.keep,
+                candidate=selection.candidate,
                 group=group,
             )
         )
@@ -233,24 +236,31 @@ def rollout_agreement(cfg, keep_current: torch.Tensor, keep_rollout: torch.Tenso
     return {prefix + "rollout_agreement": 1.0 if either == 0 else both / either}
 
 
-def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, group=None) -> dict[str, float]:
-    """Mean closed-form gradient norm of silenced and of kept response tokens (docs/method.md, "Why these tokens").
+def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, candidate=None, group=None) -> dict[str, float]:
+    """Mean closed-form gradient norm of silenced, of kept, and of kept candidate response tokens
+    (docs/method.md, "Why these tokens").
 
     ``||d log pi_k / d logits|| = sqrt(1 - 2 pi_k + sum_n pi_n^2)`` per unit weight, from the
     rollout-time ``sum_pi_squared`` (verl computes it with ``actor.calculate_sum_pi_squared=true``).
-    Returns ``s2t/grad_norm_silenced`` and ``s2t/grad_norm_kept`` (pooled over ``group``; a mean
-    over no token is omitted). The paper reports silenced tokens about 17% above the rest.
+    Returns ``s2t/grad_norm_silenced``, ``s2t/grad_norm_kept`` (every kept token) and, with
+    ``candidate`` (S2T's candidate set, bool), ``s2t/grad_norm_kept_candidates`` (the low-probability
+    tokens S2T keeps because their entropy is high); pooled over ``group``, a mean over no token
+    omitted. The paper reports silenced tokens about 17% above the rest.
     """
     norm = torch.sqrt((1.0 - 2.0 * log_prob.exp() + sum_pi_squared).clamp(min=0.0))
     inside = response_mask.float()
     silenced, kept = inside * (1.0 - keep), inside * keep
-    sums = torch.stack([(norm * silenced).sum(), silenced.sum(), (norm * kept).sum(), kept.sum()])
+    kept_candidates = kept * candidate.float() if candidate is not None else torch.zeros_like(kept)
+    sums = torch.stack([(norm * silenced).sum(), silenced.sum(), (norm * kept).sum(), kept.sum(),
+                        (norm * kept_candidates).sum(), kept_candidates.sum()])
     if group is not None:
         torch.distributed.all_reduce(sums, group=group)
-    s_sum, s_count, k_sum, k_count = sums.tolist()
+    s_sum, s_count, k_sum, k_count, c_sum, c_count = sums.tolist()
     out = {}
     if s_count > 0:
         out[S2T_METRIC_PREFIX + "grad_norm_silenced"] = s_sum / s_count
     if k_count > 0:
         out[S2T_METRIC_PREFIX + "grad_norm_kept"] = k_sum / k_count
+    if c_count > 0:
+        out[S2T_METRIC_PREFIX + "grad_norm_kept_candidates"] = c_sum / c_count
     return out

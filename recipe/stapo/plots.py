@@ -224,14 +224,18 @@ BAND_PANELS = (
     ("entropy", "Mean entropy (actor/entropy)", _first_of("actor/entropy"), False),
     ("entropy_p95", "p95 entropy (actor/entropy_p95)", _first_of("actor/entropy_p95"), False),
     ("silenced_frac", "Silenced fraction (actor/s2t/silenced_frac)", _first_of("actor/s2t/silenced_frac"), True),
-    ("grad_norm", "Closed-form grad norm: kept (solid) vs silenced (dashed)", None, False),
+    ("grad_norm", "Closed-form grad norm: silenced (dashed), kept candidates (dotted), all kept (solid)", None,
+     False),
 )
-GRAD_NORM_KEYS = (("actor/s2t/grad_norm_kept", "-", "kept"), ("actor/s2t/grad_norm_silenced", "--", "silenced"))
+#: the grad-norm panel's lines: (metric, line style, variant label)
+GRAD_NORM_KEYS = (("actor/s2t/grad_norm_kept", "-", "kept"),
+                  ("actor/s2t/grad_norm_kept_candidates", ":", "kept candidates"),
+                  ("actor/s2t/grad_norm_silenced", "--", "silenced"))
 
 
 def band_lines(name: str, groups: Mapping[str, Sequence[Mapping[str, Series]]]) -> dict[tuple[str, str], Band]:
     """``{(method, variant): Band}`` of one study panel over ``groups = {method: [metrics per seed]}``
-    (methods without the metric left out; variant is "" except "kept"/"silenced" for grad_norm)."""
+    (methods without the metric left out; variant is "" except the :data:`GRAD_NORM_KEYS` labels for grad_norm)."""
     out = {}
     for method, runs in groups.items():
         if name == "grad_norm":

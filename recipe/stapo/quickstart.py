@@ -21,7 +21,7 @@ the summary and refuses to train (exit 2) when any differs from the paper's. Onl
 the paper-scale value of the recipe's config.
 
 Writes into ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
-the S2T token dump, checkpoints off), ``summary.md``, ``summary.json`` (``methods``: the rows, ``reproducibility``: seed, asset hash,
+the S2T token dump, checkpoints off), ``summary.md``, ``summary.json`` (``methods``: the rows, ``reproducibility``: seeds, asset hash,
 library versions, thread counts), ``settings.json`` and PNG curves. With
 ``--seeds K > 1`` (study mode) the runs go to ``seed<k>/<method>`` and the curves show one band per
 method across seeds (:func:`recipe.stapo.plots.plot_bands`), and the summary adds the inspector's
@@ -393,7 +393,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             extra_md += "\n" + quadrant_markdown(stapo_dirs)
         except (FileNotFoundError, ValueError) as exc:
             extra_md += f"\n(no token quadrants: {exc})\n"
-    provenance = reproducibility.collect(args.seed_list[0], assets)  # what it takes to repeat these numbers
+    provenance = reproducibility.collect(args.seed_list, assets)  # what it takes to repeat these numbers
     (out / "summary.md").write_text(f"# STAPO quickstart (CPU, tiny model, {args.steps} steps, "
                                     f"{len(args.seed_list)} seed(s), verl {args.trainer} trainer)\n\n{table}\n{extra_md}\n"
                                     f"{reproducibility.markdown(provenance)}")

@@ -22,7 +22,7 @@ import platform
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from .trainer import DEFAULT_THREADS, thread_env
 
@@ -78,10 +78,10 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def collect(seed: int, assets_dir: str | os.PathLike, threads: int = DEFAULT_THREADS) -> dict[str, Any]:
-    """Everything that makes a CPU run reproducible (JSON-ready)."""
+def collect(seeds: int | Sequence[int], assets_dir: str | os.PathLike, threads: int = DEFAULT_THREADS) -> dict[str, Any]:
+    """Everything that makes a CPU run (or a set of runs, one per seed) reproducible (JSON-ready)."""
     return {
-        "seed": int(seed),
+        "seeds": [int(seeds)] if isinstance(seeds, int) else [int(s) for s in seeds],
         "assets": asset_fingerprint(assets_dir),
         "versions": library_versions(),
         "threads": thread_settings(threads),
@@ -97,7 +97,7 @@ def markdown(info: dict[str, Any]) -> str:
     env = " ".join(f"{k}={v}" for k, v in threads["env"].items())
     machine = info["machine"]
     return ("## Reproducibility\n\n"
-            f"- seed: {info['seed']}\n"
+            f"- seed{'s' if len(info['seeds']) > 1 else ''}: {', '.join(map(str, info['seeds']))}\n"
             f"- assets: hash {info['assets']['hash']} (config {info['assets']['config_hash']}), "
             f"{info['assets']['dir']}\n"
             f"- versions: {versions}\n"
