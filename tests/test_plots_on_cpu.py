@@ -256,6 +256,13 @@ def test_band_is_mean_min_max_over_seeds_with_ragged_steps():
     assert b.mean == [2.0, 4.0, 3.0] and b.low == [1.0, 2.0, 3.0] and b.high == [3.0, 6.0, 3.0]
 
 
+def _seed_mean(logged: dict, method: str, key: str) -> tuple[list, list]:
+    """(steps, mean over the seeds that logged each step) of one metric, computed from what was logged."""
+    seeds = logged[method]
+    steps = sorted({s for per_seed in seeds.values() for s in per_seed})
+    return steps, [np.mean([seeds[k][s][key] for k in seeds if s in seeds[k]]) for s in steps]
+
+
 def test_band_figure_lines_equal_seed_means_one_colour_per_method(seeded_runs):
     runs, logged = seeded_runs
     loaded = {m: [plots.read_metrics(plots.find_metrics_file(r)) for r in dirs] for m, dirs in runs.items()}
@@ -268,9 +275,7 @@ def test_band_figure_lines_equal_seed_means_one_colour_per_method(seeded_runs):
         methods = ["grpo", "stapo"] if name != "silenced_frac" else ["stapo"]
         assert [line.get_label() for line in lines] == methods, name
         for line, method in zip(lines, methods):
-            seeds = logged[method]
-            steps = sorted({s for per_seed in seeds.values() for s in per_seed})
-            expected = [np.mean([seeds[k][s][key] for k in seeds if s in seeds[k]]) for s in steps]
+            steps, expected = _seed_mean(logged, method, key)
             np.testing.assert_array_equal(line.get_xdata(), steps)
             np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-12)
             colours.setdefault(method, set()).add(line.get_color())
@@ -280,9 +285,8 @@ def test_band_figure_lines_equal_seed_means_one_colour_per_method(seeded_runs):
     assert [line.get_linestyle() for line in grad] == ["-", ":", "--"]
     for line, key in zip(grad, ("actor/s2t/grad_norm_kept", "actor/s2t/grad_norm_kept_candidates",
                                 "actor/s2t/grad_norm_silenced")):
-        seeds = logged["stapo"]
-        steps = sorted({s for per_seed in seeds.values() for s in per_seed})
-        expected = [np.mean([seeds[k][s][key] for k in seeds if s in seeds[k]]) for s in steps]
+        steps, expected = _seed_mean(logged, "stapo", key)
+        np.testing.assert_array_equal(line.get_xdata(), steps)
         np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-12)
     colours["stapo"] |= {line.get_color() for line in grad}
     assert colours == {"grpo": {plots.METHOD_COLORS["grpo"]}, "stapo": {plots.METHOD_COLORS["stapo"]}}
