@@ -138,6 +138,7 @@ def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets
     assert "measured once per seed, by grpo (seed 0), grpo (seed 1)" in (out / "summary.md").read_text()
     assert json.loads((out / "summary.json").read_text())["reproducibility"]["seeds"] == [0, 1]
     assert "- seeds: 0, 1\n" in (out / "summary.md").read_text()
+    assert (out / "summary.md").read_text().startswith("# STAPO study (CPU, tiny model, 1 steps, 2 seed(s)")
     # a second invocation reuses every finished run (same settings, validation included)
     calls.clear()
     assert qs.main(["--out", str(out), "--assets", str(fake_assets), "--methods", "grpo,stapo", "--seeds", "2",

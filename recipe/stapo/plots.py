@@ -224,7 +224,7 @@ BAND_PANELS = (
     ("entropy", "Mean entropy (actor/entropy)", _first_of("actor/entropy"), False),
     ("entropy_p95", "p95 entropy (actor/entropy_p95)", _first_of("actor/entropy_p95"), False),
     ("silenced_frac", "Silenced fraction (actor/s2t/silenced_frac)", _first_of("actor/s2t/silenced_frac"), True),
-    ("grad_norm", "Closed-form grad norm: silenced (dashed), kept candidates (dotted), all kept (solid)", None,
+    ("grad_norm", "Closed-form grad norm\nsilenced (dashed), kept candidates (dotted), all kept (solid)", None,
      False),
 )
 #: the grad-norm panel's lines: (metric, line style, variant label)

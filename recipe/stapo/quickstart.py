@@ -394,7 +394,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (FileNotFoundError, ValueError) as exc:
             extra_md += f"\n(no token quadrants: {exc})\n"
     provenance = reproducibility.collect(args.seed_list, assets)  # what it takes to repeat these numbers
-    (out / "summary.md").write_text(f"# STAPO quickstart (CPU, tiny model, {args.steps} steps, "
+    (out / "summary.md").write_text(f"# STAPO {'study' if study else 'quickstart'} (CPU, tiny model, {args.steps} steps, "
                                     f"{len(args.seed_list)} seed(s), verl {args.trainer} trainer)\n\n{table}\n{extra_md}\n"
                                     f"{reproducibility.markdown(provenance)}")
     (out / "summary.json").write_text(json.dumps({"methods": rows, "reproducibility": provenance}, indent=2))
