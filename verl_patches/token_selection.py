@@ -249,18 +249,12 @@ def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, candidat
     """
     norm = torch.sqrt((1.0 - 2.0 * log_prob.exp() + sum_pi_squared).clamp(min=0.0))
     inside = response_mask.float()
-    silenced, kept = inside * (1.0 - keep), inside * keep
-    kept_candidates = kept * candidate.float() if candidate is not None else torch.zeros_like(kept)
-    sums = torch.stack([(norm * silenced).sum(), silenced.sum(), (norm * kept).sum(), kept.sum(),
-                        (norm * kept_candidates).sum(), kept_candidates.sum()])
+    sets = {"silenced": inside * (1.0 - keep), "kept": inside * keep}
+    if candidate is not None:
+        sets["kept_candidates"] = sets["kept"] * candidate.float()
+    sums = torch.stack([t for w in sets.values() for t in ((norm * w).sum(), w.sum())])
     if group is not None:
         torch.distributed.all_reduce(sums, group=group)
-    s_sum, s_count, k_sum, k_count, c_sum, c_count = sums.tolist()
-    out = {}
-    if s_count > 0:
-        out[S2T_METRIC_PREFIX + "grad_norm_silenced"] = s_sum / s_count
-    if k_count > 0:
-        out[S2T_METRIC_PREFIX + "grad_norm_kept"] = k_sum / k_count
-    if c_count > 0:
-        out[S2T_METRIC_PREFIX + "grad_norm_kept_candidates"] = c_sum / c_count
-    return out
+    values = sums.tolist()
+    return {S2T_METRIC_PREFIX + "grad_norm_" + name: total / count
+            for name, total, count in zip(sets, values[0::2], values[1::2]) if count > 0}

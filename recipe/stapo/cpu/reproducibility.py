@@ -78,10 +78,10 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def collect(seeds: int | Sequence[int], assets_dir: str | os.PathLike, threads: int = DEFAULT_THREADS) -> dict[str, Any]:
-    """Everything that makes a CPU run (or a set of runs, one per seed) reproducible (JSON-ready)."""
+def collect(seeds: Sequence[int], assets_dir: str | os.PathLike, threads: int = DEFAULT_THREADS) -> dict[str, Any]:
+    """Everything that makes a set of CPU runs (one per seed) reproducible (JSON-ready)."""
     return {
-        "seeds": [int(seeds)] if isinstance(seeds, int) else [int(s) for s in seeds],
+        "seeds": [int(s) for s in seeds],
         "assets": asset_fingerprint(assets_dir),
         "versions": library_versions(),
         "threads": thread_settings(threads),
