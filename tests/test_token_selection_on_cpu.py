@@ -172,7 +172,7 @@ class FakeWorker:
                                              infer_max_token_len_per_gpu=None)
         self.current, self.forwards, self.seen = current, 0, []
         # verl's train_batch replaced by a recorder, under the recipe's wrapper (one per worker, as in verl)
-        self.train_batch = importlib.import_module("verl_patches.install")._with_mini_batch_selection(
+        self.train_batch = importlib.import_module("verl_patches.mini_batch").wrap_train_batch(
             lambda worker, data: worker.seen.append(data["response_mask"].clone()))
 
     def infer_batch(self, data):
