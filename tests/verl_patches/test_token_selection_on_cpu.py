@@ -18,7 +18,7 @@ import importlib
 import verl_patches  # noqa: F401  (installs the patches)
 from recipe.stapo.config_utils import compose, validate
 from stapo_core import s2t_mask, entropy_topk_mask
-from verl_batch import flat_model_output, micro_batch, right_padded_mask
+from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers import engine_workers

@@ -14,7 +14,7 @@ from stapo_core import s2t_mask
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers import engine_workers
-from verl_batch import flat_model_output, micro_batch, right_padded_mask
+from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl_patches import mini_batch
 from verl_patches.mini_batch_position import COUNTER_ATTR, MiniBatchCounter, MiniBatchPosition
 

@@ -13,8 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 PROBE = textwrap.dedent(
     """

@@ -26,6 +26,7 @@ import torch
 from stapo_core import token_records as td
 import stapo_core
 from verl_patches.token_dump import hook, scoring, settings
+from tests.helpers.paths import REPO
 
 VOCAB = 48
 TAU_P = 0.03  # ~1.5/|V|: a good share of the random model's sampled tokens are rare
@@ -403,7 +404,7 @@ def test_dump_off_writes_nothing(model, batch, tmp_path, monkeypatch):
     # the recipe's default leaves the workers' switch empty
     import yaml
 
-    default = yaml.safe_load((Path(__file__).parents[1] / "recipe/stapo/config/stapo_trainer.yaml").read_text())
+    default = yaml.safe_load((REPO / "recipe/stapo/config/stapo_trainer.yaml").read_text())
     assert default["recipe"]["token_dump"]["dir"] == ""
     assert default["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"][settings.DIR_ENV] == "${recipe.token_dump.dir}"
 
@@ -506,7 +507,7 @@ def test_real_run_inspect_and_plots(real_run, tmp_path):
     out = tmp_path / "plots"
     for cmd in ([sys.executable, "-m", "recipe.stapo.inspect", str(real_run.dir)],
                 [sys.executable, "-m", "recipe.stapo.plots", str(real_run.dir), "--out", str(out)]):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
         assert done.returncode == 0, done.stderr[-2000:]
     report = (real_run.dir / "inspect" / "report.md").read_text()
     assert "Four-quadrant taxonomy" in report and (real_run.dir / "inspect" / "report.html").is_file()

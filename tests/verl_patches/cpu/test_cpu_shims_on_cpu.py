@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 PROBE = textwrap.dedent(
     """
