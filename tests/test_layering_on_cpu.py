@@ -10,8 +10,8 @@ import ast
 from pathlib import Path
 
 import pytest
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 #: each layer and the project layers it may import (besides itself)
 ALLOWED = {
     "stapo_core": set(),
@@ -23,7 +23,7 @@ FORBIDDEN_THIRD_PARTY = {"stapo_core": {"verl", "ray", "transformers", "hydra", 
 
 
 def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -47,13 +47,13 @@ def imports_of(path: Path, top_level_only: bool = False) -> set[str]:
 
 
 def sources(layer: str) -> list[Path]:
-    return sorted(p for p in (ROOT / layer).rglob("*.py"))
+    return sorted(p for p in (REPO / layer).rglob("*.py"))
 
 
 @pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_imports_flow_one_way(layer):
     others = set(ALLOWED) - {layer} - ALLOWED[layer]
-    bad = [f"{p.relative_to(ROOT)} imports {name}" for p in sources(layer) for name in sorted(imports_of(p))
+    bad = [f"{p.relative_to(REPO)} imports {name}" for p in sources(layer) for name in sorted(imports_of(p))
            if name.split(".")[0] in others | FORBIDDEN_THIRD_PARTY.get(layer, set())]
     assert not bad, "upward imports:\n" + "\n".join(bad)
 
@@ -85,10 +85,10 @@ def test_no_import_cycles_between_modules():
 def test_init_files_hold_no_logic():
     """``__init__.py`` files re-export (and the two documented import-time switches); no definitions."""
     for layer in ALLOWED:
-        for path in (ROOT / layer).rglob("__init__.py"):
+        for path in (REPO / layer).rglob("__init__.py"):
             tree = ast.parse(path.read_text())
             defs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef))]
-            assert not defs, f"{path.relative_to(ROOT)} defines {defs}: move them to a module"
+            assert not defs, f"{path.relative_to(REPO)} defines {defs}: move them to a module"
 
 
 def test_readme_layout_table_matches_the_tree():
@@ -96,12 +96,12 @@ def test_readme_layout_table_matches_the_tree():
     project (besides hidden ones and generated outputs) is listed."""
     import re
 
-    readme = (ROOT / "README.md").read_text()
+    readme = (REPO / "README.md").read_text()
     section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
     listed = set(re.findall(r"^\| `([^`]+)/` \|", section, flags=re.M))
     assert listed, "no layout table in README.md"
-    assert all((ROOT / name).is_dir() for name in listed), sorted(n for n in listed if not (ROOT / n).is_dir())
+    assert all((REPO / name).is_dir() for name in listed), sorted(n for n in listed if not (REPO / n).is_dir())
     ignored = {"assets", "results", "outputs", "checkpoints", "data"}
-    tracked = {p.name for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in ignored
+    tracked = {p.name for p in REPO.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name not in ignored
                and not p.name.endswith(".egg-info") and p.name != "__pycache__"}
     assert tracked <= {n.split("/")[0] for n in listed}, sorted(tracked - {n.split("/")[0] for n in listed})

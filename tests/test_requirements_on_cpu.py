@@ -8,8 +8,8 @@ import re
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 #: ``name==version`` anywhere in the file, comments included (flash-attn is installed as its own step)
 PIN = re.compile(r"(?<![\w.-])([A-Za-z0-9][A-Za-z0-9_.-]*)(?:\[[^\]]*\])?==([0-9][\w.+!-]*)")
 
@@ -19,7 +19,7 @@ def _norm(name: str) -> str:
 
 
 def our_pins() -> dict[str, str]:
-    return {_norm(n): v for n, v in PIN.findall((ROOT / "requirements.txt").read_text())}
+    return {_norm(n): v for n, v in PIN.findall((REPO / "requirements.txt").read_text())}
 
 
 def verl_pins(extra_prefix: str) -> dict[str, str]:
@@ -52,7 +52,7 @@ def test_flash_attn_step_matches_verls_flash_attn_extra():
     theirs = verl_pins("flash-attn")
     assert "flash-attn" in theirs, theirs
     assert our_pins().get("flash-attn") == theirs["flash-attn"]
-    text = (ROOT / "requirements.txt").read_text()
+    text = (REPO / "requirements.txt").read_text()
     # its own step, never a plain requirement line (pip's isolated build has no torch)
     assert not re.search(r"^flash[-_]attn", text, flags=re.M)
     assert re.search(r"pip install flash-attn==\S+ --no-build-isolation", text)
@@ -61,4 +61,4 @@ def test_flash_attn_step_matches_verls_flash_attn_extra():
 def test_python_range_stated_matches_verls():
     requires_python = importlib.metadata.metadata("verl")["Requires-Python"]
     assert "<3.13" in requires_python
-    assert "Python 3.10-3.12" in (ROOT / "requirements.txt").read_text()
+    assert "Python 3.10-3.12" in (REPO / "requirements.txt").read_text()

@@ -1,14 +1,10 @@
 """Everything of this recipe that touches verl internals.
 
-``import verl_patches`` installs the patches described in :mod:`verl_patches.install` (idempotent).
-Every process gets it through ``VERL_USE_EXTERNAL_MODULES=verl_patches`` (see README).
-
-The CPU path (:mod:`verl_patches.cpu`) is imported first because installing the patches imports
-verl modules that resolve the device platform at import time; it activates only when selected
-(``VERL_PLATFORM=cpu``) and is inert otherwise.
+``import verl_patches`` applies the recipe's patch table (:mod:`verl_patches.install`; idempotent),
+after checking that the installed verl is the release the patches were written for. Every process
+gets it through ``VERL_USE_EXTERNAL_MODULES=verl_patches`` (README, "How the recipe plugs into verl").
 """
 
-from . import cpu  # noqa: F401  (registers the "cpu" platform when selected; inert otherwise)
 from .install import install
 
 install()

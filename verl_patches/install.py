@@ -1,269 +1,221 @@
-"""Install the recipe's patches into verl 0.9.1. Idempotent; run by ``import verl_patches``.
+"""Every change the recipe makes to verl 0.9.1, in one table, and the function that applies it.
 
-How the patches reach every process (driver, task runner, Ray workers): the environment variable
-``VERL_USE_EXTERNAL_MODULES=verl_patches``, which ``import verl`` reads in every process and
-imports. ``recipe.stapo.main_stapo`` sets it in the driver (local Ray workers inherit it) and the
-recipe YAML passes it to remote workers through ``ray_kwargs.ray_init.runtime_env.env_vars``. The
-config class ``verl_patches.config.TokenSelectionLossConfig`` (named by ``_target_``) imports this
-package again wherever a config is built, which is harmless.
+``import verl_patches`` calls :func:`install` (idempotent) in every process that imports verl: the
+environment variable ``VERL_USE_EXTERNAL_MODULES=verl_patches``, which ``import verl`` reads, puts
+it there (the recipe's driver sets it; the trainer YAML passes it to remote Ray workers). No verl
+file is edited or copied. The behaviour lives in the modules each entry names; this module only
+wires it.
 
-What is patched, each at one place and never by editing verl's files:
-
-1. ``verl.workers.engine_workers.ppo_loss`` -> ``ppo_loss_with_token_selection``: verl's loss, with
-   the micro-batch-scope selection and the guards for silenced mini-batches
-   (:mod:`verl_patches.losses`; verl binds this module-level name in ``init_model``).
-2. ``TrainingWorker.train_batch`` (called once per mini-batch): folds the S2T / 20-Entropy mask
-   into ``response_mask`` and ``loss_mask`` before verl counts the mini-batch's loss tokens, when
-   the policy loss asks for ``scope=mini_batch`` (with ``stats_from=current``, after one no-grad
-   forward of the mini-batch under the current policy, from the second mini-batch of a step on);
-   its metrics join the step's actor metrics. When the token dump is on
-   (``recipe.token_dump.dir``), it also writes the candidate tokens of a few sampled responses
-   (:mod:`verl_patches.token_dump`).
-3. (removed: the recipe registers no policy loss; token selection composes with verl's own.)
-4. ``RayPPOTrainer._compute_old_log_prob`` (legacy trainer): keeps a copy of the rollout-time
-   entropy in the batch as ``entropy`` (the legacy trainer drops ``entropys`` after logging it; the
-   TransferQueue trainer already keeps ``entropy``).
-5. ``PPOTrainer._compute_old_log_prob`` (TransferQueue trainer): logs the step's entropy
-   quantiles (:mod:`verl_patches.step_metrics`) for every method, and honours verl's
-   ``actor.calculate_sum_pi_squared`` as the legacy trainer does, so the actor can log the
-   closed-form gradient norm of silenced vs kept tokens and kept candidates (``actor/s2t/grad_norm_*``).
-6. ``TrainingWorker.set_loss_fn``: with ``stats_from=current`` and no entropy bonus, the engine
-   computes the update's entropy without autograd (it is only S2T's statistic).
-7. ``RayPPOTrainer._update_actor`` (legacy trainer): logs the step's entropy quantiles for every
-   method, then drops the kept entropy from the batch unless the policy loss needs it in the actor.
+``python -m verl_patches`` prints the table (docs/verl_patches.md is that output).
 """
 
 from __future__ import annotations
 
-import functools
-import math
+from .registry import Patch, apply, check_verl_version
 
-import torch
+_ENGINE_WORKERS = "verl.workers.engine_workers"
+_LEGACY_TRAINER = "verl.trainer.ppo.ray_trainer:RayPPOTrainer"
+_V1_TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
 
-from .step_metrics import entropy_quantile_metrics
-
-_installed = False
-
-
-def install() -> None:
-    global _installed
-    if _installed:
-        return
-    from verl.workers import engine_workers
-
-    from . import losses
-
-    engine_workers.ppo_loss = losses.ppo_loss_with_token_selection
-    engine_workers.TrainingWorker.train_batch = _with_mini_batch_selection(engine_workers.TrainingWorker.train_batch)
-    engine_workers.TrainingWorker.set_loss_fn = _with_statistic_only_entropy(engine_workers.TrainingWorker.set_loss_fn)
-    _patch_legacy_trainer()
-    _patch_v1_trainer()
-    _installed = True
-
-
-def _policy_loss_config(worker):
-    """The actor's policy-loss config, read from the loss function verl bound (or None)."""
-    loss_fn = getattr(worker, "loss_fn", None)
-    config = getattr(loss_fn, "keywords", {}).get("config") if loss_fn is not None else None
-    return getattr(config, "policy_loss", None)
-
-
-def _engine_device(engine):
-    """The device the engine trains on: where its parameters are (in train mode they are loaded)."""
-    module = getattr(engine, "module", None)
-    if module is not None:
-        for param in module.parameters():
-            return param.device
-    from verl.utils.device import get_device_id
-
-    return get_device_id()
-
-
-def _with_statistic_only_entropy(set_loss_fn):
-    """With ``stats_from=current`` the actor computes the entropy in the update only as S2T's
-    statistic (``entropy_coeff == 0``): compute it without autograd, which otherwise keeps every
-    chunk's float32 softmax over the vocabulary for a backward that contributes nothing
-    (benchmarks/README.md: 2.6x -> 1.0x peak memory of the loss path, ~1.9x -> ~1.3x time)."""
-    if getattr(set_loss_fn, "_stapo_wrapped", False):
-        return set_loss_fn
-
-    @functools.wraps(set_loss_fn)  # keeps verl's dispatch attributes
-    def wrapped(self, loss_fn, *args, **kwargs):
-        result = set_loss_fn(self, loss_fn, *args, **kwargs)
-        config = getattr(loss_fn, "keywords", {}).get("config")
-        if statistic_only_entropy(config):
-            engine = self.engine
-            if not getattr(engine.compute_entropy_from_logits, "_stapo_no_grad", False):
-                no_grad_entropy = torch.no_grad()(engine.compute_entropy_from_logits)
-                no_grad_entropy._stapo_no_grad = True
-                engine.compute_entropy_from_logits = no_grad_entropy
-        return result
-
-    wrapped._stapo_wrapped = True
-    return wrapped
-
-
-def statistic_only_entropy(actor_config) -> bool:
-    """True when the update's entropy serves only S2T's current statistics (no entropy bonus)."""
-    from .config import TokenSelectionLossConfig
-
-    policy_loss = getattr(actor_config, "policy_loss", None)
-    return (
-        isinstance(policy_loss, TokenSelectionLossConfig)
-        and policy_loss.needs_update_entropy
-        and actor_config.entropy_coeff == 0
-    )
-
-
-def _with_mini_batch_selection(train_batch):
-    from tensordict import TensorDict
-
-    from verl.utils import tensordict_utils as tu
-
-    from .config import TokenSelectionLossConfig
-    from .token_dump import hook as token_dump, settings as token_dump_settings
-    from .token_dump.scoring import MiniBatchTracker
-    from .token_selection import fold_into_mini_batch
-
-    if getattr(train_batch, "_stapo_wrapped", False):
-        return train_batch
-    tracker = MiniBatchTracker()
-
-    @functools.wraps(train_batch)  # keeps verl's dispatch attributes
-    def wrapped(self, data, *args, **kwargs):
-        cfg = _policy_loss_config(self)
-        metrics = {}
-        if isinstance(data, TensorDict):
-            response_mask = data.get("response_mask", None)  # before any token is silenced
-            first = tracker.observe(bool(tu.get(data, "update_lr_scheduler", True)))
-            if isinstance(cfg, TokenSelectionLossConfig) and cfg.folds_into_mini_batch:
-                current = None
-                if cfg.forwards_current_policy and not first:
-                    current = current_policy_statistics(self, data)
-                metrics = fold_into_mini_batch(
-                    cfg, data, group=self.engine.get_data_parallel_group(), device=_engine_device(self.engine),
-                    current=current,
-                )
-            if token_dump_settings.enabled():
-                metrics.update(token_dump.dump_mini_batch(self, data, response_mask, cfg))
-        output = train_batch(self, data, *args, **kwargs)
-        if metrics and output is not None:
-            merged = dict(tu.get(output, "metrics"))
-            merged.update(metrics)
-            tu.assign_non_tensor(output, metrics=merged)
-        return output
-
-    wrapped._stapo_wrapped = True
-    return wrapped
-
-
-def current_policy_statistics(worker, data) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_prob, entropy)`` of the mini-batch's response tokens under the policy being updated:
-    one no-grad forward through verl's own inference path (``TrainingWorker.infer_batch``, the pass
-    that computes the old log-probs, with its micro-batch and token-budget settings), on a shallow
-    copy of the mini-batch so that nothing verl adds to it leaks into the update. Returned padded
-    ``(batch, max_response_len)``, as verl's loss sees them."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
-
-    view = data.copy()
-    engine_config = worker.engine_config
-    micro = engine_config.infer_micro_batch_size_per_gpu or len(data)
-    tu.assign_non_tensor(  # the inference pass's settings (a micro-batch size that divides the mini-batch)
-        view, calculate_entropy=True, compute_loss=False, use_dynamic_bsz=engine_config.use_dynamic_bsz,
-        max_token_len_per_gpu=engine_config.infer_max_token_len_per_gpu,
-        micro_batch_size_per_gpu=math.gcd(int(micro), len(data)),
-    )
-    output = worker.infer_batch(view)
-    return no_padding_2_padding(output["log_probs"], data), no_padding_2_padding(output["entropy"], data)
-
-
-def _patch_legacy_trainer() -> None:
-    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
-
-    from .token_selection import ROLLOUT_ENTROPY_FIELD
-
-    original = RayPPOTrainer._compute_old_log_prob
-    if getattr(original, "_stapo_wrapped", False):
-        return
-
-    @functools.wraps(original)
-    def compute_old_log_prob(self, batch):
-        old_log_prob, mfu = original(self, batch)
-        # the same tensor under a second name: verl pops "entropys" after logging its mean
-        old_log_prob.batch[ROLLOUT_ENTROPY_FIELD] = old_log_prob.batch["entropys"]
-        return old_log_prob, mfu
-
-    original_update = RayPPOTrainer._update_actor
-
-    @functools.wraps(original_update)
-    def update_actor(self, batch):
-        metrics = {}
-        if ROLLOUT_ENTROPY_FIELD in batch.batch.keys():
-            metrics = entropy_quantile_metrics(batch.batch[ROLLOUT_ENTROPY_FIELD], batch.batch["response_mask"])
-            if not _needs_rollout_entropy(self.config):
-                batch.batch.pop(ROLLOUT_ENTROPY_FIELD)  # baselines: do not ship it to the actor
-        output = original_update(self, batch)
-        output.meta_info["metrics"].update(metrics)
-        return output
-
-    compute_old_log_prob._stapo_wrapped = True
-    RayPPOTrainer._compute_old_log_prob = compute_old_log_prob
-    RayPPOTrainer._update_actor = update_actor
+#: the recipe's patches, in the order they are applied (the CPU ones first: verl modules imported by
+#: the recipe's patches resolve the device platform when they are imported)
+PATCHES: tuple[Patch, ...] = (
+    # -- the CPU path (only with VERL_PLATFORM=cpu; docs/cpu.md) ----------------------------------
+    Patch(
+        name="cpu_platform",
+        target="verl.plugin.platform:PlatformRegistry",
+        register="verl_patches.cpu.platform:register",
+        registered="verl_patches.cpu.platform:is_registered",
+        scope="cpu",
+        changes="registers a platform 'cpu' (device cpu, gloo collectives, no-op device calls)",
+        why="verl has no CPU platform and falls back to nvidia/NCCL on a machine without a GPU",
+        relies_on="PlatformRegistry.register(platform=name)(PlatformBase subclass), selected by VERL_PLATFORM",
+        drop_when="verl ships a CPU platform",
+    ),
+    Patch(
+        name="cpu_gloo_backend",
+        target="torch.distributed:init_process_group",
+        wrapper="verl_patches.cpu.platform:wrap_init_process_group",
+        scope="cpu",
+        changes="backend 'cpu:gloo,cpu:gloo' becomes 'gloo'",
+        why="verl builds f'cpu:gloo,{device}:{backend}', which names the cpu device twice on the CPU platform",
+        relies_on="verl.utils.distributed.initialize_global_process_group(_ray) passing backend= to torch",
+        drop_when="verl builds the backend string without duplicating the cpu device",
+    ),
+    Patch(
+        name="cpu_unpinned_offload",
+        target="verl.workers.engine.fsdp.transformer_impl:CPUOffloadPolicy",
+        wrapper="verl_patches.cpu.platform:wrap_offload_policy",
+        applies="verl_patches.cpu.platform:unpinned_offload_applies",
+        scope="cpu",
+        changes="FSDP2 CPUOffloadPolicy(pin_memory=True) is built with pin_memory=False (only without CUDA)",
+        why="pinning host memory needs an accelerator (the reference model of KL-regularised GRPO offloads)",
+        relies_on="transformer_impl building CPUOffloadPolicy by its module-level name",
+        drop_when="verl pins only when an accelerator is present",
+    ),
+    Patch(
+        name="cpu_hf_rollout",
+        target="verl.workers.rollout.replica:RolloutReplicaRegistry",
+        register="verl_patches.cpu.hf_rollout:register",
+        registered="verl_patches.cpu.hf_rollout:is_registered",
+        scope="cpu",
+        changes="registers rollout 'hf': a transformers sampler as a Ray server replica + its trainer-side adapter",
+        why="verl 0.9 has only vLLM / SGLang / TensorRT-LLM rollouts, none of which runs without a GPU",
+        relies_on="RolloutReplicaRegistry.register(name, loader) and _ROLLOUT_REGISTRY[(name, 'async')] = class path",
+        drop_when="verl ships a CPU-capable rollout",
+    ),
+    Patch(
+        name="cpu_sample_priority",
+        target="verl.experimental.agent_loop.agent_loop:AgentLoopWorker._run_agent_loop",
+        wrapper="verl_patches.cpu.ordering:wrap_run_agent_loop",
+        scope="cpu",
+        changes="under full determinism each sample's priority is its index in its group (its request id)",
+        why="the v1 agent loop gives the n samples of a prompt one request id, so they are seeded by arrival order",
+        relies_on="_run_agent_loop(..., session_id=<index>, priority=...) keyword arguments",
+        drop_when="verl's v1 agent loop sends a per-sample request id",
+    ),
+    Patch(
+        name="cpu_counting_uids",
+        target="verl.trainer.ppo.v1.trainer_base:uuid",
+        wrapper="verl_patches.cpu.ordering:wrap_uuid_module",
+        scope="cpu",
+        changes="under full determinism the v1 trainer's prompt uids come from a per-process counter",
+        why="uuid4() prompt uids differ run to run and decide the batch order",
+        relies_on="trainer_base calling uuid.uuid4() through its module-level 'uuid' name",
+        drop_when="verl derives prompt uids deterministically under full determinism",
+    ),
+    Patch(
+        name="cpu_sorted_prompt_uids",
+        target="verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._select_prompt_uids",
+        wrapper="verl_patches.cpu.ordering:wrap_select_prompt_uids",
+        scope="cpu",
+        changes="under full determinism the sampleable keys are sorted before selection",
+        why="the keys are a set, and their order decides which prompts form the batch",
+        relies_on="_select_prompt_uids(partition_id, sampleable_keys, batch_size) with a stable sort by step",
+        drop_when="verl orders the replay buffer's batches deterministically",
+    ),
+    Patch(
+        name="cpu_sorted_batch",
+        target="verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._materialize_batch",
+        wrapper="verl_patches.cpu.ordering:wrap_materialize_batch",
+        scope="cpu",
+        changes="under full determinism the batch rows are ordered by (prompt uid, sample, output)",
+        why="TransferQueue lists samples in completion order (timing), which decides every float sum's order",
+        relies_on="_materialize_batch(partition_id, selected_prompt_uids, partition_snapshot) keeping the snapshot's order",
+        drop_when="verl orders the replay buffer's batches deterministically",
+    ),
+    # -- token selection (STAPO's S2T, 20-Entropy) in the actor -----------------------------------
+    Patch(
+        name="ppo_loss_token_selection",
+        target=f"{_ENGINE_WORKERS}:ppo_loss",
+        wrapper="verl_patches.losses:wrap_ppo_loss",
+        changes="token selection inside the loss (scope=micro_batch); a mini-batch whose every token is "
+                "silenced gets a token/sequence count of 1 instead of 0 (all-zero sums give a loss of 0, not NaN)",
+        why="verl's ppo_loss hands the policy loss no entropy and no extra batch field",
+        relies_on="engine_workers binding partial(ppo_loss, config=...) by its module-level name in init_model",
+        drop_when="verl lets a policy loss see the model output and the micro-batch",
+    ),
+    Patch(
+        name="mini_batch_fold",
+        target=f"{_ENGINE_WORKERS}:TrainingWorker.train_batch",
+        wrapper="verl_patches.mini_batch:wrap_train_batch",
+        changes="before each mini-batch's update: its position in the step, the keep mask folded into "
+                "response_mask/loss_mask (scope=mini_batch), the current-policy forward (stats_from=current), "
+                "the token dump; their metrics join verl's",
+        why="S2T's quantile is pooled over the whole mini-batch, and verl counts the loss tokens before the "
+            "first micro-batch: the mask must be in place before that count",
+        relies_on="train_mini_batch calling train_batch once per mini-batch, flagging the last with "
+                  "update_lr_scheduler=True; train_batch returning a TensorDict with a 'metrics' entry",
+        drop_when="verl offers a per-mini-batch hook before its token count",
+    ),
+    Patch(
+        name="statistic_only_entropy",
+        target=f"{_ENGINE_WORKERS}:TrainingWorker.set_loss_fn",
+        wrapper="verl_patches.current_stats:wrap_set_loss_fn",
+        changes="with stats_from=current, scope=micro_batch and no entropy bonus, the update's entropy is "
+                "computed without autograd",
+        why="the entropy is only S2T's statistic there; with autograd verl keeps every chunk's float32 "
+            "softmax for a backward that contributes nothing (2.6x peak memory of the loss path)",
+        relies_on="the engine computing entropy through engine.compute_entropy_from_logits",
+        drop_when="verl computes a statistic-only entropy without autograd",
+    ),
+    # -- the trainers (driver side) ---------------------------------------------------------------
+    Patch(
+        name="legacy_keep_rollout_entropy",
+        target=f"{_LEGACY_TRAINER}._compute_old_log_prob",
+        wrapper="verl_patches.trainers:wrap_legacy_old_log_prob",
+        changes="the rollout-time entropy stays in the batch as 'entropy'",
+        why="token selection with rollout statistics reads it in the actor; the legacy trainer drops "
+            "'entropys' after logging its mean",
+        relies_on="_compute_old_log_prob returning (DataProto with 'entropys', mfu)",
+        drop_when="the legacy trainer keeps the entropy (the v1 trainer does)",
+    ),
+    Patch(
+        name="legacy_entropy_quantiles",
+        target=f"{_LEGACY_TRAINER}._update_actor",
+        wrapper="verl_patches.trainers:wrap_legacy_update_actor",
+        changes="logs actor/entropy_p50/p80/p95 for every method; the kept entropy is not shipped to the "
+                "actor unless token selection reads it",
+        why="baselines are compared to STAPO on the entropy distribution, not only its mean",
+        relies_on="_update_actor(batch) returning a DataProto whose meta_info['metrics'] is logged",
+        drop_when="never (a recipe metric); rewrite when the legacy trainer is removed",
+    ),
+    Patch(
+        name="v1_old_log_prob_stats",
+        target=f"{_V1_TRAINER}._compute_old_log_prob",
+        wrapper="verl_patches.trainers:wrap_v1_old_log_prob",
+        changes="logs actor/entropy_p50/p80/p95 and computes sum_pi_squared when "
+                "actor.calculate_sum_pi_squared=true, stored per response token",
+        why="the same quantiles as the legacy trainer; sum_pi_squared gives the closed-form gradient-norm "
+            "metrics; the v1 trainer ignores calculate_sum_pi_squared",
+        relies_on="_compute_old_log_prob(batch, metrics) with batch.extra_info forwarded to the worker and "
+                  "the entropy kept in TransferQueue under 'entropy'",
+        drop_when="the v1 trainer honours calculate_sum_pi_squared (the quantiles stay a recipe metric)",
+    ),
+)
 
 
-def _patch_v1_trainer() -> None:
-    import transfer_queue as tq
+def install() -> list[str]:
+    """Check the verl version, then apply every patch that belongs in this process (idempotent):
+    the CPU ones when ``VERL_PLATFORM=cpu`` selects the CPU path (after fixing the thread count),
+    then the recipe's. Returns the names of the patches this call applied."""
+    check_verl_version()
+    from .cpu.selection import cpu_selected
 
-    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
-    from verl.workers.utils.padding import response_from_nested
+    applied = []
+    if cpu_selected():
+        from .cpu.platform import pin_threads
 
-    from .token_selection import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD, to_padded
-
-    original = PPOTrainer._compute_old_log_prob
-    if getattr(original, "_stapo_wrapped", False):
-        return
-
-    @functools.wraps(original)
-    def compute_old_log_prob(self, batch, metrics):
-        """Adds the step's entropy quantiles to ``metrics``, and honours
-        ``actor.calculate_sum_pi_squared`` (the legacy trainer does, the v1 one does not): asks the
-        worker for it and stores it per response token, as ``old_log_probs``. One read of the
-        queue serves both."""
-        wanted = self.config.actor_rollout_ref.actor.get("calculate_sum_pi_squared", False)
-        if wanted:
-            batch.extra_info["calculate_sum_pi_squared"] = True
-        batch = original(self, batch, metrics)
-        batch.extra_info["calculate_sum_pi_squared"] = False  # the update must not compute it
-        if _bypasses_old_log_prob(self.config):  # old_log_probs = rollout log-probs: no entropy computed
-            return batch
-        fields = [ROLLOUT_ENTROPY_FIELD, "response_mask"] + ([SUM_PI_SQUARED_FIELD] if wanted else [])
-        data = tq.kv_batch_get(keys=batch.keys, partition_id=batch.partition_id, select_fields=fields)
-        mask = to_padded(data["response_mask"])
-        metrics.update(entropy_quantile_metrics(to_padded(data[ROLLOUT_ENTROPY_FIELD], mask.shape[1]), mask))
-        if wanted:
-            data[SUM_PI_SQUARED_FIELD] = response_from_nested(data[SUM_PI_SQUARED_FIELD], data["response_mask"])
-            batch = tq.kv_batch_put(
-                keys=batch.keys, partition_id=batch.partition_id, fields=data.select(SUM_PI_SQUARED_FIELD)
-            )
-        return batch
-
-    compute_old_log_prob._stapo_wrapped = True
-    PPOTrainer._compute_old_log_prob = compute_old_log_prob
+        pin_threads()
+    for patch in PATCHES:
+        if patch.scope == "cpu" and not cpu_selected():
+            continue
+        if apply(patch):
+            applied.append(patch.name)
+    return applied
 
 
-def _bypasses_old_log_prob(config) -> bool:
-    """verl's rollout-correction bypass mode: old log-probs are the rollout's, none recomputed."""
-    rollout_corr = config.algorithm.get("rollout_correction", None)
-    return bool(rollout_corr and rollout_corr.get("bypass_mode", False))
-
-
-def _needs_rollout_entropy(config) -> bool:
-    """The driver's question to the policy-loss settings (it holds them as a DictConfig): does the
-    actor need the rollout-time entropy in its batch? Only the recipe's token selection does."""
-    from verl.utils.config import omega_conf_to_dataclass
-
-    from .config import TokenSelectionLossConfig
-
-    settings = omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)
-    return isinstance(settings, TokenSelectionLossConfig) and settings.needs_rollout_entropy
+def table(patches=PATCHES) -> str:
+    """The patches as a Markdown document (what ``python -m verl_patches`` prints)."""
+    lines = [
+        "# What the recipe changes in verl",
+        "",
+        "Generated by `python -m verl_patches` from the table in `verl_patches/install.py` "
+        "(a test keeps this file in step with it). Every change is applied once per process by "
+        "`import verl_patches`; `scope: cpu` changes only when `VERL_PLATFORM=cpu` selects the CPU path. "
+        "When upgrading verl, check each entry's *relies on*; drop an entry when its *drop when* holds.",
+        "",
+    ]
+    for patch in patches:
+        how = f"wraps with `{patch.wrapper}`" if patch.kind == "wrap" else f"registers with `{patch.register}`"
+        lines += [
+            f"## `{patch.name}` ({patch.scope})",
+            "",
+            f"- **target**: `{patch.target}` ({how})",
+            f"- **changes**: {patch.changes}",
+            f"- **why**: {patch.why}",
+            f"- **relies on**: {patch.relies_on}",
+            f"- **drop when**: {patch.drop_when}",
+            "",
+        ]
+    return "\n".join(lines)

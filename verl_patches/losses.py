@@ -1,8 +1,9 @@
 """The one wrapper of verl's ``ppo_loss``: guards for silenced mini-batches, and the micro-batch scope.
 
 verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) hands the policy loss only ``old_log_prob``,
-``log_prob``, ``advantages``, ``response_mask`` and the actor config. :func:`ppo_loss_with_token_selection`
-wraps it (same signature; installed in place of verl's by :mod:`verl_patches.install`):
+``log_prob``, ``advantages``, ``response_mask`` and the actor config. :func:`wrap_ppo_loss` wraps it
+(same signature; installed in place of the name verl's actor binds by :mod:`verl_patches.install`;
+:func:`ppo_loss_with_token_selection` is the wrap of verl's own function, for direct use):
 
 * ``scope=mini_batch`` (the default): the keep mask was already folded into ``response_mask`` and
   into verl's token and sequence counts by :func:`verl_patches.token_selection.fold_into_mini_batch`,
@@ -22,6 +23,8 @@ Every loss mode without token selection runs bit-identically through the wrapper
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from verl.utils import tensordict_utils as tu
@@ -39,22 +42,28 @@ from .token_selection import (
     to_padded,
 )
 
-#: verl's own ppo_loss, captured once at import (before anything replaces the module attribute)
-verl_ppo_loss = verl_losses.ppo_loss
 
-
-def ppo_loss_with_token_selection(config, model_output, data, dp_group=None):
+def wrap_ppo_loss(ppo_loss):
     """verl's ``ppo_loss`` with the recipe's token selection (see the module docstring)."""
-    for key in ("batch_num_tokens", "global_batch_size"):
-        if tu.get_non_tensor_data(data=data, key=key, default=None) == 0:
-            tu.assign_non_tensor(data, **{key: 1})
-    cfg = getattr(config, "policy_loss", None)
-    if not (isinstance(cfg, TokenSelectionLossConfig) and cfg.selects_in_loss):
-        return verl_ppo_loss(config, model_output, data, dp_group=dp_group)
-    scale, metrics = _select_in_micro_batch(cfg, config.loss_agg_mode, model_output, data, dp_group)
-    loss, verl_metrics = verl_ppo_loss(config, model_output, data, dp_group=dp_group)
-    verl_metrics.update(Metric.from_dict(metrics, aggregation=AggregationType.MEAN))
-    return loss * scale, verl_metrics
+
+    @functools.wraps(ppo_loss)
+    def ppo_loss_with_token_selection(config, model_output, data, dp_group=None):
+        for key in ("batch_num_tokens", "global_batch_size"):
+            if tu.get_non_tensor_data(data=data, key=key, default=None) == 0:
+                tu.assign_non_tensor(data, **{key: 1})
+        cfg = getattr(config, "policy_loss", None)
+        if not (isinstance(cfg, TokenSelectionLossConfig) and cfg.selects_in_loss):
+            return ppo_loss(config, model_output, data, dp_group=dp_group)
+        scale, metrics = _select_in_micro_batch(cfg, config.loss_agg_mode, model_output, data, dp_group)
+        loss, verl_metrics = ppo_loss(config, model_output, data, dp_group=dp_group)
+        verl_metrics.update(Metric.from_dict(metrics, aggregation=AggregationType.MEAN))
+        return loss * scale, verl_metrics
+
+    return ppo_loss_with_token_selection
+
+
+#: the wrap of verl's own ``ppo_loss`` (what the patched actor calls)
+ppo_loss_with_token_selection = wrap_ppo_loss(verl_losses.ppo_loss)
 
 
 def _select_in_micro_batch(cfg: TokenSelectionLossConfig, loss_agg_mode: str, model_output, data, group):

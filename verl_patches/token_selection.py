@@ -153,7 +153,7 @@ def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device
     group (the mini-batch is the union of every rank's part). The statistics are ``current`` =
     ``(log_prob, entropy)`` of the policy being updated (padded ``(batch, resp_len)``, from a no-grad
     forward of this mini-batch) when given, else the rollout-time ones: ``old_log_probs`` and the
-    ``entropy`` field kept by :mod:`verl_patches.install`. Multiplies ``response_mask`` and
+    ``entropy`` field kept by :mod:`verl_patches.trainers`. Multiplies ``response_mask`` and
     ``loss_mask`` by the keep mask, sets verl's ``global_batch_size`` to the sequences that keep a
     token (seq-mean modes), and returns the metrics.
     ``device``: where to compute (the engine's device: collectives over verl's data-parallel group
@@ -165,7 +165,7 @@ def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device
     if missing:
         raise KeyError(
             f"token selection (scope=mini_batch) needs the fields {missing} in the actor's mini-batch; "
-            "the rollout entropy is kept by verl_patches.install: is VERL_USE_EXTERNAL_MODULES=verl_patches "
+            "the rollout entropy is kept by the recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches "
             "set in the driver?"
         )
     response_mask = data["response_mask"]

@@ -31,7 +31,7 @@ METHODS = ("grpo", "entropy20", "justrl", "stapo")
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 CONFIG_NAME = "stapo_trainer"
-#: the module every verl process must import (it installs the recipe's patches, see verl_patches/install.py)
+#: the module every verl process must import (it installs the recipe's patches, docs/verl_patches.md)
 PATCH_MODULE = "verl_patches"
 
 POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"

@@ -2,29 +2,24 @@
 
 Selected by the environment, never by import alone::
 
-    VERL_PLATFORM=cpu                                   # selects the "cpu" platform below
-    VERL_USE_EXTERNAL_MODULES=verl_patches,verl_patches.cpu   # makes every verl process import this
-    VERL_ENGINE_DEVICE=cuda                             # engine class lookup only (FSDP engine)
+    VERL_PLATFORM=cpu                          # selects the "cpu" platform and the CPU patches
+    VERL_USE_EXTERNAL_MODULES=verl_patches     # makes every verl process import the patches
+    VERL_ENGINE_DEVICE=cuda                    # engine class lookup only (FSDP engine)
 
 plus ``actor_rollout_ref.rollout.name=hf`` in the config (``recipe.stapo.cpu.cpu_env`` and
-``recipe.stapo.cpu.cpu_overrides`` build both). When ``VERL_PLATFORM`` is not ``cpu``, importing
-this package changes nothing: no registration, no patch.
+``recipe.stapo.cpu.cpu_overrides`` build both). The changes to verl are the ``scope: cpu`` entries
+of the recipe's patch table (:mod:`verl_patches.install`), applied by ``import verl_patches`` when
+``VERL_PLATFORM=cpu``, after :func:`verl_patches.cpu.platform.pin_threads` fixed torch's thread
+count (``STAPO_CPU_THREADS``). When the CPU path is not selected nothing is registered or patched.
+The code they run:
 
-:func:`activate` (idempotent) applies, each a small named function documenting the verl fact it cures:
-
-- :func:`verl_patches.cpu.platform.register`: platform ``cpu`` (device cpu, gloo, no-op device calls);
-- :func:`verl_patches.cpu.platform.patch_init_process_group`: ``"cpu:gloo,cpu:gloo"`` -> ``"gloo"``;
-- :func:`verl_patches.cpu.platform.patch_fsdp2_offload_pinning`: no pinned memory without CUDA;
-- :func:`verl_patches.cpu.hf_rollout.register`: the ``hf`` rollout (server replica + trainer adapter);
-- :func:`verl_patches.cpu.platform.pin_threads`: one fixed torch/OpenMP thread count in every process
-  (``STAPO_CPU_THREADS``), so that results do not depend on the machine's load;
-- :func:`verl_patches.cpu.ordering.apply`: under ``rollout.full_determinism``, per-sample request ids
-  and a fixed batch order in verl's TransferQueue trainer (docs/reproducibility.md).
+- :mod:`.platform`: the ``cpu`` platform (device cpu, gloo, no-op device calls), the gloo backend
+  string, unpinned FSDP2 offload, the thread count;
+- :mod:`.hf_rollout` and :mod:`.sampling`: the ``hf`` rollout (server replica + trainer adapter);
+- :mod:`.ordering`: under ``rollout.full_determinism``, per-sample request ids and a fixed batch
+  order in verl's TransferQueue trainer (docs/reproducibility.md).
 """
 
-from .activation import PLATFORM_ENV, activate, cpu_selected, is_active
+from .selection import PLATFORM_ENV, cpu_selected
 
-__all__ = ["PLATFORM_ENV", "activate", "cpu_selected", "is_active"]
-
-if cpu_selected():  # selected by the environment, never by import alone
-    activate()
+__all__ = ["PLATFORM_ENV", "cpu_selected"]

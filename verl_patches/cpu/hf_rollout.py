@@ -20,8 +20,8 @@ This module supplies the three pieces verl's rollout machinery expects, in its o
   rollout samples from exactly the policy the trainer holds (rollout and trainer log-probs agree to
   float32 noise).
 
-Nothing is registered at import: :func:`register` does it, called by
-:func:`verl_patches.cpu.activate`.
+Nothing is registered at import: :func:`register` does it, applied through the recipe's patch
+table (:mod:`verl_patches.install`) when the CPU path is selected.
 """
 
 from __future__ import annotations
@@ -368,3 +368,12 @@ def register() -> None:
 
     _ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = ADAPTER_FQDN
     RolloutReplicaRegistry.register(ROLLOUT_NAME, load_replica_class)
+
+
+def is_registered() -> bool:
+    """True when both of verl's rollout registries hold the HF rollout."""
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    return (_ROLLOUT_REGISTRY.get((ROLLOUT_NAME, "async")) == ADAPTER_FQDN
+            and RolloutReplicaRegistry._registry.get(ROLLOUT_NAME) is load_replica_class)

@@ -1,18 +1,20 @@
 """Timing-independent sample identity and batch order for verl 0.9.1's TransferQueue (v1) trainer.
 
-Active only under verl's full-determinism mode (``actor_rollout_ref.rollout.full_determinism=true``,
-which makes verl's entry point export ``VERL_FULL_DETERMINISM=1`` to every process); each patch
-checks that variable when it runs, so it changes nothing otherwise. verl facts cured:
+Applied through the recipe's patch table (:mod:`verl_patches.install`) when the CPU path is
+selected, and active only under verl's full-determinism mode
+(``actor_rollout_ref.rollout.full_determinism=true``, which makes verl's entry point export
+``VERL_FULL_DETERMINISM=1`` to every process): each wrapper checks that variable when it runs, so it
+changes nothing otherwise. verl facts cured:
 
-- :func:`patch_v1_sample_index`: the v1 agent loop runs the n samples of a prompt without a
+- :func:`wrap_run_agent_loop`: the v1 agent loop runs the n samples of a prompt without a
   per-sample ``priority``, so every request carries the request id ``det-0`` and the rollout server
   cannot tell the samples of a prompt apart except by arrival order. The patch passes the sample's
   index in its group (verl's ``session_id``) as its priority (the request id becomes
   ``det-<index>``).
-- :func:`patch_v1_uids`: the trainer names each prompt by ``uuid.uuid4()``, which differs run to
+- :func:`wrap_uuid_module`: the trainer names each prompt by ``uuid.uuid4()``, which differs run to
   run. The patch hands out UUIDs from a per-process counter instead (unique within the trainer
   process, ordered as the prompts were drawn).
-- :func:`patch_v1_batch_order`: the replay buffer builds the training batch from a set of prompt
+- :func:`wrap_select_prompt_uids`, :func:`wrap_materialize_batch`: the replay buffer builds the training batch from a set of prompt
   uids and from TransferQueue's listing, which follows the order in which samples finished (i.e.
   timing). The patch orders the batch by (step, prompt uid, sample index, output index). The row
   order decides the order of every float sum over the batch (losses, gradients, logged means).
@@ -34,18 +36,14 @@ def deterministic() -> bool:
     return os.environ.get(FULL_DETERMINISM_ENV, "0") == "1"
 
 
-def patch_v1_sample_index() -> None:
-    """Give each sample of a v1 rollout ``priority = session_id`` (idempotent; see module docs).
+def wrap_run_agent_loop(original):
+    """``AgentLoopWorker._run_agent_loop`` giving each sample ``priority = session_id`` under full
+    determinism (see the module docstring).
 
     Patched on verl's ``AgentLoopWorker`` (a plain class), whose ``_run_agent_loop`` the v1 worker
     inherits: ``AgentLoopWorkerTQ`` is a ``@ray.remote`` actor class, on which an assignment would
     only set an attribute of Ray's wrapper.
     """
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-
-    original = AgentLoopWorker._run_agent_loop
-    if getattr(original, "_stapo_cpu_patch", False):
-        return
 
     @functools.wraps(original)
     async def _run_agent_loop(self, *args: Any, **kwargs: Any):
@@ -53,30 +51,29 @@ def patch_v1_sample_index() -> None:
             kwargs["priority"] = kwargs["session_id"]
         return await original(self, *args, **kwargs)
 
-    _run_agent_loop._stapo_cpu_patch = True  # type: ignore[attr-defined]
-    AgentLoopWorker._run_agent_loop = _run_agent_loop
+    return _run_agent_loop
 
 
-class _CountingUUID:
+class CountingUUID:
     """Stands in for the ``uuid`` module in verl's v1 trainer: ``uuid4()`` is a counter UUID under
     full determinism (ordered, same sequence every run), a random one otherwise."""
 
-    def __init__(self) -> None:
+    def __init__(self, module=_uuid) -> None:
+        self._module = module
         self._counter = itertools.count(1)
 
     def uuid4(self) -> _uuid.UUID:
-        return _uuid.UUID(int=next(self._counter)) if deterministic() else _uuid.uuid4()
+        return _uuid.UUID(int=next(self._counter)) if deterministic() else self._module.uuid4()
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(_uuid, name)
+        if name == "_module":  # not set yet (construction, copying)
+            raise AttributeError(name)
+        return getattr(self._module, name)
 
 
-def patch_v1_uids() -> None:
-    """Counter UUIDs for the v1 trainer's prompt uids (idempotent; see module docs)."""
-    from verl.trainer.ppo.v1 import trainer_base
-
-    if not isinstance(trainer_base.uuid, _CountingUUID):
-        trainer_base.uuid = _CountingUUID()
+def wrap_uuid_module(original) -> CountingUUID:
+    """The v1 trainer's ``uuid`` module replaced by a :class:`CountingUUID` over it."""
+    return CountingUUID(original)
 
 
 def trajectory_sort_key(key: str) -> tuple:
@@ -88,33 +85,25 @@ def trajectory_sort_key(key: str) -> tuple:
     return key, -1, -1
 
 
-def patch_v1_batch_order() -> None:
-    """Order the v1 replay buffer's batches by step, uid, sample, output (idempotent)."""
-    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+def wrap_select_prompt_uids(original):
+    """``ReplayBuffer._select_prompt_uids`` over the sampleable keys in sorted order (full determinism)."""
 
-    select, materialize = ReplayBuffer._select_prompt_uids, ReplayBuffer._materialize_batch
-    if getattr(select, "_stapo_cpu_patch", False):
-        return
-
-    @functools.wraps(select)
+    @functools.wraps(original)
     def _select_prompt_uids(self, partition_id: str, sampleable_keys: set, batch_size: int):
         if deterministic():
             sampleable_keys = sorted(sampleable_keys)  # the original's stable sort by step then keeps uid order
-        return select(self, partition_id, sampleable_keys, batch_size)
+        return original(self, partition_id, sampleable_keys, batch_size)
 
-    @functools.wraps(materialize)
+    return _select_prompt_uids
+
+
+def wrap_materialize_batch(original):
+    """``ReplayBuffer._materialize_batch`` over the snapshot ordered by (uid, sample, output) (full determinism)."""
+
+    @functools.wraps(original)
     def _materialize_batch(self, partition_id: str, selected_prompt_uids: list, partition_snapshot: dict):
         if deterministic():
             partition_snapshot = {k: partition_snapshot[k] for k in sorted(partition_snapshot, key=trajectory_sort_key)}
-        return materialize(self, partition_id, selected_prompt_uids, partition_snapshot)
+        return original(self, partition_id, selected_prompt_uids, partition_snapshot)
 
-    _select_prompt_uids._stapo_cpu_patch = True  # type: ignore[attr-defined]
-    ReplayBuffer._select_prompt_uids = _select_prompt_uids
-    ReplayBuffer._materialize_batch = _materialize_batch
-
-
-def apply() -> None:
-    """All three patches (idempotent)."""
-    patch_v1_sample_index()
-    patch_v1_uids()
-    patch_v1_batch_order()
+    return _materialize_batch

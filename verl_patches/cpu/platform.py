@@ -7,8 +7,8 @@ to ``nvidia`` (NCCL, ``torch.cuda``), which fails on a machine without a GPU. Th
 module :data:`CPU_DEVICE_MODULE`). It never claims auto-detection (``is_platform_available`` is
 False), so it is used only when ``VERL_PLATFORM=cpu`` selects it.
 
-Nothing happens at import; :func:`register` and the ``patch_*`` functions are called by
-:func:`verl_patches.cpu.activate` when the CPU path is selected. Each is idempotent.
+Nothing happens at import: :func:`register` and the ``wrap_*`` functions are applied through the
+recipe's patch table (:mod:`verl_patches.install`) when the CPU path is selected.
 """
 
 from __future__ import annotations
@@ -183,13 +183,19 @@ def register() -> None:
     """Register :class:`PlatformCPU` as ``cpu`` in verl's ``PlatformRegistry`` (idempotent)."""
     from verl.plugin.platform import PlatformRegistry
 
-    cls = platform_class()
-    if PlatformRegistry.get(PLATFORM_NAME) is not cls:
-        PlatformRegistry.register(platform=PLATFORM_NAME)(cls)
+    if not is_registered():
+        PlatformRegistry.register(platform=PLATFORM_NAME)(platform_class())
+
+
+def is_registered() -> bool:
+    """True when verl's ``PlatformRegistry`` holds :class:`PlatformCPU` as ``cpu``."""
+    from verl.plugin.platform import PlatformRegistry
+
+    return PlatformRegistry.get(PLATFORM_NAME) is platform_class()
 
 
 # ------------------------------------------------------------------------------------------------
-# patches
+# patches (applied through verl_patches.install)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -207,17 +213,8 @@ def normalise_backend(backend: Any) -> Any:
     return backend
 
 
-def patch_init_process_group() -> None:
-    """Wrap ``torch.distributed.init_process_group`` to apply :func:`normalise_backend` (idempotent).
-
-    verl fact cured: ``verl.utils.distributed.initialize_global_process_group(_ray)`` passes
-    ``backend="cpu:gloo,cpu:gloo"`` on the CPU platform.
-    """
-    import torch.distributed as dist
-
-    original = dist.init_process_group
-    if getattr(original, "_stapo_cpu_patch", False):
-        return
+def wrap_init_process_group(original):
+    """``torch.distributed.init_process_group`` applying :func:`normalise_backend` to its backend."""
 
     @functools.wraps(original)
     def init_process_group(*args: Any, **kwargs: Any):
@@ -227,33 +224,27 @@ def patch_init_process_group() -> None:
             args = (normalise_backend(args[0]),) + tuple(args[1:])
         return original(*args, **kwargs)
 
-    init_process_group._stapo_cpu_patch = True  # type: ignore[attr-defined]
-    init_process_group._stapo_original = original  # type: ignore[attr-defined]
-    dist.init_process_group = init_process_group
+    return init_process_group
 
 
-def patch_fsdp2_offload_pinning() -> None:
-    """Make verl's FSDP2 ``CPUOffloadPolicy(pin_memory=True)`` unpinned when CUDA is absent (idempotent).
-
-    verl fact cured: the FSDP2 engine builds ``CPUOffloadPolicy(pin_memory=True)`` for forward-only
-    models (the reference policy of KL-regularised GRPO); pinning host memory needs an accelerator.
-    Patched in ``verl.workers.engine.fsdp.transformer_impl``'s namespace only.
-    """
+def unpinned_offload_applies() -> bool:
+    """The FSDP2 offload policy needs unpinning: no CUDA, and torch has the policy class."""
     if torch.cuda.is_available():
-        return
+        return False
     from verl.workers.engine.fsdp import transformer_impl
 
-    original = transformer_impl.CPUOffloadPolicy
-    if original is None or getattr(original, "_stapo_cpu_patch", False):
-        return
+    return transformer_impl.CPUOffloadPolicy is not None
 
+
+def wrap_offload_policy(original):
+    """verl's ``CPUOffloadPolicy`` (in ``transformer_impl``'s namespace) built with ``pin_memory=False``."""
+
+    @functools.wraps(original)
     def cpu_offload_policy(*args: Any, **kwargs: Any):
         kwargs["pin_memory"] = False
         return original(*args, **kwargs)
 
-    cpu_offload_policy._stapo_cpu_patch = True  # type: ignore[attr-defined]
-    cpu_offload_policy._stapo_original = original  # type: ignore[attr-defined]
-    transformer_impl.CPUOffloadPolicy = cpu_offload_policy
+    return cpu_offload_policy
 
 
 def pin_threads(environ: Optional[dict] = None) -> Optional[int]:

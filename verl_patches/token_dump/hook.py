@@ -50,8 +50,8 @@ pool topped up from the other when short. Every rank runs the same number of for
 forwards are collective): a rank with fewer responses repeats its first one and discards it.
 
 Step number: the actor's lr-scheduler count + 1 (one scheduler step per training step, restored
-with checkpoints), else a per-process count of dumped steps. The first mini-batch is the first
-call of the process or the one after verl's ``update_lr_scheduler`` (last mini-batch) flag.
+with checkpoints), else the worker's own step count. Which mini-batch is a step's first is decided
+once, where mini-batches enter the actor (:class:`verl_patches.mini_batch_position.MiniBatchPosition`).
 
 Returned metrics (logged as ``actor/token_dump/...``): ``seconds`` (this rank's wall time of the
 dump), ``records`` (written for the step, all ranks), ``responses`` (sampled, all ranks),
@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -70,7 +71,8 @@ import torch
 from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
 
 from stapo_core.token_records import write_step
-from .scoring import MiniBatchTracker, SampledResponse, build_records, select_responses, token_stats
+from ..mini_batch_position import MiniBatchPosition
+from .scoring import SampledResponse, build_records, select_responses, token_stats
 from .settings import settings_from_env
 
 METRIC_PREFIX = "token_dump/"
@@ -216,14 +218,12 @@ class _Decoder:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False) if ids else ""
 
 
-_tracker = MiniBatchTracker()
-
-
-def _step_number(worker) -> int:
-    """1-based training step: the actor's lr-scheduler count + 1, else the per-process count."""
+def _step_number(worker, position: MiniBatchPosition) -> int:
+    """1-based training step: the actor's lr-scheduler count + 1 (restored with checkpoints), else
+    the worker's own step count."""
     scheduler = getattr(getattr(worker, "engine", None), "lr_scheduler", None)
     last = getattr(scheduler, "last_epoch", None)
-    return int(last) + 1 if isinstance(last, int) and last >= 0 else _tracker.steps_seen
+    return int(last) + 1 if isinstance(last, int) and last >= 0 else position.step
 
 
 def _check_supported(worker) -> None:
@@ -235,10 +235,10 @@ def _check_supported(worker) -> None:
         raise ValueError(f"token dump: engine {type(engine).__name__} has no module; only the FSDP engine is supported")
 
 
-def dump_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg) -> dict:
+def dump_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg, position: MiniBatchPosition) -> dict:
     """Dump the candidate tokens of a few sampled responses of this mini-batch (first of a step only).
 
-    Called by ``verl_patches.install`` in verl's ``TrainingWorker.train_batch`` on every
+    Called by :mod:`verl_patches.mini_batch` before verl's ``TrainingWorker.train_batch`` on every
     data-parallel rank, after the S2T / 20-Entropy mask was folded into ``data["response_mask"]``.
 
     Args:
@@ -247,30 +247,29 @@ def dump_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg) ->
         data: the rank's mini-batch TensorDict (jagged or padded per-token fields).
         response_mask: the response mask before the fold (None: ``data["response_mask"]``).
         cfg: the policy-loss config (``tau_p`` / ``q`` / ``strategy`` when it has them).
+        position: the mini-batch's position in its step (:func:`verl_patches.mini_batch_position.position_of`).
 
     Returns:
         ``{"token_dump/seconds", "token_dump/records", "token_dump/responses",
         "token_dump/max_prob_diff"}`` (floats) on a step's first mini-batch, else ``{}``.
     """
-    from verl.utils import tensordict_utils as tu
-
     if getattr(getattr(worker, "config", None), "model_type", "language_model") != "language_model":
         return {}  # a critic's TrainingWorker
-    if not _tracker.observe(bool(tu.get(data, "update_lr_scheduler", True))):
+    if not position.first:
         return {}
     start = time.perf_counter()
     settings = settings_from_env()
     _check_supported(worker)
-    step = _step_number(worker)
+    step = _step_number(worker, position)
     group = _Group(worker.engine.get_data_parallel_group(), _module_device(worker.engine.module))
     tau_p, q, strategy, s2t_in_loss = _loss_settings(cfg)
     method = settings.method or str(getattr(cfg, "loss_mode", "unknown"))
 
     fields = _host_fields(data, response_mask)
-    picked = select_responses(fields["advantage"].tolist(), settings.responses, (step, group.rank))
+    picked = select_responses(fields.advantage.tolist(), settings.responses, (step, group.rank))
     n_forward = int(group.max([len(picked)])[0])
     temperature = float(_scalar_setting(data, "temperature", 1.0))
-    uids, indices = _uids_and_indices(data, fields["batch"], step, group.rank)
+    uids, indices = _uids_and_indices(data, fields.batch, step, group.rank)
     sampled = []
     for j in range(n_forward):
         row = picked[j] if j < len(picked) else picked[0]  # same forward count on every rank
@@ -300,8 +299,33 @@ def dump_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg) ->
             METRIC_PREFIX + "responses": float(n_responses), METRIC_PREFIX + "max_prob_diff": float(diff)}
 
 
-def _host_fields(data, response_mask: Optional[torch.Tensor]) -> dict:
-    """Padded ``(B, R)`` host copies of the per-token fields, the rows' sequences and response lengths."""
+@dataclass(frozen=True)
+class MiniBatchFields:
+    """Host copies of one rank's mini-batch, padded ``(B, R)`` per token (R = ``width``).
+
+    lengths: unpadded response length per row. mask: the response mask before the fold; folded:
+    after it. advantages: per token; advantage: ``(B,)`` the response's mean advantage over its
+    mask tokens. old_log_prob / rollout_entropy: the rollout statistics (None when the mini-batch
+    has none). input_ids / position_ids: each row's sequence (unbound). responses: the response
+    ids (None when absent).
+    """
+
+    batch: int
+    width: int
+    lengths: list
+    mask: torch.Tensor
+    folded: torch.Tensor
+    advantages: torch.Tensor
+    advantage: torch.Tensor
+    old_log_prob: Optional[torch.Tensor]
+    rollout_entropy: Optional[torch.Tensor]
+    input_ids: list
+    position_ids: list
+    responses: Optional[torch.Tensor]
+
+
+def _host_fields(data, response_mask: Optional[torch.Tensor]) -> MiniBatchFields:
+    """The :class:`MiniBatchFields` of ``data`` (``response_mask``: the mask before the fold)."""
     from ..token_selection import ROLLOUT_ENTROPY_FIELD, to_padded
 
     current = data["response_mask"]
@@ -310,52 +334,51 @@ def _host_fields(data, response_mask: Optional[torch.Tensor]) -> dict:
     lengths = _response_lengths(data, width)
     mask = _padded(original, width).cpu()
     adv = _padded(data["advantages"], width).float().cpu()
-    fields = {
-        "batch": len(lengths), "width": width, "lengths": lengths, "mask": mask,
-        "folded": _padded(current, width).cpu(), "advantages": adv,
-        "old_log_prob": _padded(data["old_log_probs"], width).float().cpu() if "old_log_probs" in data else None,
-        "rollout_entropy": _padded(data[ROLLOUT_ENTROPY_FIELD], width).float().cpu() if ROLLOUT_ENTROPY_FIELD in data else None,
-        "input_ids": list(data["input_ids"].unbind()), "position_ids": list(data["position_ids"].unbind()),
-        "responses": _padded(data["responses"], width).cpu() if "responses" in data else None,
-    }
-    m = mask != 0
-    counts = m.sum(-1).clamp(min=1)
-    fields["advantage"] = torch.where(m, adv, torch.zeros_like(adv)).double().sum(-1) / counts
-    return fields
+    inside = mask != 0
+    return MiniBatchFields(
+        batch=len(lengths), width=width, lengths=lengths, mask=mask, folded=_padded(current, width).cpu(),
+        advantages=adv,
+        advantage=torch.where(inside, adv, torch.zeros_like(adv)).double().sum(-1) / inside.sum(-1).clamp(min=1),
+        old_log_prob=_padded(data["old_log_probs"], width).float().cpu() if "old_log_probs" in data else None,
+        rollout_entropy=(_padded(data[ROLLOUT_ENTROPY_FIELD], width).float().cpu()
+                         if ROLLOUT_ENTROPY_FIELD in data else None),
+        input_ids=list(data["input_ids"].unbind()), position_ids=list(data["position_ids"].unbind()),
+        responses=_padded(data["responses"], width).cpu() if "responses" in data else None,
+    )
 
 
-def _score_row(engine, device, fields: dict, row: int, temperature: float) -> SampledResponse:
+def _score_row(engine, device, fields: MiniBatchFields, row: int, temperature: float) -> SampledResponse:
     """Forward one row and wrap its response positions' statistics."""
-    n = int(fields["lengths"][row])
-    seq = fields["input_ids"][row]
+    n = int(fields.lengths[row])
+    seq = fields.input_ids[row]
     if n < 1 or n >= seq.shape[-1]:
         raise ValueError(f"token dump: row {row} has {n} response tokens in a {seq.shape[-1]}-token sequence")
     response_ids = seq[-n:].cpu()
-    if fields["responses"] is not None and not torch.equal(fields["responses"][row, :n], response_ids):
+    if fields.responses is not None and not torch.equal(fields.responses[row, :n], response_ids):
         raise ValueError(f"token dump: row {row}: the tail of input_ids is not the response (unexpected layout)")
-    logits = _response_logits(engine, seq, fields["position_ids"][row], n, device)
+    logits = _response_logits(engine, seq, fields.position_ids[row], n, device)
     stats = {k: v.cpu() for k, v in token_stats(logits, response_ids, temperature).items()}
     del logits
-    mask = fields["mask"][row, :n]
+    mask = fields.mask[row, :n]
     return SampledResponse(
         prompt_ids=seq[:-n].tolist(), response_ids=response_ids.tolist(), stats=stats, mask=mask,
-        advantages=fields["advantages"][row, :n], silenced=(mask != 0) & (fields["folded"][row, :n] == 0),
-        old_log_prob=None if fields["old_log_prob"] is None else fields["old_log_prob"][row, :n],
+        advantages=fields.advantages[row, :n], silenced=(mask != 0) & (fields.folded[row, :n] == 0),
+        old_log_prob=None if fields.old_log_prob is None else fields.old_log_prob[row, :n],
         uid="", response_index=0, rank=0, row=row)
 
 
-def _entropy_threshold(fields: dict, sampled: list, picked: list, group: _Group, tau_p: float, q: float,
+def _entropy_threshold(fields: MiniBatchFields, sampled: list, picked: list, group: _Group, tau_p: float, q: float,
                        strategy: str) -> tuple[Optional[float], str, Optional[torch.Tensor]]:
     """``(tau_h, source, keep)``: S2T's threshold (None when undefined) and keep mask ``(B, R)``
     (``mini_batch`` source) or ``(k, R)`` over the sampled rows (``sampled`` source)."""
     from stapo_core import s2t_mask
 
-    if fields["rollout_entropy"] is not None and fields["old_log_prob"] is not None:
+    if fields.rollout_entropy is not None and fields.old_log_prob is not None:
         source = "mini_batch"
-        log_prob, entropy, adv, mask = fields["old_log_prob"], fields["rollout_entropy"], fields["advantages"], fields["mask"]
+        log_prob, entropy, adv, mask = fields.old_log_prob, fields.rollout_entropy, fields.advantages, fields.mask
     else:
         source = "sampled"
-        width = fields["width"]
+        width = fields.width
         log_prob, entropy, adv, mask = (_stack_padded([_stat(r, name) for r in sampled], width)
                                         for name in ("log_prob", "entropy", "advantages", "mask"))
     dev = group.device

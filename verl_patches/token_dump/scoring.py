@@ -2,8 +2,7 @@
 
 :func:`token_stats` turns the logits of a response's positions into p, H, the closed-form gradient
 norm and the top-5 alternatives; :func:`build_records` turns them into validated records of
-:mod:`stapo_core.token_records`. :func:`select_responses` picks which responses are dumped
-and :class:`MiniBatchTracker` tells the first mini-batch of a step.
+:mod:`stapo_core.token_records`. :func:`select_responses` picks which responses are dumped.
 """
 
 from __future__ import annotations
@@ -20,26 +19,6 @@ from stapo_core import token_records as td
 TOP_K = 5
 #: response positions whose float32 softmax is materialised at once (151,936 x 1024 x 4 B = 0.6 GB)
 CHUNK_POSITIONS = 1024
-
-
-class MiniBatchTracker:
-    """Tells the first mini-batch of each update step, per process.
-
-    verl's ``train_mini_batch`` flags its last mini-batch with ``update_lr_scheduler=True``; the
-    first is the process's first call or the call after a flagged one (robust to any number of
-    mini-batches and PPO epochs).
-    """
-
-    def __init__(self) -> None:
-        self._next_is_first = True
-        self.steps_seen = 0
-
-    def observe(self, is_last: bool) -> bool:
-        """Record one mini-batch (``is_last``: verl's flag); True when it is a step's first."""
-        first = self._next_is_first
-        self._next_is_first = bool(is_last)
-        self.steps_seen += int(first)
-        return first
 
 
 def select_responses(advantages: Sequence[float], k: int, seed: Sequence[int]) -> list[int]:

@@ -4,7 +4,7 @@
 Both sources of the statistics are covered: the rollout-time ones carried in the mini-batch, and
 ``stats_from=current`` (each rank's share of the mini-batch forwarded under the current policy; given
 here as fixed tensors, the forward itself is checked on the real trainer by
-tests/test_current_stats_e2e_on_cpu.py).
+tests/e2e/test_current_stats_e2e_on_cpu.py).
 
 The actor's side of verl is reproduced as its engine runs it (``forward_backward_batch``): fold the
 mask into the mini-batch (our ``TrainingWorker.train_batch`` wrapper), count ``batch_num_tokens``
@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 import verl_patches  # noqa: F401
 from recipe.stapo.config_utils import compose
 from verl.utils.config import omega_conf_to_dataclass
-from verl_batch import flat_model_output, micro_batch, right_padded_mask
+from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl_patches.losses import ppo_loss_with_token_selection
 from verl_patches.token_selection import fold_into_mini_batch
 
@@ -102,29 +102,38 @@ def test_micro_batch_size_does_not_change_mask_or_loss(method, stats):
         assert out[3] == ref[3]
 
 
-def _dp_worker(rank, world, init_file, method, out_dir, stats):
+CASES = [(method, stats) for method in ("stapo", "entropy20") for stats in STATS]
+
+
+def _dp_worker(rank, world, init_file, out_dir):
+    """Every (method, stats) case on this rank, in one process group (one start-up for all)."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        config = actor(method)
         # uneven split of the mini-batch: rank 0 holds 3 rows, rank 1 holds 5 (variable candidate counts)
         rows = [0, 1, 2] if rank == 0 else [3, 4, 5, 6, 7]
-        loss, grad, folded, metrics = engine_step(config, rows, micro_size=2, group=dist.group.WORLD, dp_size=world,
-                                                  stats=stats)
-        torch.save({"rows": rows, "loss": loss, "grad": grad, "folded": folded, "metrics": metrics},
-                   os.path.join(out_dir, f"rank{rank}.pt"))
+        for method, stats in CASES:
+            loss, grad, folded, metrics = engine_step(actor(method), rows, micro_size=2, group=dist.group.WORLD,
+                                                      dp_size=world, stats=stats)
+            torch.save({"rows": rows, "loss": loss, "grad": grad, "folded": folded, "metrics": metrics},
+                       os.path.join(out_dir, f"{method}-{stats}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("stats", STATS)
-@pytest.mark.parametrize("method", ["stapo", "entropy20"])
-def test_data_parallel_ranks_give_the_single_process_result(method, stats):
+@pytest.fixture(scope="module")
+def data_parallel_results():
+    """{(method, stats): [rank 0's result, rank 1's result]} from one 2-rank gloo run."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_dp_worker, args=(2, os.path.join(tmp, "init"), tmp), nprocs=2, start_method="spawn")
+        return {case: [torch.load(os.path.join(tmp, f"{case[0]}-{case[1]}-rank{r}.pt")) for r in range(2)]
+                for case in CASES}
+
+
+@pytest.mark.parametrize("method,stats", CASES)
+def test_data_parallel_ranks_give_the_single_process_result(method, stats, data_parallel_results):
     config = actor(method)
     ref_loss, ref_grad, ref_folded, ref_metrics = engine_step(config, list(range(B)), micro_size=B, stats=stats)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_dp_worker, args=(2, os.path.join(tmp, "init"), method, tmp, stats), nprocs=2,
-                           start_method="spawn")
-        ranks = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(2)]
+    ranks = data_parallel_results[(method, stats)]
     assert ranks[0]["metrics"] == ranks[1]["metrics"] == ref_metrics  # same tau_h and counts everywhere
     for r in ranks:
         torch.testing.assert_close(r["folded"], ref_folded[r["rows"]], rtol=0, atol=0)

@@ -14,8 +14,8 @@ from omegaconf import OmegaConf
 
 from recipe.stapo.config_utils import METHODS, MODELS, compose, validate
 from verl.utils.config import omega_conf_to_dataclass
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 PL = "actor_rollout_ref.actor.policy_loss"
 ACTOR = "actor_rollout_ref.actor"
 
@@ -101,9 +101,9 @@ def dry_run(script: Path, *args: str, env_extra=None) -> list[str]:
     return [argv[3:] for argv in lines]
 
 
-@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "run_scripts").glob("qwen3_*_*.sh")))
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "run_scripts").glob("qwen3_*_*.sh")))
 def test_every_run_script_composes_to_a_valid_verl_config(script):
-    (overrides,) = dry_run(ROOT / "run_scripts" / script)
+    (overrides,) = dry_run(REPO / "run_scripts" / script)
     cfg = compose(overrides)
     validate(cfg)  # verl's own validation, incl. the actor dataclass (and TokenSelectionLossConfig)
     size, method = script[len("qwen3_"):-len(".sh")].split("_")
@@ -113,19 +113,19 @@ def test_every_run_script_composes_to_a_valid_verl_config(script):
 
 
 def test_run_script_environment_and_loggers():
-    (o,) = dry_run(ROOT / "run_scripts" / "qwen3_8b_stapo.sh", f"{PL}.q=0.5",
+    (o,) = dry_run(REPO / "run_scripts" / "qwen3_8b_stapo.sh", f"{PL}.q=0.5",
                    env_extra={"NNODES": "2", "GPUS_PER_NODE": "4", "LOGGER": "file,tensorboard"})
     cfg = compose(o)
     assert (cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node) == (2, 4)
     assert list(cfg.trainer.logger) == ["console", "file", "tensorboard"]
     assert cfg.actor_rollout_ref.actor.policy_loss.q == 0.5
-    bad = subprocess.run(["bash", str(ROOT / "run_scripts/qwen3_8b_stapo.sh")], capture_output=True, text=True,
+    bad = subprocess.run(["bash", str(REPO / "run_scripts/qwen3_8b_stapo.sh")], capture_output=True, text=True,
                          env={"STAPO_DRY_RUN": "1", "LOGGER": "mlflowx", "PATH": "/usr/bin:/bin"})
     assert bad.returncode != 0 and "unknown logger 'mlflowx'" in bad.stderr
 
 
 def test_ablation_sweep_composes():
-    runs = dry_run(ROOT / "run_scripts" / "ablations.sh", "all")
+    runs = dry_run(REPO / "run_scripts" / "ablations.sh", "all")
     strategies, qs, taus = [], [], []
     for overrides in runs:
         cfg = compose(overrides)

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOKE = ROOT / "run_scripts" / "gpu_smoke.sh"
+SMOKE = REPO / "run_scripts" / "gpu_smoke.sh"
 TIMEOUT_S = 900
 PROJECT, EXPERIMENT = "stapo_smoke", "smoke_stapo"  # what gpu_smoke.sh names the stapo run
 WANDB = "trainer.logger=[console,file,wandb]"

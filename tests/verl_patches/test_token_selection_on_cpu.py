@@ -18,7 +18,7 @@ import importlib
 import verl_patches  # noqa: F401  (installs the patches)
 from recipe.stapo.config_utils import compose, validate
 from stapo_core import s2t_mask, entropy_topk_mask
-from verl_batch import flat_model_output, micro_batch, right_padded_mask
+from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers import engine_workers
@@ -172,7 +172,7 @@ class FakeWorker:
                                              infer_max_token_len_per_gpu=None)
         self.current, self.forwards, self.seen = current, 0, []
         # verl's train_batch replaced by a recorder, under the recipe's wrapper (one per worker, as in verl)
-        self.train_batch = importlib.import_module("verl_patches.install")._with_mini_batch_selection(
+        self.train_batch = importlib.import_module("verl_patches.mini_batch").wrap_train_batch(
             lambda worker, data: worker.seen.append(data["response_mask"].clone()))
 
     def infer_batch(self, data):

@@ -1,6 +1,6 @@
 """verl_patches.token_dump: the training-time spurious-token dump.
 
-Fast tests drive the dump through the real actor hook (``verl_patches.install``'s wrapper of
+Fast tests drive the dump through the real actor hook (``verl_patches.mini_batch``'s wrapper of
 ``TrainingWorker.train_batch``) with a tiny random Qwen3 and hand-built mini-batches in both of
 verl's layouts (TransferQueue: jagged; legacy: padded, converted by verl's own
 ``left_right_2_no_padding``), and check every number against an independent float64 computation.
@@ -26,6 +26,7 @@ import torch
 from stapo_core import token_records as td
 import stapo_core
 from verl_patches.token_dump import hook, scoring, settings
+from tests.helpers.paths import REPO
 
 VOCAB = 48
 TAU_P = 0.03  # ~1.5/|V|: a good share of the random model's sampled tokens are rare
@@ -90,14 +91,6 @@ def test_settings_from_env_names_the_key(tmp_path):
                        ({settings.IDS_ENV: "maybe"}, settings.IDS_ENV)]:
         with pytest.raises(ValueError, match=match):
             settings.settings_from_env({settings.DIR_ENV: "r", **env} if env else env)
-
-
-def test_first_mini_batch_tracker():
-    tracker = scoring.MiniBatchTracker()
-    # 2 steps of 3 mini-batches, then 1 step of 1: verl flags the last mini-batch of each step
-    flags = [False, False, True, False, False, True, True]
-    assert [tracker.observe(f) for f in flags] == [True, False, False, True, False, False, True]
-    assert tracker.steps_seen == 3
 
 
 def test_write_step_replaces_atomically(tmp_path):
@@ -230,7 +223,7 @@ def _hook(model, cfg, last_epoch: int):
     """verl_patches' wrapped ``train_batch`` and a stand-in TrainingWorker around ``model``."""
     from verl.utils import tensordict_utils as tu
 
-    from verl_patches.install import _with_mini_batch_selection
+    from verl_patches.mini_batch import wrap_train_batch
 
     def train_batch(self, data):  # verl's would train; return the metrics dict it would
         return tu.get_tensordict(tensor_dict={}, non_tensor_dict={"metrics": {}})
@@ -240,7 +233,7 @@ def _hook(model, cfg, last_epoch: int):
                                lr_scheduler=SimpleNamespace(last_epoch=last_epoch)),
         model_config=SimpleNamespace(tokenizer=CharTokenizer()), config=SimpleNamespace(model_type="language_model"),
         loss_fn=functools.partial(lambda **kw: None, config=SimpleNamespace(policy_loss=cfg)))
-    return _with_mini_batch_selection(train_batch), worker
+    return wrap_train_batch(train_batch), worker
 
 
 def _stapo_cfg(**kw):
@@ -250,8 +243,7 @@ def _stapo_cfg(**kw):
 
 
 def _switch_on(monkeypatch, run_dir: Path) -> None:
-    """Dump into ``run_dir``, as a fresh worker process would (no mini-batch seen yet)."""
-    monkeypatch.setattr(hook, "_tracker", scoring.MiniBatchTracker())
+    """Dump into ``run_dir`` (each test's worker is a fresh one: no mini-batch seen yet)."""
     monkeypatch.setenv(settings.DIR_ENV, str(run_dir))
 
 
@@ -412,7 +404,7 @@ def test_dump_off_writes_nothing(model, batch, tmp_path, monkeypatch):
     # the recipe's default leaves the workers' switch empty
     import yaml
 
-    default = yaml.safe_load((Path(__file__).parents[1] / "recipe/stapo/config/stapo_trainer.yaml").read_text())
+    default = yaml.safe_load((REPO / "recipe/stapo/config/stapo_trainer.yaml").read_text())
     assert default["recipe"]["token_dump"]["dir"] == ""
     assert default["ray_kwargs"]["ray_init"]["runtime_env"]["env_vars"][settings.DIR_ENV] == "${recipe.token_dump.dir}"
 
@@ -515,7 +507,7 @@ def test_real_run_inspect_and_plots(real_run, tmp_path):
     out = tmp_path / "plots"
     for cmd in ([sys.executable, "-m", "recipe.stapo.inspect", str(real_run.dir)],
                 [sys.executable, "-m", "recipe.stapo.plots", str(real_run.dir), "--out", str(out)]):
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
         assert done.returncode == 0, done.stderr[-2000:]
     report = (real_run.dir / "inspect" / "report.md").read_text()
     assert "Four-quadrant taxonomy" in report and (real_run.dir / "inspect" / "report.html").is_file()

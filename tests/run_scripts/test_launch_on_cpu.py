@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from recipe.stapo.config_utils import compose
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-COMMON = ROOT / "run_scripts" / "common.sh"
-EVAL = ROOT / "run_scripts" / "eval.sh"
+COMMON = REPO / "run_scripts" / "common.sh"
+EVAL = REPO / "run_scripts" / "eval.sh"
 SECRET = "wandb-secret-0123456789abcdef"
 
 
@@ -49,7 +49,7 @@ def test_submit_mode_prints_ray_job_submit_and_forwards_only_allowed_variables(t
     head, entry = argv[:sep], argv[sep + 1:]
     assert head[:3] == ["ray", "job", "submit"]
     assert head[head.index("--address") + 1] == "http://head:8265"
-    assert head[head.index("--working-dir") + 1] == str(ROOT)
+    assert head[head.index("--working-dir") + 1] == str(REPO)
     runtime_env_file = Path(head[head.index("--runtime-env") + 1])
     assert not runtime_env_file.exists(), "the runtime env file (it holds secrets) must not outlive the launcher"
     assert entry[:3] == [sys.executable, "-m", "recipe.stapo.main_stapo"]
@@ -69,7 +69,7 @@ def test_local_mode_is_unchanged_and_paths_come_from_the_launch_directory(tmp_pa
     assert _value(argv, "trainer.default_local_dir") == str(tmp_path / "ck/stapo/qwen3_1_7b_grpo")
     assert SECRET not in proc.stdout + proc.stderr
     default = _run(COMMON, "grpo", "qwen3_1_7b", cwd=tmp_path, STAPO_DRY_RUN="1")
-    assert _value(shlex.split(default.stdout), "trainer.default_local_dir") == str(ROOT / "checkpoints/stapo/qwen3_1_7b_grpo")
+    assert _value(shlex.split(default.stdout), "trainer.default_local_dir") == str(REPO / "checkpoints/stapo/qwen3_1_7b_grpo")
 
 
 def test_dry_run_check_validates_with_the_launching_shells_paths(tmp_path):
@@ -101,7 +101,7 @@ def test_checkpoints_are_bounded_by_default_and_overridable():
 
 
 # ------------------------------------------------------------------------------------------------
-# eval.sh: interpreter and output folder (the conversion of a verl checkpoint: tests/test_gpu_smoke_on_cpu.py)
+# eval.sh: interpreter and output folder (the conversion of a verl checkpoint: tests/run_scripts/test_gpu_smoke_on_cpu.py)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -139,7 +139,7 @@ def test_eval_default_output_folder_is_unique_per_checkpoint(tmp_path, model, en
     proc = _run(EVAL, cwd=tmp_path, MODEL=model, PYTHON=str(_fake_python(tmp_path)), **env)
     assert proc.returncode == 0, proc.stderr
     argv = proc.stdout.splitlines()
-    assert argv[argv.index("--out") + 1] == str(ROOT / "results" / "eval" / expected)
+    assert argv[argv.index("--out") + 1] == str(REPO / "results" / "eval" / expected)
 
 
 @pytest.mark.parametrize("model", ["qwen3_1_7b", "qwen3_8b", "qwen3_14b"])
@@ -165,7 +165,7 @@ def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
     model = tmp_path / "Qwen3-1.7B-Base"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    proc = _run(ROOT / "run_scripts" / "gpu_smoke.sh", cwd=tmp_path, MODEL="Qwen3-1.7B-Base", GPUS="8",
+    proc = _run(REPO / "run_scripts" / "gpu_smoke.sh", cwd=tmp_path, MODEL="Qwen3-1.7B-Base", GPUS="8",
                 STAPO_DRY_RUN="1", OUT="smoke")
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]

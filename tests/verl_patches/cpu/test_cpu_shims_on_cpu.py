@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from tests.helpers.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 PROBE = textwrap.dedent(
     """
@@ -30,6 +30,12 @@ PROBE = textwrap.dedent(
     from verl.workers.rollout.replica import RolloutReplicaRegistry
     from verl.workers.engine.fsdp import transformer_impl
     platform = get_platform()
+    def cpu_active():
+        if "verl_patches.install" not in sys.modules:
+            return False
+        from verl_patches.install import PATCHES
+        from verl_patches.registry import applies_here, is_applied
+        return all(is_applied(p) for p in PATCHES if p.scope == "cpu" and applies_here(p))
     print(json.dumps({{
         "platforms": list(PlatformRegistry.registered_names()),
         "platform_class": type(platform).__name__,
@@ -37,9 +43,9 @@ PROBE = textwrap.dedent(
         "rollouts": sorted(k[0] for k in _ROLLOUT_REGISTRY),
         "replicas": sorted(RolloutReplicaRegistry._registry),
         "init_pg_patched": dist.init_process_group is not before,
-        "offload_patched": getattr(transformer_impl.CPUOffloadPolicy, "_stapo_cpu_patch", False),
+        "offload_patched": getattr(transformer_impl.CPUOffloadPolicy, "__stapo_patch__", None) is not None,
         "cpu_loaded": "verl_patches.cpu" in sys.modules,
-        "cpu_active": sys.modules["verl_patches.cpu"].is_active() if "verl_patches.cpu" in sys.modules else False,
+        "cpu_active": cpu_active(),
     }}))
     """
 )
@@ -82,7 +88,7 @@ def test_selecting_cpu_activates_every_shim():
 
 
 # ------------------------------------------------------------------------------------------------
-# in-process units (no activation needed)
+# in-process units (no patch applied)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -135,9 +141,11 @@ def test_patched_init_process_group_accepts_verl_backend(tmp_path):
     """A real single-process gloo group from verl's backend string (fresh interpreter)."""
     code = textwrap.dedent(f"""
         import torch, torch.distributed as dist
-        from verl_patches.cpu.platform import patch_init_process_group
-        patch_init_process_group(); patch_init_process_group()   # idempotent
-        assert not getattr(dist.init_process_group._stapo_original, "_stapo_cpu_patch", False)
+        from verl_patches.install import PATCHES
+        from verl_patches.registry import apply, original_of
+        (patch,) = [p for p in PATCHES if p.target == "torch.distributed:init_process_group"]
+        assert apply(patch) and not apply(patch)   # once
+        assert original_of(dist.init_process_group).__module__ == "torch.distributed.distributed_c10d"
         dist.init_process_group(backend="cpu:gloo,cpu:gloo", init_method="file://{tmp_path}/pg", rank=0, world_size=1)
         t = torch.ones(3); dist.all_reduce(t)
         assert dist.get_backend() == "gloo" and t.tolist() == [1.0, 1.0, 1.0]
@@ -358,7 +366,7 @@ def test_v1_ordering_patches_sort_batches_and_count_uids_only_under_full_determi
 
     keys = ["b_0_0", "a_10_0", "a_2_1", "a_2_0", "odd"]
     assert sorted(keys, key=ordering.trajectory_sort_key) == ["a_2_0", "a_2_1", "a_10_0", "b_0_0", "odd"]
-    counter = ordering._CountingUUID()
+    counter = ordering.CountingUUID()
     monkeypatch.setenv(ordering.FULL_DETERMINISM_ENV, "1")
     assert [str(counter.uuid4()) for _ in range(2)] == ["00000000-0000-0000-0000-000000000001",
                                                         "00000000-0000-0000-0000-000000000002"]

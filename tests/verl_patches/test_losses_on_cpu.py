@@ -13,7 +13,7 @@ import torch
 import verl_patches  # noqa: F401  (installs the patches)
 from recipe.stapo.config_utils import compose
 from stapo_core import clipped_policy_loss, s2t_mask, entropy_topk_mask
-from verl_batch import flat_model_output, micro_batch, right_padded_mask
+from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils import losses as verl_losses

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from _dist_utils import SyncRecorder
+from tests.helpers.dist_utils import SyncRecorder
 from stapo_core import STRATEGIES, quantile_sorted_padded, s2t_mask
 
 RARE = math.log(1e-4)  # log-prob of a token that passes p < tau_p for the default tau_p

@@ -9,7 +9,7 @@ pytest output.
 Runs (7): TransferQueue trainer (``trainer.use_v1=true``) x {grpo, entropy20, justrl}, 2 steps;
 legacy trainer x {grpo, entropy20, stapo}, 2 steps; legacy justrl: 2 steps with a checkpoint at each
 step, then a second run resuming from the step-1 checkpoint, which must train step 2 again. STAPO on
-the TransferQueue trainer is tests/test_current_stats_e2e_on_cpu.py's run (which also records every
+the TransferQueue trainer is tests/e2e/test_current_stats_e2e_on_cpu.py's run (which also records every
 mini-batch and checks its silenced set against an independent forward).
 """
 

@@ -1,5 +1,5 @@
 """The lenient reward (the evaluation's rule grader, a training option): a table of tricky answers,
-robustness, the time guard, verl's signature. The strict training reward: test_reward_strict_on_cpu.py."""
+robustness, the time guard, verl's signature. The strict training reward: tests/recipe/reward/test_strict_on_cpu.py."""
 
 import importlib.util
 import threading

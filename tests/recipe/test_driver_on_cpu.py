@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 
 from recipe.stapo.config_utils import (CALCULATE_ENTROPY, compose, ensure_loss_statistics, forwarded_env,
                                        job_runtime_env, prepare)
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
 PL = "actor_rollout_ref.actor.policy_loss"
 #: what verl prints just before ray.init (verl.trainer.main_ppo.run_ppo)
 RAY_INIT_MARK = "ray init kwargs"
@@ -26,7 +26,7 @@ DRIVER_TIMEOUT_S = 180
 def _driver(*args: str, env_extra=None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "STAPO_DRY_RUN"}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "recipe.stapo.main_stapo", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "recipe.stapo.main_stapo", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
 
 

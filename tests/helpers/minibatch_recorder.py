@@ -15,7 +15,7 @@ recipe's wrapper, which folds the token selection into the mini-batch) and write
   forward of ``stats_from=current``), ``update_lr_scheduler``: verl's flag on the last mini-batch of
   a step (so the next call starts a step).
 
-Used by tests/test_current_stats_e2e_on_cpu.py, which recomputes the silenced set from an
+Used by tests/e2e/test_current_stats_e2e_on_cpu.py, which recomputes the silenced set from an
 independent forward of the recorded weights.
 """
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from _dist_utils import SyncRecorder, run_on_ranks
+from tests.helpers.dist_utils import SyncRecorder, run_on_ranks
 from stapo_core import s2t_mask, entropy_topk_mask
 
 WORLD = 2

@@ -1,7 +1,7 @@
 """``stats_from=current`` (Algorithm 1) on verl's real trainer on CPU, against an independent forward.
 
 One STAPO run (TransferQueue trainer, 2 steps, 4 mini-batches per step, a learning rate that
-visibly moves the tiny policy between mini-batches) with ``stapo_minibatch_recorder`` loaded into
+visibly moves the tiny policy between mini-batches) with ``tests.helpers.minibatch_recorder`` loaded into
 every verl process: before each mini-batch update it saves the actor's full weights and the
 mini-batch, and after the recipe's fold the ``response_mask`` the engine trained on. For every
 mini-batch the test then
@@ -15,7 +15,7 @@ mini-batch the test then
 The actor runs its update and its no-grad statistics forward one sequence at a time, so a
 selection pooled per micro-batch (or taken from the rollout policy) would not match.
 
-This run is also the suite's STAPO run of the TransferQueue trainer (tests/test_e2e_trainer_on_cpu.py
+This run is also the suite's STAPO run of the TransferQueue trainer (tests/e2e/test_trainer_e2e_on_cpu.py
 runs the other methods and STAPO on the legacy trainer): it must train and log the S2T metrics.
 """
 
@@ -31,11 +31,11 @@ import torch
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
 from recipe.stapo.cpu.assets import asset_paths
 from stapo_core import DEFAULT_Q
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
 
-TESTS_DIR = Path(__file__).resolve().parent
-RECORDER = "stapo_minibatch_recorder"
+RECORDER = "tests.helpers.minibatch_recorder"
 LR = 1e-3  # large for the tiny model: some of its log-probs move by more than 1 within one update
 #: above the paper's 0.002 so that every mini-batch of 8 responses has enough candidates for the
 #: quantile to matter (a mini-batch with one candidate silences nothing); the threshold's value is
@@ -55,7 +55,7 @@ def records(assets, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STAPO_TEST_RECORD_DIR", str(record_dir))
         mp.setenv("VERL_USE_EXTERNAL_MODULES", modules)
-        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(TESTS_DIR), os.environ.get("PYTHONPATH", "")) if p))
+        mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
         run = run_cpu_trainer(
             "stapo", assets, run_dir, steps=2, prompts=8, n=4, mini_batch_prompts=2, lr=LR, timeout=420,
             extra=[

@@ -1,0 +1,174 @@
+"""The patch table (verl_patches.install.PATCHES) and its wrap-once helper (verl_patches.registry).
+
+Which patches are in place is process-global state, so it is probed in fresh interpreters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from tests.helpers.paths import REPO
+
+
+PROBE = textwrap.dedent(
+    """
+    import json
+    import verl_patches
+    from verl_patches.install import PATCHES, install
+    from verl_patches.registry import applies_here, is_applied, original_of, _owner_and_attr
+    state = {}
+    def attrs():
+        out = {}
+        for p in PATCHES:
+            if p.kind == "wrap":
+                owner, attr = _owner_and_attr(p.target)
+                out[p.name] = id(getattr(owner, attr))
+        return out
+    def home(obj):
+        name = obj.__name__ if isinstance(obj, type(json)) else getattr(obj, "__module__", "") or ""
+        return name.split(".")[0]
+    before = attrs()
+    again = install()
+    print(json.dumps({
+        "applied": {p.name: is_applied(p) for p in PATCHES},
+        "applies": {p.name: applies_here(p) for p in PATCHES},
+        "second_install": again,
+        "unchanged_by_second_install": attrs() == before,
+        "originals": {p.name: home(original_of(getattr(*_owner_and_attr(p.target))))
+                      for p in PATCHES if p.kind == "wrap" and is_applied(p)},
+    }))
+    """
+)
+
+
+def _probe(**env_overrides: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "VERL_USE_EXTERNAL_MODULES")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    env.update(env_overrides)
+    out = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("platform", ["", "cpu"])
+def test_every_patch_is_applied_once(platform):
+    """``import verl_patches`` applies every patch that belongs in the process (the CPU ones only with
+    VERL_PLATFORM=cpu), a second install changes nothing, and each wrap leads back to verl's own."""
+    from verl_patches.install import PATCHES
+
+    probed = _probe(VERL_PLATFORM=platform)
+    for patch in PATCHES:
+        wanted = probed["applies"][patch.name] and (patch.scope == "recipe" or platform == "cpu")
+        assert probed["applied"][patch.name] == wanted, patch.name
+    assert sum(probed["applied"].values()) >= (len(PATCHES) - 1 if platform else
+                                               sum(p.scope == "recipe" for p in PATCHES))
+    assert probed["second_install"] == [] and probed["unchanged_by_second_install"]
+    assert probed["originals"] and set(probed["originals"].values()) <= {"verl", "torch", "uuid"}, probed["originals"]
+
+
+def test_apply_wraps_once_and_keeps_the_original():
+    """The wrap-once helper on a throwaway module: applied once, marked, original reachable."""
+    import types
+
+    from verl_patches.registry import MARKER, Patch, apply, is_applied, original_of
+
+    module = types.ModuleType("stapo_registry_probe")
+    module.double = lambda x: 2 * x
+    sys.modules[module.__name__] = module
+    wrappers = types.ModuleType("stapo_registry_wrappers")
+    calls = []
+
+    def plus_one(original):
+        calls.append(original)
+        return lambda x: original(x) + 1
+
+    wrappers.plus_one = plus_one
+    sys.modules[wrappers.__name__] = wrappers
+    try:
+        patch = Patch(name="probe", target="stapo_registry_probe:double", wrapper="stapo_registry_wrappers:plus_one",
+                      changes="c", why="w", relies_on="r", drop_when="d")
+        own = module.double
+        assert not is_applied(patch)
+        assert apply(patch) is True and apply(patch) is False and len(calls) == 1
+        assert module.double(3) == 7 and getattr(module.double, MARKER) == "probe"
+        assert original_of(module.double) is own and is_applied(patch)
+    finally:
+        del sys.modules[module.__name__], sys.modules[wrappers.__name__]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(wrapper="a:b", register="a:c", registered="a:d"), "exactly one of"),
+    (dict(), "exactly one of"),
+    (dict(register="a:c"), "registered="),
+    (dict(wrapper="a:b", scope="gpu"), "scope"),
+    (dict(wrapper="a:b", target="no_colon"), "module:attribute"),
+])
+def test_a_malformed_patch_is_refused(kwargs, match):
+    from verl_patches.registry import Patch
+
+    fields = dict(name="p", target="m:x", changes="c", why="w", relies_on="r", drop_when="d")
+    fields.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        Patch(**fields)
+
+
+def test_every_reference_in_the_table_resolves():
+    """Targets, wrappers, registrations and conditions all name existing objects in verl 0.9.1, and
+    every entry says what, why, what it relies on and when to drop it."""
+    from verl_patches.install import PATCHES
+    from verl_patches.registry import _owner_and_attr, resolve
+
+    names = [p.name for p in PATCHES]
+    assert len(names) == len(set(names))
+    for patch in PATCHES:
+        for ref in (patch.wrapper, patch.register, patch.registered, patch.applies):
+            if ref is not None:
+                assert callable(resolve(ref)), f"{patch.name}: {ref}"
+        owner, attr = _owner_and_attr(patch.target)
+        assert hasattr(owner, attr) or patch.kind == "register", patch.target
+        assert all(len(text) > 10 for text in (patch.changes, patch.why, patch.relies_on, patch.drop_when))
+
+
+def test_docs_table_matches_the_code():
+    from verl_patches.install import table
+
+    assert (REPO / "docs" / "verl_patches.md").read_text() == table(), \
+        "docs/verl_patches.md is stale: python -m verl_patches > docs/verl_patches.md"
+
+
+def test_other_verl_versions_are_refused_unless_allowed():
+    from verl_patches.registry import VERL_VERSION, VERSION_OVERRIDE_ENV, check_verl_version
+
+    warnings = []
+    assert check_verl_version(VERL_VERSION, environ={}, warn=warnings.append) == VERL_VERSION and not warnings
+    with pytest.raises(RuntimeError, match=rf"verl 0\.9\.2 is installed.*pip install verl=={VERL_VERSION}.*"
+                                           rf"{VERSION_OVERRIDE_ENV}=0\.9\.2"):
+        check_verl_version("0.9.2", environ={})
+    with pytest.raises(RuntimeError):  # an override for another version does not count
+        check_verl_version("0.9.2", environ={VERSION_OVERRIDE_ENV: "0.10.0"})
+    for allowed in ("0.9.2", "any"):
+        assert check_verl_version("0.9.2", environ={VERSION_OVERRIDE_ENV: allowed}, warn=warnings.append) == "0.9.2"
+    assert len(warnings) == 2 and all("relies_on" in w for w in warnings)
+
+
+def test_importing_the_patches_on_another_verl_fails_clearly():
+    """A fresh interpreter whose verl reports another version refuses ``import verl_patches``."""
+    code = textwrap.dedent("""
+        import importlib.metadata as md
+        real = md.version
+        md.version = lambda name: "0.8.0" if name == "verl" else real(name)
+        try:
+            import verl_patches
+        except RuntimeError as exc:
+            print("refused:", exc)
+    """)
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES", "STAPO_ALLOW_VERL_VERSION")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert "refused: verl_patches: the recipe patches verl 0.9.1, but verl 0.8.0 is installed" in out.stdout, \
+        out.stderr[-2000:]

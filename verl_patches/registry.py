@@ -1,0 +1,172 @@
+"""How the recipe changes verl: one record per change, one helper that applies it once.
+
+A :class:`Patch` is either a *wrap* (replace a verl attribute by ``wrapper(original)``: the
+wrapper keeps the original and calls it) or a *registration* (add an entry to one of verl's own
+registries through a function that is idempotent by itself). Every patch carries, as data, what a
+maintainer needs when verl moves: the target, what it changes, why, the verl behaviour it relies
+on, and when it can be dropped. The table of the recipe's patches is
+:data:`verl_patches.install.PATCHES`; ``python -m verl_patches`` prints it.
+
+Patches name their code by ``"module:qualified.name"`` strings, imported only when applied, so the
+table can be read (docs, tests) without importing verl. :func:`apply` is the one wrap-once helper:
+a wrapped attribute carries the patch's name in ``__stapo_patch__`` and the original in
+``__wrapped__``, so applying twice is a no-op and a test can walk back to verl's own function.
+
+The recipe is written against one verl release (:data:`VERL_VERSION`); :func:`check_verl_version`
+refuses another one unless ``STAPO_ALLOW_VERL_VERSION`` names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+#: the verl release every patch was written against (requirements pin it)
+VERL_VERSION = "0.9.1"
+#: set to the installed verl version (or ``any``) to import the patches on another verl, with a warning
+VERSION_OVERRIDE_ENV = "STAPO_ALLOW_VERL_VERSION"
+#: attribute a wrapper carries: the name of the patch that installed it
+MARKER = "__stapo_patch__"
+#: patch scopes: ``recipe`` (every process), ``cpu`` (only when the CPU path is selected)
+SCOPES = ("recipe", "cpu")
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to verl.
+
+    Args:
+        name: short unique name (also the wrapper's ``__stapo_patch__``).
+        target: what is changed, ``"module:attr"`` or ``"module:Class.attr"`` (for a
+            registration: the registry).
+        changes: what the recipe's version does differently.
+        why: what the recipe needs it for.
+        relies_on: the verl behaviour the patch assumes (check it when upgrading verl).
+        drop_when: the verl change that makes the patch unnecessary.
+        wrapper: ``"module:function"``, ``function(original) -> replacement`` (a wrap).
+        register: ``"module:function"``, an idempotent zero-argument registration (instead of
+            ``wrapper``); ``registered`` (``"module:function"``) tells whether it is in place.
+        scope: ``recipe`` or ``cpu``.
+        applies: ``"module:function"`` returning False where the patch must stay off in this
+            process (e.g. a CUDA machine for a CPU-only fix); None: always.
+    """
+
+    name: str
+    target: str
+    changes: str
+    why: str
+    relies_on: str
+    drop_when: str
+    wrapper: Optional[str] = None
+    register: Optional[str] = None
+    registered: Optional[str] = None
+    scope: str = "recipe"
+    applies: Optional[str] = None
+
+    def __post_init__(self):
+        if self.scope not in SCOPES:
+            raise ValueError(f"patch {self.name}: scope {self.scope!r} not in {SCOPES}")
+        if (self.wrapper is None) == (self.register is None):
+            raise ValueError(f"patch {self.name}: give exactly one of wrapper= and register=")
+        if self.register is not None and self.registered is None:
+            raise ValueError(f"patch {self.name}: a registration needs registered= to tell whether it is in place")
+        if ":" not in self.target:
+            raise ValueError(f"patch {self.name}: target {self.target!r} must read 'module:attribute'")
+
+    @property
+    def kind(self) -> str:
+        return "wrap" if self.wrapper is not None else "register"
+
+
+def resolve(ref: str) -> Any:
+    """The object ``"module:qualified.name"`` names (the module is imported)."""
+    module, _, qualname = ref.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split(".") if qualname else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def _owner_and_attr(target: str) -> tuple[Any, str]:
+    """``(object holding the attribute, attribute name)`` of a ``"module:[Class.]attr"`` target."""
+    module, _, qualname = target.partition(":")
+    owner, _, attr = qualname.rpartition(".")
+    return resolve(f"{module}:{owner}"), attr
+
+
+def _call(ref: Optional[str]) -> Any:
+    return resolve(ref)() if ref is not None else True
+
+
+def is_applied(patch: Patch) -> bool:
+    """True when ``patch`` is in place in this process."""
+    if patch.kind == "register":
+        return bool(_call(patch.registered))
+    owner, attr = _owner_and_attr(patch.target)
+    return getattr(getattr(owner, attr), MARKER, None) == patch.name
+
+
+def applies_here(patch: Patch) -> bool:
+    """False when the patch's ``applies`` condition keeps it off in this process."""
+    return bool(_call(patch.applies))
+
+
+def apply(patch: Patch) -> bool:
+    """Apply ``patch`` once: True when this call changed something, False when it was in place
+    already or does not apply in this process."""
+    if not applies_here(patch) or is_applied(patch):
+        return False
+    if patch.kind == "register":
+        resolve(patch.register)()
+        return True
+    owner, attr = _owner_and_attr(patch.target)
+    original = getattr(owner, attr)
+    replacement = resolve(patch.wrapper)(original)
+    try:
+        setattr(replacement, MARKER, patch.name)
+        replacement.__wrapped__ = original
+    except AttributeError as exc:  # e.g. a builtin: a wrapper must return a plain Python object
+        raise TypeError(f"patch {patch.name}: the wrapper's result {replacement!r} cannot carry a marker") from exc
+    setattr(owner, attr, replacement)
+    return True
+
+
+def original_of(obj: Any) -> Any:
+    """verl's own object under any number of the recipe's wraps."""
+    while getattr(obj, MARKER, None) is not None:
+        obj = obj.__wrapped__
+    return obj
+
+
+def check_verl_version(installed: Optional[str] = None, environ: Optional[Mapping[str, str]] = None,
+                       warn: Callable[[str], None] = lambda msg: warnings.warn(msg, stacklevel=3)) -> str:
+    """Refuse a verl release other than :data:`VERL_VERSION` (returns the installed version).
+
+    ``installed`` defaults to the installed distribution's version. ``STAPO_ALLOW_VERL_VERSION``
+    set to that version (or to ``any``) lets it through with a warning: for trying a newer verl,
+    where every patch's ``relies_on`` must be checked.
+    """
+    if installed is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            installed = version("verl")
+        except PackageNotFoundError:
+            installed = getattr(importlib.import_module("verl"), "__version__", "unknown")
+    if installed == VERL_VERSION:
+        return installed
+    environ = os.environ if environ is None else environ
+    allowed = environ.get(VERSION_OVERRIDE_ENV, "").strip()
+    if allowed in (installed, "any"):
+        warn(f"verl_patches: written for verl {VERL_VERSION}, running on verl {installed} "
+             f"({VERSION_OVERRIDE_ENV}={allowed}); check each patch's 'relies_on' "
+             f"(python -m verl_patches)")
+        return installed
+    raise RuntimeError(
+        f"verl_patches: the recipe patches verl {VERL_VERSION}, but verl {installed} is installed. "
+        f"Install the pinned release (pip install verl=={VERL_VERSION}, see requirements.txt), or, to try "
+        f"this one anyway, set {VERSION_OVERRIDE_ENV}={installed} and check each patch's 'relies_on' "
+        f"(python -m verl_patches lists them).")
