@@ -13,10 +13,10 @@ import math
 import torch
 
 from .distributed import exchange_counts, gather_padded, group_rank
-from .s2t import _check_fraction, _check_token_tensors, _raise_if_nonfinite
+from .checks import check_fraction, check_token_tensors, raise_if_nonfinite
 
 
-def top_count(num_tokens: int, ratio: float) -> int:
+def _top_count(num_tokens: int, ratio: float) -> int:
     """k = ceil(ratio * num_tokens), the product rounded to 9 decimals first so that float error
     does not add a token (0.2 * 15 = 3.0000000000000004 gives 3, not 4)."""
     return min(num_tokens, math.ceil(round(ratio * num_tokens, 9)))
@@ -67,13 +67,13 @@ def entropy_topk_mask(
     One host sync (the token counts); with ``group`` one all-gather of counts and one of the
     response entropies (padded to the largest rank's count).
     """
-    ratio = _check_fraction("ratio", ratio, include_one=True)
-    _check_token_tensors("entropy_topk_mask", response_mask, entropy=entropy)
+    ratio = check_fraction("ratio", ratio, include_one=True)
+    check_token_tensors("entropy_topk_mask", response_mask, entropy=entropy)
     ent = entropy.detach().float()
     mask = response_mask != 0
     per_rank = _host_token_counts(mask, ent, group)
-    _raise_if_nonfinite("entropy_topk_mask", {"entropy": sum(r[1] for r in per_rank)})
-    k = top_count(sum(r[0] for r in per_rank), ratio)
+    raise_if_nonfinite("entropy_topk_mask", {"entropy": sum(r[1] for r in per_rank)})
+    k = _top_count(sum(r[0] for r in per_rank), ratio)
     if k == 0:
         return torch.zeros_like(ent)
 
@@ -88,4 +88,4 @@ def entropy_topk_mask(
     return keep.float()
 
 
-__all__ = ["entropy_topk_mask", "top_count"]
+__all__ = ["entropy_topk_mask"]

@@ -21,12 +21,11 @@ Masked-out positions never contribute, even when they hold non-finite values in 
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from .checks import is_number
+from .checks import check_token_tensors, is_number, token_advantages
 
 #: aggregation modes of :func:`aggregate_loss`
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
@@ -49,37 +48,16 @@ def _check_agg(agg) -> None:
         raise ValueError(f"agg={agg!r} is invalid: expected one of {list(AGG_MODES)}")
 
 
-def _check_shapes(log_prob, old_log_prob, advantages, loss_mask) -> torch.Tensor:
-    """Validate shapes; return advantages as ``(batch, resp_len)`` (a ``(batch,)`` one is broadcast)."""
-    if not isinstance(loss_mask, torch.Tensor) or loss_mask.dim() != 2:
-        raise ValueError("clipped_surrogate: loss_mask must be a (batch, resp_len) tensor")
-    for name, t in (("log_prob", log_prob), ("old_log_prob", old_log_prob)):
-        if t.shape != loss_mask.shape:
-            raise ValueError(
-                f"clipped_surrogate: shape mismatch: {name} has shape {tuple(t.shape)}, "
-                f"loss_mask has shape {tuple(loss_mask.shape)}"
-            )
-    batch, resp_len = loss_mask.shape
-    if advantages.shape == (batch,):
-        return advantages.reshape(batch, 1).expand(batch, resp_len)
-    if advantages.shape != loss_mask.shape:
-        raise ValueError(
-            f"clipped_surrogate: shape mismatch: advantages has shape {tuple(advantages.shape)}, "
-            f"expected {(batch, resp_len)} or {(batch,)}"
-        )
-    return advantages
-
-
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+def _masked_sum(values: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """sum(values * mask) over ``dim`` (all dims if None); positions with mask == 0 contribute 0
     even when ``values`` is non-finite there."""
     weighted = torch.where(mask != 0, values * mask, torch.zeros_like(values))
     return weighted.sum() if dim is None else weighted.sum(dim)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """sum(values * mask) / max(sum(mask), 1): 0-dim, 0.0 for an empty mask (never NaN)."""
-    return masked_sum(values, mask) / mask.sum().clamp(min=1.0)
+    return _masked_sum(values, mask) / mask.sum().clamp(min=1.0)
 
 
 def clipped_surrogate(
@@ -110,7 +88,8 @@ def clipped_surrogate(
         after the clamp).
     """
     _check_clip(clip_low, clip_high, clip_c)
-    adv = _check_shapes(log_prob, old_log_prob, advantages, loss_mask).float()
+    check_token_tensors("clipped_surrogate", loss_mask, "loss_mask", log_prob=log_prob, old_log_prob=old_log_prob)
+    adv = token_advantages("clipped_surrogate", advantages, loss_mask, "loss_mask").float()
     mask = loss_mask.float()
     log_ratio = torch.clamp(log_prob.float() - old_log_prob.float(), -LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)  # r
@@ -126,9 +105,9 @@ def clipped_surrogate(
         loss = torch.where(adv < 0, torch.minimum(loss, dual_bound), loss)
 
     metrics = {
-        "pg_clipfrac": masked_mean(clip_active.float(), mask).detach(),
-        "pg_clipfrac_lower": masked_mean(dual_active.float(), mask).detach(),
-        "ppo_kl": masked_mean(-log_ratio, mask).detach(),
+        "pg_clipfrac": _masked_mean(clip_active.float(), mask).detach(),
+        "pg_clipfrac_lower": _masked_mean(dual_active.float(), mask).detach(),
+        "ppo_kl": _masked_mean(-log_ratio, mask).detach(),
     }
     return loss, metrics
 
@@ -151,11 +130,11 @@ def aggregate_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, agg: str = "
         )
     mask = loss_mask.float()
     if agg == "token-mean":
-        return masked_mean(loss_mat, mask)
+        return _masked_mean(loss_mat, mask)
     tokens = mask.sum(-1)  # (batch,)
-    seq_sum = masked_sum(loss_mat, mask, dim=-1)  # (batch,)
+    seq_sum = _masked_sum(loss_mat, mask, dim=-1)  # (batch,)
     seq_loss = seq_sum / tokens.clamp(min=1.0) if agg == "seq-mean-token-mean" else seq_sum
-    return masked_mean(seq_loss, (tokens > 0).float())  # sequences with no token excluded
+    return _masked_mean(seq_loss, (tokens > 0).float())  # sequences with no token excluded
 
 
 def clipped_policy_loss(
@@ -184,4 +163,4 @@ def clipped_policy_loss(
     return aggregate_loss(loss_mat, loss_mask, agg), metrics
 
 
-__all__ = ["AGG_MODES", "aggregate_loss", "clipped_policy_loss", "clipped_surrogate", "masked_mean", "masked_sum"]
+__all__ = ["AGG_MODES", "aggregate_loss", "clipped_policy_loss", "clipped_surrogate"]

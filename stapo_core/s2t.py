@@ -24,8 +24,8 @@ from typing import Optional
 
 import torch
 
-from .checks import is_number
-from .distributed import all_reduce_sum, exchange_counts, gather_padded, group_rank
+from .checks import check_fraction, check_token_tensors, raise_if_nonfinite, token_advantages
+from .distributed import all_reduce_sum, exchange_counts, gather_padded
 
 #: S2T strategies: the paper's method and its three ablations
 STRATEGIES = ("low_entropy", "high_entropy", "random", "full")
@@ -68,60 +68,10 @@ class S2TResult:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_fraction(name: str, value, *, include_one: bool = False) -> float:
-    """``value`` as a float if it lies in (0, 1) (or (0, 1] with ``include_one``), else ValueError."""
-    if not is_number(value) or not (value > 0.0 and (value <= 1.0 if include_one else value < 1.0)):
-        interval = "(0, 1]" if include_one else "(0, 1)"
-        raise ValueError(f"{name}={value!r} is invalid: expected a number in {interval}")
-    return float(value)
-
-
 def _check_strategy(strategy) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is invalid: expected one of {list(STRATEGIES)}")
     return strategy
-
-
-def _check_token_tensors(func: str, response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
-    """All of ``tensors`` must be 2-D tensors shaped like ``response_mask``, on its device."""
-    if not isinstance(response_mask, torch.Tensor) or response_mask.dim() != 2:
-        got = tuple(response_mask.shape) if isinstance(response_mask, torch.Tensor) else type(response_mask).__name__
-        raise ValueError(f"{func}: response_mask must be a (batch, resp_len) tensor, got {got}")
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{func}: {name} must be a tensor, got {type(t).__name__}")
-        if t.shape != response_mask.shape:
-            raise ValueError(
-                f"{func}: shape mismatch: {name} has shape {tuple(t.shape)}, "
-                f"response_mask has shape {tuple(response_mask.shape)}"
-            )
-        if t.device != response_mask.device:
-            raise ValueError(f"{func}: {name} is on {t.device}, response_mask on {response_mask.device}")
-
-
-def _token_advantages(advantages: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Advantages as float32 ``(batch, resp_len)``: a ``(batch,)`` tensor is broadcast along tokens."""
-    if not isinstance(advantages, torch.Tensor):
-        raise ValueError(f"s2t_mask: advantages must be a tensor, got {type(advantages).__name__}")
-    batch, resp_len = response_mask.shape
-    if advantages.shape == (batch,):
-        advantages = advantages.reshape(batch, 1).expand(batch, resp_len)
-    elif advantages.shape != response_mask.shape:
-        raise ValueError(
-            f"s2t_mask: shape mismatch: advantages has shape {tuple(advantages.shape)}, expected "
-            f"{(batch, resp_len)} (like response_mask) or {(batch,)}"
-        )
-    if advantages.device != response_mask.device:
-        raise ValueError(f"s2t_mask: advantages is on {advantages.device}, response_mask on {response_mask.device}")
-    return advantages.detach().float()
-
-
-def _raise_if_nonfinite(func: str, counts: dict) -> None:
-    """ValueError listing every tensor with non-finite values inside the response mask."""
-    bad = {name: int(n) for name, n in counts.items() if n}
-    if bad:
-        listing = ", ".join(f"{name} ({n} value(s))" for name, n in bad.items())
-        raise ValueError(f"{func}: non-finite values inside response_mask in {listing}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,7 +181,7 @@ def _stats_vector(mask, log_prob, entropy, advantages, candidate, silenced) -> t
 def _stats_dict(values: list) -> dict:
     """Host-side stats from ``_STAT_SUMS`` values followed by ``tau_h``."""
     v = dict(zip(_STAT_SUMS + ("tau_h",), values))
-    _raise_if_nonfinite("s2t_mask", {k: v["nonfinite_" + k] for k in ("log_prob", "entropy", "advantages")})
+    raise_if_nonfinite("s2t_mask", {k: v["nonfinite_" + k] for k in ("log_prob", "entropy", "advantages")})
     candidates, silenced, tokens = int(v["candidates"]), int(v["silenced"]), int(v["tokens"])
     kept_candidates = candidates - silenced
     return {
@@ -295,11 +245,11 @@ def s2t_mask(
             ``log_prob``, ``entropy`` or ``advantages`` inside ``response_mask`` (detected with the
             final stats read, on every rank of ``group`` alike).
     """
-    tau_p = _check_fraction("tau_p", tau_p)
-    q = _check_fraction("q", q)
+    tau_p = check_fraction("tau_p", tau_p)
+    q = check_fraction("q", q)
     strategy = _check_strategy(strategy)
-    _check_token_tensors("s2t_mask", response_mask, log_prob=log_prob, entropy=entropy)
-    adv = _token_advantages(advantages, response_mask)
+    check_token_tensors("s2t_mask", response_mask, log_prob=log_prob, entropy=entropy)
+    adv = token_advantages("s2t_mask", advantages, response_mask).detach().float()
     lp = log_prob.detach().float()
     ent = entropy.detach().float()
     mask = response_mask != 0

@@ -32,8 +32,6 @@ SCOPES = ("mini_batch", "micro_batch")
 #: verl losses that normalise by their own per-micro-batch counts (not verl's mini-batch counts), so
 #: the micro-batch scope's re-weighting does not give the mean over the remaining tokens
 LOCAL_NORMALISING_LOSS_MODES = ("geo_mean", "sapo")
-#: loss modes of earlier versions of this recipe, now a loss mode + a token selection
-RETIRED_LOSS_MODES = {"stapo": "s2t", "entropy_topk": "entropy_topk"}
 
 
 @dataclass
@@ -75,10 +73,6 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         def fail(key, value, expected):
             raise ValueError(f"{KEY_PREFIX}.{key}={value!r} is invalid: expected {expected}")
 
-        if self.loss_mode in RETIRED_LOSS_MODES:
-            fail("loss_mode", self.loss_mode,
-                 f"a verl policy loss; token selection is its own key now: loss_mode=vanilla "
-                 f"token_selection={RETIRED_LOSS_MODES[self.loss_mode]}")
         if not isinstance(self.loss_mode, str):
             fail("loss_mode", self.loss_mode, "a registered policy loss name")
         if self.token_selection not in TOKEN_SELECTIONS:

@@ -115,17 +115,12 @@ def check_loss_mode(config: DictConfig) -> None:
     """Fail (``ValueError`` naming the key) unless the policy loss is registered with verl.
 
     Imports :mod:`verl_patches` (installed in every worker too) and reads verl's policy-loss
-    registry, as the actor will in every worker. A loss mode of earlier versions of this recipe
-    (``stapo``, ``entropy_topk``) gets the keys that replace it.
+    registry, as the actor will in every worker.
     """
     import verl_patches  # noqa: F401  (the patches every worker runs with)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-    from verl_patches.config import RETIRED_LOSS_MODES
 
     mode = OmegaConf.select(config, f"{POLICY_LOSS}.loss_mode", default="vanilla")
-    if mode in RETIRED_LOSS_MODES:
-        raise ValueError(f"{POLICY_LOSS}.loss_mode={mode!r} is not a registered policy loss: token selection is its "
-                         f"own key now: loss_mode=vanilla token_selection={RETIRED_LOSS_MODES[mode]}")
     if mode not in POLICY_LOSS_REGISTRY:
         raise ValueError(f"{POLICY_LOSS}.loss_mode={mode!r} is not a registered policy loss: expected one of "
                          f"{sorted(POLICY_LOSS_REGISTRY)}")

@@ -4,8 +4,9 @@ CLI::
 
     python -m recipe.stapo.inspect RUN_DIR [--out DIR] [--top K] [--seed S]
 
-Reads the token dump of ``RUN_DIR`` (:mod:`recipe.stapo.token_dump`) and writes, into ``DIR``
-(default ``RUN_DIR/inspect``):
+Reads the token dump of ``RUN_DIR``: the step files ``s2t_tokens/step_*.jsonl`` that
+:mod:`verl_patches.token_dump` writes during training (format: :mod:`stapo_core.token_records`).
+Writes, into ``DIR`` (default ``RUN_DIR/inspect``):
 
 * a summary per step: responses, positive-advantage responses, response tokens, candidates,
   silenced tokens, kept candidates and tau_h (range over the step's mini-batches);
@@ -325,7 +326,7 @@ def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None, top:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.inspect", description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="run folder holding s2t_tokens/ or s2t_tokens.jsonl")
+    parser.add_argument("run_dir", type=Path, help="run folder holding s2t_tokens/")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/inspect)")
     parser.add_argument("--top", type=int, default=20, help="tokens per sample and frequent-token rows (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token samples (default 0)")

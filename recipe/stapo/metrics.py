@@ -23,7 +23,7 @@ from typing import Optional
 
 from stapo_core.checks import is_number
 from stapo_core.fileio import iter_jsonl
-from stapo_core.token_records import TOKEN_DUMP_DIR, TOKEN_DUMP_FILE
+from stapo_core.token_records import TOKEN_DUMP_DIR
 
 #: where the recipe's CPU path points verl's file logger
 METRICS_FILE = "metrics.jsonl"
@@ -60,8 +60,7 @@ def find_metrics_file(run: str | os.PathLike) -> Path:
         return run / METRICS_FILE
     found = sorted(
         p for p in run.rglob("*.jsonl")
-        if TOKEN_DUMP_DIR not in p.relative_to(run).parts and p.name != TOKEN_DUMP_FILE
-        and _is_step_record(_first_record(p))
+        if TOKEN_DUMP_DIR not in p.relative_to(run).parts and _is_step_record(_first_record(p))
     )
     if not found:
         raise FileNotFoundError(f"{run}: no metrics JSONL (neither {METRICS_FILE} nor any *.jsonl "

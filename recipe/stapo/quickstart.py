@@ -306,13 +306,13 @@ def quadrant_markdown(stapo_dirs: list[Path]) -> str:
     token dumps of all ``stapo_dirs`` together (every step of every seed); also writes each run's
     ``inspect/report.md``."""
     from recipe.stapo.inspect import QUADRANT_LABELS, quadrant_table, write_report
-    from stapo_core.token_records import read_records
+    from stapo_core.token_records import read_dump
 
     responses, tokens = [], []
     for run_dir in stapo_dirs:
-        tok, resp = read_records(run_dir, progress=False)
-        tokens += tok
-        responses += resp
+        dump = read_dump(run_dir, progress=False)
+        tokens += dump.tokens
+        responses += dump.responses
         write_report(run_dir)
     rows = quadrant_table(responses)
     silenced = sum(t["silenced"] for t in tokens)

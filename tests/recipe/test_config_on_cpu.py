@@ -162,13 +162,6 @@ def test_unknown_s2t_key_fails():
         compose(["method=stapo", f"{PL}.tau_pp=0.1"])
 
 
-@pytest.mark.parametrize("retired, selection", [("stapo", "s2t"), ("entropy_topk", "entropy_topk")])
-def test_retired_loss_modes_name_the_new_keys(retired, selection):
-    cfg = compose(["method=stapo", f"{PL}.loss_mode={retired}"])
-    with pytest.raises(ValueError, match=f"loss_mode=vanilla token_selection={selection}"):
-        validate(cfg)
-
-
 @pytest.mark.parametrize("model", MODELS)
 def test_models_select_qwen3_base_checkpoints(model):
     cfg = compose([f"model={model}"])

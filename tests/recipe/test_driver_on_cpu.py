@@ -167,8 +167,3 @@ def test_wandb_run_id_is_fixed_by_project_and_experiment():
     assert mine == {"WANDB_RUN_ID": "mine", "WANDB_RESUME": "must"}
     none, cfg = _run_env(["method=stapo", "trainer.logger=[console,file]"], {})
     assert none == {} and "WANDB_RUN_ID" not in cfg.ray_kwargs.ray_init.runtime_env.env_vars
-
-
-def test_retired_loss_mode_fails_in_prepare_naming_the_new_keys():
-    with pytest.raises(ValueError, match="loss_mode=vanilla token_selection=s2t"):
-        prepare(compose(["method=stapo", f"{PL}.loss_mode=stapo"]), log=lambda _: None)

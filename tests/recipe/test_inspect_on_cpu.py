@@ -103,8 +103,7 @@ def run(tmp_path_factory):
 def test_dump_round_trip(run):
     run_dir, tokens, responses, _, stats = run
     assert (run_dir / "s2t_tokens" / "step_000001.jsonl").is_file()
-    got_tokens, got_responses = td.read_records(run_dir)
-    assert got_tokens == tokens and got_responses == responses
+    assert td.read_dump(run_dir) == td.Dump(tokens=tokens, responses=responses, skipped=[])
     assert sum(s["silenced"] for s in stats.values()) == sum(t["silenced"] for t in tokens) > 0
     assert sum(s["candidates"] for s in stats.values()) == len(tokens)
     assert any(t["candidate"] and not t["silenced"] for t in tokens)
@@ -135,17 +134,22 @@ def test_quadrants_add_up(run):
     assert math.isclose(sum(r["quadrants"]["lowp_lowh"]["grad_norm_sum"] for r in positive), silenced_g, rel_tol=1e-9)
 
 
-def test_quadrant_counts_against_loop():
+@pytest.mark.parametrize("tau_h", [1.0, None])
+def test_quadrant_counts_against_loop(tau_h):
+    """Counts and sums of a (3, 7) batch against a loop over its tokens; without tau_h the entropy
+    split is the median entropy of the masked tokens (sorted by hand here)."""
     rng = np.random.default_rng(3)
     p, h, g = rng.uniform(0, 0.1, (3, 7)), rng.uniform(0, 2, (3, 7)), rng.uniform(0, 1.4, (3, 7))
-    adv, mask = np.array([[1.0], [-1.0], [0.5]]), rng.uniform(size=(3, 7)) > 0.2
-    for positive_only in (False, True):
-        got = td.quadrant_counts(torch.tensor(p), h, adv, g, mask, 0.05, 1.0, positive_only=positive_only)
-        for name, (lp, lh) in zip(td.QUADRANTS, [(1, 1), (1, 0), (0, 1), (0, 0)]):
-            sel = [(i, j) for i in range(3) for j in range(7) if mask[i, j] and (adv[i, 0] > 0 or not positive_only)
-                   and (p[i, j] < 0.05) == lp and (h[i, j] < 1.0) == lh]
-            assert got[name]["count"] == len(sel)
-            assert math.isclose(got[name]["grad_norm_sum"], sum(g[s] for s in sel), abs_tol=1e-12)
+    mask = rng.uniform(size=(3, 7)) > 0.2
+    tokens = [(i, j) for i in range(3) for j in range(7) if mask[i, j]]
+    ent = sorted(h[t] for t in tokens)
+    split = tau_h if tau_h is not None else (ent[(len(ent) - 1) // 2] + ent[len(ent) // 2]) / 2
+    assert td.entropy_split(h, mask, tau_h) == pytest.approx(split, rel=1e-15)
+    got = td.quadrant_counts(torch.tensor(p), h, g, mask, 0.05, tau_h)
+    for name, (lp, lh) in zip(td.QUADRANTS, [(1, 1), (1, 0), (0, 1), (0, 0)]):
+        sel = [t for t in tokens if (p[t] < 0.05) == lp and (h[t] < split) == lh]
+        assert got[name]["count"] == len(sel)
+        assert math.isclose(got[name]["grad_norm_sum"], sum(g[t] for t in sel), abs_tol=1e-12)
 
 
 def test_median_split_without_tau_h():
@@ -162,11 +166,14 @@ def test_median_split_without_tau_h():
 
 def test_quadrant_counts_bad_input():
     with pytest.raises(ValueError, match="same shape"):
-        td.quadrant_counts([0.1, 0.2], [1.0], 1.0, [0.1, 0.2], [1, 1], 0.002, None)
+        td.quadrant_counts([0.1, 0.2], [1.0], [0.1, 0.2], [1, 1], 0.002, None)
     with pytest.raises(ValueError, match="tau_p"):
-        td.quadrant_counts([0.1], [1.0], 1.0, [0.1], [1], 0.0, None)
+        td.quadrant_counts([0.1], [1.0], [0.1], [1], 0.0, None)
     with pytest.raises(ValueError, match="entropy holds non-finite"):
-        td.quadrant_counts([0.1], [float("nan")], 1.0, [0.1], [1], 0.002, None)
+        td.quadrant_counts([0.1], [float("nan")], [0.1], [1], 0.002, None)
+    # a non-finite value outside the mask is not counted, so it is no error
+    assert td.quadrant_counts([0.1, 0.2], [float("nan"), 1.0], [0.1, 0.2], [0, 1], 0.002, None)["highp_highh"] == {
+        "count": 1, "grad_norm_sum": 0.2}
 
 
 def test_report_contents(run, tmp_path):
@@ -202,7 +209,7 @@ def test_html_escaping(tmp_path):
            "token_id": 0, "token": "<b>", "context_before": "1 < 2 & ", "context_after": '</td>"|x',
            "prob": 0.001, "entropy": 0.2, "advantage": 1.0, "candidate": True, "silenced": True, "grad_norm": 1.3,
            "top5": [['"><img>', 0.9]]}
-    td.write_records(tmp_path / "s2t_tokens.jsonl", [rec])
+    td.write_step(tmp_path, 3, [rec])
     md_path, html_path = insp.write_report(tmp_path, top=5)
     page, md = html_path.read_text(), md_path.read_text()
     for raw in ("<b>", "</td>\"", "<script>", "<img>", "1 < 2"):
@@ -217,6 +224,9 @@ def test_no_dump_clear_error(tmp_path, capsys):
         insp.build_report(tmp_path)
     assert insp.main([str(tmp_path)]) == 2
     assert "no spurious-token dump" in capsys.readouterr().err
+    path = td.write_step(tmp_path, 1, [_token()])
+    with pytest.raises(FileNotFoundError, match="no such run folder"):  # a file is not a run folder
+        td.dump_files(path)
 
 
 def test_cli_default_out(run, tmp_path):
@@ -238,6 +248,20 @@ def _token(**over):
     return rec
 
 
+def test_validation_normalises_numbers_and_keeps_extra_keys():
+    tok = td.validate_record(_token(prob=0, entropy=1, advantage=2, grad_norm=1, top5=[("a", 1)], row=7))
+    assert all(type(tok[k]) is float for k in ("prob", "entropy", "advantage", "grad_norm"))
+    assert (tok["prob"], tok["entropy"], tok["advantage"], tok["grad_norm"]) == (0.0, 1.0, 2.0, 1.0)
+    assert tok["top5"] == [["a", 1.0]] and type(tok["top5"][0][1]) is float
+    assert type(tok["position"]) is int and tok["row"] == 7
+    assert td.validate_token_record(dict(tok, kind="other"))["kind"] == "token"
+    resp = td.response_record(step=1, method="m", uid="u", response_index=0, advantage=1, prob=[0.5],
+                              entropy=[0.1], grad_norm=[0.5], mask=[1], tau_p=0.002, tau_h=None)
+    assert resp["entropy_split"] == 0.1
+    without = {k: v for k, v in resp.items() if k != "entropy_split"}
+    assert td.validate_record(without) == dict(resp, entropy_split=None)
+
+
 @pytest.mark.parametrize("over, message", [
     ({"prob": 1.5}, "'prob' must lie in"),
     ({"entropy": float("nan")}, "'entropy' must be a finite number"),
@@ -247,11 +271,10 @@ def _token(**over):
     ({"kind": "tok"}, "'kind' must be"),
 ])
 def test_writer_rejects_bad_records_and_keeps_file(tmp_path, over, message):
-    path = tmp_path / "s2t_tokens.jsonl"
-    td.write_records(path, [_token()])
+    path = td.write_step(tmp_path, 1, [_token()])
     before = path.read_bytes()
     with pytest.raises(ValueError, match=message) as info:
-        td.write_records(path, [_token(position=1), _token(**over)])
+        td.write_step(tmp_path, 1, [_token(position=1), _token(**over)])
     assert "record #1" in str(info.value) and str(path) in str(info.value)
     assert path.read_bytes() == before  # nothing half-written
 
@@ -262,14 +285,14 @@ def test_reader_names_file_and_line(tmp_path):
     good = json.dumps(_token())
     (folder / "step_000002.jsonl").write_text(good + "\n" + json.dumps(_token(grad_norm=-1.0)) + "\n")
     with pytest.raises(ValueError, match=r"step_000002.jsonl: line 2: field 'grad_norm'"):
-        td.read_records(tmp_path)
+        td.read_dump(tmp_path)
     (folder / "step_000002.jsonl").write_text(good + "\n{not json\n" + good + "\n")
     with pytest.raises(ValueError, match=r"step_000002.jsonl: line 2 is not valid JSON"):
-        td.read_records(tmp_path)
+        td.read_dump(tmp_path)
     (folder / "step_000002.jsonl").write_text(good + "\n" + good[:20])  # a write cut short: tolerated
     with pytest.warns(UserWarning, match="truncated last line 2"):
-        tokens, _ = td.read_records(tmp_path)
-    assert len(tokens) == 1
+        dump = td.read_dump(tmp_path)
+    assert len(dump.tokens) == 1
 
 
 def test_response_record_validation(tmp_path):
@@ -278,19 +301,22 @@ def test_response_record_validation(tmp_path):
     assert rec["quadrants"]["lowp_lowh"] == {"count": 1, "grad_norm_sum": 1.0}
     assert rec["quadrants"]["highp_highh"] == {"count": 1, "grad_norm_sum": 0.5}
     bad = dict(rec, n_tokens=1)
-    with pytest.raises(ValueError, match="more than n_tokens"):
-        td.write_records(tmp_path / "x.jsonl", [bad])
+    with pytest.raises(td.RecordError, match="more than n_tokens"):
+        td.validate_record(bad)
     bad = dict(rec, quadrants={k: v for k, v in rec["quadrants"].items() if k != "lowp_lowh"})
-    with pytest.raises(ValueError, match="'quadrants' must map exactly"):
-        td.write_records(tmp_path / "x.jsonl", [bad])
+    with pytest.raises(td.RecordError, match="'quadrants' must map exactly"):
+        td.validate_record(bad)
+    bad = dict(rec, quadrants={**rec["quadrants"], "lowp_lowh": {"count": -1, "grad_norm_sum": 0.0}})
+    with pytest.raises(td.RecordError, match=r"quadrants.lowp_lowh: field 'count' must be >= 0"):
+        td.validate_record(bad)
 
 
 def test_step_files_read_in_step_order(tmp_path):
     for step in (10, 2, 100):
-        td.write_records(td.step_file(tmp_path, step), [_token(step=step)])
+        td.write_step(tmp_path, step, [_token(step=step)])
     (tmp_path / "s2t_tokens" / "notes.txt").write_text("ignored")
-    tokens, _ = td.read_records(tmp_path, progress=False)
-    assert [t["step"] for t in tokens] == [2, 10, 100]
+    dump = td.read_dump(tmp_path, progress=False)
+    assert [t["step"] for t in dump.tokens] == [2, 10, 100]
     assert [p.name for p in td.dump_files(tmp_path / "s2t_tokens")] == [
         "step_000002.jsonl", "step_000010.jsonl", "step_000100.jsonl"]
 
@@ -299,7 +325,7 @@ def test_degenerate_dump_renders_finite(tmp_path):
     """Only a negative-advantage response with no tokens: empty tables, zero shares, no NaN."""
     rec = td.response_record(step=0, method="justrl", uid="u", response_index=0, advantage=-1.0, prob=[],
                              entropy=[], grad_norm=[], mask=[], tau_p=0.002, tau_h=None)
-    td.write_records(tmp_path / "s2t_tokens.jsonl", [rec])
+    td.write_step(tmp_path, 0, [rec])
     md_path, html_path = insp.write_report(tmp_path)
     assert all(r.count == 0 and r.share == 0.0 and r.mean_grad_norm == 0.0 for r in insp.quadrant_table([rec]))
     md, page = md_path.read_text(), html_path.read_text()

@@ -46,6 +46,19 @@ def test_loss_matrix_equals_scalar_formula_with_and_without_dual_clip():
         torch.testing.assert_close(loss_mat, hand, rtol=1e-5, atol=1e-6)
 
 
+def test_per_token_advantages_equal_per_sequence():
+    """A (batch,) advantage is the same as that value repeated over the response's tokens."""
+    new, old, adv, mask, _ = _random_case(4)
+    per_sequence, _ = clipped_surrogate(new, old, adv, mask)
+    per_token, _ = clipped_surrogate(new, old, adv[:, None].repeat(1, new.shape[1]), mask)
+    torch.testing.assert_close(per_token, per_sequence, rtol=0, atol=0)
+    changed = adv[:, None].repeat(1, new.shape[1])
+    changed[0, 0] = 5.0  # a (batch, resp_len) tensor is used token by token
+    loss_mat, _ = clipped_surrogate(new, old, changed, mask)
+    assert float(loss_mat[0, 0]) == pytest.approx(_token_loss(float(new[0, 0]), float(old[0, 0]), 5.0), rel=1e-5)
+    torch.testing.assert_close(loss_mat[:, 1:], per_sequence[:, 1:], rtol=0, atol=0)
+
+
 def test_token_mean_with_keep_is_mean_over_remaining_tokens():
     new, old, adv, mask, keep = _random_case(1)
     loss_mask = mask * keep  # STAPO: M = response_mask * keep

@@ -100,10 +100,10 @@ def test_write_step_replaces_atomically(tmp_path):
     path = td.write_step(tmp_path, 1, [rec, rec])
     assert path == td.step_file(tmp_path, 1)
     td.write_step(tmp_path, 1, [rec])  # a step trained again (resume) replaces its file
-    assert len(td.read_records(tmp_path)[1]) == 1
+    assert len(td.read_dump(tmp_path).responses) == 1
     with pytest.raises(ValueError, match="record #1"):
         td.write_step(tmp_path, 1, [rec, {**rec, "tau_p": 2.0}])
-    assert len(td.read_records(tmp_path)[1]) == 1 and sorted(p.name for p in path.parent.iterdir()) == [path.name]
+    assert len(td.read_dump(tmp_path).responses) == 1 and sorted(p.name for p in path.parent.iterdir()) == [path.name]
 
 
 # --------------------------------------------------------------------------------------------
@@ -273,7 +273,8 @@ def test_dump_matches_independent_forward(model, batch, dump_env, layout, monkey
     original = to_padded(data["response_mask"]).clone()
     metrics = _metrics_of(hook(worker, data))
     folded = to_padded(data["response_mask"])
-    tokens, responses = td.read_records(dump_env, progress=False)
+    dump = td.read_dump(dump_env, progress=False)
+    tokens, responses = dump.tokens, dump.responses
     assert td.dump_files(dump_env) == [td.step_file(dump_env, 5)]  # lr-scheduler count 4 -> step 5
 
     # metrics: the fold's and the dump's, side by side
@@ -317,7 +318,7 @@ def test_dump_matches_independent_forward(model, batch, dump_env, layout, monkey
     # a later mini-batch of the same step: no dump, no cost
     again = _metrics_of(hook(worker, _mini_batch(batch, layout, last=True)))
     assert not any(k.startswith("token_dump/") for k in again)
-    assert len(td.read_records(dump_env, progress=False)[0]) == len(tokens)
+    assert len(td.read_dump(dump_env, progress=False).tokens) == len(tokens)
     # the next step's first mini-batch is dumped again
     worker.engine.lr_scheduler.last_epoch = 5
     _metrics_of(hook(worker, _mini_batch(batch, layout, last=True)))
@@ -334,9 +335,9 @@ def test_both_layouts_dump_the_same_records(model, batch, dump_env, monkeypatch)
         _switch_on(monkeypatch, dump_env / layout)
         hook, worker = _hook(model, _stapo_cfg(), last_epoch=0)
         hook(worker, _mini_batch(batch, layout, last=True))
-        dumps[layout] = td.read_records(dump_env / layout, progress=False)
+        dumps[layout] = td.read_dump(dump_env / layout, progress=False)
     assert dumps["v1"] == dumps["legacy"]
-    for r in dumps["v1"][1]:
+    for r in dumps["v1"].responses:
         assert r["prompt_ids"] == batch[r["row"]]["prompt"] and r["response_ids"] == batch[r["row"]]["response"]
 
 
@@ -350,12 +351,13 @@ def test_s2t_inside_the_loss_is_recomputed(model, batch, dump_env, monkeypatch):
         hook, worker = _hook(model, cfg, last_epoch=0)
         metrics = _metrics_of(hook(worker, _mini_batch(batch, "v1", last=True)))
         assert ("s2t/tau_h" in metrics) == (name == "fold")
-        dumps[name] = td.read_records(dump_env / name, progress=False)
+        dumps[name] = td.read_dump(dump_env / name, progress=False)
     def strip(recs):
         return [{k: v for k, v in r.items() if k != "silenced_from"} for r in recs]
 
-    assert strip(dumps["loss"][0]) == strip(dumps["fold"][0]) and any(t["silenced"] for t in dumps["loss"][0])
-    assert {r["silenced_from"] for r in dumps["loss"][1]} == {"s2t_recomputed"}
+    loss, fold = dumps["loss"].tokens, dumps["fold"].tokens
+    assert strip(loss) == strip(fold) and any(t["silenced"] for t in loss)
+    assert {r["silenced_from"] for r in dumps["loss"].responses} == {"s2t_recomputed"}
 
 
 def test_forward_uses_the_engine_autocast():
@@ -377,7 +379,8 @@ def test_baseline_without_rollout_entropy(model, batch, dump_env, monkeypatch):
     hook, worker = _hook(model, PolicyLossConfig(loss_mode="vanilla"), last_epoch=0)
     metrics = _metrics_of(hook(worker, _mini_batch(batch, "legacy", last=True, with_entropy=False)))
     assert not any(k.startswith("s2t/") for k in metrics)
-    tokens, responses = td.read_records(dump_env, progress=False)
+    dump = td.read_dump(dump_env, progress=False)
+    tokens, responses = dump.tokens, dump.responses
     assert all(r["method"] == "justrl" and r["tau_p"] == stapo_core.DEFAULT_TAU_P for r in responses)
     assert all(r["tau_h_source"] == "sampled" for r in responses) and not any(t["silenced"] for t in tokens)
     rows = [batch[r["row"]] for r in responses]
@@ -440,7 +443,7 @@ def real_run(tmp_path_factory):
     print(f"[token dump] {run}")
     assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
     return SimpleNamespace(run=run, dir=run_dir, model=assets.model, metrics=read_metrics(run.metrics),
-                           records=td.read_records(run_dir, progress=False))
+                           dump=td.read_dump(run_dir, progress=False))
 
 
 @pytest.mark.slow
@@ -448,7 +451,7 @@ def test_real_run_dump_matches_initial_model(real_run):
     """Step 1's policy is the initial model: re-score every dumped response with transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokens, responses = real_run.records
+    tokens, responses = real_run.dump.tokens, real_run.dump.responses
     assert {r["step"] for r in responses} == {1, 2} == set(real_run.metrics)
     for step in (1, 2):  # one mini-batch per step, K responses (one rank)
         assert sum(r["step"] == step for r in responses) == REAL_RESPONSES
@@ -476,7 +479,7 @@ def test_real_run_dump_matches_initial_model(real_run):
 
 @pytest.mark.slow
 def test_real_run_quadrants_and_metrics(real_run):
-    tokens, responses = real_run.records
+    tokens, responses = real_run.dump.tokens, real_run.dump.responses
     assert tokens, "no candidate token in the run: raise REAL_TAU_P"
     tau_h = {r["step"]: r["tau_h"] for r in responses}
     for t in tokens:  # STAPO silenced exactly the candidates below the mini-batch's tau_h (ties aside)
@@ -511,6 +514,6 @@ def test_real_run_inspect_and_plots(real_run, tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
     report = (real_run.dir / "inspect" / "report.md").read_text()
     assert "Four-quadrant taxonomy" in report and (real_run.dir / "inspect" / "report.html").is_file()
-    n_silenced = sum(t["silenced"] for t in real_run.records[0])
+    n_silenced = sum(t["silenced"] for t in real_run.dump.tokens)
     assert str(n_silenced) in report
     assert sorted(out.glob("*.png"))

@@ -1,0 +1,90 @@
+"""The four-quadrant taxonomy of response tokens: low/high probability x low/high entropy.
+
+A token is *low probability* when ``prob < tau_p`` and *low entropy* when ``entropy < split``, with
+``split`` = :func:`entropy_split` (S2T's ``tau_h``, or the response's median entropy when there is
+none). Each quadrant counts its tokens and sums their closed-form logit-gradient norms per unit
+weight; :func:`response_record` stores them in a response's dump record.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import numpy as np
+
+from ..checks import is_number
+from .schema import QUADRANTS, ResponseRecord, validate_response_record
+
+
+def _as_array(x, dtype) -> np.ndarray:
+    """A numpy copy/view of a numpy array, torch tensor (detached, to host) or nested list."""
+    if hasattr(x, "detach"):  # torch tensor
+        x = x.detach().float().cpu().numpy() if x.is_floating_point() else x.detach().cpu().numpy()
+    return np.asarray(x, dtype=dtype)
+
+
+def entropy_split(entropy, mask, tau_h: Optional[float]) -> Optional[float]:
+    """The entropy threshold of the quadrants: ``tau_h`` when finite, else the median entropy of the
+    masked tokens (mean of the two middle values for an even count), None when there are none."""
+    if tau_h is not None and math.isfinite(tau_h):
+        return float(tau_h)
+    ent = _as_array(entropy, np.float64)[_as_array(mask, np.float64) != 0]
+    return float(np.median(ent)) if ent.size else None
+
+
+def quadrant_counts(prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optional[float]) -> dict:
+    """Token counts and gradient-norm sums of the four probability x entropy quadrants.
+
+    Low probability: ``prob < tau_p``; low entropy: ``entropy < entropy_split(entropy, mask, tau_h)``.
+
+    Args:
+        prob, entropy, grad_norm: same-shape float arrays (numpy or torch, any shape, e.g. ``(T,)``
+            for one response or ``(B, T)``): policy probability of the sampled token, entropy (nats)
+            at the position, closed-form logit-gradient norm per unit weight.
+        mask: array of that shape, nonzero at the tokens to count (response tokens).
+        tau_p: probability threshold in (0, 1]. tau_h: entropy threshold, or None.
+
+    Returns:
+        ``{name: {"count": int, "grad_norm_sum": float}}`` for ``name`` in :data:`QUADRANTS`
+        (sums in float64; zeros when nothing is counted).
+
+    Raises:
+        ValueError: shape mismatch, ``tau_p`` outside (0, 1], or a non-finite value at a counted token.
+    """
+    if not is_number(tau_p) or not 0.0 < tau_p <= 1.0:
+        raise ValueError(f"quadrant_counts: tau_p={tau_p!r} must be a number in (0, 1]")
+    p, h, g = (_as_array(x, np.float64) for x in (prob, entropy, grad_norm))
+    m = _as_array(mask, np.float64) != 0
+    if not p.shape == h.shape == g.shape == m.shape:
+        raise ValueError(f"quadrant_counts: prob {p.shape}, entropy {h.shape}, grad_norm {g.shape} and "
+                         f"mask {m.shape} must have the same shape")
+    for name, arr in (("prob", p), ("entropy", h), ("grad_norm", g)):
+        if not np.isfinite(arr[m]).all():
+            raise ValueError(f"quadrant_counts: {name} holds non-finite values at counted tokens")
+    split = entropy_split(h, m, tau_h)
+    low_p = p < tau_p
+    low_h = h < split if split is not None else np.zeros_like(m)
+    out = {}
+    for name, sel in zip(QUADRANTS, (low_p & low_h, low_p & ~low_h, ~low_p & low_h, ~low_p & ~low_h)):
+        sel = sel & m
+        out[name] = {"count": int(sel.sum()), "grad_norm_sum": float(g[sel].sum())}
+    return out
+
+
+def response_record(*, step: int, method: str, uid: str, response_index: int, advantage: float,
+                    prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optional[float]) -> ResponseRecord:
+    """The ``kind = "response"`` record of one response from its per-token ``(T,)`` arrays.
+
+    ``n_tokens`` = number of mask tokens; quadrants over all of them (:func:`quadrant_counts`);
+    a non-finite ``tau_h`` (e.g. S2T's NaN without candidates) is stored as null.
+    """
+    tau_h = float(tau_h) if tau_h is not None and math.isfinite(tau_h) else None
+    rec = {
+        "kind": "response", "step": int(step), "method": method, "uid": str(uid),
+        "response_index": int(response_index), "advantage": float(advantage),
+        "n_tokens": int((_as_array(mask, np.float64) != 0).sum()), "tau_p": float(tau_p), "tau_h": tau_h,
+        "entropy_split": entropy_split(entropy, mask, tau_h),
+        "quadrants": quadrant_counts(prob, entropy, grad_norm, mask, tau_p, tau_h),
+    }
+    return validate_response_record(rec)
