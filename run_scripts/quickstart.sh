@@ -7,7 +7,8 @@
 # and seeds, STAPO at the paper's S2T settings (tau_p = 0.002, q = 0.75; refused otherwise), and
 # writes results/quickstart/ (per-method run folders with verl's metrics.jsonl and the S2T token
 # dump, summary.md with the settings, summary.json, settings.json, curves). See docs/miniature.md.
-# Arguments go to `python -m recipe.stapo.quickstart` (see --help).
+# Arguments go to `python -m recipe.stapo.quickstart` (see --help); each is checked before anything
+# is built, and a bad one exits 2 with a message naming it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source run_scripts/_venv.sh

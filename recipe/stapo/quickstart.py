@@ -27,9 +27,10 @@ library versions, thread counts), ``settings.json`` and PNG curves. With
 method across seeds (:func:`recipe.stapo.plots.plot_bands`), and the summary adds the inspector's
 quadrant table over all STAPO runs.
 
-A method whose run folder already holds a finished run with the same settings is not rerun
-(``--force`` reruns everything); a failed method is reported in the summary and the others still
-run. Exit status 1 when any method failed.
+Every option is checked before anything is built or trained (:class:`QuickstartOptions`): a bad
+one exits with status 2 and a message naming it and the fix. A method whose run folder already
+holds a finished run with the same settings is not rerun (``--force`` reruns everything); a failed
+method is reported in the summary and the others still run. Exit status 1 when any method failed.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
-from recipe.stapo.cpu.assets import AssetConfig, build_assets
+from recipe.stapo.cpu.assets import AssetConfig, build_assets, is_built
 from recipe.stapo.plots import plot_bands, plot_runs
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
@@ -92,6 +95,149 @@ SCALE_KEYS = {
 }
 #: the quickstart's scale (defaults of the CLI): the tiny model needs a much larger lr than an 8B one
 DEFAULT_STEPS, DEFAULT_PROMPTS, DEFAULT_N, DEFAULT_LR = 8, 4, 4, 1e-4
+#: the largest seed: verl's full-determinism setup seeds numpy with it, which takes [0, 2**32)
+MAX_SEED = 2**32 - 1
+
+
+class OptionError(ValueError):
+    """Quickstart options that cannot run; the message names each bad option and the fix."""
+
+
+def default_mini_batch(prompts: int) -> int:
+    """Prompts per PPO mini-batch when ``--mini-batch`` is not given: two updates per step when
+    ``prompts`` is even, else one."""
+    return prompts // 2 if prompts % 2 == 0 else prompts
+
+
+def _is_hydra_override(text: str) -> bool:
+    """``key=value``, ``+key=value``, ``++key=value`` or ``~key`` (a non-empty key)."""
+    if text.startswith("~"):
+        return len(text) > 1
+    key, eq, _ = text.lstrip("+").partition("=")
+    return bool(key) and bool(eq)
+
+
+def _folder_problem(option: str, path: Path) -> Optional[str]:
+    """Why files cannot be written into the folder ``path`` (created if missing), or None."""
+    if path.exists():
+        if not path.is_dir():
+            return f"{option} {path} is a file, not a folder: give a folder path"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{option} {path} is not writable: give a folder you can write to"
+        return None
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{option} {path} cannot be created: {parent} is a file; give a folder path"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{option} {path} cannot be created: {parent} is not writable; give a folder you can write to"
+    return None
+
+
+@dataclass(frozen=True)
+class QuickstartOptions:
+    """The quickstart's options, checked when built: an instance always describes runs that can
+    start (:class:`OptionError` otherwise, naming every bad option and its fix).
+
+    ``out`` / ``assets``: absolute folders. ``seeds``: one run per method and seed (more than one:
+    study mode). ``mini_batch``: prompts per PPO mini-batch (divides ``prompts``). ``test_freq``:
+    validate every ``test_freq`` steps as well (None: only before training and after the last
+    step). ``overrides``: extra Hydra overrides for every run.
+    """
+
+    out: Path
+    assets: Path
+    methods: tuple[str, ...]
+    steps: int
+    prompts: int
+    mini_batch: int
+    n: int
+    lr: float
+    response_length: int
+    prompt_length: int
+    seeds: tuple[int, ...]
+    test_freq: Optional[int]
+    trainer: str
+    overrides: tuple[str, ...]
+    timeout: float
+    force: bool
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if len(problems) == 1:
+            raise OptionError(problems[0])
+        if problems:
+            raise OptionError(f"{len(problems)} options cannot run:\n  " + "\n  ".join(problems))
+
+    def problems(self) -> list[str]:
+        """One message per option that cannot run (empty: all can)."""
+        problems = []
+        choices = f"give a comma-separated subset of {','.join(METHODS)}"
+        unknown = [m for m in self.methods if m not in METHODS]
+        if not self.methods:
+            problems.append(f"--methods: none given; {choices}")
+        if unknown:
+            problems.append(f"--methods: unknown {','.join(unknown)}; {choices}")
+        repeated = sorted({m for m in self.methods if self.methods.count(m) > 1})
+        if repeated:
+            problems.append(f"--methods: {','.join(repeated)} given more than once; name each method once")
+        for option, value in (("--steps", self.steps), ("--prompts", self.prompts),
+                              ("--response-length", self.response_length), ("--prompt-length", self.prompt_length)):
+            if value < 1:
+                problems.append(f"{option} must be >= 1, got {value}")
+        if self.n < 2:
+            problems.append(f"--n must be >= 2, got {self.n}: GRPO's advantage compares the responses of "
+                            "a prompt, and a group of one has none")
+        if self.prompts >= 1 and (self.mini_batch < 1 or self.prompts % self.mini_batch):
+            problems.append(f"--mini-batch {self.mini_batch} must divide --prompts {self.prompts} (every PPO "
+                            f"mini-batch holds the same number of prompts); give a divisor of {self.prompts}")
+        if not (math.isfinite(self.lr) and self.lr > 0):
+            problems.append(f"--lr must be a positive finite number, got {self.lr} (the default is {DEFAULT_LR})")
+        if not self.seeds:
+            problems.append("--seeds must be >= 1 (the number of seeds per method)")
+        elif min(self.seeds) < 0 or max(self.seeds) > MAX_SEED:
+            problems.append(f"--seed / --seeds: seeds {self.seeds[0]}..{self.seeds[-1]} must lie in [0, {MAX_SEED}]")
+        if self.test_freq is not None and self.test_freq < 1:
+            problems.append(f"--test-freq must be a positive number of steps, got {self.test_freq}; omit it to "
+                            "validate only before training and after the last step")
+        if self.trainer not in ("v1", "legacy"):
+            problems.append(f"--trainer must be v1 or legacy, got {self.trainer!r}")
+        for override in self.overrides:
+            if not _is_hydra_override(override):
+                problems.append(f"--override {override!r} is not a Hydra override; give key=value, +key=value, "
+                                "++key=value or ~key")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            problems.append(f"--timeout must be a positive number of seconds, got {self.timeout}")
+        out_problem = _folder_problem("--out", self.out)
+        if out_problem:
+            problems.append(out_problem)
+        if not is_built(self.assets):
+            assets_problem = _folder_problem("--assets", self.assets)
+            if assets_problem:
+                problems.append(assets_problem + " (or a folder holding built assets)")
+        return problems
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "QuickstartOptions":
+        """The options of the parsed command line (:func:`build_parser`)."""
+        return cls(out=Path(args.out).resolve(), assets=Path(args.assets).resolve(),
+                   methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+                   steps=args.steps, prompts=args.prompts,
+                   mini_batch=default_mini_batch(args.prompts) if args.mini_batch is None else args.mini_batch,
+                   n=args.n, lr=args.lr, response_length=args.response_length, prompt_length=args.prompt_length,
+                   seeds=tuple(args.seed + k for k in range(max(args.seeds, 0))),
+                   test_freq=args.test_freq, trainer=args.trainer, overrides=tuple(args.override),
+                   timeout=args.timeout, force=args.force)
+
+    @property
+    def study(self) -> bool:
+        """More than one seed per method (study mode)."""
+        return len(self.seeds) > 1
+
+    def run_dir(self, method: str, seed: int) -> Path:
+        """The run folder of ``method`` with ``seed``: ``out/<method>``, in study mode ``out/seed<k>/<method>``."""
+        return self.out / f"seed{seed}" / method if self.study else self.out / method
 
 
 def _series(steps: dict[int, dict], key: str) -> list[float]:
@@ -146,24 +292,25 @@ def markdown_table(rows: list[dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def _settings(args: argparse.Namespace, seed: int, validate_before: bool = True) -> dict:
-    return {"steps": args.steps, "prompts": args.prompts, "n": args.n, "seed": seed, "lr": args.lr,
-            "response_length": args.response_length, "prompt_length": args.prompt_length,
-            "use_v1": args.trainer == "v1", "assets": str(Path(args.assets).resolve()), "validate": True,
-            "validate_before": validate_before, "test_freq": args.test_freq, "token_dump": True,
-            "overrides": list(args.override)}
+def _settings(opts: QuickstartOptions, seed: int, validate_before: bool = True) -> dict:
+    """What a finished run records and a later invocation compares before reusing it."""
+    return {"steps": opts.steps, "prompts": opts.prompts, "mini_batch": opts.mini_batch, "n": opts.n, "seed": seed,
+            "lr": opts.lr, "response_length": opts.response_length, "prompt_length": opts.prompt_length,
+            "use_v1": opts.trainer == "v1", "assets": str(opts.assets), "validate": True,
+            "validate_before": validate_before, "test_freq": opts.test_freq or 0, "token_dump": True,
+            "overrides": list(opts.overrides)}
 
 
-def method_overrides(method: str, args: argparse.Namespace, run_dir: Path, validate_before: bool = True) -> list[str]:
+def method_overrides(opts: QuickstartOptions, run_dir: Path, validate_before: bool = True) -> list[str]:
     """Overrides beyond ``method=`` and the CPU scale: the token dump into the run folder (every
     method, for ``python -m recipe.stapo.inspect``), the validation interval (and no validation
     before training when the seed's first run measured it), then ``--override``."""
     overrides = [f"recipe.token_dump.dir={run_dir}"]
-    if args.test_freq:
-        overrides.append(f"trainer.test_freq={args.test_freq}")
+    if opts.test_freq:
+        overrides.append(f"trainer.test_freq={opts.test_freq}")
     if not validate_before:
         overrides.append("trainer.val_before_train=false")
-    return overrides + list(args.override)
+    return overrides + list(opts.overrides)
 
 
 def initial_validation(metrics_file: Path) -> Optional[dict]:
@@ -181,12 +328,11 @@ def share_initial_validation(metrics_file: Path, validation: dict, source: str) 
     metrics_file.write_text(line + "\n" + metrics_file.read_text())
 
 
-def run_kwargs(args: argparse.Namespace, seed: int) -> dict:
+def run_kwargs(opts: QuickstartOptions, seed: int) -> dict:
     """Keyword arguments of :func:`recipe.stapo.cpu.cpu_overrides` for one run."""
-    return dict(steps=args.steps, prompts=args.prompts, n=args.n,
-                mini_batch_prompts=args.prompts // 2 if args.prompts % 2 == 0 else args.prompts,
-                response_length=args.response_length, prompt_length=args.prompt_length, lr=args.lr, seed=seed,
-                use_v1=args.trainer == "v1", validate=True)
+    return dict(steps=opts.steps, prompts=opts.prompts, n=opts.n, mini_batch_prompts=opts.mini_batch,
+                response_length=opts.response_length, prompt_length=opts.prompt_length, lr=opts.lr, seed=seed,
+                use_v1=opts.trainer == "v1", validate=True)
 
 
 def _select(config, key: str):
@@ -220,12 +366,12 @@ def s2t_differences(settings: dict, paper: dict) -> list[str]:
             if settings.get(key) != value]
 
 
-def check_stapo_settings(args: argparse.Namespace, assets: Path, out: Path) -> tuple[dict, list[str]]:
-    """Compose the STAPO run's config (first seed) and compare it with the paper's settings.
-    Returns (its settings, the differences)."""
-    seed = args.seed_list[0]
-    run_dir = _run_dir(out, "stapo", seed, args)
-    overrides = cpu_overrides(assets, run_dir, **run_kwargs(args, seed)) + method_overrides("stapo", args, run_dir)
+def check_stapo_settings(opts: QuickstartOptions, assets: Path) -> tuple[dict, list[str]]:
+    """Compose the STAPO run's config (first seed) with the built ``assets`` and compare it with the
+    paper's settings. Returns (its settings, the differences)."""
+    seed = opts.seeds[0]
+    run_dir = opts.run_dir("stapo", seed)
+    overrides = cpu_overrides(assets, run_dir, **run_kwargs(opts, seed)) + method_overrides(opts, run_dir)
     settings = run_settings("stapo", overrides)
     return settings, s2t_differences(settings, paper_settings())
 
@@ -248,10 +394,6 @@ def settings_markdown(settings: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _run_dir(out: Path, method: str, seed: int, args: argparse.Namespace) -> Path:
-    return out / method if len(args.seed_list) == 1 else out / f"seed{seed}" / method
-
-
 def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
     marker = run_dir / DONE
     if not marker.is_file():
@@ -260,18 +402,18 @@ def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
     return done if done.get("settings") == settings else None
 
 
-def run_method(method: str, index: int, total: int, seed: int, args: argparse.Namespace, assets: Path,
-               out: Path, shared: Optional[tuple[str, dict]] = None) -> dict:
+def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartOptions, assets: Path,
+               shared: Optional[tuple[str, dict]] = None) -> dict:
     """Train one method with one seed (or reuse its finished run); returns its summary row.
     ``shared``: ``(method, step-0 validation record)`` of an earlier run of this seed: this run then
     skips the validation before training and gets that record instead."""
-    run_dir, settings = _run_dir(out, method, seed, args), _settings(args, seed, validate_before=shared is None)
-    tag = f"[quickstart] ({index}/{total}) {method}" + (f" seed {seed}" if len(args.seed_list) > 1 else "")
-    done = None if args.force else _finished(run_dir, settings)
+    run_dir, settings = opts.run_dir(method, seed), _settings(opts, seed, validate_before=shared is None)
+    tag = f"[quickstart] ({index}/{total}) {method}" + (f" seed {seed}" if opts.study else "")
+    done = None if opts.force else _finished(run_dir, settings)
     if done is not None:
         print(f"{tag}: reusing the finished run in {run_dir}", flush=True)
         return {**summarise(method, read_metrics(run_dir / "metrics.jsonl"), done["wall_s"]), "seed": seed}
-    print(f"{tag}: training {args.steps} steps (log: {run_dir / 'metrics.log'})", flush=True)
+    print(f"{tag}: training {opts.steps} steps (log: {run_dir / 'metrics.log'})", flush=True)
 
     def on_step(step: int, data: dict) -> None:
         validation = {k: v for k, v in data.items() if k.startswith("val-core/")}
@@ -284,12 +426,12 @@ def run_method(method: str, index: int, total: int, seed: int, args: argparse.Na
         if SILENCED in data:
             extra = (f", candidates {_fmt(data.get('actor/s2t/candidates'), 1)}, silenced "
                      f"{_fmt(data.get('actor/s2t/silenced'), 1)} ({_fmt(data.get(SILENCED))})")
-        print(f"{tag}: step {step}/{args.steps}: reward {_fmt(data.get(REWARD))}, entropy "
+        print(f"{tag}: step {step}/{opts.steps}: reward {_fmt(data.get(REWARD))}, entropy "
               f"{_fmt(data.get(ENTROPY))}{extra}, {_fmt(data.get(STEP_TIME), 2)} s", flush=True)
 
-    run = run_cpu_trainer(method, assets, run_dir, timeout=args.timeout, on_step=on_step,
-                          extra=method_overrides(method, args, run_dir, validate_before=shared is None),
-                          **run_kwargs(args, seed))
+    run = run_cpu_trainer(method, assets, run_dir, timeout=opts.timeout, on_step=on_step,
+                          extra=method_overrides(opts, run_dir, validate_before=shared is None),
+                          **run_kwargs(opts, seed))
     if run.ok and shared is not None:
         share_initial_validation(run.metrics, shared[1], shared[0])
     steps = read_metrics(run.metrics) if run.metrics.is_file() else {}
@@ -324,13 +466,17 @@ def quadrant_markdown(stapo_dirs: list[Path]) -> str:
                           for r in rows)
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The quickstart's command line (defaults: the quickstart's scale)."""
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.quickstart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/quickstart", help="output folder (default: results/quickstart)")
     parser.add_argument("--assets", default="assets/tiny", help="tiny assets folder (built if missing)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per run (default {DEFAULT_STEPS})")
     parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help=f"prompts per step (default {DEFAULT_PROMPTS})")
-    parser.add_argument("--n", type=int, default=DEFAULT_N, help=f"responses per prompt (default {DEFAULT_N})")
+    parser.add_argument("--mini-batch", type=int, default=None,
+                        help="prompts per PPO mini-batch, a divisor of --prompts (default: half of --prompts when "
+                             "even, else --prompts)")
+    parser.add_argument("--n", type=int, default=DEFAULT_N, help=f"responses per prompt, >= 2 (default {DEFAULT_N})")
     parser.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"actor learning rate (default {DEFAULT_LR})")
     parser.add_argument("--response-length", type=int, default=AssetConfig().max_new_tokens,
                         help="max response tokens (default: the assets' sampling length)")
@@ -338,8 +484,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="first seed (default 0)")
     parser.add_argument("--seeds", type=int, default=1,
                         help="seeds per method (default 1; more: study mode, one band per method across seeds)")
-    parser.add_argument("--test-freq", type=int, default=0,
-                        help="validate every N steps too (default 0: before training and after the last step)")
+    parser.add_argument("--test-freq", type=int, default=None,
+                        help="validate every N steps too (default: only before training and after the last step)")
     parser.add_argument("--trainer", choices=("v1", "legacy"), default="v1", help="verl trainer (default v1)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--override", action="append", default=[],
@@ -347,20 +493,26 @@ def main(argv: Optional[list[str]] = None) -> int:
                              "paper settings")
     parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it is stopped")
     parser.add_argument("--force", action="store_true", help="rerun methods that already finished")
-    args = parser.parse_args(argv)
-    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in args.methods if m not in METHODS]
-    if unknown or not args.methods:
-        parser.error(f"--methods: unknown {unknown}; choose from {list(METHODS)}")
-    if args.steps < 1 or args.prompts < 1 or args.n < 2 or args.seeds < 1:
-        parser.error("--steps, --prompts and --seeds must be >= 1 and --n >= 2 (GRPO needs a group)")
-    args.seed_list = [args.seed + k for k in range(args.seeds)]
+    return parser
 
-    out = Path(args.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    print(f"[quickstart] tiny assets in {Path(args.assets).resolve()} (built once, then reused)", flush=True)
-    assets = build_assets(args.assets).root
-    settings, differences = check_stapo_settings(args, assets, out)
+
+def parse_options(argv: Optional[list[str]] = None) -> QuickstartOptions:
+    """The checked options of a command line; exits with status 2, naming each bad option and the
+    fix, when any cannot run (nothing is created)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return QuickstartOptions.from_args(args)
+    except OptionError as exc:
+        parser.error(str(exc))
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    opts = parse_options(argv)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    print(f"[quickstart] tiny assets in {opts.assets} (built once, then reused)", flush=True)
+    assets = build_assets(opts.assets).root
+    settings, differences = check_stapo_settings(opts, assets)
     if differences:
         print("[quickstart] refusing to run: STAPO would not run with the paper's settings:\n  "
               + "\n  ".join(differences), file=sys.stderr, flush=True)
@@ -368,20 +520,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"[quickstart] STAPO at the paper's settings: tau_p={settings[f'{ACTOR}.policy_loss.tau_p']}, "
           f"q={settings[f'{ACTOR}.policy_loss.q']}, clip [{1 - settings[f'{ACTOR}.clip_ratio_low']:g}, "
           f"{1 + settings[f'{ACTOR}.clip_ratio_high']:g}], {settings[f'{ACTOR}.loss_agg_mode']}", flush=True)
-    plan = [(method, seed) for seed in args.seed_list for method in args.methods]
+    plan = [(method, seed) for seed in opts.seeds for method in opts.methods]
     rows, shared = [], {}  # shared: seed -> (method, its validation before training)
     for i, (method, seed) in enumerate(plan, start=1):
-        rows.append(run_method(method, i, len(plan), seed, args, assets, out, shared=shared.get(seed)))
+        rows.append(run_method(method, i, len(plan), seed, opts, assets, shared=shared.get(seed)))
         if seed not in shared and not rows[-1]["error"]:
-            record = initial_validation(_run_dir(out, method, seed, args) / "metrics.jsonl")
+            record = initial_validation(opts.run_dir(method, seed) / "metrics.jsonl")
             if record is not None:
                 shared[seed] = (method, record)
 
-    study = len(args.seed_list) > 1
+    study, out = opts.study, opts.out
     table = markdown_table(rows if not study else [{**r, "method": f"{r['method']} (seed {r['seed']})"} for r in
                                                    sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))])
     finished = [r for r in rows if not r["error"]]
-    stapo_dirs = [_run_dir(out, "stapo", r["seed"], args) for r in finished if r["method"] == "stapo"]
+    stapo_dirs = [opts.run_dir("stapo", r["seed"]) for r in finished if r["method"] == "stapo"]
     extra_md = settings_markdown(settings)
     if shared:
         extra_md = ("Validation before training: measured once per seed, by "
@@ -393,14 +545,14 @@ def main(argv: Optional[list[str]] = None) -> int:
             extra_md += "\n" + quadrant_markdown(stapo_dirs)
         except (FileNotFoundError, ValueError) as exc:
             extra_md += f"\n(no token quadrants: {exc})\n"
-    provenance = reproducibility.collect(args.seed_list, assets)  # what it takes to repeat these numbers
-    (out / "summary.md").write_text(f"# STAPO {'study' if study else 'quickstart'} (CPU, tiny model, {args.steps} steps, "
-                                    f"{len(args.seed_list)} seed(s), verl {args.trainer} trainer)\n\n{table}\n{extra_md}\n"
+    provenance = reproducibility.collect(list(opts.seeds), assets)  # what it takes to repeat these numbers
+    (out / "summary.md").write_text(f"# STAPO {'study' if study else 'quickstart'} (CPU, tiny model, {opts.steps} steps, "
+                                    f"{len(opts.seeds)} seed(s), verl {opts.trainer} trainer)\n\n{table}\n{extra_md}\n"
                                     f"{reproducibility.markdown(provenance)}")
     (out / "summary.json").write_text(json.dumps({"methods": rows, "reproducibility": provenance}, indent=2))
     (out / SETTINGS_FILE).write_text(json.dumps({"stapo": settings, "paper": paper_settings()}, indent=2, default=str))
     if study:
-        bands = {m: [_run_dir(out, m, r["seed"], args) for r in finished if r["method"] == m] for m in args.methods}
+        bands = {m: [opts.run_dir(m, r["seed"]) for r in finished if r["method"] == m] for m in opts.methods}
         plots = plot_bands({m: dirs for m, dirs in bands.items() if dirs}, out) if finished else []
     else:
         plots = plot_runs({r["method"]: out / r["method"] for r in finished}, out) if finished else []

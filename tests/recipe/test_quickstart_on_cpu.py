@@ -3,6 +3,7 @@ the S2T settings and refuses to train when any differs from the paper's (no trai
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -38,16 +39,14 @@ def test_paper_values_are_the_papers():
 
 
 def test_quickstart_stapo_config_has_the_papers_settings(fake_assets, tmp_path):
-    import argparse
-
-    ns = argparse.Namespace(steps=8, prompts=4, n=4, lr=1e-4, response_length=160, prompt_length=64, seed_list=[0],
-                            test_freq=0, override=[], trainer="v1", assets=str(fake_assets))
-    settings, differences = qs.check_stapo_settings(ns, fake_assets, tmp_path / "out")
+    opts = qs.parse_options(["--out", str(tmp_path / "out"), "--assets", str(fake_assets)])
+    settings, differences = qs.check_stapo_settings(opts, fake_assets)
     assert differences == []
     assert settings[f"{S2T}.tau_p"] == 0.002 and settings[f"{S2T}.q"] == 0.75
     # scale settings are the quickstart's, and differ from the paper-scale config
     assert settings["data.train_batch_size"] == 4 and settings["actor_rollout_ref.rollout.n"] == 4
     assert settings["data.max_response_length"] == 160
+    assert settings["actor_rollout_ref.actor.ppo_mini_batch_size"] == 2  # half of the 4 prompts by default
     text = qs.settings_markdown(settings)
     for key in [*qs.PAPER_S2T, *qs.SCALE_KEYS]:
         assert f"`{key}`" in text, key
@@ -144,3 +143,110 @@ def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets
     assert qs.main(["--out", str(out), "--assets", str(fake_assets), "--methods", "grpo,stapo", "--seeds", "2",
                     "--steps", "1"]) == 0
     assert calls == []
+
+
+# ------------------------------------------------------------------------------------------------
+# options: every bad one is refused (exit 2, naming it) before anything is built or created
+# ------------------------------------------------------------------------------------------------
+
+
+def _refused(argv: list[str], tmp_path: Path, capsys) -> str:
+    """Run the quickstart with ``argv``; assert it exits 2 having created neither the output nor the
+    assets folder, and return its error message."""
+    out, assets = tmp_path / "out", tmp_path / "assets"
+    with pytest.raises(SystemExit) as exit_info:
+        qs.main(["--out", str(out), "--assets", str(assets), *argv])
+    assert exit_info.value.code == 2
+    assert not out.exists() and not assets.exists()
+    return capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--lr", "-1"], "--lr must be a positive finite number, got -1.0"),
+    (["--lr", "0"], "--lr must be a positive finite number, got 0.0"),
+    (["--lr", "nan"], "--lr must be a positive finite number, got nan"),
+    (["--lr", "inf"], "--lr must be a positive finite number, got inf"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["--n", "1"], "--n must be >= 2, got 1: GRPO's advantage"),
+    (["--seeds", "0"], "--seeds must be >= 1"),
+    (["--seed", "-1"], "seeds -1..-1 must lie in [0, 4294967295]"),
+    (["--seed", str(2**32 - 1), "--seeds", "2"], "seeds 4294967295..4294967296 must lie in [0, 4294967295]"),
+    (["--methods", "grpo,dapo"], "--methods: unknown dapo; give a comma-separated subset of grpo,entropy20,justrl,stapo"),
+    (["--methods", ","], "--methods: none given"),
+    (["--methods", "stapo,stapo"], "--methods: stapo given more than once"),
+    (["--test-freq", "0"], "--test-freq must be a positive number of steps, got 0"),
+    (["--test-freq", "-2"], "--test-freq must be a positive number of steps, got -2"),
+    (["--prompts", "4", "--mini-batch", "3"], "--mini-batch 3 must divide --prompts 4"),
+    (["--prompts", "6", "--mini-batch", "0"], "--mini-batch 0 must divide --prompts 6"),
+    (["--response-length", "0"], "--response-length must be >= 1, got 0"),
+    (["--prompt-length", "0"], "--prompt-length must be >= 1, got 0"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    (["--override", "trainer.test_freq"], "--override 'trainer.test_freq' is not a Hydra override"),
+    (["--override", "=3"], "--override '=3' is not a Hydra override"),
+])
+def test_bad_option_exits_2_naming_it_before_building_anything(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr(qs, "build_assets", _run_trainer_forbidden)
+    monkeypatch.setattr(qs, "run_cpu_trainer", _run_trainer_forbidden)
+    assert message in _refused(argv, tmp_path, capsys)
+
+
+def test_every_bad_option_is_named_at_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(qs, "build_assets", _run_trainer_forbidden)
+    err = _refused(["--lr", "nan", "--steps", "0", "--n", "1"], tmp_path, capsys)
+    assert "3 options cannot run" in err and "--lr" in err and "--steps" in err and "--n" in err
+
+
+@pytest.mark.parametrize("target", ["out", "assets"])
+def test_an_output_folder_that_cannot_be_created_is_refused(tmp_path, monkeypatch, capsys, target):
+    """A file where the folder (or one of its parents) should be: refused, the file untouched."""
+    monkeypatch.setattr(qs, "build_assets", _run_trainer_forbidden)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("keep me")
+    folders = {"out": tmp_path / "out", "assets": tmp_path / "assets", target: blocker / "sub"}
+    with pytest.raises(SystemExit) as exit_info:
+        qs.main(["--out", str(folders["out"]), "--assets", str(folders["assets"])])
+    assert exit_info.value.code == 2
+    assert f"--{target} {blocker / 'sub'} cannot be created: {blocker} is a file" in capsys.readouterr().err
+    assert blocker.read_text() == "keep me" and not (tmp_path / "out").exists() and not (tmp_path / "assets").exists()
+    folders[target] = blocker
+    with pytest.raises(SystemExit):
+        qs.main(["--out", str(folders["out"]), "--assets", str(folders["assets"])])
+    assert f"--{target} {blocker} is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_read_only_output_folder_is_refused(tmp_path, monkeypatch, capsys):
+    """Without write permission (``os.access`` as a non-root user sees it) the folder is refused."""
+    monkeypatch.setattr(qs, "build_assets", _run_trainer_forbidden)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = qs.os.access
+    monkeypatch.setattr(qs.os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode))
+    with pytest.raises(SystemExit) as exit_info:
+        qs.main(["--out", str(locked / "out"), "--assets", str(tmp_path / "assets")])
+    assert exit_info.value.code == 2
+    assert f"--out {locked / 'out'} cannot be created: {locked} is not writable" in capsys.readouterr().err
+
+
+def test_built_assets_in_a_read_only_folder_are_accepted(tmp_path, monkeypatch):
+    """The assets folder only needs to be writable when it has to be built."""
+    calls = []
+    monkeypatch.setattr(qs, "is_built", lambda folder: calls.append(folder) or True)
+    monkeypatch.setattr(qs.os, "access", lambda path, mode: Path(path) != tmp_path / "assets")
+    (tmp_path / "assets").mkdir()
+    opts = qs.parse_options(["--out", str(tmp_path / "out"), "--assets", str(tmp_path / "assets")])
+    assert opts.assets == tmp_path / "assets" and calls == [tmp_path / "assets"]
+
+
+def test_options_are_parsed_once_into_a_frozen_checked_object(tmp_path):
+    opts = qs.parse_options(["--out", str(tmp_path / "o"), "--assets", str(tmp_path / "a"), "--methods", "grpo, stapo",
+                             "--prompts", "6", "--seed", "3", "--seeds", "2", "--test-freq", "4", "--lr", "2e-4"])
+    assert (opts.methods, opts.prompts, opts.mini_batch, opts.seeds, opts.test_freq, opts.lr) == (
+        ("grpo", "stapo"), 6, 3, (3, 4), 4, 2e-4)
+    assert opts.out == (tmp_path / "o").resolve() and opts.study
+    assert opts.run_dir("stapo", 4) == opts.out / "seed4" / "stapo"
+    assert qs.parse_options(["--out", str(tmp_path / "o"), "--prompts", "5"]).mini_batch == 5  # odd: one mini-batch
+    with pytest.raises(AttributeError):
+        opts.lr = 1.0  # frozen
+    with pytest.raises(qs.OptionError, match="--lr must be a positive finite number"):
+        dataclasses.replace(opts, lr=float("nan"))  # every instance is checked, not only the parsed ones

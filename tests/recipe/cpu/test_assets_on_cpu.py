@@ -1,4 +1,5 @@
-"""Tiny CPU assets (recipe.stapo.cpu.assets) and the batched sampler they and the HF rollout share."""
+"""Tiny CPU assets (recipe.stapo.cpu.assets and its tiny_* modules) and the batched sampler they
+and the HF rollout share."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ import pandas as pd
 import pytest
 import torch
 
-from recipe.stapo.cpu.assets import (INSTRUCTION, AssetConfig, asset_paths, build_assets, encode_chat, is_built,
-                                     main, make_model, make_pairs, make_problem, train_tokenizer)
+from recipe.stapo.cpu.assets import AssetConfig, asset_paths, build_assets, is_built, main
+from recipe.stapo.cpu.tiny_config import INSTRUCTION
+from recipe.stapo.cpu.tiny_model import make_model
+from recipe.stapo.cpu.tiny_task import make_pairs, make_problem
+from recipe.stapo.cpu.tiny_tokenizer import encode_chat, train_tokenizer
 from verl_patches.cpu.sampling import sample_batch
 
 #: a seconds-fast config for the mechanics tests (the default config is built once, below)
@@ -55,7 +59,7 @@ def test_default_assets_sample_rare_tokens_at_the_papers_tau_p(default_assets):
     token with a full forward pass (not the sampler's log-probs), and count p < 0.002."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from recipe.stapo.cpu.assets import is_correct
+    from recipe.stapo.cpu.tiny_task import is_correct
     from stapo_core.s2t import DEFAULT_TAU_P
 
     paths = asset_paths(default_assets)
@@ -130,6 +134,8 @@ def test_build_is_deterministic_reused_and_rebuilt_on_config_change(tmp_path):
     two = build_assets(tmp_path / "two", QUICK)
     for name in ("train.parquet", "val.parquet", "model/model.safetensors", "model/tokenizer.json"):
         assert _sha(one.root / name) == _sha(two.root / name), name
+    recorded = json.loads(one.manifest.read_text())["files"]
+    assert recorded == {name: _sha(one.root / name) for name in ("train.parquet", "val.parquet", "model/model.safetensors")}
     stamp = one.manifest.stat().st_mtime_ns
     assert is_built(one.root, QUICK) and build_assets(one.root, QUICK).manifest.stat().st_mtime_ns == stamp
     other = replace(QUICK, seed=1)
@@ -264,7 +270,7 @@ def test_every_phrasing_is_right_and_ends_with_the_boxed_answer(a, b):
     import random
     import re
 
-    from recipe.stapo.cpu.assets import is_correct, make_response
+    from recipe.stapo.cpu.tiny_task import is_correct, make_response
 
     seen = set()
     for seed in range(40):
@@ -283,7 +289,7 @@ def test_every_phrasing_is_right_and_ends_with_the_boxed_answer(a, b):
 def test_noise_tokens_are_ordinary_and_at_the_configured_rate():
     import random
 
-    from recipe.stapo.cpu.assets import noisy_response
+    from recipe.stapo.cpu.tiny_model import noisy_response
 
     ids = list(range(100, 130)) * 400
     out = noisy_response(ids, 0.01, vocab=3000, n_special=3, rng=random.Random(0))
@@ -298,7 +304,8 @@ def test_noise_tokens_are_ordinary_and_at_the_configured_rate():
 def test_response_loss_equals_the_models_loss(tiny):
     import random
 
-    from recipe.stapo.cpu.assets import _sft_batch, make_response, response_loss
+    from recipe.stapo.cpu.tiny_model import _sft_batch, response_loss
+    from recipe.stapo.cpu.tiny_task import make_response
 
     model, tok = tiny
     rng = random.Random(0)
@@ -313,7 +320,7 @@ def test_response_loss_equals_the_models_loss(tiny):
 def test_tokenizer_has_a_large_vocabulary_and_short_prompts():
     """Trained on the build's corpus (task text + filler), the vocabulary is full-size; the task
     itself uses a small part of it and its prompts stay within the CPU path's 64 tokens."""
-    from recipe.stapo.cpu.assets import tokenizer_corpus
+    from recipe.stapo.cpu.tiny_tokenizer import tokenizer_corpus
 
     train, val = make_pairs(QUICK)
     tok = train_tokenizer(QUICK, tokenizer_corpus(QUICK, train + val))
