@@ -229,15 +229,16 @@ def normalize_answer(answer: str) -> str:
     ``verl.utils.reward_score.math_dapo.normalize_final_answer`` (right-hand side of ``=``, units and
     words, ``\\text{}``, dollars, spaces, ``\\frac12`` -> ``\\frac{1}{2}``); drop a trailing period
     (``7.`` -> ``7``); finally remove the commas of a thousands-separated number (``1,234`` ->
-    ``1234``) and keep every other comma.
+    ``1234``) and write every other comma as ``", "``.
 
     The commas are ours, not verl's: verl deletes every comma of an answer made of digits and commas
     only, so the list ``2, 3`` would become ``23`` and equal the number 23. Here a comma followed by a
-    space always separates list items (``2, 3`` -> ``2,3``, ``1, 234`` -> ``1,234``), and commas
+    space always separates list items (``2, 3`` -> ``2, 3``, ``1, 234`` -> ``1, 234``), and commas
     without spaces are thousands separators only when every group after the first has exactly three
-    digits (``1,234`` and ``-12,345.5`` are numbers, ``2,3`` and ``1,2345`` are lists). The one
-    ambiguous spelling, ``1,234`` for the list 1 and 234, is read as the number (as ``math_verify``
-    reads it).
+    digits (``1,234`` and ``-12,345.5`` are numbers, ``2,3`` -> ``2, 3`` and ``1,2345`` -> ``1, 2345``
+    are lists). A list separator is written with its space so that ``math_verify``, which also sees
+    the normalised forms, reads it as a list too (it reads ``1,234`` as a number). The one ambiguous
+    spelling, ``1,234`` for the list 1 and 234, is read as the number (as ``math_verify`` reads it).
 
     Time: quadratic in ``len(answer)`` in the worst case (verl's regular expressions); callers pass
     at most :data:`MAX_GROUND_TRUTH_CHARS` characters.
@@ -258,7 +259,7 @@ def normalize_answer(answer: str) -> str:
     final = normalize_final_answer(final).rstrip(".").strip()
     if _THOUSANDS_RE.fullmatch(final):
         return final.replace(_BARE_COMMA, "")
-    return final.replace(_SPACED_COMMA, ",").replace(_BARE_COMMA, ",")
+    return final.replace(_SPACED_COMMA, ", ").replace(_BARE_COMMA, ", ")
 
 
 def interval_set_mismatch(norm_pred: str, norm_gold: str) -> bool:
