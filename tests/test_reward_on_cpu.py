@@ -247,6 +247,7 @@ AMBIGUOUS_CASES = [
     ("1234", "1, 234", -1.0),
     ("1, 2", "(1, 2)", 1.0),  # a bare list may be the pair written without parentheses (math_verify)
     ("1, 1, 2", "1, 2", 1.0),  # lists compare as sets (math_verify)
+    ("\\{3\\}", "3", 1.0),  # a one-element set equals its element (math_verify)
 ]
 
 

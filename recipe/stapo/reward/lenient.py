@@ -3,7 +3,10 @@
 A response is correct when the content of its *last* ``\\boxed{...}`` (or ``\\fbox{...}``) inside
 its final :data:`TAIL_CHARS` characters equals the ground truth after normalisation
 (:func:`~recipe.stapo.reward.answers.normalize_answer`: verl's DAPO normalisation plus LaTeX
-spellings), or, when the strings differ, when ``math_verify`` proves the two answers equal.
+spellings and list-aware commas, so that the list ``2, 3`` never equals the number 23), or, when
+the strings differ, when ``math_verify`` proves the two answers equal, except that an interval (or
+pair) never equals a set (``math_verify`` alone counts ``(1,2)`` equal to ``\\{1,2\\}``). The readings
+of ambiguous spellings are listed in ``docs/reward.md``.
 
 It accepts more answers than the training reward (:mod:`recipe.stapo.reward.strict`): ``0.5``
 for ``\\frac12``, ``5 cm`` for ``5``, a box anywhere in the last 300 characters. The evaluation
