@@ -11,12 +11,15 @@ token dump excluded) whose first line is a step record. Several such files is an
 :func:`read_metrics` accepts verl's lines and flat ``{"step": s, "<metric>": v, ...}`` lines. A blank or
 malformed line is an error naming the file and line, except a truncated last line (a run killed or still
 writing), which is skipped with a warning. Repeated steps (e.g. validation logged separately) merge; for one
-metric the later value wins.
+metric the later value wins. A diverged metric (NaN or infinite) is written as ``null`` by verl's file logger
+(orjson) and as ``NaN`` / ``Infinity`` by Python's json: :func:`metric_series` keeps the finite values,
+:func:`nonfinite_values` lists the others.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Optional
@@ -95,6 +98,18 @@ def read_metrics(path: str | os.PathLike) -> dict[int, dict]:
 def _numeric(value) -> Optional[float]:
     """A finite float, or None for anything else (strings, lists, NaN, inf, booleans)."""
     return float(value) if is_number(value) else None
+
+
+def nonfinite_values(steps: dict[int, dict]) -> dict[str, list[tuple[int, Optional[float]]]]:
+    """``{metric: [(step, value), ...]}`` (steps ascending) of the values :func:`metric_series` leaves
+    out because they are not finite: NaN, +inf, -inf, and None (``null``: how verl's file logger
+    writes NaN and infinity, so which of them it was is lost). A diverged step."""
+    found: dict[str, list[tuple[int, Optional[float]]]] = {}
+    for step in sorted(steps):
+        for key, value in steps[step].items():
+            if value is None or (isinstance(value, float) and not math.isfinite(value)):
+                found.setdefault(key, []).append((step, value))
+    return found
 
 
 def metric_series(steps: dict[int, dict]) -> dict[str, Series]:

@@ -9,7 +9,12 @@ reward, entropy, response length, silenced fraction (log scale), validation accu
 
 Where a run's metrics are and how they are read: :mod:`recipe.stapo.metrics`. A metric missing from
 a run is skipped for that run with a note; a panel no run logged is left out of the per-panel PNGs
-and marked "not logged" in ``curves.png``.
+and marked "not logged" in ``curves.png``. A non-finite value (a diverged step: NaN, +inf, -inf, or
+``null``, how verl's file logger writes NaN and infinity) is never dropped silently: its line breaks
+at that step, a mark stands there (x at the top of the panel for NaN or null, a triangle at the top
+for +inf, at the bottom for -inf; one legend entry per kind and run) and a note names the run,
+metric, steps and values (printed to stderr, and appended to ``notes``). The study figure does the
+same for each method's band.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from stapo_core.fileio import atomic_write
 
-from .metrics import Series, find_metrics_file, metric_series
+from .metrics import Series, find_metrics_file, metric_series, nonfinite_values
 from .metrics import read_metrics as read_steps
 
 #: validation accuracy keys: val-core/<data_source>/<acc|reward>/mean@<N> (verl's ray_trainer)
@@ -38,10 +43,29 @@ _VAL_MEAN_RE = re.compile(r"^val-core/(?P<source>.+)/(?P<var>[^/]+)/mean@(?P<n>\
 # --------------------------------------------------------------------------------------------
 
 
-def read_metrics(path: str | os.PathLike) -> dict[str, Series]:
-    """Every finite numeric metric of a file-logger JSONL, as a series over steps
-    (:func:`recipe.stapo.metrics.read_metrics`, then :func:`recipe.stapo.metrics.metric_series`)."""
-    return metric_series(read_steps(path))
+class RunMetrics(dict):
+    """``{metric: Series}`` of one run (finite values only), and in ``nonfinite`` the values left out:
+    ``{metric: [(step, value), ...]}`` (:func:`recipe.stapo.metrics.nonfinite_values`). A metric whose
+    every value is non-finite has an empty series, so its panel shows the marks, not "not logged"."""
+
+    def __init__(self, series: dict[str, Series], nonfinite: dict[str, list] | None = None):
+        super().__init__(series)
+        self.nonfinite = dict(nonfinite or {})
+        for key in self.nonfinite:
+            self.setdefault(key, ([], []))
+
+
+def read_metrics(path: str | os.PathLike) -> RunMetrics:
+    """Every numeric metric of a file-logger JSONL, as a series over steps of its finite values
+    (:func:`recipe.stapo.metrics.read_metrics`, then :func:`recipe.stapo.metrics.metric_series`), with
+    its non-finite values in ``.nonfinite``."""
+    steps = read_steps(path)
+    return RunMetrics(metric_series(steps), nonfinite_values(steps))
+
+
+def _nonfinite(metrics: Mapping[str, Series], key: str) -> list:
+    """``[(step, value)]`` of ``key``'s non-finite values in one run (none for a plain mapping)."""
+    return getattr(metrics, "nonfinite", {}).get(key, [])
 
 
 # --------------------------------------------------------------------------------------------
@@ -49,19 +73,19 @@ def read_metrics(path: str | os.PathLike) -> dict[str, Series]:
 # --------------------------------------------------------------------------------------------
 
 
-def _first_of(*keys: str) -> Callable[[Mapping[str, Series]], dict[str, Series]]:
-    """Selector: the first of ``keys`` that the run logged (as ``{"": series}``)."""
+def _first_of(*keys: str) -> Callable[[Mapping[str, Series]], dict[str, str]]:
+    """Selector: the first of ``keys`` that the run logged (as ``{"": key}``)."""
 
     def select(metrics):
         for key in keys:
             if key in metrics:
-                return {"": metrics[key]}
+                return {"": key}
         return {}
 
     return select
 
 
-def _val_accuracy(metrics: Mapping[str, Series]) -> dict[str, Series]:
+def _val_accuracy(metrics: Mapping[str, Series]) -> dict[str, str]:
     """``val-core/<source>/<acc|reward>/mean@N`` per data source (``acc`` preferred, largest N)."""
     best: dict[str, tuple] = {}
     for key in metrics:
@@ -71,17 +95,17 @@ def _val_accuracy(metrics: Mapping[str, Series]) -> dict[str, Series]:
             if m.group("source") not in best or rank > best[m.group("source")][0]:
                 best[m.group("source")] = (rank, key)
     suffix = len(best) > 1
-    return {(source if suffix else ""): metrics[key] for source, (_, key) in sorted(best.items())}
+    return {(source if suffix else ""): key for source, (_, key) in sorted(best.items())}
 
 
 @dataclass(frozen=True)
 class Panel:
-    """One plotted quantity: ``select(metrics)`` gives ``{line suffix: series}`` (empty: not logged)."""
+    """One plotted quantity: ``select(metrics)`` gives ``{line suffix: metric key}`` (empty: not logged)."""
 
     name: str
     title: str
     metric: str
-    select: Callable[[Mapping[str, Series]], dict[str, Series]]
+    select: Callable[[Mapping[str, Series]], dict[str, str]]
     log_scale: bool = False
 
 
@@ -101,9 +125,68 @@ def panel_lines(panel: Panel, runs: Mapping[str, Mapping[str, Series]]) -> dict[
     """``{line label: series}`` of one panel over runs ``{label: metrics}`` (runs without it left out)."""
     lines = {}
     for label, metrics in runs.items():
-        for suffix, series in panel.select(metrics).items():
-            lines[f"{label} ({suffix})" if suffix else label] = series
+        for suffix, key in panel.select(metrics).items():
+            lines[f"{label} ({suffix})" if suffix else label] = metrics[key]
     return lines
+
+
+def panel_marks(panel: Panel, runs: Mapping[str, Mapping[str, Series]]) -> dict[str, list]:
+    """``{line label: [(step, value)]}``: the non-finite values of each line of :func:`panel_lines`
+    (lines without any left out)."""
+    marks = {}
+    for label, metrics in runs.items():
+        for suffix, key in panel.select(metrics).items():
+            if points := _nonfinite(metrics, key):
+                marks[f"{label} ({suffix})" if suffix else label] = points
+    return marks
+
+
+def _describe_points(points: Sequence[tuple]) -> str:
+    """``"step 3 NaN, step 5 +inf"`` (the first 8, then how many more)."""
+    shown = ", ".join(f"step {step} {nonfinite_kind(value)}" for step, value in points[:8])
+    return shown + (f", ... ({len(points) - 8} more)" if len(points) > 8 else "")
+
+
+def nonfinite_notes(runs: Mapping[str, Mapping[str, Series]]) -> list[str]:
+    """One note per (run, plotted metric) with non-finite values: which steps, which values, where marked."""
+    notes = []
+    for label, metrics in runs.items():
+        for panel in PANELS:
+            for key in panel.select(metrics).values():
+                if points := _nonfinite(metrics, key):
+                    notes.append(f"{label}: {key} is not finite at {len(points)} step(s) ({_describe_points(points)}); "
+                                 f"marked on '{panel.name}', left out of its line")
+    return notes
+
+
+#: how a non-finite value is marked on a panel: kind -> (marker, height in axes coordinates)
+NONFINITE_MARKERS = {"NaN": ("x", 0.96), "NaN/inf (null)": ("x", 0.96), "+inf": ("^", 0.96), "-inf": ("v", 0.04)}
+
+
+def nonfinite_kind(value) -> str:
+    """``"NaN"``, ``"+inf"``, ``"-inf"``, or ``"NaN/inf (null)"`` for None (verl's file logger writes both as null)."""
+    if value is None:
+        return "NaN/inf (null)"
+    return "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
+
+
+def with_gaps(steps: Sequence[int], values: Sequence[float], points: Sequence[tuple]) -> tuple[list, list]:
+    """``(steps, values)`` with a NaN at each step of ``points`` (non-finite values) that has no finite
+    value, so that the drawn line breaks there instead of joining its neighbours."""
+    gaps = {step for step, _ in points} - set(steps)
+    merged = sorted([*zip(steps, values), *((step, math.nan) for step in gaps)], key=lambda p: p[0])
+    return [step for step, _ in merged], [value for _, value in merged]
+
+
+def draw_nonfinite(ax, label: str, points: Sequence[tuple], color: str) -> None:
+    """Mark the non-finite values of one line at their steps (:data:`NONFINITE_MARKERS`; x in data,
+    height in axes coordinates, so the marks never move the y range): one Line2D per kind, labelled
+    ``"<label>: <kind>"``."""
+    for kind, (marker, height) in NONFINITE_MARKERS.items():
+        steps = [step for step, value in points if nonfinite_kind(value) == kind]
+        if steps:
+            ax.plot(steps, [height] * len(steps), linestyle="none", marker=marker, color=color,
+                    transform=ax.get_xaxis_transform(), clip_on=False, label=f"{label}: {kind}")
 
 
 def missing_notes(runs: Mapping[str, Mapping[str, Series]]) -> list[str]:
@@ -118,8 +201,10 @@ def _symlog_threshold(lines: Mapping[str, Series]) -> float:
     return min(positive) if positive else 1e-6
 
 
-def draw_panel(ax, panel: Panel, lines: Mapping[str, Series]) -> None:
-    """Plot ``lines`` on ``ax`` (one Line2D per entry, in order); a "not logged" note when empty."""
+def draw_panel(ax, panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapping[str, list]] = None) -> None:
+    """Plot ``lines`` on ``ax`` (one Line2D per entry, in order, broken at its non-finite steps:
+    :func:`with_gaps`), then the non-finite ``marks`` of each line (:func:`draw_nonfinite`); a "not
+    logged" note when there are no lines."""
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step")
     if not lines:
@@ -127,9 +212,13 @@ def draw_panel(ax, panel: Panel, lines: Mapping[str, Series]) -> None:
                 fontsize=8, color="gray")
         return
     order = [label.split(" (")[0] for label in lines]
+    marks = marks or {}
     for label, (steps, values) in lines.items():
+        steps, values = with_gaps(steps, values, marks.get(label, ()))
         ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label,
                 color=method_color(label.split(" (")[0], order))
+    for label, points in marks.items():
+        draw_nonfinite(ax, label, points, method_color(label.split(" (")[0], order))
     if panel.log_scale:
         ax.set_yscale("symlog", linthresh=_symlog_threshold(lines))
     ax.grid(True, alpha=0.3)
@@ -154,21 +243,34 @@ def summary_figure(runs: Mapping[str, Mapping[str, Series]]):
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
     flat = axes.ravel()
     for ax, panel in zip(flat, PANELS):
-        draw_panel(ax, panel, panel_lines(panel, runs))
+        draw_panel(ax, panel, panel_lines(panel, runs), panel_marks(panel, runs))
     for ax in flat[len(PANELS):]:
         ax.set_visible(False)
     fig.tight_layout()
     return fig
 
 
-def panel_figure(panel: Panel, lines: Mapping[str, Series]):
+def panel_figure(panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapping[str, list]] = None):
     """A one-axes Figure of one panel."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    draw_panel(ax, panel, lines)
+    draw_panel(ax, panel, lines, marks)
     ax.set_ylabel(panel.metric, fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Raise ValueError when ``out_dir`` (or a folder above it) exists as a file; a folder that does
+    not exist yet is fine (it is created)."""
+    out_dir = Path(out_dir)
+    for folder in (out_dir, *out_dir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file" if folder == out_dir else f"is inside {folder}, which is a file"
+                raise ValueError(f"output folder {out_dir} {where}, not a folder; pass --out a folder "
+                                 "(it is created if missing)")
+            return
 
 
 def _save(fig, path: Path) -> Path:
@@ -233,40 +335,73 @@ GRAD_NORM_KEYS = (("actor/s2t/grad_norm_kept", "-", "kept"),
                   ("actor/s2t/grad_norm_silenced", "--", "silenced"))
 
 
+def _band_keys(name: str, metrics: Mapping[str, Series]) -> dict[str, str]:
+    """``{variant: metric key}`` one run logged for study panel ``name``."""
+    if name == "grad_norm":
+        return {variant: key for key, _, variant in GRAD_NORM_KEYS if key in metrics}
+    select = next(p[2] for p in BAND_PANELS if p[0] == name)
+    return {"": key for key in list(select(metrics).values())[:1]}
+
+
 def band_lines(name: str, groups: Mapping[str, Sequence[Mapping[str, Series]]]) -> dict[tuple[str, str], Band]:
     """``{(method, variant): Band}`` of one study panel over ``groups = {method: [metrics per seed]}``
     (methods without the metric left out; variant is "" except the :data:`GRAD_NORM_KEYS` labels for grad_norm)."""
-    out = {}
+    series: dict[tuple[str, str], list] = {}
     for method, runs in groups.items():
-        if name == "grad_norm":
-            for key, _, variant in GRAD_NORM_KEYS:
-                series = [m[key] for m in runs if key in m]
-                if series:
-                    out[(method, variant)] = band(series)
-            continue
-        select = next(p[2] for p in BAND_PANELS if p[0] == name)
-        series = [next(iter(sel.values())) for sel in map(select, runs) if sel]
-        if series:
-            out[(method, "")] = band(series)
-    return out
+        for metrics in runs:
+            for variant, key in _band_keys(name, metrics).items():
+                series.setdefault((method, variant), []).append(metrics[key])
+    order = [variant for _, _, variant in GRAD_NORM_KEYS] if name == "grad_norm" else [""]
+    return {(method, variant): band(series[(method, variant)])
+            for method in groups for variant in order if (method, variant) in series}
+
+
+def band_marks(name: str, groups: Mapping[str, Sequence[Mapping[str, Series]]]) -> dict[tuple[str, str], list]:
+    """``{(method, variant): [(step, value)]}``: the non-finite values of each :func:`band_lines`
+    entry over its seeds (steps ascending; entries without any left out)."""
+    marks: dict[tuple[str, str], list] = {}
+    for method, runs in groups.items():
+        for metrics in runs:
+            for variant, key in _band_keys(name, metrics).items():
+                marks.setdefault((method, variant), []).extend(_nonfinite(metrics, key))
+    return {line: sorted(points, key=lambda p: p[0]) for line, points in marks.items() if points}
+
+
+def band_nonfinite_notes(groups: Mapping[str, Sequence[Mapping[str, Series]]]) -> list[str]:
+    """One note per (method, seed, plotted metric) with non-finite values (seeds numbered from 1 in
+    the order given)."""
+    notes = []
+    for method, runs in groups.items():
+        for seed, metrics in enumerate(runs, start=1):
+            for name, *_ in BAND_PANELS:
+                for key in _band_keys(name, metrics).values():
+                    if points := _nonfinite(metrics, key):
+                        notes.append(f"{method} (run {seed} of {len(runs)}): {key} is not finite at {len(points)} "
+                                     f"step(s) ({_describe_points(points)}); marked on '{name}', left out of the band")
+    return notes
 
 
 def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale: bool = False,
-               order: Sequence[str] = ()) -> None:
-    """One mean line (and a min-max band when several seeds) per entry, coloured by method."""
+               order: Sequence[str] = (), marks: Optional[Mapping[tuple[str, str], list]] = None) -> None:
+    """One mean line (and a min-max band when several seeds) per entry, coloured by method, then the
+    non-finite ``marks`` of each entry (:func:`draw_nonfinite`)."""
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     if not lines:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="gray")
         return
     styles = {variant: style for _, style, variant in GRAD_NORM_KEYS}
+    marks = marks or {}
     for (method, variant), b in lines.items():
         color = method_color(method, order)
         label = f"{method} ({variant})" if variant else method
-        ax.plot(b.steps, b.mean, styles.get(variant, "-"), color=color, label=label,
-                marker="." if len(b.steps) < 30 else None)
-        if max(b.seeds) > 1:
+        steps, mean = with_gaps(b.steps, b.mean, marks.get((method, variant), ()))
+        ax.plot(steps, mean, styles.get(variant, "-"), color=color, label=label,
+                marker="." if len(steps) < 30 else None)
+        if b.seeds and max(b.seeds) > 1:
             ax.fill_between(b.steps, b.low, b.high, color=color, alpha=0.18, linewidth=0)
+    for (method, variant), points in marks.items():
+        draw_nonfinite(ax, f"{method} ({variant})" if variant else method, points, method_color(method, order))
     if log_scale:
         positive = [v for b in lines.values() for v in b.mean + b.high if v > 0]
         ax.set_yscale("symlog", linthresh=min(positive) if positive else 1e-6)
@@ -282,7 +417,7 @@ def band_figure(groups: Mapping[str, Sequence[Mapping[str, Series]]]):
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
     order = list(groups)
     for ax, (name, title, _, log_scale) in zip(axes.ravel(), BAND_PANELS):
-        draw_bands(ax, title, band_lines(name, groups), log_scale, order)
+        draw_bands(ax, title, band_lines(name, groups), log_scale, order, band_marks(name, groups))
     seeds = sorted({len(runs) for runs in groups.values()})
     fig.suptitle(f"mean over seeds ({'/'.join(map(str, seeds))} per method), band = min..max", fontsize=10)
     fig.tight_layout()
@@ -290,12 +425,27 @@ def band_figure(groups: Mapping[str, Sequence[Mapping[str, Series]]]):
 
 
 def plot_bands(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
-               name: str = "study_curves.png") -> list[Path]:
-    """Write the study figure (``out_dir/<name>``) from ``{method: [run folder per seed]}``."""
+               name: str = "study_curves.png", notes: Optional[list] = None) -> list[Path]:
+    """Write the study figure (``out_dir/<name>``) from ``{method: [run folder per seed]}``.
+
+    Args:
+        notes: if a list, the non-finite-value notes (:func:`band_nonfinite_notes`) are appended to
+            it (they are also printed to stderr).
+    """
+    check_out_dir(Path(out_dir))
     loaded = {method: [read_metrics(find_metrics_file(run)) for run in runs] for method, runs in groups.items()}
     if not any(loaded.values()):
         raise ValueError("no runs to plot")
+    _report(band_nonfinite_notes(loaded), notes)
     return [_save(band_figure(loaded), Path(out_dir) / name)]
+
+
+def _report(found: Sequence[str], notes: Optional[list]) -> None:
+    """Print each note to stderr and append them to ``notes`` when it is a list."""
+    for note in found:
+        print(f"note: {note}", file=sys.stderr)
+    if notes is not None:
+        notes.extend(found)
 
 
 # --------------------------------------------------------------------------------------------
@@ -332,21 +482,19 @@ def plot_runs(run_dirs: Mapping[str, Path] | Sequence[Path], out_dir: str | os.P
 
     Args:
         run_dirs: ``{label: run folder or metrics file}``, or a list of them (labels = folder names).
-        out_dir: created if needed.
-        notes: if a list, the "metric missing" notes are appended to it (also printed to stderr).
+        out_dir: created if needed (ValueError when it is a file).
+        notes: if a list, the "metric missing" and the non-finite-value notes
+            (:func:`missing_notes`, :func:`nonfinite_notes`) are appended to it (also printed to stderr).
     """
-    runs = load_runs(run_dirs)
     out = Path(out_dir)
-    found = missing_notes(runs)
-    for note in found:
-        print(f"note: {note}", file=sys.stderr)
-    if notes is not None:
-        notes.extend(found)
+    check_out_dir(out)
+    runs = load_runs(run_dirs)
+    _report(missing_notes(runs) + nonfinite_notes(runs), notes)
     written = [_save(summary_figure(runs), out / "curves.png")]
     for panel in PANELS:
         lines = panel_lines(panel, runs)
         if lines:
-            written.append(_save(panel_figure(panel, lines), out / f"{panel.name}.png"))
+            written.append(_save(panel_figure(panel, lines, panel_marks(panel, runs)), out / f"{panel.name}.png"))
     return written
 
 
@@ -363,7 +511,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     runs = dict(zip(args.labels, args.runs)) if args.labels else args.runs
     try:
         paths = plot_runs(runs, args.out)
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # OSError's message names its file
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for path in paths:

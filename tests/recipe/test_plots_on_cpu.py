@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -315,3 +316,130 @@ def test_run_curves_keep_one_colour_per_method(two_runs):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+# --------------------------------------------------------------------------------------------
+# non-finite values: marked on the figure and named in the notes, never dropped silently
+# --------------------------------------------------------------------------------------------
+
+
+def _axes(fig, names):
+    return dict(zip(names, fig.axes))
+
+
+def _line(ax, label):
+    return next(line for line in ax.get_lines() if line.get_label() == label)
+
+
+@pytest.fixture()
+def diverged(tmp_path, monkeypatch):
+    """stapo logged by verl's FileLogger with NaN at step 3 and inf at step 5 of the reward (written
+    as null); flat lines written by Python's json with NaN and -Infinity in the entropy."""
+    from verl.utils.tracking import FileLogger
+
+    path = tmp_path / "stapo" / "metrics.jsonl"
+    path.parent.mkdir()
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    logger = FileLogger("stapo_test", "stapo")
+    for step in STEPS:
+        reward = {3: float("nan"), 5: float("inf")}.get(step, step / 10)
+        logger.log(data={"critic/score/mean": reward, "actor/entropy": 1 - step / 10}, step=step)
+    logger.finish()
+    assert '"critic/score/mean":null' in path.read_text()  # what verl writes for NaN and inf
+    flat = tmp_path / "flat.jsonl"
+    flat.write_text('{"step": 1, "actor/entropy": NaN}\n{"step": 2, "actor/entropy": -Infinity}\n'
+                    '{"step": 3, "actor/entropy": 0.5}\n{"step": 4, "actor/entropy": Infinity}\n')
+    return {"stapo": path.parent, "flat": flat}
+
+
+def test_nonfinite_values_are_marked_and_the_line_breaks(diverged):
+    import matplotlib.pyplot as plt
+
+    fig = plots.summary_figure(plots.load_runs(diverged, progress=False))
+    axes = _axes(fig, [p.name for p in plots.PANELS])
+    reward = _line(axes["reward"], "stapo")
+    np.testing.assert_array_equal(reward.get_xdata(), STEPS)  # steps 3 and 5 are on the line, as gaps
+    expected = [math.nan if s in (3, 5) else s / 10 for s in STEPS]
+    np.testing.assert_array_equal(reward.get_ydata(), expected)
+    mark = _line(axes["reward"], "stapo: NaN/inf (null)")
+    assert list(mark.get_xdata()) == [3, 5] and list(mark.get_ydata()) == [0.96, 0.96]
+    assert mark.get_marker() == "x" and mark.get_color() == plots.METHOD_COLORS["stapo"]
+    assert mark.get_transform() == axes["reward"].get_xaxis_transform()  # height in axes coordinates
+    entropy = axes["entropy"]
+    for label, steps, height, marker in (("flat: NaN", [1], 0.96, "x"), ("flat: -inf", [2], 0.04, "v"),
+                                         ("flat: +inf", [4], 0.96, "^")):
+        line = _line(entropy, label)
+        assert list(line.get_xdata()) == steps and list(line.get_ydata()) == [height] and line.get_marker() == marker
+    np.testing.assert_array_equal(_line(entropy, "flat").get_ydata(), [math.nan, math.nan, 0.5, math.nan])
+    assert axes["entropy"].get_ylim()[0] > 0  # the marks never move the y range (entropy >= 0.2 here)
+    assert "stapo: NaN/inf (null)" in [t.get_text() for t in axes["reward"].get_legend().get_texts()]
+    plt.close(fig)
+
+
+def test_nonfinite_values_are_named_in_the_notes(diverged, tmp_path, capsys):
+    notes: list = []
+    plots.plot_runs(diverged, tmp_path / "out", notes=notes)
+    assert ("stapo: critic/score/mean is not finite at 2 step(s) (step 3 NaN/inf (null), step 5 NaN/inf (null)); "
+            "marked on 'reward', left out of its line") in notes
+    assert ("flat: actor/entropy is not finite at 3 step(s) (step 1 NaN, step 2 -inf, step 4 +inf); "
+            "marked on 'entropy', left out of its line") in notes
+    assert "note: stapo: critic/score/mean is not finite" in capsys.readouterr().err
+    assert plots.main([str(diverged["flat"]), "--out", str(tmp_path / "cli")]) == 0
+    assert "note: flat: actor/entropy is not finite at 3 step(s)" in capsys.readouterr().err
+
+
+def test_metric_nonfinite_at_every_step_is_marked_not_called_missing(tmp_path):
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {s}, "data": {{"actor/entropy": null, "critic/score/mean": {s}}}}}\n'
+                            for s in (1, 2)))
+    runs = {"dead": path}
+    notes: list = []
+    paths = plots.plot_runs(runs, tmp_path / "out", notes=notes)
+    assert (tmp_path / "out" / "entropy.png") in paths
+    assert not any("no actor/entropy" in n for n in notes)
+    assert any(n.startswith("dead: actor/entropy is not finite at 2 step(s)") for n in notes)
+    fig = plots.summary_figure(plots.load_runs(runs, progress=False))
+    entropy = _axes(fig, [p.name for p in plots.PANELS])["entropy"]
+    assert list(_line(entropy, "dead: NaN/inf (null)").get_xdata()) == [1, 2]
+    assert not [t for t in entropy.texts if "not logged" in t.get_text()]
+    plt.close(fig)
+
+
+def test_band_figure_marks_nonfinite_seed_values(seeded_runs, tmp_path):
+    import json
+
+    import matplotlib.pyplot as plt
+
+    runs, logged = seeded_runs
+    path = runs["stapo"][1] / "metrics.jsonl"  # seed 1 of stapo diverges at step 4
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    for record in lines:
+        if record["step"] == 4:
+            record["data"]["critic/score/mean"] = None
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    loaded = {m: [plots.read_metrics(plots.find_metrics_file(r)) for r in dirs] for m, dirs in runs.items()}
+    fig = plots.band_figure(loaded)
+    reward = dict(zip([p[0] for p in plots.BAND_PANELS], fig.axes))["reward"]
+    stapo = _line(reward, "stapo")
+    at4 = list(stapo.get_xdata()).index(4)
+    expected = np.mean([logged["stapo"][seed][4]["critic/score/mean"] for seed in (0, 2)])  # seeds 0 and 2 only
+    assert stapo.get_ydata()[at4] == pytest.approx(expected, rel=1e-12)
+    assert list(_line(reward, "stapo: NaN/inf (null)").get_xdata()) == [4]
+    plt.close(fig)
+    notes: list = []
+    plots.plot_bands(runs, tmp_path / "out", notes=notes)
+    assert notes == ["stapo (run 2 of 3): critic/score/mean is not finite at 1 step(s) (step 4 NaN/inf (null)); "
+                     "marked on 'reward', left out of the band"]
+
+
+def test_out_pointing_at_a_file_is_a_clear_error(two_runs, tmp_path, capsys):
+    runs, _ = two_runs
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert plots.main([str(runs["stapo"]), "--out", str(afile)]) == 2
+    assert f"error: output folder {afile} is a file, not a folder; pass --out a folder" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="is inside"):
+        plots.plot_bands({"stapo": [runs["stapo"]]}, afile / "sub")
+    assert afile.read_text() == "x"

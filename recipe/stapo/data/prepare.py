@@ -7,13 +7,20 @@ CLI::
         [--source aime24=path/to/aime24.jsonl ...] [--drop-invalid]
 
 Each source is a Hugging Face dataset id (loaded with ``datasets.load_dataset``) or a local
-``.parquet`` / ``.jsonl`` / ``.json`` file (works offline). Every row is validated (problem
-present and non-empty; answer present, a string, number or list of them, non-empty and at most
-``recipe.stapo.reward.MAX_GROUND_TRUTH_CHARS`` characters; ids unique); a bad row is an error
-naming the file and the row (1-based), unless ``--drop-invalid`` drops and counts it. The answer
-is only ever taken from an answer field, never from a worked solution. Outputs are written to a
-temp file and renamed, and ``OUT/manifest.json`` records row counts and sha256 hashes of output
-and source.
+``.parquet`` / ``.jsonl`` / ``.json`` file (works offline). Every row is validated: problem present,
+text (not a number, NaN, dict...) and non-empty; answer present, a string, finite number or list of
+them, non-empty and at most ``recipe.stapo.reward.MAX_GROUND_TRUTH_CHARS`` characters, converted
+to text by the rewards' own rule (``recipe.stapo.reward.answers.ground_truth_conversion``: a list
+is joined with ", "); id a string or an integer, unique; every text valid Unicode (a JSONL line
+that is not UTF-8, or a lone surrogate escape such as ``"\\ud800"``, is a bad row). A bad row is an
+error naming the file and the row (1-based), unless ``--drop-invalid`` drops and counts it. The
+answer is only ever taken from an answer field, never from a worked solution.
+
+``OUT/manifest.json`` records row counts and sha256 hashes of output and source. It is read
+before any work (a corrupt one is an error naming it, and nothing is written); each output is
+written to a temp file, recorded in the manifest, then renamed into place, so an error at any
+point leaves the parquet file and its manifest entry as they were. ``--out-dir`` must be a folder
+(or not exist yet).
 
 Output schema (one row per problem; what verl's RLHFDataset reads)::
 
@@ -30,15 +37,17 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import sys
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
-from stapo_core.fileio import atomic_write, atomic_write_json, sha256_file
-from recipe.stapo.reward.answers import ground_truth_problem
+from stapo_core.fileio import atomic_write_json, sha256_file
+from recipe.stapo.reward.answers import ground_truth_conversion, ground_truth_problem, unicode_problem
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 """Instruction appended to every problem (the paper's and JustRL's prompt)."""
@@ -141,8 +150,13 @@ def _is_local(source: str) -> bool:
 def iter_local_rows(path: Path) -> Iterator[tuple[int, Any]]:
     """Yield ``(row_number_1_based, row)`` from a parquet / jsonl / json file.
 
-    A JSONL line that is not valid JSON is yielded as ``(n, _BadRow(message))`` so that validation
-    reports it like any other bad row.
+    A JSONL line that is not UTF-8 text or not valid JSON is yielded as ``(n, _BadRow(message))``
+    so that validation reports it like any other bad row.
+
+    Raises:
+        FileNotFoundError: no such file.
+        ValueError: naming the file, for a file that cannot be read as its type (a parquet file that
+            is not one, a ``.json`` file that is not UTF-8 JSON holding a list of rows).
     """
     if not path.is_file():
         raise FileNotFoundError(f"source file not found: {path}")
@@ -150,11 +164,25 @@ def iter_local_rows(path: Path) -> Iterator[tuple[int, Any]]:
     if suffix == ".parquet":
         import pandas as pd
 
-        for number, row in enumerate(pd.read_parquet(path).to_dict(orient="records"), start=1):
+        try:
+            frame = pd.read_parquet(path)
+        except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise ValueError(f"{path}: cannot be read as a parquet file ({type(exc).__name__}: {exc})") from None
+        for number, row in enumerate(frame.to_dict(orient="records"), start=1):
             yield number, row
     elif suffix == ".jsonl":
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
+        with open(path, "rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                if number == 1 and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte-order mark
+                    raw = raw[3:]
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    yield number, _BadRow(
+                        f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} of the line); "
+                        "re-save the file as UTF-8"
+                    )
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -162,8 +190,15 @@ def iter_local_rows(path: Path) -> Iterator[tuple[int, Any]]:
                 except json.JSONDecodeError as exc:
                     yield number, _BadRow(f"not valid JSON ({exc.msg})")
     elif suffix == ".json":
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+        raw = path.read_bytes()
+        try:
+            data = json.loads(raw.decode("utf-8-sig"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"{path}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); re-save it as UTF-8"
+            ) from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
         if isinstance(data, dict):
             data = next((v for v in data.values() if isinstance(v, list)), None)
         if not isinstance(data, list):
@@ -204,36 +239,67 @@ def _lookup(row: Any, dotted: str) -> Any:
     return node
 
 
+def _is_missing(value: Any) -> bool:
+    """None, a float NaN or a pandas NA: how a parquet file's empty cell reads."""
+    return value is None or (isinstance(value, float) and math.isnan(value)) or type(value).__name__ in ("NAType", "NaTType")
+
+
 def _first_present(row: Any, paths: Sequence[str]) -> tuple[Optional[str], Any]:
+    """The first of ``paths`` whose value is not missing (:func:`_is_missing`), with its value.
+    When every one is missing: the first that holds a NaN (so that an error can name it), else
+    ``(None, None)``."""
+    empty_cell: tuple[Optional[str], Any] = (None, None)
     for path in paths:
         value = _lookup(row, path)
-        if value is not None:
+        if not _is_missing(value):
             return path, value
-    return None, None
+        if value is not None and empty_cell[0] is None:
+            empty_cell = (path, value)
+    return empty_cell
 
 
 def answer_to_text(value: Any) -> str:
-    """Ground truth as a string: ints stay ints (``5.0`` -> ``"5"``), a one-element list is
-    unwrapped, a longer list is joined with ", ", surrounding ``$`` are stripped.
+    """Ground truth as written to the parquet file: the rewards' text of it
+    (:func:`recipe.stapo.reward.answers.ground_truth_conversion`: ints stay ints, ``5.0`` -> ``"5"``,
+    ``0.5`` -> ``"0.5"``, a one-element list is its element, a longer one is joined with ``", "``),
+    with surrounding spaces and ``$`` stripped.
 
     Raises:
         ValueError: naming the problem, for a value that is not a string, a finite number or a
-            non-empty list of them (None, a bool, NaN, a dict, ...).
+            non-empty list of them (None, a bool, NaN, a dict, a list inside a list, ...), or whose
+            text is too long or not valid Unicode.
     """
-    if hasattr(value, "tolist") and not isinstance(value, str):
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        if not value:
-            raise ValueError("an empty list")
-        return answer_to_text(value[0]) if len(value) == 1 else ", ".join(answer_to_text(v) for v in value)
-    if value is None or isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"a value of type {type(value).__name__} ({value!r:.40}), not a string or number")
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            raise ValueError(f"a non-finite number ({value!r})")
-        if value.is_integer():
-            value = int(value)
-    return str(value).strip().strip("$").strip()
+    text, why = ground_truth_conversion(value)
+    if text is None:
+        raise ValueError(why)
+    return text.strip().strip("$").strip()
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r:.40}"
+
+
+def _problem_text(value: Any, field: str) -> tuple[Optional[str], Optional[str]]:
+    """``(problem, None)`` for a text, else ``(None, why)``: a problem is never a number, a dict..."""
+    if not isinstance(value, str):
+        hint = "; an empty parquet cell reads as NaN" if isinstance(value, float) and math.isnan(value) else ""
+        return None, f"problem (field {field}) is not text (got {_describe(value)}{hint})"
+    bad = unicode_problem(value)
+    return (None, f"problem (field {field}) has {bad}") if bad else (value, None)
+
+
+def _id_text(value: Any, field: Optional[str], number: int) -> tuple[Optional[str], Optional[str]]:
+    """``(id, None)``: a string, an integer (``3.0`` -> ``"3"``), or the row number when there is none."""
+    if field is None or _is_missing(value):
+        return str(number), None
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a numpy scalar
+        value = value.item()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        return None, f"id (field {field}) is not a string or an integer (got {_describe(value)})"
+    bad = unicode_problem(value) if isinstance(value, str) else None
+    return (None, f"id (field {field}) has {bad}") if bad else (str(value), None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,7 +321,9 @@ def _extract(spec: SourceSpec, number: int, row: Any) -> tuple[Optional[_Record]
     problem_path, problem = _first_present(row, spec.problem_fields)
     if problem is None:
         return None, f"missing problem (looked for {', '.join(spec.problem_fields)})"
-    problem = str(problem)
+    problem, why = _problem_text(problem, problem_path)
+    if problem is None:
+        return None, why
     if spec.strip_prefix and problem.startswith(spec.strip_prefix):
         problem = problem[len(spec.strip_prefix) :]
     if spec.strip_suffix and problem.endswith(spec.strip_suffix):
@@ -275,8 +343,11 @@ def _extract(spec: SourceSpec, number: int, row: Any) -> tuple[Optional[_Record]
     unusable = ground_truth_problem(answer)  # e.g. longer than MAX_GROUND_TRUTH_CHARS: a solution, not an answer
     if unusable:
         return None, f"invalid answer (field {answer_path}): {unusable}"
-    _, source_id = _first_present(row, spec.id_fields)
-    return _Record(problem, answer, str(number if source_id is None else source_id)), None
+    id_path, source_id = _first_present(row, spec.id_fields)
+    source_id, why = _id_text(source_id, id_path, number)
+    if source_id is None:
+        return None, why
+    return _Record(problem, answer, source_id), None
 
 
 def collect_records(
@@ -338,7 +409,7 @@ def _rows_sha256(rows: Iterable[tuple[int, Any]]) -> tuple[list[tuple[int, Any]]
     materialised = []
     for number, row in rows:
         materialised.append((number, row))
-        digest.update(json.dumps(row, sort_keys=True, default=str, ensure_ascii=False).encode())
+        digest.update(json.dumps(row, sort_keys=True, default=str, ensure_ascii=False).encode("utf-8", "surrogatepass"))
         digest.update(b"\n")
     return materialised, digest.hexdigest()
 
@@ -350,6 +421,7 @@ def prepare_dataset(
     drop_invalid: bool = False,
     data_source: Optional[str] = None,
     split: str = "test",
+    manifest_dir: Optional[Path] = None,
 ) -> PrepareResult:
     """Read, validate and write one dataset atomically to ``out_path`` (parquet).
 
@@ -360,45 +432,122 @@ def prepare_dataset(
         drop_invalid: drop bad rows (counted) instead of raising.
         data_source: value of the ``data_source`` column (default ``spec.name``).
         split: value of ``extra_info.split``.
+        manifest_dir: if given, the result is also recorded in ``manifest_dir/manifest.json``, and the
+            two files stay consistent: the manifest is read (and must be valid) before anything is
+            written; the parquet is written to a temp file, the manifest updated, then the temp file
+            renamed to ``out_path`` (the manifest is put back if that rename fails). An error at any
+            point leaves both files as they were.
+    Raises:
+        ValueError: invalid rows (naming the file and rows), a source that cannot be read, a corrupt
+            manifest, ``out_path`` inside a file.
+        FileNotFoundError: a local source that does not exist.
     """
     import pandas as pd
 
+    check_out_dir(out_path.parent)
+    previous = read_manifest(manifest_dir) if manifest_dir is not None else None
     source = source or spec.hf_id
     if _is_local(source):
         label = str(Path(source).resolve())
         rows = iter_local_rows(Path(source))
-        source_hash = sha256_file(source)
+        source_hash = sha256_file(source) if Path(source).is_file() else ""
     else:
         label = f"hf:{source}[{spec.split}]"
         rows, source_hash = _rows_sha256(iter_hf_rows(spec, source))
     records, source_rows, duplicates, invalid = collect_records(spec, rows, label, drop_invalid)
     table = [build_row(r, i, data_source or spec.name, split) for i, r in enumerate(records)]
-    atomic_write(out_path, lambda tmp: pd.DataFrame(table).to_parquet(tmp, index=False))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+    os.close(fd)
+    try:
+        pd.DataFrame(table).to_parquet(tmp, index=False)
+        result = PrepareResult(
+            name=spec.name,
+            output=out_path.name,
+            rows=len(records),
+            output_sha256=sha256_file(tmp),
+            source=label,
+            source_sha256=source_hash,
+            source_rows=source_rows,
+            dropped_invalid=len(invalid),
+            duplicates_removed=duplicates,
+            invalid_examples=invalid[:20],
+        )
+        if manifest_dir is not None:
+            _write_manifest(manifest_dir, previous, [result])
+        try:
+            os.replace(tmp, out_path)
+        except BaseException:
+            if manifest_dir is not None:
+                _put_back_manifest(manifest_dir, previous)
+            raise
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     if spec.expected_rows is not None and len(records) != spec.expected_rows:
         print(f"[prepare] note: {spec.name} has {len(records)} rows, the paper's has {spec.expected_rows}", file=sys.stderr)
-    return PrepareResult(
-        name=spec.name,
-        output=out_path.name,
-        rows=len(records),
-        output_sha256=sha256_file(out_path),
-        source=label,
-        source_sha256=source_hash,
-        source_rows=source_rows,
-        dropped_invalid=len(invalid),
-        duplicates_removed=duplicates,
-        invalid_examples=invalid[:20],
-    )
+    return result
 
 
-def update_manifest(out_dir: Path, results: Sequence[PrepareResult]) -> Path:
-    """Merge ``results`` into ``out_dir/manifest.json`` (atomic; other entries are kept)."""
-    path = out_dir / MANIFEST_NAME
-    manifest = json.loads(path.read_text()) if path.exists() else {}
+def check_out_dir(out_dir: Path) -> None:
+    """Raise ValueError when ``out_dir`` (or a folder above it) exists as a file: no output can be
+    written there. A folder that does not exist yet is fine (it is created)."""
+    out_dir = Path(out_dir)
+    for folder in (out_dir, *out_dir.parents):
+        if folder.exists():
+            if not folder.is_dir():
+                where = "is a file" if folder == out_dir else f"is inside {folder}, which is a file"
+                raise ValueError(f"output folder {out_dir} {where}, not a folder; pass --out-dir a folder "
+                                 "(it is created if missing)")
+            return
+
+
+def read_manifest(out_dir: Path) -> Optional[dict]:
+    """``out_dir/manifest.json`` as a dict, or None when there is none.
+
+    Raises:
+        ValueError: naming the file, when it is not a UTF-8 JSON object whose ``datasets`` is an object.
+    """
+    path = Path(out_dir) / MANIFEST_NAME
+    if not path.exists():
+        return None
+    fix = ("move it aside (the next preparation then writes a new manifest that records only the datasets "
+           "it prepares) or restore it from a copy; nothing was written")
+    try:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: corrupt manifest, not UTF-8 JSON ({exc}); {fix}") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the manifest ({exc}); {fix}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("datasets", {}), dict):
+        raise ValueError(f"{path}: corrupt manifest (expected a JSON object whose 'datasets' is an object); {fix}")
+    return manifest
+
+
+def _write_manifest(out_dir: Path, previous: Optional[dict], results: Sequence[PrepareResult]) -> Path:
+    manifest = json.loads(json.dumps(previous)) if previous else {}
     manifest.setdefault("datasets", {})
     for result in results:
         manifest["datasets"][result.name] = result.manifest_entry()
     manifest["prompt_suffix"] = PROMPT_SUFFIX
-    return atomic_write_json(path, manifest)
+    return atomic_write_json(Path(out_dir) / MANIFEST_NAME, manifest)
+
+
+def _put_back_manifest(out_dir: Path, previous: Optional[dict]) -> None:
+    path = Path(out_dir) / MANIFEST_NAME
+    if previous is None:
+        path.unlink(missing_ok=True)
+    else:
+        atomic_write_json(path, previous)
+
+
+def update_manifest(out_dir: Path, results: Sequence[PrepareResult]) -> Path:
+    """Merge ``results`` into ``out_dir/manifest.json`` (atomic; other entries are kept).
+
+    Raises:
+        ValueError: the manifest there is corrupt (:func:`read_manifest`); it is left as it is.
+    """
+    return _write_manifest(out_dir, read_manifest(out_dir), results)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,8 +577,11 @@ def _parse_sources(pairs: Sequence[str]) -> dict[str, str]:
 def run_train(args: argparse.Namespace) -> list[PrepareResult]:
     spec = _override_fields(TRAIN_SPEC, args)
     out_dir = Path(args.out_dir)
-    result = prepare_dataset(spec, out_dir / "train.parquet", args.source, args.drop_invalid, TRAIN_DATA_SOURCE, "train")
-    update_manifest(out_dir, [result])
+    check_out_dir(out_dir)
+    read_manifest(out_dir)  # a corrupt manifest fails before any source is read
+    result = prepare_dataset(
+        spec, out_dir / "train.parquet", args.source, args.drop_invalid, TRAIN_DATA_SOURCE, "train", manifest_dir=out_dir
+    )
     return [result]
 
 
@@ -440,11 +592,14 @@ def run_bench(args: argparse.Namespace) -> list[PrepareResult]:
         raise ValueError(f"--benchmarks: unknown {unknown}; known: {list(BENCHMARK_SPECS)}")
     sources = _parse_sources(args.source or [])
     out_dir = Path(args.out_dir)
+    check_out_dir(out_dir)
+    read_manifest(out_dir)  # a corrupt manifest fails before any source is read
     results = []
     for name in tqdm(names, desc="benchmarks", unit="bench"):
-        result = prepare_dataset(BENCHMARK_SPECS[name], out_dir / f"{name}.parquet", sources.get(name), args.drop_invalid)
-        update_manifest(out_dir, [result])  # after each one, so a later failure loses nothing
-        results.append(result)
+        # recorded in the manifest with its parquet, so a later failure loses nothing
+        spec = BENCHMARK_SPECS[name]
+        results.append(prepare_dataset(spec, out_dir / f"{name}.parquet", sources.get(name), args.drop_invalid,
+                                       manifest_dir=out_dir))
     return results
 
 
@@ -470,7 +625,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         results = run_train(args) if args.command == "train" else run_bench(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # OSError's message names its file
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for r in results:

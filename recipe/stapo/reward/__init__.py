@@ -6,17 +6,23 @@
   symbolic equality, time-bounded; the evaluation's rule-based grader, and a training option.
 - :mod:`~recipe.stapo.reward.answers`: ground-truth validation, answer extraction, normalisation.
 - :mod:`~recipe.stapo.reward.guard`: the process guard (hard wall-clock limit from any thread).
+
+Importing the package (or any of its modules) checks ``STAPO_REWARD_WORKERS``
+(:func:`~recipe.stapo.reward.guard.workers_from_env`): an invalid value stops the importing process
+at its start, the trainer loading its reward function or the evaluation, with an error naming it.
 """
 
 from recipe.stapo.reward.answers import (
     MAX_GROUND_TRUTH_CHARS,
+    ground_truth_conversion,
     ground_truth_problem,
     ground_truth_text,
+    interval_set_mismatch,
     last_boxed_content,
     normalize_answer,
     symbolic_equal,
 )
-from recipe.stapo.reward.guard import TimeLimitedRunner, get_runner
+from recipe.stapo.reward.guard import WORKERS_ENV, RewardConfigError, TimeLimitedRunner, get_runner, workers_from_env
 from recipe.stapo.reward.lenient import (
     DEFAULT_TIMEOUT_S,
     TAIL_CHARS,
@@ -31,16 +37,21 @@ __all__ = [
     "DEFAULT_TIMEOUT_S",
     "MAX_GROUND_TRUTH_CHARS",
     "TAIL_CHARS",
+    "WORKERS_ENV",
     "WRONG_SCORE",
+    "RewardConfigError",
     "TimeLimitedRunner",
     "answers_equivalent",
     "compute_score",
     "compute_score_lenient",
     "get_runner",
     "grade_solution",
+    "ground_truth_conversion",
     "ground_truth_problem",
     "ground_truth_text",
+    "interval_set_mismatch",
     "last_boxed_content",
     "normalize_answer",
     "symbolic_equal",
+    "workers_from_env",
 ]

@@ -13,7 +13,9 @@ processes and the data preparation never need.
 from __future__ import annotations
 
 import math
+import re
 import threading
+from decimal import Decimal
 from typing import Any, Optional
 
 MAX_GROUND_TRUTH_CHARS = 1000
@@ -46,60 +48,138 @@ _LATEX_SPELLINGS = (
 # ----------------------------------------------------------------------------------------------
 # ground truth
 # ----------------------------------------------------------------------------------------------
+def _unbox(value: Any) -> Any:
+    """A numpy scalar or 0-d array as the Python value it stands for, a 1-d array as a list of its
+    cells; anything else unchanged. A numpy float becomes the Python float of its shortest decimal
+    form (``np.float32(0.1)`` -> ``0.1``, not the ``0.10000000149011612`` of ``.tolist()``)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None or isinstance(value, str):
+        return value
+    if getattr(value, "ndim", 0) == 0:
+        return float(str(value)) if dtype.kind == "f" else value.item()
+    return list(value)
+
+
+def _number_text(value: float) -> str:
+    """A finite float as a plain decimal: ``5.0`` -> ``"5"``, ``0.5`` -> ``"0.5"``, ``1e-07`` ->
+    ``"0.0000001"``, ``1e+20`` -> ``"100000000000000000000"`` (the shortest digits that read back
+    as the same float, written without an exponent)."""
+    if value == 0:
+        return "0"
+    text = format(Decimal(repr(value)), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def _scalar_ground_truth(value: Any) -> tuple[Optional[str], Optional[str]]:
+    """``(text, None)`` for a string or a finite number, else ``(None, why)``."""
+    value = _unbox(value)
+    if isinstance(value, str):
+        return value, None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, f"a value of type {type(value).__name__} ({value!r:.40}), not a string or number"
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, f"a non-finite number ({value!r})"
+    if isinstance(value, int) and value.bit_length() > 4 * MAX_GROUND_TRUTH_CHARS:  # > 10**1000
+        return None, f"an integer of more than MAX_GROUND_TRUTH_CHARS={MAX_GROUND_TRUTH_CHARS} digits"
+    return (str(value) if isinstance(value, int) else _number_text(value)), None
+
+
+def _list_item_text(text: str) -> str:
+    """One element of a longer list as it is joined: surrounding spaces and ``$`` removed."""
+    return text.strip().strip("$").strip()
+
+
+def ground_truth_conversion(value: Any) -> tuple[Optional[str], Optional[str]]:
+    """``(text, None)`` for a usable ground truth, ``(None, why)`` otherwise: the one rule the
+    rewards (:func:`ground_truth_text`) and the data preparation share.
+
+    * a string is itself (not stripped: the strict training reward compares it exactly);
+    * an int is its decimal digits; a finite float its plain decimal form (``5.0`` -> ``"5"``,
+      ``0.5`` -> ``"0.5"``, ``1e-07`` -> ``"0.0000001"``); a numpy scalar the same as the Python
+      number it stands for (``np.float32(0.1)`` -> ``"0.1"``);
+    * a list, tuple or 1-d numpy array of such values: one element is that element; several are
+      joined with ``", "``, each without surrounding spaces and ``$`` (``[1, 2]`` -> ``"1, 2"``, the
+      way a model writes a list of answers in one box).
+
+    Unusable: None, a bool, NaN or infinity, any other type (dict, bytes, ...), an empty list, a
+    list inside a list, an empty or whitespace-only text, a text longer than
+    :data:`MAX_GROUND_TRUTH_CHARS`, a text that is not valid Unicode (a lone surrogate).
+    """
+    value = _unbox(value)
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return None, "an empty list"
+        if len(value) == 1:
+            value = _unbox(value[0])
+            if isinstance(value, (list, tuple)):
+                return None, f"a list inside a list ({value!r:.40})"
+        else:
+            return _list_ground_truth(value)
+    text, why = _scalar_ground_truth(value)
+    if text is None:
+        return None, why
+    return _checked_text(text)
+
+
+def _list_ground_truth(values: list | tuple) -> tuple[Optional[str], Optional[str]]:
+    """Several elements joined with ``", "`` (see :func:`ground_truth_conversion`)."""
+    texts = []
+    for item in map(_unbox, values):
+        if isinstance(item, (list, tuple)):
+            return None, f"a list inside a list ({item!r:.40})"
+        text, why = _scalar_ground_truth(item)
+        if text is None:
+            return None, why
+        if not _list_item_text(text):
+            return None, f"a list with an empty element ({text!r:.40})"
+        texts.append(_list_item_text(text))
+    return _checked_text(", ".join(texts))
+
+
+def _checked_text(text: str) -> tuple[Optional[str], Optional[str]]:
+    """``(text, None)``, or ``(None, why)`` for an empty, too long or not-Unicode text."""
+    if not text.strip():
+        return None, "an empty text"
+    if len(text) > MAX_GROUND_TRUTH_CHARS:
+        return None, f"{len(text)} characters, more than MAX_GROUND_TRUTH_CHARS={MAX_GROUND_TRUTH_CHARS}"
+    surrogate = unicode_problem(text)
+    if surrogate:
+        return None, surrogate
+    return text, None
+
+
+def unicode_problem(text: str) -> Optional[str]:
+    """Why ``text`` is not valid Unicode (a lone surrogate, e.g. from a JSON ``"\\ud800"`` escape,
+    which no file can store as UTF-8), or None when it is."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"a lone surrogate (U+{ord(text[exc.start]):04X}) at character {exc.start + 1}, not valid Unicode text"
+    return None
+
+
 def ground_truth_text(value: Any) -> Optional[str]:
     """The ground truth as a string, or None when no answer can ever match it.
 
-    Accepted: a string; an int or a finite float (``5.0`` -> ``"5"``); a one-or-more element
-    list / tuple / numpy array, read as its first element (verl may hand over array cells).
-    Unmatchable (None is returned): None, an empty container, any other type (bool, dict, bytes,
-    ...), NaN / infinity, an empty or whitespace-only string, a string longer than
-    :data:`MAX_GROUND_TRUTH_CHARS`. The returned string is the value itself, not stripped: the
-    strict training reward compares it exactly.
+    The rule is :func:`ground_truth_conversion`'s (strings, ints, finite floats, numpy scalars,
+    lists of them joined with ``", "``); the data preparation writes the same text (then strips
+    surrounding spaces and ``$``).
 
     Args:
         value: the ``reward_model.ground_truth`` cell of a row.
     Returns:
         str (1..MAX_GROUND_TRUTH_CHARS characters, not only whitespace) or None.
     """
-    if hasattr(value, "tolist") and not isinstance(value, str):  # numpy arrays and scalars
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        if not value:
-            return None
-        value = value[0]
-        if hasattr(value, "tolist") and not isinstance(value, str):
-            value = value.tolist()
-    if isinstance(value, bool) or value is None:
-        return None
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return None
-        value = int(value) if value.is_integer() else value
-    if isinstance(value, int):
-        value = str(value)
-    if not isinstance(value, str):
-        return None
-    if not value.strip() or len(value) > MAX_GROUND_TRUTH_CHARS:
-        return None
-    return value
+    return ground_truth_conversion(value)[0]
 
 
 def ground_truth_problem(value: Any) -> Optional[str]:
     """Why ``value`` is not a usable ground truth (a short message), or None when it is.
 
-    The reasons mirror :func:`ground_truth_text`; the data preparation reports them per row.
+    The reasons are :func:`ground_truth_conversion`'s; the data preparation reports them per row.
     """
-    if ground_truth_text(value) is not None:
-        return None
-    if value is None:
-        return "ground truth is missing (None)"
-    if isinstance(value, str):
-        if len(value) > MAX_GROUND_TRUTH_CHARS:
-            return f"ground truth has {len(value)} characters, more than MAX_GROUND_TRUTH_CHARS={MAX_GROUND_TRUTH_CHARS}"
-        return "ground truth is empty"
-    if isinstance(value, float):
-        return f"ground truth is not a finite number ({value!r})"
-    return f"ground truth of unsupported type {type(value).__name__}"
+    why = ground_truth_conversion(value)[1]
+    return None if why is None else f"ground truth is {why}"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,14 +210,35 @@ def last_boxed_content(text: str) -> Optional[str]:
     return None
 
 
-def normalize_answer(answer: str) -> str:
-    """verl's DAPO / Minerva normalisation of a final answer, plus LaTeX-spelling folding.
+_SPACED_COMMA = "\ue000"
+"""Stands for a comma followed by white space while verl's normalisation runs (a private-use
+character, which verl's rules never touch and its digits-only test does not count as a comma)."""
+_BARE_COMMA = "\ue001"
+"""Stands for a comma not followed by white space while verl's normalisation runs."""
+_SPACED_COMMA_RE = re.compile(r",(?=\s)")
+_AND_RE = re.compile(r"(?:,\s*)?\\text\{\s*and\s*\}")
+_THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:" + _BARE_COMMA + r"\d{3})+(?:\.\d+)?")
 
-    Three steps: fold display variants (``\\dfrac``/``\\tfrac`` -> ``\\frac``, ``\\left``/``\\right``,
+
+def normalize_answer(answer: str) -> str:
+    """verl's DAPO / Minerva normalisation of a final answer, plus LaTeX-spelling folding and
+    list-aware commas.
+
+    Steps: fold display variants (``\\dfrac``/``\\tfrac`` -> ``\\frac``, ``\\left``/``\\right``,
     ``\\,``, degree and percent signs); verl's own
     ``verl.utils.reward_score.math_dapo.normalize_final_answer`` (right-hand side of ``=``, units and
-    words, ``\\text{}``, dollars, spaces, ``\\frac12`` -> ``\\frac{1}{2}``, integer thousands
-    separators); finally drop a trailing period (``7.`` -> ``7``, then separators again).
+    words, ``\\text{}``, dollars, spaces, ``\\frac12`` -> ``\\frac{1}{2}``); drop a trailing period
+    (``7.`` -> ``7``); finally remove the commas of a thousands-separated number (``1,234`` ->
+    ``1234``) and write every other comma as ``", "``.
+
+    The commas are ours, not verl's: verl deletes every comma of an answer made of digits and commas
+    only, so the list ``2, 3`` would become ``23`` and equal the number 23. Here a comma followed by a
+    space always separates list items (``2, 3`` -> ``2, 3``, ``1, 234`` -> ``1, 234``), and commas
+    without spaces are thousands separators only when every group after the first has exactly three
+    digits (``1,234`` and ``-12,345.5`` are numbers, ``2,3`` -> ``2, 3`` and ``1,2345`` -> ``1, 2345``
+    are lists). A list separator is written with its space so that ``math_verify``, which also sees
+    the normalised forms, reads it as a list too (it reads ``1,234`` as a number). The one ambiguous
+    spelling, ``1,234`` for the list 1 and 234, is read as the number (as ``math_verify`` reads it).
 
     Time: quadratic in ``len(answer)`` in the worst case (verl's regular expressions); callers pass
     at most :data:`MAX_GROUND_TRUTH_CHARS` characters.
@@ -149,13 +250,44 @@ def normalize_answer(answer: str) -> str:
     """
     from verl.utils.reward_score.math_dapo import normalize_final_answer
 
-    final = answer
+    final = answer.replace(_SPACED_COMMA, "").replace(_BARE_COMMA, "")
     for before, after in _LATEX_SPELLINGS:
         final = final.replace(before, after)
+    final = final.replace("{,}", "")  # verl's rule for LaTeX's thousands separator, before commas are hidden
+    final = _AND_RE.sub(_SPACED_COMMA, final)  # verl reads "\text{and}" as a comma: a list separator
+    final = _SPACED_COMMA_RE.sub(_SPACED_COMMA, final).replace(",", _BARE_COMMA)
     final = normalize_final_answer(final).rstrip(".").strip()
-    if final.replace(",", "").isdigit():
-        final = final.replace(",", "")
-    return final
+    if _THOUSANDS_RE.fullmatch(final):
+        return final.replace(_BARE_COMMA, "")
+    return final.replace(_SPACED_COMMA, ", ").replace(_BARE_COMMA, ", ")
+
+
+def interval_set_mismatch(norm_pred: str, norm_gold: str) -> bool:
+    """True when one normalised answer is an interval (or pair) ``(a,b)`` / ``[a,b]`` / ``(a,b]`` /
+    ``[a,b)`` and the other a set ``\\{...\\}``: different objects, although ``math_verify``
+    counts ``(1,2)`` equal to ``\\{1,2\\}``. Linear in the lengths."""
+    shapes = {_shape(norm_pred), _shape(norm_gold)}
+    return shapes == {"interval", "set"}
+
+
+def _shape(norm: str) -> str:
+    """``"set"`` for ``\\{...\\}``, ``"interval"`` for an opening ``(``/``[`` whose match is the last
+    character with exactly one top-level comma between them, ``""`` otherwise."""
+    if norm.startswith("\\{") and norm.endswith("\\}"):
+        return "set"
+    if len(norm) < 5 or norm[0] not in "([" or norm[-1] not in ")]":
+        return ""
+    depth, commas = 0, 0
+    for pos, char in enumerate(norm):
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+            if depth == 0 and pos != len(norm) - 1:
+                return ""  # the first bracket closes early: "(1,2),(3,4)"
+        elif char == "," and depth == 1:
+            commas += 1
+    return "interval" if depth == 0 and commas == 1 else ""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,10 +19,37 @@ import queue
 import subprocess
 import sys
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 WORKERS_ENV = "STAPO_REWARD_WORKERS"
 """Environment variable: how many helper processes one process may run (default min(4, CPUs))."""
+
+
+class RewardConfigError(ValueError):
+    """A setting of the rewards (an environment variable) is invalid: raised, never scored as -1."""
+
+
+def workers_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
+    """The number of helper processes :data:`WORKERS_ENV` asks for (``environ`` defaults to
+    ``os.environ``): a whole number >= 1; unset or empty means min(4, CPUs).
+
+    Raises:
+        RewardConfigError: naming the variable and its value, for anything else (``abc``, ``0``,
+            ``-2``, ``1.5``).
+    """
+    environ = os.environ if environ is None else environ
+    default = min(4, os.cpu_count() or 1)
+    raw = environ.get(WORKERS_ENV, "")
+    if not raw.strip():
+        return default
+    workers = int(raw.strip()) if raw.strip().isascii() and raw.strip().isdigit() else 0
+    if workers < 1:
+        raise RewardConfigError(
+            f"{WORKERS_ENV}={raw!r}: expected a whole number >= 1 (how many helper processes the lenient "
+            f"reward's symbolic check may run per process); set e.g. {WORKERS_ENV}={default}, or unset it "
+            f"for the default min(4, CPUs) = {default}"
+        )
+    return workers
 
 
 def _resolve(fn: Callable[..., Any] | str) -> Callable[..., Any]:
@@ -56,6 +83,12 @@ def _guard_worker_main(read_fd: int, write_fd: int, warm_up: str = "") -> None:
             outbox.send(("ok", _resolve(fn)(*args)))
         except Exception as exc:  # noqa: BLE001 - report to the parent, keep serving
             outbox.send(("err", f"{type(exc).__name__}: {exc}"))
+
+
+# Read once when this module is imported, so that a process that can grade (the trainer loading its
+# reward function, the evaluation) stops at its start on an invalid value, naming the variable,
+# instead of failing after hours of work or scoring every answer that needs the symbolic check -1.
+workers_from_env()
 
 
 _WORKER_CODE = (
@@ -163,10 +196,13 @@ _RUNNER_LOCK = threading.Lock()
 
 def get_runner(warm_up: str = "") -> TimeLimitedRunner:
     """The process-wide runner, created by the first call (with its ``warm_up``, see
-    :class:`TimeLimitedRunner`); :data:`WORKERS_ENV` sets its size (default min(4, CPUs))."""
+    :class:`TimeLimitedRunner`); :data:`WORKERS_ENV` sets its size (:func:`workers_from_env`).
+
+    Raises:
+        RewardConfigError: when :data:`WORKERS_ENV` is invalid.
+    """
     global _RUNNER
     with _RUNNER_LOCK:
         if _RUNNER is None:
-            default = min(4, os.cpu_count() or 1)
-            _RUNNER = TimeLimitedRunner(max_workers=int(os.environ.get(WORKERS_ENV, default)), warm_up=warm_up)
+            _RUNNER = TimeLimitedRunner(max_workers=workers_from_env(), warm_up=warm_up)
         return _RUNNER

@@ -3,7 +3,10 @@
 A response is correct when the content of its *last* ``\\boxed{...}`` (or ``\\fbox{...}``) inside
 its final :data:`TAIL_CHARS` characters equals the ground truth after normalisation
 (:func:`~recipe.stapo.reward.answers.normalize_answer`: verl's DAPO normalisation plus LaTeX
-spellings), or, when the strings differ, when ``math_verify`` proves the two answers equal.
+spellings and list-aware commas, so that the list ``2, 3`` never equals the number 23), or, when
+the strings differ, when ``math_verify`` proves the two answers equal, except that an interval (or
+pair) never equals a set (``math_verify`` alone counts ``(1,2)`` equal to ``\\{1,2\\}``). The readings
+of ambiguous spellings are listed in ``docs/reward.md``.
 
 It accepts more answers than the training reward (:mod:`recipe.stapo.reward.strict`): ``0.5``
 for ``\\frac12``, ``5 cm`` for ``5``, a box anywhere in the last 300 characters. The evaluation
@@ -24,8 +27,14 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Optional
 
-from recipe.stapo.reward.answers import ground_truth_text, last_boxed_content, normalize_answer, symbolic_equal
-from recipe.stapo.reward.guard import get_runner
+from recipe.stapo.reward.answers import (
+    ground_truth_text,
+    interval_set_mismatch,
+    last_boxed_content,
+    normalize_answer,
+    symbolic_equal,
+)
+from recipe.stapo.reward.guard import RewardConfigError, get_runner
 from recipe.stapo.reward.strict import CORRECT_SCORE, WRONG_SCORE
 
 logger = logging.getLogger(__name__)
@@ -51,13 +60,17 @@ def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_
         pred: an extracted answer (short: callers take it from a response tail).
         gold: a ground truth string of at most ``MAX_GROUND_TRUTH_CHARS`` characters.
         timeout_s: hard limit of the symbolic stage.
-    Never raises and never runs longer than about ``timeout_s`` (plus a one-off helper start).
+    Raises only :class:`~recipe.stapo.reward.guard.RewardConfigError` (an invalid
+    ``STAPO_REWARD_WORKERS``); never runs longer than about ``timeout_s`` (plus a one-off helper
+    start).
     """
     norm_pred, norm_gold = normalize_answer(pred), normalize_answer(gold)
     if not norm_pred or not norm_gold:
         return False
     if norm_pred == norm_gold:
         return True
+    if interval_set_mismatch(norm_pred, norm_gold):  # math_verify alone counts (1,2) equal to {1,2}
+        return False
     inner = max(1, int(timeout_s / 3))
     status, value = get_runner(_WARM_UP).call(symbolic_check, (pred, gold, norm_pred, norm_gold, inner), timeout_s)
     if status == "err":
@@ -107,12 +120,16 @@ def compute_score_lenient(data_source: Any, solution_str: Any, ground_truth: Any
         **kwargs: ``timeout_s`` (float, default ``DEFAULT_TIMEOUT_S``; settable through
             ``reward.custom_reward_function.reward_kwargs``); anything else verl passes is ignored.
     Returns:
-        ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None}``. Never raises.
+        ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None}``.
+    Raises:
+        RewardConfigError: ``STAPO_REWARD_WORKERS`` is invalid (never for any response or ground truth).
     """
     timeout_s = float(kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
     try:
         correct, pred = grade_solution(solution_str, ground_truth, timeout_s)
-    except Exception as exc:  # noqa: BLE001 - a reward must never crash a worker
+    except RewardConfigError:
+        raise  # a misconfigured process must stop, not score every answer -1
+    except Exception as exc:  # noqa: BLE001 - a reward must never crash a worker because of an answer
         logger.warning("reward: grading failed (%s: %s); scoring -1", type(exc).__name__, exc)
         correct, pred = False, None
     return {"score": CORRECT_SCORE if correct else WRONG_SCORE, "acc": bool(correct), "pred": pred}

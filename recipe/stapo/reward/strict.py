@@ -12,8 +12,10 @@ normalisation, no symbolic check. This module calls that function; it adds only 
   matched: -1.0. verl alone would score +1.0 for ``None`` against a response without a box (its
   "no box" ``None`` equals the ``None`` ground truth) and for ``""`` against ``\\boxed{}``.
 
-A numeric ground truth is converted to its string first (verl would compare a string with a number
-and never match); the data preparation writes strings, for which the result is verl's, unchanged.
+A ground truth that is not a string is converted to one first, by the rule the data preparation
+writes with (:func:`recipe.stapo.reward.answers.ground_truth_conversion`): ``12`` -> ``"12"``,
+``0.5`` -> ``"0.5"``, ``[1, 2]`` -> ``"1, 2"`` (verl would compare a string with a number or a list
+and never match). The data preparation writes strings, for which the result is verl's, unchanged.
 
 Time: verl's function only ever looks at 300 characters of the response and compares two strings,
 so a call takes microseconds whatever the input's length; no helper process is involved, and the

@@ -178,3 +178,183 @@ def test_drop_invalid_drops_and_counts_bad_ground_truths(tmp_path):
     assert [r["ground_truth"] for r in frame["reward_model"]] == [LONGEST, "12"]
     entry = json.loads((tmp_path / "manifest.json").read_text())["datasets"]["amc23"]
     assert entry["dropped_invalid"] == len(BAD_TRUTHS) and entry["rows"] == 2
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input: every problem is a named bad row or a named error, never a silent wrong prompt
+# ----------------------------------------------------------------------------------------------
+GOOD = {"id": "g1", "problem": "What is 2 + 2?", "answer": "4"}
+
+
+def _bench(tmp_path, source, *extra):
+    return main(["bench", "--out-dir", str(tmp_path / "out"), "--benchmarks", "amc23", "--source", f"amc23={source}", *extra])
+
+
+def test_non_text_problems_are_named_invalid_rows(tmp_path, capsys):
+    source = tmp_path / "amc.jsonl"
+    source.write_text(
+        json.dumps(GOOD) + "\n"
+        + '{"id": "n1", "problem": NaN, "answer": "1"}\n'  # Python's json reads the NaN literal
+        + json.dumps({"id": "n2", "problem": {"text": "What is 1 + 1?"}, "answer": "2"}) + "\n"
+        + json.dumps({"id": "n3", "problem": 12, "answer": "3"}) + "\n"
+        + json.dumps({"id": "n4", "problem": ["What is 1 + 1?"], "answer": "2"}) + "\n"
+    )
+    assert _bench(tmp_path, source) == 2
+    err = capsys.readouterr().err
+    assert "4 invalid row(s)" in err and not (tmp_path / "out" / "amc23.parquet").exists()
+    for row, got in ((2, "got float nan"), (3, "got dict {'text'"), (4, "got int 12"), (5, "got list")):
+        line = next(line for line in err.splitlines() if f": row {row}: " in line)
+        assert str(source.resolve()) in line and "problem (field problem) is not text" in line and got in line, line
+    assert _bench(tmp_path, source, "--drop-invalid") == 0
+    frame = pd.read_parquet(tmp_path / "out" / "amc23.parquet")
+    assert [e["id"] for e in frame["extra_info"]] == ["g1"]
+    assert [p[0]["content"] for p in frame["prompt"]] == [GOOD["problem"] + PROMPT_JOINER + PROMPT_SUFFIX]
+    entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["datasets"]["amc23"]
+    assert entry["dropped_invalid"] == 4 and entry["rows"] == 1 and entry["source_rows"] == 5
+
+
+def test_empty_parquet_problem_cell_is_an_invalid_row_not_nan(tmp_path, capsys):
+    source = tmp_path / "amc.parquet"
+    pd.DataFrame([GOOD, {"id": "e1", "problem": None, "answer": "5"}]).to_parquet(source)
+    assert _bench(tmp_path, source) == 2
+    assert f"{source.resolve()}: row 2: problem (field problem) is not text" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "amc23.parquet").exists()
+    # an empty cell of an earlier candidate field is skipped: the next field holds the problem
+    both = tmp_path / "both.parquet"
+    pd.DataFrame([{"id": "q1", "question": None, "problem": "What is 3 + 3?", "answer": "6"},
+                  {"id": "q2", "question": "What is 4 + 4?", "problem": None, "answer": "8"}]).to_parquet(both)
+    assert _bench(tmp_path, both) == 0
+    frame = pd.read_parquet(tmp_path / "out" / "amc23.parquet")
+    assert [p[0]["content"].split(PROMPT_JOINER)[0] for p in frame["prompt"]] == ["What is 3 + 3?", "What is 4 + 4?"]
+
+
+def test_non_utf8_jsonl_line_is_a_named_invalid_row(tmp_path, capsys):
+    source = tmp_path / "amc.jsonl"
+    source.write_bytes((json.dumps(GOOD) + "\n").encode() + b'{"id": "l1", "problem": "caf\xe9 au lait?", "answer": "1"}\n')
+    assert _bench(tmp_path, source) == 2
+    err = capsys.readouterr().err
+    assert f"{source.resolve()}: row 2: not UTF-8 text (byte 0xe9" in err and "re-save the file as UTF-8" in err
+    assert _bench(tmp_path, source, "--drop-invalid") == 0
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["datasets"]["amc23"]["dropped_invalid"] == 1
+
+
+def test_lone_surrogates_are_named_invalid_rows(tmp_path, capsys):
+    source = tmp_path / "amc.jsonl"
+    source.write_text(json.dumps(GOOD) + "\n"
+                      + '{"id": "s1", "problem": "x \\ud800 y", "answer": "1"}\n'
+                      + '{"id": "s2", "problem": "ok", "answer": "2\\udfff"}\n'
+                      + '{"id": "s3\\ud800", "problem": "ok", "answer": "3"}\n')
+    assert _bench(tmp_path, source) == 2
+    err = capsys.readouterr().err
+    assert f"{source.resolve()}: row 2: problem (field problem) has a lone surrogate (U+D800) at character 3" in err
+    assert "row 3: invalid answer (field answer): a lone surrogate (U+DFFF) at character 2" in err
+    assert "row 4: id (field id) has a lone surrogate (U+D800)" in err
+    assert _bench(tmp_path, source, "--drop-invalid") == 0
+    assert [e["id"] for e in pd.read_parquet(tmp_path / "out" / "amc23.parquet")["extra_info"]] == ["g1"]
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("bad.json", b'[{"problem": "caf\xe9"}]', "not UTF-8 text (byte 0xe9 at offset 17)"),
+    ("bad.json", b'[{"problem": ', "not valid JSON"),
+    ("bad.parquet", b"not a parquet file", "cannot be read as a parquet file"),
+])
+def test_unreadable_source_file_is_an_error_naming_it(tmp_path, capsys, name, content, words):
+    source = tmp_path / name
+    source.write_bytes(content)
+    assert _bench(tmp_path, source) == 2
+    err = capsys.readouterr().err
+    assert f"error: {source}: {words}" in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("manifest", ["{corrupt", "[1, 2]", '{"datasets": "aime24"}', b"\xff\xfe"])
+def test_corrupt_manifest_is_named_and_nothing_is_replaced(tmp_path, capsys, manifest):
+    out = tmp_path / "out"
+    good = FIXTURES / "bench_sample.jsonl"
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={good}"]) == 0
+    path = out / "manifest.json"
+    path.write_bytes(manifest if isinstance(manifest, bytes) else manifest.encode())
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    other = _write_jsonl(tmp_path / "other.jsonl", [GOOD])  # would change aime24.parquet
+    capsys.readouterr()
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={other}"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}: corrupt manifest" in err and "move it aside" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # the parquet was not replaced
+    assert main(["train", "--out-dir", str(out), "--source", str(FIXTURES / "dapo_sample.jsonl")]) == 2
+    assert not (out / "train.parquet").exists()
+
+
+def test_manifest_write_failure_keeps_the_old_parquet(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    good = FIXTURES / "bench_sample.jsonl"
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={good}"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def full_disk(path, obj):
+        raise OSError(28, "No space left on device", str(path))
+
+    monkeypatch.setattr(prepare, "atomic_write_json", full_disk)
+    other = _write_jsonl(tmp_path / "other.jsonl", [GOOD])
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={other}"]) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_parquet_rename_failure_puts_the_manifest_back(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    good = FIXTURES / "bench_sample.jsonl"
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={good}"]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_replace = prepare.os.replace
+
+    def failing_replace(src, dst):
+        if str(dst).endswith(".parquet"):
+            raise OSError(5, "Input/output error", str(dst))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(prepare.os, "replace", failing_replace)
+    other = _write_jsonl(tmp_path / "other.jsonl", [GOOD])
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={other}"]) == 2
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.parametrize("command", ["train", "bench"])
+def test_out_dir_that_is_a_file_is_a_clear_error(tmp_path, capsys, command):
+    afile = tmp_path / "afile"
+    afile.write_text("not a folder")
+    source = ["--source", str(FIXTURES / "dapo_sample.jsonl")] if command == "train" else [
+        "--benchmarks", "aime24", "--source", f"aime24={FIXTURES / 'bench_sample.jsonl'}"]
+    assert main([command, "--out-dir", str(afile), *source]) == 2
+    assert f"error: output folder {afile} is a file, not a folder; pass --out-dir a folder" in capsys.readouterr().err
+    assert main([command, "--out-dir", str(afile / "sub"), *source]) == 2
+    assert f"is inside {afile}, which is a file" in capsys.readouterr().err
+    assert afile.read_text() == "not a folder"
+
+
+ANSWERS = [  # (answer cell, ground truth written): the rewards' rule (ground_truth_text), then stripped
+    (0.5, "0.5"),
+    (1e-7, "0.0000001"),
+    (5.0, "5"),
+    (12, "12"),
+    ([1, 2], "1, 2"),
+    (["$1$", " 2 "], "1, 2"),
+    (["  $x=3$ "], "x=3"),
+]
+
+
+def test_answers_are_written_by_the_rewards_rule(tmp_path):
+    from recipe.stapo.reward import ground_truth_text
+
+    rows = [{"id": f"a{i}", "problem": f"p{i}", "answer": value} for i, (value, _) in enumerate(ANSWERS)]
+    assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "amc23",
+                 "--source", f"amc23={_write_jsonl(tmp_path / 'amc.jsonl', rows)}"]) == 0
+    written = [r["ground_truth"] for r in pd.read_parquet(tmp_path / "amc23.parquet")["reward_model"]]
+    assert written == [text for _, text in ANSWERS]
+    assert written == [ground_truth_text(value).strip().strip("$").strip() for value, _ in ANSWERS]
+
+
+def test_list_answers_from_a_parquet_list_column(tmp_path):
+    source = tmp_path / "amc.parquet"
+    pd.DataFrame([{"id": "l1", "problem": "Roots?", "answer": [2, 3]}, {"id": "l2", "problem": "Root?", "answer": [7]}]).to_parquet(source)
+    assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "amc23", "--source", f"amc23={source}"]) == 0
+    assert [r["ground_truth"] for r in pd.read_parquet(tmp_path / "amc23.parquet")["reward_model"]] == ["2, 3", "7"]

@@ -102,6 +102,10 @@ def test_missing_or_empty_ground_truth_never_matches(path, truth, response):
 
 @pytest.mark.parametrize("path", PATHS)
 def test_valid_ground_truths_still_match(path):
-    for truth in ("12", 12, 12.0, ["12"], ("12", "13")):
+    for truth in ("12", 12, 12.0, ["12"], ("12",)):
         result, _ = _bounded(PATHS[path], "The answer is \\boxed{12}.", truth)
         assert result["score"] == 1.0, (path, truth)
+    # a longer list is all its elements (joined with ", ", as the data preparation writes it), never its first
+    for response, score in (("The answer is \\boxed{12, 13}.", 1.0), ("The answer is \\boxed{12}.", -1.0)):
+        result, _ = _bounded(PATHS[path], response, ("12", "13"))
+        assert result["score"] == score, (path, response)

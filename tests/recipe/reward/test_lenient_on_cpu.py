@@ -2,6 +2,9 @@
 robustness, the time guard, verl's signature. The strict training reward: tests/recipe/reward/test_strict_on_cpu.py."""
 
 import importlib.util
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -9,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from recipe.stapo.reward import guard, lenient
-from recipe.stapo.reward import TAIL_CHARS, TimeLimitedRunner, last_boxed_content, normalize_answer
+from recipe.stapo.reward import TAIL_CHARS, RewardConfigError, TimeLimitedRunner, last_boxed_content, normalize_answer
 from recipe.stapo.reward import compute_score_lenient
 
 
@@ -199,3 +202,111 @@ def test_guard_helpers_never_import_verl_or_torch():
     runner = TimeLimitedRunner(max_workers=1)
     assert runner.call(symbolic_equal, ("0.5", "\\frac12", "0.5", "\\frac{1}{2}", 2), 60.0) == ("ok", True)
     assert runner.call(_heavy_modules_loaded, (), 60.0) == ("ok", [])
+
+
+# ----------------------------------------------------------------------------------------------
+# inherited false positives, fixed in our layer where the intended answer is unambiguous
+# ----------------------------------------------------------------------------------------------
+LIST_AND_SET_CASES = [  # (boxed answer, ground truth, expected score)
+    # a list of numbers is not the number its digits spell (verl's normalisation drops the commas)
+    ("2, 3", "23", -1.0),
+    ("23", "2, 3", -1.0),
+    ("2,3", "23", -1.0),
+    ("1, 2, 3", "123", -1.0),
+    ("1,5", "15", -1.0),
+    ("1, 23", "12, 3", -1.0),
+    ("3 \\text{ and } 4", "34", -1.0),
+    # an interval (or pair) is not a set, although math_verify counts them equal
+    ("(1,2)", "\\{1,2\\}", -1.0),
+    ("\\{1,2\\}", "(1,2)", -1.0),
+    ("\\left( 1, 2 \\right)", "\\left\\{ 1, 2 \\right\\}", -1.0),
+    ("[1,2)", "\\{1,2\\}", -1.0),
+    # what stays correct
+    ("2, 3", "2,3", 1.0),
+    ("3, 2", "2, 3", 1.0),
+    ("1,000", "1000", 1.0),
+    ("1,234,567", "1234567", 1.0),
+    ("-12,345.5", "-12345.5", 1.0),
+    ("\\{1, 2\\}", "1, 2", 1.0),
+    ("3 \\text{ and } 4", "3, 4", 1.0),
+    ("(1,2)", "(1, 2)", 1.0),
+    ("[0, \\infty)", "[0,\\infty)", 1.0),
+    ("(1,2), (3,4)", "(3,4), (1,2)", 1.0),
+]
+
+
+@pytest.mark.parametrize("pred, truth, expected", LIST_AND_SET_CASES)
+def test_lists_and_sets_are_not_confused(pred, truth, expected):
+    assert compute_score_lenient("x", f"So the answer is \\boxed{{{pred}}}.", truth)["score"] == expected
+
+
+# the readings docs/reward.md documents where the intended answer is ambiguous
+AMBIGUOUS_CASES = [
+    ("1,234", "1234", 1.0),  # commas in groups of three, no spaces: a thousands separator
+    ("1,234", "1, 234", -1.0),  # ... so not the list 1, 234
+    ("1234", "1, 234", -1.0),
+    ("1, 2", "(1, 2)", 1.0),  # a bare list may be the pair written without parentheses (math_verify)
+    ("1, 1, 2", "1, 2", 1.0),  # lists compare as sets (math_verify)
+    ("\\{3\\}", "3", 1.0),  # a one-element set equals its element (math_verify)
+]
+
+
+@pytest.mark.parametrize("pred, truth, expected", AMBIGUOUS_CASES)
+def test_ambiguous_lists_read_as_documented(pred, truth, expected):
+    assert compute_score_lenient("x", f"\\boxed{{{pred}}}", truth)["score"] == expected
+
+
+@pytest.mark.parametrize("answer, normalised", [
+    ("2, 3", "2, 3"), ("2,3", "2, 3"), ("1, 234", "1, 234"), ("1,2345", "1, 2345"), ("1,234", "1234"),
+    ("-12,345.5", "-12345.5"), ("1,000.", "1000"), ("1{,}000", "1000"), ("1,\\!000", "1000"),
+    ("3 \\text{ and } 4", "3, 4"), ("1, 2, \\text{and} 3", "1, 2, 3"), ("x = 1, 2", "1, 2"),
+    ("\\left( 1,2 \\right)", "(1, 2)"), ("\\{1,2\\}", "\\{1, 2\\}"),
+])
+def test_normalisation_keeps_list_commas(answer, normalised):
+    assert normalize_answer(answer) == normalised
+
+
+# ----------------------------------------------------------------------------------------------
+# STAPO_REWARD_WORKERS: validated where it is read, before any work, naming the variable
+# ----------------------------------------------------------------------------------------------
+def test_workers_from_env_accepts_whole_numbers_only():
+    default = min(4, os.cpu_count() or 1)
+    assert guard.workers_from_env({}) == guard.workers_from_env({guard.WORKERS_ENV: ""}) == default
+    assert guard.workers_from_env({guard.WORKERS_ENV: "3"}) == 3
+    assert guard.workers_from_env({guard.WORKERS_ENV: " 2 "}) == 2
+    for bad in ("abc", "0", "-1", "1.5", "+3", "1_0", "３"):
+        with pytest.raises(RewardConfigError) as info:
+            guard.workers_from_env({guard.WORKERS_ENV: bad})
+        assert f"STAPO_REWARD_WORKERS={bad!r}: expected a whole number >= 1" in str(info.value)
+
+
+_SYMBOLIC_ONLY = "print(compute_score_lenient('x', '\\\\boxed{x+1}', '1+x')['score'])"  # needs the symbolic check
+
+
+def _python(code, **env):
+    root = Path(__file__).resolve().parents[1]
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])), **env)
+    return subprocess.run([sys.executable, "-c", code], cwd=root, env=environ, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize("value", ["abc", "0"])
+def test_invalid_workers_stop_the_process_before_any_grading(value):
+    done = _python("from recipe.stapo.reward import compute_score_lenient; " + _SYMBOLIC_ONLY, STAPO_REWARD_WORKERS=value)
+    assert done.returncode != 0 and done.stdout == ""  # never a score
+    assert f"RewardConfigError: STAPO_REWARD_WORKERS={value!r}: expected a whole number >= 1" in done.stderr
+    # the evaluation's grader fails when it is imported, i.e. before generation
+    done = _python("import recipe.stapo.eval.grade", STAPO_REWARD_WORKERS=value)
+    assert done.returncode != 0 and f"STAPO_REWARD_WORKERS={value!r}" in done.stderr
+
+
+def test_valid_workers_grade_in_a_fresh_process():
+    done = _python("from recipe.stapo.reward import compute_score_lenient; " + _SYMBOLIC_ONLY, STAPO_REWARD_WORKERS="1")
+    assert done.returncode == 0 and done.stdout.strip() == "1.0", done.stderr
+
+
+def test_workers_made_invalid_after_import_raise_instead_of_scoring(monkeypatch):
+    monkeypatch.setattr(guard, "_RUNNER", None)  # the runner is created (and the variable read) on first use
+    monkeypatch.setenv(guard.WORKERS_ENV, "abc")
+    with pytest.raises(RewardConfigError, match="STAPO_REWARD_WORKERS='abc'"):
+        compute_score_lenient("x", "\\boxed{x+1}", "1+x")
+    assert compute_score_lenient("x", "\\boxed{7}", "7")["score"] == 1.0  # equal strings need no helper
