@@ -107,7 +107,7 @@ def test_summaries_build_the_table_and_headline(tmp_path):
     assert "+22.50%" in out.read_text()
     # relabelling and errors
     unlabeled = tmp_path / "u.json"
-    unlabeled.write_text(json.dumps(_summary(None, None, [1] * 6, [1] * 6)))
+    unlabeled.write_text(json.dumps(_summary(None, None, [10.0] * 6, [10.0] * 6)))
     with pytest.raises(ValueError, match="SCALE:METHOD"):
         load_inputs([str(unlabeled)])
     assert load_inputs([f"14B:GRPO={unlabeled}"])[0].method == "GRPO"
