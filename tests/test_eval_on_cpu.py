@@ -4,11 +4,10 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from recipe.stapo.data import prepare
 from recipe.stapo.eval import run_eval
-from recipe.stapo.eval.backends import Completion, GenerationBackend, HFBackend, SamplingConfig
+from recipe.stapo.eval.backends import GenerationBackend, HFBackend, SamplingConfig
 from recipe.stapo.eval.generate import JsonlStore, sample_seed
 from recipe.stapo.eval.run_eval import EvalConfig, run_evaluation
 from recipe.stapo.eval.verifier import AnswerVerifier, compass_judgement, parse_judgement

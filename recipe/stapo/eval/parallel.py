@@ -3,7 +3,7 @@
 The main process (:func:`recipe.stapo.eval.run_eval.run_evaluation`) lists every sample still to
 generate, in the order one worker would generate them, and deals them out round robin
 (``items[rank::workers]``), so each worker gets a similar mix of long and short benchmarks. Each
-worker is ``python -m recipe.stapo.eval.parallel --plan OUT/workers/rank<r>/plan.json``, started
+worker is ``python -m recipe.stapo.eval.worker --plan OUT/workers/rank<r>/plan.json``, started
 with ``CUDA_VISIBLE_DEVICES`` set to its own ``tensor_parallel_size`` GPUs (vLLM then sees only
 those), and writes the usual generation records (same seeds: a sample's seed depends on its
 benchmark, decoding, problem and index only) into its own part files
@@ -21,7 +21,6 @@ them runs.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -176,7 +175,7 @@ def worker_launches(out: Path, workers: int, backend: str, tensor_parallel_size:
             devices = ",".join(gpus[rank * tensor_parallel_size : (rank + 1) * tensor_parallel_size])
         else:
             devices = ""
-        argv = [sys.executable, "-m", "recipe.stapo.eval.parallel", "--plan", str(folder / "plan.json")]
+        argv = [sys.executable, "-m", "recipe.stapo.eval.worker", "--plan", str(folder / "plan.json")]
         launches.append(WorkerLaunch(rank, argv, {"CUDA_VISIBLE_DEVICES": devices}, folder))
     return launches
 
@@ -224,35 +223,10 @@ def run_workers(launches: Sequence[WorkerLaunch], plans: Sequence[dict], lock: O
         )
 
 
-def run_plan(plan_path: str | Path) -> int:
-    """A worker: generate the samples of its plan into its part files. Returns the number made."""
-    from recipe.stapo.eval.backends import SamplingConfig
-    from recipe.stapo.eval.generate import JsonlStore, generate_items
-    from recipe.stapo.eval.run_eval import DECODINGS, EvalConfig, backend_factory, load_problems
-
-    plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
-    config = EvalConfig(**{k: tuple(v) if k in ("decodings", "benchmarks") else v for k, v in plan["config"].items()})
-    folder = Path(plan_path).parent
-    factory = backend_factory(config)
-    backend = None
-    made = 0
-    by_block: dict[tuple[str, str], list[tuple[str, int]]] = {}
-    for decoding, bench, problem_id, sample in plan["items"]:
-        by_block.setdefault((decoding, bench), []).append((problem_id, sample))
-    for (decoding, bench), wanted in by_block.items():
-        catalog = {p.problem_id: p for p in load_problems(Path(config.benchmarks_dir) / f"{bench}.parquet")}
-        missing = [pid for pid, _ in wanted if pid not in catalog]
-        if missing:
-            raise ValueError(f"{plan_path}: problem {missing[0]!r} of {bench} is not in {config.benchmarks_dir}")
-        temperature, top_p = DECODINGS[decoding]
-        if backend is None:
-            backend = factory()
-        made += len(generate_items(
-            backend, [(catalog[pid], s) for pid, s in wanted], SamplingConfig(temperature, top_p, config.max_new_tokens),
-            JsonlStore(folder / "generations" / f"{bench}__{decoding}.jsonl"), bench, decoding, config.seed,
-            config.batch_size,
-        ))
-    return made
+def deal(items: Sequence, workers: int) -> list[list]:
+    """``items`` dealt round robin to at most ``workers`` workers (``items[r::workers]``; no empty share)."""
+    count = max(1, min(workers, len(items)))
+    return [list(items[r::count]) for r in range(count)] if items else []
 
 
 def plan_for(config_dict: dict, items: Sequence[tuple[str, str, str, int]]) -> dict:
@@ -263,16 +237,3 @@ def plan_for(config_dict: dict, items: Sequence[tuple[str, str, str, int]]) -> d
 def config_dict(config) -> dict:
     """``EvalConfig`` as JSON-serialisable dict (what a worker rebuilds it from)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(config).items()}
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m recipe.stapo.eval.parallel", description="one data-parallel evaluation worker")
-    parser.add_argument("--plan", required=True, help="the plan.json the main process wrote")
-    args = parser.parse_args(argv)
-    made = run_plan(args.plan)
-    print(f"[eval] worker done: {made} samples", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

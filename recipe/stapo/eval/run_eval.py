@@ -490,11 +490,10 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
         if items:
             todo.append((block, items))
     if todo and plan.workers > 1:
-        flat = [(b.decoding, b.bench, p.problem_id, s) for b, items in todo for p, s in items]
-        workers = min(plan.workers, len(flat))
-        launches = parallel.worker_launches(out, workers, config.backend, config.tensor_parallel_size, plan.gpus)
+        shares = parallel.deal([(b.decoding, b.bench, p.problem_id, s) for b, items in todo for p, s in items], plan.workers)
+        launches = parallel.worker_launches(out, len(shares), config.backend, config.tensor_parallel_size, plan.gpus)
         settings = parallel.config_dict(config)
-        parallel.run_workers(launches, [parallel.plan_for(settings, flat[r::workers]) for r in range(workers)], lock)
+        parallel.run_workers(launches, [parallel.plan_for(settings, share) for share in shares], lock)
         merge_all()
     elif todo:
         backend = LazyBackend(factory or backend_factory(config))

@@ -227,10 +227,14 @@ def grading_of(summary: dict, grading: str = "as-run") -> tuple[str, str]:
 
 
 def protocol_of(summary: dict, grading: str = "as-run") -> dict[str, object]:
-    """The protocol fields of a summary, each compared across the rows of a table:
-    ``max_new_tokens``, ``grading``, ``decoding <label>`` (temperature/top-p), ``N (<column>)``,
+    """The protocol fields of a summary, each compared across the rows of a table: ``protocol``
+    (recorded, against a printed table's unrecorded one), ``max_new_tokens``, ``grading``, ``decoding <label>`` (temperature/top-p), ``N (<column>)``,
     ``problems (<column>)`` (count and content hash; under the first decoding that has it)."""
-    protocol: dict[str, object] = {"max_new_tokens": summary.get("max_new_tokens"), "grading": grading_of(summary, grading)[0]}
+    protocol: dict[str, object] = {
+        "protocol": "recorded in a run summary",
+        "max_new_tokens": summary.get("max_new_tokens"),
+        "grading": grading_of(summary, grading)[0],
+    }
     for decoding, block in (summary.get("decodings") or {}).items():
         if not isinstance(block, dict):
             continue
