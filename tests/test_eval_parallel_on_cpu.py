@@ -104,6 +104,38 @@ def test_an_injected_backend_runs_in_process(tmp_path):
     assert run_eval.plan_run(scripted_config(bench, tmp_path / "out"), injected_backend=True).workers == 1
 
 
+class Launched(Exception):
+    pass
+
+
+@pytest.mark.parametrize("gpus, tp, devices", [("0", 1, ["0"]), ("0,1,2,3", 2, ["0,1", "2,3"]), ("4,5,6", 1, ["4", "5", "6"])])
+def test_a_vllm_run_starts_one_worker_per_replica_with_its_gpus(tmp_path, monkeypatch, gpus, tp, devices):
+    """The orchestration of a GPU run up to the start of its workers (what each is given)."""
+    bench = bench_dir(tmp_path / "bench", fixture_rows())
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    seen = {}
+
+    def run_workers(launches, plans, lock):
+        seen.update(launches=launches, plans=plans, locked=lock.fd is not None)
+        raise Launched
+
+    monkeypatch.setattr(parallel, "run_workers", run_workers)
+    config = scripted_config(bench, tmp_path / "out", model=str(model), backend="vllm", gpus=gpus, tensor_parallel_size=tp,
+                             data_parallel_size="auto")
+    with pytest.raises(Launched):
+        run_evaluation(config)
+    assert [l.env["CUDA_VISIBLE_DEVICES"] for l in seen["launches"]] == devices and seen["locked"]
+    items = [tuple(i) for plan in seen["plans"] for i in plan["items"]]
+    problems = run_eval.load_problems(bench / "aime24.parquet")
+    assert sorted(items) == sorted(("train", "aime24", p.problem_id, s) for p in problems for s in range(6))
+    assert [len(p["items"]) for p in seen["plans"]] == [len(items[r::len(devices)]) for r in range(len(devices))]
+    for plan in seen["plans"]:
+        assert EvalConfig(**plan["config"]).tensor_parallel_size == tp
+
+
 # ----------------------------------------------------------------------------------------------
 # part files left by workers: merged before anything else, in one worker's order
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,8 @@ its official prompt on the rule failures); ``none`` is rule-only; ``auto`` (defa
 
 ``--data-parallel-size`` (default ``auto``: one vLLM replica per ``--tensor-parallel-size``
 visible GPUs) splits the generation over worker processes (:mod:`recipe.stapo.eval.parallel`);
-the records are those one worker makes.
+the records are those one worker makes. vLLM always generates in workers (one at least), so the
+policy's GPU memory is free when the verifier starts in the main process.
 """
 
 from __future__ import annotations
@@ -489,7 +490,9 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
         items = pending_items(block.problems, block.n_samples, saved)
         if items:
             todo.append((block, items))
-    if todo and plan.workers > 1:
+    # vLLM always generates in worker processes: their GPU memory is surely free when they exit,
+    # before the verifier's engine starts in this process
+    if todo and (plan.workers > 1 or (config.backend == "vllm" and factory is None)):
         shares = parallel.deal([(b.decoding, b.bench, p.problem_id, s) for b, items in todo for p, s in items], plan.workers)
         launches = parallel.worker_launches(out, len(shares), config.backend, config.tensor_parallel_size, plan.gpus)
         settings = parallel.config_dict(config)
