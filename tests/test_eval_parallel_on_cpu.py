@@ -1,6 +1,7 @@
 """Data-parallel evaluation: worker processes over shards of the samples give the records one worker
 gives, resume after a kill -9, and each GPU worker is started on its own GPUs."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -123,6 +124,8 @@ def test_a_vllm_run_starts_one_worker_per_replica_with_its_gpus(tmp_path, monkey
         raise Launched
 
     monkeypatch.setattr(parallel, "run_workers", run_workers)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else real_find_spec(name, *a))
     config = scripted_config(bench, tmp_path / "out", model=str(model), backend="vllm", gpus=gpus, tensor_parallel_size=tp,
                              data_parallel_size="auto")
     with pytest.raises(Launched):
@@ -134,6 +137,15 @@ def test_a_vllm_run_starts_one_worker_per_replica_with_its_gpus(tmp_path, monkey
     assert [len(p["items"]) for p in seen["plans"]] == [len(items[r::len(devices)]) for r in range(len(devices))]
     for plan in seen["plans"]:
         assert EvalConfig(**plan["config"]).tensor_parallel_size == tp
+
+
+def test_vllm_missing_is_named_before_anything_is_written(tmp_path, monkeypatch):
+    bench = bench_dir(tmp_path / "bench", fixture_rows())
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    with pytest.raises(ValueError, match="--backend vllm needs vllm.*--backend hf runs on CPU"):
+        run_evaluation(scripted_config(bench, tmp_path / "out", model="Qwen/Qwen3-8B", backend="vllm"))
+    assert not (tmp_path / "out").exists()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ policy's GPU memory is free when the verifier starts in the main process.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import re
 import sys
@@ -404,6 +405,10 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
             blocks.append(_Block(decoding, bench, n, limit, problems, current))
     if pending and not injected_backend:
         check_model_source(config.model)
+    needs_vllm = (pending and not injected_backend) or (verifier is None and config.verifier_name() == "compass")
+    if config.backend == "vllm" and needs_vllm and importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm needs vllm, which is not installed (GPU machines: pip install -r "
+                         "requirements.txt); --backend hf runs on CPU")
     verifier_name = "custom" if verifier is not None else config.verifier_name()
     prompt = None
     if verifier is None and verifier_name == "compass":
