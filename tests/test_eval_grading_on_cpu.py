@@ -230,6 +230,28 @@ def test_rule_grades_are_cached_and_keyed_by_the_rule(bench, tmp_path, monkeypat
     assert again["decodings"] == first["decodings"]
 
 
+def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=RejectAll())
+    path = out / "generations" / "aime24__train.jsonl"
+    lines = path.read_text().splitlines()
+    index = next(i for i, line in enumerate(lines) if "boxed{-1}" in line)  # a rule failure
+    record = json.loads(lines[index])
+    truth = {p.problem_id: p.ground_truth for p in run_eval.load_problems(bench / "aime24.parquet")}[record["problem_id"]]
+    record["response"] = f"so \\boxed{{{truth}}}"
+    lines[index] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    calls = []
+    real = grade.grade_solution
+    monkeypatch.setattr(grade, "grade_solution", lambda *a: calls.append(a) or real(*a))
+    judge = RejectAll()
+    summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=judge)
+    assert [a[0] for a in calls] == [record["response"]]  # only the edited sample is graded again
+    assert judge.seen == 0  # and it passes the rule now, so the verifier has nothing new to judge
+    expected = len(_rule_failures(bench)) - 1
+    assert summary["decodings"]["train"]["benchmarks"]["aime24"]["verifier_judged"] == expected
+
+
 def test_rule_identity_hashes_the_rule_code(tmp_path, monkeypatch):
     import hashlib
 
