@@ -4,10 +4,17 @@
 # MODEL (required): a Hugging Face model folder, a hub id, or a verl checkpoint folder `global_step_N`
 #   (or its `actor/` folder): that one is first converted with verl's own model merger
 #   (`python -m verl.model_merger merge --backend fsdp`) into MERGED_DIR [MODEL/actor/merged_hf],
-#   once; a later run reuses the converted copy.
+#   once; a later run reuses the converted copy. A checkpoint that is not completely written (no
+#   actor/huggingface/config.json, a rank's shard missing, or newer than the trainer's
+#   latest_checkpointed_iteration.txt) is refused before anything is written; so is a model path that
+#   does not exist (run_eval checks it before writing).
 # Env vars (defaults): PYTHON (python3: the interpreter with requirements.txt installed), BENCH_DIR
 # (data/stapo), OUT (results/eval/[SCALE_][METHOD_]<run>_step<N>, or the model folder's last two names),
-# DECODING (both), BACKEND (vllm), VERIFIER (none), SCALE, METHOD. Extra args go to run_eval.
+# DECODING (both), BACKEND (vllm), VERIFIER (auto: the paper's grading, CompassVerifier-3B on the rule
+# failures, for a full run; rule-only for a --limit smoke test; `none` or `compass` to choose),
+# VERIFIER_PROMPT (CompassVerifier's src/prompts.py; default BENCH_DIR/compassverifier/prompts.py),
+# SCALE, METHOD. Extra args go to run_eval (e.g. --data-parallel-size 4, --gpus 0,1,2,3).
+# Every visible GPU is used by default (one vLLM replica per GPU).
 # Relative paths are taken from the directory you launch from.
 # Rerunning the same command resumes an interrupted evaluation.
 set -euo pipefail
@@ -21,8 +28,44 @@ python=${PYTHON:-python3}
 abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$2" "$1" ;; esac; }
 
 model=$MODEL
-case "$model" in /*|./*|../*) model=$(abs "$model" "$launch_dir") ;; *) [ -e "$launch_dir/$model" ] && model="$launch_dir/$model" ;; esac
+case "$model" in
+  /*|./*|../*) model=$(abs "$model" "$launch_dir") ;;
+  *global_step_*|*/*/*) model="$launch_dir/$model" ;;   # a path even before it exists, never a hub id
+  *) [ -e "$launch_dir/$model" ] && model="$launch_dir/$model" ;;
+esac
 model=${model%/}
+
+# check_actor ACTOR: exit 2, naming what is missing, unless ACTOR holds a completely written FSDP
+# checkpoint: the model config verl saves with it, every rank's shard, and (when the trainer's
+# tracker file exists) a step no newer than the last save the trainer finished.
+check_actor() {
+  local actor=$1 missing=() first world r step tracker done_step
+  [ -d "$actor" ] || missing+=("$actor/ (the actor's folder)")
+  [ -f "$actor/huggingface/config.json" ] || missing+=("$actor/huggingface/config.json (the model config verl writes with the shards)")
+  first=$(compgen -G "$actor/model_world_size_*_rank_*.pt" | head -n 1 || true)
+  if [ -z "$first" ]; then
+    missing+=("$actor/model_world_size_<W>_rank_<r>.pt (the model shards)")
+  else
+    world=${first##*model_world_size_}; world=${world%%_rank_*}
+    for ((r = 0; r < world; r++)); do
+      [ -f "$actor/model_world_size_${world}_rank_${r}.pt" ] || missing+=("$actor/model_world_size_${world}_rank_${r}.pt (rank $r of $world)")
+    done
+  fi
+  if [[ "$(basename "$(dirname "$actor")")" =~ ^global_step_([0-9]+)$ ]]; then
+    step=${BASH_REMATCH[1]}
+    tracker="$(dirname "$(dirname "$actor")")/latest_checkpointed_iteration.txt"
+    done_step=$(cat "$tracker" 2>/dev/null || true)
+    if [[ "$done_step" =~ ^[0-9]+$ ]] && [ "$done_step" -lt "$step" ]; then
+      missing+=("a finished save of step $step ($tracker says the last finished save is step $done_step: the trainer is still writing this one, or stopped while writing it)")
+    fi
+  fi
+  if [ "${#missing[@]}" -gt 0 ]; then
+    echo "error: $actor is not a completely written verl checkpoint; missing:" >&2
+    printf '  %s\n' "${missing[@]}" >&2
+    echo "Wait until the trainer has saved it (or pick an earlier global_step_N); nothing was written." >&2
+    exit 2
+  fi
+}
 
 # default output folder: one per run and step (two checkpoints never share one)
 if [[ "$model" =~ (^|/)([^/]+)/global_step_([0-9]+)(/|$) ]]; then
@@ -38,11 +81,14 @@ fi
 # a verl checkpoint (FSDP shards): convert it once with verl's own merger
 actor=""
 if [ -d "$model/actor" ] && [ ! -f "$model/config.json" ]; then actor="$model/actor"
-elif compgen -G "$model/model_world_size_*_rank_0.pt" > /dev/null; then actor="$model"; fi
+elif compgen -G "$model/model_world_size_*_rank_*.pt" > /dev/null; then actor="$model"
+elif [ -d "$model" ] && [ ! -f "$model/config.json" ] && [[ "$(basename "$model")" =~ ^global_step_[0-9]+$ ]]; then actor="$model/actor"
+fi
 if [ -n "$actor" ]; then
   merged=${MERGED_DIR:+$(abs "$MERGED_DIR" "$launch_dir")}
   merged=${merged:-$actor/merged_hf}
   if [ ! -f "$merged/config.json" ] || ! compgen -G "$merged/*.safetensors" > /dev/null; then
+    check_actor "$actor"
     echo "[stapo] converting the verl checkpoint $actor to a Hugging Face model in $merged" >&2
     rm -rf "$merged.partial"
     "$python" -m verl.model_merger merge --backend fsdp --local_dir "$actor" --target_dir "$merged.partial" >&2
@@ -55,7 +101,8 @@ fi
 BENCH_DIR=$(abs "${BENCH_DIR:-data/stapo}" "$([ -n "${BENCH_DIR:-}" ] && echo "$launch_dir" || echo "$repo")")
 OUT=$(abs "${OUT:-results/eval/$name}" "$([ -n "${OUT:-}" ] && echo "$launch_dir" || echo "$repo")")
 args=(--model "$model" --benchmarks-dir "$BENCH_DIR" --out "$OUT"
-      --decoding "${DECODING:-both}" --backend "${BACKEND:-vllm}" --verifier "${VERIFIER:-none}")
+      --decoding "${DECODING:-both}" --backend "${BACKEND:-vllm}" --verifier "${VERIFIER:-auto}")
+[ -n "${VERIFIER_PROMPT:-}" ] && args+=(--verifier-prompt-file "$(abs "$VERIFIER_PROMPT" "$launch_dir")")
 [ -n "${SCALE:-}" ] && args+=(--scale "$SCALE")
 [ -n "${METHOD:-}" ] && args+=(--method "$METHOD")
 echo "[stapo] evaluating $model -> $OUT" >&2

@@ -12,7 +12,7 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
@@ -59,6 +59,23 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Atomically write ``obj`` as indented JSON."""
     return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def append_lines(path: str | os.PathLike, lines: Sequence[str]) -> None:
+    """Append ``lines`` to a text file, each followed by a newline, and make them durable.
+
+    One ``write`` of all lines, then flush and fsync, so a crash leaves at most the last line
+    partly written. Creates the parent folders and the file. ``lines`` must not contain newlines
+    (one record per line).
+    """
+    if not lines:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as handle:
+        handle.write("".join(line + "\n" for line in lines))
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def iter_jsonl(path: str | os.PathLike):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +86,15 @@ class GenerationBackend(ABC):
         """Prompt text for a chat (this backend's tokenizer and template)."""
         return render_chat(self.tokenizer, messages)
 
+    def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+        """Greedy (temperature 0) completions of ``prompts``, special tokens removed (a judge's
+        decoding, e.g. :class:`recipe.stapo.eval.verifier.CompassVerifier`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no greedy decoding")
+
+    def context_length(self) -> Optional[int]:
+        """Most tokens (prompt + completion) the model takes, or None when unknown."""
+        return None
+
 
 class HFBackend(GenerationBackend):
     """HF transformers ``model.generate`` sampling, one request at a time (CPU-friendly).
@@ -141,6 +150,25 @@ class HFBackend(GenerationBackend):
             new_tokens = new_tokens[: new_tokens.index(eos) + 1]
         text = self.tokenizer.decode(new_tokens, skip_special_tokens=True)
         return Completion(text=text, num_tokens=len(new_tokens), finish_reason="stop" if stopped else "length")
+
+    def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+        import torch
+
+        eos = self.tokenizer.eos_token_id
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        texts = []
+        for prompt in prompts:
+            encoded = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.device)
+            with torch.no_grad():
+                output = self.model.generate(
+                    **encoded, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
+                    temperature=None, top_p=None, top_k=None,
+                )
+            texts.append(self.tokenizer.decode(output[0, encoded["input_ids"].shape[1] :].tolist(), skip_special_tokens=True))
+        return texts
+
+    def context_length(self) -> Optional[int]:
+        return getattr(self.model.config, "max_position_embeddings", None)
 
 
 class VLLMBackend(GenerationBackend):
@@ -202,6 +230,64 @@ class VLLMBackend(GenerationBackend):
             finish = "length" if sample.finish_reason == "length" else "stop"
             completions.append(Completion(text=sample.text, num_tokens=len(sample.token_ids), finish_reason=finish))
         return completions
+
+    def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+        params = self._vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+        outputs = self.llm.generate(list(prompts), sampling_params=params, use_tqdm=True)
+        return [output.outputs[0].text for output in outputs]
+
+    def context_length(self) -> Optional[int]:
+        engine = getattr(self.llm, "llm_engine", None)
+        config = getattr(engine, "model_config", None)
+        return getattr(config, "max_model_len", None)
+
+
+class LazyBackend(GenerationBackend):
+    """A backend built on first use (``render``, ``generate``, ``greedy``, ``tokenizer``...), so a
+    run with nothing left to generate or judge never loads a model; :meth:`release` drops it.
+
+    Args:
+        factory: builds the real backend.
+    """
+
+    def __init__(self, factory: Callable[[], GenerationBackend]):
+        self._factory = factory
+        self.backend: Optional[GenerationBackend] = None
+
+    def get(self) -> GenerationBackend:
+        if self.backend is None:
+            self.backend = self._factory()
+        return self.backend
+
+    def release(self) -> None:
+        """Drop the backend (and the GPU memory torch caches for it)."""
+        import gc
+
+        self.backend = None
+        gc.collect()
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except ImportError:  # pragma: no cover
+            pass
+
+    @property
+    def tokenizer(self) -> Any:  # type: ignore[override]
+        return self.get().tokenizer
+
+    def render(self, messages: Sequence[dict]) -> str:
+        return self.get().render(messages)
+
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingConfig) -> list[Completion]:
+        return self.get().generate(prompts, seeds, sampling)
+
+    def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+        return self.get().greedy(prompts, max_new_tokens)
+
+    def context_length(self) -> Optional[int]:
+        return self.get().context_length()
 
 
 def build_backend(name: str, model: str, **kwargs: Any) -> GenerationBackend:

@@ -2,18 +2,19 @@
 
 One line per (problem, sample), flushed and fsynced after every batch. A rerun reads the file,
 skips every (problem, sample) already there and generates only the rest; a truncated last line
-(a crash mid-write) is dropped and cut off the file before appending. Each sample has its own
-seed, derived from (base seed, benchmark, decoding, problem id, sample index), so a resumed run
-produces exactly what an uninterrupted one would.
+(a crash mid-write) is ignored when reading and cut off the file before the next append. Each
+sample has its own seed, derived from (base seed, benchmark, decoding, problem id, sample index),
+so a resumed run produces exactly what an uninterrupted one would.
 
 Saved samples belong to problems by identity, never by row position: every record carries the
 problem's id and ``prompt_sha256`` (hash of its prompt messages, :func:`messages_sha256`). On a
 resume each saved record is matched to the problem with that id in the current benchmark data;
 a record whose problem is missing from the data, whose prompt differs, whose seed is not the one
-its (benchmark, decoding, problem, sample) gets, or which has no identity at all (written by an
-older version) stops the run with a :class:`ResumeMismatch` naming the file, line, benchmark and
-problem -- nothing is generated and nothing on disk changes. Data with the same problems in
-another order, or with problems added, resumes correctly (only the missing samples are made).
+its (benchmark, decoding, problem, sample) gets, which has no identity at all (written by an
+older version) or which lacks a field (edited by hand) stops the run with a
+:class:`ResumeMismatch` naming the file, line, benchmark and problem -- nothing is generated and
+nothing on disk changes. Data with the same problems in another order, or with problems added,
+resumes correctly (only the missing samples are made).
 
 Record schema (one JSON object per line)::
 
@@ -21,6 +22,10 @@ Record schema (one JSON object per line)::
      "response": str, "num_tokens": int, "finish_reason": "stop" | "length"}
 
 ``problem_index`` is the row at the time the record was written (informative only).
+
+Data-parallel workers (:mod:`recipe.stapo.eval.parallel`) write the same records into their own
+part files; :func:`merge_parts` checks them like saved samples and appends them to the main file
+in the order one worker would have written them.
 """
 
 from __future__ import annotations
@@ -30,11 +35,12 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
 from recipe.stapo.eval.backends import GenerationBackend, SamplingConfig
+from stapo_core.fileio import append_lines
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,7 @@ class Problem:
         problem_id: id from the source dataset.
         messages: chat messages of the prompt (verl ``prompt`` column).
         ground_truth: reference answer.
-        question: the user message content (for an LLM verifier).
+        question: the user message content (what an LLM verifier is shown as the question).
         prompt_sha256: hash of ``messages`` (computed; the problem's identity with ``problem_id``).
     """
 
@@ -66,9 +72,21 @@ def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def json_sha256(obj: Any) -> str:
+    """Hex sha256 of an object's canonical JSON (keys sorted)."""
+    return text_sha256(json.dumps(obj, sort_keys=True, ensure_ascii=False))
+
+
 def messages_sha256(messages: Sequence[dict]) -> str:
     """Hex sha256 of chat messages (canonical JSON: keys sorted, list order kept)."""
-    return text_sha256(json.dumps([dict(m) for m in messages], sort_keys=True, ensure_ascii=False))
+    return json_sha256([dict(m) for m in messages])
+
+
+def problems_sha256(problems: Sequence[Problem]) -> str:
+    """Hex sha256 of a benchmark's content: every problem's id, prompt and reference answer, in
+    id order (the same problems in another row order, or the same file prepared again, hash the
+    same)."""
+    return json_sha256(sorted((p.problem_id, p.prompt_sha256, text_sha256(p.ground_truth)) for p in problems))
 
 
 class ResumeMismatch(ValueError):
@@ -79,6 +97,7 @@ NEW_OUT_HINT = (
     "Use the --benchmarks-dir this --out folder was made with, or evaluate into a new --out folder "
     "(nothing in this one was changed)"
 )
+FINISH_REASONS = ("stop", "length")
 
 
 def sample_seed(base_seed: int, benchmark: str, decoding: str, problem_id: str, sample: int) -> int:
@@ -89,6 +108,9 @@ def sample_seed(base_seed: int, benchmark: str, decoding: str, problem_id: str, 
 
 class JsonlStore:
     """Append-only JSONL file of records keyed by ``(problem_index, sample)``.
+
+    Reading never changes the file; :meth:`append` first cuts off a truncated last line (or
+    completes a last record that only lacks its newline).
 
     Args:
         path: the JSONL file (created on first append).
@@ -102,15 +124,19 @@ class JsonlStore:
         return {(record["problem_index"], record["sample"]): record for _, record in self.read()}
 
     def read(self) -> list[tuple[int, dict]]:
-        """``(1-based line, record)`` of every record on disk, in file order, repairing a
-        truncated last line (it is removed from the file).
+        """``(1-based line, record)`` of every record on disk, in file order. A truncated last line
+        (a crash mid-write) is left out; the file is not changed.
 
         Raises:
             ValueError: a line other than the last is not valid JSON or lacks the key fields
                 (names the file and the 1-based line).
         """
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[list[tuple[int, dict]], int, bool]:
+        """``(records, bytes of the good prefix, last record lacks only its newline)``."""
         if not self.path.exists():
-            return []
+            return [], 0, False
         raw = self.path.read_bytes()
         lines = raw.split(b"\n")
         complete, tail = lines[:-1], lines[-1]  # tail: bytes after the last newline
@@ -122,20 +148,45 @@ class JsonlStore:
                 if number == len(complete) and not tail.strip():
                     tail = line  # the last line itself is corrupt: treat it as the truncated one
                     break
-                raise ValueError(f"{self.path}: line {number} is not a valid record; fix or delete the file")
+                raise ValueError(f"{self.path}: line {number} is not a valid record; fix or delete that line")
             records.append((number, record))
             good_bytes += len(line) + 1
         if tail.strip():
             record = self._parse(tail)
             if record is not None:  # complete record that only lacks its newline
                 records.append((len(complete) + 1, record))
-                with open(self.path, "ab") as handle:
-                    handle.write(b"\n")
-                return records
-        if good_bytes != len(raw):
+                return records, good_bytes + len(tail), True
+        return records, good_bytes, False
+
+    def _last_line_ok(self) -> bool:
+        """Whether the file is empty or ends with a newline after a valid record (reads only the
+        last line)."""
+        with open(self.path, "rb") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            if size == 0:
+                return True
+            handle.seek(size - 1)
+            if handle.read(1) != b"\n":
+                return False
+            start, chunk = size - 1, b""
+            while start > 0 and b"\n" not in chunk:
+                step = min(start, 1 << 16)
+                start -= step
+                handle.seek(start)
+                chunk = handle.read(step) + chunk
+            return self._parse(chunk[:-1].rsplit(b"\n", 1)[-1]) is not None
+
+    def repair(self) -> None:
+        """Cut a truncated last line off the file, or add the newline a complete last record lacks."""
+        if not self.path.exists() or self._last_line_ok():
+            return
+        _, good_bytes, needs_newline = self._scan()
+        if needs_newline:
+            with open(self.path, "ab") as handle:
+                handle.write(b"\n")
+        elif self.path.exists() and good_bytes != self.path.stat().st_size:
             with open(self.path, "r+b") as handle:
                 handle.truncate(good_bytes)
-        return records
 
     @staticmethod
     def _parse(line: bytes) -> Optional[dict]:
@@ -150,15 +201,39 @@ class JsonlStore:
         return record
 
     def append(self, records: Sequence[dict]) -> None:
-        """Append records, one line each, then flush and fsync."""
+        """Append records, one line each, then flush and fsync (:func:`stapo_core.fileio.append_lines`)."""
         if not records:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
+        self.repair()
+        append_lines(self.path, [json.dumps(record, ensure_ascii=False) for record in records])
+
+
+def check_generation_record(record: dict, where: str) -> None:
+    """Raise :class:`ResumeMismatch` (naming ``where``: file, line, benchmark) when a saved
+    generation record lacks a field or has one of the wrong type (edited by hand, or written by
+    another version)."""
+    if not isinstance(record.get("problem_id"), str) or not isinstance(record.get("prompt_sha256"), str):
+        raise ResumeMismatch(
+            f"{where}: saved sample has no problem identity (problem_id and prompt_sha256; written by an "
+            "older version), so it cannot be checked against the benchmark data. Evaluate into a new --out "
+            "folder (this one was not changed)"
+        )
+    checks = (
+        ("sample", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+        ("seed", lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+        ("response", lambda v: isinstance(v, str), "a string"),
+        ("num_tokens", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0, "an integer >= 0"),
+        ("finish_reason", lambda v: v in FINISH_REASONS, "'stop' or 'length'"),
+    )
+    for name, ok, expected in checks:
+        if name not in record or not ok(record[name]):
+            found = "has no" if name not in record else f"has {name}={record[name]!r} in"
+            raise ResumeMismatch(
+                f"{where}: the saved sample of problem {record['problem_id']!r} {found} field {name!r} "
+                f"(expected {expected}): the line was edited by hand or written by another version. Delete that "
+                "line (its sample is generated again on the next run) or evaluate into a new --out folder "
+                "(nothing was changed)"
+            )
 
 
 def saved_samples(
@@ -172,25 +247,21 @@ def saved_samples(
     """Saved records of ``store`` keyed by ``(problem_id, sample)``, each checked against ``catalog``.
 
     Args:
-        store: the generations file of (benchmark, decoding).
+        store: the generations file of (benchmark, decoding) (or a worker's part file).
         catalog: every problem of the benchmark's data (not only those of a ``--limit``).
         benchmark, decoding, base_seed: what the records' seeds must derive from.
         data_label: how error messages name the data (e.g. its parquet path).
     Raises:
-        ResumeMismatch: the first record (file order) without identity fields, for a problem id
-            not in ``catalog``, for another prompt than the catalog's problem of that id, or with
-            another seed; names file, line, benchmark and problem.
+        ResumeMismatch: the first record (file order) without identity fields or with a missing
+            or malformed field (:func:`check_generation_record`), for a problem id not in
+            ``catalog``, for another prompt than the catalog's problem of that id, or with another
+            seed; names file, line, benchmark and problem.
     """
     by_id = {p.problem_id: p for p in catalog}
     saved: dict[tuple[str, int], dict] = {}
     for line, record in store.read():
         where = f"{store.path}: line {line}: benchmark {benchmark}"
-        if not isinstance(record.get("problem_id"), str) or not isinstance(record.get("prompt_sha256"), str):
-            raise ResumeMismatch(
-                f"{where}: saved sample has no problem identity (problem_id and prompt_sha256; written by an "
-                f"older version), so it cannot be checked against {data_label}. Evaluate into a new --out "
-                "folder (this one was not changed)"
-            )
+        check_generation_record(record, where)
         problem, sample = by_id.get(record["problem_id"]), record["sample"]
         if problem is None:
             raise ResumeMismatch(
@@ -204,9 +275,9 @@ def saved_samples(
                 f"{NEW_OUT_HINT}"
             )
         expected = sample_seed(base_seed, benchmark, decoding, problem.problem_id, sample)
-        if record.get("seed") != expected:
+        if record["seed"] != expected:
             raise ResumeMismatch(
-                f"{where}: problem {problem.problem_id!r} sample {sample} has seed {record.get('seed')!r}, not "
+                f"{where}: problem {problem.problem_id!r} sample {sample} has seed {record['seed']!r}, not "
                 f"{expected} ({benchmark}/{decoding}, seed {base_seed}): the file belongs to another benchmark, "
                 f"decoding or seed. {NEW_OUT_HINT}"
             )
@@ -214,16 +285,58 @@ def saved_samples(
     return saved
 
 
-def _pending(problems: Sequence[Problem], n_samples: int, done: dict) -> Iterator[tuple[Problem, int]]:
-    for problem in problems:
-        for sample in range(n_samples):
-            if (problem.index, sample) not in done:
-                yield problem, sample
+def pending_items(problems: Sequence[Problem], n_samples: int, saved: dict[tuple[str, int], Any]) -> list[tuple[Problem, int]]:
+    """``(problem, sample)`` of ``problems`` x ``range(n_samples)`` not in ``saved`` (keys
+    ``(problem_id, sample)``), in the order one worker generates them."""
+    return [(p, s) for p in problems for s in range(n_samples) if (p.problem_id, s) not in saved]
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:
     for start in range(0, len(items), size):
         yield items[start : start + size]
+
+
+def generation_record(problem: Problem, sample: int, seed: int, completion: Any) -> dict:
+    """The saved record of one completion (schema in the module docstring)."""
+    return {
+        "problem_index": problem.index,
+        "problem_id": problem.problem_id,
+        "prompt_sha256": problem.prompt_sha256,
+        "sample": sample,
+        "seed": seed,
+        "response": completion.text,
+        "num_tokens": completion.num_tokens,
+        "finish_reason": completion.finish_reason,
+    }
+
+
+def generate_items(
+    backend: GenerationBackend,
+    items: Sequence[tuple[Problem, int]],
+    sampling: SamplingConfig,
+    store: JsonlStore,
+    benchmark: str,
+    decoding: str,
+    base_seed: int = 0,
+    batch_size: int = 256,
+    after_batch: Optional[Callable[[list[dict]], None]] = None,
+    total: Optional[int] = None,
+) -> list[dict]:
+    """Generate ``items`` (``(problem, sample)`` pairs) in batches, appending each batch to
+    ``store`` before the next starts. Returns the new records."""
+    total = len(items) if total is None else total
+    made: list[dict] = []
+    with tqdm(total=total, initial=total - len(items), desc=f"{benchmark}/{decoding}", unit="sample") as bar:
+        for batch in _chunks(list(items), batch_size):
+            seeds = [sample_seed(base_seed, benchmark, decoding, p.problem_id, s) for p, s in batch]
+            completions = backend.generate([backend.render(p.messages) for p, _ in batch], seeds, sampling)
+            records = [generation_record(p, s, seed, c) for (p, s), seed, c in zip(batch, seeds, completions)]
+            store.append(records)
+            made += records
+            bar.update(len(records))
+            if after_batch is not None:
+                after_batch(records)
+    return made
 
 
 def generate_samples(
@@ -266,88 +379,131 @@ def generate_samples(
     if n_samples < 1:
         raise ValueError(f"n_samples must be >= 1, got {n_samples}")
     saved = saved_samples(store, catalog if catalog is not None else problems, benchmark, decoding, base_seed, data_label)
-    done = {
-        (p.index, s): dict(saved[p.problem_id, s], problem_index=p.index)
-        for p in problems
-        for s in range(n_samples)
-        if (p.problem_id, s) in saved
-    }
-    todo = list(_pending(problems, n_samples, done))
-    total = len(problems) * n_samples
-    with tqdm(total=total, initial=total - len(todo), desc=f"{benchmark}/{decoding}", unit="sample") as bar:
-        for batch in _chunks(todo, batch_size):
-            seeds = [sample_seed(base_seed, benchmark, decoding, p.problem_id, s) for p, s in batch]
-            completions = backend.generate([backend.render(p.messages) for p, _ in batch], seeds, sampling)
-            records = [
-                {
-                    "problem_index": p.index,
-                    "problem_id": p.problem_id,
-                    "prompt_sha256": p.prompt_sha256,
-                    "sample": s,
-                    "seed": seed,
-                    "response": c.text,
-                    "num_tokens": c.num_tokens,
-                    "finish_reason": c.finish_reason,
-                }
-                for (p, s), seed, c in zip(batch, seeds, completions)
-            ]
-            store.append(records)
-            done.update({(r["problem_index"], r["sample"]): r for r in records})
-            bar.update(len(records))
-            if after_batch is not None:
-                after_batch(records)
-    return done
+    todo = pending_items(problems, n_samples, saved)
+    made = generate_items(
+        backend, todo, sampling, store, benchmark, decoding, base_seed, batch_size, after_batch,
+        total=len(problems) * n_samples,
+    )
+    saved.update({(r["problem_id"], r["sample"]): r for r in made})
+    return collect_records(problems, n_samples, saved)
 
 
-class VerdictCache:
-    """The verifier's verdict cache seen through problem identity (what ``apply_verifier`` reads).
+def collect_records(problems: Sequence[Problem], n_samples: int, saved: dict[tuple[str, int], dict]) -> dict[tuple[int, int], dict]:
+    """The records of ``problems`` x ``range(n_samples)`` from ``saved`` (keys ``(problem_id,
+    sample)``), keyed by ``(problem.index, sample)`` of the current data.
 
-    On disk a :class:`JsonlStore` of ``{"problem_index", "sample", "verifier_correct"}`` records,
-    each also carrying ``problem_id``, ``prompt_sha256``, ``answer_sha256`` (the reference answer)
-    and ``response_sha256`` (the judged response): a verdict is reused only for the same problem,
-    reference answer and response, whatever the problem's row is now; a stale one (e.g. the
-    reference answer was corrected) is ignored, so that sample is judged again.
+    Raises:
+        ValueError: a sample is missing.
+    """
+    out = {}
+    for p in problems:
+        for s in range(n_samples):
+            record = saved.get((p.problem_id, s))
+            if record is None:
+                raise ValueError(f"problem {p.problem_id!r} sample {s} has not been generated")
+            out[p.index, s] = dict(record, problem_index=p.index)
+    return out
+
+
+def merge_parts(
+    main: JsonlStore,
+    parts: Sequence[JsonlStore],
+    catalog: Sequence[Problem],
+    benchmark: str,
+    decoding: str,
+    base_seed: int,
+    data_label: str = "the benchmark data",
+    check_only: bool = False,
+) -> int:
+    """Move the records of workers' part files into ``main``, then delete the parts.
+
+    Every part record is checked like a saved sample (:func:`saved_samples`); those ``main``
+    lacks are appended in catalog order (problem row, then sample), the order one worker writes
+    them, and the part files are removed only once that is on disk, so an interrupted merge is
+    simply done again. Returns the number of records appended (``check_only``: that would be).
+
+    Raises:
+        ResumeMismatch: a part record does not belong to the data (nothing is changed).
+    """
+    have = saved_samples(main, catalog, benchmark, decoding, base_seed, data_label)
+    new: dict[tuple[str, int], dict] = {}
+    for part in parts:
+        for key, record in saved_samples(part, catalog, benchmark, decoding, base_seed, data_label).items():
+            if key not in have:
+                new[key] = record
+    if check_only:
+        return len(new)
+    row = {p.problem_id: p.index for p in catalog}
+    ordered = sorted(new.values(), key=lambda r: (row[r["problem_id"]], r["sample"]))
+    main.append([dict(r, problem_index=row[r["problem_id"]]) for r in ordered])
+    for part in parts:
+        part.path.unlink(missing_ok=True)
+    return len(ordered)
+
+
+class ResultCache:
+    """Per-sample grading results (rule grades, verifier verdicts) on disk, each record carrying
+    the identity of everything that decided it.
+
+    On disk a :class:`JsonlStore` of ``{"problem_index", "sample", ...result}`` records, each also
+    carrying ``problem_id``, ``prompt_sha256``, ``answer_sha256`` (the reference answer),
+    ``response_sha256`` (the graded response) and ``grader_sha256`` (hash of the grader's
+    identity: for the verifier its model, prompt text, input, decoding and answer parser; for the
+    rule the rule's code and settings). A result is reused only when all of them match now,
+    whatever the problem's row is; any other result in the file is ignored, so a change of the
+    grader, the reference answer or the response grades that sample again (results of several
+    graders live side by side in one file).
 
     Args:
         store: the cache file.
         problems: the problems graded in this run.
         records: their generation records, keyed by ``(problem.index, sample)``.
+        grader: the grader's identity (a JSON-serialisable dict).
     """
 
-    def __init__(self, store: JsonlStore, problems: Sequence[Problem], records: dict[tuple[int, int], dict]):
+    def __init__(self, store: JsonlStore, problems: Sequence[Problem], records: dict[tuple[int, int], dict], grader: dict):
         self.store, self.records = store, records
         self.by_index = {p.index: p for p in problems}
         self.by_id = {p.problem_id: p for p in problems}
+        self.grader_sha256 = json_sha256(grader)
 
     def identity(self, index: int, sample: int) -> dict:
-        """Identity fields of the verdict on sample ``sample`` of the problem at row ``index``."""
+        """Identity fields of the result on sample ``sample`` of the problem at row ``index``."""
         problem = self.by_index[index]
         return {
             "problem_id": problem.problem_id,
             "prompt_sha256": problem.prompt_sha256,
             "answer_sha256": text_sha256(problem.ground_truth),
             "response_sha256": text_sha256(self.records[index, sample]["response"]),
+            "grader_sha256": self.grader_sha256,
         }
 
     def load(self) -> dict[tuple[int, int], dict]:
-        """Valid cached verdicts keyed by ``(problem.index, sample)`` of the current data.
+        """Valid cached results keyed by ``(problem.index, sample)`` of the current data.
 
         Raises:
-            ResumeMismatch: a verdict without identity fields (written by an older version).
+            ResumeMismatch: a result without problem identity (written by an older version).
         """
-        verdicts = {}
-        for line, record in self.store.read():
-            if not isinstance(record.get("problem_id"), str) or "answer_sha256" not in record:
-                raise ResumeMismatch(
-                    f"{self.store.path}: line {line}: cached verdict has no problem identity (written by an older "
-                    "version). Evaluate into a new --out folder (this one was not changed)"
-                )
+        check_cache_records(self.store)
+        results = {}
+        for _, record in self.store.read():
             problem = self.by_id.get(record["problem_id"])
             key = None if problem is None else (problem.index, record["sample"])
             if key in self.records and all(record.get(k) == v for k, v in self.identity(*key).items()):
-                verdicts[key] = dict(record, problem_index=problem.index)
-        return verdicts
+                results[key] = dict(record, problem_index=problem.index)
+        return results
 
-    def append(self, records: Sequence[dict]) -> None:
-        """Append verdicts (keys ``problem_index``/``sample`` of the current data) with their identity."""
-        self.store.append([{**r, **self.identity(r["problem_index"], r["sample"])} for r in records])
+    def append(self, results: Sequence[dict]) -> None:
+        """Append results (keys ``problem_index``/``sample`` of the current data) with their identity."""
+        self.store.append([{**r, **self.identity(r["problem_index"], r["sample"])} for r in results])
+
+
+def check_cache_records(store: JsonlStore) -> None:
+    """Raise :class:`ResumeMismatch` on the first cached result without problem identity (written
+    by an older version), naming the file and line."""
+    for line, record in store.read():
+        if not isinstance(record.get("problem_id"), str) or "answer_sha256" not in record:
+            raise ResumeMismatch(
+                f"{store.path}: line {line}: cached result has no problem identity (written by an older "
+                "version). Evaluate into a new --out folder (this one was not changed)"
+            )

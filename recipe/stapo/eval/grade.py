@@ -4,19 +4,27 @@ Stage 1 is the lenient rule (:func:`recipe.stapo.reward.lenient.grade_solution`:
 ``\\boxed{}`` in the final 300 characters, normalised string or symbolic equality, a hard time
 limit per answer), deliberately not the strict training reward: evaluation asks whether the answer
 is right, not whether it is written exactly like the ground truth. Stage 2, when a verifier is
-given, re-checks only the stage-1 failures; its judgements are appended to a JSONL cache so an
-interrupted grading resumes too.
+given, re-checks only the stage-1 failures (the paper's grading).
+
+Both stages cache their results on disk (:class:`~recipe.stapo.eval.generate.ResultCache`), each
+result keyed by the sample (problem, reference answer, response) and by the identity of its
+grader: :func:`rule_identity` (the rule's code and settings) for stage 1, the verifier's
+``identity()`` (model, prompt text, input, decoding, parser) for stage 2. A change of any of them
+grades again; an interrupted grading resumes.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-from recipe.stapo.eval.generate import JsonlStore, Problem
-from recipe.stapo.eval.verifier import AnswerVerifier, VerifyItem
+from recipe.stapo.eval.generate import Problem, ResultCache
+from recipe.stapo.eval.verifier import AnswerVerifier, Verdict, VerifyItem
 from recipe.stapo.reward.lenient import DEFAULT_TIMEOUT_S, grade_solution
 
 
@@ -42,14 +50,69 @@ class GradedSample:
         return self.rule_correct or bool(self.verifier_correct)
 
 
-def grade_rule(records: dict[tuple[int, int], dict], problems: Sequence[Problem], timeout_s: float = DEFAULT_TIMEOUT_S, desc: str = "grade") -> dict[tuple[int, int], GradedSample]:
-    """Stage-1 grades of every record (keys ``(problem_index, sample)``)."""
+@lru_cache(maxsize=1)
+def _rule_source_sha256() -> str:
+    import recipe.stapo.reward as reward
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(reward.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def rule_identity(timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
+    """What decides a stage-1 grade: the rule's code (sha256 of every module of
+    ``recipe.stapo.reward``), the versions of ``math_verify`` and verl (its DAPO normalisation),
+    and the per-answer time limit."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def _version(name: str) -> Optional[str]:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return None
+
+    return {
+        "rule": "lenient",
+        "code_sha256": _rule_source_sha256(),
+        "math_verify": _version("math-verify"),
+        "verl": _version("verl"),
+        "timeout_s": float(timeout_s),
+    }
+
+
+def grade_rule(
+    records: dict[tuple[int, int], dict],
+    problems: Sequence[Problem],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    desc: str = "grade",
+    cache: Optional[ResultCache] = None,
+) -> dict[tuple[int, int], GradedSample]:
+    """Stage-1 grades of every record (keys ``(problem_index, sample)``).
+
+    Args:
+        cache: cached grades of this rule (its grader identity must be :func:`rule_identity` of
+            ``timeout_s``); new grades are appended to it.
+    """
     truth = {p.index: p.ground_truth for p in problems}
-    graded = {}
-    for key in tqdm(sorted(records), desc=desc, unit="sample", leave=False):
+    cached = cache.load() if cache is not None else {}
+    graded = {key: GradedSample(key[0], key[1], r.get("pred"), bool(r["rule_correct"])) for key, r in cached.items()}
+    todo = [key for key in sorted(records) if key not in graded]
+    fresh = []
+    for key in tqdm(todo, desc=desc, unit="sample", leave=False):
         correct, pred = grade_solution(records[key]["response"], truth[key[0]], timeout_s)
         graded[key] = GradedSample(key[0], key[1], pred, correct)
-    return graded
+        fresh.append({"problem_index": key[0], "sample": key[1], "rule_correct": bool(correct), "pred": pred})
+        if cache is not None and len(fresh) >= 1024:
+            cache.append(fresh)
+            fresh = []
+    if cache is not None:
+        cache.append(fresh)
+    return {key: graded[key] for key in sorted(records)}
+
+
+def _as_verdict(value) -> Verdict:
+    return value if isinstance(value, Verdict) else Verdict(bool(value))
 
 
 def apply_verifier(
@@ -57,10 +120,15 @@ def apply_verifier(
     records: dict[tuple[int, int], dict],
     problems: Sequence[Problem],
     verifier: AnswerVerifier,
-    cache: JsonlStore,
+    cache: ResultCache,
     batch_size: int = 512,
-) -> dict[tuple[int, int], GradedSample]:
-    """Re-check stage-1 failures with ``verifier`` (cached in ``cache``); returns new grades."""
+) -> tuple[dict[tuple[int, int], GradedSample], int]:
+    """Re-check stage-1 failures with ``verifier`` (cached in ``cache``, whose grader identity must
+    be ``verifier.identity()``).
+
+    Returns:
+        ``(new grades, number of samples judged now)``.
+    """
     by_index = {p.index: p for p in problems}
     judged = {key: bool(r["verifier_correct"]) for key, r in cache.load().items()}
     todo = [key for key, g in sorted(graded.items()) if not g.rule_correct and key not in judged]
@@ -69,13 +137,22 @@ def apply_verifier(
         items = [
             VerifyItem(by_index[k[0]].question, by_index[k[0]].ground_truth, records[k]["response"]) for k in keys
         ]
-        verdicts = verifier.verify(items)
-        cache.append([{"problem_index": k[0], "sample": k[1], "verifier_correct": bool(v)} for k, v in zip(keys, verdicts)])
-        judged.update(zip(keys, map(bool, verdicts)))
-    return {
+        verdicts = [_as_verdict(v) for v in verifier.verify(items)]
+        if len(verdicts) != len(items):
+            raise ValueError(f"verifier {verifier.describe()} returned {len(verdicts)} verdicts for {len(items)} items")
+        rows = []
+        for k, v in zip(keys, verdicts):
+            row = {"problem_index": k[0], "sample": k[1], "verifier_correct": v.correct}
+            if v.judgement is not None:
+                row.update(judgement=v.judgement, output=v.output, response_chars_dropped=v.response_chars_dropped)
+            rows.append(row)
+        cache.append(rows)
+        judged.update((k, v.correct) for k, v in zip(keys, verdicts))
+    grades = {
         key: g if g.rule_correct else GradedSample(g.problem_index, g.sample, g.pred, False, judged.get(key))
         for key, g in graded.items()
     }
+    return grades, len(todo)
 
 
 def mean_at_n(graded: dict[tuple[int, int], GradedSample], problems: Sequence[Problem], n_samples: int, use_verifier: bool = True) -> float:

@@ -3,38 +3,73 @@
 CLI::
 
     python -m recipe.stapo.eval.run_eval --model CKPT --benchmarks-dir DIR --out OUT \\
-        [--decoding both|train|justrl] [--backend vllm|hf] [--verifier none|compass] \\
+        [--decoding both|train|justrl] [--backend vllm|hf] [--verifier auto|compass|none] \\
         [--benchmarks aime24,aime25,...] [--n-samples 32 | --n-samples aime24=64,math500=8] \\
-        [--max-new-tokens 20480] [--seed 0] [--scale 8B --method STAPO]
+        [--max-new-tokens 20480] [--seed 0] [--scale 8B --method STAPO] \\
+        [--data-parallel-size auto|K] [--tensor-parallel-size T] [--gpus 0,1,...]
 
 ``DIR`` holds ``<benchmark>.parquet`` files written by ``python -m recipe.stapo.data.prepare bench``.
 Outputs under ``OUT``: ``generations/<bench>__<decoding>.jsonl`` (one line per sample, appended
-and flushed as generated), ``verifier/<bench>__<decoding>.jsonl`` (verifier cache),
-``run_config.json``, ``summary.json`` and ``summary.md``. Rerunning the same command resumes: only
+and flushed as generated), ``grades/`` and ``verifier/`` (rule grades and verifier verdicts, each
+keyed by the sample and its grader), ``run_config.json``, ``summary.json`` and ``summary.md``.
+
+A run first checks everything it can without writing (the output folder, ``run_config.json``,
+every saved sample against the data, the model path when something is left to generate, the
+verifier prompt, rendered once), then generates. Rerunning the same command resumes: only
 missing samples are generated; a run on a different model or setting in the same ``OUT`` is
 refused (``run_config.json`` names the key that differs). Saved samples are matched to problems by
-problem id and prompt hash, not by row: a resume on data with other problems (or records written
-by an older version, without that identity) is refused before anything is generated, naming the
-benchmark and the first problem that differs; the same problems reordered or with problems added
-resume correctly. ``run_config.json`` records the sha256 of each benchmark file and of the data's
-``manifest.json``.
+problem id and prompt hash, not by row. ``summary.json`` covers every benchmark and decoding
+evaluated in ``OUT`` by any invocation, all graded with this invocation's grading.
+
+Grading (``--verifier``): ``compass`` is the paper's (lenient rule, then CompassVerifier-3B with
+its official prompt on the rule failures); ``none`` is rule-only; ``auto`` (default) is
+``compass`` for a full run and ``none`` for a ``--limit`` smoke test (which no table accepts).
+
+``--data-parallel-size`` (default ``auto``: one vLLM replica per ``--tensor-parallel-size``
+visible GPUs) splits the generation over worker processes (:mod:`recipe.stapo.eval.parallel`);
+the records are those one worker makes. vLLM always generates in workers (one at least), so the
+policy's GPU memory is free when the verifier starts in the main process.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import importlib.util
+import json
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from stapo_core.fileio import atomic_write_json, atomic_write_text, sha256_file
 from recipe.stapo.data.prepare import BENCHMARK_SPECS, MANIFEST_NAME
-from recipe.stapo.eval.backends import GenerationBackend, SamplingConfig, build_backend
-from recipe.stapo.eval.generate import JsonlStore, Problem, VerdictCache, generate_samples, saved_samples
-from recipe.stapo.eval.grade import apply_verifier, grade_rule, mean_at_n
-from recipe.stapo.eval.verifier import AnswerVerifier, build_verifier
+from recipe.stapo.eval import parallel
+from recipe.stapo.eval.backends import GenerationBackend, LazyBackend, SamplingConfig, build_backend
+from recipe.stapo.eval.generate import (
+    JsonlStore,
+    Problem,
+    ResultCache,
+    check_cache_records,
+    collect_records,
+    generate_items,
+    json_sha256,
+    merge_parts,
+    pending_items,
+    problems_sha256,
+    saved_samples,
+)
+from recipe.stapo.eval.grade import apply_verifier, grade_rule, mean_at_n, rule_identity
+from recipe.stapo.eval.verifier import (
+    DEFAULT_COMPASS_MODEL,
+    DEFAULT_PROMPT_NAME,
+    FETCH_HINT,
+    AnswerVerifier,
+    CompassVerifier,
+    VerifierPrompt,
+    build_verifier,
+    load_verifier_prompt,
+)
+from stapo_core.fileio import atomic_write_json, atomic_write_text, sha256_file
 
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_SPECS)
 """Benchmark names in the paper's column order."""
@@ -43,6 +78,10 @@ DECODINGS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}
 """Decoding settings: name -> (temperature, top_p). "train" = 1.0/1.0, "justrl" = 0.7/0.9."""
 DEFAULT_MAX_NEW_TOKENS = 20480
 _FINGERPRINT_KEYS = ("model", "max_new_tokens", "seed", "backend")
+VERIFIERS = ("auto", "compass", "none")
+DEFAULT_PROMPT_LOCATION = Path("compassverifier") / "prompts.py"
+"""Where, under ``--benchmarks-dir``, the verifier prompt is looked for when no file is given."""
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass
@@ -58,14 +97,19 @@ class EvalConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     seed: int = 0
     backend: str = "vllm"
-    verifier: str = "none"
+    verifier: str = "auto"
     verifier_model: Optional[str] = None
     verifier_prompt_file: Optional[str] = None
+    verifier_prompt_name: str = DEFAULT_PROMPT_NAME
     batch_size: int = 1024
     limit: Optional[int] = None
     scale: Optional[str] = None
     method: Optional[str] = None
     reward_timeout_s: float = 5.0
+    tensor_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.85
+    data_parallel_size: Any = "auto"
+    gpus: Optional[str] = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad setting."""
@@ -82,6 +126,24 @@ class EvalConfig:
             raise ValueError("--max-new-tokens and --batch-size must be >= 1")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if self.verifier not in VERIFIERS:
+            raise ValueError(f"--verifier must be one of {list(VERIFIERS)}, got {self.verifier!r}")
+        if self.backend not in ("vllm", "hf"):
+            raise ValueError(f"--backend must be 'vllm' or 'hf', got {self.backend!r}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+
+    def verifier_name(self) -> str:
+        """``compass`` or ``none``: ``auto`` is ``none`` for a ``--limit`` smoke test, else ``compass``."""
+        if self.verifier == "auto":
+            return "none" if self.limit is not None else "compass"
+        return self.verifier
+
+    def gpu_list(self) -> list[str]:
+        """``--gpus`` as a list, or the visible GPUs."""
+        if self.gpus:
+            return [g.strip() for g in self.gpus.split(",") if g.strip()]
+        return parallel.visible_gpus()
 
 
 def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
@@ -123,6 +185,45 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
     return problems[:limit]
 
 
+def check_model_source(model: str, what: str = "--model") -> None:
+    """Refuse a model that is a local path but not a complete Hugging Face model folder.
+
+    A string is taken as a local path when it is absolute, starts with ``.`` or ``~``, exists,
+    names a ``global_step_N`` folder, or has more than one ``/``; anything else (``Qwen/Qwen3-8B``)
+    is a hub id and is not checked here.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: it is not a folder, is a verl checkpoint (FSDP shards), or lacks
+            ``config.json`` or weight files; the message says what is missing.
+    """
+    path = Path(model).expanduser()
+    local = path.is_absolute() or model.startswith((".", "~")) or path.exists() or "global_step_" in model or (
+        "/" in model and not _HUB_ID.match(model)
+    )
+    if not local:
+        return
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{what} {model}: no such folder (relative paths are taken from {Path.cwd()}). A verl checkpoint "
+            "global_step_N exists only once the trainer has saved it; a hub id is ORG/NAME"
+        )
+    if not path.is_dir():
+        raise ValueError(f"{what} {model}: not a folder (a Hugging Face model folder or a verl checkpoint is needed)")
+    if not (path / "config.json").is_file():
+        if (path / "actor").is_dir() or any(path.glob("model_world_size_*_rank_*.pt")):
+            raise ValueError(
+                f"{what} {model}: a verl checkpoint (FSDP shards), not a Hugging Face model: evaluate it with "
+                "run_scripts/eval.sh, which converts it once with verl's model merger"
+            )
+        raise ValueError(f"{what} {model}: no config.json in it, so it is not a Hugging Face model folder")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise ValueError(
+            f"{what} {model}: config.json but no weights (*.safetensors or *.bin): a copy or conversion that did "
+            "not finish? Redo it (eval.sh converts a verl checkpoint into MODEL/actor/merged_hf)"
+        )
+
+
 def data_fingerprint(benchmarks_dir: Path, catalogs: dict[str, list[Problem]]) -> dict:
     """What ``run_config.json`` records about the benchmark data.
 
@@ -140,90 +241,193 @@ def data_fingerprint(benchmarks_dir: Path, catalogs: dict[str, list[Problem]]) -
     }
 
 
-def check_run_config(out: Path, config: EvalConfig, data: Optional[dict] = None, write: bool = True) -> None:
-    """Check that a resumed run matches ``run_config.json``, then (``write``) write it.
+def read_run_config(out: Path) -> dict:
+    """``OUT/run_config.json`` (``{}`` when absent).
 
-    Args:
-        out: the output folder.
-        config: this run's settings.
-        data: :func:`data_fingerprint` of this run's benchmark data (recorded; a benchmark whose
-            file hash changed since the folder was made gets a note on stderr -- the saved samples
-            were already checked problem by problem).
-        write: False only checks.
     Raises:
-        ValueError: a key in ``_FINGERPRINT_KEYS`` differs from the stored run (names it).
+        ValueError: it is not a JSON object (names the file and what to do).
     """
-    import json
-
     path = out / "run_config.json"
-    current = {k: getattr(config, k) for k in _FINGERPRINT_KEYS}
-    stored = json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        return {}
+    try:
+        stored = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        detail = f"{exc.msg}, line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else "not UTF-8 text"
+        raise ValueError(
+            f"{path} is not valid JSON ({detail}): it records the model and settings this folder was made with. "
+            "Restore it (e.g. from a backup), or evaluate into a new --out; the samples in this folder were not changed"
+        ) from None
+    if not isinstance(stored, dict):
+        raise ValueError(f"{path} is not a JSON object; restore it or evaluate into a new --out")
+    return stored
+
+
+def check_fingerprint(out: Path, stored: dict, config: EvalConfig) -> None:
+    """Raise ValueError when a key in ``_FINGERPRINT_KEYS`` differs from the stored run (names it)."""
     for key in _FINGERPRINT_KEYS:
-        if key in stored and stored[key] != current[key]:
+        if key in stored and stored[key] != getattr(config, key):
             raise ValueError(
-                f"{path}: this output folder was made with {key}={stored[key]!r}, not {current[key]!r}; "
-                "use another --out or delete the folder"
+                f"{out / 'run_config.json'}: this output folder was made with {key}={stored[key]!r}, not "
+                f"{getattr(config, key)!r}; use another --out or delete the folder"
             )
-    if not write:
-        return
-    if data is not None:
-        data = dict(data, data={**stored.get("data", {}), **data["data"]})  # benchmarks of other runs are kept
-        for bench, entry in data["data"].items():
-            before = stored.get("data", {}).get(bench, {}).get("sha256")
-            if before is not None and before != entry["sha256"]:
-                print(
-                    f"note: {bench}: {entry['file']} differs from the file this folder was started with "
-                    f"(sha256 {before[:12]}... -> {entry['sha256'][:12]}...); its saved samples matched the "
-                    "problems of the new file by id and prompt",
-                    file=sys.stderr,
-                )
-        current.update(data)
-    atomic_write_json(path, current)
 
 
-class _LazyBackend:
-    """Builds the backend on first use, so a fully generated run never loads the model."""
-
-    def __init__(self, factory: Callable[[], GenerationBackend]):
-        self._factory = factory
-        self.backend: Optional[GenerationBackend] = None
-
-    def get(self) -> GenerationBackend:
-        if self.backend is None:
-            self.backend = self._factory()
-        return self.backend
-
-    def release(self) -> None:
-        self.backend = None
-        gc.collect()
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:  # pragma: no cover
-            pass
+def _check_out_folder(out: Path) -> None:
+    """Raise ValueError when ``out`` or one of its parents exists but is not a folder."""
+    for path in (out, *out.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "--out" if path == out else f"--out {out}: its parent"
+                raise ValueError(f"{what} {path} is a file, not a folder; pass a folder path (it is created if missing)")
+            return
 
 
-class _DeferredBackend(GenerationBackend):
-    """A GenerationBackend facade over :class:`_LazyBackend` (render and generate load it)."""
-
-    def __init__(self, lazy: _LazyBackend):
-        self._lazy = lazy
-
-    @property
-    def tokenizer(self) -> Any:  # type: ignore[override]
-        return self._lazy.get().tokenizer
-
-    def render(self, messages):
-        return self._lazy.get().render(messages)
-
-    def generate(self, prompts, seeds, sampling):
-        return self._lazy.get().generate(prompts, seeds, sampling)
+def backend_factory(config: EvalConfig) -> Callable[[], GenerationBackend]:
+    """Builds the generation backend of ``config`` (vLLM with its tensor-parallel size and memory
+    fraction, or transformers on CPU)."""
+    if config.backend == "vllm":
+        return lambda: build_backend(
+            "vllm", config.model, tensor_parallel_size=config.tensor_parallel_size,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+        )
+    return lambda: build_backend("hf", config.model)
 
 
 def _store(out: Path, kind: str, benchmark: str, decoding: str) -> JsonlStore:
     return JsonlStore(out / kind / f"{benchmark}__{decoding}.jsonl")
+
+
+def _part_stores(out: Path, benchmark: str, decoding: str) -> list[JsonlStore]:
+    name = f"{benchmark}__{decoding}.jsonl"
+    return [JsonlStore(p) for p in parallel.part_store_paths(out) if p.name == name]
+
+
+@dataclass
+class _Block:
+    """One (decoding, benchmark) to summarise: its problems, N and the saved samples."""
+
+    decoding: str
+    bench: str
+    n_samples: int
+    limit: Optional[int]
+    problems: list[Problem]
+    current: bool  # asked for by this invocation (else evaluated earlier in this folder)
+
+
+@dataclass
+class _Plan:
+    """What :func:`plan_run` found, before anything is written."""
+
+    stored: dict
+    catalogs: dict[str, list[Problem]]
+    blocks: list[_Block]
+    pending: int
+    verifier_name: str
+    prompt: Optional[VerifierPrompt]
+    workers: int
+    gpus: list[str]
+
+
+def _resolve_prompt(config: EvalConfig) -> VerifierPrompt:
+    if config.verifier_prompt_file:
+        return load_verifier_prompt(config.verifier_prompt_file, config.verifier_prompt_name)
+    default = Path(config.benchmarks_dir) / DEFAULT_PROMPT_LOCATION
+    if default.is_file():
+        return load_verifier_prompt(default, config.verifier_prompt_name)
+    raise ValueError(f"--verifier compass: no --verifier-prompt-file and no {default}; {FETCH_HINT}")
+
+
+def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, injected_backend: bool = False) -> _Plan:
+    """Every check of a run that needs no writing: output folder, ``run_config.json``, the data,
+    every saved sample and part file, the model (when samples are left to generate), the
+    verifier prompt (rendered once) and the workers.
+
+    Raises:
+        ValueError, FileNotFoundError: the first problem found, named, with what to do.
+    """
+    config.validate()
+    out = Path(config.out)
+    _check_out_folder(out)
+    parallel.OutputLock(out).check_free()
+    stored = read_run_config(out)
+    check_fingerprint(out, stored, config)
+    data_dir = Path(config.benchmarks_dir)
+    earlier = stored.get("evaluated") or {}
+    if not isinstance(earlier, dict):
+        raise ValueError(f"{out / 'run_config.json'}: 'evaluated' is not an object; restore the file or use a new --out")
+    wanted: dict[tuple[str, str], tuple[int, Optional[int], bool]] = {}
+    for decoding, benches in earlier.items():
+        for bench, entry in (benches or {}).items():
+            n = entry.get("n_samples") if isinstance(entry, dict) else None
+            limit = entry.get("limit") if isinstance(entry, dict) else None
+            if not isinstance(n, int) or n < 1 or not (limit is None or isinstance(limit, int) and limit >= 1):
+                raise ValueError(
+                    f"{out / 'run_config.json'}: evaluated.{decoding}.{bench} = {entry!r} is not "
+                    "{\"n_samples\": N, \"limit\": K or null}; restore the file or use a new --out"
+                )
+            if decoding in DECODINGS and bench in BENCHMARK_SPECS:
+                wanted[decoding, bench] = (n, limit, False)
+    for decoding in config.decodings:
+        for bench in config.benchmarks:
+            wanted[decoding, bench] = (config.n_samples[bench], config.limit, True)
+    catalogs = {}
+    for bench in sorted({b for _, b in wanted}, key=BENCHMARKS.index):
+        try:
+            catalogs[bench] = load_problems(data_dir / f"{bench}.parquet")
+        except FileNotFoundError as exc:
+            if bench in config.benchmarks:
+                raise
+            raise FileNotFoundError(
+                f"{exc}. {bench} was evaluated earlier in {out} and summary.json covers every benchmark of the folder: "
+                "pass the --benchmarks-dir the folder was made with"
+            ) from None
+    blocks, pending = [], 0
+    for decoding in DECODINGS:
+        for bench in BENCHMARKS:
+            if (decoding, bench) not in wanted:
+                continue
+            n, limit, current = wanted[decoding, bench]
+            label = str(data_dir / f"{bench}.parquet")
+            catalog = catalogs[bench]
+            saved = saved_samples(_store(out, "generations", bench, decoding), catalog, bench, decoding, config.seed, label)
+            for part in _part_stores(out, bench, decoding):
+                saved.update(saved_samples(part, catalog, bench, decoding, config.seed, label))
+            problems = catalog[:limit]
+            missing = len(pending_items(problems, n, saved))
+            if missing and not current:
+                raise ValueError(
+                    f"{out}: {bench}/{decoding} was evaluated earlier in this folder but {missing} of its samples are "
+                    f"missing from {_store(out, 'generations', bench, decoding).path}; rerun with --decoding {decoding} "
+                    f"--benchmarks {bench} to complete it"
+                )
+            pending += missing
+            blocks.append(_Block(decoding, bench, n, limit, problems, current))
+    if pending and not injected_backend:
+        check_model_source(config.model)
+    needs_vllm = (pending and not injected_backend) or (verifier is None and config.verifier_name() == "compass")
+    if config.backend == "vllm" and needs_vllm and importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm needs vllm, which is not installed (GPU machines: pip install -r "
+                         "requirements.txt); --backend hf runs on CPU")
+    verifier_name = "custom" if verifier is not None else config.verifier_name()
+    prompt = None
+    if verifier is None and verifier_name == "compass":
+        prompt = _resolve_prompt(config)
+        first = blocks[0].problems[0]
+        prompt.render(first.question, first.ground_truth, "")  # a real problem renders too
+        check_model_source(config.verifier_model or DEFAULT_COMPASS_MODEL, "--verifier-model")
+    if verifier_name != "none":
+        for block in blocks:
+            check_cache_records(_store(out, "verifier", block.bench, block.decoding))
+    for block in blocks:
+        check_cache_records(_store(out, "grades", block.bench, block.decoding))
+    gpus = config.gpu_list() if config.backend == "vllm" else []
+    workers = parallel.resolve_workers(config.data_parallel_size, config.backend, config.tensor_parallel_size, gpus)
+    if injected_backend and workers > 1:
+        if config.data_parallel_size != "auto":
+            raise ValueError("data-parallel workers build their backend from the config: pass no backend_factory")
+        workers = 1
+    return _Plan(stored, catalogs, blocks, pending, verifier_name, prompt, workers, gpus)
 
 
 def run_evaluation(
@@ -232,96 +436,198 @@ def run_evaluation(
     verifier: Optional[AnswerVerifier] = None,
     after_batch: Optional[Callable[[list[dict]], None]] = None,
 ) -> dict:
-    """Generate (resumably), grade and summarise; returns the summary written to ``OUT``.
+    """Check (:func:`plan_run`), generate (resumably, in-process or with data-parallel workers),
+    grade and summarise; returns the summary written to ``OUT``.
 
     Args:
         config: run settings.
-        backend_factory: builds the generation backend (default: from ``config.backend``).
+        backend_factory: builds the generation backend (default: from the config).
         verifier: an LLM verifier for rule failures (default: from ``config.verifier``).
-        after_batch: hook called after each written generation batch.
+        after_batch: hook called after each written generation batch (in-process generation).
     """
-    config.validate()
+    plan = plan_run(config, verifier, backend_factory is not None)
     out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    check_run_config(out, config, write=False)
-    data_dir = Path(config.benchmarks_dir)
-    catalogs = {b: load_problems(data_dir / f"{b}.parquet") for b in config.benchmarks}
-    problems = {b: catalog[: config.limit] for b, catalog in catalogs.items()}
-    for decoding in config.decodings:  # every saved sample must belong to this data, before any work
-        for bench in config.benchmarks:
-            saved_samples(_store(out, "generations", bench, decoding), catalogs[bench], bench, decoding, config.seed, str(data_dir / f"{bench}.parquet"))
-            if verifier is not None or config.verifier != "none":
-                VerdictCache(_store(out, "verifier", bench, decoding), [], {}).load()  # refuses old-format verdicts
-    check_run_config(out, config, data_fingerprint(data_dir, catalogs))
-    lazy = _LazyBackend(backend_factory or (lambda: build_backend(config.backend, config.model)))
-    backend = _DeferredBackend(lazy)
-    records = {}
-    for decoding in config.decodings:
-        temperature, top_p = DECODINGS[decoding]
-        sampling = SamplingConfig(temperature, top_p, config.max_new_tokens)
-        for bench in config.benchmarks:
-            records[bench, decoding] = generate_samples(
-                backend, problems[bench], config.n_samples[bench], sampling, _store(out, "generations", bench, decoding),
-                bench, decoding, config.seed, config.batch_size, after_batch,
-                catalog=catalogs[bench], data_label=str(data_dir / f"{bench}.parquet"),
+    lock = parallel.OutputLock(out)
+    lock.acquire()
+    try:
+        return _execute(config, plan, backend_factory, verifier, after_batch, lock)
+    finally:
+        lock.release()
+
+
+def _run_config(config: EvalConfig, plan: _Plan) -> dict:
+    """What ``run_config.json`` records: the fingerprint keys and the data (with the data of
+    benchmarks evaluated by earlier runs kept); notes a benchmark file that changed."""
+    stored = plan.stored
+    data = data_fingerprint(Path(config.benchmarks_dir), plan.catalogs)
+    data["data"] = {**stored.get("data", {}), **data["data"]}
+    for bench, entry in data["data"].items():
+        before = stored.get("data", {}).get(bench, {}).get("sha256")
+        if before is not None and before != entry["sha256"]:
+            print(
+                f"note: {bench}: {entry['file']} differs from the file this folder was started with "
+                f"(sha256 {before[:12]}... -> {entry['sha256'][:12]}...); its saved samples matched the "
+                "problems of the new file by id and prompt",
+                file=sys.stderr,
             )
-    lazy.release()
-    if verifier is None and config.verifier != "none":  # built only now: the policy's GPU memory is free
-        verifier = build_verifier(config.verifier, config.verifier_model, config.verifier_prompt_file)
-    summary = summarise(config, problems, records, verifier, out)
+    return {**{k: getattr(config, k) for k in _FINGERPRINT_KEYS}, **data}
+
+
+def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
+    out = Path(config.out)
+    data_dir = Path(config.benchmarks_dir)
+    evaluated = plan.stored.get("evaluated") or {}
+    run_config = _run_config(config, plan)
+    atomic_write_json(out / "run_config.json", {**run_config, "evaluated": evaluated})
+
+    def merge_all() -> None:
+        for block in plan.blocks:
+            parts = _part_stores(out, block.bench, block.decoding)
+            if parts:
+                merge_parts(_store(out, "generations", block.bench, block.decoding), parts, plan.catalogs[block.bench],
+                            block.bench, block.decoding, config.seed, str(data_dir / f"{block.bench}.parquet"))
+
+    merge_all()
+    todo: list[tuple[_Block, list]] = []
+    for block in plan.blocks:
+        saved = saved_samples(_store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
+                              block.bench, block.decoding, config.seed)
+        items = pending_items(block.problems, block.n_samples, saved)
+        if items:
+            todo.append((block, items))
+    # vLLM always generates in worker processes: their GPU memory is surely free when they exit,
+    # before the verifier's engine starts in this process
+    if todo and (plan.workers > 1 or (config.backend == "vllm" and factory is None)):
+        shares = parallel.deal([(b.decoding, b.bench, p.problem_id, s) for b, items in todo for p, s in items], plan.workers)
+        launches = parallel.worker_launches(out, len(shares), config.backend, config.tensor_parallel_size, plan.gpus)
+        settings = parallel.config_dict(config)
+        parallel.run_workers(launches, [parallel.plan_for(settings, share) for share in shares], lock)
+        merge_all()
+    elif todo:
+        backend = LazyBackend(factory or backend_factory(config))
+        for block, items in todo:
+            temperature, top_p = DECODINGS[block.decoding]
+            generate_items(
+                backend, items, SamplingConfig(temperature, top_p, config.max_new_tokens),
+                _store(out, "generations", block.bench, block.decoding), block.bench, block.decoding, config.seed,
+                config.batch_size, after_batch, total=len(block.problems) * block.n_samples,
+            )
+        backend.release()
+    for block in plan.blocks:
+        evaluated.setdefault(block.decoding, {})[block.bench] = {"n_samples": block.n_samples, "limit": block.limit}
+    atomic_write_json(out / "run_config.json", {**run_config, "evaluated": evaluated})
+    records = {}
+    for block in plan.blocks:
+        saved = saved_samples(_store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
+                              block.bench, block.decoding, config.seed)
+        records[block.decoding, block.bench] = collect_records(block.problems, block.n_samples, saved)
+    if verifier is None and plan.verifier_name == "compass":  # built only now: the policy's GPU memory is free
+        kwargs = {} if config.backend == "hf" else {"gpu_memory_utilization": config.gpu_memory_utilization}
+        verifier = build_verifier("compass", config.verifier_model, plan.prompt, config.backend, **kwargs)
+    summary = summarise(config, plan.blocks, records, verifier, out)
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "summary.md", summary_markdown(summary))
     return summary
 
 
-def summarise(config: EvalConfig, problems: dict, records: dict, verifier: Optional[AnswerVerifier], out: Path) -> dict:
-    """Grade every (benchmark, decoding) and build the summary dict (schema in docs/eval.md)."""
+def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float) -> dict:
+    """The ``grading`` block of a summary: label (``rule-only`` or ``rule+verifier``), the rule's
+    identity, the verifier's identity and a description, and ``key``, a hash of both identities
+    (rows of one table must share it)."""
+    rule = rule_identity(timeout_s)
+    identity = verifier.identity() if verifier is not None else None
+    if verifier is None:
+        label, text = "rule-only", "lenient rule only (no verifier)"
+    else:
+        label, text = "rule+verifier", f"lenient rule, then {verifier.describe()} on the rule failures"
+    paper = (
+        isinstance(verifier, CompassVerifier)
+        and verifier.model.rstrip("/").endswith("CompassVerifier-3B")
+        and verifier.prompt.official == DEFAULT_PROMPT_NAME
+    )
+    return {
+        "label": label,
+        "description": text,
+        "paper": paper,
+        "rule": rule,
+        "verifier": identity,
+        "key": json_sha256({"rule": rule, "verifier": identity}),
+        "rule_key": json_sha256({"rule": rule, "verifier": None}),
+    }
+
+
+def summarise(config: EvalConfig, blocks: Sequence[_Block], records: dict, verifier: Optional[AnswerVerifier], out: Path) -> dict:
+    """Grade every block and build the summary dict (schema in docs/eval.md)."""
+    grading = grading_info(verifier, config.reward_timeout_s)
+    limits = [b.limit for b in blocks if b.limit is not None]
     summary: dict[str, Any] = {
         "model": config.model,
         "scale": config.scale,
         "method": config.method,
-        "verifier": config.verifier if verifier is None else getattr(verifier, "name", "custom"),
+        "verifier": "none" if verifier is None else getattr(verifier, "name", "custom"),
+        "grading": grading,
         "max_new_tokens": config.max_new_tokens,
         "seed": config.seed,
-        "limit": config.limit,
+        "backend": config.backend,
+        "limit": min(limits) if limits else None,
         "decodings": {},
     }
-    for decoding in config.decodings:
+    for decoding in DECODINGS:
+        mine = [b for b in blocks if b.decoding == decoding]
+        if not mine:
+            continue
         temperature, top_p = DECODINGS[decoding]
         benches = {}
-        for bench in config.benchmarks:
-            recs, probs, n = records[bench, decoding], problems[bench], config.n_samples[bench]
-            graded = grade_rule(recs, probs, config.reward_timeout_s, desc=f"grade {bench}/{decoding}")
+        for block in mine:
+            recs, probs, n = records[decoding, block.bench], block.problems, block.n_samples
+            rule_cache = ResultCache(_store(out, "grades", block.bench, decoding), probs, recs, grading["rule"])
+            graded = grade_rule(recs, probs, config.reward_timeout_s, desc=f"grade {block.bench}/{decoding}", cache=rule_cache)
+            judged_now = 0
             if verifier is not None:
-                cache = VerdictCache(_store(out, "verifier", bench, decoding), probs, recs)
-                graded = apply_verifier(graded, recs, probs, verifier, cache)  # type: ignore[arg-type]
+                cache = ResultCache(_store(out, "verifier", block.bench, decoding), probs, recs, grading["verifier"])
+                graded, judged_now = apply_verifier(graded, recs, probs, verifier, cache)
             used = [recs[p.index, s] for p in probs for s in range(n)]
-            benches[bench] = {
+            failures = [g for g in graded.values() if not g.rule_correct]
+            benches[block.bench] = {
                 "mean_at_n": mean_at_n(graded, probs, n),
                 "rule_mean_at_n": mean_at_n(graded, probs, n, use_verifier=False),
                 "n_samples": n,
                 "problems": len(probs),
+                "limit": block.limit,
+                "data_sha256": problems_sha256(probs),
                 "truncated_fraction": sum(r["finish_reason"] == "length" for r in used) / len(used),
                 "mean_response_tokens": sum(r["num_tokens"] for r in used) / len(used),
+                "verifier_judged": len(failures) if verifier is not None else 0,
+                "verifier_accepted": sum(bool(g.verifier_correct) for g in failures),
             }
+            if judged_now:
+                print(f"[eval] {block.bench}/{decoding}: the verifier judged {judged_now} samples", file=sys.stderr)
         summary["decodings"][decoding] = {
             "temperature": temperature,
             "top_p": top_p,
             "benchmarks": benches,
             "avg": sum(b["mean_at_n"] for b in benches.values()) / len(benches),
-            "complete": set(benches) == set(BENCHMARKS) and config.limit is None,
+            "rule_avg": sum(b["rule_mean_at_n"] for b in benches.values()) / len(benches),
+            "complete": set(benches) == set(BENCHMARKS) and all(b["limit"] is None for b in benches.values()),
         }
     return summary
 
 
 def summary_markdown(summary: dict) -> str:
-    """Markdown table of a summary: one row per decoding setting, mean@N in percent."""
+    """Markdown table of a summary: one row per decoding setting, mean@N in percent, under a line
+    naming the grading (and rule-only rows when a verifier was used)."""
     benches = [b for b in BENCHMARKS if any(b in d["benchmarks"] for d in summary["decodings"].values())]
-    head = "| decoding | " + " | ".join(benches) + " | Avg |"
-    lines = [f"# {summary['model']}", "", head, "|" + "---|" * (len(benches) + 2)]
+    grading = summary.get("grading") or {}
+    head = "| decoding | grading | " + " | ".join(benches) + " | Avg |"
+    lines = [f"# {summary['model']}", "", f"Grading: {grading.get('description', summary.get('verifier'))}", "", head,
+             "|" + "---|" * (len(benches) + 3)]
+    label = grading.get("label", "")
     for name, dec in summary["decodings"].items():
         cells = [f"{dec['benchmarks'][b]['mean_at_n']:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
-        lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | " + " | ".join(cells) + f" | {dec['avg']:.2f} |")
+        lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | {label} | " + " | ".join(cells) + f" | {dec['avg']:.2f} |")
+        if label == "rule+verifier":
+            cells = [f"{dec['benchmarks'][b]['rule_mean_at_n']:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
+            lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | rule-only | " + " | ".join(cells) + f" | {dec['rule_avg']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -353,16 +659,24 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", required=True, help="output folder (resumable)")
     parser.add_argument("--decoding", default="both", choices=["both", *DECODINGS])
     parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
-    parser.add_argument("--verifier", default="none", choices=["none", "compass"])
-    parser.add_argument("--verifier-model", default=None, help="verifier checkpoint (default opencompass/CompassVerifier-3B)")
-    parser.add_argument("--verifier-prompt-file", default=None, help="prompt template with {question} {gold_answer} {llm_response}")
+    parser.add_argument("--verifier", default="auto", choices=list(VERIFIERS),
+                        help="compass: the paper's grading (rule, then CompassVerifier on rule failures); none: rule-only; "
+                             "auto (default): compass, or none with --limit")
+    parser.add_argument("--verifier-model", default=None, help=f"verifier checkpoint (default {DEFAULT_COMPASS_MODEL})")
+    parser.add_argument("--verifier-prompt-file", default=None,
+                        help="CompassVerifier's src/prompts.py or a text template with {question} {gold_answer} {llm_response} "
+                             f"(default <benchmarks-dir>/{DEFAULT_PROMPT_LOCATION.as_posix()})")
+    parser.add_argument("--verifier-prompt-name", default=DEFAULT_PROMPT_NAME, help="the template's name in a .py prompt file")
     parser.add_argument("--benchmarks", default=",".join(BENCHMARKS))
     parser.add_argument("--n-samples", default=None, help="N for all benchmarks, or NAME=N,... (default 32 for AIME24/25, AMC23; 4 otherwise)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=1024, help="samples per backend call (each batch is saved)")
     parser.add_argument("--limit", type=int, default=None, help="only the first K problems per benchmark (smoke tests)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm only")
+    parser.add_argument("--data-parallel-size", default="auto",
+                        help="worker processes (model replicas); auto: every visible GPU with vllm, 1 with hf")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per replica (vllm)")
+    parser.add_argument("--gpus", default=None, help="GPUs to use, e.g. 0,1,2,3 (default: CUDA_VISIBLE_DEVICES or all)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vllm only")
     parser.add_argument("--scale", default=None, help="model scale label for tables (e.g. 8B)")
     parser.add_argument("--method", default=None, help="method label for tables (e.g. STAPO)")
@@ -384,10 +698,15 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         verifier=args.verifier,
         verifier_model=args.verifier_model,
         verifier_prompt_file=args.verifier_prompt_file,
+        verifier_prompt_name=args.verifier_prompt_name,
         batch_size=args.batch_size,
         limit=args.limit,
         scale=args.scale,
         method=args.method,
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        data_parallel_size=args.data_parallel_size,
+        gpus=args.gpus,
     )
 
 
@@ -395,14 +714,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         config = config_from_args(args)
-        factory = None
-        if args.backend == "vllm":
-            factory = lambda: build_backend(  # noqa: E731
-                "vllm", config.model, tensor_parallel_size=args.tensor_parallel_size,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-            )
-        summary = run_evaluation(config, factory)
-    except (ValueError, FileNotFoundError) as exc:
+        summary = run_evaluation(config)
+    except (ValueError, FileNotFoundError, parallel.WorkerFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(summary_markdown(summary))

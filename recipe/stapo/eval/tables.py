@@ -3,7 +3,7 @@
 CLI::
 
     python -m recipe.stapo.eval.tables INPUT... [--format markdown|latex] [--stapo-method STAPO] [--out FILE]
-        [--allow-partial]
+        [--allow-partial] [--allow-mixed-protocol] [--grading as-run|rule-only]
 
 Each INPUT is a ``summary.json`` written by ``recipe.stapo.eval.run_eval`` (its ``scale`` and
 ``method`` label the row; override with ``SCALE:METHOD=path``), or a markdown file holding a
@@ -15,6 +15,15 @@ relative gain ``100 * (Avg_STAPO - Avg_best) / Avg_best`` where ``Avg_best`` is 
 among the other methods at that scale. The paper's printed Avg column is used when the input is
 a table (that reproduces its +7.13%); :func:`inconsistent_rows` lists rows whose printed Avg
 differs from the mean of their six cells.
+
+Rows of one table share one protocol (:func:`protocol_of`): per benchmark the N of mean@N and
+the problems (count and content hash), the temperature/top-p of each decoding setting,
+``max_new_tokens`` and the grading (rule-only, or the rule plus a verifier; rule code, verifier
+model and prompt). A row that differs is refused naming the row and the field; with
+``--allow-mixed-protocol`` it is shown marked with a double dagger, never bolded, and left out of
+the headline. Rule-only and verified rows are never mixed: ``--grading rule-only`` builds the
+table from the rule-only mean@N every summary also carries. Every value must be a percentage in
+[0, 100], and a row whose every value is at most 1 is taken for fractions.
 
 A Table 2 row needs all six benchmarks under both decoding settings, as finite numbers, from a
 full run. An input that is partial -- a smoke-test summary (``limit`` set, or ``complete: false``),
@@ -47,6 +56,12 @@ DECODING_ORDER = ("train", "justrl")
 DECODING_LABEL = {"train": "1.0/1.0", "justrl": "0.7/0.9"}
 MARK = "\u2020"
 """Dagger appended to the method of a partial row (``--allow-partial``)."""
+MIXED_MARK = "\u2021"
+"""Double dagger appended to the method of a row with another protocol (``--allow-mixed-protocol``)."""
+GRADINGS = ("as-run", "rule-only")
+"""``as-run``: each summary's mean@N under the grading it was run with (rows must share it);
+``rule-only``: the rule-only mean@N of every summary."""
+PRINTED = "a printed table (protocol not recorded)"
 _CELL = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?|-|–)\s*(?:\(\s*([-+]?\d+(?:\.\d+)?|-|–)\s*\))?\s*$")
 
 
@@ -63,6 +78,9 @@ class Row:
     values: dict[str, dict[str, float]] = field(default_factory=dict)
     issues: dict[str, list[str]] = field(default_factory=dict)
     source: str = ""
+    protocol: dict[str, object] = field(default_factory=dict)
+    protocol_issues: list[str] = field(default_factory=list)
+    grading: str = PRINTED
 
     def partial(self, decoding: Optional[str] = None) -> bool:
         """Whether the row has issues under ``decoding`` (any decoding when None)."""
@@ -70,12 +88,17 @@ class Row:
             return any(self.issues.values())
         return bool(self.issues.get(decoding))
 
+    def excluded(self, decoding: Optional[str] = None) -> bool:
+        """Whether the row stays out of bolding and the headline: partial, or another protocol."""
+        return self.partial(decoding) or bool(self.protocol_issues)
+
     def describe_issues(self, decoding: Optional[str] = None) -> str:
-        """The row's issues (under ``decoding``, or all of them once each), joined by "; "."""
+        """The row's issues (under ``decoding``, or all of them once each) and its protocol
+        differences, joined by "; "."""
         found: list[str] = []
         for name in [decoding] if decoding else list(self.issues):
             found += [i for i in self.issues.get(name, []) if i not in found]
-        return "; ".join(found)
+        return "; ".join(found + self.protocol_issues)
 
     def value(self, decoding: str, column: str) -> Optional[float]:
         return self.values.get(decoding, {}).get(column)
@@ -124,11 +147,18 @@ def parse_markdown_table(text: str, source: str = "<table>") -> list[Row]:
             continue
         if len(cells) != len(header):
             raise ValueError(f"{source}: line {number}: {len(cells)} cells, header has {len(header)}")
-        row = Row(scale=cells[0], method=cells[1], source=f"{source}: line {number}")
+        row = Row(scale=cells[0], method=cells[1], source=f"{source}: line {number}", protocol={"protocol": PRINTED})
+        bad: dict[str, list[str]] = {}
+        unusable: dict[str, set] = {}
         for name, cell in zip(header[2:], cells[2:]):
             for decoding, value in _parse_cell(cell, f"{source}: line {number}, column {name}").items():
-                row.values.setdefault(decoding, {})[name] = value
-        row.issues = _missing_issues(row)
+                problem = _percent_issue(value)
+                if problem:
+                    bad.setdefault(decoding, []).append(f"{name} ({_label(decoding)}) = {value:g} {problem}")
+                    unusable.setdefault(decoding, set()).add(name)
+                else:
+                    row.values.setdefault(decoding, {})[name] = value
+        row.issues = _merge_issues(bad, _missing_issues(row, unusable), _fraction_issue(row))
         rows.append(row)
     if header is None:
         raise ValueError(f"{source}: no '| model | method | ...' table header found")
@@ -137,6 +167,28 @@ def parse_markdown_table(text: str, source: str = "<table>") -> list[Row]:
 
 def _label(decoding: str) -> str:
     return DECODING_LABEL.get(decoding, decoding)
+
+
+def _percent_issue(value: float) -> Optional[str]:
+    """Why ``value`` is not a percentage in [0, 100] (None when it is)."""
+    return None if 0.0 <= value <= 100.0 else "is not a percentage in [0, 100]"
+
+
+def _fraction_issue(row: Row) -> dict[str, list[str]]:
+    """An issue for every decoding setting when all of the row's values are at most 1: mean@N
+    fractions in [0, 1] instead of percentages (no model of these tables scores <= 1% on MATH500)."""
+    values = [v for block in row.values.values() for v in block.values()]
+    if not values or max(values) > 1.0:
+        return {}
+    return {d: ["every value is <= 1: fractions, not percentages? Table 2 takes mean@N in percent"] for d in DECODING_ORDER}
+
+
+def _merge_issues(*parts: dict[str, list[str]]) -> dict[str, list[str]]:
+    merged: dict[str, list[str]] = {}
+    for part in parts:
+        for decoding, found in part.items():
+            merged.setdefault(decoding, []).extend(i for i in found if i not in merged.get(decoding, []))
+    return {d: found for d, found in merged.items() if found}
 
 
 def _missing_issues(row: Row, unusable: Optional[dict[str, set]] = None) -> dict[str, list[str]]:
@@ -155,22 +207,69 @@ def _missing_issues(row: Row, unusable: Optional[dict[str, set]] = None) -> dict
     return issues
 
 
-def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]] = None) -> Row:
+def grading_of(summary: dict, grading: str = "as-run") -> tuple[str, str]:
+    """``(key, description)`` of the grading of a summary's values under ``grading``.
+
+    ``as-run``: the grading the summary was made with (``grading.key`` of run_eval's summary;
+    ``rule-only`` or ``rule+verifier``); ``rule-only``: its rule alone (``grading.rule_key``).
+    A summary without a grading record gets a key naming only its ``verifier`` field.
+    """
+    record = summary.get("grading") if isinstance(summary.get("grading"), dict) else None
+    if record is None:
+        verifier = summary.get("verifier", "none")
+        if grading == "rule-only" or verifier in (None, "none"):
+            return "rule-only (unrecorded rule)", "rule-only (lenient rule; summary without a grading record)"
+        return f"rule+verifier {verifier} (unrecorded)", f"lenient rule, then the {verifier} verifier (unrecorded)"
+    if grading == "rule-only":
+        return f"rule-only {record.get('rule_key', '?')[:12]}", "rule-only: lenient rule, no verifier (not the paper's grading)"
+    label = record.get("label", "?")
+    return f"{label} {record.get('key', '?')[:12]}", str(record.get("description", label))
+
+
+def protocol_of(summary: dict, grading: str = "as-run") -> dict[str, object]:
+    """The protocol fields of a summary, each compared across the rows of a table: ``protocol``
+    (recorded, against a printed table's unrecorded one), ``max_new_tokens``, ``grading``, ``decoding <label>`` (temperature/top-p), ``N (<column>)``,
+    ``problems (<column>)`` (count and content hash; under the first decoding that has it)."""
+    protocol: dict[str, object] = {
+        "protocol": "recorded in a run summary",
+        "max_new_tokens": summary.get("max_new_tokens"),
+        "grading": grading_of(summary, grading)[0],
+    }
+    for decoding, block in (summary.get("decodings") or {}).items():
+        if not isinstance(block, dict):
+            continue
+        protocol[f"decoding {_label(decoding)}"] = f"temperature {block.get('temperature')}, top-p {block.get('top_p')}"
+        for bench, result in (block.get("benchmarks") or {}).items():
+            if bench in BENCH_TO_COLUMN and isinstance(result, dict):
+                column = BENCH_TO_COLUMN[bench]
+                protocol[f"N ({column}, {_label(decoding)})"] = result.get("n_samples")
+                data = result.get("data_sha256")
+                protocol.setdefault(f"problems ({column})", f"{result.get('problems')}" + (f" [{data[:12]}]" if data else ""))
+    return protocol
+
+
+def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]] = None, grading: str = "as-run") -> Row:
     """A row from a run_eval ``summary.json`` dict, its issues listed in ``Row.issues``.
 
-    Issues: ``limit`` set (smoke test), a decoding block with ``complete: false``, a decoding
-    setting or benchmark missing, a ``mean_at_n`` that is not a finite number (that cell is left
-    empty and no Avg is computed).
+    Issues: ``limit`` set (smoke test) in the summary or a benchmark, a decoding block with
+    ``complete: false``, a decoding setting or benchmark missing, a value that is not a finite
+    number or not a percentage in [0, 100] (that cell is left empty and no Avg is computed), or
+    every value at most 1 (fractions).
 
+    Args:
+        grading: ``as-run`` (``mean_at_n``) or ``rule-only`` (``rule_mean_at_n``).
     Raises:
-        ValueError: no scale/method label (pass ``SCALE:METHOD=path``), or no decodings.
+        ValueError: no scale/method label (pass ``SCALE:METHOD=path``), no decodings, or no
+            rule-only values for ``grading="rule-only"``.
     """
     scale, method = label or (summary.get("scale"), summary.get("method"))
     if not scale or not method:
         raise ValueError(f"{source}: summary has no scale/method; pass it as SCALE:METHOD={source}")
     if not summary.get("decodings"):
         raise ValueError(f"{source}: summary has no decodings")
-    row = Row(scale=str(scale), method=str(method), source=source)
+    key = "rule_mean_at_n" if grading == "rule-only" else "mean_at_n"
+    row = Row(scale=str(scale), method=str(method), source=source, protocol=protocol_of(summary, grading),
+              grading=grading_of(summary, grading)[1])
     issues: dict[str, list[str]] = {d: [] for d in DECODING_ORDER}
     unusable: dict[str, set] = {d: set() for d in DECODING_ORDER}
     limit = summary.get("limit")
@@ -179,11 +278,21 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
         for bench, result in (block.get("benchmarks") or {}).items():
             if bench not in BENCH_TO_COLUMN:
                 continue
-            column, value = BENCH_TO_COLUMN[bench], result.get("mean_at_n") if isinstance(result, dict) else None
+            column = BENCH_TO_COLUMN[bench]
+            if not isinstance(result, dict) or key not in result:
+                if grading == "rule-only":
+                    raise ValueError(f"{source}: {bench} ({_label(decoding)}) has no rule_mean_at_n; rerun the evaluation")
+                value = None
+            else:
+                value = result[key]
+            if isinstance(result, dict) and result.get("limit") is not None and limit is None:
+                limit = result["limit"]
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 issues.setdefault(decoding, []).append(f"{column} ({_label(decoding)}) is not a number")
             elif not math.isfinite(value):
                 issues.setdefault(decoding, []).append(f"{column} ({_label(decoding)}) is not a finite number")
+            elif _percent_issue(value):
+                issues.setdefault(decoding, []).append(f"{column} ({_label(decoding)}) = {value:g} {_percent_issue(value)}")
             else:
                 values[column] = float(value)
                 continue
@@ -191,7 +300,7 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
         if all(c in values for c in COLUMNS):
             values[AVG] = sum(values[c] for c in COLUMNS) / len(COLUMNS)
         row.values[decoding] = values
-    for decoding, found in _missing_issues(row, unusable).items():
+    for decoding, found in _merge_issues(_missing_issues(row, unusable), _fraction_issue(row)).items():
         issues[decoding] += found
     for decoding in DECODING_ORDER:
         if limit is not None:
@@ -203,13 +312,46 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
     return row
 
 
-def load_inputs(inputs: Sequence[str], allow_partial: bool = False) -> list[Row]:
+def check_protocol(rows: Sequence[Row]) -> None:
+    """Set ``protocol_issues`` of every row whose protocol differs from the table's: per field,
+    the value most rows have (ties: the earliest row's). A field a row lacks (a benchmark it
+    misses) is not compared: that row is partial anyway."""
+    fields: list[str] = []
+    for row in rows:
+        fields += [f for f in row.protocol if f not in fields]
+    reference: dict[str, object] = {}
+    for name in fields:
+        values = [row.protocol[name] for row in rows if name in row.protocol]
+        counts = {json.dumps(v, sort_keys=True): 0 for v in values}
+        for v in values:
+            counts[json.dumps(v, sort_keys=True)] += 1
+        best = max(counts.values())
+        reference[name] = next(v for v in values if counts[json.dumps(v, sort_keys=True)] == best)
+    for row in rows:
+        row.protocol_issues = [
+            f"{name} is {row.protocol[name]}, the table's is {reference[name]}"
+            for name in fields
+            if name in row.protocol and row.protocol[name] != reference[name]
+        ]
+
+
+def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_protocol: bool = False,
+                grading: str = "as-run") -> list[Row]:
     """Rows from summary.json files and/or markdown tables (``SCALE:METHOD=path`` relabels a summary).
 
+    Args:
+        allow_partial: admit partial rows (marked, out of the headline).
+        allow_mixed_protocol: admit rows whose protocol differs from the table's (marked, out of
+            the headline), except rule-only beside verified rows, which is always refused.
+        grading: ``as-run`` or ``rule-only`` (:func:`grading_of`).
     Raises:
         ValueError: a row is partial (see :func:`row_from_summary`; names every such input, row
-            and issue) and ``allow_partial`` is False; unreadable or duplicate inputs.
+            and issue) and ``allow_partial`` is False; rows with different protocols (names the
+            rows and fields) and ``allow_mixed_protocol`` is False; rule-only and verified rows;
+            unreadable or duplicate inputs.
     """
+    if grading not in GRADINGS:
+        raise ValueError(f"--grading must be one of {list(GRADINGS)}, got {grading!r}")
     rows = []
     for spec in inputs:
         label = None
@@ -224,20 +366,43 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False) -> list[Row]
                 summary = json.loads(path.read_text())
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from exc
-            rows.append(row_from_summary(summary, str(path), label))
+            if not isinstance(summary, dict):
+                raise ValueError(f"{path}: not a summary (a JSON object)")
+            rows.append(row_from_summary(summary, str(path), label, grading))
         else:
+            if grading == "rule-only":
+                raise ValueError(f"{path}: --grading rule-only needs summary.json inputs (a printed table has one grading)")
             rows.extend(parse_markdown_table(path.read_text(), str(path)))
     seen = set()
     for row in rows:
         if (row.scale, row.method) in seen:
             raise ValueError(f"duplicate row {row.scale} {row.method} among the inputs")
         seen.add((row.scale, row.method))
+    labels = {str(r.protocol.get("grading", "")).split(" ")[0] for r in rows}
+    if {"rule-only", "rule+verifier"} <= labels:
+        listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {str(r.protocol['grading']).split(' ')[0]}" for r in rows
+                           if "grading" in r.protocol)
+        raise ValueError(
+            f"rule-only and verifier-graded rows are never mixed in one table: {listed}. Evaluate the rule-only "
+            "runs with the verifier (rerun eval.sh on their folders: generations are reused), or pass "
+            "--grading rule-only for a rule-only table of every row"
+        )
     partial = [r for r in rows if r.partial()]
     if partial and not allow_partial:
         listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {r.describe_issues()}" for r in partial)
         raise ValueError(
             f"partial results refused: {listed}. Table 2 needs all six benchmarks under both decoding settings "
             "from full runs; pass --allow-partial to show such rows marked and left out of the headline"
+        )
+    check_protocol(rows)
+    mixed = [r for r in rows if r.protocol_issues]
+    if mixed and not allow_mixed_protocol:
+        listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {'; '.join(r.protocol_issues)}" for r in mixed)
+        raise ValueError(
+            f"rows with another protocol refused: {listed}. Rows of one table share N per benchmark, decoding, "
+            "max_new_tokens and grading (a changed rule or verifier: rerun eval.sh on the older folders to regrade, "
+            "generations and cached verdicts are reused); pass --allow-mixed-protocol to show such rows marked "
+            "and left out of the headline"
         )
     return rows
 
@@ -310,8 +475,9 @@ def _finite(value: Optional[float]) -> bool:
 
 
 def _usable(rows: Sequence[Row], decoding: str, printed: bool = True) -> list[Row]:
-    """Rows that take part in the headline under ``decoding``: complete, with a finite Avg."""
-    return [r for r in rows if not r.partial(decoding) and _finite(r.avg(decoding, printed))]
+    """Rows that take part in the headline under ``decoding``: complete, of the table's protocol,
+    with a finite Avg."""
+    return [r for r in rows if not r.excluded(decoding) and _finite(r.avg(decoding, printed))]
 
 
 def left_out(rows: Sequence[Row], decoding: str, stapo_method: str = "STAPO", printed: bool = True) -> list[str]:
@@ -341,8 +507,9 @@ def left_out(rows: Sequence[Row], decoding: str, stapo_method: str = "STAPO", pr
 # rendering
 # ----------------------------------------------------------------------------------------------
 def _best(rows: Sequence[Row], scale: str, decoding: str, column: str) -> Optional[float]:
-    """Best value of a column at a scale among the rows complete under ``decoding``."""
-    candidates = [r for r in rows if r.scale == scale and not r.partial(decoding)]
+    """Best value of a column at a scale among the rows complete under ``decoding`` and of the
+    table's protocol."""
+    candidates = [r for r in rows if r.scale == scale and not r.excluded(decoding)]
     values = [r.avg(decoding) if column == AVG else r.value(decoding, column) for r in candidates]
     values = [v for v in values if _finite(v)]
     return max(values) if values else None
@@ -357,7 +524,8 @@ def _fmt(value: Optional[float], best: Optional[float], bold: tuple[str, str]) -
 
 def render(rows: Sequence[Row], fmt: str = "markdown") -> str:
     """Table 2 layout: rows scale x method, cells ``"1.0/1.0 (0.7/0.9)"``, best per column and
-    scale (and decoding) in bold among complete rows; a partial row's method carries :data:`MARK`."""
+    scale (and decoding) in bold among complete rows of the table's protocol; a partial row's
+    method carries :data:`MARK`, a row of another protocol :data:`MIXED_MARK`."""
     if fmt not in ("markdown", "latex"):
         raise ValueError(f"--format must be markdown or latex, got {fmt!r}")
     bold = ("**", "**") if fmt == "markdown" else ("\\textbf{", "}")
@@ -370,13 +538,14 @@ def render(rows: Sequence[Row], fmt: str = "markdown") -> str:
                 parts = []
                 for decoding in DECODING_ORDER:
                     value = row.avg(decoding) if column == AVG else row.value(decoding, column)
-                    best = None if row.partial(decoding) else _best(rows, scale, decoding, column)
+                    best = None if row.excluded(decoding) else _best(rows, scale, decoding, column)
                     parts.append(_fmt(value, best, bold))
                 cells.append(f"{parts[0]} ({parts[1]})")
-            body.append((scale, row.method, cells, row.partial()))
+            marks = (MARK if row.partial() else "") + (MIXED_MARK if row.protocol_issues else "")
+            body.append((scale, row.method, cells, marks))
     if fmt == "markdown":
         lines = ["| model | method | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
-        lines += [f"| {s} | {m}{' ' + MARK if p else ''} | " + " | ".join(c) + " |" for s, m, c, p in body]
+        lines += [f"| {s} | {m}{' ' + p if p else ''} | " + " | ".join(c) + " |" for s, m, c, p in body]
         return "\n".join(lines) + "\n"
     lines = [
         "\\begin{tabular}{ll" + "c" * len(columns) + "}",
@@ -389,7 +558,7 @@ def render(rows: Sequence[Row], fmt: str = "markdown") -> str:
         if previous is not None and s != previous:
             lines.append("\\midrule")
         previous = s
-        mark = "$^\\dagger$" if p else ""
+        mark = ("$^\\dagger$" if MARK in p else "") + ("$^\\ddagger$" if MIXED_MARK in p else "")
         lines.append(f"{s} & {_latex_escape(m)}{mark} & " + " & ".join(c) + " \\\\")
     lines += ["\\bottomrule", "\\end{tabular}"]
     return "\n".join(lines) + "\n"
@@ -403,9 +572,14 @@ def report(rows: Sequence[Row], fmt: str = "markdown", stapo_method: str = "STAP
     """Table, partial-row notes, headline per decoding setting (naming what it left out) and
     average-consistency notes."""
     parts = [render(rows, fmt), ""]
+    gradings = [r.grading for r in rows if not r.protocol_issues] or [r.grading for r in rows]
+    parts.append(f"Grading: {max(set(gradings), key=gradings.count)}")
     for row in rows:
         if row.partial():
-            parts.append(f"{MARK} {row.scale} {row.method} is partial: {row.describe_issues()} ({row.source})")
+            parts.append(f"{MARK} {row.scale} {row.method} is partial: {'; '.join(dict.fromkeys(i for v in row.issues.values() for i in v))} ({row.source})")
+        if row.protocol_issues:
+            parts.append(f"{MIXED_MARK} {row.scale} {row.method} has another protocol: {'; '.join(row.protocol_issues)} "
+                         f"(grading: {row.grading}; {row.source})")
     for decoding in DECODING_ORDER:
         mean, gains = headline(rows, decoding, stapo_method)
         missing = left_out(rows, decoding, stapo_method)
@@ -435,9 +609,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "--allow-partial", action="store_true",
         help="show partial inputs (smoke tests, missing benchmarks, non-finite values) marked, left out of the headline",
     )
+    parser.add_argument(
+        "--allow-mixed-protocol", action="store_true",
+        help="show rows of another protocol (N, decoding, max_new_tokens, grading) marked, left out of the headline",
+    )
+    parser.add_argument("--grading", default="as-run", choices=list(GRADINGS),
+                        help="as-run: each summary's grading (rows must share it); rule-only: every row's rule-only mean@N")
     args = parser.parse_args(argv)
     try:
-        text = report(load_inputs(args.inputs, args.allow_partial), args.format, args.stapo_method)
+        rows = load_inputs(args.inputs, args.allow_partial, args.allow_mixed_protocol, args.grading)
+        text = report(rows, args.format, args.stapo_method)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

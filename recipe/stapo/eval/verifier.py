@@ -1,38 +1,60 @@
 """LLM answer verifiers that re-check the rule-based grader's failures (docs/eval.md).
 
-The paper re-checks rule-based failures with CompassVerifier-3B. :class:`AnswerVerifier` is the
-interface (any model or service can plug in); :class:`CompassVerifier` is the vLLM
-implementation (GPU only; vllm is imported lazily). The default prompt asks for the verifier's
-"A" (correct) / "B" (incorrect) / "C" (invalid) judgement; for paper-faithful grading pass the
-official CompassVerifier prompt (``src/prompts.py`` of open-compass/CompassVerifier, the
-non-CoT one) with ``--verifier-prompt-file``: it must contain ``{question}``, ``{gold_answer}``
-and ``{llm_response}``.
+The paper grades rule first and has CompassVerifier-3B re-check the rule-based failures.
+:class:`AnswerVerifier` is the interface (any model or service can plug in);
+:class:`CompassVerifier` runs CompassVerifier the way its authors do (the README and
+``src/cv_eval.ipynb`` of open-compass/CompassVerifier): their prompt template filled by
+``str.format`` with the question, the reference answer and the model's WHOLE response, sent as
+one user message through the verifier's chat template, greedy decoding with at most 2048 new
+tokens, and their answer parsing (:func:`compass_judgement`: a boxed letter, else the output
+itself when it is exactly A, B or C, else the last ``(X)`` or last capital A/B/C after "Final
+Judgment:"); only "A" counts as correct (B incorrect, C invalid).
+
+The prompt is read from a file (:func:`load_verifier_prompt`): CompassVerifier's own
+``src/prompts.py`` (its ``CV_PROMPT`` is read without running the file) or any text template.
+The project does not ship a copy of it: ``python -m recipe.stapo.eval.verifier fetch-prompt``
+downloads the file at a pinned commit and checks its hash. A prompt whose text has the sha256 of
+the official ``CV_PROMPT`` (or ``CV_COT_PROMPT``) is labelled official in summaries; any other is
+labelled custom.
+
+The verifier runs on a :class:`~recipe.stapo.eval.backends.GenerationBackend` (vLLM on GPUs,
+transformers on CPU: the CPU tests drive this same code with a tiny local model).
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import re
+import string
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-DEFAULT_COMPASS_MODEL = "opencompass/CompassVerifier-3B"
-RESPONSE_TAIL_CHARS = 4000
-"""Only the end of a response is shown to the verifier (the final answer lives there)."""
+from recipe.stapo.eval.backends import GenerationBackend, render_chat
+from recipe.stapo.eval.generate import text_sha256
 
-DEFAULT_PROMPT = (
-    "You are grading a candidate's answer against a standard answer, which is always correct.\n"
-    "Compare only the FINAL answer; ignore the reasoning and any \\boxed{{}} wrapper; equivalent "
-    "forms (fractions vs decimals, reordered expressions, units) count as the same answer.\n"
-    "Reply with one letter: A if the candidate is CORRECT, B if INCORRECT, C if INVALID "
-    "(cut off, repetitive, or no answer).\n"
-    "<Original Question Begin>:\n{question}\n<Original Question End>\n"
-    "<Standard Answer Begin>:\n{gold_answer}\n<Standard Answer End>\n"
-    "<Candidate's Answer Begin>:\n{llm_response}\n<Candidate's Answer End>\n"
-    "Judging the correctness of the candidate's answer:\n"
-)
-_REQUIRED_FIELDS = ("{question}", "{gold_answer}", "{llm_response}")
+DEFAULT_COMPASS_MODEL = "opencompass/CompassVerifier-3B"
+OFFICIAL_REPOSITORY = "open-compass/CompassVerifier"
+OFFICIAL_PATH = "src/prompts.py"
+OFFICIAL_COMMIT = "c5d6700ae5a820ed1232c847a57e7060d130b7df"
+OFFICIAL_URL = f"https://raw.githubusercontent.com/{OFFICIAL_REPOSITORY}/{OFFICIAL_COMMIT}/{OFFICIAL_PATH}"
+OFFICIAL_PROMPT_SHA256 = {
+    "CV_PROMPT": "aee9c27520639ca543f0b5077164dc32c1976be0f16c87bee7055f3b7ba45e72",
+    "CV_COT_PROMPT": "3d7456fb730b7517ca1f3bc1a28a3cc8847522ea6cc721a4d709f28bd07b4a10",
+}
+"""sha256 of the UTF-8 text of the two templates in ``src/prompts.py`` at :data:`OFFICIAL_COMMIT`."""
+DEFAULT_PROMPT_NAME = "CV_PROMPT"
+COMPASS_MAX_NEW_TOKENS = 2048
+"""The judgement budget CompassVerifier's authors use."""
+PARSER = "compassverifier-readme"
+"""Name of the answer parsing (:func:`compass_judgement`), part of the verifier's identity."""
+PROMPT_FIELDS = ("question", "gold_answer", "llm_response")
+CONTEXT_RESERVE_TOKENS = 32
+"""Tokens kept free for the judgement when a prompt has to be shortened to fit the context."""
+_SAMPLE = {"question": "What is $\\frac{1}{2} + \\frac{1}{2}$?", "gold_answer": "1", "llm_response": "So the answer is $\\boxed{1}$."}
 
 
 @dataclass(frozen=True)
@@ -44,95 +66,315 @@ class VerifyItem:
     response: str
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """A verifier's judgement of one item.
+
+    Attributes:
+        correct: whether it counts as correct.
+        judgement: the parsed label ("A", "B", "C", or "" when none could be read), if any.
+        output: the verifier's raw output, if any.
+        response_chars_dropped: characters cut from the start of the response to fit the
+            verifier's context (0: the whole response was shown).
+    """
+
+    correct: bool
+    judgement: Optional[str] = None
+    output: Optional[str] = None
+    response_chars_dropped: int = 0
+
+
 class AnswerVerifier(ABC):
     """Judges whether responses answer their questions correctly."""
 
     name: str = "verifier"
 
     @abstractmethod
-    def verify(self, items: Sequence[VerifyItem]) -> list[bool]:
-        """One bool per item: True when the verifier judges the response correct."""
+    def verify(self, items: Sequence[VerifyItem]) -> list:
+        """One verdict per item: a bool (True: correct) or a :class:`Verdict`."""
+
+    def identity(self) -> dict:
+        """Everything that decides this verifier's verdicts (cached verdicts are reused only under
+        the same identity). A custom verifier whose verdicts depend on its arguments must include
+        them here."""
+        cls = type(self)
+        return {"kind": "custom", "class": f"{cls.__module__}.{cls.__qualname__}", "name": self.name}
+
+    def describe(self) -> str:
+        """One line naming the verifier, for summaries and tables."""
+        return f"custom verifier {self.name}"
+
+
+def compass_judgement(text: str) -> str:
+    """CompassVerifier's label in a verifier output, parsed as its authors do: the last
+    ``\\boxed{A|B|C}``; else the whole output when it is exactly "A", "B" or "C"; else, in the part
+    after the last "Final Judgment:", the last ``(X)``-style letter, else the last capital A, B or C
+    anywhere in it; else "" (unreadable). Note that the last rule reads a bare "CORRECT" as "C"."""
+    boxed = re.findall(r"boxed{([A-C])}", text)
+    if boxed:
+        return boxed[-1]
+    if text in ("A", "B", "C"):
+        return text
+    tail = text.split("Final Judgment:")[-1]
+    for pattern in (r"\(([A-C])\)*", r"([A-C])"):
+        found = re.findall(pattern, tail)
+        if found:
+            return found[-1]
+    return ""
 
 
 def parse_judgement(text: str) -> bool:
-    """True when a verifier's output judges CORRECT ("A", "\\boxed{A}", "CORRECT").
+    """True when a CompassVerifier output judges CORRECT (:func:`compass_judgement` gives "A")."""
+    return compass_judgement(text) == "A"
 
-    The first standalone A/B/C letter (or CORRECT/INCORRECT/INVALID word) decides; anything
-    else counts as not correct.
+
+@dataclass(frozen=True)
+class VerifierPrompt:
+    """A verifier prompt template and where it came from.
+
+    Attributes:
+        template: ``str.format`` template with ``{question}``, ``{gold_answer}``, ``{llm_response}``
+            (literal braces doubled, as in CompassVerifier's own templates).
+        source: the file it was read from (and the variable, for a ``.py`` file).
+        sha256: hash of ``template``.
+        official: the name of the official template it equals (``"CV_PROMPT"``...), or None.
     """
-    match = re.search(r"\b(INCORRECT|CORRECT|INVALID|[ABC])\b", text.strip().upper())
-    return bool(match) and match.group(1) in ("A", "CORRECT")
+
+    template: str
+    source: str
+    sha256: str
+    official: Optional[str]
+
+    def render(self, question: str, gold_answer: str, llm_response: str) -> str:
+        return self.template.format(question=question, gold_answer=gold_answer, llm_response=llm_response)
+
+    def label(self) -> str:
+        if self.official:
+            return f"official {self.official} of {OFFICIAL_REPOSITORY}@{OFFICIAL_COMMIT[:7]}"
+        return f"custom prompt {self.sha256[:12]} ({self.source})"
 
 
-def load_prompt_template(path: Optional[str]) -> str:
-    """The verifier prompt: ``path``'s text, or :data:`DEFAULT_PROMPT`.
+def _template_from_python(path: Path, name: str) -> str:
+    """The string literal assigned to ``name`` in a Python file (read with ``ast``; nothing runs)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    except SyntaxError as exc:
+        raise ValueError(f"verifier prompt file {path}: not valid Python ({exc.msg}, line {exc.lineno})") from None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                value = None
+            if isinstance(value, str):
+                return value
+            raise ValueError(f"verifier prompt file {path}: {name} is not a string literal")
+    raise ValueError(
+        f"verifier prompt file {path}: no {name} = \"...\" in it (CompassVerifier's src/prompts.py defines "
+        "CV_PROMPT and CV_COT_PROMPT); pass --verifier-prompt-name"
+    )
+
+
+def load_verifier_prompt(path: str | Path, name: str = DEFAULT_PROMPT_NAME) -> VerifierPrompt:
+    """Read and check a verifier prompt: a ``.py`` file (the template is the string assigned to
+    ``name``, e.g. CompassVerifier's ``src/prompts.py``) or a text file (its whole text).
+
+    The template is rendered once with a sample question, answer and response, so a bad template
+    fails here, before any generation.
 
     Raises:
-        ValueError: the template lacks one of ``{question}``, ``{gold_answer}``, ``{llm_response}``.
+        FileNotFoundError: no such file (names it and how to get the official one).
+        ValueError: the template lacks one of the placeholders, names another field, or does not
+            render (e.g. single LaTeX braces: names the file and the fix).
     """
-    if path is None:
-        return DEFAULT_PROMPT
-    template = Path(path).read_text(encoding="utf-8")
-    missing = [f for f in _REQUIRED_FIELDS if f not in template]
-    if missing:
-        raise ValueError(f"verifier prompt file {path} lacks the placeholder(s) {missing}")
-    return template
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"verifier prompt file {path} not found; {FETCH_HINT}")
+    template = _template_from_python(path, name) if path.suffix == ".py" else path.read_text(encoding="utf-8")
+    source = f"{path}:{name}" if path.suffix == ".py" else str(path)
+    fix = (
+        "a template is filled by str.format: the placeholders are {question}, {gold_answer} and "
+        "{llm_response}, and every literal brace is doubled ({{ and }}, e.g. \\boxed{{}} or $\\frac{{1}}{{2}}$)"
+    )
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(template) if f is not None}
+    except ValueError as exc:
+        raise ValueError(f"verifier prompt {source} cannot be used: {exc}; {fix}") from None
+    missing = [f"{{{f}}}" for f in PROMPT_FIELDS if f not in fields]
+    other = sorted(f"{{{f}}}" for f in fields - set(PROMPT_FIELDS))
+    if missing or other:
+        what = "; ".join(filter(None, [f"lacks {missing}" if missing else "", f"has unknown field(s) {other}" if other else ""]))
+        raise ValueError(f"verifier prompt {source} {what}; {fix}")
+    prompt = VerifierPrompt(template, source, text_sha256(template), None)
+    try:
+        prompt.render(**_SAMPLE)
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise ValueError(f"verifier prompt {source} does not render ({type(exc).__name__}: {exc}); {fix}") from None
+    official = next((n for n, sha in OFFICIAL_PROMPT_SHA256.items() if sha == prompt.sha256), None)
+    return VerifierPrompt(template, source, prompt.sha256, official)
+
+
+FETCH_HINT = (
+    "the paper's grading uses CompassVerifier's official prompt, which this project does not ship a copy of: "
+    f"run `python -m recipe.stapo.eval.verifier fetch-prompt --out FILE` (downloads {OFFICIAL_PATH} of "
+    f"{OFFICIAL_REPOSITORY} at commit {OFFICIAL_COMMIT[:7]} and checks its hash) and pass "
+    "--verifier-prompt-file FILE, or put it at <benchmarks-dir>/compassverifier/prompts.py; "
+    "--verifier none gives rule-only results"
+)
 
 
 class CompassVerifier(AnswerVerifier):
-    """CompassVerifier (or any instruction-following judge) served by vLLM, greedy decoding.
+    """CompassVerifier (or any judge model answering A/B/C) on a generation backend, fed as its
+    authors do (module docstring).
+
+    A prompt longer than the backend's context (known for vLLM and transformers) is shortened by
+    cutting the start of the response, keeping its end, and the verdict records how many
+    characters were dropped; otherwise the whole response is shown.
 
     Args:
-        model: checkpoint path or hub id (default "opencompass/CompassVerifier-3B").
-        prompt_template: template with ``{question}``, ``{gold_answer}``, ``{llm_response}``.
-        max_new_tokens: judgement length budget.
-        llm: an existing ``vllm.LLM`` (else one is built with ``llm_kwargs``).
-        **llm_kwargs: passed to ``vllm.LLM``.
+        backend: runs the judge model (its ``greedy``, ``tokenizer`` and ``context_length``).
+        prompt: the template (:func:`load_verifier_prompt`).
+        model: the judge model's name or path (its identity).
+        max_new_tokens: judgement budget.
     """
 
     name = "compass"
 
-    def __init__(
-        self,
-        model: str = DEFAULT_COMPASS_MODEL,
-        prompt_template: str = DEFAULT_PROMPT,
-        max_new_tokens: int = 16,
-        llm: Any = None,
-        **llm_kwargs: Any,
-    ):
-        try:
-            import vllm
-        except ImportError as exc:
-            raise ImportError("--verifier compass needs vllm (GPU machines: pip install -r requirements.txt)") from exc
-        self._vllm = vllm
-        self.llm = llm or vllm.LLM(model=model, **llm_kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
-        self.prompt_template = prompt_template
-        self.max_new_tokens = max_new_tokens
+    def __init__(self, backend: GenerationBackend, prompt: VerifierPrompt, model: str = DEFAULT_COMPASS_MODEL,
+                 max_new_tokens: int = COMPASS_MAX_NEW_TOKENS):
+        self.backend, self.prompt, self.model, self.max_new_tokens = backend, prompt, model, max_new_tokens
 
-    def build_prompt(self, item: VerifyItem) -> str:
-        """Chat-formatted prompt of one item."""
-        content = self.prompt_template.format(
-            question=item.question,
-            gold_answer=item.gold_answer,
-            llm_response=item.response[-RESPONSE_TAIL_CHARS:],
-        )
-        from recipe.stapo.eval.backends import render_chat
+    def identity(self) -> dict:
+        return {
+            "kind": "compass",
+            "model": self.model,
+            "prompt_sha256": self.prompt.sha256,
+            "prompt_official": self.prompt.official,
+            "input": "question, gold answer, whole response (start cut only beyond the context)",
+            "chat_template": True,
+            "decoding": "greedy",
+            "max_new_tokens": self.max_new_tokens,
+            "parser": PARSER,
+        }
 
-        return render_chat(self.tokenizer, [{"role": "user", "content": content}])
+    def describe(self) -> str:
+        return f"CompassVerifier {self.model} with the {self.prompt.label()}"
 
-    def verify(self, items: Sequence[VerifyItem]) -> list[bool]:
+    def build_prompt(self, item: VerifyItem, response: Optional[str] = None) -> str:
+        """Chat-formatted prompt of one item (``response`` replaces the item's, e.g. shortened)."""
+        content = self.prompt.render(item.question, item.gold_answer, item.response if response is None else response)
+        return render_chat(self.backend.tokenizer, [{"role": "user", "content": content}])
+
+    def fitted_prompt(self, item: VerifyItem) -> tuple[str, int]:
+        """``(prompt, characters dropped from the start of the response)``: the whole response
+        unless the prompt would not leave :data:`CONTEXT_RESERVE_TOKENS` of the context free."""
+        prompt = self.build_prompt(item)
+        limit = self.backend.context_length()
+        if limit is None:
+            return prompt, 0
+        budget = limit - CONTEXT_RESERVE_TOKENS
+        tokenizer = self.backend.tokenizer
+        excess = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) - budget
+        if excess <= 0:
+            return prompt, 0
+        ids = tokenizer(item.response, add_special_tokens=False)["input_ids"]
+        keep = max(0, len(ids) - excess - 8)
+        while True:
+            tail = tokenizer.decode(ids[len(ids) - keep :]) if keep else ""
+            prompt = self.build_prompt(item, tail)
+            if keep == 0 or len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) <= budget:
+                return prompt, len(item.response) - len(tail)
+            keep = max(0, keep - max(8, keep // 50))
+
+    def verify(self, items: Sequence[VerifyItem]) -> list[Verdict]:
         if not items:
             return []
-        params = self._vllm.SamplingParams(temperature=0.0, max_tokens=self.max_new_tokens)
-        outputs = self.llm.generate([self.build_prompt(i) for i in items], sampling_params=params, use_tqdm=True)
-        return [parse_judgement(o.outputs[0].text) for o in outputs]
+        fitted = [self.fitted_prompt(item) for item in items]
+        outputs = self.backend.greedy([prompt for prompt, _ in fitted], self.max_new_tokens)
+        verdicts = []
+        for (_, dropped), output in zip(fitted, outputs):
+            label = compass_judgement(output)
+            verdicts.append(Verdict(label == "A", label, output, dropped))
+        return verdicts
 
 
-def build_verifier(name: str, model: Optional[str] = None, prompt_file: Optional[str] = None, **kwargs: Any) -> Optional[AnswerVerifier]:
-    """Verifier by name: ``"none"`` (None) or ``"compass"``."""
+def build_verifier(
+    name: str,
+    model: Optional[str] = None,
+    prompt: Optional[VerifierPrompt] = None,
+    backend: str = "vllm",
+    **backend_kwargs: Any,
+) -> Optional[AnswerVerifier]:
+    """Verifier by name: ``"none"`` (None) or ``"compass"`` (its judge model loaded on ``backend``,
+    ``"vllm"`` or ``"hf"``, on first use: with every verdict cached it is never loaded)."""
     if name == "none":
         return None
     if name == "compass":
-        return CompassVerifier(model or DEFAULT_COMPASS_MODEL, load_prompt_template(prompt_file), **kwargs)
+        if prompt is None:
+            raise ValueError(f"--verifier compass needs a prompt: {FETCH_HINT}")
+        from recipe.stapo.eval.backends import LazyBackend, build_backend
+
+        model = model or DEFAULT_COMPASS_MODEL
+        return CompassVerifier(LazyBackend(lambda: build_backend(backend, model, **backend_kwargs)), prompt, model)
     raise ValueError(f"--verifier must be 'none' or 'compass', got {name!r}")
+
+
+def fetch_prompt(out: str | Path, source: Optional[str] = None) -> VerifierPrompt:
+    """Write CompassVerifier's ``src/prompts.py`` at :data:`OFFICIAL_COMMIT` to ``out``, checked.
+
+    Args:
+        out: where to write it.
+        source: a local copy to check and copy instead of downloading :data:`OFFICIAL_URL`.
+    Raises:
+        ValueError: its ``CV_PROMPT`` is not the official text (nothing is written).
+    """
+    from stapo_core.fileio import atomic_write_text
+
+    if source is None:
+        import urllib.request
+
+        with urllib.request.urlopen(OFFICIAL_URL, timeout=60) as response:  # noqa: S310 (fixed https URL)
+            text = response.read().decode("utf-8")
+    else:
+        text = Path(source).read_text(encoding="utf-8")
+    out = Path(out)
+    staged = out.with_name(f".{out.name}.check.py")
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    staged.write_text(text, encoding="utf-8")
+    try:
+        prompt = load_verifier_prompt(staged, DEFAULT_PROMPT_NAME)
+    finally:
+        staged.unlink(missing_ok=True)
+    if prompt.official != DEFAULT_PROMPT_NAME:
+        raise ValueError(
+            f"{source or OFFICIAL_URL}: its CV_PROMPT has sha256 {prompt.sha256}, not the official "
+            f"{OFFICIAL_PROMPT_SHA256[DEFAULT_PROMPT_NAME]} ({OFFICIAL_REPOSITORY}@{OFFICIAL_COMMIT[:7]}); nothing written"
+        )
+    atomic_write_text(out, text)
+    return VerifierPrompt(prompt.template, f"{out}:{DEFAULT_PROMPT_NAME}", prompt.sha256, prompt.official)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipe.stapo.eval.verifier", description="CompassVerifier's prompt")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fetch = sub.add_parser("fetch-prompt", help=f"download {OFFICIAL_PATH} of {OFFICIAL_REPOSITORY} at {OFFICIAL_COMMIT[:7]}")
+    fetch.add_argument("--out", required=True, help="where to write it (e.g. data/stapo/compassverifier/prompts.py)")
+    fetch.add_argument("--source", default=None, help="check and copy this local copy instead of downloading")
+    check = sub.add_parser("check-prompt", help="say whether a prompt file is usable and official")
+    check.add_argument("file")
+    check.add_argument("--name", default=DEFAULT_PROMPT_NAME)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "fetch-prompt":
+            prompt = fetch_prompt(args.out, args.source)
+            print(f"wrote {args.out}: {prompt.label()}")
+        else:
+            print(load_verifier_prompt(args.file, args.name).label())
+    except (ValueError, FileNotFoundError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

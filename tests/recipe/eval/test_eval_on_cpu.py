@@ -4,49 +4,21 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from recipe.stapo.data import prepare
 from recipe.stapo.eval import run_eval
-from recipe.stapo.eval.backends import Completion, GenerationBackend, HFBackend, SamplingConfig
+from recipe.stapo.eval.backends import GenerationBackend, HFBackend, SamplingConfig
 from recipe.stapo.eval.generate import JsonlStore, sample_seed
 from recipe.stapo.eval.run_eval import EvalConfig, run_evaluation
-from recipe.stapo.eval.verifier import AnswerVerifier, load_prompt_template, parse_judgement
+from recipe.stapo.eval.verifier import AnswerVerifier, compass_judgement, parse_judgement
 
-FIXTURES = Path(prepare.__file__).parent / "fixtures"
-CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+from _eval_helpers import (
+    FIXTURES, CountingScripted, ScriptedBackend, answers as _answers, bench_dir as _bench_dir,
+    build_tiny_model, fixture_rows as _fixture_rows, scripted_config as _scripted_config,
 )
+
 N_SAMPLES = {"aime24": 2, "math500": 1}
 LIMIT = 3  # problems per benchmark in the HF runs (generation costs ~0.1 s per sample on CPU)
-
-
-def build_tiny_model(out_dir: Path) -> Path:
-    """A byte-level BPE tokenizer trained on the fixtures and a random 1-layer Qwen3, saved."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    core = Tokenizer(models.BPE())
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    core.decoder = decoders.ByteLevel()
-    corpus = [(FIXTURES / n).read_text() for n in ("bench_sample.jsonl", "dapo_sample.jsonl")] + [prepare.PROMPT_SUFFIX]
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    core.train_from_iterator(corpus, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE
-    )
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=512,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True,
-    )
-    model = Qwen3ForCausalLM(config)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +33,7 @@ def assets(tmp_path_factory):
 def _config(assets, out, **overrides):
     values = dict(
         model=str(assets["model"]), benchmarks_dir=str(assets["bench"]), out=str(out), benchmarks=tuple(N_SAMPLES),
-        n_samples=dict(N_SAMPLES), max_new_tokens=6, backend="hf", batch_size=2, seed=7,
+        n_samples=dict(N_SAMPLES), max_new_tokens=6, backend="hf", batch_size=2, seed=7, verifier="none",
     )
     values.update(overrides)
     return EvalConfig(**values)
@@ -127,23 +99,6 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(assets, tmp_path):
 
     assert run_evaluation(_config(assets, tmp_path / "b", limit=LIMIT), forbidden) == summary
     assert (tmp_path / "b" / "summary.md").read_text().count("|") > 10
-
-
-class ScriptedBackend(GenerationBackend):
-    """Answers correctly exactly when ``seed % 3 == 0`` (seeds are known in advance), else "-1"."""
-
-    def __init__(self, answers):
-        self.answers, self.tokenizer = answers, None
-
-    def render(self, messages):
-        return messages[-1]["content"]
-
-    def generate(self, prompts, seeds, sampling):
-        out = []
-        for prompt, seed in zip(prompts, seeds):
-            answer = self.answers[prompt] if seed % 3 == 0 else "-1"
-            out.append(Completion(f"reasoning... \\boxed{{{answer}}}", 5, "stop"))
-        return out
 
 
 class AcceptAll(AnswerVerifier):
@@ -225,60 +180,25 @@ def test_jsonl_store_repairs_only_the_last_line(tmp_path):
         store.load()
 
 
-def test_verifier_helpers(tmp_path):
-    assert parse_judgement("A") and parse_judgement("\\boxed{A} - CORRECT") and parse_judgement(" correct")
-    assert not parse_judgement("B") and not parse_judgement("INCORRECT") and not parse_judgement("C: INVALID")
-    assert not parse_judgement("") and not parse_judgement("maybe")
-    bad = tmp_path / "p.txt"
-    bad.write_text("{question} {gold_answer}")
-    with pytest.raises(ValueError, match="llm_response"):
-        load_prompt_template(str(bad))
-    assert "{llm_response}" in load_prompt_template(None)
+def test_compass_judgement_follows_the_authors_parsing():
+    # reference: the rules of CompassVerifier's README, applied by hand to each output
+    cases = {
+        "A": "A", "B": "B", "C": "C",                       # the whole output is the letter
+        "\\boxed{A} - CORRECT": "A",                        # a boxed letter wins
+        "Analysis... \\boxed{B} then \\boxed{A}": "A",      # the last boxed letter
+        "Final Judgment: (B)": "B",                          # a (X) letter after "Final Judgment:"
+        "A\n": "A",                                          # not exactly a letter: last capital A-C
+        "CORRECT": "C",                                      # the authors' parser reads the word's C
+        "correct": "", "": "", "maybe": "",                 # nothing readable
+    }
+    for text, label in cases.items():
+        assert compass_judgement(text) == label, text
+        assert parse_judgement(text) is (label == "A")
 
 
 # ----------------------------------------------------------------------------------------------
 # resume identity: saved samples belong to problems by (id, prompt hash), never by row position
 # ----------------------------------------------------------------------------------------------
-def _fixture_rows():
-    return [json.loads(line) for line in (FIXTURES / "bench_sample.jsonl").read_text().splitlines() if line.strip()]
-
-
-def _bench_dir(root, rows, names=("aime24",), manifest=False):
-    """Prepared benchmark folder built from ``rows`` (source-dataset dicts) for each name."""
-    root.mkdir(parents=True, exist_ok=True)
-    source = root / "source.jsonl"
-    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    results = [prepare.prepare_dataset(prepare.BENCHMARK_SPECS[n], root / f"{n}.parquet", str(source)) for n in names]
-    if manifest:
-        prepare.update_manifest(root, results)
-    return root
-
-
-class CountingScripted(ScriptedBackend):
-    """ScriptedBackend that counts the completions it is asked for."""
-
-    def __init__(self, answers):
-        super().__init__(answers)
-        self.calls = 0
-
-    def generate(self, prompts, seeds, sampling):
-        self.calls += len(prompts)
-        return super().generate(prompts, seeds, sampling)
-
-
-def _answers(bench_dir, name="aime24"):
-    return {p.messages[-1]["content"]: p.ground_truth for p in run_eval.load_problems(Path(bench_dir) / f"{name}.parquet")}
-
-
-def _scripted_config(bench_dir, out, **overrides):
-    values = dict(
-        model="scripted", benchmarks_dir=str(bench_dir), out=str(out), benchmarks=("aime24",),
-        n_samples={"aime24": 6}, max_new_tokens=6, backend="hf", batch_size=4, seed=7, decodings=("train",),
-    )
-    values.update(overrides)
-    return EvalConfig(**values)
-
-
 def _file_bytes(out):
     return {p.relative_to(out): p.read_bytes() for p in sorted(Path(out).rglob("*.jsonl"))}
 

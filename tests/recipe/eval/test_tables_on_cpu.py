@@ -1,6 +1,7 @@
 """Table 2 and the headline number, checked against the paper's table (fixture copy of spec 7)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,7 @@ def test_summaries_build_the_table_and_headline(tmp_path):
     assert "+22.50%" in out.read_text()
     # relabelling and errors
     unlabeled = tmp_path / "u.json"
-    unlabeled.write_text(json.dumps(_summary(None, None, [1] * 6, [1] * 6)))
+    unlabeled.write_text(json.dumps(_summary(None, None, [10.0] * 6, [10.0] * 6)))
     with pytest.raises(ValueError, match="SCALE:METHOD"):
         load_inputs([str(unlabeled)])
     assert load_inputs([f"14B:GRPO={unlabeled}"])[0].method == "GRPO"
@@ -229,3 +230,157 @@ def test_markdown_row_with_a_missing_cell_is_refused(tmp_path):
         load_inputs([str(path)])
     rows = load_inputs([str(path)], allow_partial=True)
     assert "8B 20-Entropy" in _headline_line(tables.report(rows), "1.0/1.0")
+
+
+# ----------------------------------------------------------------------------------------------
+# one protocol per table: N, decoding, max_new_tokens, grading; values are percentages
+# ----------------------------------------------------------------------------------------------
+NAMES = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
+N_PAPER = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4}
+
+
+def _run_summary(scale, method, value, grading=None, n=None, max_new_tokens=20480, temps=None):
+    """A summary shaped like run_eval's, with its protocol fields."""
+    from recipe.stapo.eval.run_eval import grading_info
+
+    n = {**N_PAPER, **(n or {})}
+    temps = temps or {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}
+    decodings = {}
+    for decoding, (t, p) in temps.items():
+        benches = {b: {"mean_at_n": value, "rule_mean_at_n": value - 5.0, "n_samples": n[b], "problems": 30,
+                       "limit": None, "data_sha256": "ab" * 32} for b in NAMES}
+        decodings[decoding] = {"temperature": t, "top_p": p, "benchmarks": benches, "complete": True}
+    return {"scale": scale, "method": method, "max_new_tokens": max_new_tokens, "limit": None,
+            "grading": grading if grading is not None else grading_info(None, 5.0), "decodings": decodings}
+
+
+def _verified():
+    from recipe.stapo.eval.verifier import AnswerVerifier
+
+    class Judge(AnswerVerifier):
+        name = "judge"
+
+        def verify(self, items):
+            return [True] * len(items)
+
+    from recipe.stapo.eval.run_eval import grading_info
+
+    return grading_info(Judge(), 5.0)
+
+
+def _eight_b_rows(tmp_path, grpo):
+    return [
+        _write(tmp_path, "justrl", _run_summary("8B", "JustRL", 40.0)),
+        _write(tmp_path, "stapo", _run_summary("8B", "STAPO", 50.0)),
+        _write(tmp_path, "grpo", grpo),
+    ]
+
+
+@pytest.mark.parametrize("grpo, field", [
+    (dict(n={"aime24": 1}), "N (AIME24, 1.0/1.0) is 1, the table's is 32"),
+    (dict(max_new_tokens=8192), "max_new_tokens is 8192, the table's is 20480"),
+    (dict(temps={"train": (1.0, 1.0), "justrl": (0.6, 0.95)}), "decoding 0.7/0.9 is temperature 0.6, top-p 0.95"),
+])
+def test_a_row_of_another_protocol_is_refused_or_marked(tmp_path, grpo, field):
+    paths = _eight_b_rows(tmp_path, _run_summary("8B", "GRPO", 45.0, **grpo))
+    with pytest.raises(ValueError, match=r"grpo\.json: 8B GRPO: .*" + re.escape(field) + r".*--allow-mixed-protocol"):
+        load_inputs(paths)
+    out = tmp_path / "t.md"
+    assert tables.main(paths + ["--allow-mixed-protocol", "--out", str(out)]) == 0
+    text = out.read_text()
+    grpo_line = next(l for l in text.splitlines() if l.startswith("| 8B | GRPO"))
+    assert "‡" in grpo_line and "**" not in grpo_line
+    assert f"‡ 8B GRPO has another protocol: {field}" in text
+    line = _headline_line(text, "1.0/1.0")
+    assert "+25.00%" in line and "8B GRPO" in line  # vs JustRL; GRPO left out, named
+
+
+def test_rows_of_one_protocol_pass(tmp_path):
+    paths = _eight_b_rows(tmp_path, _run_summary("8B", "GRPO", 45.0))
+    rows = load_inputs(paths)
+    assert not any(r.protocol_issues for r in rows)
+    assert headline(rows, "train")[0] == pytest.approx(100 * 5 / 45)
+    assert "Grading: lenient rule only (no verifier)" in tables.report(rows)
+
+
+def test_rule_only_rows_are_never_mixed_with_verified_ones(tmp_path):
+    paths = [
+        _write(tmp_path, "justrl", _run_summary("8B", "JustRL", 40.0, grading=_verified())),
+        _write(tmp_path, "stapo", _run_summary("8B", "STAPO", 50.0, grading=_verified())),
+        _write(tmp_path, "grpo", _run_summary("8B", "GRPO", 45.0)),  # rule-only
+    ]
+    for flags in ([], ["--allow-mixed-protocol"], ["--allow-mixed-protocol", "--allow-partial"]):
+        with pytest.raises(ValueError, match=r"rule-only and verifier-graded rows are never mixed.*grpo\.json: 8B GRPO: rule-only"):
+            load_inputs(paths, allow_partial="--allow-partial" in flags, allow_mixed_protocol="--allow-mixed-protocol" in flags)
+    # a rule-only table of all three, from the rule-only mean@N each summary carries
+    rows = load_inputs(paths, grading="rule-only")
+    assert [r.value("train", "AIME24") for r in rows] == [35.0, 45.0, 40.0]
+    report = tables.report(rows)
+    assert "Grading: rule-only: lenient rule, no verifier (not the paper's grading)" in report
+    assert headline(rows, "train")[0] == pytest.approx(100 * 5 / 40)
+
+
+def test_another_verifier_is_another_protocol(tmp_path):
+    other = dict(_verified(), key="f" * 64)
+    paths = [
+        _write(tmp_path, "justrl", _run_summary("8B", "JustRL", 40.0, grading=_verified())),
+        _write(tmp_path, "stapo", _run_summary("8B", "STAPO", 50.0, grading=_verified())),
+        _write(tmp_path, "grpo", _run_summary("8B", "GRPO", 45.0, grading=other)),
+    ]
+    with pytest.raises(ValueError, match=r"8B GRPO: grading is rule\+verifier ffffffffffff"):
+        load_inputs(paths)
+    assert load_inputs(paths, allow_mixed_protocol=True)[2].protocol_issues
+
+
+@pytest.mark.parametrize("value, message", [
+    (5500.0, "AIME24 (1.0/1.0) = 5500 is not a percentage in [0, 100]"),
+    (-3.0, "AIME24 (1.0/1.0) = -3 is not a percentage in [0, 100]"),
+])
+def test_a_value_outside_0_100_is_refused(tmp_path, value, message):
+    stapo = _run_summary("8B", "STAPO", 50.0)
+    stapo["decodings"]["train"]["benchmarks"]["aime24"]["mean_at_n"] = value
+    paths = [_write(tmp_path, "justrl", _run_summary("8B", "JustRL", 40.0)), _write(tmp_path, "stapo", stapo)]
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_inputs(paths)
+    text = tables.report(load_inputs(paths, allow_partial=True))
+    assert "5500" not in text.split("\n\n")[0] and "+1922" not in text  # never in a cell or a headline
+    assert "n/a" in _headline_line(text, "1.0/1.0")
+
+
+def test_fractions_instead_of_percentages_are_refused(tmp_path):
+    paths = [_write(tmp_path, "justrl", _run_summary("8B", "JustRL", 0.40)),
+             _write(tmp_path, "stapo", _run_summary("8B", "STAPO", 50.0))]
+    with pytest.raises(ValueError, match=r"justrl\.json: 8B JustRL: every value is <= 1: fractions"):
+        load_inputs(paths)
+
+
+def test_a_markdown_row_outside_0_100_is_refused(tmp_path):
+    table = PAPER.read_text().replace("| 8B | STAPO | ", "| 8B | STAPO | 5500 (1) | ", 1)
+    table = re.sub(r"(\| 8B \| STAPO \| 5500 \(1\) \| )[^|]+\| ", r"\1", table)
+    path = tmp_path / "t.md"
+    path.write_text(table)
+    with pytest.raises(ValueError, match=r"8B STAPO: AIME24 \(1\.0/1\.0\) = 5500 is not a percentage"):
+        load_inputs([str(path)])
+
+
+def test_a_printed_table_beside_run_summaries_is_another_protocol(tmp_path):
+    paths = [str(PAPER), _write(tmp_path, "x", _run_summary("32B", "STAPO", 50.0))]
+    with pytest.raises(ValueError, match=r"32B STAPO: .*protocol"):
+        load_inputs(paths)
+
+
+def test_summary_from_run_eval_carries_its_protocol(tmp_path):
+    """The fields the table compares come from a real run_eval summary."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _eval_helpers import ScriptedBackend, answers, bench_dir, fixture_rows, scripted_config
+    from recipe.stapo.eval.run_eval import run_evaluation
+
+    bench = bench_dir(tmp_path / "bench", fixture_rows())
+    summary = run_evaluation(scripted_config(bench, tmp_path / "out", scale="8B", method="STAPO"),
+                             lambda: ScriptedBackend(answers(bench)))
+    protocol = tables.protocol_of(summary)
+    assert protocol["max_new_tokens"] == 6 and protocol["N (AIME24, 1.0/1.0)"] == 6
+    assert protocol["decoding 1.0/1.0"] == "temperature 1.0, top-p 1.0"
+    assert protocol["grading"].startswith("rule-only ") and protocol["problems (AIME24)"].startswith("5 [")

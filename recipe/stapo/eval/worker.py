@@ -1,0 +1,59 @@
+"""One data-parallel evaluation worker (:mod:`recipe.stapo.eval.parallel` starts it).
+
+``python -m recipe.stapo.eval.worker --plan OUT/workers/rank<r>/plan.json`` generates the samples
+its plan lists into its part files ``OUT/workers/rank<r>/generations/<bench>__<decoding>.jsonl``,
+with the run's backend settings (the plan holds the run's ``EvalConfig``) on the GPUs its
+``CUDA_VISIBLE_DEVICES`` names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from recipe.stapo.eval.backends import SamplingConfig
+from recipe.stapo.eval.generate import JsonlStore, generate_items
+from recipe.stapo.eval.run_eval import DECODINGS, EvalConfig, backend_factory, load_problems
+
+
+def run_plan(plan_path: str | Path) -> int:
+    """A worker: generate the samples of its plan into its part files. Returns the number made."""
+    plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
+    config = EvalConfig(**{k: tuple(v) if k in ("decodings", "benchmarks") else v for k, v in plan["config"].items()})
+    folder = Path(plan_path).parent
+    factory = backend_factory(config)
+    backend = None
+    made = 0
+    by_block: dict[tuple[str, str], list[tuple[str, int]]] = {}
+    for decoding, bench, problem_id, sample in plan["items"]:
+        by_block.setdefault((decoding, bench), []).append((problem_id, sample))
+    for (decoding, bench), wanted in by_block.items():
+        catalog = {p.problem_id: p for p in load_problems(Path(config.benchmarks_dir) / f"{bench}.parquet")}
+        missing = [pid for pid, _ in wanted if pid not in catalog]
+        if missing:
+            raise ValueError(f"{plan_path}: problem {missing[0]!r} of {bench} is not in {config.benchmarks_dir}")
+        temperature, top_p = DECODINGS[decoding]
+        if backend is None:
+            backend = factory()
+        made += len(generate_items(
+            backend, [(catalog[pid], s) for pid, s in wanted], SamplingConfig(temperature, top_p, config.max_new_tokens),
+            JsonlStore(folder / "generations" / f"{bench}__{decoding}.jsonl"), bench, decoding, config.seed,
+            config.batch_size,
+        ))
+    return made
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipe.stapo.eval.worker", description="one data-parallel evaluation worker")
+    parser.add_argument("--plan", required=True, help="the plan.json the main process wrote")
+    args = parser.parse_args(argv)
+    made = run_plan(args.plan)
+    print(f"[eval] worker done: {made} samples", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,451 @@
+"""Evaluation grading: the verifier path (CompassVerifier's prompt and input, a tiny local judge),
+cached verdicts and grades keyed by everything that decides them, summaries that accumulate
+across invocations, and bad inputs refused before anything is written."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recipe.stapo.eval import grade, parallel, run_eval, verifier as verifier_mod
+from recipe.stapo.eval.backends import HFBackend, render_chat
+from recipe.stapo.eval.generate import JsonlStore, sample_seed
+from recipe.stapo.eval.run_eval import run_evaluation
+from recipe.stapo.eval.verifier import AnswerVerifier, CompassVerifier, VerifyItem, load_verifier_prompt
+
+from _eval_helpers import (
+    CountingScripted, ScriptedBackend, answers, bench_dir, build_judge_model, fixture_rows, scripted_config,
+)
+
+# a template in CompassVerifier's format (str.format placeholders, doubled literal braces); not the
+# official text, which the project does not ship
+TEMPLATE = (
+    "Judge the candidate against the standard answer; ignore \\\\boxed{{}}.\n"
+    "<Original Question Begin>:\n{question}\n<Original Question End>\n"
+    "<Standard Answer Begin>:\n{gold_answer}\n<Standard Answer End>\n"
+    "<Candidate's Answer Begin>: \n{llm_response}\n<Candidate's Answer End>\n"
+)
+PAD = "Let me think step by step about it. " * 150  # responses of ~5,500 characters
+
+
+def _prompts_py(path: Path, template: str = TEMPLATE, name: str = "CV_PROMPT") -> Path:
+    """A prompts.py laid out like CompassVerifier's (a module-level string literal)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"{name} = {template!r}\n\nOTHER = 'x'\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def judges(tmp_path_factory):
+    root = tmp_path_factory.mktemp("judges")
+    return {letter: build_judge_model(root / letter, letter) for letter in "AB"}
+
+
+@pytest.fixture()
+def bench(tmp_path):
+    return bench_dir(tmp_path / "bench", fixture_rows())
+
+
+class RecordingBackend:
+    """Wraps a judge backend and records the prompts it is asked to complete."""
+
+    def __init__(self, inner):
+        self.inner, self.tokenizer, self.prompts = inner, inner.tokenizer, []
+
+    def greedy(self, prompts, max_new_tokens):
+        self.prompts += list(prompts)
+        return self.inner.greedy(prompts, max_new_tokens)
+
+    def context_length(self):
+        return self.inner.context_length()
+
+
+def _compass(judge_dir, prompt_file, **kwargs):
+    return CompassVerifier(RecordingBackend(HFBackend(str(judge_dir))), load_verifier_prompt(prompt_file), str(judge_dir), **kwargs)
+
+
+def _rule_failures(bench, n=6, decoding="train"):
+    """Samples ScriptedBackend gets wrong (seed % 3 != 0): what reaches the verifier."""
+    problems = run_eval.load_problems(bench / "aime24.parquet")
+    return {(p.index, s) for p in problems for s in range(n) if sample_seed(7, "aime24", decoding, p.problem_id, s) % 3}
+
+
+def _verdicts(out, decoding="train"):
+    return [r for _, r in JsonlStore(Path(out) / "verifier" / f"aime24__{decoding}.jsonl").read()]
+
+
+# ----------------------------------------------------------------------------------------------
+# the verifier path: CompassVerifier's format, the whole response, greedy, its parser
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_verifier_gets_the_whole_response_in_compassverifiers_format(bench, judges, tmp_path):
+    prompt_file = _prompts_py(tmp_path / "cv" / "prompts.py")
+    judge = _compass(judges["A"], prompt_file)
+    config = scripted_config(bench, tmp_path / "out")
+    summary = run_evaluation(config, lambda: ScriptedBackend(answers(bench), PAD), verifier=judge)
+    failures = _rule_failures(bench)
+    assert len(judge.backend.prompts) == len(failures) > 0
+    # the expected prompts, built independently: the template filled by str.format with the user
+    # message, the reference answer and the WHOLE response, sent as one user turn of the chat template
+    problems = {p.index: p for p in run_eval.load_problems(bench / "aime24.parquet")}
+    records = JsonlStore(tmp_path / "out" / "generations" / "aime24__train.jsonl").load()
+    expected = []
+    for index, sample in sorted(failures):
+        problem, response = problems[index], records[index, sample]["response"]
+        assert len(response) > 5000
+        content = TEMPLATE.format(question=problem.messages[-1]["content"], gold_answer=problem.ground_truth, llm_response=response)
+        expected.append(render_chat(judge.backend.tokenizer, [{"role": "user", "content": content}]))
+    assert judge.backend.prompts == expected
+    # the judge answers "A" to everything: every rule failure becomes correct
+    block = summary["decodings"]["train"]["benchmarks"]["aime24"]
+    assert block["mean_at_n"] == pytest.approx(100.0) and block["rule_mean_at_n"] < 100.0
+    assert block["verifier_judged"] == block["verifier_accepted"] == len(failures)
+    cached = _verdicts(tmp_path / "out")
+    assert {(r["judgement"], r["output"], r["response_chars_dropped"]) for r in cached} == {("A", "A", 0)}
+
+
+def test_the_configured_compass_verifier_runs_the_same_path(bench, judges, tmp_path):
+    """--verifier compass with --verifier-model/--verifier-prompt-file builds the CompassVerifier
+    above on the transformers backend: same verdicts as the object built by hand."""
+    prompt_file = _prompts_py(tmp_path / "cv" / "prompts.py")
+    by_hand = run_evaluation(scripted_config(bench, tmp_path / "a"), lambda: ScriptedBackend(answers(bench)),
+                             verifier=_compass(judges["B"], prompt_file))
+    configured = run_evaluation(
+        scripted_config(bench, tmp_path / "b", verifier="compass", verifier_model=str(judges["B"]),
+                        verifier_prompt_file=str(prompt_file)),
+        lambda: ScriptedBackend(answers(bench)),
+    )
+    assert configured == by_hand
+    block = configured["decodings"]["train"]["benchmarks"]["aime24"]
+    assert block["mean_at_n"] == block["rule_mean_at_n"]  # "B" accepts nothing
+    assert configured["grading"]["label"] == "rule+verifier"
+    assert configured["grading"]["verifier"]["model"] == str(judges["B"])
+    assert _verdicts(tmp_path / "a") == _verdicts(tmp_path / "b")
+
+
+def test_a_prompt_longer_than_the_judges_context_keeps_the_end_of_the_response(tmp_path):
+    judge_dir = build_judge_model(tmp_path / "short", "A", positions=256)
+    judge = _compass(judge_dir, _prompts_py(tmp_path / "prompts.py"))
+    item = VerifyItem("What is 1+1?", "2", PAD + "so the answer is \\boxed{2}")
+    prompt, dropped = judge.fitted_prompt(item)
+    tokens = len(judge.backend.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    assert 0 < dropped < len(item.response)
+    assert tokens <= 256 - verifier_mod.CONTEXT_RESERVE_TOKENS
+    assert prompt == judge.build_prompt(item, item.response[dropped:])  # the end of the response, kept whole
+    (verdict,) = judge.verify([item])
+    assert verdict.correct and verdict.response_chars_dropped == dropped
+
+
+# ----------------------------------------------------------------------------------------------
+# cache identity: every cached verdict and grade is keyed by what decides it
+# ----------------------------------------------------------------------------------------------
+def _judged(bench, out, verifier):
+    run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=verifier)
+    return len(verifier.backend.prompts)
+
+
+def test_another_verifier_model_judges_again(bench, judges, tmp_path):
+    prompt_file = _prompts_py(tmp_path / "prompts.py")
+    out = tmp_path / "out"
+    failures = len(_rule_failures(bench))
+    assert _judged(bench, out, _compass(judges["A"], prompt_file)) == failures
+    second = _compass(judges["B"], prompt_file)
+    summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=second)
+    assert len(second.backend.prompts) == failures  # nothing reused from judge A
+    block = summary["decodings"]["train"]["benchmarks"]["aime24"]
+    assert block["mean_at_n"] == block["rule_mean_at_n"]  # judge B's verdicts, not A's
+    assert summary["grading"]["verifier"]["model"] == str(judges["B"])
+    assert _judged(bench, out, _compass(judges["A"], prompt_file)) == 0  # A's verdicts are still cached
+    assert _judged(bench, out, _compass(judges["B"], prompt_file)) == 0
+
+
+def test_another_prompt_text_judges_again(bench, judges, tmp_path):
+    out = tmp_path / "out"
+    first = _prompts_py(tmp_path / "one" / "prompts.py")
+    second = _prompts_py(tmp_path / "two" / "prompts.py", TEMPLATE.replace("Judge", "Grade"))
+    assert _judged(bench, out, _compass(judges["A"], first)) > 0
+    assert _judged(bench, out, _compass(judges["A"], second)) == len(_rule_failures(bench))
+    assert _judged(bench, out, _compass(judges["A"], tmp_path / "one" / "prompts.py")) == 0
+    # the same text from another file is the same prompt
+    copy = tmp_path / "copy.txt"
+    copy.write_text(TEMPLATE)
+    assert _judged(bench, out, _compass(judges["A"], copy)) == 0
+
+
+def test_other_judgement_settings_judge_again(bench, judges, tmp_path):
+    out = tmp_path / "out"
+    prompt_file = _prompts_py(tmp_path / "prompts.py")
+    assert _judged(bench, out, _compass(judges["A"], prompt_file)) > 0
+    assert _judged(bench, out, _compass(judges["A"], prompt_file, max_new_tokens=16)) == len(_rule_failures(bench))
+
+
+class AcceptAll(AnswerVerifier):
+    name = "accept-all"
+
+    def __init__(self):
+        self.seen = 0
+
+    def verify(self, items):
+        self.seen += len(items)
+        return [True] * len(items)
+
+
+class RejectAll(AcceptAll):
+    name = "reject-all"
+
+    def verify(self, items):
+        self.seen += len(items)
+        return [False] * len(items)
+
+
+def test_another_verifier_object_judges_again_and_the_summary_names_it(bench, tmp_path):
+    out = tmp_path / "out"
+    run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=AcceptAll())
+    reject = RejectAll()
+    summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=reject)
+    assert reject.seen == len(_rule_failures(bench))
+    block = summary["decodings"]["train"]["benchmarks"]["aime24"]
+    assert block["mean_at_n"] == block["rule_mean_at_n"]
+    assert summary["verifier"] == "reject-all" and summary["grading"]["verifier"]["name"] == "reject-all"
+
+
+def test_rule_grades_are_cached_and_keyed_by_the_rule(bench, tmp_path, monkeypatch):
+    calls = []
+    real = grade.grade_solution
+    monkeypatch.setattr(grade, "grade_solution", lambda *a: calls.append(a) or real(*a))
+    out = tmp_path / "out"
+    first = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    assert len(calls) == 5 * 6
+    calls.clear()
+    assert run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench))) == first
+    assert calls == []  # every grade cached
+    # another time limit per answer: graded again
+    timed = run_evaluation(scripted_config(bench, out, reward_timeout_s=2.0), lambda: ScriptedBackend(answers(bench)))
+    assert len(calls) == 30 and timed["grading"]["rule"]["timeout_s"] == 2.0
+    calls.clear()
+    # another version of the rule's code: graded again
+    monkeypatch.setattr(grade, "_rule_source_sha256", lambda: "0" * 64)
+    again = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    assert len(calls) == 30 and again["grading"]["rule"]["code_sha256"] == "0" * 64
+    assert again["decodings"] == first["decodings"]
+
+
+def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=RejectAll())
+    path = out / "generations" / "aime24__train.jsonl"
+    lines = path.read_text().splitlines()
+    index = next(i for i, line in enumerate(lines) if "boxed{-1}" in line)  # a rule failure
+    record = json.loads(lines[index])
+    truth = {p.problem_id: p.ground_truth for p in run_eval.load_problems(bench / "aime24.parquet")}[record["problem_id"]]
+    record["response"] = f"so \\boxed{{{truth}}}"
+    lines[index] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+    calls = []
+    real = grade.grade_solution
+    monkeypatch.setattr(grade, "grade_solution", lambda *a: calls.append(a) or real(*a))
+    judge = RejectAll()
+    summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=judge)
+    assert [a[0] for a in calls] == [record["response"]]  # only the edited sample is graded again
+    assert judge.seen == 0  # and it passes the rule now, so the verifier has nothing new to judge
+    expected = len(_rule_failures(bench)) - 1
+    assert summary["decodings"]["train"]["benchmarks"]["aime24"]["verifier_judged"] == expected
+
+
+def test_rule_identity_hashes_the_rule_code(tmp_path, monkeypatch):
+    import hashlib
+
+    import recipe.stapo.reward as reward
+
+    digest = hashlib.sha256()
+    for path in sorted(Path(reward.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    identity = grade.rule_identity(5.0)
+    assert identity["code_sha256"] == digest.hexdigest() and identity["timeout_s"] == 5.0
+
+
+# ----------------------------------------------------------------------------------------------
+# the paper's grading by default, its prompt, checked before any generation
+# ----------------------------------------------------------------------------------------------
+def test_default_grading_is_the_verifiers_and_needs_its_prompt(bench, tmp_path):
+    backend = CountingScripted(answers(bench))
+    config = scripted_config(bench, tmp_path / "out", verifier="auto")
+    with pytest.raises(ValueError, match=r"fetch-prompt.*--verifier none"):
+        run_evaluation(config, lambda: backend)
+    assert backend.calls == 0 and not (tmp_path / "out").exists()
+    # the prompt where the benchmarks are: found, and the verifier is CompassVerifier-3B by default
+    _prompts_py(bench / "compassverifier" / "prompts.py")
+    plan = run_eval.plan_run(config, injected_backend=True)
+    assert plan.verifier_name == "compass" and plan.prompt.template == TEMPLATE
+    # a --limit smoke test is rule-only (no table takes it)
+    assert scripted_config(bench, tmp_path / "out", verifier="auto", limit=2).verifier_name() == "none"
+
+
+@pytest.mark.parametrize("template, message", [
+    (TEMPLATE.replace("\\\\boxed{{}}", "$\\frac{1}{2}$"), r"unknown field.*\{1\}.*doubled"),
+    (TEMPLATE.replace("{llm_response}", "{response}"), r"lacks \['\{llm_response\}'\]"),
+    (TEMPLATE + "{", r"cannot be used.*doubled"),
+])
+def test_a_bad_prompt_is_refused_before_any_generation(bench, tmp_path, template, message):
+    prompt_file = tmp_path / "p.txt"
+    prompt_file.write_text(template)
+    backend = CountingScripted(answers(bench))
+    config = scripted_config(bench, tmp_path / "out", verifier="compass", verifier_prompt_file=str(prompt_file))
+    with pytest.raises(ValueError, match=message) as info:
+        run_evaluation(config, lambda: backend)
+    assert str(prompt_file) in str(info.value)
+    assert backend.calls == 0 and not (tmp_path / "out").exists()
+
+
+def test_official_prompt_is_recognised_by_its_hash(tmp_path, monkeypatch):
+    custom = load_verifier_prompt(_prompts_py(tmp_path / "prompts.py"))
+    assert custom.official is None and "custom prompt" in custom.label()
+    monkeypatch.setitem(verifier_mod.OFFICIAL_PROMPT_SHA256, "CV_PROMPT", custom.sha256)
+    official = load_verifier_prompt(tmp_path / "prompts.py")
+    assert official.official == "CV_PROMPT" and verifier_mod.OFFICIAL_COMMIT[:7] in official.label()
+    info = run_eval.grading_info(CompassVerifier(None, official, "opencompass/CompassVerifier-3B"), 5.0)
+    assert info["paper"] and info["label"] == "rule+verifier"
+    assert not run_eval.grading_info(CompassVerifier(None, custom, "opencompass/CompassVerifier-3B"), 5.0)["paper"]
+    assert not run_eval.grading_info(None, 5.0)["paper"] and run_eval.grading_info(None, 5.0)["label"] == "rule-only"
+
+
+def test_fetch_prompt_refuses_a_file_that_is_not_the_official_one(tmp_path):
+    source = _prompts_py(tmp_path / "prompts.py")
+    with pytest.raises(ValueError, match="not the official"):
+        verifier_mod.fetch_prompt(tmp_path / "out" / "prompts.py", str(source))
+    assert not (tmp_path / "out" / "prompts.py").exists()
+    assert verifier_mod.main(["check-prompt", str(source)]) == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# summary.json accumulates decodings and benchmarks
+# ----------------------------------------------------------------------------------------------
+def test_summary_accumulates_decodings_and_benchmarks(tmp_path):
+    bench = bench_dir(tmp_path / "bench", fixture_rows(), names=("aime24", "math500"))
+    answer = answers(bench)
+    both = dict(benchmarks=("aime24", "math500"), n_samples={"aime24": 6, "math500": 2})
+    one_shot = run_evaluation(scripted_config(bench, tmp_path / "all", decodings=("train", "justrl"), **both),
+                              lambda: ScriptedBackend(answer))
+    out = tmp_path / "out"
+    run_evaluation(scripted_config(bench, out, decodings=("train",), **both), lambda: ScriptedBackend(answer))
+    backend = CountingScripted(answer)
+    second = run_evaluation(
+        scripted_config(bench, out, decodings=("justrl",), benchmarks=("aime24",), n_samples={"aime24": 6}),
+        lambda: backend,
+    )
+    assert backend.calls == 5 * 6  # only justrl/aime24 was generated
+    assert set(second["decodings"]) == {"train", "justrl"}
+    assert second["decodings"]["train"] == one_shot["decodings"]["train"]
+    assert second["decodings"]["justrl"]["benchmarks"]["aime24"] == one_shot["decodings"]["justrl"]["benchmarks"]["aime24"]
+    assert "math500" not in second["decodings"]["justrl"]["benchmarks"]
+    third = run_evaluation(
+        scripted_config(bench, out, decodings=("justrl",), benchmarks=("math500",), n_samples={"math500": 2}),
+        lambda: ScriptedBackend(answer),
+    )
+    assert third == one_shot
+    assert json.loads((out / "summary.json").read_text()) == one_shot
+    recorded = json.loads((out / "run_config.json").read_text())["evaluated"]
+    assert recorded == {"train": {"aime24": {"n_samples": 6, "limit": None}, "math500": {"n_samples": 2, "limit": None}},
+                        "justrl": {"aime24": {"n_samples": 6, "limit": None}, "math500": {"n_samples": 2, "limit": None}}}
+
+
+def test_a_later_verifier_grades_the_earlier_decodings_too(bench, tmp_path):
+    out = tmp_path / "out"
+    run_evaluation(scripted_config(bench, out, decodings=("train",)), lambda: ScriptedBackend(answers(bench)))
+    accept = AcceptAll()
+    summary = run_evaluation(scripted_config(bench, out, decodings=("justrl",)), lambda: ScriptedBackend(answers(bench)),
+                             verifier=accept)
+    assert accept.seen == len(_rule_failures(bench)) + len(_rule_failures(bench, decoding="justrl"))
+    for decoding in ("train", "justrl"):
+        assert summary["decodings"][decoding]["benchmarks"]["aime24"]["mean_at_n"] == pytest.approx(100.0)
+    assert summary["grading"]["label"] == "rule+verifier"
+
+
+# ----------------------------------------------------------------------------------------------
+# bad inputs: named, with what to do, before anything is written
+# ----------------------------------------------------------------------------------------------
+def _cli(bench, out, *extra):
+    return run_eval.main(["--model", "scripted", "--benchmarks-dir", str(bench), "--out", str(out), "--backend", "hf",
+                          "--benchmarks", "aime24", "--decoding", "train", "--verifier", "none", *extra])
+
+
+def test_corrupt_run_config_is_named_with_what_to_do(bench, tmp_path, capsys):
+    out = tmp_path / "out"
+    run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    (out / "run_config.json").write_text('{"model": "scripted", "max_new')
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    with pytest.raises(ValueError, match=r"run_config\.json is not valid JSON .*new --out"):
+        run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    assert _cli(bench, out) == 2
+    err = capsys.readouterr().err
+    assert "run_config.json is not valid JSON" in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_out_that_is_a_file_is_named(bench, tmp_path, capsys):
+    target = tmp_path / "results.txt"
+    target.write_text("keep me")
+    assert _cli(bench, target) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert _cli(bench, target / "sub") == 2
+    assert "its parent" in capsys.readouterr().err and target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda r: r.pop("finish_reason"), "finish_reason"),
+    (lambda r: r.update(num_tokens="5"), "num_tokens"),
+    (lambda r: r.pop("response"), "response"),
+])
+def test_a_record_missing_a_field_is_named_then_regenerated_once_deleted(bench, tmp_path, edit, field):
+    out = tmp_path / "out"
+    reference = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    path = out / "generations" / "aime24__train.jsonl"
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[3])
+    edit(record)
+    path.write_text("\n".join(lines[:3] + [json.dumps(record)] + lines[4:]) + "\n")
+    backend = CountingScripted(answers(bench))
+    with pytest.raises(ValueError, match=rf"aime24__train\.jsonl: line 4: .*'{field}'.*Delete that line"):
+        run_evaluation(scripted_config(bench, out), lambda: backend)
+    assert backend.calls == 0
+    path.write_text("\n".join(lines[:3] + lines[4:]) + "\n")
+    assert run_evaluation(scripted_config(bench, out), lambda: backend) == reference
+    assert backend.calls == 1
+
+
+def test_a_missing_model_path_is_refused_before_anything_is_written(bench, tmp_path):
+    for model in (str(tmp_path / "ck" / "run" / "global_step_200"), "ck/run/global_step_200"):
+        config = scripted_config(bench, tmp_path / "out", model=model)
+        with pytest.raises(FileNotFoundError, match="global_step_200: no such folder"):
+            run_evaluation(config)
+        assert not (tmp_path / "out").exists()
+    half = tmp_path / "hf"
+    half.mkdir()
+    (half / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"no weights"):
+        run_evaluation(scripted_config(bench, tmp_path / "out", model=str(half)))
+    shards = tmp_path / "global_step_3" / "actor"
+    shards.mkdir(parents=True)
+    with pytest.raises(ValueError, match="verl checkpoint .*eval.sh"):
+        run_evaluation(scripted_config(bench, tmp_path / "out", model=str(shards.parent)))
+    assert not (tmp_path / "out").exists()
+    run_eval.check_model_source("Qwen/Qwen3-8B")  # a hub id is left to the backend
+
+
+def test_a_finished_folder_needs_no_model(bench, tmp_path):
+    out = tmp_path / "out"
+    summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    config = scripted_config(bench, out)
+    assert run_evaluation(config) == summary  # nothing left to generate: model "scripted" never loaded
+
+
+def test_a_second_evaluation_into_a_busy_folder_is_refused(bench, tmp_path):
+    out = tmp_path / "out"
+    lock = parallel.OutputLock(out)
+    lock.acquire()
+    try:
+        with pytest.raises(ValueError, match="another evaluation is writing to this folder"):
+            run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    finally:
+        lock.release()
+    assert run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))["decodings"]

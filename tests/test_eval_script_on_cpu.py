@@ -1,0 +1,104 @@
+"""``run_scripts/eval.sh`` refuses a checkpoint that does not exist or is not completely written,
+naming what is missing, before anything is written (no output folder, no conversion)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _eval_helpers import bench_dir, fixture_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL = ROOT / "run_scripts" / "eval.sh"
+
+
+def _run(cwd, model, out, bench, **env):
+    full = {**os.environ, "MODEL": model, "OUT": str(out), "BENCH_DIR": str(bench), "PYTHON": sys.executable,
+            "BACKEND": "hf", "VERIFIER": "none", **env}
+    return subprocess.run(["bash", str(EVAL), "--benchmarks", "aime24", "--decoding", "train"], cwd=cwd, env=full,
+                          capture_output=True, text=True, timeout=300)
+
+
+def _written(tmp_path, *paths):
+    return [p for p in paths if Path(p).exists()]
+
+
+@pytest.fixture()
+def bench(tmp_path):
+    return bench_dir(tmp_path / "bench", fixture_rows())
+
+
+def test_a_checkpoint_not_saved_yet_is_refused_before_anything_is_written(tmp_path, bench):
+    """A relative global_step_N path that does not exist is a missing path, never a hub id."""
+    proc = _run(tmp_path, "ck/qwen3_8b_stapo/global_step_200", tmp_path / "out", bench)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{tmp_path}/ck/qwen3_8b_stapo/global_step_200: no such folder" in proc.stderr
+    assert "Traceback" not in proc.stderr and "OSError" not in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def _shard(actor: Path, world: int, rank: int) -> None:
+    actor.mkdir(parents=True, exist_ok=True)
+    (actor / f"model_world_size_{world}_rank_{rank}.pt").write_bytes(b"")
+
+
+@pytest.mark.parametrize("case", ["no_actor", "no_hf_config", "missing_rank", "being_saved"])
+def test_a_half_written_checkpoint_is_refused_naming_what_is_missing(tmp_path, bench, case):
+    runs = tmp_path / "ck" / "qwen3_8b_stapo"
+    step = runs / "global_step_200"
+    actor = step / "actor"
+    step.mkdir(parents=True)
+    (runs / "latest_checkpointed_iteration.txt").write_text("200")
+    if case != "no_actor":
+        (actor / "huggingface").mkdir(parents=True)
+        if case != "no_hf_config":
+            (actor / "huggingface" / "config.json").write_text("{}")
+        _shard(actor, 2, 0)
+        if case != "missing_rank":
+            _shard(actor, 2, 1)
+    if case == "being_saved":
+        (runs / "latest_checkpointed_iteration.txt").write_text("100")
+    expected = {
+        "no_actor": f"{actor}/ (the actor's folder)",
+        "no_hf_config": f"{actor}/huggingface/config.json",
+        "missing_rank": f"{actor}/model_world_size_2_rank_1.pt (rank 1 of 2)",
+        "being_saved": "says the last finished save is step 100",
+    }[case]
+    proc = _run(tmp_path, str(step), tmp_path / "out", bench)
+    assert proc.returncode == 2, proc.stderr
+    assert "is not a completely written verl checkpoint" in proc.stderr and expected in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not _written(tmp_path, tmp_path / "out", actor / "merged_hf", actor / "merged_hf.partial")
+
+
+def test_a_complete_merged_checkpoint_skips_the_checks(tmp_path, bench):
+    """With the converted copy present, eval.sh goes on to run_eval (which refuses the empty weights)."""
+    step = tmp_path / "ck" / "run" / "global_step_5"
+    merged = step / "actor" / "merged_hf"
+    merged.mkdir(parents=True)
+    (merged / "config.json").write_text("{}")
+    (merged / "model.safetensors").write_bytes(b"")
+    proc = _run(tmp_path, str(step), tmp_path / "out", bench, PYTHON=str(_fake_python(tmp_path)))
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.splitlines()
+    assert argv[argv.index("--model") + 1] == str(merged)
+    assert argv[argv.index("--verifier") + 1] == "none"
+
+
+def _fake_python(tmp_path: Path) -> Path:
+    fake = tmp_path / "fakepython"
+    fake.write_text('#!/usr/bin/env bash\nfor a in "$@"; do echo "$a"; done\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_the_default_grading_is_the_papers(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("VERIFIER", "VERIFIER_PROMPT")}
+    env.update(MODEL="Qwen/Qwen3-8B", PYTHON=str(_fake_python(tmp_path)), VERIFIER_PROMPT="cv/prompts.py")
+    proc = subprocess.run(["bash", str(EVAL)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.splitlines()
+    assert argv[argv.index("--verifier") + 1] == "auto"
+    assert argv[argv.index("--verifier-prompt-file") + 1] == str(tmp_path / "cv" / "prompts.py")
