@@ -12,7 +12,7 @@ from recipe.stapo.eval.generate import JsonlStore, sample_seed
 from recipe.stapo.eval.run_eval import EvalConfig, run_evaluation
 from recipe.stapo.eval.verifier import AnswerVerifier, compass_judgement, parse_judgement
 
-from _eval_helpers import (
+from tests.helpers.eval_models import (
     FIXTURES, CountingScripted, ScriptedBackend, answers as _answers, bench_dir as _bench_dir,
     build_tiny_model, fixture_rows as _fixture_rows, scripted_config as _scripted_config,
 )

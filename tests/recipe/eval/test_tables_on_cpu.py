@@ -371,10 +371,8 @@ def test_a_printed_table_beside_run_summaries_is_another_protocol(tmp_path):
 
 def test_summary_from_run_eval_carries_its_protocol(tmp_path):
     """The fields the table compares come from a real run_eval summary."""
-    import sys
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from _eval_helpers import ScriptedBackend, answers, bench_dir, fixture_rows, scripted_config
+    from tests.helpers.eval_models import ScriptedBackend, answers, bench_dir, fixture_rows, scripted_config
     from recipe.stapo.eval.run_eval import run_evaluation
 
     bench = bench_dir(tmp_path / "bench", fixture_rows())

@@ -14,6 +14,7 @@ import pytest
 from recipe.stapo.reward import guard, lenient
 from recipe.stapo.reward import TAIL_CHARS, RewardConfigError, TimeLimitedRunner, last_boxed_content, normalize_answer
 from recipe.stapo.reward import compute_score_lenient
+from tests.helpers.paths import REPO
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -284,7 +285,7 @@ _SYMBOLIC_ONLY = "print(compute_score_lenient('x', '\\\\boxed{x+1}', '1+x')['sco
 
 
 def _python(code, **env):
-    root = Path(__file__).resolve().parents[1]
+    root = REPO
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])), **env)
     return subprocess.run([sys.executable, "-c", code], cwd=root, env=environ, capture_output=True, text=True, timeout=300)
 

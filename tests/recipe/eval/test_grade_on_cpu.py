@@ -13,7 +13,7 @@ from recipe.stapo.eval.generate import JsonlStore, sample_seed
 from recipe.stapo.eval.run_eval import run_evaluation
 from recipe.stapo.eval.verifier import AnswerVerifier, CompassVerifier, VerifyItem, load_verifier_prompt
 
-from _eval_helpers import (
+from tests.helpers.eval_models import (
     CountingScripted, ScriptedBackend, answers, bench_dir, build_judge_model, fixture_rows, scripted_config,
 )
 

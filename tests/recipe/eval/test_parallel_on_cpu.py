@@ -18,12 +18,12 @@ from recipe.stapo.eval import parallel, run_eval
 from recipe.stapo.eval.backends import SamplingConfig
 from recipe.stapo.eval.generate import JsonlStore
 from recipe.stapo.eval.run_eval import EvalConfig, run_evaluation
+from tests.helpers.paths import REPO
 
-from _eval_helpers import (
+from tests.helpers.eval_models import (
     FIXTURES, CountingScripted, ScriptedBackend, answers, bench_dir, build_tiny_model, fixture_rows, scripted_config,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def _command(tiny, out, workers):
 
 
 def _env():
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
 
 
 def _records(out):
@@ -215,7 +215,7 @@ def _files(out):
 @pytest.fixture(scope="module")
 def reference(tiny):
     out = tiny["root"] / "one"
-    proc = subprocess.run(_command(tiny, out, 1), env=_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.run(_command(tiny, out, 1), env=_env(), capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (out / "workers").exists()
     return out
@@ -224,7 +224,7 @@ def reference(tiny):
 @pytest.mark.slow
 def test_two_workers_give_the_records_of_one(tiny, reference, tmp_path):
     out = tmp_path / "two"
-    proc = subprocess.run(_command(tiny, out, 2), env=_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    proc = subprocess.run(_command(tiny, out, 2), env=_env(), capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "worker 0: 15 samples" in proc.stderr and "worker 1: 15 samples" in proc.stderr
     assert _files(out) == _files(reference)  # byte for byte: same records, same order
@@ -239,7 +239,7 @@ def test_two_workers_give_the_records_of_one(tiny, reference, tmp_path):
 @pytest.mark.slow
 def test_kill_9_during_the_workers_resumes_to_the_same_records(tiny, reference, tmp_path):
     out = tmp_path / "killed"
-    proc = subprocess.Popen(_command(tiny, out, 2), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+    proc = subprocess.Popen(_command(tiny, out, 2), env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     deadline = time.time() + 600
     while time.time() < deadline and proc.poll() is None:
         written = sum(len(p.read_bytes().splitlines()) for p in parallel.part_store_paths(out))
@@ -258,7 +258,7 @@ def test_kill_9_during_the_workers_resumes_to_the_same_records(tiny, reference, 
     lock.check_free()
     left = sum(len(p.read_bytes().splitlines()) for p in parallel.part_store_paths(out))
     assert 2 <= left < 30  # killed mid-run
-    resumed = subprocess.run(_command(tiny, out, 2), env=_env(), capture_output=True, text=True, timeout=900, cwd=ROOT)
+    resumed = subprocess.run(_command(tiny, out, 2), env=_env(), capture_output=True, text=True, timeout=900, cwd=REPO)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     plans = [json.loads((out / "workers" / f"rank{r}" / "plan.json").read_text()) for r in (0, 1)]
     assert sum(len(p["items"]) for p in plans) <= 30 - left  # only what was missing was dealt out again

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from _eval_helpers import bench_dir, fixture_rows
+from tests.helpers.eval_models import bench_dir, fixture_rows
+from tests.helpers.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
-EVAL = ROOT / "run_scripts" / "eval.sh"
+EVAL = REPO / "run_scripts" / "eval.sh"
 
 
 def _run(cwd, model, out, bench, **env):
