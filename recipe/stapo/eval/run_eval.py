@@ -156,6 +156,8 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
     """
     import pandas as pd
 
+    from recipe.stapo.reward.answers import ground_truth_text
+
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; run `python -m recipe.stapo.data.prepare bench --out-dir {path.parent}`")
     frame = pd.read_parquet(path)
@@ -167,11 +169,14 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
     for index, row in enumerate(frame.to_dict(orient="records")):
         try:
             messages = tuple({"role": str(m["role"]), "content": str(m["content"])} for m in row["prompt"])
-            truth = str(row["reward_model"]["ground_truth"])
+            truth = ground_truth_text(row["reward_model"]["ground_truth"])
             extra = row["extra_info"] or {}
             problem_id = str(extra.get("id", index))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{path}: row {index}: malformed prompt/reward_model/extra_info ({exc})") from exc
+        if truth is None:
+            raise ValueError(f"{path}: row {index}: unusable ground truth {row['reward_model']['ground_truth']!r} "
+                             "(expected text, a number or a list of them); re-prepare the data")
         if problem_id in first_row:
             raise ValueError(
                 f"{path}: rows {first_row[problem_id]} and {index} share the problem id {problem_id!r} "
