@@ -192,7 +192,7 @@ def test_one_statistics_forward_per_later_mini_batch_and_none_on_the_first(compa
 
 
 def test_the_run_trains_and_logs_the_s2t_metrics(records):
-    from test_e2e_trainer_on_cpu import check_training_happened
+    from tests.e2e.test_trainer_e2e_on_cpu import check_training_happened
 
     steps = read_metrics(records["metrics"])
     check_training_happened(steps, {1, 2})
