@@ -77,6 +77,24 @@ def wrap_ppo_loss(ppo_loss):
     return ppo_loss_with_token_selection
 
 
+#: every policy loss verl 0.9.1 registers: whether its ratio is one number per token or per sequence, and
+#: what token selection does to it (docs/method.md, "Token selection under every verl loss")
+RATIO_LEVEL = {
+    "vanilla": "token",      # PPO clip per token: the silenced tokens leave the aggregation
+    "dppo_tv": "token",      # per-token trust region on the probability difference: likewise
+    "dppo_kl": "token",      # per-token trust region on a KL estimate: likewise
+    "gpg": "token",          # -A log p, no ratio: likewise
+    "dro": "token",          # -(A log p - beta/2 log^2 r): likewise
+    "cispo": "token",        # clipped, detached ratio times log p: likewise
+    "sapo": "token",         # soft gate of the token ratio, seq-mean-token-mean: likewise
+    "clip_cov": "token",     # PPO clip; its covariance statistics and clipped-token budget cover the kept tokens
+    "kl_cov": "token",       # likewise, with its KL penalty on the top-covariance kept tokens
+    "bypass_mode": "token",  # PPO clip / REINFORCE against the rollout policy; a sequence-level rollout IS
+                             # weight or rejection (rollout_correction) is computed over the kept tokens
+    "gspo": "sequence",      # exp(mean log r) over the mask: sequence_ratio
+    "geo_mean": "sequence",  # geometric mean of the clipped token ratios over the mask: sequence_ratio
+}
+
 #: the wrap of verl's own ``ppo_loss`` (what the patched actor calls)
 ppo_loss_with_token_selection = wrap_ppo_loss(verl_losses.ppo_loss)
 
