@@ -63,20 +63,18 @@ def micro_batch_limit(engine_config) -> dict:
     return {"max_rows": int(micro)} if micro else {}
 
 
-def current_policy_statistics(worker, data) -> CurrentStatistics:
+def current_policy_statistics(worker, data, cfg=None, *, group=None, device=None) -> CurrentStatistics:
     """The current policy's statistics of this rank's part of the mini-batch ``data``, from no-grad
     forwards through verl's own inference path (``TrainingWorker.infer_batch``, the pass that
     computes the old log-probs) on copies of the sequences, so that nothing verl adds leaks into
     the update. ``current_forward=full`` (and 20-Entropy) forwards every sequence on its own rank,
     in one call with the pass's micro-batch and token-budget settings; S2T's default forwards the
-    positive-advantage sequences only, balanced over the ranks (:func:`forward_positive_advantage`)."""
-    from .mini_batch import engine_device, policy_loss_config
-
-    cfg = policy_loss_config(worker)
+    positive-advantage sequences only, balanced over the ranks of the data-parallel ``group``
+    (:func:`forward_positive_advantage`; ``device``: where the group's collectives run). ``cfg``: the
+    worker's ``TokenSelectionLossConfig`` (None: every sequence)."""
     prefix = S2T_METRIC_PREFIX if cfg is not None and cfg.token_selection == "s2t" else TOPK_METRIC_PREFIX
     if cfg is not None and cfg.forwards_positive_advantage_only:
-        return forward_positive_advantage(worker, data, group=worker.engine.get_data_parallel_group(),
-                                          device=engine_device(worker.engine), prefix=prefix)
+        return forward_positive_advantage(worker, data, group=group, device=device, prefix=prefix)
     log_prob, entropy = _forward_every_sequence(worker, data)
     return CurrentStatistics(log_prob, entropy, torch.ones(len(data), dtype=torch.bool),
                              {prefix + "current_forward_tokens_frac": 1.0,

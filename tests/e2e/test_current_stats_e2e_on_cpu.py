@@ -231,8 +231,8 @@ def test_tau_h_equals_the_full_forwards(compared):
             assert logged is None, f"mini-batch {k}: tau_h {logged} logged without candidates"
             continue
         assert logged == pytest.approx(reference[0].item(), abs=NEAR), f"mini-batch {k}"
-        checked += 1
-    assert checked >= 6
+        checked += not r["rec"]["first"]
+    assert checked >= 3  # of the 6 mini-batches with current-policy statistics
 
 
 def positive_responses(r):
