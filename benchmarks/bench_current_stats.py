@@ -13,7 +13,9 @@ identical settings and seeds: ``stats_from=rollout`` (no extra forward), ``stats
 from the runs' ``timing_s/*`` metrics (same step: same data), the per-phase median step time of each
 run against the rollout run and of the positive-advantage run against the full one (the extra
 forwards run inside ``update_actor``), and the logged ``actor/s2t/current_forward_tokens_frac`` (tokens
-forwarded / tokens in the mini-batch). The forwards themselves are verl's inference pass
+forwarded / tokens in the mini-batch) and ``actor/s2t/current_forward_s`` (the statistics forward's wall
+time on a rank, exchanges included): the forward's own time, free of the other phases' noise. The
+forwards themselves are verl's inference pass
 (``TrainingWorker.infer_batch``, the one that computes the old log-probs), run outside the update's
 autograd graph, with the pass's micro-batch size or token budget: their peak memory is that pass's.
 
@@ -55,7 +57,7 @@ RUNS = {
                  "actor_rollout_ref.actor.policy_loss.current_forward=positive_advantage"],
 }
 FRAC = "actor/s2t/current_forward_tokens_frac"
-SLOWEST = "actor/s2t/current_forward_slowest_rank_frac"
+SECONDS = "actor/s2t/current_forward_s"
 
 
 def expected_share(mini_batches: int, checkpointing: bool = True, forwarded: float = 1.0) -> float:
@@ -70,6 +72,12 @@ def measured_share(rollout_steps: dict[int, dict], mini_batches: int, warmup_ste
               * forwarded for step, data in sorted(rollout_steps.items())[warmup_steps:]
               if data.get("timing_s/update_actor") and "timing_s/old_log_prob" in data]
     return statistics.median(ratios) if ratios else math.nan
+
+
+def logged_median(steps: dict[int, dict], key: str, warmup_steps: int = 1) -> float:
+    """Median over the steps after ``warmup_steps`` of a logged metric (NaN when never logged)."""
+    values = [data[key] for _, data in sorted(steps.items())[warmup_steps:] if key in data]
+    return statistics.median(values) if values else math.nan
 
 
 def train(out: Path, steps: int, mini_batches: int, name: str):
@@ -192,10 +200,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(markdown_table(compare(runs[baseline], runs[method], warmup_steps=args.warmup_steps),
                              baseline=baseline, method=method))
         print()
-    fracs = [d[FRAC] for d in list(runs["positive"].values())[args.warmup_steps:] if FRAC in d]
-    f = statistics.median(fracs) if fracs else math.nan
-    print(f"{FRAC}: median {f:.3f} over {len(fracs)} steps (positive run); full run: "
-          f"{statistics.median(d[FRAC] for d in runs['full'].values() if FRAC in d):.3f}")
+    f = logged_median(runs["positive"], FRAC, args.warmup_steps)
+    print(f"{FRAC}: median {f:.3f} (positive run); {logged_median(runs['full'], FRAC, args.warmup_steps):.3f} (full run)")
+    full_s, positive_s = (logged_median(runs[name], SECONDS, args.warmup_steps) for name in ("full", "positive"))
+    print(f"{SECONDS} (the statistics forward, mean over a step's later mini-batches): median {full_s:.3f} s (full), "
+          f"{positive_s:.3f} s (positive): ratio {positive_s / full_s:.3f}")
     print(f"expected extra update cost from FLOPs: full {expected_share(args.mini_batches):.3f}, positive "
           f"{expected_share(args.mini_batches, forwarded=f):.3f} (gradient checkpointing); full "
           f"{expected_share(args.mini_batches, checkpointing=False):.3f}, positive "

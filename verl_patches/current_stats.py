@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import torch
 
@@ -71,14 +72,19 @@ def current_policy_statistics(worker, data, cfg=None, *, group=None, device=None
     in one call with the pass's micro-batch and token-budget settings; S2T's default forwards the
     positive-advantage sequences only, balanced over the ranks of the data-parallel ``group``
     (:func:`forward_positive_advantage`; ``device``: where the group's collectives run). ``cfg``: the
-    worker's ``TokenSelectionLossConfig`` (None: every sequence)."""
+    worker's ``TokenSelectionLossConfig`` (None: every sequence). Adds the metric
+    ``current_forward_s``: this rank's wall time of the forward, exchanges included."""
     prefix = S2T_METRIC_PREFIX if cfg is not None and cfg.token_selection == "s2t" else TOPK_METRIC_PREFIX
+    start = time.perf_counter()
     if cfg is not None and cfg.forwards_positive_advantage_only:
-        return forward_positive_advantage(worker, data, group=group, device=device, prefix=prefix)
-    log_prob, entropy = _forward_every_sequence(worker, data)
-    return CurrentStatistics(log_prob, entropy, torch.ones(len(data), dtype=torch.bool),
-                             {prefix + "current_forward_tokens_frac": 1.0,
-                              prefix + "current_forward_slowest_rank_frac": 1.0})
+        current = forward_positive_advantage(worker, data, group=group, device=device, prefix=prefix)
+    else:
+        log_prob, entropy = _forward_every_sequence(worker, data)
+        current = CurrentStatistics(log_prob, entropy, torch.ones(len(data), dtype=torch.bool),
+                                    {prefix + "current_forward_tokens_frac": 1.0,
+                                     prefix + "current_forward_slowest_rank_frac": 1.0})
+    current.metrics[prefix + "current_forward_s"] = time.perf_counter() - start
+    return current
 
 
 def _forward_every_sequence(worker, data) -> tuple[torch.Tensor, torch.Tensor]:

@@ -307,3 +307,11 @@ def test_current_stats_bad_simulation_arguments_are_named(capsys):
     with pytest.raises(SystemExit):
         bcs.main(["--simulate", "--accuracy", "1.5"])
     assert "numbers in (0, 1)" in capsys.readouterr().err
+
+
+def test_current_stats_logged_median_skips_warmup_and_missing_steps():
+    from benchmarks import bench_current_stats as bcs
+
+    steps = {1: {"m": 100.0}, 2: {"m": 1.0}, 3: {}, 4: {"m": 3.0}}
+    assert bcs.logged_median(steps, "m", warmup_steps=1) == 2.0
+    assert math.isnan(bcs.logged_median(steps, "absent"))

@@ -31,7 +31,7 @@ B, R = 8, 10
 PL = "actor_rollout_ref.actor.policy_loss"
 #: rank 0 holds rows 0-3, rank 1 rows 4-7, none of them with a positive advantage
 ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, 2.0, -1.0, 0.0, -0.5, -2.0])
-CURRENT_KEYS = ("s2t/current_forward_tokens_frac", "s2t/current_forward_slowest_rank_frac")
+CURRENT_KEYS = ("s2t/current_forward_tokens_frac", "s2t/current_forward_slowest_rank_frac", "s2t/current_forward_s")
 
 
 def mini_batch(rows, seed=0):
