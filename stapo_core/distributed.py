@@ -13,10 +13,14 @@ Row ``r`` of the gathered ``(world, width)`` tensor is rank ``r``'s packed buffe
 flattened result lists every rank's values in the order (rank, flat index): the order a single
 process would see if the ranks' batches were concatenated along the batch dimension.
 
-No function here moves a token tensor to the host or uses boolean indexing.
+No function here moves a token tensor to the host or uses boolean indexing, except
+:func:`exchange_objects` and :func:`gather_objects`, which move small python objects (or whole
+sequences, by design) between ranks.
 """
 
 from __future__ import annotations
+
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -98,3 +102,43 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
         t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
+
+
+def gather_objects(obj, group) -> list:
+    """Every rank's picklable ``obj``, in rank order (``[obj]`` for a single process)."""
+    if group is None:
+        return [obj]
+    out = [None] * world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def exchange_objects(outgoing: list, group, device=None) -> list:
+    """All-to-all of picklable objects: ``outgoing[r]`` goes to rank ``r``; returns ``incoming``,
+    ``incoming[r]`` being what rank ``r`` sent here (``outgoing`` itself for a single process).
+
+    Two ``all_to_all_single`` calls: the byte counts, then the pickled bytes (variable splits), on
+    ``device`` (where the group's backend needs its tensors: CPU for gloo, the GPU for NCCL).
+    Tensors inside the objects should be on the CPU and own their storage (a view pickles its
+    whole storage).
+    """
+    if group is None:
+        return list(outgoing)
+    world = world_size(group)
+    if len(outgoing) != world:
+        raise ValueError(f"exchange_objects: expected one object per rank ({world}), got {len(outgoing)}")
+    payloads = [torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) for obj in outgoing]
+    send_sizes = [p.numel() for p in payloads]
+    sizes = torch.tensor(send_sizes, dtype=torch.long, device=device)
+    recv_sizes_t = torch.empty_like(sizes)
+    dist.all_to_all_single(recv_sizes_t, sizes, group=group)
+    recv_sizes = recv_sizes_t.tolist()
+    send = torch.cat(payloads).to(device)
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
+    data = recv.cpu().numpy().tobytes()
+    incoming, start = [], 0
+    for n in recv_sizes:
+        incoming.append(pickle.loads(data[start:start + n]))
+        start += n
+    return incoming

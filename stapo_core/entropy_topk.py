@@ -16,9 +16,25 @@ from .distributed import exchange_counts, gather_padded, group_rank
 from .checks import check_fraction, check_token_tensors, raise_if_nonfinite
 
 
-def _top_count(num_tokens: int, ratio: float) -> int:
-    """k = ceil(ratio * num_tokens), the product rounded to 9 decimals first so that float error
-    does not add a token (0.2 * 15 = 3.0000000000000004 gives 3, not 4)."""
+#: how k is rounded from ratio * N: ``ceil`` (exact ceiling), ``authors_code`` (20-Entropy's code)
+ROUNDINGS = ("ceil", "authors_code")
+
+
+def top_count(num_tokens: int, ratio: float, rounding: str = "ceil") -> int:
+    """The number of tokens 20-Entropy keeps out of ``num_tokens``.
+
+    ``ceil``: ``k = ceil(ratio * N)``, the product rounded to 9 decimals first so that float error
+    does not add a token (0.2 * 15 = 3.0000000000000004 gives 3, not 4).
+    ``authors_code``: ``k = max(1, int(ratio * N + 0.9999))`` as the authors' code computes it (a
+    ceiling except when the fractional part of ``ratio * N`` is in (0, 1e-4]; never for ratio 0.2);
+    0 when ``N = 0``.
+    """
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"top_count: rounding={rounding!r} is invalid: expected one of {list(ROUNDINGS)}")
+    if num_tokens == 0:
+        return 0
+    if rounding == "authors_code":
+        return min(num_tokens, max(1, int(num_tokens * ratio + 0.9999)))
     return min(num_tokens, math.ceil(round(ratio * num_tokens, 9)))
 
 
@@ -41,7 +57,7 @@ def _pooled_entropies(entropy, mask, width, group):
 
 
 def entropy_topk_mask(
-    entropy: torch.Tensor, response_mask: torch.Tensor, *, ratio: float = 0.2, group=None
+    entropy: torch.Tensor, response_mask: torch.Tensor, *, ratio: float = 0.2, group=None, rounding: str = "ceil"
 ) -> torch.Tensor:
     """20-Entropy (Wang et al. 2025): keep the ``k = ceil(ratio * N)`` highest-entropy response tokens.
 
@@ -56,24 +72,27 @@ def entropy_topk_mask(
         response_mask: ``(batch, resp_len)``, nonzero marks response tokens.
         ratio: fraction in (0, 1].
         group: ``torch.distributed`` process group to pool over, or None.
+        rounding: how ``k`` is rounded from ``ratio * N`` (:func:`top_count`).
 
     Returns:
         float32 ``(batch, resp_len)``: 1 for kept tokens, 0 elsewhere (always 0 outside the mask).
 
     Raises:
-        ValueError: bad ``ratio``, shape mismatch, non-finite entropy inside ``response_mask``
+        ValueError: bad ``ratio`` or ``rounding``, shape mismatch, non-finite entropy inside ``response_mask``
             (raised on every rank of ``group`` alike).
 
     One host sync (the token counts); with ``group`` one all-gather of counts and one of the
     response entropies (padded to the largest rank's count).
     """
     ratio = check_fraction("ratio", ratio, include_one=True)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"entropy_topk_mask: rounding={rounding!r} is invalid: expected one of {list(ROUNDINGS)}")
     check_token_tensors("entropy_topk_mask", response_mask, entropy=entropy)
     ent = entropy.detach().float()
     mask = response_mask != 0
     per_rank = _host_token_counts(mask, ent, group)
     raise_if_nonfinite("entropy_topk_mask", {"entropy": sum(r[1] for r in per_rank)})
-    k = _top_count(sum(r[0] for r in per_rank), ratio)
+    k = top_count(sum(r[0] for r in per_rank), ratio, rounding)
     if k == 0:
         return torch.zeros_like(ent)
 
@@ -88,4 +107,4 @@ def entropy_topk_mask(
     return keep.float()
 
 
-__all__ = ["entropy_topk_mask"]
+__all__ = ["ROUNDINGS", "entropy_topk_mask", "top_count"]

@@ -29,6 +29,17 @@ TOKEN_SELECTIONS = ("none", "s2t", "entropy_topk")
 STATS_FROM = ("rollout", "current")
 #: what the statistic is pooled over: the whole PPO mini-batch, or one micro-batch of every rank
 SCOPES = ("mini_batch", "micro_batch")
+#: the current-policy forward of S2T (stats_from=current, mini-batch scope): the sequences with a
+#: positive advantage (the only ones that can hold a candidate), or every sequence
+CURRENT_FORWARDS = ("positive_advantage", "full")
+#: 20-Entropy's readings: the top ratio of the whole mini-batch (pooled over micro-batches and ranks, the
+#: paper's), or the authors' code (per rank and micro-batch, the update's entropy, sequence-share weights)
+ENTROPY_TOPK_READINGS = ("pooled", "authors_code")
+#: what a sequence-level ratio (gspo, geo_mean) is taken over once tokens are selected: the kept tokens
+#: (the folded mask), or every response token, the silenced ones carrying no gradient
+SEQUENCE_RATIOS = ("kept_tokens", "all_tokens")
+#: verl losses whose ratio is one number per sequence, computed over the response mask
+SEQUENCE_RATIO_LOSS_MODES = ("gspo", "geo_mean")
 #: verl losses that normalise by their own per-micro-batch counts (not verl's mini-batch counts), so
 #: the micro-batch scope's re-weighting does not give the mean over the remaining tokens
 LOCAL_NORMALISING_LOSS_MODES = ("geo_mean", "sapo")
@@ -56,6 +67,19 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             mini-batch before verl counts its tokens. ``micro_batch``: the current micro-batch of
             every data-parallel rank, inside the loss (20-Entropy's reference code). ``None``:
             ``mini_batch``.
+        current_forward: S2T with ``stats_from=current`` at the mini-batch scope: which sequences the
+            no-grad forward covers. ``positive_advantage``: those with a positive advantage (the only
+            ones that can hold a candidate: the silenced set and ``tau_h`` are those of a full
+            forward), moved between data-parallel ranks to balance their tokens. ``full``: every
+            sequence of the mini-batch. 20-Entropy needs every token's entropy: always ``full``.
+        entropy_topk_reading: 20-Entropy's reading. ``pooled``: the top ``entropy_top_ratio`` of the
+            response tokens pooled as ``stats_from`` and ``scope`` say. ``authors_code``: exactly as
+            the authors' code (docs/method.md): per data-parallel rank and micro-batch, from the
+            update's own forward, the mean over the selected tokens of each micro-batch weighted by
+            its share of the mini-batch's sequences; ``stats_from`` and ``scope`` are not read.
+        sequence_ratio: losses with a sequence-level ratio (``gspo``, ``geo_mean``). ``kept_tokens``:
+            the ratio is taken over the tokens the selection keeps (the selection only shrinks the
+            mask). ``all_tokens``: over every response token, the silenced ones carrying no gradient.
         seed: seed of the generator of S2T's ``random`` strategy.
     """
 
@@ -67,6 +91,9 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     entropy_top_ratio: float = 0.2
     stats_from: str = "rollout"
     scope: Optional[str] = None
+    current_forward: str = "positive_advantage"
+    entropy_topk_reading: str = "pooled"
+    sequence_ratio: str = "kept_tokens"
     seed: int = 0
 
     def __post_init__(self):
@@ -89,8 +116,27 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             fail("stats_from", self.stats_from, f"one of {list(STATS_FROM)}")
         if self.scope is not None and self.scope not in SCOPES:
             fail("scope", self.scope, f"one of {list(SCOPES)} or null")
+        if self.current_forward not in CURRENT_FORWARDS:
+            fail("current_forward", self.current_forward, f"one of {list(CURRENT_FORWARDS)}")
+        if self.entropy_topk_reading not in ENTROPY_TOPK_READINGS:
+            fail("entropy_topk_reading", self.entropy_topk_reading, f"one of {list(ENTROPY_TOPK_READINGS)}")
+        if self.entropy_topk_reading == "authors_code":
+            if self.token_selection != "entropy_topk":
+                fail("entropy_topk_reading", self.entropy_topk_reading,
+                     f"pooled with token_selection={self.token_selection} (authors_code is 20-Entropy's: "
+                     "token_selection=entropy_topk)")
+            if self.scope == "mini_batch":
+                fail("scope", self.scope, "null or micro_batch with entropy_topk_reading=authors_code (the authors' "
+                     "code selects per micro-batch)")
+        if self.sequence_ratio not in SEQUENCE_RATIOS:
+            fail("sequence_ratio", self.sequence_ratio, f"one of {list(SEQUENCE_RATIOS)}")
+        if self.sequence_ratio == "all_tokens" and self.loss_mode not in SEQUENCE_RATIO_LOSS_MODES:
+            fail("sequence_ratio", self.sequence_ratio, f"kept_tokens with loss_mode={self.loss_mode} (its ratio is "
+                 f"per token; all_tokens applies to {list(SEQUENCE_RATIO_LOSS_MODES)})")
         if self.selects_in_loss and self.loss_mode in LOCAL_NORMALISING_LOSS_MODES:
-            fail("scope", self.scope, f"mini_batch (or null) with loss_mode={self.loss_mode}: it normalises per "
+            key, value = ("entropy_topk_reading", self.entropy_topk_reading) if self.authors_code_reading \
+                else ("scope", self.scope)
+            fail(key, value, f"a mini-batch reading with loss_mode={self.loss_mode}: it normalises per "
                  "micro-batch itself, so only the mini-batch fold gives the mean over the remaining tokens")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             fail("seed", self.seed, "an integer")
@@ -103,9 +149,26 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         return self.token_selection != "none"
 
     @property
+    def authors_code_reading(self) -> bool:
+        """20-Entropy exactly as its authors' code: per rank and micro-batch, inside the loss."""
+        return self.token_selection == "entropy_topk" and self.entropy_topk_reading == "authors_code"
+
+    @property
     def resolved_scope(self) -> str:
-        """``scope`` with ``None`` resolved to ``mini_batch``."""
-        return self.scope or "mini_batch"
+        """``scope`` with ``None`` resolved: ``micro_batch`` for the authors' code reading of
+        20-Entropy, else ``mini_batch``."""
+        return "micro_batch" if self.authors_code_reading else (self.scope or "mini_batch")
+
+    @property
+    def statistics_source(self) -> str:
+        """Where ``p`` and ``H`` come from: ``stats_from``, or ``current`` for the authors' code
+        reading of 20-Entropy (the update's own forward)."""
+        return "current" if self.authors_code_reading else self.stats_from
+
+    @property
+    def pools_over_ranks(self) -> bool:
+        """The statistic is pooled over the data-parallel ranks (every reading but the authors' code)."""
+        return not self.authors_code_reading
 
     @property
     def folds_into_mini_batch(self) -> bool:
@@ -122,7 +185,7 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         """The actor needs the rollout-time entropy in its batch: the statistic itself
         (``stats_from=rollout``), or S2T's first mini-batch of a step (``current``, mini-batch
         scope: the policy has not moved yet, so the rollout statistics are the current ones)."""
-        return self.selects_tokens and (self.stats_from == "rollout" or self.folds_into_mini_batch)
+        return self.selects_tokens and (self.statistics_source == "rollout" or self.folds_into_mini_batch)
 
     @property
     def forwards_current_policy(self) -> bool:
@@ -130,6 +193,19 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         return self.folds_into_mini_batch and self.stats_from == "current"
 
     @property
+    def forwards_positive_advantage_only(self) -> bool:
+        """That forward covers only the sequences with a positive advantage (S2T; ``current_forward``)."""
+        return (self.forwards_current_policy and self.token_selection == "s2t"
+                and self.current_forward == "positive_advantage")
+
+    @property
     def needs_update_entropy(self) -> bool:
         """The update's forward must compute the entropy (``actor.calculate_entropy=true``)."""
-        return self.selects_in_loss and self.stats_from == "current"
+        return self.selects_in_loss and self.statistics_source == "current"
+
+    @property
+    def sequence_ratio_over_all_tokens(self) -> bool:
+        """A sequence-level ratio (gspo, geo_mean) is taken over every response token, the silenced
+        ones carrying no gradient."""
+        return (self.selects_tokens and self.sequence_ratio == "all_tokens"
+                and self.loss_mode in SEQUENCE_RATIO_LOSS_MODES)

@@ -1,30 +1,95 @@
 """S2T statistics under the policy being updated (``stats_from=current``, the paper's Algorithm 1).
 
-* :func:`current_policy_statistics`: ``(log_prob, entropy)`` of a mini-batch under the current
-  policy, from one no-grad forward through verl's own inference pass (mini-batch scope; called by
-  :mod:`verl_patches.mini_batch` for every mini-batch of a step after the first).
+* :func:`current_policy_statistics`: the current policy's ``(log_prob, entropy)`` of a mini-batch,
+  from a no-grad forward through verl's own inference pass (mini-batch scope; called by
+  :mod:`verl_patches.mini_batch` for every mini-batch of a step after the first). For S2T it
+  forwards only the sequences with a positive advantage (``current_forward=positive_advantage``):
+  no other token can be a candidate, and ``tau_h`` is a quantile over candidates only, so the
+  silenced set and ``tau_h`` are those of a forward of the whole mini-batch. Those sequences are
+  spread over the data-parallel ranks by tokens (:func:`stapo_core.balance.plan_forward`): each rank
+  sends the sequences it holds to the rank that forwards them and gets their statistics back.
 * :func:`wrap_set_loss_fn`: with the micro-batch scope, the update's own forward supplies the
-  entropy; when it serves only as S2T's statistic (no entropy bonus), it is computed without
-  autograd.
+  entropy; when it serves only as a statistic (no entropy bonus), it is computed without autograd.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import time
 
 import torch
 
+from stapo_core.balance import ForwardPlan, Item, plan_forward
+from stapo_core.distributed import exchange_objects, gather_objects, group_rank, world_size
+
+from .token_selection import (
+    S2T_METRIC_PREFIX,
+    TOPK_METRIC_PREFIX,
+    UNSELECTED_MASK_FIELD,
+    CurrentStatistics,
+    to_padded,
+)
+
 #: attribute marking an engine's entropy function as already running without autograd
 NO_GRAD_MARK = "_stapo_no_grad"
+#: per-token fields of the mini-batch that the statistics forward never reads (not sent between ranks)
+NOT_FORWARDED_FIELDS = ("old_log_probs", "ref_log_prob", "advantages", "returns", "values", "entropy",
+                        "sum_pi_squared", "rollout_log_probs", "rollout_is_weights", "token_level_scores",
+                        "token_level_rewards", UNSELECTED_MASK_FIELD)
 
 
-def current_policy_statistics(worker, data) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_prob, entropy)`` of the mini-batch's response tokens under the policy being updated:
-    one no-grad forward through verl's own inference path (``TrainingWorker.infer_batch``, the pass
-    that computes the old log-probs, with its micro-batch and token-budget settings), on a shallow
-    copy of the mini-batch so that nothing verl adds to it leaks into the update. Returned padded
-    ``(batch, max_response_len)``, as verl's loss sees them."""
+def sequence_tokens(data) -> list[int]:
+    """Tokens (prompt + response) of each sequence of ``data``: what its forward processes."""
+    ids = data.get("input_ids", None)
+    if ids is not None and ids.is_nested:
+        return ids.offsets().diff().tolist()
+    return data["attention_mask"].sum(-1).tolist()
+
+
+def response_lengths(data) -> list[int]:
+    """Response tokens of each sequence (verl's ``no_padding_2_padding`` slices the same)."""
+    responses = data["responses"]
+    if responses.is_nested:
+        return responses.offsets().diff().tolist()
+    return data["attention_mask"][:, data["prompts"].shape[1]:].sum(-1).tolist()
+
+
+def micro_batch_limit(engine_config) -> dict:
+    """The inference pass's micro-batch limit: its token budget with dynamic batch size, else its
+    micro-batch size (``plan_forward``'s ``max_tokens`` / ``max_rows``)."""
+    if engine_config.use_dynamic_bsz:
+        return {"max_tokens": int(engine_config.infer_max_token_len_per_gpu)}
+    micro = engine_config.infer_micro_batch_size_per_gpu
+    return {"max_rows": int(micro)} if micro else {}
+
+
+def current_policy_statistics(worker, data, cfg=None, *, group=None, device=None) -> CurrentStatistics:
+    """The current policy's statistics of this rank's part of the mini-batch ``data``, from no-grad
+    forwards through verl's own inference path (``TrainingWorker.infer_batch``, the pass that
+    computes the old log-probs) on copies of the sequences, so that nothing verl adds leaks into
+    the update. ``current_forward=full`` (and 20-Entropy) forwards every sequence on its own rank,
+    in one call with the pass's micro-batch and token-budget settings; S2T's default forwards the
+    positive-advantage sequences only, balanced over the ranks of the data-parallel ``group``
+    (:func:`forward_positive_advantage`; ``device``: where the group's collectives run). ``cfg``: the
+    worker's ``TokenSelectionLossConfig`` (None: every sequence). Adds the metric
+    ``current_forward_s``: this rank's wall time of the forward, exchanges included."""
+    prefix = S2T_METRIC_PREFIX if cfg is not None and cfg.token_selection == "s2t" else TOPK_METRIC_PREFIX
+    start = time.perf_counter()
+    if cfg is not None and cfg.forwards_positive_advantage_only:
+        current = forward_positive_advantage(worker, data, group=group, device=device, prefix=prefix)
+    else:
+        log_prob, entropy = _forward_every_sequence(worker, data)
+        current = CurrentStatistics(log_prob, entropy, torch.ones(len(data), dtype=torch.bool),
+                                    {prefix + "current_forward_tokens_frac": 1.0,
+                                     prefix + "current_forward_slowest_rank_frac": 1.0})
+    current.metrics[prefix + "current_forward_s"] = time.perf_counter() - start
+    return current
+
+
+def _forward_every_sequence(worker, data) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log_prob, entropy)`` padded ``(batch, max_response_len)``: one inference pass over a
+    shallow copy of the whole mini-batch."""
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.padding import no_padding_2_padding
 
@@ -36,8 +101,101 @@ def current_policy_statistics(worker, data) -> tuple[torch.Tensor, torch.Tensor]
         max_token_len_per_gpu=engine_config.infer_max_token_len_per_gpu,
         micro_batch_size_per_gpu=math.gcd(int(micro), len(data)),
     )
-    output = worker.infer_batch(view)
+    output = _infer(worker, view)
     return no_padding_2_padding(output["log_probs"], data), no_padding_2_padding(output["entropy"], data)
+
+
+def _infer(worker, view):
+    output = worker.infer_batch(view)
+    if output is None:
+        raise RuntimeError(
+            "stats_from=current needs the statistics forward's output on every data-parallel rank, but "
+            "TrainingWorker.infer_batch returned none here (with Ulysses sequence parallelism only one rank "
+            "of each group gets it, which the recipe does not support): use stats_from=rollout"
+        )
+    return output
+
+
+def positive_advantage_rows(data) -> torch.Tensor:
+    """bool ``(batch,)``: the sequences with a positive advantage at some response token."""
+    mask = to_padded(data["response_mask"])
+    advantages = to_padded(data["advantages"], mask.shape[1])[:, : mask.shape[1]]
+    return ((advantages > 0) & (mask != 0)).any(-1)
+
+
+def forward_positive_advantage(worker, data, *, group=None, device=None, prefix=S2T_METRIC_PREFIX) -> CurrentStatistics:
+    """The current policy's statistics of the positive-advantage sequences of the mini-batch.
+
+    1. every rank learns which sequences of every rank have a positive advantage and their token
+       counts (one all-gather of small lists);
+    2. :func:`stapo_core.balance.plan_forward` spreads them over the ranks by tokens, in micro-batches
+       within the inference pass's limit, every rank running the same number of micro-batches;
+    3. the sequences go to the rank that forwards them, one ``infer_batch`` call per micro-batch;
+    4. their response log-probs and entropies go back to the rank that holds them.
+
+    Returns NaN statistics on the other rows (no made-up values: they are never read), and the metrics
+    ``current_forward_tokens_frac`` (tokens forwarded, padding micro-batches included, over the
+    mini-batch's tokens, all ranks) and ``current_forward_slowest_rank_frac`` (the most tokens one rank
+    forwards, over the most tokens one rank holds: the slowest rank's work against a full forward's).
+    """
+    response_mask = to_padded(data["response_mask"])
+    batch, width = response_mask.shape
+    wanted = positive_advantage_rows(data)
+    tokens = sequence_tokens(data)
+    rank, world = group_rank(group), world_size(group)
+    gathered = gather_objects(([(i, tokens[i]) for i in wanted.nonzero().flatten().tolist()], sum(tokens)), group)
+    items = [Item(owner, index, n) for owner, (rows, _) in enumerate(gathered) for index, n in rows]
+    plan = plan_forward(items, world, **micro_batch_limit(worker.engine_config))
+    log_prob = torch.full((batch, width), math.nan)
+    entropy = torch.full((batch, width), math.nan)
+    forwarded = torch.zeros(batch, dtype=torch.bool)
+    if plan.num_micro_batches:
+        returned = _forward_plan(worker, data, plan, rank, group, device)
+        for index, lp, ent in (row for rows in returned for row in rows):
+            log_prob[index, : lp.numel()] = lp
+            entropy[index, : ent.numel()] = ent
+            forwarded[index] = True
+    if not torch.equal(forwarded, wanted):
+        raise RuntimeError(f"forward_positive_advantage: rows {wanted.nonzero().flatten().tolist()} needed, "
+                           f"{forwarded.nonzero().flatten().tolist()} forwarded")
+    rank_tokens = plan.rank_tokens()
+    held = [total for _, total in gathered]
+    metrics = {prefix + "current_forward_tokens_frac": sum(rank_tokens) / max(sum(held), 1),
+               prefix + "current_forward_slowest_rank_frac": max(rank_tokens) / max(max(held), 1)}
+    return CurrentStatistics(log_prob, entropy, forwarded, metrics)
+
+
+def _forward_plan(worker, data, plan: ForwardPlan, rank: int, group, device) -> list:
+    """Run this rank's micro-batches of ``plan``; returns, from every rank, the ``(row, log_prob,
+    entropy)`` of this rank's rows (1-D response tensors)."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    world = world_size(group)
+    view = data.exclude(*(k for k in NOT_FORWARDED_FIELDS if k in data.keys()))
+    outgoing = []
+    for dest in range(world):
+        rows = list(dict.fromkeys(it.index for mb in plan.micro_batches[dest] for it in mb if it.owner == rank))
+        outgoing.append((rows, tu.index_select_tensor_dict(view, rows) if rows else None))
+    pools = {}
+    for owner, (rows, td) in enumerate(exchange_objects(outgoing, group, device)):
+        for position, index in enumerate(rows):
+            pools[(owner, index)] = (td, position)
+    returns = [[] for _ in range(world)]
+    for items, padding in zip(plan.micro_batches[rank], plan.padding[rank]):
+        micro = tu.concat_tensordict([tu.index_select_tensor_dict(pools[(it.owner, it.index)][0],
+                                                                  [pools[(it.owner, it.index)][1]]) for it in items])
+        tu.assign_non_tensor(micro, calculate_entropy=True, compute_loss=False, use_dynamic_bsz=False,
+                             micro_batch_size_per_gpu=len(micro), global_token_num=sequence_tokens(micro))
+        output = _infer(worker, micro)
+        if padding:
+            continue
+        log_prob = no_padding_2_padding(output["log_probs"], micro).float()
+        entropy = no_padding_2_padding(output["entropy"], micro).float()
+        for j, (it, n) in enumerate(zip(items, response_lengths(micro))):
+            returns[it.owner].append((it.index, log_prob[j, :n].detach().cpu().clone(),
+                                      entropy[j, :n].detach().cpu().clone()))
+    return exchange_objects(returns, group, device)
 
 
 def statistic_only_entropy(actor_config) -> bool:

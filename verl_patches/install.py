@@ -109,8 +109,10 @@ PATCHES: tuple[Patch, ...] = (
         name="ppo_loss_token_selection",
         target=f"{_ENGINE_WORKERS}:ppo_loss",
         wrapper="verl_patches.losses:wrap_ppo_loss",
-        changes="token selection inside the loss (scope=micro_batch); a mini-batch whose every token is "
-                "silenced gets a token/sequence count of 1 instead of 0 (all-zero sums give a loss of 0, not NaN)",
+        changes="token selection inside the loss (scope=micro_batch; 20-Entropy's entropy_topk_reading=authors_code, "
+                "per rank with the authors' weighting); a sequence-level ratio over every response token "
+                "(sequence_ratio=all_tokens); a mini-batch whose every token is silenced gets a token/sequence "
+                "count of 1 instead of 0 (all-zero sums give a loss of 0, not NaN)",
         why="verl's ppo_loss hands the policy loss no entropy and no extra batch field",
         relies_on="engine_workers binding partial(ppo_loss, config=...) by its module-level name in init_model",
         drop_when="verl lets a policy loss see the model output and the micro-batch",
@@ -120,7 +122,8 @@ PATCHES: tuple[Patch, ...] = (
         target=f"{_ENGINE_WORKERS}:TrainingWorker.train_batch",
         wrapper="verl_patches.mini_batch:wrap_train_batch",
         changes="before each mini-batch's update: its position in the step, the keep mask folded into "
-                "response_mask/loss_mask (scope=mini_batch), the current-policy forward (stats_from=current), "
+                "response_mask/loss_mask (scope=mini_batch), the current-policy forward (stats_from=current; S2T: "
+                "the positive-advantage sequences only, spread over the data-parallel ranks by tokens), "
                 "the token dump; their metrics join verl's",
         why="S2T's quantile is pooled over the whole mini-batch, and verl counts the loss tokens before the "
             "first micro-batch: the mask must be in place before that count",

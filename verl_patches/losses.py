@@ -17,6 +17,12 @@ verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) hands the policy loss onl
   is re-weighted by ``tokens / kept`` (``sequences / kept sequences`` for seq-mean modes) of this
   micro-batch: each micro-batch contributes the mean over its remaining tokens (sequences) times its
   share of the mini-batch. With one micro-batch per mini-batch this is exactly the mini-batch mean.
+* ``entropy_topk_reading=authors_code`` (20-Entropy exactly as its authors' code): the top tokens of
+  this rank's micro-batch alone, by the update's own entropy, and the loss re-weighted so that each
+  micro-batch contributes the mean over its selected tokens times its share of the mini-batch's
+  sequences (docs/method.md).
+* ``sequence_ratio=all_tokens`` (``gspo``, ``geo_mean``): the sequence-level ratio covers every
+  response token, the silenced ones carrying no gradient (:func:`_sequence_ratio_over_all_tokens`).
 
 Every loss mode without token selection runs bit-identically through the wrapper (tested).
 """
@@ -32,10 +38,12 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils import losses as verl_losses
 from verl.workers.utils.padding import no_padding_2_padding
 
-from .config import TokenSelectionLossConfig
+from .config import KEY_PREFIX, TokenSelectionLossConfig
 from .token_selection import (
     ROLLOUT_ENTROPY_FIELD,
     SEQ_MEAN_MODES,
+    UNSELECTED_MASK_FIELD,
+    add_per_row,
     multiply_like,
     rollout_agreement,
     select_tokens,
@@ -52,34 +60,69 @@ def wrap_ppo_loss(ppo_loss):
             if tu.get_non_tensor_data(data=data, key=key, default=None) == 0:
                 tu.assign_non_tensor(data, **{key: 1})
         cfg = getattr(config, "policy_loss", None)
-        if not (isinstance(cfg, TokenSelectionLossConfig) and cfg.selects_in_loss):
+        if not (isinstance(cfg, TokenSelectionLossConfig) and cfg.selects_tokens):
             return ppo_loss(config, model_output, data, dp_group=dp_group)
-        scale, metrics = _select_in_micro_batch(cfg, config.loss_agg_mode, model_output, data, dp_group)
+        scale, metrics = None, {}
+        unselected = data.get(UNSELECTED_MASK_FIELD, None)  # kept by the mini-batch fold when needed
+        if cfg.selects_in_loss:
+            unselected = data["response_mask"]
+            scale, metrics = _select_in_micro_batch(cfg, config, model_output, data, dp_group)
+        if cfg.sequence_ratio_over_all_tokens:
+            model_output = _sequence_ratio_over_all_tokens(cfg.loss_mode, model_output, data, unselected)
         loss, verl_metrics = ppo_loss(config, model_output, data, dp_group=dp_group)
-        verl_metrics.update(Metric.from_dict(metrics, aggregation=AggregationType.MEAN))
-        return loss * scale, verl_metrics
+        if metrics:
+            verl_metrics.update(Metric.from_dict(metrics, aggregation=AggregationType.MEAN))
+        return (loss if scale is None else loss * scale), verl_metrics
 
     return ppo_loss_with_token_selection
 
+
+#: every policy loss verl 0.9.1 registers: whether its ratio is one number per token or per sequence, and
+#: what token selection does to it (docs/method.md, "Token selection under every verl loss")
+RATIO_LEVEL = {
+    "vanilla": "token",      # PPO clip per token: the silenced tokens leave the aggregation
+    "dppo_tv": "token",      # per-token trust region on the probability difference: likewise
+    "dppo_kl": "token",      # per-token trust region on a KL estimate: likewise
+    "gpg": "token",          # -A log p, no ratio: likewise
+    "dro": "token",          # -(A log p - beta/2 log^2 r): likewise
+    "cispo": "token",        # clipped, detached ratio times log p: likewise
+    "sapo": "token",         # soft gate of the token ratio, seq-mean-token-mean: likewise
+    "clip_cov": "token",     # PPO clip; its covariance statistics and clipped-token budget cover the kept tokens
+    "kl_cov": "token",       # likewise, with its KL penalty on the top-covariance kept tokens
+    "bypass_mode": "token",  # PPO clip / REINFORCE against the rollout policy; a sequence-level rollout IS
+                             # weight or rejection (rollout_correction) is computed over the kept tokens
+    "gspo": "sequence",      # exp(mean log r) over the mask: sequence_ratio
+    "geo_mean": "sequence",  # geometric mean of the clipped token ratios over the mask: sequence_ratio
+}
 
 #: the wrap of verl's own ``ppo_loss`` (what the patched actor calls)
 ppo_loss_with_token_selection = wrap_ppo_loss(verl_losses.ppo_loss)
 
 
-def _select_in_micro_batch(cfg: TokenSelectionLossConfig, loss_agg_mode: str, model_output, data, group):
+def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, data, group):
     """Fold this micro-batch's keep mask into ``data["response_mask"]``; return the loss re-weighting
     and the selection's metrics."""
+    loss_agg_mode = config.loss_agg_mode
+    if not cfg.pools_over_ranks:  # 20-Entropy's authors' code: this rank's micro-batch alone
+        group = None
+        if loss_agg_mode != "token-mean" or config.use_kl_loss or config.entropy_coeff:
+            raise ValueError(
+                f"{KEY_PREFIX}.entropy_topk_reading=authors_code reproduces the authors' token-mean loss without "
+                f"KL loss or entropy bonus; got loss_agg_mode={loss_agg_mode}, use_kl_loss={config.use_kl_loss}, "
+                f"entropy_coeff={config.entropy_coeff}: use entropy_topk_reading=pooled for other settings"
+            )
     response_mask = data["response_mask"]
     width = to_padded(response_mask).shape[1]
     mask = to_padded(response_mask, width)[:, :width].float()
     advantages = to_padded(data["advantages"], width)[:, :width].float()
     rollout_entropy = to_padded(data[ROLLOUT_ENTROPY_FIELD], width)[:, :width].float() if ROLLOUT_ENTROPY_FIELD in data.keys() else None
     old_log_prob = to_padded(data["old_log_probs"], width)[:, :width].float()
-    if cfg.stats_from == "current":
+    if cfg.statistics_source == "current":
         entropy = model_output.get("entropy", None)
         if entropy is None:
             raise RuntimeError(
-                "stats_from=current with scope=micro_batch needs the update's entropy: set "
+                "token selection from the update's own statistics (stats_from=current with scope=micro_batch, or "
+                "entropy_topk_reading=authors_code) needs the update's entropy: set "
                 "actor_rollout_ref.actor.calculate_entropy=true (the recipe's driver does)"
             )
         log_prob = no_padding_2_padding(model_output["log_probs"], data).detach().float()[:, :width]
@@ -91,11 +134,17 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, loss_agg_mode: str, mo
     selection = select_tokens(cfg, log_prob=log_prob, entropy=entropy, advantages=advantages,
                               response_mask=mask, group=group)
     metrics = dict(selection.metrics)
-    if cfg.stats_from == "current" and rollout_entropy is not None:
+    if cfg.statistics_source == "current" and rollout_entropy is not None:
         rollout = select_tokens(cfg, log_prob=old_log_prob, entropy=rollout_entropy, advantages=advantages,
                                 response_mask=mask, group=group)
         metrics.update(rollout_agreement(cfg, selection.keep, rollout.keep, mask, group))
     data["response_mask"] = multiply_like(response_mask, selection.keep.to(mask.device))
+    if not cfg.pools_over_ranks:
+        # verl's token-mean is sum / batch_num_tokens * dp_size and FSDP averages over the dp_size ranks; the
+        # authors' code weights each micro-batch's mean over its selected tokens by its share of the sequences
+        batch_num_tokens = tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=None)
+        sequences = tu.get_non_tensor_data(data=data, key="global_batch_size", default=None)
+        return batch_num_tokens * mask.shape[0] / (sequences * max(selection.kept, 1.0)), metrics
     if loss_agg_mode in SEQ_MEAN_MODES:
         counts = torch.stack([(mask.sum(-1) > 0).sum(), ((mask * selection.keep).sum(-1) > 0).sum()]).double()
         if group is not None:
@@ -106,3 +155,55 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, loss_agg_mode: str, mo
     else:  # token-sum: no denominator to correct
         total, kept = 1.0, 1.0
     return total / max(kept, 1.0), metrics
+
+
+def _sequence_ratio_over_all_tokens(loss_mode: str, model_output, data, unselected):
+    """``sequence_ratio=all_tokens``: make verl's sequence-level ratio cover every response token
+    (``unselected``: the response mask before the selection) while the silenced tokens carry no
+    gradient. Returns the model output to hand verl's loss (``data`` is changed in place).
+
+    * ``gspo``: its ratio ``exp(mean log r)`` enters the loss only as a per-sequence constant (its
+      gradient flows through each token's own log-prob), so the old log-probs of each sequence are
+      shifted by ``mean_kept(log r) - mean_all(log r)``: verl's mean over the kept tokens then equals
+      the mean over all of them, and aggregation and gradient stay over the kept tokens.
+    * ``geo_mean``: the geometric mean of the clipped token ratios is differentiated through every
+      token it covers, so verl runs over the unselected mask with the silenced tokens' log-probs
+      detached.
+    """
+    if unselected is None:
+        raise RuntimeError(f"sequence_ratio=all_tokens needs the unselected mask {UNSELECTED_MASK_FIELD!r} in the batch")
+    width = to_padded(unselected).shape[1]
+    full = to_padded(unselected, width)[:, :width].float()
+    kept = to_padded(data["response_mask"], width)[:, :width].float()
+    if loss_mode == "gspo":
+        log_ratio = (no_padding_2_padding(model_output["log_probs"], data).detach()[:, :width]
+                     - to_padded(data["old_log_probs"], width)[:, :width]).double()
+        mean_kept = (log_ratio * kept).sum(-1) / kept.sum(-1).clamp(min=1)
+        mean_all = (log_ratio * full).sum(-1) / full.sum(-1).clamp(min=1)
+        data["old_log_probs"] = add_per_row(data["old_log_probs"], mean_kept - mean_all)
+        return model_output
+    silenced = (full - kept) > 0
+    log_probs = model_output["log_probs"]
+    values = log_probs.values() if log_probs.is_nested else log_probs
+    flat = torch.zeros(values.shape[0], dtype=torch.bool, device=values.device)
+    for i, (start, length) in enumerate(_response_positions(data)):
+        flat[start:start + length] = silenced[i, :length].to(values.device)
+    values = torch.where(flat, values.detach(), values)
+    if log_probs.is_nested:
+        values = torch.nested.nested_tensor_from_jagged(values, log_probs.offsets())
+    data["response_mask"] = unselected
+    return {**dict(model_output.items()), "log_probs": values}
+
+
+def _response_positions(data) -> list[tuple[int, int]]:
+    """``(start, length)`` of each sequence's response log-probs in a flat model output over every
+    sequence's prompt and response (the slice verl's ``no_padding_2_padding`` takes)."""
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:
+        prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+    else:
+        attention_mask = data["attention_mask"]
+        prompt_lens = attention_mask[:, : prompts.shape[1]].sum(dim=1)
+        response_lens = attention_mask[:, prompts.shape[1]:].sum(dim=1)
+    ends = (prompt_lens + response_lens).cumsum(0).tolist()
+    return [(end - n - 1, n) for end, n in zip(ends, response_lens.tolist())]

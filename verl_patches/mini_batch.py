@@ -58,11 +58,11 @@ def before_update(worker, data) -> dict:
     response_mask = data.get("response_mask", None)  # before any token is silenced
     metrics: dict = {}
     if isinstance(cfg, TokenSelectionLossConfig) and cfg.folds_into_mini_batch:
+        group, device = worker.engine.get_data_parallel_group(), engine_device(worker.engine)
         current = None
         if cfg.forwards_current_policy and not position.first:
-            current = current_policy_statistics(worker, data)
-        metrics = fold_into_mini_batch(cfg, data, group=worker.engine.get_data_parallel_group(),
-                                       device=engine_device(worker.engine), current=current)
+            current = current_policy_statistics(worker, data, cfg, group=group, device=device)
+        metrics = fold_into_mini_batch(cfg, data, group=group, device=device, current=current)
     if token_dump_settings.enabled():
         metrics.update(token_dump.dump_mini_batch(worker, data, response_mask, cfg, position))
     return metrics

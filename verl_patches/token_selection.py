@@ -11,7 +11,13 @@ it composes with every loss mode verl registers. Two places call :func:`select_t
   ranks. For the seq-mean modes, verl's sequence count is replaced by the count of sequences that
   keep at least one token: a fully silenced sequence drops out instead of contributing 0.
 * the loss wrapper (``scope=micro_batch``, :mod:`verl_patches.losses`): once per micro-batch,
-  pooled over the data-parallel group's current micro-batches.
+  pooled over the data-parallel group's current micro-batches (or, for 20-Entropy's authors' code
+  reading, per rank).
+
+With ``stats_from=current`` the fold receives the current policy's statistics as
+:class:`CurrentStatistics`: for S2T only the sequences with a positive advantage are forwarded
+(:mod:`verl_patches.current_stats`), and the selection runs over their tokens only (no other token
+can be a candidate); the other sequences carry no statistic and keep every token.
 
 verl stores per-token fields either padded ``(batch, resp_len)`` (legacy trainer) or as jagged
 nested tensors (TransferQueue trainer); both are handled here and written back in their own layout.
@@ -40,6 +46,9 @@ ROLLOUT_ENTROPY_FIELD = "entropy"
 SEQ_MEAN_MODES = ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 #: verl's field of sum_n pi_n^2 per token (rollout time, with actor.calculate_sum_pi_squared=true)
 SUM_PI_SQUARED_FIELD = "sum_pi_squared"
+#: the recipe's field holding the response mask before the fold, for losses whose sequence-level ratio
+#: is taken over every response token (``sequence_ratio=all_tokens``)
+UNSELECTED_MASK_FIELD = "stapo_unselected_response_mask"
 
 _generators: dict[tuple[int, str], torch.Generator] = {}
 
@@ -65,6 +74,28 @@ class Selection:
     kept: float
     metrics: dict
     candidate: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class CurrentStatistics:
+    """The current policy's statistics of one mini-batch on this rank.
+
+    log_prob, entropy: float32 ``(batch, resp_len)`` padded as verl's loss sees them; NaN on the rows
+    not forwarded. forwarded: bool ``(batch,)``, the rows whose statistics were computed.
+    metrics: the forward's own metrics (``*/current_forward_*``)."""
+
+    log_prob: torch.Tensor
+    entropy: torch.Tensor
+    forwarded: torch.Tensor
+    metrics: dict
+
+
+def _as_current(current, batch: int) -> Optional[CurrentStatistics]:
+    """``current`` as :class:`CurrentStatistics` (a ``(log_prob, entropy)`` pair covers every row)."""
+    if current is None or isinstance(current, CurrentStatistics):
+        return current
+    log_prob, entropy = current
+    return CurrentStatistics(log_prob, entropy, torch.ones(batch, dtype=torch.bool), {})
 
 
 def select_tokens(
@@ -100,7 +131,8 @@ def select_tokens(
         tokens = float(result.stats["tokens"])
         return Selection(result.keep, tokens, tokens - float(result.stats["silenced"]), metrics, result.candidate)
     if cfg.token_selection == "entropy_topk":
-        keep = entropy_topk_mask(entropy, response_mask, ratio=cfg.entropy_top_ratio, group=group)
+        keep = entropy_topk_mask(entropy, response_mask, ratio=cfg.entropy_top_ratio, group=group,
+                                 rounding="authors_code" if cfg.authors_code_reading else "ceil")
         counts = torch.stack([response_mask.float().sum(), keep.sum()])
         if group is not None:
             torch.distributed.all_reduce(counts, group=group)
@@ -112,6 +144,23 @@ def select_tokens(
         }
         return Selection(keep, tokens, kept, metrics)
     raise ValueError(f"select_tokens: token_selection {cfg.token_selection!r} selects no tokens")
+
+
+def widen_selection(selection: Selection, response_mask: torch.Tensor, group=None) -> Selection:
+    """An S2T selection computed over part of the response tokens (the forwarded sequences), made the
+    selection over all of ``response_mask``: every other token is kept, and the token counts
+    (``s2t/tokens``, ``s2t/silenced_frac``) cover every response token of the pooled group."""
+    mask = response_mask.float()
+    silenced = selection.candidate.float() * (1.0 - selection.keep)  # candidates lie inside the part
+    count = mask.sum().double()
+    if group is not None:
+        torch.distributed.all_reduce(count, group=group)
+    tokens = float(count.item())
+    silenced_count = selection.tokens - selection.kept
+    metrics = dict(selection.metrics)
+    metrics[S2T_METRIC_PREFIX + "tokens"] = tokens
+    metrics[S2T_METRIC_PREFIX + "silenced_frac"] = silenced_count / max(tokens, 1.0)
+    return Selection(mask * (1.0 - silenced), tokens, tokens - silenced_count, metrics, selection.candidate)
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,22 +189,32 @@ def multiply_like(mask: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
     return torch.nested.nested_tensor_from_jagged(new_values, offsets)
 
 
+def add_per_row(t: torch.Tensor, per_row: torch.Tensor) -> torch.Tensor:
+    """``t + per_row[i]`` on every entry of row ``i``, in ``t``'s layout (padded or jagged nested) and dtype."""
+    if not t.is_nested:
+        return (t + per_row.to(t.device, t.dtype)[:, None]).to(t.dtype)
+    lengths = t.offsets().diff()
+    shift = torch.repeat_interleave(per_row.to(t.values().device, t.dtype), lengths.to(t.values().device))
+    return torch.nested.nested_tensor_from_jagged(t.values() + shift, t.offsets())
+
+
 # --------------------------------------------------------------------------------------------
 # mini-batch scope (called by the actor worker, once per mini-batch)
 # --------------------------------------------------------------------------------------------
 
 
-def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device=None,
-                         current: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> dict[str, float]:
+def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device=None, current=None) -> dict[str, float]:
     """Silence tokens of one mini-batch in place, before verl counts its loss tokens.
 
     ``data`` is the mini-batch TensorDict one data-parallel rank holds; ``group`` the data-parallel
-    group (the mini-batch is the union of every rank's part). The statistics are ``current`` =
-    ``(log_prob, entropy)`` of the policy being updated (padded ``(batch, resp_len)``, from a no-grad
-    forward of this mini-batch) when given, else the rollout-time ones: ``old_log_probs`` and the
-    ``entropy`` field kept by :mod:`verl_patches.trainers`. Multiplies ``response_mask`` and
-    ``loss_mask`` by the keep mask, sets verl's ``global_batch_size`` to the sequences that keep a
-    token (seq-mean modes), and returns the metrics.
+    group (the mini-batch is the union of every rank's part). The statistics are ``current``, the
+    policy being updated (:class:`CurrentStatistics`, or a ``(log_prob, entropy)`` pair covering
+    every row, padded ``(batch, resp_len)``), when given, else the rollout-time ones:
+    ``old_log_probs`` and the ``entropy`` field kept by :mod:`verl_patches.trainers`. With
+    ``current`` covering only some rows (S2T: those with a positive advantage), the selection runs
+    over their tokens and every other token is kept. Multiplies ``response_mask`` and ``loss_mask``
+    by the keep mask, sets verl's ``global_batch_size`` to the sequences that keep a token (seq-mean
+    modes), keeps the unselected mask for ``sequence_ratio=all_tokens``, and returns the metrics.
     ``device``: where to compute (the engine's device: collectives over verl's data-parallel group
     may only accept device tensors, as verl's own ``batch_num_tokens`` all-reduce assumes); the
     mini-batch itself stays where it is.
@@ -175,14 +234,26 @@ def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device
         return to_padded(data[name], width).to(device).float()
 
     mask = field("response_mask")
+    current = _as_current(current, mask.shape[0])
+    selection_mask = mask
     if current is None:
         log_prob, entropy = field("old_log_probs"), field(ROLLOUT_ENTROPY_FIELD)
     else:
-        log_prob, entropy = (to_padded(t, width)[:, :width].to(device).float() for t in current)
+        log_prob, entropy = (to_padded(t, width)[:, :width].to(device).float() for t in (current.log_prob, current.entropy))
+        partial = not bool(current.forwarded.all())
+        if partial and cfg.token_selection != "s2t":
+            raise ValueError(f"token_selection={cfg.token_selection} needs the statistics of every sequence")
+        selection_mask = mask * current.forwarded.to(mask.device, torch.float32)[:, None]
     selection = select_tokens(
-        cfg, log_prob=log_prob, entropy=entropy, advantages=field("advantages"), response_mask=mask, group=group
+        cfg, log_prob=log_prob, entropy=entropy, advantages=field("advantages"), response_mask=selection_mask,
+        group=group,
     )
+    if current is not None and cfg.token_selection == "s2t":
+        # the same counts everywhere, whether this rank forwarded every row or not
+        selection = widen_selection(selection, mask, group)
     metrics = dict(selection.metrics)
+    if current is not None:
+        metrics.update(current.metrics)
     if current is not None and "old_log_probs" in data and ROLLOUT_ENTROPY_FIELD in data:
         rollout = select_tokens(cfg, log_prob=field("old_log_probs"), entropy=field(ROLLOUT_ENTROPY_FIELD),
                                 advantages=field("advantages"), response_mask=mask, group=group)
@@ -198,6 +269,8 @@ def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device
                 group=group,
             )
         )
+    if cfg.sequence_ratio_over_all_tokens:
+        data[UNSELECTED_MASK_FIELD] = response_mask.clone()
     keep = selection.keep.to(response_mask.device)
     data["response_mask"] = multiply_like(response_mask, keep)
     if "loss_mask" in data:

@@ -275,3 +275,43 @@ def test_current_stats_cost_model():
     assert bcs.expected_share(4, checkpointing=False) == pytest.approx(0.25)
     steps = {s: {"timing_s/old_log_prob": 1.0, "timing_s/update_actor": 4.0 * s} for s in (1, 2, 3)}
     assert bcs.measured_share(steps, 4, warmup_steps=1) == pytest.approx(0.75 * statistics.median([1 / 8, 1 / 12]))
+    # only the positive-advantage sequences: the same times their token share f
+    assert bcs.expected_share(4, forwarded=0.3) == pytest.approx(0.3 * 3 / 16)
+    assert bcs.measured_share(steps, 4, warmup_steps=1, forwarded=0.3) == pytest.approx(
+        0.3 * 0.75 * statistics.median([1 / 8, 1 / 12]))
+
+
+def test_current_stats_simulation_at_a_small_scale():
+    """The paper-scale model at 4 ranks: f is a share, a rank's own positive-advantage sequences are
+    part of its full share, the full forward's busiest rank is at least its mean, every number is
+    finite; the table has one row per accuracy."""
+    from benchmarks import bench_current_stats as bcs
+
+    result = bcs.simulate(0.5, ranks=4, prompts=16, n=8, steps=2, median_response=500, max_response=2000,
+                          budget=8000)
+    assert 0.0 < result["f"] < 1.0
+    assert all(math.isfinite(v) for v in result.values())
+    assert 0.0 < result["own_tokens"] <= 1.0 and result["balanced_tokens"] > 0.0
+    assert result["full_imbalance"] >= 1.0
+    table = bcs.simulation_table([0.3, 0.7], ranks=4, prompts=16, n=8, steps=1, median_response=500,
+                                 max_response=2000, budget=8000)
+    assert [r[0] for r in table_rows(table) if r[0] != "mean accuracy"] == ["0.3", "0.7"]
+
+
+def test_current_stats_bad_simulation_arguments_are_named(capsys):
+    from benchmarks import bench_current_stats as bcs
+
+    with pytest.raises(SystemExit):
+        bcs.main(["--simulate", "--accuracy", "0.5,one"])
+    assert "--accuracy='0.5,one'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bcs.main(["--simulate", "--accuracy", "1.5"])
+    assert "numbers in (0, 1)" in capsys.readouterr().err
+
+
+def test_current_stats_logged_median_skips_warmup_and_missing_steps():
+    from benchmarks import bench_current_stats as bcs
+
+    steps = {1: {"m": 100.0}, 2: {"m": 1.0}, 3: {}, 4: {"m": 3.0}}
+    assert bcs.logged_median(steps, "m", warmup_steps=1) == 2.0
+    assert math.isnan(bcs.logged_median(steps, "absent"))

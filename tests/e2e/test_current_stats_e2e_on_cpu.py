@@ -1,29 +1,35 @@
 """``stats_from=current`` (Algorithm 1) on verl's real trainer on CPU, against an independent forward.
 
-One STAPO run (TransferQueue trainer, 2 steps, 4 mini-batches per step, a learning rate that
-visibly moves the tiny policy between mini-batches) with ``tests.helpers.minibatch_recorder`` loaded into
-every verl process: before each mini-batch update it saves the actor's full weights and the
-mini-batch, and after the recipe's fold the ``response_mask`` the engine trained on. For every
-mini-batch the test then
+Two STAPO runs (TransferQueue trainer, 2 steps, 4 mini-batches per step, a learning rate that
+visibly moves the tiny policy between mini-batches), one data-parallel rank and two
+(``trainer.n_gpus_per_node=2``, gloo), with ``tests.helpers.minibatch_recorder`` loaded into every verl
+process: before each mini-batch update it saves the actor's full weights and the mini-batch, and after
+the recipe's fold the ``response_mask`` the engine trained on, the sequences the statistics forward
+covered and the recipe's S2T metrics. For every mini-batch (both ranks' parts together) the test then
 
 - builds the tiny model from the recorded weights with plain ``transformers`` (padded eager
-  forward, float64 softmax: no verl code), computes each response token's probability and entropy,
+  forward, float64 softmax: no verl code), computes each response token's probability and entropy
+  for every sequence of the mini-batch,
 - applies S2T from its definition (candidates ``A > 0`` and ``p < tau_p``; ``tau_h`` the
   ``q``-quantile of the candidates' entropies over the whole mini-batch; silence ``H < tau_h``),
-- and compares the silenced set with the one the trainer folded in.
+- and compares the silenced set and ``tau_h`` with the ones the trainer folded in and logged.
 
-The actor runs its update and its no-grad statistics forward one sequence at a time, so a
-selection pooled per micro-batch (or taken from the rollout policy) would not match.
+The trainer forwards only the positive-advantage sequences (``current_forward=positive_advantage``,
+the default), moved between the ranks to balance their tokens; the reference forwards every
+sequence. The actor runs its update and its no-grad statistics forward one sequence at a time, so a
+selection pooled per micro-batch (or taken from the rollout policy) would not match. The two-rank run
+has a mini-batch in which one rank holds no positive-advantage sequence.
 
-This run is also the suite's STAPO run of the TransferQueue trainer (tests/e2e/test_trainer_e2e_on_cpu.py
-runs the other methods and STAPO on the legacy trainer): it must train and log the S2T metrics.
+The one-rank run is also the suite's STAPO run of the TransferQueue trainer
+(tests/e2e/test_trainer_e2e_on_cpu.py runs the other methods and STAPO on the legacy trainer): it must
+train and log the S2T metrics.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
+from collections import defaultdict
 
 import pytest
 import torch
@@ -45,11 +51,18 @@ MICRO = 1  # sequences per micro-batch (update and statistics forward); a mini-b
 #: probabilities / entropies this close to a threshold may fall on either side between two
 #: float32 forwards computed in different orders; such tokens are reported, not compared
 NEAR = 1e-4
+#: the runs: data-parallel ranks and the overrides that make them
+RUNS = {
+    "1-rank": [],
+    "2-ranks": ["trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2"],
+}
+#: the rows of a mini-batch, concatenated over its ranks (padded to the widest)
+ROW_FIELDS = ("responses", "advantages", "old_log_probs", "entropy", "response_mask", "folded")
 
 
-@pytest.fixture(scope="module")
-def records(assets, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("current_stats") / "stapo"
+@pytest.fixture(scope="module", params=list(RUNS))
+def records(request, assets, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("current_stats") / request.param
     record_dir = run_dir / "records"
     modules = f"verl_patches,verl_patches.cpu,{RECORDER}"
     with pytest.MonkeyPatch.context() as mp:
@@ -57,7 +70,7 @@ def records(assets, tmp_path_factory):
         mp.setenv("VERL_USE_EXTERNAL_MODULES", modules)
         mp.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p))
         run = run_cpu_trainer(
-            "stapo", assets, run_dir, steps=2, prompts=8, n=4, mini_batch_prompts=2, lr=LR, timeout=420,
+            "stapo", assets, run_dir, steps=2, prompts=8, n=4, mini_batch_prompts=2, lr=LR, timeout=600,
             extra=[
                 "actor_rollout_ref.actor.policy_loss.stats_from=current",
                 f"actor_rollout_ref.actor.policy_loss.tau_p={TAU_P}",
@@ -65,17 +78,39 @@ def records(assets, tmp_path_factory):
                 f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={MICRO}",
                 f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='{modules}'",
                 f"++ray_kwargs.ray_init.runtime_env.env_vars.STAPO_TEST_RECORD_DIR='{record_dir}'",
+                *RUNS[request.param],
             ],
         )
     assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
-    files = sorted(record_dir.glob("*.pt"))
-    assert len(files) == 8, f"expected 2 steps x 4 mini-batches recorded, got {[f.name for f in files]}"
+    ranks = 2 if request.param == "2-ranks" else 1
+    by_call = defaultdict(list)
+    for f in sorted(record_dir.glob("*.pt")):
+        by_call[f.stem.split("_mb")[1]].append(torch.load(f, weights_only=False))
+    assert len(by_call) == 8 and all(len(v) == ranks for v in by_call.values()), \
+        f"expected 2 steps x 4 mini-batches on {ranks} rank(s), got {[f.name for f in record_dir.glob('*.pt')]}"
     out, next_is_first = [], True
-    for f in files:
-        rec = torch.load(f, weights_only=False)
+    for call in sorted(by_call):
+        rec = combine(sorted(by_call[call], key=lambda r: r["rank"]))
         rec["first"], next_is_first = next_is_first, rec["update_lr_scheduler"]
         out.append(rec)
-    return {"records": out, "model": asset_paths(assets).model, "metrics": run.metrics}
+    return {"records": out, "model": asset_paths(assets).model, "metrics": run.metrics, "ranks": ranks}
+
+
+def combine(parts):
+    """One mini-batch's record from its ranks' parts: rows concatenated in rank order (``rank_of``
+    says which rank held each row), rank 0's weights and metrics, every rank's forwards."""
+    rec = {"weights": parts[0]["weights"], "metrics": parts[0].get("metrics", {}),
+           "update_lr_scheduler": parts[0]["update_lr_scheduler"],
+           "infer_calls": [p["infer_calls"] for p in parts],
+           "infer_responses": [p["infer_responses"] for p in parts],
+           "rank_of": torch.cat([torch.full((p["responses"].shape[0],), p["rank"]) for p in parts])}
+    width = max(p["responses"].shape[1] for p in parts)
+    for name in ROW_FIELDS:
+        rec[name] = torch.cat([torch.nn.functional.pad(p[name], (0, width - p[name].shape[1])) for p in parts])
+    for name in ("input_ids_rows", "position_ids_rows", "attention_mask_rows"):
+        if name in parts[0]:
+            rec[name] = [row for p in parts for row in p[name]]
+    return rec
 
 
 def _sequence(rec, i):
@@ -143,7 +178,7 @@ def compared(records):
         rows.append({
             "rec": rec, "log_prob": log_prob, "entropy": entropy, "mask": mask, "advantages": advantages,
             "reference": silenced, "near": near,
-            "trained": mask & ~rec["folded"].bool()[:, : mask.shape[1]],
+            "trained": mask & ~rec["folded"].bool()[:, : mask.shape[1]], "tau_h": tau_h,
         })
     return rows
 
@@ -186,9 +221,55 @@ def test_tau_h_is_pooled_over_the_mini_batch_not_the_micro_batch(compared):
     assert differs >= 1
 
 
-def test_one_statistics_forward_per_later_mini_batch_and_none_on_the_first(compared):
-    calls = [(r["rec"]["first"], r["rec"]["infer_calls"]) for r in compared]
-    assert calls == [(True, 0), (False, 1), (False, 1), (False, 1)] * 2, calls
+def test_tau_h_equals_the_full_forwards(compared):
+    """The logged tau_h of every mini-batch with candidates is the reference's (float32 forward)."""
+    checked = 0
+    for k, r in enumerate(compared):
+        logged = r["rec"]["metrics"].get("s2t/tau_h")
+        reference = r["tau_h"][~torch.isnan(r["tau_h"])]
+        if reference.numel() == 0:
+            assert logged is None, f"mini-batch {k}: tau_h {logged} logged without candidates"
+            continue
+        assert logged == pytest.approx(reference[0].item(), abs=NEAR), f"mini-batch {k}"
+        checked += not r["rec"]["first"]
+    assert checked >= 3  # of the 6 mini-batches with current-policy statistics
+
+
+def positive_responses(r):
+    """The response token ids of the mini-batch's sequences with a positive advantage."""
+    rec, mask = r["rec"], r["mask"]
+    return sorted(tuple(rec["responses"][i, : int(mask[i].sum())].tolist()) for i in range(mask.shape[0])
+                  if bool(((r["advantages"][i] > 0) & mask[i]).any()))
+
+
+def test_only_the_positive_advantage_sequences_are_forwarded_and_none_on_the_first(compared):
+    """No forward on a step's first mini-batch; on each later one every positive-advantage sequence
+    exactly once (one per micro-batch), plus repeats of one of them that keep the ranks in step, and
+    no other sequence; every rank runs the same number of forwards."""
+    for k, r in enumerate(compared):
+        rec = r["rec"]
+        assert len(set(rec["infer_calls"])) == 1, f"mini-batch {k}: ranks ran {rec['infer_calls']} forwards"
+        forwarded = sorted(seq for rank in rec["infer_responses"] for call in rank for seq in call)
+        if rec["first"]:
+            assert forwarded == [], f"mini-batch {k}"
+            continue
+        wanted = positive_responses(r)
+        extra = list(forwarded)
+        for seq in wanted:
+            extra.remove(seq)  # ValueError if a positive sequence was not forwarded
+        assert len(set(extra)) <= 1 and set(extra) <= set(wanted), f"mini-batch {k}: forwarded other sequences"
+        assert all(len(call) == MICRO for rank in rec["infer_responses"] for call in rank)
+
+
+def test_the_two_rank_run_has_a_rank_without_positive_advantage(records, compared):
+    """Some later mini-batch of the two-rank run has one rank without a positive-advantage
+    sequence (its statistics then came from the other rank's sequences or only padding)."""
+    if records["ranks"] == 1:
+        assert all(int(r["rec"]["rank_of"].max()) == 0 for r in compared)
+        return
+    empty = [k for k, r in enumerate(compared) if not r["rec"]["first"] and any(
+        not bool(((r["advantages"] > 0) & r["mask"])[r["rec"]["rank_of"] == rank].any()) for rank in (0, 1))]
+    assert empty, "no mini-batch with a rank that holds no positive-advantage sequence"
 
 
 def test_the_run_trains_and_logs_the_s2t_metrics(records):
@@ -202,3 +283,9 @@ def test_the_run_trains_and_logs_the_s2t_metrics(records):
         assert 0 <= s2t["actor/s2t/silenced"] <= s2t["actor/s2t/candidates"] <= s2t["actor/s2t/tokens"]
         assert "actor/s2t/grad_norm_kept" in s2t  # rollout-time sum_pi_squared reached the actor
         assert 0.0 <= s2t["actor/s2t/rollout_agreement"] <= 1.0  # both statistics existed on mini-batches 2+
+        frac, slowest = s2t["actor/s2t/current_forward_tokens_frac"], s2t["actor/s2t/current_forward_slowest_rank_frac"]
+        assert 0.0 < frac < 1.0  # only the positive-advantage sequences
+        if records["ranks"] == 1:
+            assert slowest == pytest.approx(frac)  # one rank: it forwards everything forwarded
+        else:
+            assert 0.0 < slowest

@@ -1,8 +1,11 @@
 """S2T on top of another verl policy loss, end to end: STAPO + GSPO with verl's real trainer on CPU.
 
 One run of 2 steps (the tiny assets are shared with the other end-to-end tests of the session):
-the composed pair trains, S2T's mask and metrics are there, and verl's GSPO loss is the one that ran
-(its sequence-level ratio differs from the token-level one, so its clip fraction metric exists).
+the composed pair trains, S2T's mask and metrics are there, and verl's GSPO loss is the one that ran.
+GSPO's sequence ratio is taken over every response token (``sequence_ratio=all_tokens``): the
+unselected mask the fold keeps travels through verl's micro-batching to the loss (the default
+``kept_tokens`` needs nothing beyond the fold; both readings are checked against closed forms in
+tests/verl_patches/test_losses_on_cpu.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ PL = "actor_rollout_ref.actor.policy_loss"
 def gspo_run(tmp_path_factory):
     assets = build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
     run = run_cpu_trainer("stapo", assets, tmp_path_factory.mktemp("stapo_gspo"), steps=2, timeout=420,
-                          extra=[f"{PL}.loss_mode=gspo"])
+                          extra=[f"{PL}.loss_mode=gspo", f"{PL}.sequence_ratio=all_tokens"])
     assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
     return run
 
@@ -34,6 +37,7 @@ def test_stapo_on_gspo_trains_with_the_s2t_mask(gspo_run):
     assert set(steps) == {1, 2}
     log = Path(gspo_run.log).read_text(errors="replace")
     assert "'loss_mode': 'gspo'" in log and "'token_selection': 's2t'" in log  # the composed pair ran
+    assert "'sequence_ratio': 'all_tokens'" in log
     for step, data in steps.items():
         assert math.isfinite(data["actor/pg_loss"]) and math.isfinite(data["actor/grad_norm"])
         s2t = {k: v for k, v in data.items() if k.startswith("actor/s2t/")}

@@ -5,15 +5,19 @@ when ``STAPO_TEST_RECORD_DIR`` is set. It wraps ``TrainingWorker.train_batch`` (
 recipe's wrapper, which folds the token selection into the mini-batch) and writes, per call, one
 ``mb<k>.pt`` with:
 
+- ``rank``: the data-parallel rank (the records of one mini-batch share their call index ``mb<k>``
+  over the ranks' processes),
 - ``weights``: the actor's full state dict before the update (the policy the mini-batch's current
-  statistics must come from),
+  statistics must come from; gathered on every rank, saved by rank 0 only),
 - ``input_ids_rows`` / ``attention_mask_rows`` / ``position_ids_rows``: one tensor per sequence (as
   verl holds them: jagged without padding, or padded), ``responses`` / ``advantages`` /
   ``old_log_probs`` / ``entropy`` (rollout time) and the ``response_mask`` before the fold (padded, as verl's loss sees them),
 - ``folded``: the ``response_mask`` the engine received (after the recipe's fold),
 - ``infer_calls``: how many times ``TrainingWorker.infer_batch`` ran during the call (the extra
-  forward of ``stats_from=current``), ``update_lr_scheduler``: verl's flag on the last mini-batch of
-  a step (so the next call starts a step).
+  forward of ``stats_from=current``), ``infer_responses``: the response token ids of every sequence
+  it forwarded (one tuple per sequence, per call), ``update_lr_scheduler``: verl's flag on the last
+  mini-batch of a step (so the next call starts a step),
+- ``metrics``: the recipe's ``s2t/*`` metrics of the update (on the ranks that return verl's output).
 
 Used by tests/e2e/test_current_stats_e2e_on_cpu.py, which recomputes the silenced set from an
 independent forward of the recorded weights.
@@ -57,12 +61,13 @@ def install(out_dir: str) -> None:
         return
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {"calls": 0, "infer": 0}
+    state = {"calls": 0, "infer": 0, "responses": []}
     inner_train, inner_infer = worker_cls.train_batch, worker_cls.infer_batch
 
     @functools.wraps(inner_infer)
     def infer_batch(self, data, *args, **kwargs):
         state["infer"] += 1
+        state["responses"].append([tuple(row.tolist()) for row in data["responses"].unbind(0)])
         return inner_infer(self, data, *args, **kwargs)
 
     @functools.wraps(inner_train)
@@ -82,12 +87,18 @@ def install(out_dir: str) -> None:
         record.update({name + "_rows": _rows(data[name]) for name in ("input_ids", "attention_mask", "position_ids")
                        if name in data})
         record["update_lr_scheduler"] = bool(tu.get(data, "update_lr_scheduler", False))
+        record["rank"] = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         with engine.train_mode():
-            record["weights"] = _full_state_dict(engine.module)
-        infer_before = state["infer"]
+            weights = _full_state_dict(engine.module)  # collective: every rank gathers
+        if record["rank"] == 0:
+            record["weights"] = weights
+        infer_before, state["responses"] = state["infer"], []
         output = inner_train(self, data, *args, **kwargs)
         record["infer_calls"] = state["infer"] - infer_before
+        record["infer_responses"] = state["responses"]
         record["folded"] = engine._recorder_folded
+        if output is not None:
+            record["metrics"] = {k: v for k, v in tu.get(output, "metrics").items() if k.startswith("s2t/")}
         torch.save(record, out / f"pid{os.getpid()}_mb{state['calls']:03d}.pt")
         state["calls"] += 1
         return output

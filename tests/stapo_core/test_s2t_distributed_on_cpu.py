@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from tests.helpers.dist_utils import SyncRecorder, run_on_ranks
 from stapo_core import s2t_mask, entropy_topk_mask
+from stapo_core.distributed import exchange_objects, gather_objects
 
 WORLD = 2
 
@@ -120,12 +121,21 @@ def _top_on_rank(rank, group, case):
     return {"keep": entropy_topk_mask(*case["ranks"][rank], ratio=case["ratio"], group=group)}
 
 
+def _parcel(src, dest):
+    """What rank ``src`` sends rank ``dest`` in the exchange test: sizes differ per pair, one empty."""
+    if (src, dest) == (1, 0):
+        return None
+    return {"from": src, "to": dest, "rows": [torch.arange(3 * src + dest + 1) * (src + 1)]}
+
+
 def _rank_body(rank, group, payload):
     s2t_cases, top_cases = payload
     return {
         "s2t": {case["name"]: _catch(_s2t_on_rank, rank, group, case) for case in s2t_cases},
         "top": {case["name"]: _catch(_top_on_rank, rank, group, case) for case in top_cases},
         "syncs": _count_syncs(rank, group, s2t_cases[0]["ranks"][rank], top_cases[0]["ranks"][rank]),
+        "exchange": exchange_objects([_parcel(rank, dest) for dest in range(WORLD)], group),
+        "gather": gather_objects({"rank": rank, "items": list(range(rank + 2))}, group),
     }
 
 
@@ -232,3 +242,28 @@ def test_pooled_calls_sync_only_to_size_the_buffers(rank_results):
         for calls, boolean_indexing in syncs.values():
             assert boolean_indexing == 0
             assert all(numel <= 16 for _, numel in calls), calls
+
+
+def test_exchange_objects_delivers_what_each_rank_sent_to_it(rank_results):
+    """Variable-size parcels (one empty) between 2 ranks: rank r receives, from each rank s, exactly
+    what s addressed to r."""
+    for rank, result in enumerate(rank_results):
+        received = result["exchange"]
+        assert len(received) == WORLD
+        for src in range(WORLD):
+            want = _parcel(src, rank)
+            if want is None:
+                assert received[src] is None
+                continue
+            assert received[src]["from"] == src and received[src]["to"] == rank
+            assert torch.equal(received[src]["rows"][0], want["rows"][0])
+
+
+def test_gather_objects_lists_every_rank_in_order(rank_results):
+    for result in rank_results:
+        assert result["gather"] == [{"rank": r, "items": list(range(r + 2))} for r in range(WORLD)]
+
+
+def test_exchange_and_gather_without_a_group_return_the_local_objects():
+    assert exchange_objects(["to me"], None) == ["to me"]
+    assert gather_objects(5, None) == [5]

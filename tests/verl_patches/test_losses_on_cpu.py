@@ -15,6 +15,7 @@ from recipe.stapo.config_utils import compose
 from stapo_core import clipped_policy_loss, s2t_mask, entropy_topk_mask
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
+from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils import losses as verl_losses
 from verl_patches.losses import ppo_loss_with_token_selection
@@ -268,3 +269,254 @@ def test_current_statistics_compute_the_update_entropy_without_grad(stats_from, 
     assert entropy.requires_grad is not no_grad
     torch.testing.assert_close(entropy.detach(), entropy_fn(logits).detach())
     assert worker.loss_fn.keywords["config"] is config
+
+
+# --------------------------------------------------------------------------------------------
+# 20-Entropy exactly as its authors' code (entropy_topk_reading=authors_code), on 2 ranks
+# --------------------------------------------------------------------------------------------
+
+AUTHORS_ROWS = 8  # sequences per rank and mini-batch
+#: micro-batch sizes per rank: equal ones (fixed micro-batch size) and unequal ones (dynamic batch size)
+AUTHORS_CASES = {
+    "fixed-micro-batches-0.2": dict(ratio=0.2, splits=([2, 2, 2, 2], [2, 2, 2, 2])),
+    "dynamic-micro-batches-0.37": dict(ratio=0.37, splits=([3, 5], [2, 6])),
+}
+READINGS = {
+    "authors_code": ("actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code",),
+    "pooled": ("actor_rollout_ref.actor.policy_loss.stats_from=current", MICRO),
+}
+
+
+def authors_batch(rank: int, seed: int = 11):
+    """One rank's part of a mini-batch: lengths, advantages of both signs, ratios that clip, distinct
+    entropies (no ties: torch.topk's order among equal values is unspecified)."""
+    g = torch.Generator().manual_seed(seed + rank)
+    mask = right_padded_mask(torch.randint(2, R + 1, (AUTHORS_ROWS,), generator=g), R)
+    adv = torch.randn(AUTHORS_ROWS, generator=g)[:, None].expand(AUTHORS_ROWS, R).clone()
+    old = -torch.rand(AUTHORS_ROWS, R, generator=g) * 3
+    log_prob = old + 0.4 * torch.randn(AUTHORS_ROWS, R, generator=g)
+    entropy = torch.rand(AUTHORS_ROWS, R, generator=g) * 5
+    return mask, old, log_prob, entropy, adv
+
+
+def _authors_on_rank(rank, group, payload):
+    """Every case and reading on this rank, verl's way: micro-batches through the patched ppo_loss
+    with the update's entropy, verl's all-reduced token count, FSDP-style gradient accumulation."""
+    import torch.distributed as dist
+
+    out = {}
+    mask, old, log_prob, entropy, adv = authors_batch(rank)
+    batch_num_tokens = mask.sum()
+    dist.all_reduce(batch_num_tokens, group=group)
+    for name, case in AUTHORS_CASES.items():
+        for reading, overrides in READINGS.items():
+            config = actor_config("entropy20", "actor_rollout_ref.actor.calculate_entropy=true",
+                                  f"actor_rollout_ref.actor.policy_loss.entropy_top_ratio={case['ratio']}", *overrides)
+            lp = log_prob.clone().requires_grad_(True)
+            total, kept, start = torch.zeros(()), [], 0
+            for size in case["splits"][rank]:
+                sl = slice(start, start + size)
+                start += size
+                data = micro_batch(mask[sl], old[sl], adv[sl], dp_size=2, batch_num_tokens=int(batch_num_tokens),
+                                   global_batch_size=2 * AUTHORS_ROWS)
+                model_output = {"log_probs": flat_model_output(lp[sl], mask[sl]),
+                                "entropy": flat_model_output(entropy[sl], mask[sl])}
+                loss, metrics = ppo_loss_with_token_selection(config=config, model_output=model_output, data=data,
+                                                              dp_group=group)
+                loss.backward()
+                total = total + loss.detach()
+                kept.append(metrics["entropy_topk/kept"].aggregate())
+            out[(name, reading)] = {"loss": total, "grad": lp.grad, "kept": kept}
+    return out
+
+
+@pytest.fixture(scope="module")
+def authors_ranks(tmp_path_factory):
+    """Every case and reading on 2 gloo ranks, in one spawn."""
+    from tests.helpers.dist_utils import run_on_ranks
+
+    return run_on_ranks(_authors_on_rank, None, 2, tmp_path_factory.mktemp("authors"))
+
+
+def authors_reference(rank: int, case: dict):
+    """The authors' code on this rank's part (tests.helpers.authors_entropy_topk)."""
+    from tests.helpers.authors_entropy_topk import rank_update
+
+    config = actor_config("entropy20")
+    mask, old, log_prob, entropy, adv = authors_batch(rank)
+    lp = log_prob.clone().requires_grad_(True)
+    micro_batches, start = [], 0
+    for size in case["splits"][rank]:
+        sl = slice(start, start + size)
+        start += size
+        micro_batches.append((lp[sl], old[sl], adv[sl], mask[sl], entropy[sl]))
+    total, kept = rank_update(micro_batches, AUTHORS_ROWS, case["ratio"], config.clip_ratio_low,
+                              config.clip_ratio_high, config.clip_ratio_c)
+    return total, lp.grad, kept
+
+
+@pytest.mark.parametrize("case", list(AUTHORS_CASES))
+def test_entropy_topk_authors_code_reading_equals_the_authors_code_on_two_ranks(case, authors_ranks):
+    """Per rank and micro-batch: the same tokens kept, and the same loss and gradient (each rank's,
+    hence their FSDP average) as the authors' selection and loss; the pooled reading differs."""
+    for rank in range(2):
+        ours = authors_ranks[rank][(case, "authors_code")]
+        want_loss, want_grad, want_kept = authors_reference(rank, AUTHORS_CASES[case])
+        assert ours["kept"] == want_kept
+        torch.testing.assert_close(ours["loss"], want_loss)
+        torch.testing.assert_close(ours["grad"], want_grad)
+        assert ours["grad"].abs().sum() > 0
+    pooled = [authors_ranks[rank][(case, "pooled")]["grad"] for rank in range(2)]
+    assert any(not torch.allclose(pooled[rank], authors_ranks[rank][(case, "authors_code")]["grad"])
+               for rank in range(2))
+
+
+def test_authors_code_reading_is_one_switch_and_refuses_other_settings():
+    """entropy_topk_reading=authors_code alone selects in the loss, from the update's entropy, per
+    rank; it refuses S2T, a mini-batch scope, and (at the loss) a loss aggregation other than token-mean."""
+    policy = actor_config("entropy20", "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code").policy_loss
+    assert policy.stats_from == "rollout"  # the method's YAML value, not read by this reading
+    assert policy.selects_in_loss and policy.needs_update_entropy and not policy.pools_over_ranks
+    assert not policy.folds_into_mini_batch and not policy.needs_rollout_entropy
+    from verl_patches.config import TokenSelectionLossConfig
+
+    with pytest.raises(ValueError, match="entropy_topk_reading='authors_code'.*token_selection=s2t"):
+        TokenSelectionLossConfig(token_selection="s2t", entropy_topk_reading="authors_code")
+    with pytest.raises(ValueError, match="scope='mini_batch'"):
+        TokenSelectionLossConfig(token_selection="entropy_topk", entropy_topk_reading="authors_code", scope="mini_batch")
+    config = actor_config("entropy20", "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code",
+                          "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
+    mask, old, log_prob, entropy, adv = random_batch(seed=12)
+    with pytest.raises(ValueError, match="authors_code.*loss_agg_mode=seq-mean-token-mean"):
+        run_ppo_loss(config, mask, old, log_prob, adv, current_entropy=entropy)
+
+
+# --------------------------------------------------------------------------------------------
+# token selection under every verl loss: token-level and sequence-level ratios (sequence_ratio)
+# --------------------------------------------------------------------------------------------
+
+PLK = "actor_rollout_ref.actor.policy_loss"
+
+
+def test_every_registered_loss_has_a_stated_ratio_level():
+    """docs/method.md states, for every loss verl registers, whether its ratio is per token or per
+    sequence; the sequence-level ones are those ``sequence_ratio`` switches."""
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+    from verl_patches.config import SEQUENCE_RATIO_LOSS_MODES
+    from verl_patches.losses import RATIO_LEVEL
+
+    assert set(RATIO_LEVEL) == set(POLICY_LOSS_REGISTRY)
+    assert {m for m, level in RATIO_LEVEL.items() if level == "sequence"} == set(SEQUENCE_RATIO_LOSS_MODES)
+    from tests.helpers.paths import REPO
+
+    method = (REPO / "docs" / "method.md").read_text()
+    for mode in RATIO_LEVEL:
+        assert f"| `{mode}` |" in method, f"docs/method.md does not state what token selection does to {mode}"
+
+
+def selected_loss(config, mask, old, log_prob, adv, entropy, scope):
+    """The loss and d/d log_prob of one mini-batch (one micro-batch) with S2T (strategy=full) at ``scope``."""
+    from verl_patches.token_selection import UNSELECTED_MASK_FIELD
+
+    if scope == "micro_batch":
+        loss, grad, _, _ = run_ppo_loss(config, mask, old, log_prob, adv, entropy=entropy,
+                                        batch_num_tokens=int(mask.sum()), global_batch_size=B)
+        return loss, grad
+    data = micro_batch(mask, old, adv, entropy=entropy)
+    fold_into_mini_batch(config.policy_loss, data)
+    step = micro_batch(data["response_mask"], old, adv, valid=mask, batch_num_tokens=int(data["loss_mask"].sum()),
+                       global_batch_size=tu.get(data, "global_batch_size"))
+    if UNSELECTED_MASK_FIELD in data.keys():
+        step[UNSELECTED_MASK_FIELD] = data[UNSELECTED_MASK_FIELD]
+    lp = log_prob.clone().requires_grad_(True)
+    loss, _ = ppo_loss_with_token_selection(config=config, model_output={"log_probs": flat_model_output(lp, mask)},
+                                            data=step)
+    loss.backward()
+    return loss.detach(), lp.grad
+
+
+def unselected_loss(config, mask, old, log_prob, adv):
+    """verl's own loss over every response token (no selection)."""
+    data = micro_batch(mask, old, adv, batch_num_tokens=int(mask.sum()), global_batch_size=B)
+    lp = log_prob.clone().requires_grad_(True)
+    loss, _ = verl_losses.ppo_loss(config=config, model_output={"log_probs": flat_model_output(lp, mask)}, data=data)
+    loss.backward()
+    return loss.detach(), lp.grad
+
+
+def sequence_batch():
+    """random_batch with every row's log-probs moved (ratios away from 1, some clipped)."""
+    mask, old, log_prob, entropy, adv = random_batch(seed=13)
+    log_prob = old + 0.15 * torch.randn(B, R, generator=torch.Generator().manual_seed(14))
+    return mask, old, log_prob, entropy, adv
+
+
+@pytest.mark.parametrize("scope", ["mini_batch", "micro_batch"])
+def test_gspo_all_tokens_keeps_the_sequence_ratio_and_silences_gradient_only(scope):
+    """GSPO, seq-mean-token-mean: d/d log p_t = -A_i s_i / (|tokens_i| * sequences) unclipped. With
+    sequence_ratio=all_tokens, s_i is the unselected sequence's, so each kept token's gradient is the
+    unselected one rescaled by |y_i| * B / (|kept_i| * kept sequences); silenced tokens get none.
+    With kept_tokens (the default) s_i changes, and so does that relation."""
+    over = ("method=stapo", f"{PLK}.loss_mode=gspo", f"{PLK}.stats_from=rollout", f"{PLK}.strategy=full",
+            f"{PLK}.scope={scope}", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
+    all_tokens = omega_conf_to_dataclass(compose([*over, "model=qwen3_1_7b", f"{PLK}.sequence_ratio=all_tokens"]).actor_rollout_ref.actor)
+    kept_tokens = omega_conf_to_dataclass(compose([*over, "model=qwen3_1_7b"]).actor_rollout_ref.actor)
+    mask, old, log_prob, entropy, adv = sequence_batch()
+    keep = mask * s2t_mask(old, entropy, adv, mask, strategy="full").keep
+    silenced = (mask - keep) > 0
+    assert silenced.any() and (keep.sum(-1) > 0).all()
+    _, full_grad = unselected_loss(all_tokens, mask, old, log_prob, adv)
+    scale = (mask.sum(-1) * B / (keep.sum(-1) * (keep.sum(-1) > 0).sum()))[:, None]
+    _, grad = selected_loss(all_tokens, mask, old, log_prob, adv, entropy, scope)
+    assert torch.all(grad[silenced] == 0)
+    torch.testing.assert_close(grad[keep > 0], (full_grad * scale)[keep > 0])
+    _, grad_kept = selected_loss(kept_tokens, mask, old, log_prob, adv, entropy, scope)
+    assert torch.all(grad_kept[silenced] == 0)
+    assert not torch.allclose(grad_kept[keep > 0], (full_grad * scale)[keep > 0])
+
+
+def test_geo_mean_all_tokens_keeps_the_geometric_mean_and_silences_gradient_only():
+    """GMPO: with sequence_ratio=all_tokens the loss is the unselected one and every kept token's
+    gradient too (the geometric mean and its 1/|y_i| are the whole sequence's); silenced tokens get
+    none. With kept_tokens both change."""
+    over = ["method=stapo", "model=qwen3_1_7b", f"{PLK}.loss_mode=geo_mean", f"{PLK}.stats_from=rollout",
+            f"{PLK}.strategy=full"]
+    all_tokens = omega_conf_to_dataclass(compose([*over, f"{PLK}.sequence_ratio=all_tokens"]).actor_rollout_ref.actor)
+    kept_tokens = omega_conf_to_dataclass(compose(over).actor_rollout_ref.actor)
+    mask, old, log_prob, entropy, adv = sequence_batch()
+    keep = mask * s2t_mask(old, entropy, adv, mask, strategy="full").keep
+    silenced = (mask - keep) > 0
+    full_loss, full_grad = unselected_loss(all_tokens, mask, old, log_prob, adv)
+    loss, grad = selected_loss(all_tokens, mask, old, log_prob, adv, entropy, "mini_batch")
+    torch.testing.assert_close(loss, full_loss)
+    assert torch.all(grad[silenced] == 0)
+    torch.testing.assert_close(grad[keep > 0], full_grad[keep > 0])
+    loss_kept, grad_kept = selected_loss(kept_tokens, mask, old, log_prob, adv, entropy, "mini_batch")
+    assert torch.all(grad_kept[silenced] == 0)
+    assert not torch.allclose(grad_kept[keep > 0], full_grad[keep > 0]) and not torch.allclose(loss_kept, full_loss)
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "dppo_tv", "gpg", "cispo", "sapo"])
+def test_token_level_losses_keep_each_kept_tokens_own_loss(loss_mode):
+    """A token-level ratio: silencing other tokens changes a kept token's gradient only through the
+    mean's denominator (token-mean: tokens / kept)."""
+    config = actor_config("stapo", f"{PLK}.loss_mode={loss_mode}", f"{PLK}.stats_from=rollout", f"{PLK}.strategy=full")
+    mask, old, log_prob, entropy, adv = sequence_batch()
+    keep = mask * s2t_mask(old, entropy, adv, mask, strategy="full").keep
+    _, full_grad = unselected_loss(config, mask, old, log_prob, adv)
+    _, grad = selected_loss(config, mask, old, log_prob, adv, entropy, "mini_batch")
+    if loss_mode == "sapo":  # seq-mean-token-mean whatever the setting: per sequence, tokens / kept
+        scale = (mask.sum(-1) * B / (keep.sum(-1) * (keep.sum(-1) > 0).sum()))[:, None].expand(B, R)
+    else:
+        scale = torch.full((B, R), mask.sum() / keep.sum())
+    torch.testing.assert_close(grad[keep > 0], (full_grad * scale)[keep > 0])
+    assert torch.all(grad[(mask - keep) > 0] == 0)
+
+
+def test_sequence_ratio_all_tokens_needs_a_sequence_level_loss():
+    from verl_patches.config import TokenSelectionLossConfig
+
+    with pytest.raises(ValueError, match="sequence_ratio='all_tokens'.*loss_mode=vanilla"):
+        TokenSelectionLossConfig(token_selection="s2t", sequence_ratio="all_tokens")
+    assert TokenSelectionLossConfig(token_selection="s2t", loss_mode="gspo",
+                                    sequence_ratio="all_tokens").sequence_ratio_over_all_tokens

@@ -66,7 +66,8 @@ class Worker:
 
 
 def _config(stats_from="current"):
-    cfg = compose(["method=stapo", "model=qwen3_1_7b", f"actor_rollout_ref.actor.policy_loss.stats_from={stats_from}"])
+    cfg = compose(["method=stapo", "model=qwen3_1_7b", f"actor_rollout_ref.actor.policy_loss.stats_from={stats_from}",
+                   "actor_rollout_ref.actor.policy_loss.current_forward=full"])  # Worker answers for every row
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 

@@ -220,8 +220,9 @@ def test_non_default_settings_travel_from_the_config_to_the_mask():
 
 def test_current_statistics_forward_every_mini_batch_but_the_first():
     """stats_from=current (Algorithm 1): the first mini-batch of a step uses the rollout statistics
-    (the policy has not moved), each later one the current policy's, from one forward each."""
-    config = actor_config("method=stapo", f"{PL}.stats_from=current")
+    (the policy has not moved), each later one the current policy's, from one forward each (every
+    sequence: current_forward=full; the positive-advantage forward is test_current_stats_on_cpu.py's)."""
+    config = actor_config("method=stapo", f"{PL}.stats_from=current", f"{PL}.current_forward=full")
     mask, old, log_prob, entropy, adv = batch(seed=5)
     moved_lp, moved_entropy = log_prob - 0.5 * torch.rand(B, R), entropy.flip(1)
     worker = FakeWorker(config, current=(moved_lp, moved_entropy))
