@@ -13,7 +13,8 @@ runs :func:`before_update` before verl's ``train_batch`` and :func:`after_update
    first mini-batch of a step and, with ``stats_from=current``, from one no-grad forward of the
    current policy on each later one (:func:`verl_patches.current_stats.current_policy_statistics`);
 3. with ``s2t_monitor`` in a run that does not apply S2T, S2T's selection is computed on the same
-   statistics and logged, not applied (:func:`verl_patches.s2t_monitor.monitor_mini_batch`);
+   statistics and logged, not applied (:func:`verl_patches.s2t_monitor.monitor_mini_batch`), on
+   the mini-batch as it came (before 2 folds another selection into it);
 4. with ``update_effect_responses > 0``, the responses holding S2T's silenced (or would-be-silenced)
    tokens and kept candidates are forwarded before the update and again after it
    (:mod:`verl_patches.update_effect`); the step's metrics come with its last mini-batch;
@@ -88,18 +89,17 @@ def before_update(worker, data) -> tuple[dict, Optional[PendingUpdate]]:
         group, device = worker.engine.get_data_parallel_group(), engine_device(worker.engine)
         current = current_policy_statistics(worker, data) if _statistics_forward(cfg, position) else None
         sets = None
+        if cfg.monitors_s2t:  # before any fold: on the mini-batch's own mask
+            metrics, sets = s2t_monitor.monitor_mini_batch(
+                cfg, data, group=group, device=device, current=current if cfg.stats_from == "current" else None)
         if cfg.folds_into_mini_batch:
-            metrics = fold_into_mini_batch(cfg, data, group=group, device=device,
-                                           current=current if cfg.forwards_current_policy else None)
+            metrics.update(fold_into_mini_batch(cfg, data, group=group, device=device,
+                                                current=current if cfg.forwards_current_policy else None))
             if cfg.applies_s2t:
                 metrics[s2t_monitor.APPLIED_METRIC] = 1.0
                 if cfg.measures_update_effect:
                     sets = s2t_monitor.applied_sets(cfg, data, response_mask, device=device,
                                                     current=current if cfg.forwards_current_policy else None)
-        if cfg.monitors_s2t:
-            monitored, sets = s2t_monitor.monitor_mini_batch(
-                cfg, data, group=group, device=device, current=current if cfg.stats_from == "current" else None)
-            metrics.update(monitored)
         if cfg.measures_update_effect and sets is not None:
             pending.measurement = update_effect.measure_before(worker, data, sets, cfg.update_effect_responses,
                                                                group=group, device=device)
