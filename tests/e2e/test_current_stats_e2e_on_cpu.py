@@ -15,6 +15,11 @@ mini-batch the test then
 The actor runs its update and its no-grad statistics forward one sequence at a time, so a
 selection pooled per micro-batch (or taken from the rollout policy) would not match.
 
+The same recorded weights, before and after every update, give the update effect
+(``actor/s2t/dlogp_*``) independently: the change of each response token's log-probability across
+its mini-batch's update, pooled over the step, for the silenced tokens, the kept candidates and
+every token of the responses holding a candidate.
+
 This run is also the suite's STAPO run of the TransferQueue trainer (tests/e2e/test_trainer_e2e_on_cpu.py
 runs the other methods and STAPO on the legacy trainer): it must train and log the S2T metrics.
 """
@@ -187,8 +192,51 @@ def test_tau_h_is_pooled_over_the_mini_batch_not_the_micro_batch(compared):
 
 
 def test_one_statistics_forward_per_later_mini_batch_and_none_on_the_first(compared):
-    calls = [(r["rec"]["first"], r["rec"]["infer_calls"]) for r in compared]
+    """verl's inference pass ran once for the statistics of each later mini-batch, and twice (before
+    and after the update) for the update effect of each mini-batch holding a candidate."""
+    calls = [(r["rec"]["first"], r["rec"]["infer_calls"] - 2 * int(_measured_rows(r).any())) for r in compared]
     assert calls == [(True, 0), (False, 1), (False, 1), (False, 1)] * 2, calls
+
+
+def _measured_rows(r):
+    """The rows whose update effect the actor measured: those holding a candidate (the run measures
+    every response of a mini-batch)."""
+    candidate = r["mask"] & (r["advantages"] > 0) & (r["log_prob"] < math.log(TAU_P))
+    return candidate.any(-1)
+
+
+def test_update_effect_matches_the_recorded_weights(compared, records):
+    """Per step: the logged mean change of log-probability across each update, of the silenced
+    tokens, the kept candidates and every token of the measured responses, against an independent
+    forward of the weights recorded before and after each update (float64, plain transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(records["model"], attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    steps = read_metrics(records["metrics"])
+    sums, counts, step, checked = {}, {}, 1, 0
+    for r in compared:
+        rec = r["rec"]
+        model.load_state_dict(rec["weights_after"], strict=False)
+        after, _ = independent_statistics(model, rec)
+        rows = _measured_rows(r)
+        candidate = r["mask"] & (r["advantages"] > 0) & (r["log_prob"] < math.log(TAU_P))
+        sets = {"silenced": r["trained"], "kept_candidates": candidate & ~r["trained"], "all": r["mask"]}
+        for name, tokens in sets.items():
+            selected = tokens & rows[:, None]
+            sums[name] = sums.get(name, 0.0) + float((after - r["log_prob"])[selected].sum())
+            counts[name] = counts.get(name, 0) + int(selected.sum())
+        sums["responses"] = sums.get("responses", 0) + int(rows.sum())
+        if rec["update_lr_scheduler"]:  # the step's last mini-batch: its metrics are complete
+            logged = steps[step]
+            assert logged["actor/s2t/dlogp_responses"] == sums["responses"]
+            for name in sets:
+                assert logged[f"actor/s2t/dlogp_{name}_tokens"] == counts[name], (step, name)
+                if counts[name]:
+                    assert logged[f"actor/s2t/dlogp_{name}"] == pytest.approx(sums[name] / counts[name], abs=2e-4)
+                    checked += 1
+            sums, counts, step = {}, {}, step + 1
+    assert step == 3 and checked >= 4, (step, checked)  # both steps, silenced tokens among them
 
 
 def test_the_run_trains_and_logs_the_s2t_metrics(records):

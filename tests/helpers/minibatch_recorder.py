@@ -11,12 +11,14 @@ recipe's wrapper, which folds the token selection into the mini-batch) and write
   verl holds them: jagged without padding, or padded), ``responses`` / ``advantages`` /
   ``old_log_probs`` / ``entropy`` (rollout time) and the ``response_mask`` before the fold (padded, as verl's loss sees them),
 - ``folded``: the ``response_mask`` the engine received (after the recipe's fold),
+- ``weights_after``: the actor's full state dict after the update (for the update effect),
 - ``infer_calls``: how many times ``TrainingWorker.infer_batch`` ran during the call (the extra
-  forward of ``stats_from=current``), ``update_lr_scheduler``: verl's flag on the last mini-batch of
-  a step (so the next call starts a step).
+  forward of ``stats_from=current``, the update effect's two forwards), ``update_lr_scheduler``:
+  verl's flag on the last mini-batch of a step (so the next call starts a step).
 
 Used by tests/e2e/test_current_stats_e2e_on_cpu.py, which recomputes the silenced set from an
-independent forward of the recorded weights.
+independent forward of the recorded weights, and the update effect from the weights before and
+after each update.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ def install(out_dir: str) -> None:
             record["weights"] = _full_state_dict(engine.module)
         infer_before = state["infer"]
         output = inner_train(self, data, *args, **kwargs)
+        with engine.train_mode():
+            record["weights_after"] = _full_state_dict(engine.module)
         record["infer_calls"] = state["infer"] - infer_before
         record["folded"] = engine._recorder_folded
         torch.save(record, out / f"pid{os.getpid()}_mb{state['calls']:03d}.pt")
