@@ -20,9 +20,18 @@ the summary and refuses to train (exit 2) when any differs from the paper's. Onl
 (batch sizes, lengths, learning rate, steps, model) differ; the summary lists each of them next to
 the paper-scale value of the recipe's config.
 
+Every method logs S2T's statistics (``actor/s2t/*``): STAPO applies S2T, the others only monitor it
+(``s2t_monitor``, on in the recipe's config for every method). Every run also measures the update
+effect (``actor/s2t/dlogp_*``, :mod:`verl_patches.update_effect`): how each update changes the
+log-probability of the tokens S2T silences (or would silence), of the candidates it keeps and of
+all tokens of the responses holding them.
+
 Writes into ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
-the S2T token dump, checkpoints off), ``summary.md``, ``summary.json`` (``methods``: the rows, ``reproducibility``: seeds, asset hash,
-library versions, thread counts), ``settings.json`` and PNG curves. With
+the S2T token dump, checkpoints off), ``summary.md`` (its first lines say whether the baselines
+learned: validation accuracy and training reward rose), ``summary.json`` (``methods``: the rows,
+``learning``: that check, ``update_effect``: per method over seeds, ``reproducibility``: seeds,
+asset hash, library versions, thread counts), ``settings.json``, PNG curves and
+``update_effect.png``. With
 ``--seeds K > 1`` (study mode) the runs go to ``seed<k>/<method>`` and the curves show one band per
 method across seeds (:func:`recipe.stapo.plots.plot_bands`), and the summary adds the inspector's
 quadrant table over all STAPO runs.
