@@ -299,20 +299,21 @@ def summarise(method: str, steps: dict[int, dict], wall_s: Optional[float], erro
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The summary table (markdown)."""
+    """The summary table (markdown). S2T: ``applied`` (STAPO) or ``monitored``; CPU s: user + system
+    CPU seconds of the run's processes, its cost whatever the machine's load (wall s is not)."""
     head = ("| method | steps | final reward | mean reward | final entropy | mean entropy | S2T "
             "| S2T candidates / silenced per step | silenced frac (S2T) | val acc before -> after | mean step s "
-            "| wall s |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| wall s | CPU s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | | | |")
+            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['method']} | {r['steps']} | {_fmt(r['final_reward'])} | {_fmt(r['mean_reward'])} | "
                      f"{_fmt(r['final_entropy'])} | {_fmt(r['mean_entropy'])} | {r.get('s2t') or 'n/a'} | "
                      f"{_fmt(r.get('mean_candidates'), 1)} / {_fmt(r.get('mean_silenced'), 1)} | {_fmt(r['mean_silenced_frac'])} | "
                      f"{_fmt(r.get('val_acc_first'))} -> {_fmt(r.get('val_acc_last'))} | "
-                     f"{_fmt(r['mean_step_s'], 2)} | {_fmt(r['wall_s'], 1)} |")
+                     f"{_fmt(r['mean_step_s'], 2)} | {_fmt(r['wall_s'], 1)} | {_fmt(r.get('cpu_s'), 1)} |")
     return head + "\n".join(lines) + "\n"
 
 
@@ -509,6 +510,15 @@ def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
     return done if done.get("settings") == settings else None
 
 
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished descendants (the trainer's driver and,
+    reaped through it, Ray and its workers): a run's cost independent of the machine's load."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartOptions, assets: Path,
                shared: Optional[tuple[str, dict]] = None) -> dict:
     """Train one method with one seed (or reuse its finished run); returns its summary row.
@@ -519,7 +529,8 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     done = None if opts.force else _finished(run_dir, settings)
     if done is not None:
         print(f"{tag}: reusing the finished run in {run_dir}", flush=True)
-        return {**summarise(method, read_metrics(run_dir / "metrics.jsonl"), done["wall_s"]), "seed": seed}
+        return {**summarise(method, read_metrics(run_dir / "metrics.jsonl"), done["wall_s"]), "seed": seed,
+                "cpu_s": done.get("cpu_s")}
     print(f"{tag}: training {opts.steps} steps (log: {run_dir / 'metrics.log'})", flush=True)
 
     def on_step(step: int, data: dict) -> None:
@@ -539,6 +550,7 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
         print(f"{tag}: step {step}/{opts.steps}: reward {_fmt(data.get(REWARD))}, entropy "
               f"{_fmt(data.get(ENTROPY))}{extra}, {_fmt(data.get(STEP_TIME), 2)} s", flush=True)
 
+    cpu_before = _children_cpu_seconds()
     run = run_cpu_trainer(method, assets, run_dir, timeout=opts.timeout, on_step=on_step,
                           extra=method_overrides(opts, run_dir, validate_before=shared is None),
                           **run_kwargs(opts, seed))
@@ -548,9 +560,10 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     if not run.ok:
         print(f"{tag}: FAILED (exit {run.returncode}) after {run.wall_s} s; log tail:\n{run.tail(25)}", flush=True)
         return {**summarise(method, steps, run.wall_s, error=f"exit {run.returncode}, see {run.log}"), "seed": seed}
-    (run_dir / DONE).write_text(json.dumps({"settings": settings, "wall_s": run.wall_s}))
-    print(f"{tag}: done in {run.wall_s} s", flush=True)
-    return {**summarise(method, steps, run.wall_s), "seed": seed}
+    cpu_s = round(_children_cpu_seconds() - cpu_before, 1)
+    (run_dir / DONE).write_text(json.dumps({"settings": settings, "wall_s": run.wall_s, "cpu_s": cpu_s}))
+    print(f"{tag}: done in {run.wall_s} s ({cpu_s} CPU s)", flush=True)
+    return {**summarise(method, steps, run.wall_s), "seed": seed, "cpu_s": cpu_s}
 
 
 def quadrant_markdown(stapo_dirs: list[Path]) -> str:

@@ -126,6 +126,7 @@ def test_summary_row_carries_the_update_effect():
     table = qs.update_effect_table([row])
     assert "| justrl | monitored | 0.200 (5) | - (0) | 0.250 (400) | 0.020 |" in table
     assert qs.summarise("stapo", _effect_steps(1.0, [0.1], [1]), 1.0)["s2t"] == "applied"
+    assert "| monitored | n/a / n/a | n/a | n/a -> n/a | n/a | 5.0 | 12.3 |" in qs.markdown_table([{**row, "cpu_s": 12.3}])
     assert qs.summarise("grpo", {1: {qs.REWARD: 0.0}}, 1.0)["s2t"] is None  # S2T neither applied nor monitored
 
 
