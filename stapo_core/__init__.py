@@ -1,6 +1,7 @@
 """STAPO's math in plain PyTorch (no verl import).
 
 * :func:`s2t_mask`: S2T, the keep mask that silences spurious tokens (and the paper's ablations);
+  :func:`s2t_candidates`: its candidate set;
 * :func:`entropy_topk_mask`: 20-Entropy's top-``ratio`` highest-entropy tokens (``entropy_topk``);
 * :func:`clipped_policy_loss` / :func:`clipped_surrogate` / :func:`aggregate_loss`: the clipped
   surrogate (asymmetric clip, optional dual clip) and its aggregations;
@@ -16,7 +17,7 @@ from .checks import is_number
 from .entropy_topk import entropy_topk_mask
 from .grad_norm import entropy_from_logits, grad_norm_bounds, logit_grad_norm
 from .loss import AGG_MODES, aggregate_loss, clipped_policy_loss, clipped_surrogate
-from .s2t import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES, S2TResult, quantile_sorted_padded, s2t_mask
+from .s2t import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES, S2TResult, quantile_sorted_padded, s2t_candidates, s2t_mask
 
 __all__ = [
     "AGG_MODES",
@@ -33,5 +34,6 @@ __all__ = [
     "is_number",
     "logit_grad_norm",
     "quantile_sorted_padded",
+    "s2t_candidates",
     "s2t_mask",
 ]

@@ -197,6 +197,24 @@ def _stats_dict(values: list) -> dict:
     }
 
 
+def s2t_candidates(
+    log_prob: torch.Tensor, advantages: torch.Tensor, response_mask: torch.Tensor, *, tau_p: float = DEFAULT_TAU_P
+) -> torch.Tensor:
+    """S2T's candidate set C: bool ``(batch, resp_len)``, ``response_mask != 0``, ``A > 0`` and
+    ``exp(log_prob) < tau_p`` (all strict; probabilities in float32), exactly the set
+    :func:`s2t_mask` splits by entropy.
+
+    Args:
+        log_prob: ``(batch, resp_len)`` float log pi(y_t). advantages: ``(batch, resp_len)`` or
+            ``(batch,)``. response_mask: ``(batch, resp_len)``, nonzero marks response tokens.
+        tau_p: probability threshold in (0, 1).
+    """
+    tau_p = check_fraction("tau_p", tau_p)
+    check_token_tensors("s2t_candidates", response_mask, log_prob=log_prob)
+    adv = token_advantages("s2t_candidates", advantages, response_mask).detach().float()
+    return (response_mask != 0) & (adv > 0) & (torch.exp(log_prob.detach().float()) < tau_p)
+
+
 def s2t_mask(
     log_prob: torch.Tensor,
     entropy: torch.Tensor,
@@ -254,7 +272,7 @@ def s2t_mask(
     ent = entropy.detach().float()
     mask = response_mask != 0
 
-    candidate = mask & (adv > 0) & (torch.exp(lp) < tau_p)  # A > 0, p < tau_p
+    candidate = mask & (adv > 0) & (torch.exp(lp) < tau_p)  # A > 0, p < tau_p (as s2t_candidates)
     silenced, tau_h = _silence(strategy, ent, candidate, q, generator, group)
     keep = (mask & ~silenced).float()  # M_{i,t}
 
@@ -263,4 +281,5 @@ def s2t_mask(
     return S2TResult(keep=keep, candidate=candidate, stats=_stats_dict(values))
 
 
-__all__ = ["DEFAULT_Q", "DEFAULT_TAU_P", "S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_mask"]
+__all__ = ["DEFAULT_Q", "DEFAULT_TAU_P", "S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_candidates",
+           "s2t_mask"]

@@ -81,6 +81,19 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             the ratio is taken over the tokens the selection keeps (the selection only shrinks the
             mask). ``all_tokens``: over every response token, the silenced ones carrying no gradient.
         seed: seed of the generator of S2T's ``random`` strategy.
+        s2t_monitor: compute and log S2T's selection (``actor/s2t/*``, with ``tau_p``, ``q``,
+            ``strategy`` and ``stats_from``, pooled over the mini-batch) without applying it, in a
+            run whose ``token_selection`` is not ``s2t``: what STAPO would silence in this run.
+            ``actor/s2t/applied`` says which (1: S2T is the run's selection, 0: monitored only).
+            With ``stats_from=rollout`` it needs no forward; with ``current``, one no-grad forward
+            of each mini-batch after the first (as STAPO). No effect when ``token_selection=s2t``.
+        update_effect_responses: responses per data-parallel rank and mini-batch whose log-probs
+            are measured just before and just after the mini-batch's update (two no-grad forwards
+            of only those responses through verl's inference pass): the responses holding tokens
+            S2T silences (or, monitoring, would silence) first, then those holding candidates it
+            keeps. Logs ``actor/s2t/dlogp_{silenced,kept_candidates,all}`` per step
+            (:mod:`verl_patches.update_effect`). 0: off. Needs S2T's selection before the update
+            (``token_selection=s2t`` at the mini-batch scope, or ``s2t_monitor``).
     """
 
     loss_mode: str = "vanilla"
@@ -95,6 +108,8 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     entropy_topk_reading: str = "pooled"
     sequence_ratio: str = "kept_tokens"
     seed: int = 0
+    s2t_monitor: bool = False
+    update_effect_responses: int = 0
 
     def __post_init__(self):
         def fail(key, value, expected):
@@ -140,6 +155,19 @@ class TokenSelectionLossConfig(PolicyLossConfig):
                  "micro-batch itself, so only the mini-batch fold gives the mean over the remaining tokens")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             fail("seed", self.seed, "an integer")
+        if not isinstance(self.s2t_monitor, bool):
+            fail("s2t_monitor", self.s2t_monitor, "true or false")
+        if (not isinstance(self.update_effect_responses, int) or isinstance(self.update_effect_responses, bool)
+                or self.update_effect_responses < 0):
+            fail("update_effect_responses", self.update_effect_responses, "an integer >= 0 (0: off)")
+        if self.measures_update_effect and not self.s2t_selection_before_update:
+            if self.token_selection == "s2t":
+                fail("update_effect_responses", self.update_effect_responses,
+                     "0 with scope=micro_batch: S2T then silences tokens inside the loss, per micro-batch, so the "
+                     "silenced set is not known before the update (use scope=null to measure the update effect)")
+            fail("update_effect_responses", self.update_effect_responses,
+                 f"0 without S2T's selection: set {KEY_PREFIX}.s2t_monitor=true (or token_selection=s2t) to measure "
+                 "how the update moves the tokens S2T singles out")
 
     # -- the decisions, each asked in one place --------------------------------------------------
 
@@ -184,8 +212,10 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     def needs_rollout_entropy(self) -> bool:
         """The actor needs the rollout-time entropy in its batch: the statistic itself
         (``stats_from=rollout``), or S2T's first mini-batch of a step (``current``, mini-batch
-        scope: the policy has not moved yet, so the rollout statistics are the current ones)."""
-        return self.selects_tokens and (self.statistics_source == "rollout" or self.folds_into_mini_batch)
+        scope: the policy has not moved yet, so the rollout statistics are the current ones), for
+        the run's own selection or for the S2T monitor."""
+        return ((self.selects_tokens and (self.statistics_source == "rollout" or self.folds_into_mini_batch))
+                or self.monitors_s2t)
 
     @property
     def forwards_current_policy(self) -> bool:
@@ -209,3 +239,29 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         ones carrying no gradient."""
         return (self.selects_tokens and self.sequence_ratio == "all_tokens"
                 and self.loss_mode in SEQUENCE_RATIO_LOSS_MODES)
+
+    @property
+    def applies_s2t(self) -> bool:
+        """S2T is the run's token selection (STAPO)."""
+        return self.token_selection == "s2t"
+
+    @property
+    def monitors_s2t(self) -> bool:
+        """S2T's selection is computed and logged but not applied (``s2t_monitor`` in a run whose
+        token selection is not S2T)."""
+        return self.s2t_monitor and not self.applies_s2t
+
+    @property
+    def monitor_forwards_current_policy(self) -> bool:
+        """The monitor needs the current policy's statistics on each mini-batch after the first."""
+        return self.monitors_s2t and self.stats_from == "current"
+
+    @property
+    def s2t_selection_before_update(self) -> bool:
+        """S2T's selection (applied or monitored) is known before each mini-batch's update."""
+        return (self.applies_s2t and self.folds_into_mini_batch) or self.monitors_s2t
+
+    @property
+    def measures_update_effect(self) -> bool:
+        """The log-probs of the tokens S2T singles out are measured across each update."""
+        return self.update_effect_responses > 0

@@ -124,7 +124,8 @@ PATCHES: tuple[Patch, ...] = (
         changes="before each mini-batch's update: its position in the step, the keep mask folded into "
                 "response_mask/loss_mask (scope=mini_batch), the current-policy forward (stats_from=current; S2T: "
                 "the positive-advantage sequences only, spread over the data-parallel ranks by tokens), "
-                "the token dump; their metrics join verl's",
+                "the S2T monitor (s2t_monitor), the update effect's and the token dump's forward; after it: "
+                "their second forward; their metrics join verl's",
         why="S2T's quantile is pooled over the whole mini-batch, and verl counts the loss tokens before the "
             "first micro-batch: the mask must be in place before that count",
         relies_on="train_mini_batch calling train_batch once per mini-batch, flagging the last with "

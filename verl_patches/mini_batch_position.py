@@ -4,7 +4,7 @@ verl's ``TrainingWorker.train_mini_batch`` calls ``train_batch`` once per mini-b
 step's last one with ``update_lr_scheduler=True``. :func:`position_of` turns that flag into a
 :class:`MiniBatchPosition`, counted on the worker object itself, once per mini-batch, by
 :mod:`verl_patches.mini_batch`, which hands it to everything that needs it (S2T's choice of
-statistics, the token dump).
+statistics, the token dump, the update effect's per-step sums).
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ class MiniBatchPosition:
 
     step: 1-based count of the update steps this worker has started (a resumed run counts from 1).
     index: 0-based index of the mini-batch within its step (all PPO epochs together).
+    last: verl flagged it as the step's last mini-batch (the step's per-step sums are complete after it).
     """
 
     step: int
     index: int
+    last: bool = False
 
     @property
     def first(self) -> bool:
@@ -43,7 +45,7 @@ class MiniBatchCounter:
         """The position of the mini-batch entering now (``is_last``: verl's flag on it)."""
         if self._next_index == 0:
             self._step += 1
-        position = MiniBatchPosition(self._step, self._next_index)
+        position = MiniBatchPosition(self._step, self._next_index, bool(is_last))
         self._next_index = 0 if is_last else self._next_index + 1
         return position
 

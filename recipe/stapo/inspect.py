@@ -15,8 +15,13 @@ Writes, into ``DIR`` (default ``RUN_DIR/inspect``):
   entropy, advantage, gradient norm and the policy's top-5 alternatives);
 * the ``K`` most frequent silenced tokens (count, mean prob, mean entropy);
 * the four-quadrant taxonomy of the tokens of positive-advantage responses: low/high probability
-  (p < tau_p) x low/high entropy (H < tau_h of the step), with count, share and mean closed-form
-  gradient norm per unit weight sqrt(1 - 2 p + sum p^2), summed over the response records.
+  (p < tau_p) x low/high entropy (H < tau_h of the step), with count, share, mean closed-form
+  gradient norm per unit weight sqrt(1 - 2 p + sum p^2) and the mean change of the tokens'
+  log-probability across the update of their mini-batch (``dlogp``: what the update did to each
+  quadrant; "-" for a dump without it), summed over the response records;
+* the same change for the dumped candidates: silenced (the update did not train on them) and kept
+  (in a run that does not apply S2T every candidate is kept; its low-p, low-H quadrant holds the
+  tokens S2T would have silenced).
 
 The HTML file is self-contained (inline CSS, no script); every dumped string is HTML-escaped.
 """
@@ -121,28 +126,67 @@ def frequent_silenced(tokens: list, k: int) -> list[TokenFrequency]:
 
 @dataclass(frozen=True)
 class QuadrantRow:
+    """One quadrant over the positive-advantage responses: token count, share, mean gradient norm,
+    and the mean ``dlogp`` over the tokens of the responses that carry it (None: none does),
+    with ``dlogp_count`` such tokens."""
+
     name: str
     count: int
     share: float
     mean_grad_norm: float
+    mean_dlogp: Optional[float] = None
+    dlogp_count: int = 0
 
 
 def quadrant_table(responses: list) -> list[QuadrantRow]:
     """The four quadrants summed over response records with advantage > 0 (in :data:`QUADRANTS` order).
 
     share = count / total count (0 when there is none); mean_grad_norm = grad_norm_sum / count
-    (0 for an empty quadrant).
+    (0 for an empty quadrant); mean_dlogp = dlogp_sum / count over the records that measured it
+    (None when none did, or their quadrant is empty).
     """
     counts = {q: 0 for q in QUADRANTS}
     sums = {q: 0.0 for q in QUADRANTS}
+    dlogp_sums, dlogp_counts = {q: 0.0 for q in QUADRANTS}, {q: 0 for q in QUADRANTS}
     for r in responses:
         if r["advantage"] > 0:
             for q in QUADRANTS:
-                counts[q] += r["quadrants"][q]["count"]
-                sums[q] += r["quadrants"][q]["grad_norm_sum"]
+                stats = r["quadrants"][q]
+                counts[q] += stats["count"]
+                sums[q] += stats["grad_norm_sum"]
+                if stats.get("dlogp_sum") is not None:
+                    dlogp_sums[q] += stats["dlogp_sum"]
+                    dlogp_counts[q] += stats["count"]
     total = sum(counts.values())
-    return [QuadrantRow(q, counts[q], counts[q] / total if total else 0.0, sums[q] / counts[q] if counts[q] else 0.0)
+    return [QuadrantRow(q, counts[q], counts[q] / total if total else 0.0, sums[q] / counts[q] if counts[q] else 0.0,
+                        dlogp_sums[q] / dlogp_counts[q] if dlogp_counts[q] else None, dlogp_counts[q])
             for q in QUADRANTS]
+
+
+@dataclass(frozen=True)
+class EffectRow:
+    """The mean ``dlogp`` of one set of dumped candidate tokens (None: no token of the set has one)."""
+
+    name: str
+    count: int
+    mean_dlogp: Optional[float]
+
+
+#: the candidate sets of :func:`candidate_effects`
+EFFECT_LABELS = {
+    "silenced": "silenced (no gradient in the update)",
+    "kept": "kept candidates (in the update)",
+}
+
+
+def candidate_effects(tokens: list) -> list[EffectRow]:
+    """Mean change of the dumped candidates' log-probability across their update: silenced ones and
+    kept ones (records without ``dlogp`` are left out)."""
+    rows = []
+    for name, wanted in (("silenced", True), ("kept", False)):
+        values = [t["dlogp"] for t in tokens if t.get("dlogp") is not None and t["silenced"] is wanted]
+        rows.append(EffectRow(name, len(values), sum(values) / len(values) if values else None))
+    return rows
 
 
 @dataclass(frozen=True)
@@ -153,6 +197,7 @@ class Report:
     kept_sample: list
     frequent: list
     quadrants: list
+    effects: list
     n_tokens: int
     n_responses: int
     skipped: tuple = ()
@@ -172,7 +217,7 @@ def build_report(run_dir: str | Path, top: int = 20, seed: int = 0) -> Report:
     silenced, kept = sample_tokens(tokens, top, seed)
     return Report(run_dir=str(run_dir), steps=step_summaries(tokens, responses), silenced_sample=silenced,
                   kept_sample=kept, frequent=frequent_silenced(tokens, top), quadrants=quadrant_table(responses),
-                  n_tokens=len(tokens), n_responses=len(responses), skipped=tuple(dump.skipped))
+                  effects=candidate_effects(tokens), n_tokens=len(tokens), n_responses=len(responses), skipped=tuple(dump.skipped))
 
 
 class NoRecordsError(ValueError):
@@ -207,8 +252,12 @@ def _step_rows(report: Report) -> list[list[str]]:
 STEP_HEADER = ["step", "method", "responses", "A>0", "tokens", "candidates", "silenced", "kept cand.", "tau_p",
                "tau_h"]
 FREQ_HEADER = ["token", "id", "count", "mean p", "mean H"]
-QUAD_HEADER = ["quadrant", "meaning", "count", "share", "mean grad norm"]
-SAMPLE_HEADER = ["step", "response", "pos", "context", "p", "H", "A", "grad norm", "top-5"]
+QUAD_HEADER = ["quadrant", "meaning", "count", "share", "mean grad norm", "mean dlogp (update)"]
+EFFECT_HEADER = ["candidates", "count", "mean dlogp (update)"]
+SAMPLE_HEADER = ["step", "response", "pos", "context", "p", "H", "A", "grad norm", "dlogp", "top-5"]
+#: what dlogp is, in both reports
+DLOGP_NOTE = ("dlogp: the change of the token's log-probability across the update of its mini-batch "
+              "(log p after the update - log p before it, same forward).")
 
 
 def _md_escape(text: str) -> str:
@@ -226,7 +275,7 @@ def _md_table(header: list[str], rows: list[list[str]]) -> str:
 def _md_sample_rows(sample: list) -> list[list[str]]:
     return [[str(t["step"]), _md_escape(f"{t['uid']}#{t['response_index']}"), str(t["position"]),
              _md_escape(t["context_before"]) + " **[" + _md_escape(t["token"]) + "]** " + _md_escape(t["context_after"]),
-             _num(t["prob"]), _num(t["entropy"]), _num(t["advantage"]), _num(t["grad_norm"]),
+             _num(t["prob"]), _num(t["entropy"]), _num(t["advantage"]), _num(t["grad_norm"]), _num(t.get("dlogp")),
              _md_escape(_top5_text(t))] for t in sample]
 
 
@@ -244,9 +293,11 @@ def render_markdown(report: Report) -> str:
             for f in report.frequent]),
         "## Four-quadrant taxonomy (tokens of positive-advantage responses)\n\n"
         "Low p: p < tau_p. Low H: H < tau_h of the step (or the response's median entropy when tau_h is "
-        "undefined). Gradient norm: sqrt(1 - 2p + sum p^2) per unit weight.\n\n" + _md_table(QUAD_HEADER, [
-            [q.name, QUADRANT_LABELS[q.name], str(q.count), f"{100 * q.share:.2f}%", _num(q.mean_grad_norm)]
-            for q in report.quadrants]),
+        f"undefined). Gradient norm: sqrt(1 - 2p + sum p^2) per unit weight. {DLOGP_NOTE}\n\n" + _md_table(QUAD_HEADER, [
+            [q.name, QUADRANT_LABELS[q.name], str(q.count), f"{100 * q.share:.2f}%", _num(q.mean_grad_norm),
+             _num(q.mean_dlogp)] for q in report.quadrants]),
+        "## Update effect on the dumped candidates\n\n" + _md_table(EFFECT_HEADER, [
+            [EFFECT_LABELS[e.name], str(e.count), _num(e.mean_dlogp)] for e in report.effects]),
     ]
     return "\n\n".join(parts) + "\n"
 
@@ -285,7 +336,7 @@ def _token_span(t: dict) -> str:
 def _html_sample_rows(sample: list) -> list[list[str]]:
     return [[_h(t["step"]), _h(f"{t['uid']}#{t['response_index']}"), _h(t["position"]), _token_span(t),
              _h(_num(t["prob"])), _h(_num(t["entropy"])), _h(_num(t["advantage"])), _h(_num(t["grad_norm"])),
-             "<br>".join(f"<code>{_h(repr(tok))}</code> {p:.3g}" for tok, p in t["top5"])] for t in sample]
+             _h(_num(t.get("dlogp"))), "<br>".join(f"<code>{_h(repr(tok))}</code> {p:.3g}" for tok, p in t["top5"])] for t in sample]
 
 
 def render_html(report: Report) -> str:
@@ -301,10 +352,13 @@ def render_html(report: Report) -> str:
              _h(_num(f.mean_entropy))] for f in report.frequent])),
         ("Four-quadrant taxonomy (tokens of positive-advantage responses)",
          "<p>Low p: p &lt; tau_p. Low H: H &lt; tau_h of the step (or the response's median entropy when tau_h "
-         "is undefined). Gradient norm: sqrt(1 - 2p + &Sigma; p<sup>2</sup>) per unit weight.</p>"
+         f"is undefined). Gradient norm: sqrt(1 - 2p + &Sigma; p<sup>2</sup>) per unit weight. {_h(DLOGP_NOTE)}</p>"
          + _html_table(QUAD_HEADER, [[_h(q.name), _h(QUADRANT_LABELS[q.name]), _h(q.count),
-                                      _h(f"{100 * q.share:.2f}%"), _h(_num(q.mean_grad_norm))]
+                                      _h(f"{100 * q.share:.2f}%"), _h(_num(q.mean_grad_norm)), _h(_num(q.mean_dlogp))]
                                      for q in report.quadrants])),
+        ("Update effect on the dumped candidates",
+         _html_table(EFFECT_HEADER, [[_h(EFFECT_LABELS[e.name]), _h(e.count), _h(_num(e.mean_dlogp))]
+                                     for e in report.effects])),
     ]
     body = "".join(f"<h2>{_h(title)}</h2>{content}" for title, content in sections)
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>S2T spurious-token report</title>'

@@ -5,7 +5,10 @@ CLI::
     python -m recipe.stapo.plots RUN_DIR [RUN_DIR ...] --out DIR [--labels NAME ...]
 
 Writes ``DIR/curves.png`` (all panels) and one ``DIR/<panel>.png`` per panel that some run logged:
-reward, entropy, response length, silenced fraction (log scale), validation accuracy, over steps.
+reward, entropy, response length, silenced fraction (log scale), validation accuracy, and the update
+effect (the change of log-probability across each update of the tokens S2T silences or would
+silence, of the candidates it keeps and of all tokens of the measured responses), over steps; and
+``DIR/update_effect.png``: that change per method over the whole run (:func:`plot_update_effect`).
 
 Where a run's metrics are and how they are read: :mod:`recipe.stapo.metrics`. A metric missing from
 a run is skipped for that run with a note; a panel no run logged is left out of the per-panel PNGs
@@ -107,6 +110,19 @@ class Panel:
     metric: str
     select: Callable[[Mapping[str, Series]], dict[str, str]]
     log_scale: bool = False
+    #: line style per line suffix (default solid)
+    styles: Optional[Mapping[str, str]] = None
+
+
+#: the update effect's token sets: (set, metric key, line style, label)
+DLOGP_SETS = (("silenced", "actor/s2t/dlogp_silenced", "--", "silenced"),
+              ("kept_candidates", "actor/s2t/dlogp_kept_candidates", ":", "kept candidates"),
+              ("all", "actor/s2t/dlogp_all", "-", "all"))
+
+
+def _dlogp_keys(metrics: Mapping[str, Series]) -> dict[str, str]:
+    """``{label: actor/s2t/dlogp_<set>}`` for the sets the run logged (:data:`DLOGP_SETS` order)."""
+    return {label: key for _, key, _, label in DLOGP_SETS if key in metrics}
 
 
 PANELS = (
@@ -118,6 +134,9 @@ PANELS = (
     Panel("silenced_frac", "Silenced token fraction (S2T)", "actor/s2t/silenced_frac",
           _first_of("actor/s2t/silenced_frac"), log_scale=True),
     Panel("val_accuracy", "Validation accuracy", "val-core/<data_source>/<acc|reward>/mean@N", _val_accuracy),
+    Panel("update_effect", "Log-prob change across the update\nsilenced (dashed), kept candidates (dotted), all (solid)",
+          "actor/s2t/dlogp_{silenced,kept_candidates,all}", _dlogp_keys,
+          styles={label: style for _, _, style, label in DLOGP_SETS}),
 )
 
 
@@ -213,9 +232,11 @@ def draw_panel(ax, panel: Panel, lines: Mapping[str, Series], marks: Optional[Ma
         return
     order = [label.split(" (")[0] for label in lines]
     marks = marks or {}
+    styles = panel.styles or {}
     for label, (steps, values) in lines.items():
         steps, values = with_gaps(steps, values, marks.get(label, ()))
-        ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label,
+        suffix = label[len(label.split(" (")[0]) + 2 : -1] if " (" in label else ""
+        ax.plot(steps, values, styles.get(suffix, "-"), marker="." if len(steps) < 30 else None, label=label,
                 color=method_color(label.split(" (")[0], order))
     for label, points in marks.items():
         draw_nonfinite(ax, label, points, method_color(label.split(" (")[0], order))
@@ -328,6 +349,8 @@ BAND_PANELS = (
     ("silenced_frac", "Silenced fraction (actor/s2t/silenced_frac)", _first_of("actor/s2t/silenced_frac"), True),
     ("grad_norm", "Closed-form grad norm\nsilenced (dashed), kept candidates (dotted), all kept (solid)", None,
      False),
+    ("dlogp", "Log-prob change across the update\nsilenced (dashed), kept candidates (dotted), all (solid)", None,
+     False),
 )
 #: the grad-norm panel's lines: (metric, line style, variant label)
 GRAD_NORM_KEYS = (("actor/s2t/grad_norm_kept", "-", "kept"),
@@ -339,6 +362,8 @@ def _band_keys(name: str, metrics: Mapping[str, Series]) -> dict[str, str]:
     """``{variant: metric key}`` one run logged for study panel ``name``."""
     if name == "grad_norm":
         return {variant: key for key, _, variant in GRAD_NORM_KEYS if key in metrics}
+    if name == "dlogp":
+        return _dlogp_keys(metrics)
     select = next(p[2] for p in BAND_PANELS if p[0] == name)
     return {"": key for key in list(select(metrics).values())[:1]}
 
@@ -351,7 +376,8 @@ def band_lines(name: str, groups: Mapping[str, Sequence[Mapping[str, Series]]]) 
         for metrics in runs:
             for variant, key in _band_keys(name, metrics).items():
                 series.setdefault((method, variant), []).append(metrics[key])
-    order = [variant for _, _, variant in GRAD_NORM_KEYS] if name == "grad_norm" else [""]
+    order = ([variant for _, _, variant in GRAD_NORM_KEYS] if name == "grad_norm"
+             else [label for *_, label in DLOGP_SETS] if name == "dlogp" else [""])
     return {(method, variant): band(series[(method, variant)])
             for method in groups for variant in order if (method, variant) in series}
 
@@ -391,6 +417,7 @@ def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="gray")
         return
     styles = {variant: style for _, style, variant in GRAD_NORM_KEYS}
+    styles.update({label: style for _, _, style, label in DLOGP_SETS})
     marks = marks or {}
     for (method, variant), b in lines.items():
         color = method_color(method, order)
@@ -418,6 +445,8 @@ def band_figure(groups: Mapping[str, Sequence[Mapping[str, Series]]]):
     order = list(groups)
     for ax, (name, title, _, log_scale) in zip(axes.ravel(), BAND_PANELS):
         draw_bands(ax, title, band_lines(name, groups), log_scale, order, band_marks(name, groups))
+    for ax in axes.ravel()[len(BAND_PANELS):]:
+        ax.set_visible(False)
     seeds = sorted({len(runs) for runs in groups.values()})
     fig.suptitle(f"mean over seeds ({'/'.join(map(str, seeds))} per method), band = min..max", fontsize=10)
     fig.tight_layout()
@@ -438,6 +467,89 @@ def plot_bands(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str |
         raise ValueError("no runs to plot")
     _report(band_nonfinite_notes(loaded), notes)
     return [_save(band_figure(loaded), Path(out_dir) / name)]
+
+
+# --------------------------------------------------------------------------------------------
+# the update effect over whole runs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One token set's log-prob change across the updates of a run: ``mean`` = token-weighted mean
+    over every step (None when no token was measured), ``tokens`` = how many."""
+
+    mean: Optional[float]
+    tokens: int
+
+
+def update_effect_of_run(steps: Mapping[int, Mapping]) -> dict[str, Effect]:
+    """``{set: Effect}`` for the sets of :data:`DLOGP_SETS`, from one run's per-step records
+    (:func:`recipe.stapo.metrics.read_metrics`): each step's mean weighted by its token count
+    (``actor/s2t/dlogp_<set>_tokens``); steps with a non-finite value are left out."""
+    out = {}
+    for name, key, _, _ in DLOGP_SETS:
+        total, count = 0.0, 0
+        for data in steps.values():
+            value, tokens = data.get(key), data.get(key + "_tokens")
+            if isinstance(value, (int, float)) and isinstance(tokens, (int, float)) and math.isfinite(value) \
+                    and tokens > 0:
+                total += value * tokens
+                count += int(tokens)
+        out[name] = Effect(total / count if count else None, count)
+    return out
+
+
+def update_effect_figure(effects: Mapping[str, Sequence[Mapping[str, Effect]]]):
+    """Per method (x), the run-level update effect of each token set (:data:`DLOGP_SETS`, one marker
+    shape each): one dot per seed, the mean over seeds as a marker with a min-max whisker.
+    ``effects = {method: [per-run effects]}``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.9 * len(effects) + 1.5), 4.2))
+    order = list(effects)
+    offsets = {name: off for (name, *_), off in zip(DLOGP_SETS, (-0.22, 0.0, 0.22))}
+    markers = {"silenced": "v", "kept_candidates": "o", "all": "s"}
+    labelled = set()
+    for x, method in enumerate(order):
+        color = method_color(method, order)
+        for name, _, _, label in DLOGP_SETS:
+            values = [run[name].mean for run in effects[method] if run[name].mean is not None]
+            if not values:
+                continue
+            pos = x + offsets[name]
+            ax.scatter([pos] * len(values), values, s=12, color=color, alpha=0.5, linewidths=0)
+            mean = sum(values) / len(values)
+            ax.errorbar([pos], [mean], yerr=[[mean - min(values)], [max(values) - mean]], fmt=markers[name],
+                        color=color, markersize=7, capsize=3, markerfacecolor="white" if name == "all" else color)
+            labelled.add(label)
+    ax.axhline(0.0, color="gray", linewidth=0.8)
+    ax.set_xticks(range(len(order)), order)
+    ax.set_ylabel("mean change of log p across the update")
+    seeds = sorted({len(runs) for runs in effects.values()})
+    ax.set_title("What each update does to the tokens S2T singles out\n(markers: mean over "
+                 f"{'/'.join(map(str, seeds))} seed(s), whiskers: min..max, dots: seeds)", fontsize=9)
+    from matplotlib.lines import Line2D
+
+    shapes = [Line2D([], [], linestyle="none", marker=markers[name], color="black",
+                     markerfacecolor="white" if name == "all" else "black", label=label)
+              for name, _, _, label in DLOGP_SETS if label in labelled]
+    ax.legend(handles=shapes, fontsize=8, title="token set (colour: method)", title_fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
+def plot_update_effect(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
+                       name: str = "update_effect.png") -> list[Path]:
+    """Write :func:`update_effect_figure` (``out_dir/<name>``) from ``{method: [run folder per seed]}``;
+    nothing when no run measured the update effect."""
+    check_out_dir(Path(out_dir))
+    effects = {method: [update_effect_of_run(read_steps(find_metrics_file(run))) for run in runs]
+               for method, runs in groups.items()}
+    effects = {m: runs for m, runs in effects.items() if any(e.tokens for run in runs for e in run.values())}
+    if not effects:
+        return []
+    return [_save(update_effect_figure(effects), Path(out_dir) / name)]
 
 
 def _report(found: Sequence[str], notes: Optional[list]) -> None:

@@ -20,9 +20,18 @@ the summary and refuses to train (exit 2) when any differs from the paper's. Onl
 (batch sizes, lengths, learning rate, steps, model) differ; the summary lists each of them next to
 the paper-scale value of the recipe's config.
 
+Every method logs S2T's statistics (``actor/s2t/*``): STAPO applies S2T, the others only monitor it
+(``s2t_monitor``, on in the recipe's config for every method). Every run also measures the update
+effect (``actor/s2t/dlogp_*``, :mod:`verl_patches.update_effect`): how each update changes the
+log-probability of the tokens S2T silences (or would silence), of the candidates it keeps and of
+all tokens of the responses holding them.
+
 Writes into ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
-the S2T token dump, checkpoints off), ``summary.md``, ``summary.json`` (``methods``: the rows, ``reproducibility``: seeds, asset hash,
-library versions, thread counts), ``settings.json`` and PNG curves. With
+the S2T token dump, checkpoints off), ``summary.md`` (its first lines say whether the baselines
+learned: validation accuracy and training reward rose), ``summary.json`` (``methods``: the rows,
+``learning``: that check, ``update_effect``: per method over seeds, ``reproducibility``: seeds,
+asset hash, library versions, thread counts), ``settings.json``, PNG curves and
+``update_effect.png``. With
 ``--seeds K > 1`` (study mode) the runs go to ``seed<k>/<method>`` and the curves show one band per
 method across seeds (:func:`recipe.stapo.plots.plot_bands`), and the summary adds the inspector's
 quadrant table over all STAPO runs.
@@ -46,7 +55,7 @@ from typing import Optional
 
 from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
 from recipe.stapo.cpu.assets import AssetConfig, build_assets, is_built
-from recipe.stapo.plots import plot_bands, plot_runs
+from recipe.stapo.plots import DLOGP_SETS, plot_bands, plot_runs, plot_update_effect, update_effect_of_run
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
 REWARD = "critic/score/mean"
@@ -55,6 +64,13 @@ SILENCED = "actor/s2t/silenced_frac"
 CANDIDATES = "actor/s2t/candidates"
 SILENCED_COUNT = "actor/s2t/silenced"
 STEP_TIME = "timing_s/step"
+#: 1 when the run applied S2T (STAPO), 0 when it only monitored it (the baselines)
+APPLIED = "actor/s2t/applied"
+#: seconds per step spent measuring the update effect (actor/s2t/dlogp_*)
+DLOGP_SECONDS = "actor/s2t/dlogp_seconds"
+DLOGP_SILENCED = "actor/s2t/dlogp_silenced"
+#: the methods whose learning the summary's first lines report (the baselines)
+BASELINES = ("grpo", "entropy20", "justrl")
 DONE = "quickstart_done.json"
 #: key marking a step-0 validation record copied from the seed's first run (see the module docstring)
 SHARED_FROM = "shared_from"
@@ -263,33 +279,125 @@ def summarise(method: str, steps: dict[int, dict], wall_s: Optional[float], erro
     silenced, step_time = _series(steps, SILENCED), _series(steps, STEP_TIME)
     validation = [_validation_accuracy(steps[s]) for s in sorted(steps)]
     validation = [v for v in validation if v is not None]
+    applied = _series(steps, APPLIED)
+    half = len(reward) // 2
+    effect = update_effect_of_run(steps)
     return {
         "method": method, "steps": len(reward), "error": error, "wall_s": wall_s,
         "val_acc_first": validation[0] if validation else None, "val_acc_last": validation[-1] if validation else None,
         "final_reward": reward[-1] if reward else None, "mean_reward": mean(reward),
+        "reward_first_half": mean(reward[:half]) if half else None,
+        "reward_second_half": mean(reward[half:]) if half else None,
         "final_entropy": entropy[-1] if entropy else None, "mean_entropy": mean(entropy),
         "mean_silenced_frac": mean(silenced), "mean_step_s": mean(step_time),
         "mean_candidates": mean(_series(steps, CANDIDATES)),
         "mean_silenced": mean(_series(steps, SILENCED_COUNT)),
+        "s2t": None if not applied else ("applied" if min(applied) == 1.0 else "monitored"),
+        "update_effect": {name: {"mean": e.mean, "tokens": e.tokens} for name, e in effect.items()},
+        "mean_dlogp_seconds": mean(_series(steps, DLOGP_SECONDS)),
     }
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The summary table (markdown)."""
-    head = ("| method | steps | final reward | mean reward | final entropy | mean entropy "
+    """The summary table (markdown). S2T: ``applied`` (STAPO) or ``monitored``; CPU s: user + system
+    CPU seconds of the run's processes, its cost whatever the machine's load (wall s is not)."""
+    head = ("| method | steps | final reward | mean reward | final entropy | mean entropy | S2T "
             "| S2T candidates / silenced per step | silenced frac (S2T) | val acc before -> after | mean step s "
-            "| wall s |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "| wall s | CPU s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
     lines = []
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | | |")
+            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['method']} | {r['steps']} | {_fmt(r['final_reward'])} | {_fmt(r['mean_reward'])} | "
-                     f"{_fmt(r['final_entropy'])} | {_fmt(r['mean_entropy'])} | "
+                     f"{_fmt(r['final_entropy'])} | {_fmt(r['mean_entropy'])} | {r.get('s2t') or 'n/a'} | "
                      f"{_fmt(r.get('mean_candidates'), 1)} / {_fmt(r.get('mean_silenced'), 1)} | {_fmt(r['mean_silenced_frac'])} | "
                      f"{_fmt(r.get('val_acc_first'))} -> {_fmt(r.get('val_acc_last'))} | "
-                     f"{_fmt(r['mean_step_s'], 2)} | {_fmt(r['wall_s'], 1)} |")
+                     f"{_fmt(r['mean_step_s'], 2)} | {_fmt(r['wall_s'], 1)} | {_fmt(r.get('cpu_s'), 1)} |")
     return head + "\n".join(lines) + "\n"
+
+
+def _effect_cell(effect: dict) -> str:
+    return f"{_fmt(effect['mean'])} ({effect['tokens']})" if effect["tokens"] else "- (0)"
+
+
+def update_effect_table(rows: list[dict]) -> str:
+    """Per run: the mean change of log-probability across the update of the tokens S2T silenced
+    (STAPO) or would have silenced (monitored), of the candidates it keeps and of all tokens of the
+    measured responses (token counts in brackets), and the measurement's cost."""
+    head = ("| method | S2T | dlogp silenced (tokens) | dlogp kept candidates (tokens) | dlogp all (tokens) "
+            "| measurement s / step | step s |\n|---|---|---|---|---|---|---|\n")
+    lines = []
+    for r in rows:
+        if r["error"] or not r.get("update_effect"):
+            continue
+        e = r["update_effect"]
+        lines.append(f"| {r['method']} | {r.get('s2t') or 'n/a'} | {_effect_cell(e['silenced'])} | "
+                     f"{_effect_cell(e['kept_candidates'])} | {_effect_cell(e['all'])} | "
+                     f"{_fmt(r.get('mean_dlogp_seconds'), 3)} | {_fmt(r['mean_step_s'], 2)} |")
+    return head + "\n".join(lines) + "\n"
+
+
+def update_effect_by_method(rows: list[dict]) -> dict[str, dict]:
+    """Per method, per token set: the runs' update effects over seeds: ``mean`` (of the runs'
+    means), ``low`` / ``high`` (their range), ``runs`` (seeds that measured it), ``tokens`` (all runs)."""
+    out: dict[str, dict] = {}
+    for method in dict.fromkeys(r["method"] for r in rows if not r["error"]):
+        runs = [r for r in rows if r["method"] == method and not r["error"]]
+        out[method] = {"s2t": runs[0].get("s2t")}
+        for name, *_ in DLOGP_SETS:
+            values = [r["update_effect"][name]["mean"] for r in runs if r["update_effect"][name]["mean"] is not None]
+            out[method][name] = {
+                "mean": sum(values) / len(values) if values else None,
+                "low": min(values) if values else None, "high": max(values) if values else None,
+                "runs": len(values), "tokens": sum(r["update_effect"][name]["tokens"] for r in runs)}
+    return out
+
+
+def update_effect_markdown(by_method: dict[str, dict]) -> str:
+    """The study's update-effect table: mean over seeds [min, max] of each run's token-weighted mean."""
+    head = ("| method | S2T | dlogp silenced | dlogp kept candidates | dlogp all |\n|---|---|---|---|---|\n")
+    lines = []
+    for method, sets in by_method.items():
+        cells = []
+        for name, *_ in DLOGP_SETS:
+            e = sets[name]
+            cells.append("-" if e["mean"] is None else f"{_fmt(e['mean'])} [{_fmt(e['low'])}, {_fmt(e['high'])}] "
+                         f"({e['runs']} seeds, {e['tokens']} tokens)")
+        lines.append(f"| {method} | {sets['s2t'] or 'n/a'} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def learning_check(rows: list[dict]) -> dict:
+    """Did the baselines visibly learn? Per baseline (means over its seeds): validation accuracy
+    before and after training, mean training reward over the first and the second half of the
+    steps; ``learned`` when both rose for every baseline that ran."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    per_method = {}
+    for method in BASELINES:
+        runs = [r for r in rows if r["method"] == method and not r["error"]]
+        if not runs:
+            continue
+        got = {key: mean([r[key] for r in runs if r.get(key) is not None])
+               for key in ("val_acc_first", "val_acc_last", "reward_first_half", "reward_second_half")}
+        got["learned"] = all(v is not None for v in got.values()) and got["val_acc_last"] > got["val_acc_first"] \
+            and got["reward_second_half"] > got["reward_first_half"]
+        per_method[method] = got
+    return {"methods": per_method, "learned": bool(per_method) and all(m["learned"] for m in per_method.values())}
+
+
+def learning_markdown(check: dict) -> str:
+    """The summary's first lines: whether the baselines learned with these settings, and the numbers."""
+    if not check["methods"]:
+        return ""
+    parts = [f"{m}: validation accuracy {_fmt(v['val_acc_first'])} -> {_fmt(v['val_acc_last'])}, training reward "
+             f"{_fmt(v['reward_first_half'])} (first half of the steps) -> {_fmt(v['reward_second_half'])} (second half)"
+             for m, v in check["methods"].items()]
+    if check["learned"]:
+        return "**The baselines learned**: " + "; ".join(parts) + ".\n\n"
+    failed = [m for m, v in check["methods"].items() if not v["learned"]]
+    return ("**Not every baseline visibly learned with these settings** (" + ", ".join(failed) + " did not raise both "
+            "its validation accuracy and its training reward): " + "; ".join(parts) + ".\n\n")
 
 
 def _settings(opts: QuickstartOptions, seed: int, validate_before: bool = True) -> dict:
@@ -298,7 +406,7 @@ def _settings(opts: QuickstartOptions, seed: int, validate_before: bool = True) 
             "lr": opts.lr, "response_length": opts.response_length, "prompt_length": opts.prompt_length,
             "use_v1": opts.trainer == "v1", "assets": str(opts.assets), "validate": True,
             "validate_before": validate_before, "test_freq": opts.test_freq or 0, "token_dump": True,
-            "overrides": list(opts.overrides)}
+            "update_effect_responses": opts.mini_batch * opts.n, "overrides": list(opts.overrides)}
 
 
 def method_overrides(opts: QuickstartOptions, run_dir: Path, validate_before: bool = True) -> list[str]:
@@ -402,6 +510,15 @@ def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
     return done if done.get("settings") == settings else None
 
 
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished descendants (the trainer's driver and,
+    reaped through it, Ray and its workers): a run's cost independent of the machine's load."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartOptions, assets: Path,
                shared: Optional[tuple[str, dict]] = None) -> dict:
     """Train one method with one seed (or reuse its finished run); returns its summary row.
@@ -412,7 +529,8 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     done = None if opts.force else _finished(run_dir, settings)
     if done is not None:
         print(f"{tag}: reusing the finished run in {run_dir}", flush=True)
-        return {**summarise(method, read_metrics(run_dir / "metrics.jsonl"), done["wall_s"]), "seed": seed}
+        return {**summarise(method, read_metrics(run_dir / "metrics.jsonl"), done["wall_s"]), "seed": seed,
+                "cpu_s": done.get("cpu_s")}
     print(f"{tag}: training {opts.steps} steps (log: {run_dir / 'metrics.log'})", flush=True)
 
     def on_step(step: int, data: dict) -> None:
@@ -424,11 +542,15 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
             return  # a validation-only record (before training)
         extra = ""
         if SILENCED in data:
-            extra = (f", candidates {_fmt(data.get('actor/s2t/candidates'), 1)}, silenced "
+            would = "" if data.get(APPLIED) == 1.0 else " (monitored)"
+            extra = (f", candidates {_fmt(data.get('actor/s2t/candidates'), 1)}, silenced{would} "
                      f"{_fmt(data.get('actor/s2t/silenced'), 1)} ({_fmt(data.get(SILENCED))})")
+        if DLOGP_SILENCED in data:
+            extra += f", dlogp silenced {_fmt(data[DLOGP_SILENCED])}"
         print(f"{tag}: step {step}/{opts.steps}: reward {_fmt(data.get(REWARD))}, entropy "
               f"{_fmt(data.get(ENTROPY))}{extra}, {_fmt(data.get(STEP_TIME), 2)} s", flush=True)
 
+    cpu_before = _children_cpu_seconds()
     run = run_cpu_trainer(method, assets, run_dir, timeout=opts.timeout, on_step=on_step,
                           extra=method_overrides(opts, run_dir, validate_before=shared is None),
                           **run_kwargs(opts, seed))
@@ -438,9 +560,10 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     if not run.ok:
         print(f"{tag}: FAILED (exit {run.returncode}) after {run.wall_s} s; log tail:\n{run.tail(25)}", flush=True)
         return {**summarise(method, steps, run.wall_s, error=f"exit {run.returncode}, see {run.log}"), "seed": seed}
-    (run_dir / DONE).write_text(json.dumps({"settings": settings, "wall_s": run.wall_s}))
-    print(f"{tag}: done in {run.wall_s} s", flush=True)
-    return {**summarise(method, steps, run.wall_s), "seed": seed}
+    cpu_s = round(_children_cpu_seconds() - cpu_before, 1)
+    (run_dir / DONE).write_text(json.dumps({"settings": settings, "wall_s": run.wall_s, "cpu_s": cpu_s}))
+    print(f"{tag}: done in {run.wall_s} s ({cpu_s} CPU s)", flush=True)
+    return {**summarise(method, steps, run.wall_s), "seed": seed, "cpu_s": cpu_s}
 
 
 def quadrant_markdown(stapo_dirs: list[Path]) -> str:
@@ -534,7 +657,17 @@ def main(argv: Optional[list[str]] = None) -> int:
                                                    sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))])
     finished = [r for r in rows if not r["error"]]
     stapo_dirs = [opts.run_dir("stapo", r["seed"]) for r in finished if r["method"] == "stapo"]
-    extra_md = settings_markdown(settings)
+    check = learning_check(rows)
+    by_method = update_effect_by_method(rows)
+    effect_md = ("## Update effect: the change of log-probability across each update\n\n"
+                 "Mean over every step of `actor/s2t/dlogp_*` (token-weighted): tokens S2T silenced (STAPO) or "
+                 "would have silenced (the other methods, where S2T is only monitored), the candidates it keeps, "
+                 "and all tokens of the measured responses (the positive-advantage responses holding a candidate); "
+                 "token counts in brackets. A positive value: the update made the tokens more likely.\n\n"
+                 + (update_effect_markdown(by_method) + "\nPer run:\n\n" if study else "")
+                 + update_effect_table(sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))
+                                       if study else rows))
+    extra_md = effect_md + "\n" + settings_markdown(settings)
     if shared:
         extra_md = ("Validation before training: measured once per seed, by "
                     + ", ".join(f"{m} (seed {sd})" for sd, (m, _) in sorted(shared.items()))
@@ -547,16 +680,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             extra_md += f"\n(no token quadrants: {exc})\n"
     provenance = reproducibility.collect(list(opts.seeds), assets)  # what it takes to repeat these numbers
     (out / "summary.md").write_text(f"# STAPO {'study' if study else 'quickstart'} (CPU, tiny model, {opts.steps} steps, "
-                                    f"{len(opts.seeds)} seed(s), verl {opts.trainer} trainer)\n\n{table}\n{extra_md}\n"
+                                    f"{len(opts.seeds)} seed(s), verl {opts.trainer} trainer)\n\n"
+                                    f"{learning_markdown(check)}{table}\n{extra_md}\n"
                                     f"{reproducibility.markdown(provenance)}")
-    (out / "summary.json").write_text(json.dumps({"methods": rows, "reproducibility": provenance}, indent=2))
+    (out / "summary.json").write_text(json.dumps({"methods": rows, "learning": check, "update_effect": by_method,
+                                                  "reproducibility": provenance}, indent=2))
     (out / SETTINGS_FILE).write_text(json.dumps({"stapo": settings, "paper": paper_settings()}, indent=2, default=str))
+    groups = {m: [opts.run_dir(m, r["seed"]) for r in finished if r["method"] == m] for m in opts.methods}
+    groups = {m: dirs for m, dirs in groups.items() if dirs}
     if study:
-        bands = {m: [opts.run_dir(m, r["seed"]) for r in finished if r["method"] == m] for m in opts.methods}
-        plots = plot_bands({m: dirs for m, dirs in bands.items() if dirs}, out) if finished else []
+        plots = plot_bands(groups, out) if finished else []
     else:
         plots = plot_runs({r["method"]: out / r["method"] for r in finished}, out) if finished else []
-    print("\n" + table, flush=True)
+    plots += plot_update_effect(groups, out) if finished else []
+    print("\n" + learning_markdown(check) + table + "\n" + effect_md, flush=True)
     print(f"[quickstart] wrote {out / 'summary.md'}" + "".join(f", {p.name}" for p in plots), flush=True)
     for run_dir in stapo_dirs:
         print(f"[quickstart] silenced tokens: python -m recipe.stapo.inspect {run_dir}", flush=True)

@@ -9,10 +9,11 @@ the import graph, so that reading a dump never imports verl.
   a sampled response: ``prob`` and ``entropy`` of the policy at that position, the response's
   ``advantage``, S2T's ``candidate`` / ``silenced`` flags, ``grad_norm`` = the closed-form
   logit-gradient norm per unit weight ``sqrt(1 - 2 p_k + sum_n p_n^2)``
-  (:func:`stapo_core.logit_grad_norm`) and the policy's ``top5`` alternatives.
+  (:func:`stapo_core.logit_grad_norm`), the policy's ``top5`` alternatives and ``dlogp``, the change
+  of the token's log-probability across the update that followed.
   :class:`ResponseRecord` (``kind = "response"``), one per sampled response: its ``advantage``,
   ``n_tokens``, the thresholds ``tau_p`` / ``tau_h`` of its step and the four quadrants of its
-  tokens. :func:`validate_record` checks either kind.
+  tokens (count, gradient-norm sum, ``dlogp`` sum). :func:`validate_record` checks either kind.
 * :mod:`.files`: one JSON Lines file per training step, ``RUN_DIR/s2t_tokens/step_{step:06d}.jsonl``
   (:func:`step_file`), written by :func:`write_step` and read by :func:`read_dump`.
 * :mod:`.quadrants`: :func:`quadrant_counts` (low/high probability x low/high entropy) and

@@ -3,7 +3,8 @@
 A token is *low probability* when ``prob < tau_p`` and *low entropy* when ``entropy < split``, with
 ``split`` = :func:`entropy_split` (S2T's ``tau_h``, or the response's median entropy when there is
 none). Each quadrant counts its tokens and sums their closed-form logit-gradient norms per unit
-weight; :func:`response_record` stores them in a response's dump record.
+weight and, when measured, the changes of their log-probabilities across the update that followed;
+:func:`response_record` stores them in a response's dump record.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def entropy_split(entropy, mask, tau_h: Optional[float]) -> Optional[float]:
     return float(np.median(ent)) if ent.size else None
 
 
-def quadrant_counts(prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optional[float]) -> dict:
+def quadrant_counts(prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optional[float], dlogp=None) -> dict:
     """Token counts and gradient-norm sums of the four probability x entropy quadrants.
 
     Low probability: ``prob < tau_p``; low entropy: ``entropy < entropy_split(entropy, mask, tau_h)``.
@@ -44,10 +45,13 @@ def quadrant_counts(prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optiona
             at the position, closed-form logit-gradient norm per unit weight.
         mask: array of that shape, nonzero at the tokens to count (response tokens).
         tau_p: probability threshold in (0, 1]. tau_h: entropy threshold, or None.
+        dlogp: optional array of that shape: the change of each token's log-probability across
+            the update that followed.
 
     Returns:
-        ``{name: {"count": int, "grad_norm_sum": float}}`` for ``name`` in :data:`QUADRANTS`
-        (sums in float64; zeros when nothing is counted).
+        ``{name: {"count": int, "grad_norm_sum": float, "dlogp_sum": float or None}}`` for ``name``
+        in :data:`QUADRANTS` (sums in float64; zeros when nothing is counted; ``dlogp_sum`` None
+        without ``dlogp``).
 
     Raises:
         ValueError: shape mismatch, ``tau_p`` outside (0, 1], or a non-finite value at a counted token.
@@ -56,10 +60,11 @@ def quadrant_counts(prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optiona
         raise ValueError(f"quadrant_counts: tau_p={tau_p!r} must be a number in (0, 1]")
     p, h, g = (_as_array(x, np.float64) for x in (prob, entropy, grad_norm))
     m = _as_array(mask, np.float64) != 0
-    if not p.shape == h.shape == g.shape == m.shape:
-        raise ValueError(f"quadrant_counts: prob {p.shape}, entropy {h.shape}, grad_norm {g.shape} and "
-                         f"mask {m.shape} must have the same shape")
-    for name, arr in (("prob", p), ("entropy", h), ("grad_norm", g)):
+    d = None if dlogp is None else _as_array(dlogp, np.float64)
+    if not p.shape == h.shape == g.shape == m.shape or (d is not None and d.shape != m.shape):
+        raise ValueError(f"quadrant_counts: prob {p.shape}, entropy {h.shape}, grad_norm {g.shape}, "
+                         f"{'' if d is None else f'dlogp {d.shape}, '}and mask {m.shape} must have the same shape")
+    for name, arr in (("prob", p), ("entropy", h), ("grad_norm", g)) + ((("dlogp", d),) if d is not None else ()):
         if not np.isfinite(arr[m]).all():
             raise ValueError(f"quadrant_counts: {name} holds non-finite values at counted tokens")
     split = entropy_split(h, m, tau_h)
@@ -68,16 +73,19 @@ def quadrant_counts(prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optiona
     out = {}
     for name, sel in zip(QUADRANTS, (low_p & low_h, low_p & ~low_h, ~low_p & low_h, ~low_p & ~low_h)):
         sel = sel & m
-        out[name] = {"count": int(sel.sum()), "grad_norm_sum": float(g[sel].sum())}
+        out[name] = {"count": int(sel.sum()), "grad_norm_sum": float(g[sel].sum()),
+                     "dlogp_sum": None if d is None else float(d[sel].sum())}
     return out
 
 
 def response_record(*, step: int, method: str, uid: str, response_index: int, advantage: float,
-                    prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optional[float]) -> ResponseRecord:
+                    prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optional[float],
+                    dlogp=None) -> ResponseRecord:
     """The ``kind = "response"`` record of one response from its per-token ``(T,)`` arrays.
 
     ``n_tokens`` = number of mask tokens; quadrants over all of them (:func:`quadrant_counts`);
-    a non-finite ``tau_h`` (e.g. S2T's NaN without candidates) is stored as null.
+    a non-finite ``tau_h`` (e.g. S2T's NaN without candidates) is stored as null; ``dlogp`` (the
+    tokens' log-probability changes across the update, optional) gives each quadrant's ``dlogp_sum``.
     """
     tau_h = float(tau_h) if tau_h is not None and math.isfinite(tau_h) else None
     rec = {
@@ -85,6 +93,6 @@ def response_record(*, step: int, method: str, uid: str, response_index: int, ad
         "response_index": int(response_index), "advantage": float(advantage),
         "n_tokens": int((_as_array(mask, np.float64) != 0).sum()), "tau_p": float(tau_p), "tau_h": tau_h,
         "entropy_split": entropy_split(entropy, mask, tau_h),
-        "quadrants": quadrant_counts(prob, entropy, grad_norm, mask, tau_p, tau_h),
+        "quadrants": quadrant_counts(prob, entropy, grad_norm, mask, tau_p, tau_h, dlogp),
     }
     return validate_response_record(rec)

@@ -40,6 +40,7 @@ class TokenRecord(_RecordFields):
     silenced: bool
     grad_norm: float
     top5: list
+    dlogp: Optional[float]
 
 
 class ResponseRecord(_RecordFields):
@@ -120,8 +121,10 @@ def _checked(rec: Mapping, fields: Mapping[str, Check]) -> dict:
     return {key: check(key, rec.get(key)) for key, check in fields.items()}
 
 
-#: the statistics of one quadrant
-_QUADRANT_FIELDS = {"count": _integer(minimum=0), "grad_norm_sum": _number(low=0.0)}
+#: the statistics of one quadrant: its token count, the sum of their closed-form gradient norms and
+#: the sum of their log-probability changes across the update (null when not measured)
+_QUADRANT_FIELDS = {"count": _integer(minimum=0), "grad_norm_sum": _number(low=0.0),
+                    "dlogp_sum": _number(nullable=True)}
 
 
 def _quadrants(key: str, value) -> dict:
@@ -132,7 +135,8 @@ def _quadrants(key: str, value) -> dict:
     for name in QUADRANTS:
         stats = value[name]
         if not isinstance(stats, Mapping):
-            raise RecordError(f"field '{key}.{name}' must be {{'count': int, 'grad_norm_sum': float}}, got {stats!r}")
+            raise RecordError(f"field '{key}.{name}' must be {{'count': int, 'grad_norm_sum': float, "
+                              f"'dlogp_sum': float or null}}, got {stats!r}")
         try:
             out[name] = _checked(stats, _QUADRANT_FIELDS)
         except RecordError as exc:
@@ -155,7 +159,9 @@ _COMMON_FIELDS = {
 
 #: fields of a token record besides the common ones. prob, entropy and grad_norm are the policy's
 #: probability of the token, the entropy (nats) at its position and the closed-form logit-gradient
-#: norm per unit weight; top5 the policy's five likeliest tokens there, ``[[token, prob], ...]``
+#: norm per unit weight; top5 the policy's five likeliest tokens there, ``[[token, prob], ...]``;
+#: dlogp the change of the token's log-probability across the update that followed (null when not
+#: measured, and null when absent on read)
 _TOKEN_FIELDS = {
     "position": _integer(minimum=0),
     "token_id": _integer(minimum=0),
@@ -168,6 +174,7 @@ _TOKEN_FIELDS = {
     "silenced": _flag,
     "grad_norm": _number(low=0.0),
     "top5": _top5,
+    "dlogp": _number(nullable=True),
 }
 
 #: fields of a response record besides the common ones. tau_p / tau_h are the thresholds of its

@@ -20,6 +20,12 @@ sequence. The actor runs its update and its no-grad statistics forward one seque
 selection pooled per micro-batch (or taken from the rollout policy) would not match. The two-rank run
 has a mini-batch in which one rank holds no positive-advantage sequence.
 
+The same recorded weights, before and after every update, give the update effect
+(``actor/s2t/dlogp_*``) independently: the change of each response token's log-probability across
+its mini-batch's update, pooled over the step, for the silenced tokens, the kept candidates and
+every token of the responses holding a candidate. Its two forwards (before and after the update)
+are the last two inference calls of a mini-batch that holds a candidate.
+
 The one-rank run is also the suite's STAPO run of the TransferQueue trainer
 (tests/e2e/test_trainer_e2e_on_cpu.py runs the other methods and STAPO on the legacy trainer): it must
 train and log the S2T metrics.
@@ -98,8 +104,8 @@ def records(request, assets, tmp_path_factory):
 
 def combine(parts):
     """One mini-batch's record from its ranks' parts: rows concatenated in rank order (``rank_of``
-    says which rank held each row), rank 0's weights and metrics, every rank's forwards."""
-    rec = {"weights": parts[0]["weights"], "metrics": parts[0].get("metrics", {}),
+    says which rank held each row), rank 0's weights (before and after the update) and metrics, every rank's forwards."""
+    rec = {"weights": parts[0]["weights"], "weights_after": parts[0]["weights_after"], "metrics": parts[0].get("metrics", {}),
            "update_lr_scheduler": parts[0]["update_lr_scheduler"],
            "infer_calls": [p["infer_calls"] for p in parts],
            "infer_responses": [p["infer_responses"] for p in parts],
@@ -249,7 +255,7 @@ def test_only_the_positive_advantage_sequences_are_forwarded_and_none_on_the_fir
     for k, r in enumerate(compared):
         rec = r["rec"]
         assert len(set(rec["infer_calls"])) == 1, f"mini-batch {k}: ranks ran {rec['infer_calls']} forwards"
-        forwarded = sorted(seq for rank in rec["infer_responses"] for call in rank for seq in call)
+        forwarded = sorted(seq for rank in statistics_calls(r) for call in rank for seq in call)
         if rec["first"]:
             assert forwarded == [], f"mini-batch {k}"
             continue
@@ -270,6 +276,72 @@ def test_the_two_rank_run_has_a_rank_without_positive_advantage(records, compare
     empty = [k for k, r in enumerate(compared) if not r["rec"]["first"] and any(
         not bool(((r["advantages"] > 0) & r["mask"])[r["rec"]["rank_of"] == rank].any()) for rank in (0, 1))]
     assert empty, "no mini-batch with a rank that holds no positive-advantage sequence"
+
+
+def statistics_calls(r):
+    """Each rank's inference calls of the statistics forward: all but the update effect's last two."""
+    effect = 2 if _measured_rows(r).any() else 0
+    return [rank[: len(rank) - effect] for rank in r["rec"]["infer_responses"]]
+
+
+def test_the_update_effect_forwards_the_responses_holding_a_candidate_before_and_after(compared):
+    """The update effect's two calls (the last two of a mini-batch with a candidate) forward the
+    responses holding a candidate, the same ones both times (a rank holding none repeats one row)."""
+    measured_any = False
+    for k, r in enumerate(compared):
+        rec, rows = r["rec"], _measured_rows(r)
+        if not rows.any():
+            continue
+        measured_any = True
+        wanted = sorted(tuple(rec["responses"][i, : int(r["mask"][i].sum())].tolist()) for i in range(len(rows)) if rows[i])
+        before = sorted(seq for rank in rec["infer_responses"] for seq in rank[-2])
+        after = sorted(seq for rank in rec["infer_responses"] for seq in rank[-1])
+        assert before == after, f"mini-batch {k}: different responses before and after the update"
+        assert set(wanted) <= set(before), f"mini-batch {k}: a response holding a candidate was not measured"
+        for rank in rec["infer_responses"]:  # a rank with nothing to measure repeats one row (ranks in step)
+            assert set(rank[-2]) <= set(wanted) or len(set(rank[-2])) == 1, f"mini-batch {k}"
+    assert measured_any
+
+
+def _measured_rows(r):
+    """The rows whose update effect the actor measured: those holding a candidate (the run measures
+    every response of a mini-batch)."""
+    candidate = r["mask"] & (r["advantages"] > 0) & (r["log_prob"] < math.log(TAU_P))
+    return candidate.any(-1)
+
+
+def test_update_effect_matches_the_recorded_weights(compared, records):
+    """Per step: the logged mean change of log-probability across each update, of the silenced
+    tokens, the kept candidates and every token of the measured responses, against an independent
+    forward of the weights recorded before and after each update (float64, plain transformers)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(records["model"], attn_implementation="eager", dtype=torch.float32)
+    model.eval()
+    steps = read_metrics(records["metrics"])
+    sums, counts, step, checked = {}, {}, 1, 0
+    for r in compared:
+        rec = r["rec"]
+        model.load_state_dict(rec["weights_after"], strict=False)
+        after, _ = independent_statistics(model, rec)
+        rows = _measured_rows(r)
+        candidate = r["mask"] & (r["advantages"] > 0) & (r["log_prob"] < math.log(TAU_P))
+        sets = {"silenced": r["trained"], "kept_candidates": candidate & ~r["trained"], "all": r["mask"]}
+        for name, tokens in sets.items():
+            selected = tokens & rows[:, None]
+            sums[name] = sums.get(name, 0.0) + float((after - r["log_prob"])[selected].sum())
+            counts[name] = counts.get(name, 0) + int(selected.sum())
+        sums["responses"] = sums.get("responses", 0) + int(rows.sum())
+        if rec["update_lr_scheduler"]:  # the step's last mini-batch: its metrics are complete
+            logged = steps[step]
+            assert logged["actor/s2t/dlogp_responses"] == sums["responses"]
+            for name in sets:
+                assert logged[f"actor/s2t/dlogp_{name}_tokens"] == counts[name], (step, name)
+                if counts[name]:
+                    assert logged[f"actor/s2t/dlogp_{name}"] == pytest.approx(sums[name] / counts[name], abs=2e-4)
+                    checked += 1
+            sums, counts, step = {}, {}, step + 1
+    assert step == 3 and checked >= 4, (step, checked)  # both steps, silenced tokens among them
 
 
 def test_the_run_trains_and_logs_the_s2t_metrics(records):

@@ -82,12 +82,20 @@ def test_two_steps_train(runs, method, use_v1):
     data = steps[2]
     # the step's entropy quantiles are logged for every method (verl_patches.step_metrics)
     assert 0 <= data["actor/entropy_p50"] <= data["actor/entropy_p80"] <= data["actor/entropy_p95"]
+    # every method logs S2T's statistics: applied by STAPO, monitored by the others (s2t_monitor)
+    s2t = {k: v for k, v in data.items() if k.startswith("actor/s2t/")}
+    assert s2t, f"no actor/s2t/ metrics in {sorted(data)}"
+    assert all(math.isfinite(v) for v in s2t.values())
+    assert 0 <= s2t["actor/s2t/silenced"] <= s2t["actor/s2t/candidates"] <= s2t["actor/s2t/tokens"]
+    assert "actor/s2t/grad_norm_kept" in s2t  # rollout-time sum_pi_squared reached the actor
+    assert s2t["actor/s2t/applied"] == (1.0 if method == "stapo" else 0.0)
+    # and the update effect of the tokens S2T singles out, once per step (verl_patches.update_effect)
+    for step in (1, 2):
+        effect = {k: v for k, v in steps[step].items() if k.startswith("actor/s2t/dlogp_")}
+        assert effect["actor/s2t/dlogp_seconds"] >= 0 and effect["actor/s2t/dlogp_all_tokens"] >= 0
+        assert (effect["actor/s2t/dlogp_responses"] > 0) == (effect["actor/s2t/dlogp_all_tokens"] > 0)
+        assert ("actor/s2t/dlogp_all" in effect) == (effect["actor/s2t/dlogp_all_tokens"] > 0)
     if method == "stapo":
-        s2t = {k: v for k, v in data.items() if k.startswith("actor/s2t/")}
-        assert s2t, f"no actor/s2t/ metrics in {sorted(data)}"
-        assert all(math.isfinite(v) for v in s2t.values())
-        assert 0 <= s2t["actor/s2t/silenced"] <= s2t["actor/s2t/candidates"] <= s2t["actor/s2t/tokens"]
-        assert "actor/s2t/grad_norm_kept" in s2t  # rollout-time sum_pi_squared reached the actor
         # stats_from=current (the recipe's default): mini-batch 2 of each step ran one forward of the
         # updated policy through verl's inference path and compared its silenced set with the rollout one
         assert 0.0 <= s2t["actor/s2t/rollout_agreement"] <= 1.0

@@ -13,14 +13,16 @@ recipe's wrapper, which folds the token selection into the mini-batch) and write
   verl holds them: jagged without padding, or padded), ``responses`` / ``advantages`` /
   ``old_log_probs`` / ``entropy`` (rollout time) and the ``response_mask`` before the fold (padded, as verl's loss sees them),
 - ``folded``: the ``response_mask`` the engine received (after the recipe's fold),
+- ``weights_after``: the actor's full state dict after the update (for the update effect),
 - ``infer_calls``: how many times ``TrainingWorker.infer_batch`` ran during the call (the extra
-  forward of ``stats_from=current``), ``infer_responses``: the response token ids of every sequence
-  it forwarded (one tuple per sequence, per call), ``update_lr_scheduler``: verl's flag on the last
-  mini-batch of a step (so the next call starts a step),
+  forward of ``stats_from=current``, the update effect's two forwards), ``infer_responses``: the
+  response token ids of every sequence it forwarded (one tuple per sequence, per call),
+  ``update_lr_scheduler``: verl's flag on the last mini-batch of a step (so the next call starts a step),
 - ``metrics``: the recipe's ``s2t/*`` metrics of the update (on the ranks that return verl's output).
 
 Used by tests/e2e/test_current_stats_e2e_on_cpu.py, which recomputes the silenced set from an
-independent forward of the recorded weights.
+independent forward of the recorded weights, and the update effect from the weights before and
+after each update.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ def install(out_dir: str) -> None:
             record["weights"] = weights
         infer_before, state["responses"] = state["infer"], []
         output = inner_train(self, data, *args, **kwargs)
+        with engine.train_mode():
+            weights_after = _full_state_dict(engine.module)
+        if record["rank"] == 0:
+            record["weights_after"] = weights_after
         record["infer_calls"] = state["infer"] - infer_before
         record["infer_responses"] = state["responses"]
         record["folded"] = engine._recorder_folded

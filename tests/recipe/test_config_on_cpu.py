@@ -40,12 +40,14 @@ def flat(cfg) -> dict:
     return out
 
 
-# What the spec (sections 4-5) lets each method change relative to JustRL, beyond its name.
+# What the spec (sections 4-5) lets each method change relative to JustRL, beyond its name. Every
+# method shares the policy-loss class (the recipe's TokenSelectionLossConfig, token selection none
+# unless the method sets it) and the S2T monitor, so neither is a difference.
 ALLOWED_VS_JUSTRL = {
-    "stapo": {f"{PL}._target_", f"{PL}.token_selection", f"{PL}.tau_p", f"{PL}.q", f"{PL}.strategy",
-              f"{PL}.stats_from", f"{PL}.scope", f"{PL}.current_forward", f"{PL}.sequence_ratio", f"{PL}.seed"},
-    "entropy20": {f"{PL}._target_", f"{PL}.token_selection", f"{PL}.entropy_top_ratio", f"{PL}.stats_from",
-                  f"{PL}.scope", f"{PL}.entropy_topk_reading", f"{PL}.sequence_ratio"},
+    "stapo": {f"{PL}.token_selection", f"{PL}.tau_p", f"{PL}.q", f"{PL}.strategy", f"{PL}.stats_from",
+              f"{PL}.scope", f"{PL}.current_forward", f"{PL}.sequence_ratio", f"{PL}.seed"},
+    "entropy20": {f"{PL}.token_selection", f"{PL}.entropy_top_ratio", f"{PL}.stats_from", f"{PL}.scope",
+                  f"{PL}.entropy_topk_reading", f"{PL}.sequence_ratio"},
     "grpo": {f"{ACTOR}.loss_agg_mode", f"{ACTOR}.clip_ratio_high", f"{ACTOR}.clip_ratio_c", f"{ACTOR}.use_kl_loss",
              f"{ACTOR}.kl_loss_coef", f"{ACTOR}.kl_loss_type"},
     "justrl": set(),
@@ -85,6 +87,13 @@ def test_shared_settings_are_the_papers(composed):
         else:
             assert (a.loss_agg_mode, a.clip_ratio_low, a.clip_ratio_high) == ("token-mean", 0.2, 0.28)
             assert not a.use_kl_loss and a.clip_ratio_c == 10.0  # JustRL's dual clip
+    for method, cfg in composed.items():  # one policy-loss class; S2T monitored where it is not applied
+        settings = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.policy_loss)
+        assert type(settings).__name__ == "TokenSelectionLossConfig" and settings.loss_mode == "vanilla"
+        assert settings.s2t_monitor and settings.monitors_s2t == (method != "stapo")
+        assert (settings.tau_p, settings.q, settings.strategy) == (0.002, 0.75, "low_entropy")
+        assert settings.update_effect_responses == 0  # off at paper scale (docs/miniature.md)
+        assert settings.token_selection == {"stapo": "s2t", "entropy20": "entropy_topk"}.get(method, "none")
     s2t = composed["stapo"].actor_rollout_ref.actor.policy_loss
     assert (s2t.loss_mode, s2t.token_selection, s2t.tau_p, s2t.q, s2t.strategy) == (
         "vanilla", "s2t", 0.002, 0.75, "low_entropy")

@@ -57,8 +57,10 @@ def _step_tensors(model, step: int):
     mask = (torch.arange(RESP_LEN)[None] < lengths[:, None]).float()
     rewards = torch.tensor([[1.0, 0.0, 1.0, 0.0], [0.0, 0.0, 1.0, 0.0]])
     adv = ((rewards - rewards.mean(1, keepdim=True)) / rewards.std(1, keepdim=True)).reshape(-1)
+    # step 2 carries each token's log-prob change across its update (step 1: a dump without it)
+    dlogp = torch.randn(batch, RESP_LEN, generator=gen) if step == 2 else None
     return {"ids": ids, "resp": resp, "probs": probs, "log_p": log_p, "p": p, "H": entropy,
-            "g": grad_norm, "adv": adv, "mask": mask, "stats": stats}
+            "g": grad_norm, "adv": adv, "mask": mask, "stats": stats, "dlogp": dlogp}
 
 
 def _text(ids) -> str:
@@ -77,7 +79,8 @@ def _records(step: int, t: dict, method: str = "stapo"):
             prompt_ids=full[:PROMPT_LEN], response_ids=full[PROMPT_LEN:PROMPT_LEN + n],
             stats={k: v[:n] for k, v in t["stats"][i].items()}, mask=t["mask"][i, :n],
             advantages=t["adv"][i].expand(n), silenced=result.keep[i, :n] == 0, old_log_prob=None,
-            uid=f"prompt{i // N}", response_index=i % N, rank=0, row=i)
+            uid=f"prompt{i // N}", response_index=i % N, rank=0, row=i,
+            dlogp=None if t["dlogp"] is None else t["dlogp"][i, :n])
         records = scoring.build_records(resp, step=step, method=method, tau_p=TAU_P, tau_h=tau_h, context=CONTEXT,
                                         decode=_text)
         tokens += [r for r in records if r["kind"] == "token"]
@@ -145,11 +148,13 @@ def test_quadrant_counts_against_loop(tau_h):
     ent = sorted(h[t] for t in tokens)
     split = tau_h if tau_h is not None else (ent[(len(ent) - 1) // 2] + ent[len(ent) // 2]) / 2
     assert td.entropy_split(h, mask, tau_h) == pytest.approx(split, rel=1e-15)
-    got = td.quadrant_counts(torch.tensor(p), h, g, mask, 0.05, tau_h)
+    d = rng.normal(0, 1, (3, 7))
+    got = td.quadrant_counts(torch.tensor(p), h, g, mask, 0.05, tau_h, dlogp=d)
     for name, (lp, lh) in zip(td.QUADRANTS, [(1, 1), (1, 0), (0, 1), (0, 0)]):
         sel = [t for t in tokens if (p[t] < 0.05) == lp and (h[t] < split) == lh]
         assert got[name]["count"] == len(sel)
         assert math.isclose(got[name]["grad_norm_sum"], sum(g[t] for t in sel), abs_tol=1e-12)
+        assert math.isclose(got[name]["dlogp_sum"], sum(d[t] for t in sel), abs_tol=1e-12)
 
 
 def test_median_split_without_tau_h():
@@ -161,7 +166,7 @@ def test_median_split_without_tau_h():
     empty = td.response_record(step=0, method="m", uid="u", response_index=1, advantage=0.0, prob=[0.5],
                                entropy=[0.3], grad_norm=[0.1], mask=[0], tau_p=0.002, tau_h=None)
     assert empty["entropy_split"] is None and empty["n_tokens"] == 0
-    assert all(q == {"count": 0, "grad_norm_sum": 0.0} for q in empty["quadrants"].values())
+    assert all(q == {"count": 0, "grad_norm_sum": 0.0, "dlogp_sum": None} for q in empty["quadrants"].values())
 
 
 def test_quadrant_counts_bad_input():
@@ -173,7 +178,11 @@ def test_quadrant_counts_bad_input():
         td.quadrant_counts([0.1], [float("nan")], [0.1], [1], 0.002, None)
     # a non-finite value outside the mask is not counted, so it is no error
     assert td.quadrant_counts([0.1, 0.2], [float("nan"), 1.0], [0.1, 0.2], [0, 1], 0.002, None)["highp_highh"] == {
-        "count": 1, "grad_norm_sum": 0.2}
+        "count": 1, "grad_norm_sum": 0.2, "dlogp_sum": None}
+    with pytest.raises(ValueError, match="dlogp holds non-finite"):
+        td.quadrant_counts([0.1], [1.0], [0.1], [1], 0.002, None, dlogp=[float("inf")])
+    with pytest.raises(ValueError, match="same shape"):
+        td.quadrant_counts([0.1], [1.0], [0.1], [1], 0.002, None, dlogp=[0.1, 0.2])
 
 
 def test_report_contents(run, tmp_path):
@@ -201,6 +210,40 @@ def test_report_contents(run, tmp_path):
     assert rows[0].mean_grad_norm == pytest.approx(np.mean([t["grad_norm"] for t in tokens if t["silenced"]]))
     assert page.count('class="tok silenced"') == sum(t["silenced"] for t in tokens) + 1  # + the legend
     assert page.count('class="tok kept"') == sum(t["candidate"] and not t["silenced"] for t in tokens) + 1
+
+
+def test_update_effect_per_quadrant(run, tmp_path):
+    """The report's dlogp columns against a loop over step 2's tokens (step 1 has no dlogp and is
+    left out of them): each quadrant's mean over its tokens of positive-advantage responses, the
+    silenced and kept candidates' means over their token records."""
+    run_dir, tokens, responses, tensors, stats = run
+    t = tensors[2]
+    split = stats[2]["tau_h"]
+    want = {q: [] for q in td.QUADRANTS}
+    for i in range(GROUPS * N):
+        if t["adv"][i] <= 0:
+            continue
+        for j in range(int(t["mask"][i].sum())):
+            low_p, low_h = float(t["p"][i, j]) < TAU_P, float(t["H"][i, j]) < split
+            name = td.QUADRANTS[[(True, True), (True, False), (False, True), (False, False)].index((low_p, low_h))]
+            want[name].append(float(t["dlogp"][i, j]))
+    rows = {r.name: r for r in insp.quadrant_table(responses)}
+    for name, values in want.items():
+        assert rows[name].dlogp_count == len(values)
+        assert rows[name].mean_dlogp == (pytest.approx(np.mean(values), abs=1e-9) if values else None)
+    assert rows["lowp_lowh"].dlogp_count < rows["lowp_lowh"].count  # step 1's tokens have none
+    effects = {e.name: e for e in insp.candidate_effects(tokens)}
+    for name, flag in (("silenced", True), ("kept", False)):
+        values = [float(t["dlogp"][int(tok["row"]), tok["position"]]) for tok in tokens
+                  if tok["step"] == 2 and tok["silenced"] is flag]
+        assert effects[name].count == len(values) > 0
+        assert effects[name].mean_dlogp == pytest.approx(np.mean(values), abs=1e-6)
+    assert all(tok["dlogp"] is None for tok in tokens if tok["step"] == 1)
+    md_path, html_path = insp.write_report(run_dir, tmp_path / "out", top=50)
+    md = md_path.read_text()
+    assert "mean dlogp (update)" in md and "## Update effect on the dumped candidates" in md
+    assert f"| {insp._num(effects['silenced'].mean_dlogp)} |" in md
+    assert "mean dlogp (update)" in html_path.read_text()
 
 
 def test_html_escaping(tmp_path):
@@ -298,8 +341,15 @@ def test_reader_names_file_and_line(tmp_path):
 def test_response_record_validation(tmp_path):
     rec = td.response_record(step=1, method="m", uid="u", response_index=0, advantage=1.0, prob=[0.001, 0.5],
                              entropy=[0.1, 0.2], grad_norm=[1.0, 0.5], mask=[1, 1], tau_p=0.002, tau_h=0.15)
-    assert rec["quadrants"]["lowp_lowh"] == {"count": 1, "grad_norm_sum": 1.0}
-    assert rec["quadrants"]["highp_highh"] == {"count": 1, "grad_norm_sum": 0.5}
+    assert rec["quadrants"]["lowp_lowh"] == {"count": 1, "grad_norm_sum": 1.0, "dlogp_sum": None}
+    assert rec["quadrants"]["highp_highh"] == {"count": 1, "grad_norm_sum": 0.5, "dlogp_sum": None}
+    # a record written before dlogp existed reads as unmeasured
+    old = {**rec, "quadrants": {k: {"count": v["count"], "grad_norm_sum": v["grad_norm_sum"]}
+                                for k, v in rec["quadrants"].items()}}
+    assert td.validate_record(old)["quadrants"] == rec["quadrants"]
+    bad = dict(rec, quadrants={**rec["quadrants"], "lowp_lowh": {"count": 1, "grad_norm_sum": 1.0, "dlogp_sum": "x"}})
+    with pytest.raises(td.RecordError, match=r"quadrants.lowp_lowh: field 'dlogp_sum' must be a finite number or null"):
+        td.validate_record(bad)
     bad = dict(rec, n_tokens=1)
     with pytest.raises(td.RecordError, match="more than n_tokens"):
         td.validate_record(bad)

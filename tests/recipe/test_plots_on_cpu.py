@@ -26,6 +26,12 @@ def _metrics(method: str, step: int) -> dict:
     }
     if method == "stapo":
         data["actor/s2t/silenced_frac"] = 0.0 if step % 3 == 0 else 1e-4 * step
+    # the update effect: every method; a step without silenced tokens logs no mean for them
+    for name, scale in (("silenced", 1.0), ("kept_candidates", 0.5), ("all", 0.1)):
+        tokens = 0 if name == "silenced" and step % 4 == 0 else step + len(name)
+        data[f"actor/s2t/dlogp_{name}_tokens"] = float(tokens)
+        if tokens:
+            data[f"actor/s2t/dlogp_{name}"] = float(scale * rng.normal())
     return data
 
 
@@ -116,6 +122,8 @@ def test_plotted_lines_equal_logged_values(two_runs):
         "val_accuracy": ("val-core/aime24/acc/mean@4", ["stapo"]),
     }
     for ax, panel in zip(axes, plots.PANELS):
+        if panel.name == "update_effect":
+            continue  # below: three lines per run
         key, methods = expected[panel.name]
         lines = ax.get_lines()
         assert [line.get_label() for line in lines] == methods, panel.name
@@ -125,6 +133,18 @@ def test_plotted_lines_equal_logged_values(two_runs):
             np.testing.assert_array_equal(line.get_ydata(), [float(logged[method][key][s]) for s in steps])
     silenced_ax = axes[[p.name for p in plots.PANELS].index("silenced_frac")]
     assert silenced_ax.get_yscale() == "symlog"  # zeros stay on the plot
+    effect = axes[[p.name for p in plots.PANELS].index("update_effect")].get_lines()
+    sets = (("silenced", "--"), ("kept_candidates", ":"), ("all", "-"))
+    assert [line.get_label() for line in effect] == [f"{m} ({n.replace('_', ' ')})" for m in ("stapo", "justrl")
+                                                    for n, _ in sets]
+    assert [line.get_linestyle() for line in effect] == [style for _ in range(2) for _, style in sets]
+    for line in effect:
+        method, name = line.get_label().split(" (")
+        key = f"actor/s2t/dlogp_{name[:-1].replace(' ', '_')}"
+        steps = sorted(logged[method][key])
+        assert len(steps) < len(STEPS) if name.startswith("silenced") else len(steps) == len(STEPS)
+        np.testing.assert_array_equal(line.get_xdata(), steps)
+        np.testing.assert_array_equal(line.get_ydata(), [logged[method][key][s] for s in steps])
     import matplotlib.pyplot as plt
 
     plt.close(fig)
@@ -221,6 +241,8 @@ def _seed_metrics(method: str, seed: int, step: int) -> dict:
     rng = np.random.default_rng([sum(map(ord, method)), seed, step])
     data = {"critic/score/mean": float(rng.uniform(-1, 1)), "actor/entropy": float(rng.uniform(0.1, 0.5)),
             "actor/entropy_p95": float(rng.uniform(1, 2))}
+    for name in ("silenced", "kept_candidates", "all"):
+        data |= {f"actor/s2t/dlogp_{name}": float(rng.normal()), f"actor/s2t/dlogp_{name}_tokens": float(1 + step)}
     if method == "stapo":
         data |= {"actor/s2t/silenced_frac": float(rng.uniform(0, 1e-3)),
                  "actor/s2t/grad_norm_kept": float(rng.uniform(0, 0.1)),
@@ -290,10 +312,55 @@ def test_band_figure_lines_equal_seed_means_one_colour_per_method(seeded_runs):
         np.testing.assert_array_equal(line.get_xdata(), steps)
         np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-12)
     colours["stapo"] |= {line.get_color() for line in grad}
+    dlogp = axes["dlogp"].get_lines()
+    assert [line.get_label() for line in dlogp] == [f"{m} ({n})" for m in ("grpo", "stapo")
+                                                   for n in ("silenced", "kept candidates", "all")]
+    for line in dlogp:
+        method, name = line.get_label()[:-1].split(" (")
+        steps, expected = _seed_mean(logged, method, f"actor/s2t/dlogp_{name.replace(' ', '_')}")
+        np.testing.assert_allclose(line.get_ydata(), expected, rtol=1e-12)
+        colours[method].add(line.get_color())
     assert colours == {"grpo": {plots.METHOD_COLORS["grpo"]}, "stapo": {plots.METHOD_COLORS["stapo"]}}
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def test_update_effect_of_a_run_is_token_weighted():
+    steps = {1: {"actor/s2t/dlogp_silenced": 2.0, "actor/s2t/dlogp_silenced_tokens": 1.0,
+                 "actor/s2t/dlogp_all": 0.5, "actor/s2t/dlogp_all_tokens": 10.0},
+             2: {"actor/s2t/dlogp_silenced": -1.0, "actor/s2t/dlogp_silenced_tokens": 3.0,
+                 "actor/s2t/dlogp_all": None, "actor/s2t/dlogp_all_tokens": 10.0},  # non-finite: left out
+             3: {"actor/s2t/dlogp_silenced_tokens": 0.0, "actor/s2t/dlogp_all": 1.0, "actor/s2t/dlogp_all_tokens": 30.0}}
+    effect = plots.update_effect_of_run(steps)
+    assert effect["silenced"] == plots.Effect((2.0 * 1 - 1.0 * 3) / 4, 4)
+    assert effect["all"] == plots.Effect((0.5 * 10 + 1.0 * 30) / 40, 40)
+    assert effect["kept_candidates"] == plots.Effect(None, 0)
+
+
+def test_update_effect_figure_shows_each_seeds_run_mean(seeded_runs, tmp_path):
+    """One marker per (method, set) at the mean over seeds of the runs' token-weighted means, with
+    a min-max whisker, and one dot per seed."""
+    runs, logged = seeded_runs
+    effects = {m: [plots.update_effect_of_run(logged[m][seed]) for seed in sorted(logged[m])] for m in logged}
+    fig = plots.update_effect_figure(effects)
+    ax = fig.axes[0]
+    markers = [line for line in ax.get_lines() if line.get_marker() in ("v", "o", "s")]
+    dots = [c for c in ax.collections if c.get_offsets().shape[0] == 3 and c.get_offsets().shape[1] == 2]
+    want = []
+    for method in ("grpo", "stapo"):
+        for name, *_ in plots.DLOGP_SETS:
+            values = [e[name].mean for e in effects[method]]
+            want.append(np.mean(values))
+    np.testing.assert_allclose(sorted(float(line.get_ydata()[0]) for line in markers), sorted(want), rtol=1e-12)
+    assert len(dots) == 6  # 3 seeds per (method, set)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["grpo", "stapo"]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    (path,) = plots.plot_update_effect(runs, tmp_path / "out")
+    assert path.name == "update_effect.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plots.plot_update_effect({"grpo": []}, tmp_path / "none") == []  # nothing measured: no figure
 
 
 def test_plot_bands_writes_png_and_refuses_nothing(seeded_runs, tmp_path):

@@ -103,6 +103,61 @@ def test_summary_row_means_the_logged_s2t_counts():
     assert "| 4.0 / 3.0 | 0.003 | 0.250 -> 0.500 |" in table
 
 
+def _effect_steps(applied: float, silenced: list, tokens: list) -> dict:
+    """Per-step records with the update effect: dlogp of silenced tokens (None: none that step)."""
+    steps = {}
+    for step, (value, count) in enumerate(zip(silenced, tokens), start=1):
+        data = {qs.REWARD: -0.5 + 0.25 * step, qs.APPLIED: applied, "actor/s2t/dlogp_silenced_tokens": float(count),
+                "actor/s2t/dlogp_all": 0.1 * step, "actor/s2t/dlogp_all_tokens": 100.0,
+                "actor/s2t/dlogp_kept_candidates_tokens": 0.0, qs.DLOGP_SECONDS: 0.02}
+        if value is not None:
+            data["actor/s2t/dlogp_silenced"] = value
+        steps[step] = data
+    return steps
+
+
+def test_summary_row_carries_the_update_effect():
+    row = qs.summarise("justrl", _effect_steps(0.0, [2.0, None, -1.0, 0.5], [1, 0, 2, 2]), 5.0)
+    assert row["s2t"] == "monitored" and row["mean_dlogp_seconds"] == pytest.approx(0.02)
+    assert row["update_effect"]["silenced"] == {"mean": pytest.approx((2.0 - 2.0 + 1.0) / 5), "tokens": 5}
+    assert row["update_effect"]["all"] == {"mean": pytest.approx(0.25), "tokens": 400}
+    assert row["update_effect"]["kept_candidates"] == {"mean": None, "tokens": 0}
+    assert (row["reward_first_half"], row["reward_second_half"]) == (pytest.approx(-0.125), pytest.approx(0.375))
+    table = qs.update_effect_table([row])
+    assert "| justrl | monitored | 0.200 (5) | - (0) | 0.250 (400) | 0.020 |" in table
+    assert qs.summarise("stapo", _effect_steps(1.0, [0.1], [1]), 1.0)["s2t"] == "applied"
+    assert "| monitored | n/a / n/a | n/a | n/a -> n/a | n/a | 5.0 | 12.3 |" in qs.markdown_table([{**row, "cpu_s": 12.3}])
+    assert qs.summarise("grpo", {1: {qs.REWARD: 0.0}}, 1.0)["s2t"] is None  # S2T neither applied nor monitored
+
+
+def test_update_effect_across_seeds_is_mean_and_range_of_the_runs():
+    rows = [{**qs.summarise("justrl", _effect_steps(0.0, [value], [3]), 1.0), "seed": seed}
+            for seed, value in enumerate((1.0, 4.0, -2.0))]
+    by_method = qs.update_effect_by_method(rows)
+    assert by_method["justrl"]["silenced"] == {"mean": 1.0, "low": -2.0, "high": 4.0, "runs": 3, "tokens": 9}
+    assert by_method["justrl"]["kept_candidates"]["mean"] is None
+    assert "| justrl | monitored | 1.000 [-2.000, 4.000] (3 seeds, 9 tokens) | - |" in qs.update_effect_markdown(by_method)
+
+
+def _learning_row(method, before, after, rewards):
+    return {"method": method, "error": None, "val_acc_first": before, "val_acc_last": after,
+            "reward_first_half": rewards[0], "reward_second_half": rewards[1]}
+
+
+def test_the_summary_says_first_whether_the_baselines_learned():
+    rising = [_learning_row(m, 0.4, 0.5, (-0.5, -0.2)) for m in ("grpo", "entropy20", "justrl")]
+    check = qs.learning_check(rising + [_learning_row("stapo", 0.4, 0.3, (-0.5, -0.6))])  # STAPO is not judged
+    assert check["learned"] and set(check["methods"]) == {"grpo", "entropy20", "justrl"}
+    assert qs.learning_markdown(check).startswith("**The baselines learned**: grpo: validation accuracy 0.400 -> 0.500")
+    flat = rising[:2] + [_learning_row("justrl", 0.4, 0.45, (-0.3, -0.3))]  # reward did not rise
+    check = qs.learning_check(flat)
+    assert not check["learned"] and not check["methods"]["justrl"]["learned"] and check["methods"]["grpo"]["learned"]
+    assert qs.learning_markdown(check).startswith("**Not every baseline visibly learned with these settings** (justrl")
+    two_seeds = [_learning_row("grpo", 0.4, 0.5, (-0.5, -0.2)), _learning_row("grpo", 0.4, 0.2, (-0.5, -0.6))]
+    assert not qs.learning_check(two_seeds)["learned"]  # means over seeds: 0.4 -> 0.35
+    assert qs.learning_markdown(qs.learning_check([_learning_row("stapo", 0.4, 0.5, (0, 1))])) == ""
+
+
 def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets, tmp_path, monkeypatch):
     """The seed's first run validates before training; the seed's other runs skip it and get that
     record as their step 0, marked with its source (a stub trainer writes verl-style metrics)."""

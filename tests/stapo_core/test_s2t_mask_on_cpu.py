@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.helpers.dist_utils import SyncRecorder
-from stapo_core import STRATEGIES, quantile_sorted_padded, s2t_mask
+from stapo_core import STRATEGIES, quantile_sorted_padded, s2t_candidates, s2t_mask
 
 RARE = math.log(1e-4)  # log-prob of a token that passes p < tau_p for the default tau_p
 COMMON = math.log(0.5)
@@ -78,6 +78,24 @@ def test_probability_threshold_is_strict():
     log_prob = torch.stack([lp_edge, lp_below, lp_above]).reshape(1, 3)
     result = s2t_mask(log_prob, torch.ones(1, 3), torch.ones(1), torch.ones(1, 3), tau_p=tau_p, strategy="full")
     assert result.keep.tolist() == [[1.0, 0.0, 1.0]]  # p == tau_p kept, p just below silenced
+
+
+def test_candidates_alone_are_s2t_masks_candidate_set():
+    """``s2t_candidates`` (the set the update effect reads for STAPO) is exactly the candidate set
+    ``s2t_mask`` splits, on the strict threshold's edge too, for per-token and per-sequence advantages."""
+    gen = torch.Generator().manual_seed(3)
+    log_prob = torch.randn(6, 20, generator=gen) * 4 - 6
+    tau_p = float(torch.exp(log_prob[0, 0]))  # a token exactly on the threshold (p == tau_p: not a candidate)
+    mask = (torch.rand(6, 20, generator=gen) < 0.8).float()
+    for advantages in (torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, 1.0]), torch.randn(6, 20, generator=gen)):
+        want = s2t_mask(log_prob, torch.rand(6, 20, generator=gen), advantages, mask, tau_p=tau_p).candidate
+        got = s2t_candidates(log_prob, advantages, mask, tau_p=tau_p)
+        assert torch.equal(got, want) and got.dtype == torch.bool and want.any()
+    assert not bool(s2t_candidates(log_prob, torch.ones(6), mask, tau_p=tau_p)[0, 0])
+    with pytest.raises(ValueError, match="tau_p"):
+        s2t_candidates(log_prob, torch.ones(6), mask, tau_p=1.5)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        s2t_candidates(log_prob[:, :3], torch.ones(6), mask, tau_p=0.002)
 
 
 def test_token_outside_response_mask_is_never_candidate_nor_kept():

@@ -83,9 +83,9 @@ def second_mini_batch(worker, data):
     before_update = importlib.import_module("verl_patches.mini_batch").before_update
     first = data.clone()
     tu.assign_non_tensor(first, update_lr_scheduler=False)
-    assert before_update(worker, first) and worker.calls == []
+    assert before_update(worker, first)[0] and worker.calls == []
     tu.assign_non_tensor(data, update_lr_scheduler=True)
-    metrics = before_update(worker, data)
+    metrics, _ = before_update(worker, data)
     return metrics, data["response_mask"].clone()
 
 

@@ -7,6 +7,8 @@ TensorDict in the layout verl's actor hands the loss.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -377,7 +379,10 @@ def test_authors_code_reading_is_one_switch_and_refuses_other_settings():
     policy = actor_config("entropy20", "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code").policy_loss
     assert policy.stats_from == "rollout"  # the method's YAML value, not read by this reading
     assert policy.selects_in_loss and policy.needs_update_entropy and not policy.pools_over_ranks
-    assert not policy.folds_into_mini_batch and not policy.needs_rollout_entropy
+    assert not policy.folds_into_mini_batch
+    # only the S2T monitor (on in every method's YAML) reads the rollout statistics
+    assert policy.monitors_s2t and policy.needs_rollout_entropy
+    assert not dataclasses.replace(policy, s2t_monitor=False).needs_rollout_entropy
     from verl_patches.config import TokenSelectionLossConfig
 
     with pytest.raises(ValueError, match="entropy_topk_reading='authors_code'.*token_selection=s2t"):

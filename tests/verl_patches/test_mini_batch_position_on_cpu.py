@@ -25,9 +25,11 @@ def test_counter_positions_follow_verls_last_flag():
     counter = MiniBatchCounter()
     # 2 steps of 3 mini-batches, then 1 step of 1, then 2 PPO epochs x 2 mini-batches (flag on the very last)
     flags = [False, False, True, False, False, True, True, False, False, False, True]
-    got = [(p.step, p.index, p.first) for p in map(counter.observe, flags)]
+    positions = list(map(counter.observe, flags))
+    got = [(p.step, p.index, p.first) for p in positions]
     assert got == [(1, 0, True), (1, 1, False), (1, 2, False), (2, 0, True), (2, 1, False), (2, 2, False),
                    (3, 0, True), (4, 0, True), (4, 1, False), (4, 2, False), (4, 3, False)]
+    assert [p.last for p in positions] == flags
 
 
 def _batch(seed):
@@ -100,8 +102,8 @@ def test_the_token_dump_gets_the_same_position(monkeypatch):
     from verl_patches.token_dump import hook, settings
 
     got = []
-    monkeypatch.setattr(hook, "dump_mini_batch",
-                        lambda worker, data, response_mask, cfg, position: got.append((worker, position)) or {})
+    monkeypatch.setattr(hook, "score_mini_batch",
+                        lambda worker, data, response_mask, cfg, position: got.append((worker, position)))
     monkeypatch.setenv(settings.DIR_ENV, "unused")
     config = _config("rollout")
     mask, old, adv, entropy, moved = _batch(seed=4)
@@ -110,5 +112,5 @@ def test_the_token_dump_gets_the_same_position(monkeypatch):
         data = micro_batch(mask, old, adv, entropy=entropy)
         tu.assign_non_tensor(data, update_lr_scheduler=last)
         worker.train_batch(data)
-    assert got == [(a, MiniBatchPosition(1, 0)), (b, MiniBatchPosition(1, 0)), (a, MiniBatchPosition(1, 1)),
-                   (b, MiniBatchPosition(2, 0))]
+    assert got == [(a, MiniBatchPosition(1, 0, last=False)), (b, MiniBatchPosition(1, 0, last=True)),
+                   (a, MiniBatchPosition(1, 1, last=True)), (b, MiniBatchPosition(2, 0, last=True))]

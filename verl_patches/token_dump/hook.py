@@ -16,7 +16,11 @@ file is replaced atomically, so a resumed run rewrites the steps it trains again
   ``p < tau_p``): token text, position in the response, ``context`` tokens of context each side
   (decoded with the model's tokenizer), p, entropy, advantage, the closed-form logit-gradient norm
   ``sqrt(1 - 2 p + sum p^2)`` (:func:`stapo_core.logit_grad_norm`), the policy's top-5 alternatives
-  with probabilities and ``silenced`` (carried no gradient in this update).
+  with probabilities and ``silenced`` (carried no gradient in this update);
+* ``dlogp`` in every token record, and ``dlogp_sum`` in every quadrant of a response record: the
+  change of the token's log-probability across the update of the mini-batch it came from (the
+  same forward before and after verl's update of that mini-batch), so the inspector shows what the
+  update did to each quadrant.
 
 Where the numbers come from:
 
@@ -53,9 +57,13 @@ Step number: the actor's lr-scheduler count + 1 (one scheduler step per training
 with checkpoints), else the worker's own step count. Which mini-batch is a step's first is decided
 once, where mini-batches enter the actor (:class:`verl_patches.mini_batch_position.MiniBatchPosition`).
 
+Two phases around verl's update of the step's first mini-batch: :func:`score_mini_batch` before it
+(the forward above, ``tau_h``, ``silenced``), :func:`finish_mini_batch` after it (the same forward
+again, for ``dlogp``; then the records are built and the step file written).
+
 Returned metrics (logged as ``actor/token_dump/...``): ``seconds`` (this rank's wall time of the
-dump), ``records`` (written for the step, all ranks), ``responses`` (sampled, all ranks),
-``max_prob_diff``. Non-first mini-batches return ``{}`` and cost nothing.
+dump, both phases), ``records`` (written for the step, all ranks), ``responses`` (sampled, all
+ranks), ``max_prob_diff``. Non-first mini-batches return nothing and cost nothing.
 """
 
 from __future__ import annotations
@@ -72,7 +80,7 @@ from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
 
 from stapo_core.token_records import write_step
 from ..mini_batch_position import MiniBatchPosition
-from .scoring import SampledResponse, build_records, select_responses, token_stats
+from .scoring import SampledResponse, build_records, select_responses, target_log_probs, token_stats
 from .settings import settings_from_env
 
 METRIC_PREFIX = "token_dump/"
@@ -235,8 +243,30 @@ def _check_supported(worker) -> None:
         raise ValueError(f"token dump: engine {type(engine).__name__} has no module; only the FSDP engine is supported")
 
 
-def dump_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg, position: MiniBatchPosition) -> dict:
-    """Dump the candidate tokens of a few sampled responses of this mini-batch (first of a step only).
+@dataclass
+class PendingDump:
+    """A step's dump between its two phases (:func:`score_mini_batch`, :func:`finish_mini_batch`):
+    the sampled responses scored before the update and everything their records need."""
+
+    settings: object
+    step: int
+    method: str
+    group: "_Group"
+    fields: "MiniBatchFields"
+    picked: list
+    n_forward: int
+    temperature: float
+    sampled: list
+    tau_p: float
+    tau_h: Optional[float]
+    extra: dict
+    seconds: float
+
+
+def score_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg,
+                     position: MiniBatchPosition) -> Optional[PendingDump]:
+    """Phase 1 of the dump (a step's first mini-batch only), before verl's update: sample a few
+    responses of this mini-batch and score them under the policy about to be updated.
 
     Called by :mod:`verl_patches.mini_batch` before verl's ``TrainingWorker.train_batch`` on every
     data-parallel rank, after the S2T / 20-Entropy mask was folded into ``data["response_mask"]``.
@@ -250,13 +280,13 @@ def dump_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg, po
         position: the mini-batch's position in its step (:func:`verl_patches.mini_batch_position.position_of`).
 
     Returns:
-        ``{"token_dump/seconds", "token_dump/records", "token_dump/responses",
-        "token_dump/max_prob_diff"}`` (floats) on a step's first mini-batch, else ``{}``.
+        What :func:`finish_mini_batch` needs after the update, or None (not a step's first
+        mini-batch, or a critic's worker): nothing to finish.
     """
     if getattr(getattr(worker, "config", None), "model_type", "language_model") != "language_model":
-        return {}  # a critic's TrainingWorker
+        return None  # a critic's TrainingWorker
     if not position.first:
-        return {}
+        return None
     start = time.perf_counter()
     settings = settings_from_env()
     _check_supported(worker)
@@ -279,23 +309,46 @@ def dump_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg, po
             sampled.append(resp)
 
     tau_h, tau_h_source, s2t_keep = _entropy_threshold(fields, sampled, picked, group, tau_p, q, strategy)
-    silenced_from = "s2t_recomputed" if s2t_in_loss else "update_mask"
+    if s2t_in_loss:
+        for resp, row in zip(sampled, picked):
+            resp.silenced = s2t_keep[row] == 0
+    extra = {"tau_h_source": tau_h_source, "silenced_from": "s2t_recomputed" if s2t_in_loss else "update_mask"}
+    return PendingDump(settings, step, method, group, fields, picked, n_forward, temperature, sampled, tau_p, tau_h,
+                       extra, time.perf_counter() - start)
+
+
+def finish_mini_batch(worker, pending: PendingDump) -> dict:
+    """Phase 2 of the dump, after verl's update of the same mini-batch: score the same responses
+    again (the change of each token's log-probability across the update, ``dlogp``), then build
+    the records and write the step file.
+
+    Returns:
+        ``{"token_dump/seconds", "token_dump/records", "token_dump/responses",
+        "token_dump/max_prob_diff"}`` (floats); seconds: both phases, this rank.
+    """
+    start = time.perf_counter()
+    group, fields = pending.group, pending.fields
+    for j in range(pending.n_forward):
+        row = pending.picked[j] if j < len(pending.picked) else pending.picked[0]
+        after = _row_log_probs(worker.engine, group.device, fields, row, pending.temperature)
+        if j < len(pending.picked):
+            resp = pending.sampled[j]
+            resp.dlogp = after - resp.stats["log_prob"]
     records = []
     decode = _Decoder(getattr(worker.model_config, "tokenizer", None))
-    for resp, row in zip(sampled, picked):
-        if s2t_in_loss:
-            resp.silenced = s2t_keep[row] == 0
-        records += build_records(resp, step=step, method=method, tau_p=tau_p, tau_h=tau_h, context=settings.context,
-                                 decode=decode, ids=settings.ids,
-                                 extra={"tau_h_source": tau_h_source, "silenced_from": silenced_from})
-    diff = max([_prob_diff(r) for r in sampled] + [0.0])
+    for resp in pending.sampled:
+        records += build_records(resp, step=pending.step, method=pending.method, tau_p=pending.tau_p,
+                                 tau_h=pending.tau_h, context=pending.settings.context, decode=decode,
+                                 ids=pending.settings.ids, extra=pending.extra)
+    diff = max([_prob_diff(r) for r in pending.sampled] + [0.0])
     diff = group.max([diff])[0]
     gathered = group.gather_objects(records)
     total = sum(len(r) for r in gathered)
     if group.rank == 0:
-        write_step(settings.run_dir, step, [rec for part in gathered for rec in part])
+        write_step(pending.settings.run_dir, pending.step, [rec for part in gathered for rec in part])
     n_responses = sum(1 for part in gathered for rec in part if rec["kind"] == "response")
-    return {METRIC_PREFIX + "seconds": time.perf_counter() - start, METRIC_PREFIX + "records": float(total),
+    seconds = pending.seconds + time.perf_counter() - start
+    return {METRIC_PREFIX + "seconds": seconds, METRIC_PREFIX + "records": float(total),
             METRIC_PREFIX + "responses": float(n_responses), METRIC_PREFIX + "max_prob_diff": float(diff)}
 
 
@@ -365,6 +418,15 @@ def _score_row(engine, device, fields: MiniBatchFields, row: int, temperature: f
         advantages=fields.advantages[row, :n], silenced=(mask != 0) & (fields.folded[row, :n] == 0),
         old_log_prob=None if fields.old_log_prob is None else fields.old_log_prob[row, :n],
         uid="", response_index=0, rank=0, row=row)
+
+
+def _row_log_probs(engine, device, fields: MiniBatchFields, row: int, temperature: float) -> torch.Tensor:
+    """``(R,)`` float32 log-probs of one row's response tokens under the engine's current weights:
+    the forward of :func:`_score_row`, only the sampled tokens' log-probs kept."""
+    n = int(fields.lengths[row])
+    seq = fields.input_ids[row]
+    logits = _response_logits(engine, seq, fields.position_ids[row], n, device)
+    return target_log_probs(logits, seq[-n:], temperature).cpu()
 
 
 def _entropy_threshold(fields: MiniBatchFields, sampled: list, picked: list, group: _Group, tau_p: float, q: float,

@@ -86,6 +86,25 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float 
     return out
 
 
+def target_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                     chunk_size: int = CHUNK_POSITIONS) -> torch.Tensor:
+    """``(T,)`` float32 ``log_softmax(logits / temperature)[targets]``, ``chunk_size`` positions at a
+    time: the ``log_prob`` of :func:`token_stats` alone.
+
+    Args:
+        logits: ``(T, V)`` any float dtype. targets: ``(T,)`` integer ids. temperature: > 0.
+    """
+    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+        raise ValueError(f"target_log_probs: logits (T, V) and targets (T,) expected, got {tuple(logits.shape)} "
+                         f"and {tuple(targets.shape)}")
+    parts = []
+    for start in range(0, logits.shape[0], chunk_size):
+        a = logits[start : start + chunk_size].float() / temperature
+        tgt = targets[start : start + chunk_size].to(a.device).long()
+        parts.append(a.gather(-1, tgt[:, None]).squeeze(-1) - torch.logsumexp(a, -1))
+    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
+
+
 @dataclass
 class SampledResponse:
     """One sampled response, everything on the host.
@@ -93,7 +112,8 @@ class SampledResponse:
     prompt_ids / response_ids: unpadded token ids. stats: :func:`token_stats` over the response
     positions (``(R,)`` / ``(R, k)``). mask: ``(R,)`` the original response mask (1 = response
     token). advantages: ``(R,)``. silenced: ``(R,)`` bool. old_log_prob: ``(R,)`` rollout log-probs
-    (for the agreement check). uid / response_index / rank / row: identity.
+    (for the agreement check). uid / response_index / rank / row: identity. dlogp: ``(R,)`` the
+    change of each token's log-prob across the update (None until measured).
     """
 
     prompt_ids: list
@@ -107,6 +127,7 @@ class SampledResponse:
     response_index: int
     rank: int
     row: int
+    dlogp: Optional[torch.Tensor] = None
 
     @property
     def advantage(self) -> float:
@@ -142,13 +163,14 @@ def build_records(resp: SampledResponse, *, step: int, method: str, tau_p: float
             "prob": float(prob[pos]), "entropy": max(float(entropy[pos]), 0.0),
             "advantage": float(resp.advantages[pos]), "candidate": True, "silenced": bool(resp.silenced[pos]),
             "grad_norm": float(grad_norm[pos]),
+            "dlogp": None if resp.dlogp is None else float(resp.dlogp[pos]),
             "top5": [[decode([int(i)]), min(max(float(p), 0.0), 1.0)]
                      for p, i in zip(s["top_prob"][pos].tolist(), s["top_ids"][pos].tolist())],
             **extra,
         }))
     rec = td.response_record(step=step, method=method, uid=resp.uid, response_index=resp.response_index,
                              advantage=resp.advantage, prob=prob, entropy=entropy.clamp(min=0.0),
-                             grad_norm=grad_norm, mask=resp.mask, tau_p=tau_p, tau_h=tau_h)
+                             grad_norm=grad_norm, mask=resp.mask, tau_p=tau_p, tau_h=tau_h, dlogp=resp.dlogp)
     rec.update(extra)
     if ids:
         rec.update(prompt_ids=[int(i) for i in resp.prompt_ids], response_ids=[int(i) for i in resp.response_ids])

@@ -85,7 +85,7 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
                   prompts: int = 4, n: int = 4, mini_batch_prompts: int = 2, response_length: int = 160,
                   prompt_length: int = 64, lr: float = 1e-4, seed: int = 0, use_v1: bool = True,
                   save_freq: int = -1, resume: bool = False, resume_from: Optional[str | os.PathLike] = None,
-                  validate: bool = False,
+                  validate: bool = False, update_effect_responses: Optional[int] = None,
                   experiment_name: Optional[str] = None, extra: Sequence[str] = ()) -> list[str]:
     """Hydra overrides running the recipe on CPU with the tiny assets in ``assets_dir``.
 
@@ -102,6 +102,10 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
             (continue from the latest checkpoint in ``out_dir/checkpoints``) instead of ``disable``.
         resume_from: a ``global_step_<k>`` checkpoint folder to resume from (``resume_mode=resume_path``).
         validate: validate before training and at the end (``test_freq = steps``).
+        update_effect_responses: responses per mini-batch whose log-probs are measured across each
+            update (``actor/s2t/dlogp_*``, :mod:`verl_patches.update_effect`); None: every response
+            of a mini-batch (``mini_batch_prompts * n``), so each one holding an S2T candidate is
+            measured (0: off).
         experiment_name: defaults to the run folder's name.
         extra: more overrides, appended last (they win).
 
@@ -111,6 +115,8 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         raise ValueError(f"cpu_overrides: prompts={prompts} must be a multiple of mini_batch_prompts={mini_batch_prompts}")
     if min(steps, prompts, n, response_length, prompt_length) < 1:
         raise ValueError("cpu_overrides: steps, prompts, n, response_length and prompt_length must be >= 1")
+    if update_effect_responses is None:
+        update_effect_responses = mini_batch_prompts * n
     assets = asset_paths(assets_dir)
     if not assets.manifest.is_file():
         raise ValueError(f"cpu_overrides: no tiny assets in {assets.root} (build them with "
@@ -136,6 +142,9 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         f"{actor}.ppo_mini_batch_size={mini_batch_prompts}",
         f"{actor}.ppo_micro_batch_size_per_gpu={mini_batch_prompts * n}",
         f"{actor}.optim.lr={lr}", f"{actor}.optim.lr_warmup_steps=0",
+        # the update effect of every response holding an S2T candidate (the tiny model's forward
+        # costs milliseconds; the paper-scale config leaves it off)
+        f"{actor}.policy_loss.update_effect_responses={update_effect_responses}",
         f"{rollout}.log_prob_micro_batch_size_per_gpu={sequences}",
         f"{ref}.log_prob_micro_batch_size_per_gpu={sequences}",
         # fixed micro-batches (one per mini-batch) instead of the GPU configs' token budgets

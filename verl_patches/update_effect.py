@@ -1,0 +1,197 @@
+"""What each update does to the tokens S2T singles out: their log-probability just before and just
+after the mini-batch's update (``update_effect_responses > 0``).
+
+For every PPO mini-batch, with S2T's sets known before the update (:mod:`verl_patches.s2t_monitor`:
+applied by STAPO, or monitored in any other run):
+
+1. :func:`choose_rows` picks up to ``update_effect_responses`` responses of this rank: those
+   holding a silenced (or would-be-silenced) token first, then those holding a candidate S2T keeps;
+   every rank then forwards the same number of responses (FSDP forwards are collective: a rank with
+   fewer repeats its first one and discards it);
+2. :func:`measure_before`: one no-grad forward of only those responses through verl's own inference
+   pass (``TrainingWorker.infer_batch``, its micro-batch and token-budget settings, the rollout
+   temperature), before verl's ``train_batch``;
+3. :func:`measure_after`: the same forward of the same sub-batch after the update, so the
+   difference ``dlogp = log pi_after(y_t) - log pi_before(y_t)`` of every response token is the
+   update's effect alone (same weights but one optimizer step, same code path, same batch);
+4. the sums are pooled over the step's mini-batches and, on the step's last one, over the
+   data-parallel group (:func:`step_metrics`).
+
+Metrics, once per step (after verl adds ``actor/``): ``s2t/dlogp_silenced`` (mean over the tokens
+S2T silenced, or would silence), ``s2t/dlogp_kept_candidates`` (the candidates it keeps),
+``s2t/dlogp_all`` (every response token of the measured responses: positive-advantage responses
+holding a candidate), each with its token count ``s2t/dlogp_<set>_tokens`` (a mean over no token is
+omitted); ``s2t/dlogp_responses`` (responses measured, all ranks) and ``s2t/dlogp_seconds`` (this
+step's wall time of the measurement per rank, mean over ranks).
+
+Cost: two forwards of at most ``update_effect_responses`` responses per rank and mini-batch and
+nothing else: no gradient, no optimizer state, the peak memory of verl's inference pass on that
+many responses.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from .s2t_monitor import S2TSets
+from .token_selection import S2T_METRIC_PREFIX
+
+#: worker attribute holding the step's running sums (:class:`StepTotals`)
+STATE_ATTR = "_stapo_update_effect"
+#: the token sets, in the order of the metric names and of the pooled sums
+SETS = ("silenced", "kept_candidates", "all")
+METRIC_PREFIX = S2T_METRIC_PREFIX + "dlogp_"
+
+
+def choose_rows(sets: S2TSets, limit: int) -> list[int]:
+    """Up to ``limit`` rows (ascending within each group): the rows holding a silenced token, then
+    the rows holding only kept candidates."""
+    silenced = sets.silenced.any(-1)
+    kept = sets.kept_candidates.any(-1) & ~silenced
+    first = torch.nonzero(silenced).reshape(-1).tolist()
+    second = torch.nonzero(kept).reshape(-1).tolist()
+    return (first + second)[: max(limit, 0)]
+
+
+@dataclass
+class Measurement:
+    """One mini-batch's measurement between its two forwards.
+
+    rows: this rank's measured rows of the mini-batch (the sub-batch's first ``len(rows)`` rows;
+    the rest repeat one row so that every rank forwards the same count). sub: the sub-batch.
+    masks: set name -> bool ``(len(rows), width)`` on the host. before: ``(len(rows), width)``
+    float32 log-probs before the update. seconds: wall time so far.
+    """
+
+    rows: list
+    sub: object
+    masks: dict
+    before: torch.Tensor
+    seconds: float
+
+
+@dataclass
+class StepTotals:
+    """Running sums of one worker's current step: per set, the sum of dlogp (float64) and the token
+    count; the responses measured and the seconds spent."""
+
+    sums: dict = field(default_factory=lambda: {name: 0.0 for name in SETS})
+    counts: dict = field(default_factory=lambda: {name: 0 for name in SETS})
+    responses: int = 0
+    seconds: float = 0.0
+
+    def add(self, dlogp: torch.Tensor, masks: dict, responses: int, seconds: float) -> None:
+        for name in SETS:
+            selected = masks[name]
+            self.sums[name] += float(dlogp.double()[selected].sum())
+            self.counts[name] += int(selected.sum())
+        self.responses += responses
+        self.seconds += seconds
+
+
+def _totals(worker) -> StepTotals:
+    totals = getattr(worker, STATE_ATTR, None)
+    if totals is None:
+        totals = StepTotals()
+        setattr(worker, STATE_ATTR, totals)
+    return totals
+
+
+def _group_max(value: int, group, device) -> int:
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def response_log_probs(worker, sub) -> torch.Tensor:
+    """``(len(sub), width)`` float32 log-probs of the response tokens of ``sub`` (verl's TensorDict)
+    under the worker's current policy: one no-grad pass through verl's inference path
+    (``TrainingWorker.infer_batch``, no entropy, no loss), on a shallow copy so that nothing verl
+    adds to the batch leaks between the two forwards."""
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    view = sub.copy()
+    engine_config = worker.engine_config
+    micro = engine_config.infer_micro_batch_size_per_gpu or len(view)
+    tu.assign_non_tensor(
+        view, calculate_entropy=False, compute_loss=False, use_dynamic_bsz=engine_config.use_dynamic_bsz,
+        max_token_len_per_gpu=engine_config.infer_max_token_len_per_gpu,
+        micro_batch_size_per_gpu=math.gcd(int(micro), len(view)),
+    )
+    output = worker.infer_batch(view)
+    return no_padding_2_padding(output["log_probs"], view).float()
+
+
+def _sub_batch(data, rows: list):
+    """The rows ``rows`` of ``data`` as a TensorDict of their own (verl's row selection, which keeps
+    jagged tensors jagged), with verl's per-sequence token counts for its throughput estimate."""
+    from verl.utils import tensordict_utils as tu
+
+    sub = tu.index_select_tensor_dict(data, rows)
+    if "input_ids" in sub and sub["input_ids"].is_nested:
+        tu.assign_non_tensor(sub, global_token_num=sub["input_ids"].offsets().diff().tolist())
+    return sub
+
+
+def measure_before(worker, data, sets: S2TSets, limit: int, *, group=None, device=None) -> Optional[Measurement]:
+    """Choose this rank's responses and forward them before the update (every rank runs the same
+    number of forwards; None, with no forward, when no rank has a response to measure)."""
+    start = time.perf_counter()
+    rows = choose_rows(sets, limit)
+    count = _group_max(len(rows), group, device)
+    if count == 0:
+        return None
+    padded_rows = rows + [rows[0] if rows else 0] * (count - len(rows))
+    sub = _sub_batch(data, padded_rows)
+    before = response_log_probs(worker, sub)
+    width = min(before.shape[1], sets.mask.shape[1])
+    index = torch.tensor(rows, dtype=torch.long)
+    masks = {
+        "silenced": sets.silenced.cpu()[index, :width],
+        "kept_candidates": sets.kept_candidates.cpu()[index, :width],
+        "all": sets.mask.cpu()[index, :width],
+    }
+    return Measurement(rows, sub, masks, before[: len(rows), :width].cpu(), time.perf_counter() - start)
+
+
+def measure_after(worker, measurement: Optional[Measurement]) -> None:
+    """Forward the measured sub-batch again after the update and add the changes to the step's sums."""
+    if measurement is None:
+        return
+    start = time.perf_counter()
+    after = response_log_probs(worker, measurement.sub)
+    n, width = measurement.before.shape
+    dlogp = after[:n, :width].cpu() - measurement.before
+    _totals(worker).add(dlogp, measurement.masks, len(measurement.rows),
+                        measurement.seconds + time.perf_counter() - start)
+
+
+def step_metrics(worker, *, group=None, device=None) -> dict[str, float]:
+    """The step's ``s2t/dlogp_*`` metrics pooled over the data-parallel group; resets the sums.
+    Called on every rank at the step's last mini-batch (one all-reduce)."""
+    totals = _totals(worker)
+    setattr(worker, STATE_ATTR, StepTotals())
+    values = [v for name in SETS for v in (totals.sums[name], float(totals.counts[name]))]
+    values += [float(totals.responses), totals.seconds, 1.0]
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if group is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t, group=group)
+    pooled = t.tolist()
+    metrics = {}
+    for i, name in enumerate(SETS):
+        total, count = pooled[2 * i], pooled[2 * i + 1]
+        metrics[METRIC_PREFIX + name + "_tokens"] = count
+        if count > 0:
+            metrics[METRIC_PREFIX + name] = total / count
+    responses, seconds, ranks = pooled[2 * len(SETS):]
+    metrics[METRIC_PREFIX + "responses"] = responses
+    metrics[METRIC_PREFIX + "seconds"] = seconds / ranks
+    return metrics
