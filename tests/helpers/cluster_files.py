@@ -64,3 +64,15 @@ def fake_cluster(root: Path) -> dict[str, str]:
         write_model(models / name, config)
     ckpt.mkdir(parents=True, exist_ok=True)
     return {"STAPO_DATA_DIR": str(data), "STAPO_MODEL_DIR": str(models), "CKPT_DIR": str(ckpt)}
+
+
+def use_fake_cluster(root: Path, monkeypatch) -> dict[str, Path]:
+    """:func:`fake_cluster` under ``root``, its variables set (and ``GPU_MEM_GB`` / ``LAUNCH`` unset)
+    through pytest's ``monkeypatch``; returns the folders (``root``, ``data``, ``models``, ``ckpt``)."""
+    env = fake_cluster(root)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    for key in ("GPU_MEM_GB", "LAUNCH"):
+        monkeypatch.delenv(key, raising=False)
+    return {"root": root, "data": Path(env["STAPO_DATA_DIR"]), "models": Path(env["STAPO_MODEL_DIR"]),
+            "ckpt": Path(env["CKPT_DIR"])}
