@@ -23,7 +23,7 @@ input cast to float32, then the op), which is what the autocast dispatcher does.
 Cases: ``logits`` (allocating them), ``sum_pi_squared_verl`` (verl's unchunked
 ``calculate_sum_pi_squared_from_logits``), ``sum_pi_squared_chunked`` (the recipe's,
 ``verl_patches.sum_pi_squared``), ``entropy_chunked`` (verl's ``entropy_from_logits_with_chunking``,
-2048 rows, no grad, not compiled), ``log_probs`` (verl's ``logprobs_from_logits``).
+``--chunk`` rows, no grad, not compiled), ``log_probs`` (verl's ``logprobs_from_logits``).
 """
 
 from __future__ import annotations
@@ -100,23 +100,25 @@ def cuda_autocast_logsumexp(device: str):
         torch.logsumexp = original
 
 
-def modelled_bytes(case: str, tokens: int, vocab: int) -> float:
-    """The memory model's number for ``case`` (bfloat16 logits)."""
+def modelled_bytes(case: str, tokens: int, vocab: int, chunk: int = mm.SUM_PI_SQUARED_CHUNK_ROWS) -> float:
+    """The memory model's number for ``case`` (bfloat16 logits, ``chunk`` rows per chunk)."""
     if case == "logits":
         return mm.logits_bytes(tokens, vocab, mm.BF16)
     if case == "sum_pi_squared_verl":
         return mm.sum_pi_squared_extra_bytes(tokens, vocab, mm.BF16, chunk=None) + 4 * tokens
     if case == "sum_pi_squared_chunked":
-        return mm.sum_pi_squared_extra_bytes(tokens, vocab, mm.BF16, chunk=mm.SUM_PI_SQUARED_CHUNK_ROWS) + 4 * tokens
+        return mm.sum_pi_squared_extra_bytes(tokens, vocab, mm.BF16, chunk=chunk) + 4 * tokens
     if case == "entropy_chunked":
-        return mm.entropy_extra_bytes(tokens, vocab, chunk=2048) + 4 * tokens
+        return mm.entropy_extra_bytes(tokens, vocab, chunk=chunk) + 4 * tokens
     if case == "log_probs":
         return 4.0 * tokens
     raise ValueError(f"unknown case {case!r}: expected one of {CASES}")
 
 
-def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, seed: int = 0) -> list[dict]:
-    """Measure each case once; rows of ``case, tokens, vocab, measured_bytes, model_bytes, ratio``."""
+def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, chunk: int = mm.SUM_PI_SQUARED_CHUNK_ROWS,
+              seed: int = 0) -> list[dict]:
+    """Measure each case once (``chunk``: rows per chunk of the chunked cases); rows of ``case, tokens,
+    vocab, chunk, measured_bytes, model_bytes, ratio``."""
     import verl_patches  # noqa: F401  (the recipe's patches, as in every verl process)
     from verl.utils import torch_functional as verl_F
 
@@ -134,8 +136,8 @@ def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, seed: i
 
     functions = {
         "sum_pi_squared_verl": lambda x, y: verl_sum_pi_squared(x),
-        "sum_pi_squared_chunked": lambda x, y: sum_pi_squared_chunked(x),
-        "entropy_chunked": lambda x, y: verl_F.entropy_from_logits_with_chunking(x, chunk_size=2048),
+        "sum_pi_squared_chunked": lambda x, y: sum_pi_squared_chunked(x, chunk_rows=chunk),
+        "entropy_chunked": lambda x, y: verl_F.entropy_from_logits_with_chunking(x, chunk_size=chunk),
         "log_probs": lambda x, y: verl_F.logprobs_from_logits(x, y),
     }
     rows = []
@@ -149,8 +151,9 @@ def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, seed: i
                 logits = make_logits()
                 measured = peak_extra_bytes(lambda: fn(logits, labels), device)
             del logits
-        model = modelled_bytes(case, tokens, vocab)
-        rows.append({"case": case, "tokens": tokens, "vocab": vocab, "device": device, "measured_bytes": measured,
+        model = modelled_bytes(case, tokens, vocab, chunk)
+        rows.append({"case": case, "tokens": tokens, "vocab": vocab, "chunk": chunk, "device": device,
+                     "measured_bytes": measured,
                      "model_bytes": model, "ratio": measured / model if model else float("nan")})
     return rows
 
@@ -161,11 +164,13 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--chunk", type=int, default=mm.SUM_PI_SQUARED_CHUNK_ROWS,
+                   help="rows per chunk of the chunked cases (default: the recipe's and verl's 2048)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the rows to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    rows = run_cases(args.tokens, args.vocab, args.device, tuple(args.cases.split(",")))
+    rows = run_cases(args.tokens, args.vocab, args.device, tuple(args.cases.split(",")), chunk=args.chunk)
     print(f"| case | tokens x vocab | measured MiB | model MiB | measured / model |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['tokens']} x {r['vocab']} | {r['measured_bytes'] / MIB:.0f} | "
