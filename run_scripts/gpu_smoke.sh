@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
 # The first thing to run on a new cluster: one node, short lengths, STEPS training steps of each method
 # (checkpoint at the last step), then an evaluation of 2 problems of that checkpoint. A few minutes on one GPU.
+# Then LENGTHS=paper: the same at the paper's 16k-token lengths and token budgets (the memory-hungry steps).
 #   MODEL=/models/Qwen3-1.7B-Base bash run_scripts/gpu_smoke.sh [hydra overrides for every run...]
+#   MODEL=/models/Qwen3-1.7B-Base LENGTHS=paper bash run_scripts/gpu_smoke.sh
+# Every run goes through the driver's preflight (docs/preflight.md): GPU_MEM_GB [80] sizes its memory check.
 # Environment (defaults in brackets):
 #   MODEL                  local Hugging Face folder of the model (GPU mode; required)
 #   GPUS [1]               GPUs of this node to use
 #   STAPO_DATA_DIR [data/stapo]  train.parquet and aime24.parquet (`python -m recipe.stapo.data.prepare`)
 #   METHODS [grpo entropy20 justrl stapo]   STEPS [2]
+#   LENGTHS [short]        short: prompt / response 512 / 1024 tokens, 16 prompts x 4 responses (minutes);
+#                          paper: the paper's 1024 / 15360 tokens with the model config's token budgets,
+#                          8 prompts x 4 responses, 2 updates per step: the first 16k-token steps run on
+#                          this node, not on the cluster (GPU mode only)
 #   OUT [results/gpu_smoke]  per-method run folders (metrics.jsonl, log, checkpoints) and eval/
 #   PYTHON [python3]       interpreter with requirements.txt installed
 #   SMOKE_DEVICE [gpu]     cpu: the same script without a GPU: the tiny model built in ASSETS
@@ -24,6 +31,14 @@ out=$(abs "${OUT:-results/gpu_smoke}" "$([ -n "${OUT:-}" ] && echo "$launch_dir"
 steps=${STEPS:-2}
 read -ra methods <<< "${METHODS:-grpo entropy20 justrl stapo}"
 device=${SMOKE_DEVICE:-gpu}
+lengths=${LENGTHS:-short}
+case "$lengths" in
+  short|paper) ;;
+  *) echo "LENGTHS: unknown value '$lengths' (expected short or paper)" >&2; exit 2 ;;
+esac
+if [ "$lengths" = paper ] && [ "$device" != gpu ]; then
+  echo "LENGTHS=paper needs SMOKE_DEVICE=gpu (the tiny CPU model is trained on ~100-token sequences)" >&2; exit 2
+fi
 mkdir -p "$out"
 
 case "$device" in
@@ -35,6 +50,7 @@ case "$device" in
     if [ -n "${STAPO_DATA_DIR:-}" ]; then data=$(abs "$STAPO_DATA_DIR" "$launch_dir"); else data=$PWD/data/stapo; fi
     bench_dir=$data
     eval_backend=vllm; eval_tokens=1024
+    [ "$lengths" = paper ] && eval_tokens=15360
     ;;
   cpu)
     assets=$(abs "${ASSETS:-assets/tiny}" "$([ -n "${ASSETS:-}" ] && echo "$launch_dir" || echo "$PWD")")
@@ -65,10 +81,14 @@ from recipe.stapo.cpu import cpu_overrides
 print("\n".join(cpu_overrides(sys.argv[1], sys.argv[2], steps=int(sys.argv[3]), save_freq=int(sys.argv[3]))))' \
       "$assets" "$run_dir" "$steps"
   else
+    if [ "$lengths" = paper ]; then   # the paper's lengths (stapo_trainer.yaml), the model config's budgets
+      printf '%s\n' "data.train_batch_size=8" "actor_rollout_ref.rollout.n=4" "actor_rollout_ref.actor.ppo_mini_batch_size=4"
+    else
+      printf '%s\n' "data.max_prompt_length=512" "data.max_response_length=1024" "data.train_batch_size=16" \
+        "actor_rollout_ref.rollout.n=4" "actor_rollout_ref.actor.ppo_mini_batch_size=8"
+    fi
     printf '%s\n' \
       "actor_rollout_ref.model.path=$model" "trainer.nnodes=1" "trainer.n_gpus_per_node=$gpus" \
-      "data.max_prompt_length=512" "data.max_response_length=1024" "data.train_batch_size=16" \
-      "actor_rollout_ref.rollout.n=4" "actor_rollout_ref.actor.ppo_mini_batch_size=8" \
       "actor_rollout_ref.rollout.tensor_model_parallel_size=1" "actor_rollout_ref.rollout.gpu_memory_utilization=0.5" \
       "trainer.total_training_steps=$steps" "trainer.save_freq=$steps" "trainer.test_freq=-1" \
       "trainer.val_before_train=false" "trainer.resume_mode=disable" "trainer.logger=[console,file]" \

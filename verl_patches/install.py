@@ -143,6 +143,17 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="the engine computing entropy through engine.compute_entropy_from_logits",
         drop_when="verl computes a statistic-only entropy without autograd",
     ),
+    Patch(
+        name="chunked_sum_pi_squared",
+        target="verl.utils.torch_functional:calculate_sum_pi_squared_from_logits",
+        wrapper="verl_patches.sum_pi_squared:wrap_calculate_sum_pi_squared",
+        changes="sum_n pi_n^2 is computed 2048 rows of logits at a time, in float32",
+        why="verl computes it over the whole (tokens x vocab) logits at once; under autocast its two float32 "
+            "logsumexp temporaries need about 10 bytes per logit (75 GB at a 49k-token budget and Qwen3's vocabulary)",
+        relies_on="the FSDP engine calling it as verl_F.calculate_sum_pi_squared_from_logits(logits) (a module "
+                  "attribute looked up at each call)",
+        drop_when="verl chunks the sum of squared probabilities",
+    ),
     # -- the trainers (driver side) ---------------------------------------------------------------
     Patch(
         name="legacy_keep_rollout_entropy",

@@ -5,10 +5,11 @@ never the reverse. Everything here runs in the launching process, before Ray sta
 
 - :func:`compose`: the config ``python -m recipe.stapo.main_stapo <overrides>`` runs with (tests,
   scripts); :func:`validate`: verl's own validation.
-- :func:`prepare`: what the driver does to a composed config before handing it to verl: loss mode
-  registered, statistics the loss needs switched on, every interpolation resolved with the
-  launching shell's environment, data / model / checkpoint paths made absolute, a wandb run id a
-  resumed run continues, Ray's environment variables as strings, then :func:`validate`.
+- :func:`prepare`: what the driver does to a composed config before handing it to verl: statistics
+  the loss needs switched on, every interpolation resolved with the launching shell's environment,
+  data / model / checkpoint paths made absolute, a wandb run id a resumed run continues, Ray's
+  environment variables as strings, the preflight (:mod:`recipe.stapo.preflight`: what would fail
+  on the cluster, GPU memory included), then :func:`validate`; :func:`describe`: what it will run.
 - :func:`job_runtime_env`: the Ray job runtime environment of ``LAUNCH=submit``
   (``run_scripts/common.sh``): the only way secrets reach the workers (never the Hydra config,
   which verl logs to wandb).
@@ -27,6 +28,9 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from recipe.stapo.preflight import POLICY_LOSS, PreflightError, check_loss_mode, summary  # noqa: F401
+from recipe.stapo.preflight import check as preflight_check
+
 METHODS = ("grpo", "entropy20", "justrl", "stapo")
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
@@ -34,7 +38,6 @@ CONFIG_NAME = "stapo_trainer"
 #: the module every verl process must import (it installs the recipe's patches, docs/verl_patches.md)
 PATCH_MODULE = "verl_patches"
 
-POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
 CALCULATE_ENTROPY = "actor_rollout_ref.actor.calculate_entropy"
 
 #: config keys holding local paths, made absolute in the driver (None/empty values are left alone)
@@ -109,21 +112,6 @@ def validate(config: DictConfig) -> None:
 # ------------------------------------------------------------------------------------------------
 # driver checks
 # ------------------------------------------------------------------------------------------------
-
-
-def check_loss_mode(config: DictConfig) -> None:
-    """Fail (``ValueError`` naming the key) unless the policy loss is registered with verl.
-
-    Imports :mod:`verl_patches` (installed in every worker too) and reads verl's policy-loss
-    registry, as the actor will in every worker.
-    """
-    import verl_patches  # noqa: F401  (the patches every worker runs with)
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-    mode = OmegaConf.select(config, f"{POLICY_LOSS}.loss_mode", default="vanilla")
-    if mode not in POLICY_LOSS_REGISTRY:
-        raise ValueError(f"{POLICY_LOSS}.loss_mode={mode!r} is not a registered policy loss: expected one of "
-                         f"{sorted(POLICY_LOSS_REGISTRY)}")
 
 
 def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = print) -> list[str]:
@@ -252,32 +240,30 @@ def stringify_ray_env_vars(config: DictConfig) -> None:
 
 
 def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
-            log: Callable[[str], None] = print) -> DictConfig:
+            log: Callable[[str], None] = print, environ: Optional[Mapping[str, str]] = None) -> DictConfig:
     """Everything the driver does to ``config`` (in place) before verl gets it; returns it.
 
-    1. the loss mode is registered (:func:`check_loss_mode`); 2. statistics the loss reads are
-    switched on (:func:`ensure_loss_statistics`); 3. interpolations resolved, paths absolute
-    (:func:`resolve_paths`); 4. with wandb, a run id that a resumed run continues
-    (:func:`ensure_wandb_resume`); 5. Ray env vars as strings; 6. verl's :func:`validate`. Any mistake
-    raises ``ValueError`` naming the key, before Ray starts.
+    1. statistics the loss reads are switched on (:func:`ensure_loss_statistics`); 2. interpolations
+    resolved, paths absolute (:func:`resolve_paths`); 3. with wandb, a run id that a resumed run
+    continues (:func:`ensure_wandb_resume`); 4. Ray env vars as strings; 5. the preflight
+    (:func:`recipe.stapo.preflight.check`: numbers, names, identity, paths, GPU memory; its report is
+    logged through ``log``); 6. verl's :func:`validate`. Any mistake raises ``ValueError`` (the
+    preflight's :class:`~recipe.stapo.preflight.PreflightError` lists every problem it found, each
+    naming the key or path and the fix), before Ray starts. ``environ`` (default ``os.environ``) tells
+    the preflight whether it runs for ``LAUNCH=submit``.
     """
-    check_loss_mode(config)
     ensure_loss_statistics(config, log=log)
     resolve_paths(config, cwd=cwd, log=log)
     ensure_wandb_resume(config)
     stringify_ray_env_vars(config)
+    preflight_check(config, environ=environ, log=log)
     validate(config)
     return config
 
 
 def describe(config: DictConfig) -> str:
-    """A few lines naming what a prepared config will run (printed by ``--check``)."""
-    pick = lambda key: OmegaConf.select(config, key, default=None)  # noqa: E731
-    keys = ("recipe.method", "recipe.model", f"{POLICY_LOSS}.loss_mode", "actor_rollout_ref.model.path",
-            "data.train_files", "data.val_files", "trainer.default_local_dir", "trainer.nnodes",
-            "trainer.n_gpus_per_node", "trainer.logger", "trainer.project_name", "trainer.experiment_name",
-            "trainer.max_actor_ckpt_to_keep")
-    return "\n".join(f"  {key} = {pick(key)}" for key in keys)
+    """What a prepared config will run, in ``key = value`` lines (printed by ``--check``)."""
+    return summary(config)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,7 +6,9 @@ A thin Hydra entry over verl's own ``run_ppo`` (like verl-recipe's DAPO): the co
 does to the config before verl gets it is :func:`recipe.stapo.config_utils.prepare`.
 
 Check a config without starting Ray (seconds): add ``--check`` or set ``STAPO_DRY_RUN=1``; the
-command then validates the whole composed config, prints what it would run and exits.
+command then runs the preflight on the whole composed config (docs/preflight.md: paths, names,
+numbers, GPU memory), prints what it would run and exits. Without it the same preflight runs before
+Ray starts, and a refused config stops the driver with every problem listed (exit status 1).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-from recipe.stapo.config_utils import CONFIG_DIR, CONFIG_NAME, describe, ensure_patch_module_env, prepare
+from recipe.stapo.config_utils import (CONFIG_DIR, CONFIG_NAME, PreflightError, describe, ensure_patch_module_env,
+                                       prepare)
 
 ensure_patch_module_env()  # before verl is imported: local Ray workers inherit it
 
@@ -33,6 +36,7 @@ def run(config, check: bool = False) -> None:
     if check:
         print(f"[stapo] config OK (nothing started):\n{describe(config)}")
         return
+    print(f"[stapo] starting:\n{describe(config)}")
     if config.trainer.use_v1:
         run_ppo(config, task_runner_class=TaskRunnerV1)
     else:
@@ -54,7 +58,11 @@ def main() -> None:
 
     @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)
     def entry(config) -> None:
-        run(config, check=check)
+        try:
+            run(config, check=check)
+        except PreflightError as e:  # the list of problems is the whole message: no traceback
+            print(f"[stapo] {e}", file=sys.stderr)
+            raise SystemExit(1) from None
 
     entry()
 

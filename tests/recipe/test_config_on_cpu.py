@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from recipe.stapo.config_utils import METHODS, MODELS, compose, validate
+from recipe.stapo.config_utils import METHODS, MODELS, compose, prepare, validate
 from verl.utils.config import omega_conf_to_dataclass
+from tests.helpers.cluster_files import fake_cluster
 from tests.helpers.paths import REPO
 
 PL = "actor_rollout_ref.actor.policy_loss"
@@ -110,15 +111,29 @@ def dry_run(script: Path, *args: str, env_extra=None) -> list[str]:
     return [argv[3:] for argv in lines]
 
 
+@pytest.fixture(scope="module")
+def storage(tmp_path_factory):
+    """Stand-in shared storage (data, the paper's model folders, a checkpoint root) and its variables."""
+    return fake_cluster(tmp_path_factory.mktemp("shared"))
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "run_scripts").glob("qwen3_*_*.sh")))
-def test_every_run_script_composes_to_a_valid_verl_config(script):
-    (overrides,) = dry_run(REPO / "run_scripts" / script)
+def test_every_run_script_passes_the_preflight(script, storage, monkeypatch):
+    """The twelve paper runs, each composed from its script's command line and prepared as the driver
+    does: the whole preflight (paths, names, numbers, GPU memory on 80 GB) and verl's own validation."""
+    (overrides,) = dry_run(REPO / "run_scripts" / script, env_extra={**storage, "LOGGER": "console"})
+    for key, value in storage.items():  # what common.sh exports to the driver
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("GPU_MEM_GB", raising=False)
     cfg = compose(overrides)
-    validate(cfg)  # verl's own validation, incl. the actor dataclass (and TokenSelectionLossConfig)
+    logged = []
+    prepare(cfg, log=logged.append, environ={})
     size, method = script[len("qwen3_"):-len(".sh")].split("_")
     assert cfg.recipe.method == method
     assert cfg.recipe.model == "qwen3_" + size.replace(".", "_")
     assert cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == 64
+    assert cfg.actor_rollout_ref.model.path == f"{storage['STAPO_MODEL_DIR']}/Qwen3-{size.upper()}-Base"
+    assert "preflight passed" in logged[-1] and "target 80.0 GiB" in logged[-1]
 
 
 def test_run_script_environment_and_loggers():
@@ -133,12 +148,16 @@ def test_run_script_environment_and_loggers():
     assert bad.returncode != 0 and "unknown logger 'mlflowx'" in bad.stderr
 
 
-def test_ablation_sweep_composes():
-    runs = dry_run(REPO / "run_scripts" / "ablations.sh", "all")
+def test_ablation_sweep_passes_the_preflight(storage, monkeypatch):
+    for key, value in storage.items():  # what common.sh exports to the driver
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("GPU_MEM_GB", raising=False)
+    runs = dry_run(REPO / "run_scripts" / "ablations.sh", "all", env_extra={**storage, "LOGGER": "console"})
+    runs += dry_run(REPO / "run_scripts" / "ablations.sh", "compose", env_extra={**storage, "LOGGER": "console"})
     strategies, qs, taus = [], [], []
     for overrides in runs:
         cfg = compose(overrides)
-        validate(cfg)
+        prepare(cfg, log=lambda _: None, environ={})  # the preflight, then verl's validation
         pl = cfg.actor_rollout_ref.actor.policy_loss
         strategies.append(pl.strategy), qs.append(pl.q), taus.append(pl.tau_p)
     assert {"low_entropy", "high_entropy", "random", "full"} <= set(strategies)

@@ -1,46 +1,53 @@
 """The driver (``python -m recipe.stapo.main_stapo``): config mistakes fail before Ray starts, naming
 the key; ``--check`` / ``STAPO_DRY_RUN=1`` validates without starting anything; the config verl
 receives is fully resolved in the launching shell (its environment, absolute paths) and carries no
-secret."""
+secret. In process, verl's ``run_ppo`` replaced by a recorder (the real command line:
+tests/recipe/test_preflight_on_cpu.py)."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
 from recipe.stapo.config_utils import (CALCULATE_ENTROPY, compose, ensure_loss_statistics, forwarded_env,
                                        job_runtime_env, prepare)
-from tests.helpers.paths import REPO
+from tests.helpers.cluster_files import QWEN3_CONFIGS, use_fake_cluster, write_dataset, write_model
 
 PL = "actor_rollout_ref.actor.policy_loss"
-#: what verl prints just before ray.init (verl.trainer.main_ppo.run_ppo)
-RAY_INIT_MARK = "ray init kwargs"
-DRIVER_TIMEOUT_S = 180
 
 
-def _driver(*args: str, env_extra=None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "STAPO_DRY_RUN"}
-    env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "recipe.stapo.main_stapo", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=DRIVER_TIMEOUT_S)
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    """Stand-in shared storage (data, models, checkpoints) in the environment, cwd a scratch folder."""
+    folders = use_fake_cluster(tmp_path / "shared", monkeypatch)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return folders
 
 
-def test_unregistered_loss_mode_fails_in_driver_before_ray():
+@pytest.fixture
+def no_ray(monkeypatch):
+    """verl's run_ppo (which starts Ray) replaced by a recorder: the configs it would have received."""
+    import verl.trainer.main_ppo as verl_main
+
+    received = []
+    monkeypatch.setattr(verl_main, "run_ppo", lambda config, task_runner_class: received.append(config))
+    return received
+
+
+def test_unregistered_loss_mode_fails_in_driver_before_ray(cluster, no_ray):
     """No --check: on a config that passes verl's validation, the driver would go on to start Ray."""
-    proc = _driver("method=stapo", f"{PL}.loss_mode=stapoo", "trainer.nnodes=1", "trainer.n_gpus_per_node=1")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    assert f"{PL}.loss_mode='stapoo' is not a registered policy loss" in out, out[-3000:]
-    assert "'vanilla'" in out and "'gspo'" in out  # the registry is listed
-    assert RAY_INIT_MARK not in out
+    from recipe.stapo import main_stapo
+
+    with pytest.raises(ValueError) as info:
+        main_stapo.run(compose(["method=stapo", f"{PL}.loss_mode=stapoo", "trainer.nnodes=1", "trainer.n_gpus_per_node=1"]))
+    assert f"{PL}.loss_mode='stapoo': not a registered policy loss" in str(info.value)
+    assert "'vanilla'" in str(info.value) and "'gspo'" in str(info.value)  # the registry is listed
+    assert no_ray == []
 
 
-def test_unregistered_loss_mode_fails_in_prepare_naming_the_key():
+def test_unregistered_loss_mode_fails_in_prepare_naming_the_key(cluster):
     with pytest.raises(ValueError, match=rf"{PL}\.loss_mode='stapoo'"):
         prepare(compose(["method=stapo", f"{PL}.loss_mode=stapoo"]), log=lambda _: None)
 
@@ -67,16 +74,21 @@ def test_no_change_where_no_statistic_is_missing(overrides):
     assert OmegaConf.select(cfg, CALCULATE_ENTROPY) is before
 
 
-def test_check_validates_the_whole_config_without_ray():
-    ok = _driver("method=stapo", "model=qwen3_1_7b", f"{PL}.stats_from=current", f"{PL}.scope=micro_batch", "--check")
-    out = ok.stdout + ok.stderr
-    assert ok.returncode == 0, out[-3000:]
-    assert "config OK" in ok.stdout and f"{CALCULATE_ENTROPY}=true" in out
-    assert "recipe.model = qwen3_1_7b" in ok.stdout
-    assert RAY_INIT_MARK not in out
-    bad = _driver("method=stapo", f"{PL}.q=1.5", env_extra={"STAPO_DRY_RUN": "1"})
-    assert bad.returncode != 0 and f"{PL}.q=1.5" in bad.stdout + bad.stderr
-    assert RAY_INIT_MARK not in bad.stdout + bad.stderr
+def test_check_validates_the_whole_config_without_ray(cluster, no_ray, capsys):
+    from recipe.stapo import main_stapo
+
+    argv = ["main_stapo.py", "method=stapo", "--check"]
+    assert main_stapo.check_requested(argv, environ={}) and argv == ["main_stapo.py", "method=stapo"]
+    assert main_stapo.check_requested(["main_stapo.py"], environ={"STAPO_DRY_RUN": "1"})
+    assert not main_stapo.check_requested(["main_stapo.py"], environ={"STAPO_DRY_RUN": "0"})
+    main_stapo.run(compose(["method=stapo", "model=qwen3_1_7b", f"{PL}.stats_from=current",
+                            f"{PL}.scope=micro_batch"]), check=True)
+    out = capsys.readouterr().out
+    assert "config OK" in out and f"{CALCULATE_ENTROPY}=true" in out
+    assert "recipe.model = qwen3_1_7b" in out and "preflight passed" in out
+    with pytest.raises(ValueError, match=rf"{PL}\.q=1\.5"):
+        main_stapo.run(compose(["method=stapo", f"{PL}.q=1.5"]), check=True)
+    assert no_ray == []
 
 
 def test_config_verl_receives_is_resolved_in_the_launching_shell(tmp_path, monkeypatch):
@@ -86,8 +98,11 @@ def test_config_verl_receives_is_resolved_in_the_launching_shell(tmp_path, monke
 
     from recipe.stapo import main_stapo
 
-    (tmp_path / "models" / "Qwen3-8B-Base").mkdir(parents=True)
+    write_model(tmp_path / "models" / "Qwen3-8B-Base", QWEN3_CONFIGS["Qwen3-8B-Base"])
+    for name in ("train", "aime24"):
+        write_dataset(tmp_path / "rel" / "data" / f"{name}.parquet")
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("LAUNCH", raising=False)
     monkeypatch.setenv("STAPO_DATA_DIR", "rel/data")
     monkeypatch.setenv("STAPO_MODEL_DIR", "models")
     received = []
@@ -111,8 +126,7 @@ def test_config_verl_receives_is_resolved_in_the_launching_shell(tmp_path, monke
     assert env_vars.VERL_USE_EXTERNAL_MODULES.split(",")[0] == "verl_patches"
 
 
-def test_hub_model_id_is_kept(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
+def test_hub_model_id_is_kept(cluster, monkeypatch):
     monkeypatch.delenv("STAPO_MODEL_DIR", raising=False)
     logged = []
     cfg = prepare(compose(["method=justrl", "model=qwen3_1_7b"]), log=logged.append)
@@ -123,7 +137,7 @@ def test_hub_model_id_is_kept(tmp_path, monkeypatch):
 SECRETS = {"WANDB_API_KEY": "wandb-secret-0123456789", "HF_TOKEN": "hf_secret_0123456789"}
 
 
-def test_secrets_never_reach_the_hydra_config(monkeypatch):
+def test_secrets_never_reach_the_hydra_config(cluster, monkeypatch):
     for key, value in SECRETS.items():
         monkeypatch.setenv(key, value)
     cfg = prepare(compose(["method=stapo"]), log=lambda _: None)

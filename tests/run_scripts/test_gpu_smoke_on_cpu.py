@@ -1,15 +1,18 @@
 """``run_scripts/gpu_smoke.sh`` in its CPU mode, end to end, and what it hands on: verl's real trainer
 (tiny model, HF rollout) trains STAPO one step with a checkpoint and the wandb logger (offline);
 ``eval.sh`` converts the verl checkpoint with verl's own model merger and evaluates 2 problems with the
-HF backend; a second run resumes from the checkpoint and continues the same wandb run.
+HF backend; a second run resumes from the checkpoint and continues the same wandb run (slow: two
+trainer runs in all, ~2-4 min on 2 cores; every slow test reads what they left).
 
-Two trainer runs in all (~2-4 min on 2 cores); every test reads what they left.
+Its GPU mode at the paper's lengths (``LENGTHS=paper``) is checked as configs: the commands it would
+run compose and pass the driver's preflight, GPU memory on an 80 GB GPU included.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import struct
 import subprocess
 import sys
@@ -17,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from recipe.stapo.config_utils import METHODS, PreflightError, compose, prepare
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
+from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, write_model
 from tests.helpers.paths import REPO
-
-pytestmark = pytest.mark.slow
 
 SMOKE = REPO / "run_scripts" / "gpu_smoke.sh"
 TIMEOUT_S = 900
@@ -59,6 +62,7 @@ def _ok(smoke):
     return smoke["out"]
 
 
+@pytest.mark.slow
 def test_smoke_script_trains_saves_and_evaluates(smoke):
     out = _ok(smoke)
     assert "[smoke] OK" in smoke["proc"].stderr
@@ -68,6 +72,7 @@ def test_smoke_script_trains_saves_and_evaluates(smoke):
     assert (out / "stapo" / "checkpoints" / "global_step_1" / "actor").is_dir()
 
 
+@pytest.mark.slow
 def test_verl_checkpoint_is_converted_by_verls_merger(smoke):
     """The merged Hugging Face weights are the trained FSDP2 shard's (one rank: the whole tensors)."""
     import torch
@@ -90,6 +95,7 @@ def test_verl_checkpoint_is_converted_by_verls_merger(smoke):
         assert torch.equal(local[key].to(value.dtype), value), key
 
 
+@pytest.mark.slow
 def test_evaluation_of_the_checkpoint_covers_two_problems(smoke):
     out = _ok(smoke)
     evaluation = out / "eval"
@@ -151,6 +157,7 @@ def _offline_runs(wandb_dir: Path) -> list[dict]:
     return runs
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_has_the_names_and_s2t_metrics(smoke):
     _ok(smoke)
     first = _offline_runs(smoke["wandb_dir"])[0]
@@ -159,6 +166,7 @@ def test_wandb_offline_run_has_the_names_and_s2t_metrics(smoke):
     assert any(key.startswith("actor/s2t/") for key in first["history"][1]), sorted(first["history"][1])
 
 
+@pytest.mark.slow
 def test_resumed_run_continues_the_same_wandb_run(smoke):
     _ok(smoke)
     resumed = smoke["resumed"]
@@ -169,3 +177,68 @@ def test_resumed_run_continues_the_same_wandb_run(smoke):
     assert runs[0]["id"] == runs[1]["id"]
     assert (runs[1]["project"], runs[1]["name"]) == (PROJECT, EXPERIMENT)
     assert set(runs[1]["history"]) == {2}
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU mode at the paper's lengths (LENGTHS=paper), as configs
+# ------------------------------------------------------------------------------------------------
+
+
+def _gpu_dry_run(tmp_path: Path, model: Path, data: str, **extra) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAPO_", "LAUNCH", "CKPT_DIR", "GPU_MEM"))}
+    env.update(MODEL=str(model), STAPO_DATA_DIR=data, STAPO_DRY_RUN="1", OUT=str(tmp_path / "smoke"),
+               PYTHON=sys.executable, **extra)
+    return subprocess.run(["bash", str(SMOKE)], env=env, capture_output=True, text=True, timeout=120)
+
+
+def _prepared(commands: list[list[str]], data: str, monkeypatch) -> list:
+    monkeypatch.setenv("STAPO_DATA_DIR", data)  # what common.sh exports to the driver
+    monkeypatch.delenv("GPU_MEM_GB", raising=False)
+    configs = []
+    for argv in commands:
+        config = compose(argv[3:])
+        logged = []
+        prepare(config, log=logged.append, environ={})
+        configs.append((config, "\n".join(logged)))
+    return configs
+
+
+def test_paper_lengths_runs_pass_the_preflight_on_one_gpu(tmp_path, monkeypatch):
+    """LENGTHS=paper: every method at 1024 / 15360 tokens with Qwen3-1.7B's token budgets on one
+    node, a small batch; the preflight passes them, its memory table at the 16k-token budgets."""
+    env = fake_cluster(tmp_path / "shared")
+    model = Path(env["STAPO_MODEL_DIR"]) / "Qwen3-1.7B-Base"
+    proc = _gpu_dry_run(tmp_path, model, env["STAPO_DATA_DIR"], LENGTHS="paper", GPUS="1")
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
+    configs = _prepared(commands, env["STAPO_DATA_DIR"], monkeypatch)
+    assert [c.recipe.method for c, _ in configs] == list(METHODS)
+    for config, logged in configs:
+        assert (config.data.max_prompt_length, config.data.max_response_length) == (1024, 15360)
+        assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (1, 1)
+        assert (config.data.train_batch_size, config.actor_rollout_ref.rollout.n) == (8, 4)
+        assert config.actor_rollout_ref.actor.ppo_mini_batch_size == 4  # 2 updates per step
+        assert config.actor_rollout_ref.model.path == str(model)
+        assert config.actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu >= 16384
+        assert "preflight passed" in logged and "at 49152 tokens" in logged and "DOES NOT FIT" not in logged
+
+
+def test_paper_lengths_with_a_model_too_large_for_the_gpus_is_refused(tmp_path, monkeypatch):
+    """Qwen3-8B on one GPU: its training state alone outgrows 80 GB; the preflight says so."""
+    env = fake_cluster(tmp_path / "shared")
+    model = Path(env["STAPO_MODEL_DIR"]) / "Qwen3-8B-Base"
+    proc = _gpu_dry_run(tmp_path, model, env["STAPO_DATA_DIR"], LENGTHS="paper", GPUS="1", METHODS="stapo")
+    assert proc.returncode == 0, proc.stderr
+    (argv,) = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
+    with pytest.raises(PreflightError, match="param_offload=true and optimizer_offload=true"):
+        _prepared([argv], env["STAPO_DATA_DIR"], monkeypatch)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"LENGTHS": "long"}, "LENGTHS: unknown value 'long'"),
+    ({"LENGTHS": "paper", "SMOKE_DEVICE": "cpu"}, "LENGTHS=paper needs SMOKE_DEVICE=gpu"),
+])
+def test_bad_lengths_setting_fails(tmp_path, extra, message):
+    model = write_model(tmp_path / "Qwen3-1.7B-Base", QWEN3_CONFIGS["Qwen3-1.7B-Base"])
+    proc = _gpu_dry_run(tmp_path, model, str(tmp_path), **extra)
+    assert proc.returncode == 2 and message in proc.stderr

@@ -73,7 +73,11 @@ def test_local_mode_is_unchanged_and_paths_come_from_the_launch_directory(tmp_pa
 
 
 def test_dry_run_check_validates_with_the_launching_shells_paths(tmp_path):
-    (tmp_path / "models" / "Qwen3-1.7B-Base").mkdir(parents=True)
+    from tests.helpers.cluster_files import QWEN3_CONFIGS, write_dataset, write_model
+
+    write_model(tmp_path / "models" / "Qwen3-1.7B-Base", QWEN3_CONFIGS["Qwen3-1.7B-Base"])
+    for name in ("train", "aime24"):  # the preflight reads them (docs/preflight.md)
+        write_dataset(tmp_path / "rel" / "data" / f"{name}.parquet")
     proc = _run(COMMON, "stapo", "qwen3_1_7b", cwd=tmp_path, STAPO_DRY_RUN="check", PYTHON=sys.executable,
                 STAPO_DATA_DIR="rel/data", STAPO_MODEL_DIR="models", CKPT_DIR="ck")
     assert proc.returncode == 0, proc.stderr[-3000:]

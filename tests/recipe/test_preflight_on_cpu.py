@@ -1,0 +1,350 @@
+"""The preflight (``recipe.stapo.preflight``): every way a paper run can fail on the cluster, or run
+silently wrong, is refused in the driver before Ray starts, each refusal naming the key or path and
+the fix; a good config passes with a summary and the GPU memory table.
+
+Every case runs in process on a stand-in for the cluster's storage (tests/helpers/cluster_files.py);
+two tests run the real command line (``STAPO_DRY_RUN=check bash run_scripts/qwen3_1.7b_stapo.sh``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from recipe.stapo.config_utils import compose, describe, prepare
+from recipe.stapo.preflight import PreflightError, probe_writable
+from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, use_fake_cluster, write_dataset, write_model
+from tests.helpers.paths import REPO
+
+PL = "actor_rollout_ref.actor.policy_loss"
+ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+#: what verl prints just before ray.init (verl.trainer.main_ppo.run_ppo)
+RAY_INIT_MARK = "ray init kwargs"
+
+
+@pytest.fixture
+def cluster(tmp_path, monkeypatch):
+    """The stand-in storage, its variables set as the run scripts set them; cwd is a scratch folder."""
+    folders = use_fake_cluster(tmp_path / "shared", monkeypatch)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return {**folders, "root": tmp_path}
+
+
+def paper(cluster, *overrides: str, method: str = "stapo", model: str = "qwen3_8b"):
+    """A paper run's config as the run scripts compose it (64 GPUs), with ``overrides`` last."""
+    return compose([f"method={method}", f"model={model}", "trainer.nnodes=8", "trainer.n_gpus_per_node=8",
+                    "trainer.logger=[console]", f"trainer.default_local_dir={cluster['ckpt']}/{model}_{method}",
+                    *overrides])
+
+
+def passes(config, environ=None) -> list[str]:
+    logged = []
+    prepare(config, log=logged.append, environ=environ if environ is not None else {})
+    return logged
+
+
+def refused(config, environ=None) -> PreflightError:
+    with pytest.raises(PreflightError) as info:
+        prepare(config, log=lambda _: None, environ=environ if environ is not None else {})
+    return info.value
+
+
+def problem(err: PreflightError, key: str, *phrases: str) -> str:
+    """The one refusal about ``key``, checked to contain every phrase and a fix."""
+    matching = [str(p) for p in err.problems if p.key == key]
+    assert len(matching) == 1, f"expected one problem about {key}, got:\n{err}"
+    text = matching[0]
+    assert "Fix: " in text and text.split("Fix: ", 1)[1].strip(), text
+    for phrase in phrases:
+        assert phrase in text, f"{phrase!r} not in {text!r}"
+    return text
+
+
+# ------------------------------------------------------------------------------------------------
+# a good config passes
+# ------------------------------------------------------------------------------------------------
+
+
+def test_paper_config_passes_with_summary_and_memory_table(cluster):
+    config = paper(cluster)
+    logged = "\n".join(passes(config))
+    assert "preflight passed" in logged
+    for name in ("rollout", "log_prob", "current", "update", "update_end"):
+        assert f"  {name} " in logged, logged  # one row per pass of the step
+    assert "target 80.0 GiB" in logged and "DOES NOT FIT" not in logged
+    text = describe(config)
+    for line in (f"{PL}.loss_mode = vanilla", f"{PL}.token_selection = s2t", f"{PL}.tau_p = 0.002", f"{PL}.q = 0.75",
+                 f"{PL}.stats_from = current", f"{PL}.scope = mini_batch",
+                 "reward.custom_reward_function = pkg://recipe.stapo.reward:compute_score", "GPUs = 64",
+                 f"{ROLLOUT}.n = 8", "data.train_batch_size = 256 prompts = 2048 sequences per step",
+                 "4 updates per step, 8 sequences per data-parallel rank",
+                 "token budgets per GPU = update 32768, log-prob 49152"):
+        assert line in text, f"{line!r} not in\n{text}"
+
+
+def test_probe_creates_nothing_it_leaves_behind(tmp_path):
+    target = tmp_path / "a" / "b" / "c"
+    assert probe_writable(target) is None
+    assert not (tmp_path / "a").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    assert probe_writable(existing) is None and list(existing.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# paths
+# ------------------------------------------------------------------------------------------------
+
+
+def test_unwritable_checkpoint_folder_is_refused(cluster):
+    blocker = cluster["root"] / "a_file"
+    blocker.write_text("not a folder")
+    err = refused(paper(cluster, f"trainer.default_local_dir={blocker}/ckpt"))
+    problem(err, "trainer.default_local_dir", f"{blocker}/ckpt cannot be created or written", "CKPT_DIR")
+    assert blocker.read_text() == "not a folder"
+
+
+def test_missing_data_files_are_refused(cluster, monkeypatch):
+    empty = cluster["root"] / "nodata"
+    empty.mkdir()
+    monkeypatch.setenv("STAPO_DATA_DIR", str(empty))
+    err = refused(paper(cluster))
+    problem(err, "data.train_files", f"{empty}/train.parquet does not exist", "recipe.stapo.data.prepare train")
+    problem(err, "data.val_files", f"{empty}/aime24.parquet does not exist", "recipe.stapo.data.prepare bench")
+
+
+def test_data_file_that_is_not_parquet_or_lacks_columns_is_refused(cluster):
+    (cluster["data"] / "aime24.parquet").write_text("id,problem\n1,2+2\n")
+    write_dataset(cluster["data"] / "train.parquet", drop=("reward_model",))
+    err = refused(paper(cluster))
+    problem(err, "data.val_files", "is not a parquet file")
+    problem(err, "data.train_files", "has no column reward_model", "the run reads prompt, data_source and "
+            "reward_model.ground_truth")
+
+
+@pytest.mark.parametrize("case", ["missing", "empty", "no_config", "no_tokenizer", "no_weights"])
+def test_model_folder_without_config_tokenizer_or_weights_is_refused(cluster, case):
+    folder = cluster["root"] / "models2" / "Qwen3-8B-Base"
+    if case == "empty":
+        folder.mkdir(parents=True)
+    elif case != "missing":
+        write_model(folder, QWEN3_CONFIGS["Qwen3-8B-Base"], tokenizer=case != "no_tokenizer",
+                    weights=case != "no_weights")
+        if case == "no_config":
+            (folder / "config.json").unlink()
+    err = refused(paper(cluster, f"actor_rollout_ref.model.path={folder}"))
+    phrase = {"missing": "does not exist", "empty": "is empty", "no_config": "no readable Hugging Face config.json",
+              "no_tokenizer": "has no tokenizer", "no_weights": "has no weights"}[case]
+    problem(err, "actor_rollout_ref.model.path", str(folder), phrase, "huggingface-cli download")
+
+
+# ------------------------------------------------------------------------------------------------
+# names and identity
+# ------------------------------------------------------------------------------------------------
+
+
+def test_reward_function_typo_is_refused_with_the_closest_name(cluster):
+    err = refused(paper(cluster, "reward.custom_reward_function.name=compute_score_lenientt"))
+    problem(err, "reward.custom_reward_function.name", "'compute_score_lenientt'", "not a function of "
+            "pkg://recipe.stapo.reward", "did you mean reward.custom_reward_function.name=compute_score_lenient?")
+
+
+def test_unimportable_reward_module_is_refused(cluster):
+    err = refused(paper(cluster, "reward.custom_reward_function.path=pkg://recipe.stapo.rewardz"))
+    problem(err, "reward.custom_reward_function.path", "cannot be imported", "ModuleNotFoundError")
+
+
+def test_unregistered_loss_mode_and_unknown_token_selection_are_refused(cluster):
+    err = refused(paper(cluster, f"{PL}.loss_mode=stapoo", f"{PL}.token_selection=s3t"))
+    problem(err, f"{PL}.loss_mode", "'stapoo'", "not a registered policy loss", "'vanilla'", "'gspo'")
+    problem(err, PL, "token_selection='s3t'", "'s2t'", "'entropy_topk'")
+
+
+@pytest.mark.parametrize("method, selection, expected", [("stapo", "none", "s2t"), ("entropy20", "s2t", "entropy_topk")])
+def test_method_that_does_not_select_its_tokens_is_refused_unless_named_so(cluster, method, selection, expected):
+    err = refused(paper(cluster, f"{PL}.token_selection={selection}", method=method))
+    problem(err, f"{PL}.token_selection", f"='{selection}'", f"method={method} selects '{expected}'",
+            f"'qwen3_8b_{method}' does not say otherwise", f"trainer.experiment_name=qwen3_8b_{method}_{selection}")
+    named = paper(cluster, f"{PL}.token_selection={selection}", f"trainer.experiment_name=qwen3_8b_{method}_{selection}",
+                  method=method)
+    passes(named)
+    assert f"{PL}.token_selection = {selection}" in describe(named)
+
+
+# ------------------------------------------------------------------------------------------------
+# numbers
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, key, phrase", [
+    ("trainer.nnodes=abc", "trainer.nnodes", "='abc': the number of nodes must be a whole number >= 1"),
+    ("trainer.nnodes=0", "trainer.nnodes", "=0: the number of nodes"),
+    ("trainer.n_gpus_per_node=-8", "trainer.n_gpus_per_node", "=-8: the GPUs per node"),
+    (f"{ROLLOUT}.n=0", f"{ROLLOUT}.n", "=0: the responses per prompt must be a whole number >= 1"),
+    (f"{ROLLOUT}.n=1", f"{ROLLOUT}.n", "a group of one leaves the raw +-1 reward as the advantage"),
+    ("data.train_batch_size=3", "data.train_batch_size",
+     "3 prompts x 8 responses = 24 sequences per step do not split evenly over the 64 GPUs"),
+    (f"{ACTOR}.ppo_mini_batch_size=48", f"{ACTOR}.ppo_mini_batch_size", "does not divide data.train_batch_size=256"),
+    (f"{ACTOR}.ppo_mini_batch_size=4", f"{ACTOR}.ppo_mini_batch_size",
+     "4 prompts x 8 responses = 32 sequences per update do not split evenly over the 64 data-parallel ranks"),
+    (f"{ACTOR}.ppo_max_token_len_per_gpu=8192", f"{ACTOR}.ppo_max_token_len_per_gpu",
+     "less than the longest sequence, data.max_prompt_length + data.max_response_length = 16384 tokens"),
+    (f"{ROLLOUT}.log_prob_max_token_len_per_gpu=16000", f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
+     "=16000: less than the longest sequence"),
+    (f"{ROLLOUT}.tensor_model_parallel_size=3", f"{ROLLOUT}.tensor_model_parallel_size",
+     "do not divide the 64 GPUs"),
+    ("recipe.gpu_mem_gb=abc", "recipe.gpu_mem_gb", "must be a positive number"),
+])
+def test_bad_number_is_refused_naming_the_key(cluster, override, key, phrase):
+    problem(refused(paper(cluster, override)), key, phrase)
+
+
+def test_micro_batch_must_divide_a_ranks_mini_batch_without_dynamic_batching(cluster):
+    fixed = [f"{ACTOR}.use_dynamic_bsz=false", f"{ROLLOUT}.log_prob_use_dynamic_bsz=false",
+             "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=false"]
+    err = refused(paper(cluster, *fixed, f"{ACTOR}.ppo_micro_batch_size_per_gpu=3"))
+    problem(err, f"{ACTOR}.ppo_micro_batch_size_per_gpu", "=3: does not divide the 8 sequences of a mini-batch")
+    passes(paper(cluster, *fixed, f"{ACTOR}.ppo_micro_batch_size_per_gpu=2"))
+
+
+def test_sequence_parallelism_lets_a_budget_go_below_the_longest_sequence(cluster):
+    half = [f"{ACTOR}.ppo_max_token_len_per_gpu=8192", f"{ROLLOUT}.log_prob_max_token_len_per_gpu=8192"]
+    passes(paper(cluster, *half, f"{ACTOR}.ulysses_sequence_parallel_size=2"))
+    problem(refused(paper(cluster, *half, f"{ACTOR}.ulysses_sequence_parallel_size=3")),
+            f"{ACTOR}.ulysses_sequence_parallel_size", "=3: does not divide the 64 GPUs")
+
+
+def test_reference_budget_is_checked_where_a_reference_model_runs(cluster):
+    key = "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
+    problem(refused(paper(cluster, f"{key}=1024", method="grpo")), key, "=1024: less than the longest sequence")
+    passes(paper(cluster, f"{key}=1024", method="justrl"))  # no KL: no reference model
+
+
+def test_token_dump_settings_and_folder_are_checked_when_it_is_on(cluster):
+    blocker = cluster["root"] / "a_file"
+    blocker.write_text("")
+    err = refused(paper(cluster, f"recipe.token_dump.dir={blocker}/dump", "recipe.token_dump.responses=-3",
+                        "recipe.token_dump.context=abc"))
+    problem(err, "recipe.token_dump.dir", "cannot be created or written")
+    problem(err, "recipe.token_dump.responses", "recipe.token_dump.responses=-3", "must be an integer >= 1")
+    problem(err, "recipe.token_dump.context", "recipe.token_dump.context='abc'")
+    passes(paper(cluster, "recipe.token_dump.responses=-3"))  # dump off: its settings are never read
+
+
+def test_every_problem_is_listed_at_once(cluster):
+    err = refused(paper(cluster, "trainer.nnodes=abc", f"{ROLLOUT}.n=1", "reward.custom_reward_function.name=nope",
+                        f"{PL}.token_selection=none", "data.train_files=/nonexistent/train.parquet"))
+    keys = {p.key for p in err.problems}
+    assert {"trainer.nnodes", f"{ROLLOUT}.n", "reward.custom_reward_function.name", f"{PL}.token_selection",
+            "data.train_files"} <= keys
+    assert f"({len(err.problems)} problems; nothing was started)" in str(err)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU memory
+# ------------------------------------------------------------------------------------------------
+
+
+def test_config_that_does_not_fit_names_the_pass_and_a_budget_that_fits(cluster):
+    key = f"{ROLLOUT}.log_prob_max_token_len_per_gpu"
+    err = refused(paper(cluster, f"{key}=262144"))
+    (text,) = [str(p) for p in err.problems if "pass 'log_prob'" in p.key]
+    assert f"lower {key} to at most" in text
+    budget = int(text.split("to at most ")[1].split()[0])
+    assert 16384 <= budget < 262144
+    passes(paper(cluster, f"{key}={budget}"))  # the value it names fits
+    assert "pass 'log_prob'" in " ".join(p.key for p in refused(paper(cluster, f"{key}={budget + 2048}")).problems)
+
+
+def test_a_model_too_large_for_one_gpu_is_refused_naming_offload(cluster):
+    err = refused(paper(cluster, "trainer.nnodes=1", "trainer.n_gpus_per_node=1",
+                        f"{ROLLOUT}.tensor_model_parallel_size=1"))
+    (rollout,) = [str(p) for p in err.problems if "pass 'rollout'" in p.key]
+    assert "param_offload=true and optimizer_offload=true" in rollout
+    assert any("pass 'update" in p.key for p in err.problems)
+
+
+def test_target_gpu_memory_comes_from_gpu_mem_gb_and_warn_mode_refuses_nothing(cluster, monkeypatch):
+    monkeypatch.setenv("GPU_MEM_GB", "24")
+    err = refused(paper(cluster))
+    assert all(p.key.startswith("GPU memory") for p in err.problems) and "24.0 GiB" in str(err)
+    logged = "\n".join(passes(paper(cluster, "recipe.memory_check=warn")))
+    assert "recipe.memory_check=warn" in logged and "DOES NOT FIT" in logged
+    monkeypatch.setenv("GPU_MEM_GB", "141")
+    assert "target 141.0 GiB" in "\n".join(passes(paper(cluster)))
+
+
+# ------------------------------------------------------------------------------------------------
+# submit mode and the driver
+# ------------------------------------------------------------------------------------------------
+
+
+def test_submit_mode_leaves_unseen_paths_to_the_jobs_driver(cluster, monkeypatch):
+    """LAUNCH=submit: what this machine cannot see is a note here; the job's driver (its environment
+    has no LAUNCH) refuses the same config; the memory table uses the paper model's built-in shape."""
+    remote = cluster["root"] / "not_mounted_here"
+    monkeypatch.setenv("STAPO_DATA_DIR", f"{remote}/stapo/data")
+    monkeypatch.setenv("STAPO_MODEL_DIR", f"{remote}/models")
+    overrides = [f"trainer.default_local_dir={remote}/ckpt/run"]
+    logged = "\n".join(passes(paper(cluster, *overrides), environ={"LAUNCH": "submit"}))
+    assert f"{remote}/stapo/data/train.parquet is not visible here (LAUNCH=submit)" in logged
+    assert f"{remote}/models/Qwen3-8B-Base is not visible here" in logged
+    assert "built-in Qwen3-8B architecture" in logged
+    err = refused(paper(cluster, *overrides), environ={})
+    assert {"data.train_files", "data.val_files", "actor_rollout_ref.model.path"} <= {p.key for p in err.problems}
+    # numbers and names are checked in submit mode as anywhere
+    problem(refused(paper(cluster, *overrides, f"{ROLLOUT}.n=1"), environ={"LAUNCH": "submit"}), f"{ROLLOUT}.n")
+
+
+def test_driver_refuses_before_ray(cluster, monkeypatch):
+    """No --check: a refused config never reaches verl's run_ppo (which starts Ray)."""
+    import verl.trainer.main_ppo as verl_main
+
+    from recipe.stapo import main_stapo
+
+    started = []
+    monkeypatch.setattr(verl_main, "run_ppo", lambda *a, **k: started.append(a))
+    with pytest.raises(PreflightError):
+        main_stapo.run(paper(cluster, f"{ROLLOUT}.n=1"))
+    assert started == []
+    main_stapo.run(paper(cluster))
+    assert len(started) == 1
+
+
+def _script(cluster_env: dict, *args: str, **extra) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAPO_", "LAUNCH", "CKPT_DIR", "GPU_MEM"))}
+    env.update(cluster_env, STAPO_DRY_RUN="check", PYTHON=sys.executable, LOGGER="console", **extra)
+    return subprocess.run(["bash", str(REPO / "run_scripts" / "qwen3_1.7b_stapo.sh"), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_check_command_passes_a_paper_run_and_prints_its_summary(tmp_path):
+    proc = _script(fake_cluster(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for text in ("preflight passed", "GPU memory per GPU", "config OK (nothing started)",
+                 f"{PL}.token_selection = s2t", "GPUs = 64"):
+        assert text in proc.stderr, proc.stderr[-3000:]
+    assert RAY_INIT_MARK not in proc.stdout + proc.stderr
+
+
+def test_check_command_refuses_hostile_values_before_ray(tmp_path):
+    env = fake_cluster(tmp_path)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    proc = _script(env, f"{ROLLOUT}.n=1", "reward.custom_reward_function.name=compute_score_lenientt",
+                   f"recipe.token_dump.dir={tmp_path}/dump", "recipe.token_dump.responses=abc",
+                   CKPT_DIR=str(blocker), NNODES="abc")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for text in ("preflight refused the config (5 problems", "trainer.nnodes='abc'", f"{ROLLOUT}.n=1",
+                 "compute_score_lenientt", "recipe.token_dump.responses='abc'", f"{blocker}/stapo/qwen3_1_7b_stapo"):
+        assert text in out, out[-3000:]
+    assert "Traceback" not in out and RAY_INIT_MARK not in out
+    assert not (tmp_path / "dump").exists()
