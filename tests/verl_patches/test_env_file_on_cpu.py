@@ -55,6 +55,7 @@ def test_installing_the_patches_loads_the_file(tmp_path, monkeypatch):
 
     path = _file(tmp_path, "STAPO_TEST_SECRET_FROM_FILE=loaded\n")
     monkeypatch.setenv(SECRETS_FILE_ENV, str(path))
-    monkeypatch.delenv("STAPO_TEST_SECRET_FROM_FILE", raising=False)
+    monkeypatch.setenv("STAPO_TEST_SECRET_FROM_FILE", "")  # recorded, so the variable is removed afterwards
+    monkeypatch.delenv("STAPO_TEST_SECRET_FROM_FILE")
     install()
     assert os.environ["STAPO_TEST_SECRET_FROM_FILE"] == "loaded"
