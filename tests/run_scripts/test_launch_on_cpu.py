@@ -37,28 +37,79 @@ def _value(argv: list[str], key: str) -> str:
     return value
 
 
-def test_submit_mode_prints_ray_job_submit_and_forwards_only_allowed_variables(tmp_path):
+def _submit_dry_run(tmp_path, **env):
     proc = _run(COMMON, "stapo", "qwen3_8b", "actor_rollout_ref.actor.policy_loss.q=0.5", cwd=tmp_path,
-                LAUNCH="submit", STAPO_DRY_RUN="1", PYTHON=sys.executable, RAY_ADDRESS="http://head:8265",
-                WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET, HF_HOME="/shared/hf", AWS_SECRET_ACCESS_KEY="aws",
-                STAPO_DATA_DIR="rel/data", CKPT_DIR="ck")
+                LAUNCH="submit", STAPO_DRY_RUN="1", PYTHON=sys.executable, **env)
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.strip().splitlines()
     argv = shlex.split(line)
     sep = argv.index("--")
-    head, entry = argv[:sep], argv[sep + 1:]
-    assert head[:3] == ["ray", "job", "submit"]
+    names = proc.stderr.split("values not shown):", 1)[1].split()
+    return proc, argv[:sep], argv[sep + 1:], set(names)
+
+
+def test_submit_mode_submits_a_detached_job_named_after_the_run(tmp_path):
+    from recipe.stapo.config_utils import wandb_run_id
+
+    proc, head, entry, _ = _submit_dry_run(tmp_path, RAY_API_SERVER_ADDRESS="http://head:8265", STAPO_DATA_DIR="rel/data",
+                                           CKPT_DIR="ck")
+    assert head[:3] == ["ray", "job", "submit"] and "--no-wait" in head
     assert head[head.index("--address") + 1] == "http://head:8265"
+    assert head[head.index("--submission-id") + 1] == wandb_run_id("stapo", "qwen3_8b_stapo")
     assert head[head.index("--working-dir") + 1] == str(REPO)
     runtime_env_file = Path(head[head.index("--runtime-env") + 1])
     assert not runtime_env_file.exists(), "the runtime env file (it holds secrets) must not outlive the launcher"
     assert entry[:3] == [sys.executable, "-m", "recipe.stapo.main_stapo"]
     assert _value(entry, "trainer.default_local_dir") == str(tmp_path / "ck/stapo/qwen3_8b_stapo")
     assert _value(entry, "actor_rollout_ref.actor.policy_loss.q") == "0.5"
-    names = proc.stderr.split("values not shown):", 1)[1].split()
-    assert set(names) == {"HF_HOME", "HF_TOKEN", "STAPO_DATA_DIR", "VERL_USE_EXTERNAL_MODULES", "WANDB_API_KEY",
-                          "RAY_OVERRIDE_JOB_RUNTIME_ENV"}
+
+
+def test_a_dashboard_address_in_ray_address_still_reaches_the_jobs_client(tmp_path):
+    _, head, _, _ = _submit_dry_run(tmp_path, RAY_ADDRESS="http://old:8265")
+    assert head[head.index("--address") + 1] == "http://old:8265"
+    _, head, _, _ = _submit_dry_run(tmp_path, RAY_ADDRESS="http://old:8265", RAY_API_SERVER_ADDRESS="http://new:8265")
+    assert head[head.index("--address") + 1] == "http://new:8265"
+
+
+def test_submit_mode_forwards_only_the_allow_list(tmp_path):
+    """The recipe's variables, the launch directory, NCCL / Gloo / vLLM / CUDA / allocator settings and
+    listed wandb / HF ones; nothing set per node, nothing else; secret values never printed."""
+    forwarded = {"HF_HOME": "/shared/hf", "NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5", "GLOO_SOCKET_IFNAME": "eth0",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
+                 "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                 "STAPO_DATA_DIR": "rel/data"}
+    dropped = {"AWS_SECRET_ACCESS_KEY": "aws", "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.1",
+               "RAY_AUTH_TOKEN": "ray-token", "PATH_TO_NOTHING": "x"}
+    proc, _, _, names = _submit_dry_run(tmp_path, WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET, **forwarded, **dropped)
+    assert names == set(forwarded) | {"WANDB_API_KEY", "HF_TOKEN", "STAPO_LAUNCH_DIR", "VERL_USE_EXTERNAL_MODULES",
+                                      "RAY_OVERRIDE_JOB_RUNTIME_ENV"}
     assert SECRET not in proc.stdout + proc.stderr
+    assert "warning: WANDB_API_KEY, HF_TOKEN travel in the job's runtime env" in proc.stderr
+
+
+def test_with_a_secrets_file_the_job_carries_no_secret(tmp_path):
+    proc, _, _, names = _submit_dry_run(tmp_path, WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET,
+                                        STAPO_SECRETS_FILE="/shared/home/me/secrets.env")
+    assert "WANDB_API_KEY" not in names and "HF_TOKEN" not in names and "STAPO_SECRETS_FILE" in names
+    assert "warning" not in proc.stderr
+
+
+def _env_printer(tmp_path: Path) -> Path:
+    """An interpreter stand-in printing the variables the local driver would see."""
+    fake = tmp_path / "envpython"
+    fake.write_text('#!/usr/bin/env bash\necho "RAY_ADDRESS=${RAY_ADDRESS-<unset>}"\necho "STAPO_LAUNCH_DIR=$STAPO_LAUNCH_DIR"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_local_mode_ignores_a_dashboard_address_and_exports_the_launch_directory(tmp_path):
+    fake = _env_printer(tmp_path)
+    proc = _run(COMMON, "stapo", "qwen3_8b", cwd=tmp_path, PYTHON=str(fake), RAY_ADDRESS="http://head:8265")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["RAY_ADDRESS=<unset>", f"STAPO_LAUNCH_DIR={tmp_path}"]
+    assert "dashboard address" in proc.stderr
+    kept = _run(COMMON, "stapo", "qwen3_8b", cwd=tmp_path, PYTHON=str(fake), RAY_ADDRESS="head:6379")
+    assert kept.stdout.splitlines()[0] == "RAY_ADDRESS=head:6379"
 
 
 def test_local_mode_is_unchanged_and_paths_come_from_the_launch_directory(tmp_path):
