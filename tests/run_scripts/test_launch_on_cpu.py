@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from omegaconf import OmegaConf
+
 from recipe.stapo.config_utils import compose
 from tests.helpers.paths import REPO
 
@@ -229,3 +231,115 @@ def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
         assert cfg.trainer.total_training_steps == cfg.trainer.save_freq == 2
         assert cfg.trainer.default_local_dir == str(tmp_path / "smoke" / cfg.recipe.method / "checkpoints")
         assert cfg.data.max_response_length <= 1024 and "wandb" not in cfg.trainer.logger
+
+
+# ------------------------------------------------------------------------------------------------
+# where a run's files go: the launch directory and the run's folder, whatever the driver's own directory
+# ------------------------------------------------------------------------------------------------
+
+
+def test_relative_overrides_are_taken_from_the_launch_directory_not_the_drivers(tmp_path, monkeypatch):
+    """In submit mode the driver runs in Ray's copy of the project; STAPO_LAUNCH_DIR (exported by
+    common.sh) is where the user launched."""
+    from recipe.stapo.config_utils import RAY_ENV_VARS, resolve_paths
+
+    launch, driver = tmp_path / "launch", tmp_path / "ray_working_dir"
+    launch.mkdir(), driver.mkdir()
+    monkeypatch.chdir(driver)
+    monkeypatch.setenv("STAPO_LAUNCH_DIR", str(launch))
+    for name in ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("STAPO_DATA_DIR", "rel/data")
+    cfg = compose(["method=stapo", "recipe.token_dump.dir=dumps/run1", "trainer.default_local_dir=ck/p/e",
+                   "trainer.rollout_data_dir=rollouts"])
+    resolve_paths(cfg, log=lambda _: None)
+    assert cfg.recipe.token_dump.dir == str(launch / "dumps/run1")
+    assert cfg.trainer.default_local_dir == str(launch / "ck/p/e")
+    assert cfg.trainer.rollout_data_dir == str(launch / "rollouts")
+    assert cfg.data.train_files == str(launch / "rel/data/train.parquet")
+    env_vars = OmegaConf.select(cfg, RAY_ENV_VARS)
+    assert env_vars.STAPO_TOKEN_DUMP_DIR == str(launch / "dumps/run1")  # what the actors read
+    assert env_vars.VERL_FILE_LOGGER_PATH == str(launch / "ck/p/e/metrics.jsonl")
+    assert env_vars.TENSORBOARD_DIR == str(launch / "ck/p/e/tensorboard")
+    assert "WANDB_DIR" not in env_vars
+    assert not any(str(driver) in str(v) for v in OmegaConf.to_container(cfg, resolve=True).values())
+
+
+def test_run_file_locations_set_by_the_user_are_kept_and_made_absolute(tmp_path, monkeypatch):
+    from recipe.stapo.config_utils import RAY_ENV_VARS, resolve_paths
+
+    monkeypatch.setenv("STAPO_LAUNCH_DIR", str(tmp_path))
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", "logs")
+    monkeypatch.setenv("WANDB_DIR", "/abs/wandb")
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
+    cfg = compose(["method=stapo", f"++{RAY_ENV_VARS}.TENSORBOARD_DIR=tb"])
+    resolve_paths(cfg, log=lambda _: None)
+    env_vars = OmegaConf.select(cfg, RAY_ENV_VARS)
+    assert env_vars.VERL_FILE_LOGGER_ROOT == str(tmp_path / "logs") and "VERL_FILE_LOGGER_PATH" not in env_vars
+    assert env_vars.TENSORBOARD_DIR == str(tmp_path / "tb") and env_vars.WANDB_DIR == "/abs/wandb"
+
+
+def _uploaded(root: Path) -> set[str]:
+    """The files Ray's job client uploads from ``root`` with the recipe's excludes (Ray's own traversal,
+    .gitignore included, as ``ray job submit --working-dir``)."""
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    from recipe.stapo.config_utils import WORKING_DIR_EXCLUDES
+
+    found = set()
+    _dir_travel(root, [_get_excludes(root, list(WORKING_DIR_EXCLUDES))],
+                lambda p: found.add(str(p.relative_to(root))) if p.is_file() else None, include_gitignore=True)
+    return found
+
+
+def test_the_upload_ships_the_code_and_leaves_data_outputs_and_environments(tmp_path):
+    shipped = ["recipe/stapo/data/prepare.py", "recipe/stapo/data/fixtures/dapo_sample.jsonl",
+               "recipe/stapo/eval/results.py", "verl_patches/resume.py", "run_scripts/common.sh", "README.md"]
+    left = ["data/stapo/train.parquet", "results/eval/x.json", "checkpoints/stapo/e/global_step_1/actor/m.pt",
+            ".venv/bin/python", ".git/HEAD", "assets/tiny/model.safetensors", "wandb/run/x", "outputs/h/.hydra/c.yaml",
+            "runs/dump/tokens.jsonl", "recipe/stapo/__pycache__/x.pyc", "stapo_recipe.egg-info/PKG-INFO"]
+    for rel in shipped + left:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    (tmp_path / ".gitignore").write_text((REPO / ".gitignore").read_text())
+    assert _uploaded(tmp_path) == set(shipped) | {".gitignore"}
+
+
+def test_the_upload_of_this_checkout_holds_every_tracked_source_file():
+    tracked = subprocess.run(["git", "ls-files", "recipe", "verl_patches", "stapo_core", "run_scripts"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert tracked and set(tracked) <= _uploaded(REPO)
+
+
+# ------------------------------------------------------------------------------------------------
+# ablations.sh
+# ------------------------------------------------------------------------------------------------
+
+ABLATIONS = REPO / "run_scripts" / "ablations.sh"
+
+
+def test_ablations_take_the_model_config_from_model_config_not_model(tmp_path):
+    proc = _run(ABLATIONS, "q", cwd=tmp_path, STAPO_DRY_RUN="1", MODEL="/shared/models/Qwen3-8B-Base",
+                MODEL_CONFIG="qwen3_8b")
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
+    assert [(_value(c, "model"), _value(c, "trainer.experiment_name"), _value(c, "actor_rollout_ref.actor.policy_loss.q"))
+            for c in commands] == [("qwen3_8b", "qwen3_8b_stapo_q_0.5", "0.5"), ("qwen3_8b", "qwen3_8b_stapo_q_0.9", "0.9")]
+    assert "/shared/models" not in proc.stdout
+    old = _run(ABLATIONS, "q", cwd=tmp_path, STAPO_DRY_RUN="1", MODEL="qwen3_8b")
+    assert old.returncode == 2 and "MODEL_CONFIG" in old.stderr and not old.stdout
+    bad = _run(ABLATIONS, "q", cwd=tmp_path, STAPO_DRY_RUN="1", MODEL_CONFIG="/shared/models/Qwen3-8B-Base")
+    assert bad.returncode == 2 and "MODEL_CONFIG: unknown model config" in bad.stderr
+
+
+def test_a_failed_ablation_run_does_not_stop_the_others(tmp_path):
+    """Each run is attempted; the failed ones are listed and the loop exits 1."""
+    fake = tmp_path / "failpython"
+    fake.write_text('#!/usr/bin/env bash\nfor a in "$@"; do case "$a" in trainer.experiment_name=*) echo "${a#*=}";; esac; done\n'
+                    'case "$*" in *tau_p=0.005*) exit 0;; *) exit 1;; esac\n')
+    fake.chmod(0o755)
+    proc = _run(ABLATIONS, "tau_p", cwd=tmp_path, PYTHON=str(fake))
+    assert proc.stdout.split() == ["qwen3_1_7b_stapo_tau_p_0.001", "qwen3_1_7b_stapo_tau_p_0.005",
+                                   "qwen3_1_7b_stapo_tau_p_0.01"]
+    assert proc.returncode == 1
+    assert "2 run(s) failed or were refused: qwen3_1_7b_stapo_tau_p_0.001 qwen3_1_7b_stapo_tau_p_0.01" in proc.stderr
