@@ -247,8 +247,11 @@ def cluster_run(assets):
     launch.mkdir()
     cluster = Cluster(root)
     result = {"cluster": cluster, "launch": launch, "run_dir": launch / "ck" / PROJECT / EXPERIMENT}
+    start = time.time()
+    walls = result["walls"] = {}
     try:
         cluster.start()
+        walls["cluster_start"] = round(time.time() - start)
         result["nodes"] = cluster.alive_nodes()
         result["unauthenticated"] = subprocess.run(
             [RAY, "job", "list", "--address", cluster.dashboard_url], capture_output=True, text=True, timeout=120,
@@ -258,6 +261,7 @@ def cluster_run(assets):
             first_id = result["first_id"] = first.stdout.strip().splitlines()[-1]
             result["duplicate"] = _submit(cluster, assets, launch)
             result["first_status"] = cluster.wait(first_id)
+            walls["first_job"] = round(time.time() - start)
             if result["first_status"] != "SUCCEEDED":
                 result["first_logs"] = cluster.job_logs(first_id)
             result["jobs_after_duplicate"] = cluster.query(f"""
@@ -282,11 +286,14 @@ def cluster_run(assets):
             if relaunch.returncode == 0:
                 relaunch_id = result["relaunch_id"] = relaunch.stdout.strip().splitlines()[-1]
                 result["relaunch_status"] = cluster.wait(relaunch_id)
+                walls["relaunch_job"] = round(time.time() - start)
                 result["relaunch_logs"] = cluster.job_logs(relaunch_id)
         result["working_dir_files"] = [str(p) for p in (root / "head").rglob("working_dir_files/*/**/*.jsonl")]
         yield result
     finally:
         result["survivors"] = cluster.stop()
+        walls["stopped"] = round(time.time() - start)
+        print(f"[two-node] seconds since start: {walls}")
         assert not result["survivors"], f"Ray processes survived the cluster's end: {result['survivors']}"
         shutil.rmtree(root, ignore_errors=True)
 
