@@ -3,11 +3,12 @@
 #   MODEL=checkpoints/stapo/qwen3_8b_stapo/global_step_3000 SCALE=8B METHOD=STAPO bash run_scripts/eval.sh [run_eval args]
 # MODEL (required): a Hugging Face model folder, a hub id, or a verl checkpoint folder `global_step_N`
 #   (or its `actor/` folder): that one is first converted with verl's own model merger
-#   (`python -m verl.model_merger merge --backend fsdp`) into MERGED_DIR [MODEL/actor/merged_hf],
-#   once; a later run reuses the converted copy. A checkpoint that is not completely written (no
-#   actor/huggingface/config.json, a rank's shard missing, or newer than the trainer's
-#   latest_checkpointed_iteration.txt) is refused before anything is written; so is a model path that
-#   does not exist (run_eval checks it before writing).
+#   (`python -m verl.model_merger merge --backend fsdp`) into MERGED_DIR [global_step_N/merged_hf,
+#   beside actor/, where checkpoint retention does not reach], once; a later run reuses the converted
+#   copy, also after retention removed the checkpoint's actor/ folder. A checkpoint that is not
+#   completely written (no actor/huggingface/config.json, a rank's shard missing, or newer than the
+#   trainer's latest_checkpointed_iteration.txt) is refused before anything is written; so is a model
+#   path that does not exist (run_eval checks it before writing).
 # Env vars (defaults): PYTHON (python3: the interpreter with requirements.txt installed), BENCH_DIR
 # (data/stapo), OUT (results/eval/[SCALE_][METHOD_]<run>_step<N>, or the model folder's last two names),
 # DECODING (both), BACKEND (vllm), VERIFIER (auto: the paper's grading, CompassVerifier-3B on the rule
@@ -82,11 +83,13 @@ fi
 actor=""
 if [ -d "$model/actor" ] && [ ! -f "$model/config.json" ]; then actor="$model/actor"
 elif compgen -G "$model/model_world_size_*_rank_*.pt" > /dev/null; then actor="$model"
+elif [ -z "${MERGED_DIR:-}" ] && [ ! -f "$model/config.json" ] && [ -f "$model/merged_hf/config.json" ]; then
+  model=$model/merged_hf   # its actor/ was pruned; the converted copy stays
 elif [ -d "$model" ] && [ ! -f "$model/config.json" ] && [[ "$(basename "$model")" =~ ^global_step_[0-9]+$ ]]; then actor="$model/actor"
 fi
 if [ -n "$actor" ]; then
   merged=${MERGED_DIR:+$(abs "$MERGED_DIR" "$launch_dir")}
-  merged=${merged:-$actor/merged_hf}
+  merged=${merged:-$(dirname "$actor")/merged_hf}
   if [ ! -f "$merged/config.json" ] || ! compgen -G "$merged/*.safetensors" > /dev/null; then
     check_actor "$actor"
     echo "[stapo] converting the verl checkpoint $actor to a Hugging Face model in $merged" >&2

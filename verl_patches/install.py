@@ -154,6 +154,30 @@ PATCHES: tuple[Patch, ...] = (
                   "attribute looked up at each call)",
         drop_when="verl chunks the sum of squared probabilities",
     ),
+    # -- resuming a run (relaunching the same command) -------------------------------------------
+    Patch(
+        name="resumable_file_logger",
+        target="verl.utils.tracking:FileLogger",
+        wrapper="verl_patches.resume:wrap_file_logger",
+        changes="the metrics file is kept on open; the first step a process logs drops the later steps of "
+                "earlier launches, a step logged again is merged into its record: every step appears once",
+        why="verl's FileLogger opens its file with 'wb', so a relaunch (the way to resume) wipes every earlier step",
+        relies_on="Tracking building FileLogger(project_name, experiment_name) by its module-level name; the path "
+                  "rule VERL_FILE_LOGGER_PATH, else VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl",
+        drop_when="verl's file logger appends and de-duplicates steps on resume",
+    ),
+    Patch(
+        name="retention_counts_earlier_launches",
+        target="verl.utils.checkpoint.fsdp_checkpoint_manager:FSDPCheckpointManager.save_checkpoint",
+        wrapper="verl_patches.resume:wrap_checkpoint_save",
+        changes="before a manager's first save, the global_step_<k>/<role> folders of earlier launches (k below the "
+                "step saved) join the list verl prunes from, so max_actor_ckpt_to_keep counts them",
+        why="verl prunes only the checkpoints saved by its own process: those from before a resume are never removed "
+            "(~100 GB each at 8B)",
+        relies_on="save_checkpoint(local_path=<dir>/global_step_<n>/<role>, ...) pruning previous_saved_paths (oldest "
+                  "first) on rank 0",
+        drop_when="verl's checkpoint manager discovers existing checkpoints for retention",
+    ),
     # -- the trainers (driver side) ---------------------------------------------------------------
     Patch(
         name="legacy_keep_rollout_entropy",
@@ -191,11 +215,15 @@ PATCHES: tuple[Patch, ...] = (
 
 
 def install() -> list[str]:
-    """Check the verl version, then apply every patch that belongs in this process (idempotent):
-    the CPU ones when ``VERL_PLATFORM=cpu`` selects the CPU path (after fixing the thread count),
-    then the recipe's. Returns the names of the patches this call applied."""
+    """Check the verl version, load ``$STAPO_SECRETS_FILE`` (:mod:`verl_patches.env_file`), then apply
+    every patch that belongs in this process (idempotent): the CPU ones when ``VERL_PLATFORM=cpu``
+    selects the CPU path (after fixing the thread count), then the recipe's. Returns the names of the
+    patches this call applied."""
     check_verl_version()
     from .cpu.selection import cpu_selected
+    from .env_file import load_secrets_file
+
+    load_secrets_file()
 
     applied = []
     if cpu_selected():

@@ -46,18 +46,37 @@ OUTPUT_PATH_KEYS = ("trainer.default_local_dir", "trainer.resume_from_path", "tr
                     "trainer.rollout_data_dir", "recipe.token_dump.dir")
 MODEL_PATH_KEYS = ("actor_rollout_ref.model.path",)
 
-#: what ``LAUNCH=submit`` forwards to the Ray job, beyond VERL_USE_EXTERNAL_MODULES and STAPO_*
-FORWARDED_ENV_PREFIXES = ("STAPO_",)
+#: what ``LAUNCH=submit`` forwards to the Ray job, beyond the names below: the recipe's own variables and
+#: the communication / allocator settings every node's processes must share (NCCL, Gloo, vLLM, CUDA)
+FORWARDED_ENV_PREFIXES = ("STAPO_", "NCCL_", "TORCH_NCCL_", "GLOO_", "VLLM_", "CUDA_")
 FORWARDED_ENV_NAMES = ("VERL_USE_EXTERNAL_MODULES",
+                       "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCH_DISTRIBUTED_DEBUG",
+                       "HYDRA_FULL_ERROR", "VERL_LOGGING_LEVEL",
+                       "VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR",
                        "WANDB_API_KEY", "WANDB_ENTITY", "WANDB_BASE_URL", "WANDB_MODE", "WANDB_DIR",
                        "WANDB_RESUME", "WANDB_RUN_ID", "WANDB_TAGS", "WANDB_NOTES",
                        "HF_TOKEN", "HF_HOME", "HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_ENDPOINT",
                        "HF_HUB_CACHE", "HF_HUB_ENABLE_HF_TRANSFER")
-#: launcher-only variables never forwarded (the job's driver must train, not just check)
-NOT_FORWARDED_ENV_NAMES = ("STAPO_DRY_RUN",)
-#: never uploaded with the job's working directory (data, outputs, environments)
-WORKING_DIR_EXCLUDES = (".git", ".venv", "data", "results", "checkpoints", "assets", "wandb", "outputs",
-                        "__pycache__", "*.parquet", "*.safetensors")
+#: never forwarded: launcher-only (the job's driver must train, not just check) or set per node (one
+#: node's value would be wrong on the others; export them before that node's ``ray start``)
+NOT_FORWARDED_ENV_NAMES = ("STAPO_DRY_RUN", "CUDA_VISIBLE_DEVICES", "VLLM_HOST_IP")
+#: forwarded variables holding secrets: a job's runtime env is shown in plain text by ``ray job list`` and
+#: the dashboard; with ``STAPO_SECRETS_FILE`` they stay out of it (every verl process reads them from that
+#: file, :mod:`verl_patches.env_file`)
+SECRET_ENV_NAMES = ("WANDB_API_KEY", "HF_TOKEN", "VLLM_API_KEY")
+SECRETS_FILE_ENV = "STAPO_SECRETS_FILE"
+#: the directory a run was launched from (``run_scripts/common.sh`` exports it): relative paths are taken
+#: from it, also by a driver Ray starts in its own copy of the project (``LAUNCH=submit``)
+LAUNCH_DIR_ENV = "STAPO_LAUNCH_DIR"
+#: environment variables naming where the trainer writes a run's files (made absolute, passed to every worker)
+RUN_FILE_ENV_NAMES = ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR")
+#: the metrics file of verl's file logger inside ``trainer.default_local_dir`` unless the environment names one
+RUN_METRICS_FILE = "metrics.jsonl"
+RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
+#: never uploaded with the job's working directory (gitignore patterns; a leading ``/`` anchors a name at
+#: the project's root, so ``recipe/stapo/data/`` is shipped while the top-level ``data/`` is not)
+WORKING_DIR_EXCLUDES = ("/.git", "/.venv", "/data", "/results", "/checkpoints", "/assets", "/wandb", "/outputs",
+                        "/runs", "__pycache__", ".pytest_cache", "*.egg-info", "*.parquet", "*.safetensors")
 
 
 def ensure_patch_module_env(environ: Optional[dict] = None) -> None:
@@ -172,15 +191,51 @@ def local_model_path(path: str, cwd: Path) -> Optional[str]:
     return None
 
 
+def launch_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
+    """The directory relative paths are taken from: ``$STAPO_LAUNCH_DIR`` (where the run was launched,
+    exported by ``run_scripts/common.sh``), else the current directory."""
+    environ = os.environ if environ is None else environ
+    return Path(environ.get(LAUNCH_DIR_ENV) or os.getcwd()).resolve()
+
+
+def run_files_env(config: DictConfig, cwd: Path, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """Where the trainer writes a run's files, as the environment variables verl and its loggers read.
+
+    The trainer is a Ray actor with a working directory of its own (with ``LAUNCH=submit``, Ray's copy of
+    the project, deleted with the session), so none of them may stay relative. Each of
+    :data:`RUN_FILE_ENV_NAMES` set in ``ray_kwargs.ray_init.runtime_env.env_vars`` or in ``environ``
+    (in that order) is made absolute against ``cwd``; without either ``VERL_FILE_LOGGER_PATH`` or
+    ``VERL_FILE_LOGGER_ROOT``, verl's file logger writes ``<trainer.default_local_dir>/metrics.jsonl``
+    (beside the checkpoints, on storage every node sees), and tensorboard
+    ``<trainer.default_local_dir>/tensorboard``.
+    """
+    environ = os.environ if environ is None else environ
+    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+    files = {}
+    for name in RUN_FILE_ENV_NAMES:
+        value = given.get(name) if name in given else environ.get(name)
+        if value not in (None, ""):
+            files[name] = absolute_path(str(value), cwd)
+    run_dir = OmegaConf.select(config, "trainer.default_local_dir", default=None)
+    if isinstance(run_dir, str) and run_dir and not _is_remote(run_dir):
+        run_dir = absolute_path(run_dir, cwd)
+        if "VERL_FILE_LOGGER_PATH" not in files and "VERL_FILE_LOGGER_ROOT" not in files:
+            files["VERL_FILE_LOGGER_PATH"] = os.path.join(run_dir, RUN_METRICS_FILE)
+        files.setdefault("TENSORBOARD_DIR", os.path.join(run_dir, "tensorboard"))
+    return files
+
+
 def resolve_paths(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
-                  log: Callable[[str], None] = print) -> None:
+                  log: Callable[[str], None] = print, environ: Optional[Mapping[str, str]] = None) -> None:
     """Resolve every interpolation in ``config`` (in place) with this process's environment and make
-    data, model and checkpoint paths absolute against ``cwd`` (default: the current directory).
+    data, model, checkpoint and dump paths absolute against ``cwd`` (default: :func:`launch_dir`, the
+    directory the run was launched from); the run's files (metrics, tensorboard: :func:`run_files_env`)
+    go to every worker as absolute paths in ``ray_kwargs.ray_init.runtime_env.env_vars``.
 
     After this, what verl's workers see does not depend on their environment or working directory
     (on a Ray cluster they have neither the launching shell's variables nor its folder).
     """
-    cwd = Path(cwd or os.getcwd()).resolve()
+    cwd = Path(cwd).resolve() if cwd is not None else launch_dir(environ)
     with open_dict(config):
         for key in DATA_PATH_KEYS + OUTPUT_PATH_KEYS:
             value = OmegaConf.select(config, key, default=None)  # resolves the interpolation
@@ -195,6 +250,8 @@ def resolve_paths(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
                 OmegaConf.update(config, key, local or value)
                 if local is None:
                     log(f"[stapo] {key}={value} is not a local folder: verl will fetch it from the Hugging Face hub")
+        for name, value in run_files_env(config, cwd, environ).items():
+            OmegaConf.update(config, f"{RAY_ENV_VARS}.{name}", value, force_add=True)
     OmegaConf.resolve(config)
 
 
@@ -272,10 +329,19 @@ def describe(config: DictConfig) -> str:
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``environ`` a submitted job carries: ``VERL_USE_EXTERNAL_MODULES``, every
-    ``STAPO_*`` variable (but ``STAPO_DRY_RUN``) and an allow-list of ``WANDB_*`` / ``HF_*`` ones (:data:`FORWARDED_ENV_NAMES`)."""
-    return {k: v for k, v in sorted(environ.items()) if k not in NOT_FORWARDED_ENV_NAMES
+    """The variables of ``environ`` a submitted job carries: those of :data:`FORWARDED_ENV_NAMES`, every
+    one starting with :data:`FORWARDED_ENV_PREFIXES` (``STAPO_*``, ``NCCL_*``, ``GLOO_*``, ``VLLM_*``,
+    ``CUDA_*``...), none of :data:`NOT_FORWARDED_ENV_NAMES`; with ``STAPO_SECRETS_FILE`` set, none of
+    :data:`SECRET_ENV_NAMES` (the workers read them from that file)."""
+    skip = set(NOT_FORWARDED_ENV_NAMES) | (set(SECRET_ENV_NAMES) if environ.get(SECRETS_FILE_ENV) else set())
+    return {k: v for k, v in sorted(environ.items()) if k not in skip
             and (k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES))}
+
+
+def visible_secrets(env_vars: Mapping[str, str]) -> list[str]:
+    """The names of ``env_vars`` that are secrets (:data:`SECRET_ENV_NAMES`): whoever reaches the Ray
+    dashboard reads their values in the job's runtime env (``ray job list``, the dashboard's job page)."""
+    return [name for name in SECRET_ENV_NAMES if name in env_vars]
 
 
 def job_runtime_env(environ: Mapping[str, str]) -> dict:
@@ -283,7 +349,7 @@ def job_runtime_env(environ: Mapping[str, str]) -> dict:
 
     ``RAY_OVERRIDE_JOB_RUNTIME_ENV=1``: verl's driver calls ``ray.init`` with the config's runtime env,
     whose variables (``VERL_USE_EXTERNAL_MODULES``...) Ray would otherwise refuse as a conflict with
-    the job's.
+    the job's (Ray merges the two variable by variable, the driver's winning).
     """
     env = dict(environ)
     ensure_patch_module_env(env)
@@ -293,14 +359,21 @@ def job_runtime_env(environ: Mapping[str, str]) -> dict:
 
 
 def _main(argv: Sequence[str]) -> int:
-    """``python -m recipe.stapo.config_utils runtime-env``: print :func:`job_runtime_env` as JSON."""
+    """``python -m recipe.stapo.config_utils runtime-env``: print :func:`job_runtime_env` as JSON, and on
+    stderr a warning naming the secrets it carries in plain text."""
     import json
     import sys
 
     if list(argv) != ["runtime-env"]:
         print("usage: python -m recipe.stapo.config_utils runtime-env", file=sys.stderr)
         return 2
-    print(json.dumps(job_runtime_env(os.environ), indent=1))
+    runtime_env = job_runtime_env(os.environ)
+    shown = visible_secrets(runtime_env["env_vars"])
+    if shown:
+        print(f"[stapo] warning: {', '.join(shown)} travel in the job's runtime env, which `ray job list` and the "
+              f"dashboard show in plain text to anyone who reaches the dashboard; {SECRETS_FILE_ENV}=<file only you "
+              f"can read> keeps them out (docs/cluster.md, \"Secrets\")", file=sys.stderr)
+    print(json.dumps(runtime_env, indent=1))
     return 0
 
 

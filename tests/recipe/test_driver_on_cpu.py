@@ -157,7 +157,7 @@ def test_submitted_job_carries_exactly_the_allowed_variables():
     assert runtime_env["env_vars"] == {"HF_HOME": "/hf", "HF_TOKEN": "t", "STAPO_DATA_DIR": "/d",
                                        "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "verl_patches,mymod",
                                        "WANDB_API_KEY": "k", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
-    assert {".git", ".venv", "data", "checkpoints"} <= set(runtime_env["excludes"])
+    assert {"/.git", "/.venv", "/data", "/checkpoints"} <= set(runtime_env["excludes"])  # anchored at the root
 
 
 def _run_env(overrides, environ):

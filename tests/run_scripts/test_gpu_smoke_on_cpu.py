@@ -80,9 +80,9 @@ def test_verl_checkpoint_is_converted_by_verls_merger(smoke):
 
     out = _ok(smoke)
     actor = out / "stapo" / "checkpoints" / "global_step_1" / "actor"
-    merged = actor / "merged_hf"
+    merged = actor.parent / "merged_hf"  # beside actor/, out of checkpoint retention's reach
     assert (merged / "config.json").is_file() and (merged / "tokenizer_config.json").is_file()
-    assert not (actor / "merged_hf.partial").exists()
+    assert not (actor.parent / "merged_hf.partial").exists()
     tensors = {}
     for shard in merged.glob("*.safetensors"):
         tensors.update(load_file(shard))
@@ -100,7 +100,7 @@ def test_evaluation_of_the_checkpoint_covers_two_problems(smoke):
     out = _ok(smoke)
     evaluation = out / "eval"
     config = json.loads((evaluation / "run_config.json").read_text())
-    assert config["model"].endswith("global_step_1/actor/merged_hf") and config["backend"] == "hf"
+    assert config["model"].endswith("global_step_1/merged_hf") and config["backend"] == "hf"
     records = [json.loads(line) for f in (evaluation / "generations").glob("aime24__train.jsonl")
                for line in f.read_text().splitlines() if line.strip()]
     assert len(records) == 2  # 2 problems x 1 sample

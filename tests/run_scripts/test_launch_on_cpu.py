@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from omegaconf import OmegaConf
+
 from recipe.stapo.config_utils import compose
 from tests.helpers.paths import REPO
 
@@ -37,28 +39,79 @@ def _value(argv: list[str], key: str) -> str:
     return value
 
 
-def test_submit_mode_prints_ray_job_submit_and_forwards_only_allowed_variables(tmp_path):
+def _submit_dry_run(tmp_path, **env):
     proc = _run(COMMON, "stapo", "qwen3_8b", "actor_rollout_ref.actor.policy_loss.q=0.5", cwd=tmp_path,
-                LAUNCH="submit", STAPO_DRY_RUN="1", PYTHON=sys.executable, RAY_ADDRESS="http://head:8265",
-                WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET, HF_HOME="/shared/hf", AWS_SECRET_ACCESS_KEY="aws",
-                STAPO_DATA_DIR="rel/data", CKPT_DIR="ck")
+                LAUNCH="submit", STAPO_DRY_RUN="1", PYTHON=sys.executable, **env)
     assert proc.returncode == 0, proc.stderr
     (line,) = proc.stdout.strip().splitlines()
     argv = shlex.split(line)
     sep = argv.index("--")
-    head, entry = argv[:sep], argv[sep + 1:]
-    assert head[:3] == ["ray", "job", "submit"]
+    names = proc.stderr.split("values not shown):", 1)[1].split()
+    return proc, argv[:sep], argv[sep + 1:], set(names)
+
+
+def test_submit_mode_submits_a_detached_job_named_after_the_run(tmp_path):
+    from recipe.stapo.config_utils import wandb_run_id
+
+    proc, head, entry, _ = _submit_dry_run(tmp_path, RAY_API_SERVER_ADDRESS="http://head:8265", STAPO_DATA_DIR="rel/data",
+                                           CKPT_DIR="ck")
+    assert head[:3] == ["ray", "job", "submit"] and "--no-wait" in head
     assert head[head.index("--address") + 1] == "http://head:8265"
+    assert head[head.index("--submission-id") + 1] == wandb_run_id("stapo", "qwen3_8b_stapo")
     assert head[head.index("--working-dir") + 1] == str(REPO)
     runtime_env_file = Path(head[head.index("--runtime-env") + 1])
     assert not runtime_env_file.exists(), "the runtime env file (it holds secrets) must not outlive the launcher"
     assert entry[:3] == [sys.executable, "-m", "recipe.stapo.main_stapo"]
     assert _value(entry, "trainer.default_local_dir") == str(tmp_path / "ck/stapo/qwen3_8b_stapo")
     assert _value(entry, "actor_rollout_ref.actor.policy_loss.q") == "0.5"
-    names = proc.stderr.split("values not shown):", 1)[1].split()
-    assert set(names) == {"HF_HOME", "HF_TOKEN", "STAPO_DATA_DIR", "VERL_USE_EXTERNAL_MODULES", "WANDB_API_KEY",
-                          "RAY_OVERRIDE_JOB_RUNTIME_ENV"}
+
+
+def test_a_dashboard_address_in_ray_address_still_reaches_the_jobs_client(tmp_path):
+    _, head, _, _ = _submit_dry_run(tmp_path, RAY_ADDRESS="http://old:8265")
+    assert head[head.index("--address") + 1] == "http://old:8265"
+    _, head, _, _ = _submit_dry_run(tmp_path, RAY_ADDRESS="http://old:8265", RAY_API_SERVER_ADDRESS="http://new:8265")
+    assert head[head.index("--address") + 1] == "http://new:8265"
+
+
+def test_submit_mode_forwards_only_the_allow_list(tmp_path):
+    """The recipe's variables, the launch directory, NCCL / Gloo / vLLM / CUDA / allocator settings and
+    listed wandb / HF ones; nothing set per node, nothing else; secret values never printed."""
+    forwarded = {"HF_HOME": "/shared/hf", "NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5", "GLOO_SOCKET_IFNAME": "eth0",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "VLLM_ATTENTION_BACKEND": "FLASH_ATTN",
+                 "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+                 "STAPO_DATA_DIR": "rel/data"}
+    dropped = {"AWS_SECRET_ACCESS_KEY": "aws", "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.1",
+               "RAY_AUTH_TOKEN": "ray-token", "PATH_TO_NOTHING": "x"}
+    proc, _, _, names = _submit_dry_run(tmp_path, WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET, **forwarded, **dropped)
+    assert names == set(forwarded) | {"WANDB_API_KEY", "HF_TOKEN", "STAPO_LAUNCH_DIR", "VERL_USE_EXTERNAL_MODULES",
+                                      "RAY_OVERRIDE_JOB_RUNTIME_ENV"}
     assert SECRET not in proc.stdout + proc.stderr
+    assert "warning: WANDB_API_KEY, HF_TOKEN travel in the job's runtime env" in proc.stderr
+
+
+def test_with_a_secrets_file_the_job_carries_no_secret(tmp_path):
+    proc, _, _, names = _submit_dry_run(tmp_path, WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET,
+                                        STAPO_SECRETS_FILE="/shared/home/me/secrets.env")
+    assert "WANDB_API_KEY" not in names and "HF_TOKEN" not in names and "STAPO_SECRETS_FILE" in names
+    assert "warning" not in proc.stderr
+
+
+def _env_printer(tmp_path: Path) -> Path:
+    """An interpreter stand-in printing the variables the local driver would see."""
+    fake = tmp_path / "envpython"
+    fake.write_text('#!/usr/bin/env bash\necho "RAY_ADDRESS=${RAY_ADDRESS-<unset>}"\necho "STAPO_LAUNCH_DIR=$STAPO_LAUNCH_DIR"\n')
+    fake.chmod(0o755)
+    return fake
+
+
+def test_local_mode_ignores_a_dashboard_address_and_exports_the_launch_directory(tmp_path):
+    fake = _env_printer(tmp_path)
+    proc = _run(COMMON, "stapo", "qwen3_8b", cwd=tmp_path, PYTHON=str(fake), RAY_ADDRESS="http://head:8265")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["RAY_ADDRESS=<unset>", f"STAPO_LAUNCH_DIR={tmp_path}"]
+    assert "dashboard address" in proc.stderr
+    kept = _run(COMMON, "stapo", "qwen3_8b", cwd=tmp_path, PYTHON=str(fake), RAY_ADDRESS="head:6379")
+    assert kept.stdout.splitlines()[0] == "RAY_ADDRESS=head:6379"
 
 
 def test_local_mode_is_unchanged_and_paths_come_from_the_launch_directory(tmp_path):
@@ -182,3 +235,115 @@ def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
         assert cfg.trainer.total_training_steps == cfg.trainer.save_freq == 2
         assert cfg.trainer.default_local_dir == str(tmp_path / "smoke" / cfg.recipe.method / "checkpoints")
         assert cfg.data.max_response_length <= 1024 and "wandb" not in cfg.trainer.logger
+
+
+# ------------------------------------------------------------------------------------------------
+# where a run's files go: the launch directory and the run's folder, whatever the driver's own directory
+# ------------------------------------------------------------------------------------------------
+
+
+def test_relative_overrides_are_taken_from_the_launch_directory_not_the_drivers(tmp_path, monkeypatch):
+    """In submit mode the driver runs in Ray's copy of the project; STAPO_LAUNCH_DIR (exported by
+    common.sh) is where the user launched."""
+    from recipe.stapo.config_utils import RAY_ENV_VARS, resolve_paths
+
+    launch, driver = tmp_path / "launch", tmp_path / "ray_working_dir"
+    launch.mkdir(), driver.mkdir()
+    monkeypatch.chdir(driver)
+    monkeypatch.setenv("STAPO_LAUNCH_DIR", str(launch))
+    for name in ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("STAPO_DATA_DIR", "rel/data")
+    cfg = compose(["method=stapo", "recipe.token_dump.dir=dumps/run1", "trainer.default_local_dir=ck/p/e",
+                   "trainer.rollout_data_dir=rollouts"])
+    resolve_paths(cfg, log=lambda _: None)
+    assert cfg.recipe.token_dump.dir == str(launch / "dumps/run1")
+    assert cfg.trainer.default_local_dir == str(launch / "ck/p/e")
+    assert cfg.trainer.rollout_data_dir == str(launch / "rollouts")
+    assert cfg.data.train_files == str(launch / "rel/data/train.parquet")
+    env_vars = OmegaConf.select(cfg, RAY_ENV_VARS)
+    assert env_vars.STAPO_TOKEN_DUMP_DIR == str(launch / "dumps/run1")  # what the actors read
+    assert env_vars.VERL_FILE_LOGGER_PATH == str(launch / "ck/p/e/metrics.jsonl")
+    assert env_vars.TENSORBOARD_DIR == str(launch / "ck/p/e/tensorboard")
+    assert "WANDB_DIR" not in env_vars
+    assert not any(str(driver) in str(v) for v in OmegaConf.to_container(cfg, resolve=True).values())
+
+
+def test_run_file_locations_set_by_the_user_are_kept_and_made_absolute(tmp_path, monkeypatch):
+    from recipe.stapo.config_utils import RAY_ENV_VARS, resolve_paths
+
+    monkeypatch.setenv("STAPO_LAUNCH_DIR", str(tmp_path))
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", "logs")
+    monkeypatch.setenv("WANDB_DIR", "/abs/wandb")
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
+    cfg = compose(["method=stapo", f"++{RAY_ENV_VARS}.TENSORBOARD_DIR=tb"])
+    resolve_paths(cfg, log=lambda _: None)
+    env_vars = OmegaConf.select(cfg, RAY_ENV_VARS)
+    assert env_vars.VERL_FILE_LOGGER_ROOT == str(tmp_path / "logs") and "VERL_FILE_LOGGER_PATH" not in env_vars
+    assert env_vars.TENSORBOARD_DIR == str(tmp_path / "tb") and env_vars.WANDB_DIR == "/abs/wandb"
+
+
+def _uploaded(root: Path) -> set[str]:
+    """The files Ray's job client uploads from ``root`` with the recipe's excludes (Ray's own traversal,
+    .gitignore included, as ``ray job submit --working-dir``)."""
+    from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
+
+    from recipe.stapo.config_utils import WORKING_DIR_EXCLUDES
+
+    found = set()
+    _dir_travel(root, [_get_excludes(root, list(WORKING_DIR_EXCLUDES))],
+                lambda p: found.add(str(p.relative_to(root))) if p.is_file() else None, include_gitignore=True)
+    return found
+
+
+def test_the_upload_ships_the_code_and_leaves_data_outputs_and_environments(tmp_path):
+    shipped = ["recipe/stapo/data/prepare.py", "recipe/stapo/data/fixtures/dapo_sample.jsonl",
+               "recipe/stapo/eval/results.py", "verl_patches/resume.py", "run_scripts/common.sh", "README.md"]
+    left = ["data/stapo/train.parquet", "results/eval/x.json", "checkpoints/stapo/e/global_step_1/actor/m.pt",
+            ".venv/bin/python", ".git/HEAD", "assets/tiny/model.safetensors", "wandb/run/x", "outputs/h/.hydra/c.yaml",
+            "runs/dump/tokens.jsonl", "recipe/stapo/__pycache__/x.pyc", "stapo_recipe.egg-info/PKG-INFO"]
+    for rel in shipped + left:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    (tmp_path / ".gitignore").write_text((REPO / ".gitignore").read_text())
+    assert _uploaded(tmp_path) == set(shipped) | {".gitignore"}
+
+
+def test_the_upload_of_this_checkout_holds_every_tracked_source_file():
+    tracked = subprocess.run(["git", "ls-files", "recipe", "verl_patches", "stapo_core", "run_scripts"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert tracked and set(tracked) <= _uploaded(REPO)
+
+
+# ------------------------------------------------------------------------------------------------
+# ablations.sh
+# ------------------------------------------------------------------------------------------------
+
+ABLATIONS = REPO / "run_scripts" / "ablations.sh"
+
+
+def test_ablations_take_the_model_config_from_model_config_not_model(tmp_path):
+    proc = _run(ABLATIONS, "q", cwd=tmp_path, STAPO_DRY_RUN="1", MODEL="/shared/models/Qwen3-8B-Base",
+                MODEL_CONFIG="qwen3_8b")
+    assert proc.returncode == 0, proc.stderr
+    commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
+    assert [(_value(c, "model"), _value(c, "trainer.experiment_name"), _value(c, "actor_rollout_ref.actor.policy_loss.q"))
+            for c in commands] == [("qwen3_8b", "qwen3_8b_stapo_q_0.5", "0.5"), ("qwen3_8b", "qwen3_8b_stapo_q_0.9", "0.9")]
+    assert "/shared/models" not in proc.stdout
+    old = _run(ABLATIONS, "q", cwd=tmp_path, STAPO_DRY_RUN="1", MODEL="qwen3_8b")
+    assert old.returncode == 2 and "MODEL_CONFIG" in old.stderr and not old.stdout
+    bad = _run(ABLATIONS, "q", cwd=tmp_path, STAPO_DRY_RUN="1", MODEL_CONFIG="/shared/models/Qwen3-8B-Base")
+    assert bad.returncode == 2 and "MODEL_CONFIG: unknown model config" in bad.stderr
+
+
+def test_a_failed_ablation_run_does_not_stop_the_others(tmp_path):
+    """Each run is attempted; the failed ones are listed and the loop exits 1."""
+    fake = tmp_path / "failpython"
+    fake.write_text('#!/usr/bin/env bash\nfor a in "$@"; do case "$a" in trainer.experiment_name=*) echo "${a#*=}";; esac; done\n'
+                    'case "$*" in *tau_p=0.005*) exit 0;; *) exit 1;; esac\n')
+    fake.chmod(0o755)
+    proc = _run(ABLATIONS, "tau_p", cwd=tmp_path, PYTHON=str(fake))
+    assert proc.stdout.split() == ["qwen3_1_7b_stapo_tau_p_0.001", "qwen3_1_7b_stapo_tau_p_0.005",
+                                   "qwen3_1_7b_stapo_tau_p_0.01"]
+    assert proc.returncode == 1
+    assert "2 run(s) failed or were refused: qwen3_1_7b_stapo_tau_p_0.001 qwen3_1_7b_stapo_tau_p_0.01" in proc.stderr

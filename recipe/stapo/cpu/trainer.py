@@ -58,8 +58,8 @@ def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[
       verl process, Ray workers included), ``VERL_ENGINE_DEVICE=cuda`` (picks the FSDP engine class;
       it still runs on the cpu device),
     - ``VERL_FILE_LOGGER_PATH=<run_dir>/<metrics_file>`` when ``run_dir`` is given (verl's file
-      logger writes one ``{"step": s, "data": {...}}`` JSON line per step there; it truncates the
-      file when it opens it, so a resumed run needs another ``metrics_file``),
+      logger writes one ``{"step": s, "data": {...}}`` JSON line per step there; a resumed run
+      continues the file, each step once, :mod:`verl_patches.resume`),
     - the repository on ``PYTHONPATH``, tokenizer parallelism off,
     - :func:`thread_env` (``threads`` torch / OpenMP / MKL threads in every process).
     """
@@ -235,9 +235,10 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
                 seen.add(step)
                 on_step(step, data)
 
-    # verl's file logger truncates the file when it opens it; removing it first keeps on_step from
-    # reporting a previous run's steps in the seconds before that happens
-    metrics.unlink(missing_ok=True)
+    # a fresh run starts a fresh file (a resumed one continues it: verl_patches.resume), and on_step
+    # does not report a previous run's steps
+    if not (overrides_kwargs.get("resume") or overrides_kwargs.get("resume_from")):
+        metrics.unlink(missing_ok=True)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file, threads=threads), stdout=out,
                                 stderr=subprocess.STDOUT, cwd=REPO_ROOT)

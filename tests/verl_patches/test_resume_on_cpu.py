@@ -1,0 +1,208 @@
+"""Relaunching a run (verl_patches.resume): the metrics file keeps every earlier step and holds each
+step once; checkpoint retention counts the checkpoints of earlier launches.
+
+The references are verl's own: its ``FileLogger`` (what the patched logger writes for a fresh run must
+be byte-identical to it) and its checkpoint manager's pruning methods (``ensure_checkpoint_capacity``,
+``register_checkpoint``, ``remove_previous_save_local_path``), called in the order its FSDP manager
+calls them on rank 0. The real FSDP manager under the patch runs in tests/e2e/test_two_node_on_cpu.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from verl_patches.registry import original_of
+from verl_patches.resume import ResumableFileLog, earlier_checkpoints, read_step_lines, wrap_checkpoint_save, \
+    wrap_file_logger
+
+
+def _verl_file_logger():
+    from verl.utils import tracking
+
+    return original_of(tracking.FileLogger)
+
+
+def _steps(path) -> list[int]:
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()]
+
+
+def _records(path) -> dict[int, dict]:
+    return {json.loads(line)["step"]: json.loads(line)["data"] for line in path.read_text().splitlines()}
+
+
+def _log_all(logger, calls) -> None:
+    for step, data in calls:
+        logger.log(data=data, step=step)
+    logger.finish()
+
+
+CALLS = [(0, {"val/acc": 0.5}), (1, {"loss": 1.0, "n": 3}), (2, {"loss": 0.5, "n": 4}), (3, {"loss": 0.25, "n": 5})]
+
+
+def test_a_fresh_run_writes_exactly_what_verls_logger_writes(tmp_path, monkeypatch):
+    original = _verl_file_logger()
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "verl.jsonl"))
+    _log_all(original("p", "e"), CALLS)
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(tmp_path / "deep" / "ours.jsonl"))  # parent created
+    _log_all(wrap_file_logger(original)("p", "e"), CALLS)
+    assert (tmp_path / "deep" / "ours.jsonl").read_bytes() == (tmp_path / "verl.jsonl").read_bytes()
+
+
+def test_the_path_rule_is_verls(tmp_path, monkeypatch):
+    monkeypatch.delenv("VERL_FILE_LOGGER_PATH", raising=False)
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(tmp_path))
+    logger = wrap_file_logger(_verl_file_logger())("proj", "exp")
+    _log_all(logger, CALLS[:1])
+    assert logger.filepath == str(tmp_path / "proj" / "exp.jsonl") and _steps(tmp_path / "proj" / "exp.jsonl") == [0]
+
+
+def test_a_relaunch_keeps_earlier_steps_and_writes_each_step_once(tmp_path, monkeypatch):
+    """Earlier launch: steps 1-5 (checkpoint at 3, then killed). Relaunch from 3: validation at 3,
+    then 4, 5, 6. Steps 1-2 keep their bytes; 3 merges the earlier training metrics with the new
+    validation; 4-5 are the relaunch's; verl's own logger would have kept only the relaunch's steps."""
+    path = tmp_path / "metrics.jsonl"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    original = _verl_file_logger()
+    _log_all(original("p", "e"), [(s, {"loss": float(s), "launch": 1}) for s in range(1, 6)])
+    earlier_lines = path.read_bytes().splitlines(keepends=True)
+
+    relaunch = [(3, {"val/acc": 0.75}), (4, {"loss": 40.0, "launch": 2}), (5, {"loss": 50.0, "launch": 2}),
+                (6, {"loss": 60.0, "launch": 2})]
+    _log_all(wrap_file_logger(original)("p", "e"), relaunch)
+    assert _steps(path) == [1, 2, 3, 4, 5, 6]
+    assert path.read_bytes().splitlines(keepends=True)[:2] == earlier_lines[:2]
+    records = _records(path)
+    assert records[3] == {"loss": 3.0, "launch": 1, "val/acc": 0.75}
+    assert [records[s]["launch"] for s in (4, 5, 6)] == [2, 2, 2] and records[5]["loss"] == 50.0
+
+    _log_all(original("p", "e"), relaunch)  # the reference: verl's own logger on a relaunch
+    assert _steps(path) == [3, 4, 5, 6]
+
+
+def test_a_step_logged_twice_in_one_process_is_one_record(tmp_path):
+    log = ResumableFileLog(tmp_path / "m.jsonl")
+    for step, data in [(1, {"a": 1}), (1, {"b": 2}), (2, {"a": 3}), (2, {"a": 4})]:
+        log.log(data, step)
+    log.close()
+    assert _steps(tmp_path / "m.jsonl") == [1, 2] and _records(tmp_path / "m.jsonl") == {1: {"a": 1, "b": 2}, 2: {"a": 4}}
+
+
+def test_opening_changes_nothing_until_the_first_step(tmp_path):
+    """A relaunch that dies before its first step (out of memory at start-up) loses nothing."""
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"step":1,"data":{"a":1}}\n{"step":2,"data":{"a":2}}\n')
+    before = path.read_bytes()
+    ResumableFileLog(path).close()
+    assert path.read_bytes() == before
+
+
+def test_a_line_cut_by_a_killed_process_is_dropped(tmp_path):
+    path = tmp_path / "m.jsonl"
+    path.write_bytes(b'{"step":1,"data":{"a":1}}\n{"step":2,"data":{"a":2}}\n{"step":3,"da')
+    assert [s for s, _ in read_step_lines(path)] == [1, 2]
+    log = ResumableFileLog(path)
+    log.log({"a": 30}, 3)
+    log.close()
+    assert _records(path) == {1: {"a": 1}, 2: {"a": 2}, 3: {"a": 30}}
+
+
+def test_the_patched_logger_is_what_verls_tracking_builds(tmp_path, monkeypatch):
+    """``import verl_patches`` (done by importing verl_patches.resume above) makes verl's ``Tracking``,
+    the trainers' logger, continue an existing metrics file."""
+    from verl.utils.tracking import Tracking
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step":1,"data":{"a":1}}\n')
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(path))
+    tracking = Tracking("p", "e", default_backend=["file"])
+    tracking.log(data={"a": 2}, step=2)
+    tracking.logger["file"].finish()
+    assert _records(path) == {1: {"a": 1}, 2: {"a": 2}}
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint retention
+# ------------------------------------------------------------------------------------------------
+
+
+def _checkpoint(root, step, role="actor"):
+    folder = root / f"global_step_{step}" / role
+    folder.mkdir(parents=True)
+    (folder / "model.pt").write_text(str(step))
+    return folder
+
+
+def test_earlier_checkpoints_are_those_below_the_step_being_saved_oldest_first(tmp_path):
+    for step in (2, 10, 9, 12):
+        _checkpoint(tmp_path, step)
+    (tmp_path / "global_step_1").mkdir()  # pruned before: its data.pt stays, its actor/ is gone
+    (tmp_path / "global_step_3" / "critic").mkdir(parents=True)
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
+    assert earlier_checkpoints(tmp_path / "global_step_11" / "actor") == \
+        [str(tmp_path / f"global_step_{k}" / "actor") for k in (2, 9, 10)]
+    assert earlier_checkpoints(tmp_path / "global_step_11" / "critic") == [str(tmp_path / "global_step_3" / "critic")]
+    assert earlier_checkpoints(tmp_path / "elsewhere" / "actor") == []
+
+
+class _Manager:
+    """verl's retention bookkeeping (its own methods) around a save that writes one file, in the order
+    of FSDPCheckpointManager.save_checkpoint on rank 0: make room, write, register."""
+
+    def __init__(self):
+        from verl.utils.checkpoint.checkpoint_manager import BaseCheckpointManager
+
+        self.previous_saved_paths = []
+        for name in ("ensure_checkpoint_capacity", "register_checkpoint", "remove_previous_save_local_path"):
+            setattr(self, name, getattr(BaseCheckpointManager, name).__get__(self))
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        self.ensure_checkpoint_capacity(max_ckpt_to_keep)
+        os.makedirs(local_path, exist_ok=True)
+        open(os.path.join(local_path, "model.pt"), "w").write(str(global_step))
+        self.register_checkpoint(local_path, max_ckpt_to_keep)
+
+
+def _launch(root, steps, keep, patched):
+    manager = _Manager()
+    save = wrap_checkpoint_save(_Manager.save_checkpoint) if patched else _Manager.save_checkpoint
+    for step in steps:
+        save(manager, local_path=str(root / f"global_step_{step}" / "actor"), global_step=step, max_ckpt_to_keep=keep)
+
+
+def _kept(root) -> list[int]:
+    return sorted(int(p.parent.name.split("_")[-1]) for p in root.glob("global_step_*/actor"))
+
+
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_retention_counts_the_checkpoints_of_earlier_launches(tmp_path, keep):
+    """Three launches of 2 saves each: the newest ``keep`` checkpoints remain, as in one launch."""
+    one_launch = tmp_path / "one"
+    _launch(one_launch, [1, 2, 3, 4, 5, 6], keep, patched=True)
+    relaunched = tmp_path / "three"
+    for steps in ([1, 2], [3, 4], [5, 6]):
+        _launch(relaunched, steps, keep, patched=True)
+    assert _kept(relaunched) == _kept(one_launch) == list(range(7 - keep, 7))
+    unpatched = tmp_path / "verl"  # the reference: verl alone keeps `keep` per launch
+    for steps in ([1, 2], [3, 4], [5, 6]):
+        _launch(unpatched, steps, keep, patched=False)
+    assert _kept(unpatched) == sorted({s for launch in ([1, 2], [3, 4], [5, 6]) for s in launch[-keep:]})
+
+
+def test_pruning_leaves_what_sits_beside_the_checkpoint(tmp_path):
+    """The Hugging Face copy eval.sh writes (global_step_<k>/merged_hf) and the data-loader state survive."""
+    _launch(tmp_path, [1, 2], 2, patched=True)
+    (tmp_path / "global_step_1" / "merged_hf").mkdir()
+    (tmp_path / "global_step_1" / "data.pt").write_text("")
+    _launch(tmp_path, [3], 2, patched=True)
+    assert _kept(tmp_path) == [2, 3]
+    assert (tmp_path / "global_step_1" / "merged_hf").is_dir() and (tmp_path / "global_step_1" / "data.pt").is_file()
+
+
+def test_a_relaunch_from_an_older_checkpoint_does_not_count_the_newer_ones(tmp_path):
+    """Resuming from step 2 while 3 and 4 exist: those are rewritten as the run reaches them."""
+    _launch(tmp_path, [1, 2, 3, 4], None, patched=True)
+    _launch(tmp_path, [3, 4, 5], 2, patched=True)
+    assert _kept(tmp_path) == [4, 5]

@@ -1,0 +1,196 @@
+"""A relaunched run continues what the earlier launches left: the metrics file and checkpoint retention.
+
+Resuming a run is relaunching the same command (verl's ``resume_mode=auto`` loads the newest
+checkpoint). Two things of verl's would lose or keep too much across launches:
+
+- verl's file logger opens its file with ``"wb"``: a relaunch wipes every step logged before.
+  :func:`wrap_file_logger` replaces it by a logger that keeps the file and writes each step once:
+  the first step a process logs, ``s``, drops the records the earlier launch wrote after ``s``
+  (steps it trained past its last checkpoint, which the relaunch trains again); a step logged again
+  (the validation a relaunch runs at its resume step, or two calls for one step) is merged into
+  that step's record, the new values winning. The file is rewritten atomically only in the first
+  case; otherwise records are appended (a truncated last line, from a killed process, is dropped).
+- verl's checkpoint manager prunes (``trainer.max_actor_ckpt_to_keep``) only the checkpoints its
+  own process saved, so those of earlier launches are never removed.
+  :func:`wrap_checkpoint_save` counts them: before a manager's first save, the
+  ``global_step_<k>/<role>`` folders of earlier launches with ``k`` below the step being saved join
+  its list, oldest first, and verl's own pruning then keeps the newest ones. Pruning removes a
+  ``global_step_<k>/<role>`` folder, as verl does; anything beside it in ``global_step_<k>`` (the
+  data-loader state, the Hugging Face copy ``run_scripts/eval.sh`` writes to
+  ``global_step_<k>/merged_hf``) stays.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any, Optional
+
+import orjson
+
+from stapo_core.fileio import atomic_write
+
+#: a checkpoint folder verl writes: ``<default_local_dir>/global_step_<k>``
+STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
+
+
+# ------------------------------------------------------------------------------------------------
+# the metrics file
+# ------------------------------------------------------------------------------------------------
+
+
+def file_logger_path(project_name: str, experiment_name: str, environ=os.environ) -> str:
+    """Where verl's file logger writes: ``$VERL_FILE_LOGGER_PATH``, else
+    ``$VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl`` (root default: the working directory)."""
+    path = environ.get("VERL_FILE_LOGGER_PATH")
+    if path:
+        return path
+    root = os.path.expanduser(environ.get("VERL_FILE_LOGGER_ROOT", "."))
+    return os.path.join(root, project_name, f"{experiment_name}.jsonl")
+
+
+def read_step_lines(path: str | os.PathLike) -> list[tuple[int, bytes]]:
+    """``(step, line)`` of each record of a metrics file, in file order (``[]`` if it is absent).
+
+    A line that is not a ``{"step": <int>, ...}`` JSON object ends the scan: a process killed while
+    writing leaves such a last line, and what follows it cannot be trusted either.
+    """
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read()
+    except FileNotFoundError:
+        return []
+    records = []
+    for line in raw.splitlines(keepends=True):
+        if not line.endswith(b"\n"):
+            break
+        try:
+            obj = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            break
+        step = obj.get("step") if isinstance(obj, dict) else None
+        if not isinstance(step, int) or isinstance(step, bool):
+            break
+        records.append((step, line))
+    return records
+
+
+class ResumableFileLog:
+    """A metrics file of ``{"step": s, "data": {...}}`` lines in which every step appears once.
+
+    Opening keeps the file as it is (nothing is lost if the process dies before its first step).
+    :meth:`log` follows the rules of the module docstring.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._records = read_step_lines(self.path)
+        self._first = True
+        self._last: Optional[tuple[int, dict, int]] = None  # step, data, byte offset of its line
+        self.fp = None
+
+    def _rewrite(self, lines: list[bytes]) -> None:
+        def write(tmp: str) -> None:
+            with open(tmp, "wb") as handle:
+                handle.writelines(lines)
+                handle.flush()
+                os.fsync(handle.fileno())
+
+        atomic_write(self.path, write)
+
+    def _start(self, step: int) -> None:
+        """First record of this process: keep the earlier records up to ``step``, open for appending."""
+        kept = [(s, line) for s, line in self._records if s <= step]
+        on_disk = self.path.stat().st_size if self.path.exists() else 0
+        if len(kept) != len(self._records) or sum(len(line) for _, line in kept) != on_disk:
+            self._rewrite([line for _, line in kept])
+        self.fp = open(self.path, "ab", buffering=0)
+        if kept and kept[-1][0] == step:
+            offset = sum(len(line) for _, line in kept[:-1])
+            self._last = (step, orjson.loads(kept[-1][1])["data"], offset)
+        self._records = []
+
+    def log(self, data: dict, step: int) -> None:
+        if self._first:
+            self._start(step)
+            self._first = False
+        if self._last is not None and self._last[0] == step:
+            data = {**self._last[1], **data}
+            offset = self._last[2]
+            self.fp.truncate(offset)
+        else:
+            offset = self.fp.seek(0, os.SEEK_END)
+        self.fp.write(orjson.dumps({"step": step, "data": data}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
+        self._last = (step, data, offset)
+
+    def close(self) -> None:
+        if self.fp is not None:
+            self.fp.close()
+
+
+def wrap_file_logger(original: type) -> type:
+    """verl's ``FileLogger`` class -> a subclass writing through :class:`ResumableFileLog` (same path
+    rule, same constructor and methods; verl's constructor, which truncates the file, is not run)."""
+
+    class FileLogger(original):
+        def __init__(self, project_name: str, experiment_name: str):
+            self.project_name = project_name
+            self.experiment_name = experiment_name
+            self.filepath = file_logger_path(project_name, experiment_name)
+            print(f"Creating file logger at {os.path.abspath(self.filepath)} (continuing its earlier steps)")
+            self._log = ResumableFileLog(self.filepath)
+
+        def log(self, data, step):
+            self._log.log(data, step)
+
+        def finish(self):
+            self._log.close()
+
+    FileLogger.__qualname__ = original.__qualname__
+    FileLogger.__module__ = original.__module__
+    return FileLogger
+
+
+# ------------------------------------------------------------------------------------------------
+# checkpoint retention
+# ------------------------------------------------------------------------------------------------
+
+
+def earlier_checkpoints(local_path: str | os.PathLike) -> list[str]:
+    """The checkpoints of earlier launches that ``local_path`` (``<dir>/global_step_<n>/<role>``)
+    competes with for retention: the existing ``<dir>/global_step_<k>/<role>`` folders with
+    ``k < n``, oldest first. ``[]`` for a path of another layout."""
+    path = Path(local_path)
+    match = STEP_FOLDER.match(path.parent.name)
+    if match is None or not path.parent.parent.is_dir():
+        return []
+    step, role = int(match.group(1)), path.name
+    found = []
+    for folder in path.parent.parent.iterdir():
+        m = STEP_FOLDER.match(folder.name)
+        if m is not None and int(m.group(1)) < step and (folder / role).is_dir():
+            found.append((int(m.group(1)), str(folder / role)))
+    return [p for _, p in sorted(found)]
+
+
+def _local_path_argument(args: tuple, kwargs: dict) -> Any:
+    return kwargs["local_path"] if "local_path" in kwargs else (args[0] if args else None)
+
+
+def wrap_checkpoint_save(original):
+    """``CheckpointManager.save_checkpoint`` -> the same, after the manager's list of saved
+    checkpoints (what verl prunes from) got those of earlier launches (:func:`earlier_checkpoints`),
+    once per manager."""
+
+    def save_checkpoint(self, *args, **kwargs):
+        local_path = _local_path_argument(args, kwargs)
+        if local_path is not None and not getattr(self, "_stapo_counted_earlier", False):
+            self._stapo_counted_earlier = True
+            earlier = earlier_checkpoints(local_path)
+            mine = [p for p in self.previous_saved_paths if p not in earlier]
+            self.previous_saved_paths = earlier + mine
+        return original(self, *args, **kwargs)
+
+    return save_checkpoint
