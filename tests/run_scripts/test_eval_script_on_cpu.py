@@ -76,8 +76,9 @@ def test_a_half_written_checkpoint_is_refused_naming_what_is_missing(tmp_path, b
 def test_a_complete_merged_checkpoint_skips_the_checks(tmp_path, bench):
     """With the converted copy present, eval.sh goes on to run_eval (which refuses the empty weights)."""
     step = tmp_path / "ck" / "run" / "global_step_5"
-    merged = step / "actor" / "merged_hf"
-    merged.mkdir(parents=True)
+    (step / "actor").mkdir(parents=True)  # a checkpoint's shards are not looked at once it is converted
+    merged = step / "merged_hf"  # beside actor/, where retention does not reach
+    merged.mkdir()
     (merged / "config.json").write_text("{}")
     (merged / "model.safetensors").write_bytes(b"")
     proc = _run(tmp_path, str(step), tmp_path / "out", bench, PYTHON=str(_fake_python(tmp_path)))
