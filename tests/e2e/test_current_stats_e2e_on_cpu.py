@@ -1,7 +1,7 @@
 """``stats_from=current`` (Algorithm 1) on verl's real trainer on CPU, against an independent forward.
 
-Two STAPO runs (TransferQueue trainer, 2 steps, 4 mini-batches per step, a learning rate that
-visibly moves the tiny policy between mini-batches), one data-parallel rank and two
+One STAPO run (TransferQueue trainer, 2 steps, 4 mini-batches per step, a learning rate that
+visibly moves the tiny policy between mini-batches) on two data-parallel ranks
 (``trainer.n_gpus_per_node=2``, gloo), with ``tests.helpers.minibatch_recorder`` loaded into every verl
 process: before each mini-batch update it saves the actor's full weights and the mini-batch, and after
 the recipe's fold the ``response_mask`` the engine trained on, the sequences the statistics forward
@@ -26,9 +26,7 @@ its mini-batch's update, pooled over the step, for the silenced tokens, the kept
 every token of the responses holding a candidate. Its two forwards (before and after the update)
 are the last two inference calls of a mini-batch that holds a candidate.
 
-The one-rank run is also the suite's STAPO run of the TransferQueue trainer
-(tests/e2e/test_trainer_e2e_on_cpu.py runs the other methods and STAPO on the legacy trainer): it must
-train and log the S2T metrics.
+The run must also train and log the S2T metrics.
 """
 
 from __future__ import annotations
@@ -58,8 +56,9 @@ MICRO = 1  # sequences per micro-batch (update and statistics forward); a mini-b
 #: float32 forwards computed in different orders; such tokens are reported, not compared
 NEAR = 1e-4
 #: the runs: data-parallel ranks and the overrides that make them
+#: (one rank is a special case of two: the rank holding all of a mini-batch's positive-advantage
+#: sequences forwards them all, which the two-rank run also shows)
 RUNS = {
-    "1-rank": [],
     "2-ranks": ["trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2"],
 }
 #: the rows of a mini-batch, concatenated over its ranks (padded to the widest)

@@ -1,8 +1,9 @@
 """Same seed, same numbers: verl's real trainer on CPU, run twice, repeats itself bit for bit.
 
-Two identical 2-step STAPO runs (tau_p = 0.5, so that the tiny model has spurious-token candidates
-and the S2T mask is active), each writing a checkpoint after its last step. The second run shares
-the machine with a busy (niced) process, so a result that depended on load or timing (how requests are
+Two identical 2-step STAPO runs: the suite's shared run ``stapo_v1`` (tests/helpers/shared_runs.py:
+tau_p = 0.5, so that the tiny model has spurious-token candidates and the S2T mask is active, a token
+dump, a checkpoint after its last step) and the same run again in another folder, sharing the
+machine with a busy (niced) process, so a result that depended on load or timing (how requests are
 batched, how many threads an op gets) would show. Every logged metric but the wall-clock ones must
 be equal, and so must every tensor of the saved model and optimizer state.
 """
@@ -16,11 +17,11 @@ import sys
 import pytest
 import torch
 
-from recipe.stapo.cpu import read_metrics, run_cpu_trainer
+from recipe.stapo.cpu import read_metrics
+from tests.helpers.shared_runs import run as shared_run
 
 pytestmark = pytest.mark.slow
 
-RUN_TIMEOUT_S = 420
 STEPS = 2
 #: metrics measuring wall-clock time or memory, which no seed fixes
 WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
@@ -31,20 +32,16 @@ S2T_KEYS = ("actor/s2t/candidates", "actor/s2t/silenced", "actor/s2t/silenced_fr
 
 
 @pytest.fixture(scope="module")
-def two_runs(assets, tmp_path_factory):
-    root = tmp_path_factory.mktemp("reproducible")
-    runs = []
-    for i in range(2):
-        # niced: it takes every idle cycle (timing changes) without starving Ray's start-up
-        busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) if i == 1 else None
-        try:
-            runs.append(run_cpu_trainer("stapo", assets, root / f"run{i}", steps=STEPS, save_freq=STEPS,
-                                        timeout=RUN_TIMEOUT_S,
-                                        extra=["actor_rollout_ref.actor.policy_loss.tau_p=0.5"]))
-        finally:
-            if busy is not None:
-                busy.kill()
-                busy.wait()
+def two_runs(shared_runs, tmp_path_factory):
+    first = shared_runs.get("stapo_v1")
+    # niced: it takes every idle cycle (timing changes) without starving Ray's start-up
+    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
+    try:
+        second = shared_run("stapo_v1", shared_runs.assets, tmp_path_factory.mktemp("reproducible") / "stapo_v1")
+    finally:
+        busy.kill()
+        busy.wait()
+    runs = [first, second]
     for run in runs:
         assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
     return runs

@@ -1,6 +1,6 @@
 """S2T on top of another verl policy loss, end to end: STAPO + GSPO with verl's real trainer on CPU.
 
-One run of 2 steps (the tiny assets are shared with the other end-to-end tests of the session):
+The suite's shared run ``stapo_gspo_legacy`` (tests/helpers/shared_runs.py: 2 steps, legacy trainer):
 the composed pair trains, S2T's mask and metrics are there, and verl's GSPO loss is the one that ran.
 GSPO's sequence ratio is taken over every response token (``sequence_ratio=all_tokens``): the
 unselected mask the fold keeps travels through verl's micro-batching to the loss (the default
@@ -15,19 +15,14 @@ from pathlib import Path
 
 import pytest
 
-from recipe.stapo.cpu import read_metrics, run_cpu_trainer
-from recipe.stapo.cpu.assets import build_assets
+from recipe.stapo.cpu import read_metrics
 
 pytestmark = pytest.mark.slow
 
-PL = "actor_rollout_ref.actor.policy_loss"
-
 
 @pytest.fixture(scope="module")
-def gspo_run(tmp_path_factory):
-    assets = build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
-    run = run_cpu_trainer("stapo", assets, tmp_path_factory.mktemp("stapo_gspo"), steps=2, timeout=420,
-                          extra=[f"{PL}.loss_mode=gspo", f"{PL}.sequence_ratio=all_tokens"])
+def gspo_run(shared_runs):
+    run = shared_runs.get("stapo_gspo_legacy")
     assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
     return run
 

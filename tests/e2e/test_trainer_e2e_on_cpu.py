@@ -1,60 +1,28 @@
-"""verl 0.9.1's real trainer, end to end on CPU: every method, both trainers, checkpoint + resume.
+"""verl 0.9.1's real trainer, end to end on CPU: every method trains and logs what it should.
 
 Each run is ``python -m recipe.stapo.main_stapo method=<m>`` with the CPU overrides of
-:mod:`recipe.stapo.cpu` and the tiny assets (built once per session, reused). The runs are made
-once per module (one Ray start each, ~75-95 s on 2 cores) and every test reads what one of them
-logged through verl's file logger. Wall times go to ``<basetemp>/stapo_cpu_e2e/walls.json`` and the
-pytest output.
-
-Runs (7): TransferQueue trainer (``trainer.use_v1=true``) x {grpo, entropy20, justrl}, 2 steps;
-legacy trainer x {grpo, entropy20, stapo}, 2 steps; legacy justrl: 2 steps with a checkpoint at each
-step, then a second run resuming from the step-1 checkpoint, which must train step 2 again. STAPO on
-the TransferQueue trainer is tests/e2e/test_current_stats_e2e_on_cpu.py's run (which also records every
-mini-batch and checks its silenced set against an independent forward).
+:mod:`recipe.stapo.cpu` and the tiny assets, 2 steps; the runs are the suite's shared runs
+(tests/helpers/shared_runs.py, each made once per session): GRPO, 20-Entropy and STAPO on verl's
+default TransferQueue trainer (``trainer.use_v1=true``), JustRL and STAPO (on verl's GSPO loss) on
+the legacy trainer. Resuming from a checkpoint is tests/run_scripts/test_gpu_smoke_on_cpu.py's (a
+given checkpoint folder) and tests/e2e/test_two_node_on_cpu.py's (a relaunch of the same command).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import shutil
 
 import pytest
 
-from recipe.stapo.cpu import METHODS, read_metrics, run_cpu_trainer
+from recipe.stapo.cpu import read_metrics
 
 pytestmark = pytest.mark.slow
 
-RUN_TIMEOUT_S = 420
 #: rollout (HF, float32) vs trainer (FSDP2, float32) token probabilities: equal up to float noise
 MAX_PROB_DIFF = 1e-3
-PLAN = [(m, True) for m in METHODS if m != "stapo"] + [(m, False) for m in METHODS]
-
-
-@pytest.fixture(scope="module")
-def runs(assets, tmp_path_factory):
-    """Run the plan once; returns {(method, use_v1): CPURun} plus ("resume", False)."""
-    root = tmp_path_factory.getbasetemp() / "stapo_cpu_e2e"
-    shutil.rmtree(root, ignore_errors=True)
-    done, walls = {}, {}
-    for method, use_v1 in PLAN:
-        name = f"{method}_{'v1' if use_v1 else 'legacy'}"
-        resumable = method == "justrl" and not use_v1
-        done[(method, use_v1)] = run_cpu_trainer(method, assets, root / name, steps=2, use_v1=use_v1,
-                                                 save_freq=1 if resumable else -1, timeout=RUN_TIMEOUT_S)
-        walls[name] = done[(method, use_v1)].wall_s
-        print(f"[e2e] {done[(method, use_v1)]}")
-    first = done[("justrl", False)]
-    checkpoint = first.run_dir / "checkpoints" / "global_step_1"
-    if first.ok and checkpoint.is_dir():
-        done[("resume", False)] = run_cpu_trainer("justrl", assets, first.run_dir, steps=2, use_v1=False,
-                                                  save_freq=-1, resume_from=checkpoint,
-                                                  metrics_file="metrics_resume.jsonl", timeout=RUN_TIMEOUT_S)
-        walls["justrl_legacy_resume"] = done[("resume", False)].wall_s
-        print(f"[e2e] {done[('resume', False)]}")
-    (root / "walls.json").write_text(json.dumps(walls, indent=2))
-    print(f"[e2e] wall seconds: {walls}")
-    return done
+#: (method, shared run)
+PLAN = [("grpo", "grpo_v1"), ("entropy20", "entropy20_v1"), ("stapo", "stapo_v1"), ("justrl", "justrl_legacy"),
+        ("stapo", "stapo_gspo_legacy")]
 
 
 def _metrics(run) -> dict[int, dict]:
@@ -75,9 +43,9 @@ def check_training_happened(steps: dict[int, dict], expected_steps: set[int]) ->
         assert math.isfinite(data["actor/pg_loss"])
 
 
-@pytest.mark.parametrize("method,use_v1", PLAN, ids=[f"{m}-{'v1' if v else 'legacy'}" for m, v in PLAN])
-def test_two_steps_train(runs, method, use_v1):
-    steps = _metrics(runs[(method, use_v1)])
+@pytest.mark.parametrize("method,name", PLAN, ids=[name for _, name in PLAN])
+def test_two_steps_train(shared_runs, method, name):
+    steps = _metrics(shared_runs.get(name))
     check_training_happened(steps, {1, 2})
     data = steps[2]
     # the step's entropy quantiles are logged for every method (verl_patches.step_metrics)
@@ -108,10 +76,3 @@ def test_two_steps_train(runs, method, use_v1):
         assert "actor/kl_loss" not in data
 
 
-def test_checkpoint_resumes(runs):
-    first = runs[("justrl", False)]
-    assert (first.run_dir / "checkpoints" / "global_step_1").is_dir()
-    assert ("resume", False) in runs, "the step-1 checkpoint was not written"
-    resumed = _metrics(runs[("resume", False)])
-    check_training_happened(resumed, {2})
-    assert "global_step_1" in runs[("resume", False)].log.read_text(errors="replace")

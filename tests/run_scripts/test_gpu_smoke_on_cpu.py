@@ -1,7 +1,7 @@
 """``run_scripts/gpu_smoke.sh`` in its CPU mode, end to end, and what it hands on: verl's real trainer
 (tiny model, HF rollout) trains STAPO one step with a checkpoint and the wandb logger (offline);
 ``eval.sh`` converts the verl checkpoint with verl's own model merger and evaluates 2 problems with the
-HF backend; a second run resumes from the checkpoint and continues the same wandb run (slow: two
+HF backend; a second run resumes from the checkpoint folder and continues the same wandb run (slow: two
 trainer runs in all, ~2-4 min on 2 cores; every slow test reads what they left).
 
 Its GPU mode at the paper's lengths (``LENGTHS=paper``) is checked as configs: the commands it would
@@ -49,7 +49,10 @@ def smoke(assets, tmp_path_factory):
                 mp.delenv(key)
             for key, value in wandb_env.items():
                 mp.setenv(key, value)
-            resumed = run_cpu_trainer("stapo", assets, out / "stapo", steps=2, resume=True,
+            # from the named checkpoint folder (trainer.resume_mode=resume_path); relaunching the same
+            # command (resume_mode=auto) is tests/e2e/test_two_node_on_cpu.py's
+            resumed = run_cpu_trainer("stapo", assets, out / "stapo", steps=2,
+                                      resume_from=out / "stapo" / "checkpoints" / "global_step_1",
                                       metrics_file="metrics_resume.jsonl", timeout=TIMEOUT_S,
                                       extra=[f"trainer.project_name={PROJECT}", f"trainer.experiment_name={EXPERIMENT}",
                                              WANDB])
@@ -171,7 +174,8 @@ def test_resumed_run_continues_the_same_wandb_run(smoke):
     _ok(smoke)
     resumed = smoke["resumed"]
     assert resumed is not None and resumed.ok, f"{resumed}:\n{resumed.tail() if resumed else ''}"
-    assert set(read_metrics(resumed.metrics)) == {2}
+    assert set(read_metrics(resumed.metrics)) == {2}  # step 1 came from the checkpoint, not trained again
+    assert "global_step_1" in resumed.log.read_text(errors="replace")
     runs = _offline_runs(smoke["wandb_dir"])
     assert len(runs) == 2
     assert runs[0]["id"] == runs[1]["id"]

@@ -27,6 +27,7 @@ from stapo_core import token_records as td
 import stapo_core
 from verl_patches.token_dump import hook, scoring, settings
 from tests.helpers.paths import REPO
+from tests.helpers import shared_runs as shared_runs_table
 
 VOCAB = 48
 TAU_P = 0.03  # ~1.5/|V|: a good share of the random model's sampled tokens are rare
@@ -416,34 +417,24 @@ def test_dump_off_writes_nothing(model, batch, tmp_path, monkeypatch):
 # one real CPU run (slow)
 # --------------------------------------------------------------------------------------------
 
-RUN_TIMEOUT_S = 600
-#: "rare" for this test: the forking positions of the tiny task (p ~ 1/6 .. 1/3) are candidates, and few
-#: tokens sit near the threshold (confident tokens have p ~ 0.99, where float noise between the
+#: "rare" for this test (0.5): the forking positions of the tiny task (p ~ 1/6 .. 1/3) are candidates,
+#: and few tokens sit near the threshold (confident tokens have p ~ 0.99, where float noise between the
 #: rollout's and the dump's forward could move a token across it)
-REAL_TAU_P = 0.5
-REAL_RESPONSES = 8  # every response of the first mini-batch (2 prompts x 4)
-#: a prebuilt assets folder to reuse (build_assets checks its config hash); default: the session's
-ASSETS_ENV = "STAPO_CPU_ASSETS_DIR"
+REAL_TAU_P = shared_runs_table.STAPO_TAU_P
+REAL_RESPONSES = shared_runs_table.DUMP_RESPONSES  # every response of the first mini-batch (2 prompts x 4)
 
 
 @pytest.fixture(scope="module")
-def real_run(tmp_path_factory):
-    from recipe.stapo.cpu import read_metrics, run_cpu_trainer
-    from recipe.stapo.cpu.assets import build_assets
+def real_run(shared_runs):
+    """The suite's shared STAPO run (tests/helpers/shared_runs.py), which dumps every response of
+    each step's first mini-batch with token ids, 8 tokens of context, ``tau_p=0.5``."""
+    from recipe.stapo.cpu import read_metrics
+    from recipe.stapo.cpu.assets import asset_paths
 
-    import os
-
-    # the same folder as the e2e tests, so a session builds the assets once
-    assets = build_assets(os.environ.get(ASSETS_ENV) or tmp_path_factory.getbasetemp() / "stapo_cpu_assets")
-    run_dir = tmp_path_factory.mktemp("token_dump_run")
-    extra = [f"recipe.token_dump.dir={run_dir}", f"recipe.token_dump.responses={REAL_RESPONSES}",
-             "recipe.token_dump.context=8", f"actor_rollout_ref.actor.policy_loss.tau_p={REAL_TAU_P}",
-             f"++ray_kwargs.ray_init.runtime_env.env_vars.{settings.IDS_ENV}='1'"]
-    run = run_cpu_trainer("stapo", assets.root, run_dir, steps=2, timeout=RUN_TIMEOUT_S, extra=extra)
-    print(f"[token dump] {run}")
+    run = shared_runs.get("stapo_v1")
     assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
-    return SimpleNamespace(run=run, dir=run_dir, model=assets.model, metrics=read_metrics(run.metrics),
-                           dump=td.read_dump(run_dir, progress=False))
+    return SimpleNamespace(run=run, dir=run.run_dir, model=asset_paths(shared_runs.assets).model,
+                           metrics=read_metrics(run.metrics), dump=td.read_dump(run.run_dir, progress=False))
 
 
 @pytest.mark.slow
