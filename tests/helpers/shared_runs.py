@@ -29,10 +29,14 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from recipe.stapo.cpu import CPURun, run_cpu_trainer
 from verl_patches.token_dump import settings as token_dump_settings
 
 RUN_TIMEOUT_S = 600
+#: the tests reading these runs share one pytest-xdist group, so each run is made once (tests/conftest.py)
+XDIST_GROUP = pytest.mark.xdist_group("shared_runs")
 PL = "actor_rollout_ref.actor.policy_loss"
 #: STAPO's run: a probability threshold at which the tiny model has spurious-token candidates
 STAPO_TAU_P = 0.5

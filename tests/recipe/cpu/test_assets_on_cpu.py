@@ -28,9 +28,9 @@ def _sha(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def default_assets(tmp_path_factory) -> Path:
-    """The shipped default assets (shared with the e2e tests through the session's base temp)."""
-    return build_assets(tmp_path_factory.getbasetemp() / "stapo_cpu_assets").root
+def default_assets(assets) -> Path:
+    """The shipped default assets (the session's, shared with the e2e tests)."""
+    return assets
 
 
 @pytest.mark.slow
