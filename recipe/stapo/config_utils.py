@@ -136,7 +136,7 @@ def validate(config: DictConfig) -> None:
 def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = print) -> list[str]:
     """Switch on what the policy loss reads and the actor would otherwise not compute.
 
-    Today: token selection from current statistics inside the loss (``stats_from=current`` with
+    Token selection from current statistics inside the loss (``stats_from=current`` with
     ``scope=micro_batch``, the policy-loss config's ``needs_update_entropy``) reads the entropy of the
     update's own forward, so ``actor.calculate_entropy`` is set to true (the recipe's patches compute
     it without autograd when ``entropy_coeff=0``). With the default ``scope=mini_batch`` the actor
