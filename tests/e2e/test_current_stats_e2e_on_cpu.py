@@ -263,7 +263,7 @@ def test_only_the_positive_advantage_sequences_are_forwarded_and_none_on_the_fir
         for seq in wanted:
             extra.remove(seq)  # ValueError if a positive sequence was not forwarded
         assert len(set(extra)) <= 1 and set(extra) <= set(wanted), f"mini-batch {k}: forwarded other sequences"
-        assert all(len(call) == MICRO for rank in rec["infer_responses"] for call in rank)
+        assert all(len(call) == MICRO for rank in statistics_calls(r) for call in rank)
 
 
 def test_the_two_rank_run_has_a_rank_without_positive_advantage(records, compared):
