@@ -7,4 +7,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source run_scripts/_venv.sh
-exec python -m pytest -n "${TEST_WORKERS:-2}" --dist loadgroup "$@"
+exec python -m pytest -n "${TEST_WORKERS:-2}" "$@"

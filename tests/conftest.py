@@ -1,9 +1,9 @@
 """Fixtures shared by the CPU end-to-end tests, and how the suite is spread over pytest-xdist workers.
 
-``bash run_scripts/test.sh`` runs the suite on 2 pytest-xdist workers with ``--dist loadgroup``:
-every test module is one unit of work (a module's fixtures, trainer runs included, are made once),
-and the modules that read the shared trainer runs of tests/helpers/shared_runs.py form one unit
-(each run is made once in the session). Without xdist (``-n 0``, or plain ``pytest``) nothing changes.
+``bash run_scripts/test.sh`` runs the suite on 2 pytest-xdist workers. A unit of work goes whole
+to one worker: each test module (its fixtures, trainer runs included, are made once), except that
+the tests reading the shared trainer runs of tests/helpers/shared_runs.py form one unit (each run
+is made once in the session). Without xdist (``-n 0``, or plain ``pytest``) nothing changes.
 """
 
 from __future__ import annotations
@@ -14,11 +14,36 @@ from pathlib import Path
 
 import pytest
 
+
+def unit_of_work(nodeid: str) -> str:
+    """The xdist unit a test belongs to: ``shared_runs`` or its module's path."""
+    from tests.helpers.shared_runs import reads_shared_runs
+
+    return "shared_runs" if reads_shared_runs(nodeid) else nodeid.split("::", 1)[0]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scope scheduling with :func:`unit_of_work` as the scope."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return unit_of_work(nodeid)
+
+    return UnitScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Each test without an ``xdist_group`` mark joins its module's group (a module goes to one worker)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+    """A test asking for the shared runs must be listed as their reader (else xdist could make a
+    run twice, on two workers)."""
+    from tests.helpers.shared_runs import reads_shared_runs
+
+    unlisted = [item.nodeid for item in items if "shared_runs" in getattr(item, "fixturenames", ())
+                and not reads_shared_runs(item.nodeid)]
+    if unlisted:
+        raise pytest.UsageError(f"tests using the shared_runs fixture but not in tests/helpers/shared_runs.py's "
+                                f"READERS: {unlisted}")
 
 
 def session_folder(tmp_path_factory, name: str) -> Path:

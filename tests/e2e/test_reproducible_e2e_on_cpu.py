@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from recipe.stapo.cpu import read_metrics
-from tests.helpers.shared_runs import XDIST_GROUP, run as shared_run
+from tests.helpers.shared_runs import run as shared_run
 
-pytestmark = [pytest.mark.slow, XDIST_GROUP]
+pytestmark = pytest.mark.slow
 
 STEPS = 2
 #: metrics measuring wall-clock time or memory, which no seed fixes

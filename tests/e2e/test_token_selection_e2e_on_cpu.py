@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from recipe.stapo.cpu import read_metrics
-from tests.helpers.shared_runs import XDIST_GROUP
 
-pytestmark = [pytest.mark.slow, XDIST_GROUP]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ import math
 import pytest
 
 from recipe.stapo.cpu import read_metrics
-from tests.helpers.shared_runs import XDIST_GROUP
 
-pytestmark = [pytest.mark.slow, XDIST_GROUP]
+pytestmark = pytest.mark.slow
 
 #: rollout (HF, float32) vs trainer (FSDP2, float32) token probabilities: equal up to float noise
 MAX_PROB_DIFF = 1e-3

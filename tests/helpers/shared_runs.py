@@ -29,14 +29,24 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
-
 from recipe.stapo.cpu import CPURun, run_cpu_trainer
 from verl_patches.token_dump import settings as token_dump_settings
 
 RUN_TIMEOUT_S = 600
-#: the tests reading these runs share one pytest-xdist group, so each run is made once (tests/conftest.py)
-XDIST_GROUP = pytest.mark.xdist_group("shared_runs")
+#: the tests that read these runs (test id prefixes): one unit of work for pytest-xdist, so that each
+#: run is made once in a session (tests/conftest.py schedules them on one worker, and refuses a test
+#: that asks for the ``shared_runs`` fixture without being listed here)
+READERS = (
+    "tests/e2e/test_trainer_e2e_on_cpu.py::",
+    "tests/e2e/test_reproducible_e2e_on_cpu.py::",
+    "tests/e2e/test_token_selection_e2e_on_cpu.py::",
+    "tests/verl_patches/token_dump/test_token_dump_on_cpu.py::test_real_run",
+)
+
+
+def reads_shared_runs(nodeid: str) -> bool:
+    """The test ``nodeid`` is one of :data:`READERS`."""
+    return nodeid.startswith(READERS)
 PL = "actor_rollout_ref.actor.policy_loss"
 #: STAPO's run: a probability threshold at which the tiny model has spurious-token candidates
 STAPO_TAU_P = 0.5

@@ -438,7 +438,6 @@ def real_run(shared_runs):
 
 
 @pytest.mark.slow
-@shared_runs_table.XDIST_GROUP
 def test_real_run_dump_matches_initial_model(real_run):
     """Step 1's policy is the initial model: re-score every dumped response with transformers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -470,7 +469,6 @@ def test_real_run_dump_matches_initial_model(real_run):
 
 
 @pytest.mark.slow
-@shared_runs_table.XDIST_GROUP
 def test_real_run_quadrants_and_metrics(real_run):
     tokens, responses = real_run.dump.tokens, real_run.dump.responses
     assert tokens, "no candidate token in the run: raise REAL_TAU_P"
@@ -499,7 +497,6 @@ def test_real_run_quadrants_and_metrics(real_run):
 
 
 @pytest.mark.slow
-@shared_runs_table.XDIST_GROUP
 def test_real_run_inspect_and_plots(real_run, tmp_path):
     out = tmp_path / "plots"
     for cmd in ([sys.executable, "-m", "recipe.stapo.inspect", str(real_run.dir)],
