@@ -33,6 +33,7 @@ from .token_selection import (
     ROLLOUT_ENTROPY_FIELD,
     S2T_METRIC_PREFIX,
     SUM_PI_SQUARED_FIELD,
+    check_statistics_fields,
     grad_norm_metrics,
     rollout_agreement,
     select_tokens,
@@ -81,14 +82,7 @@ def monitor_mini_batch(cfg: TokenSelectionLossConfig, data, *, group=None, devic
     Returns:
         ``(metrics, sets)``: STAPO's ``s2t/*`` metrics (plus ``s2t/applied = 0``) and the sets.
     """
-    needed = ["response_mask", "advantages"] + ([] if current is not None else ["old_log_probs", ROLLOUT_ENTROPY_FIELD])
-    missing = [k for k in needed if k not in data]
-    if missing:
-        raise KeyError(
-            f"the S2T monitor (s2t_monitor=true) needs the fields {missing} in the actor's mini-batch; the "
-            "rollout entropy is kept by the recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches "
-            "set in the driver?"
-        )
+    check_statistics_fields(data, current, "the S2T monitor (s2t_monitor=true)")
     width = to_padded(data["response_mask"]).shape[1]
 
     def field(name: str) -> torch.Tensor:

@@ -168,6 +168,18 @@ def widen_selection(selection: Selection, response_mask: torch.Tensor, group=Non
 # --------------------------------------------------------------------------------------------
 
 
+def check_statistics_fields(data, current, who: str) -> None:
+    """Raise a ``KeyError`` naming ``who`` and the fields S2T's selection needs that the mini-batch
+    ``data`` lacks: the mask and advantages, and the rollout statistics unless ``current`` ones are given."""
+    needed = ["response_mask", "advantages"] + ([] if current is not None else ["old_log_probs", ROLLOUT_ENTROPY_FIELD])
+    missing = [k for k in needed if k not in data]
+    if missing:
+        raise KeyError(
+            f"{who} needs the fields {missing} in the actor's mini-batch; the rollout entropy is kept by the "
+            "recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches set in the driver?"
+        )
+
+
 def to_padded(t: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
     """``(batch, resp_len)`` view of a padded tensor or a jagged nested tensor (zero padding)."""
     if not t.is_nested:
@@ -219,14 +231,7 @@ def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device
     may only accept device tensors, as verl's own ``batch_num_tokens`` all-reduce assumes); the
     mini-batch itself stays where it is.
     """
-    needed = ["response_mask", "advantages"] + ([] if current is not None else ["old_log_probs", ROLLOUT_ENTROPY_FIELD])
-    missing = [k for k in needed if k not in data]
-    if missing:
-        raise KeyError(
-            f"token selection (scope=mini_batch) needs the fields {missing} in the actor's mini-batch; "
-            "the rollout entropy is kept by the recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches "
-            "set in the driver?"
-        )
+    check_statistics_fields(data, current, "token selection (scope=mini_batch)")
     response_mask = data["response_mask"]
     width = to_padded(response_mask).shape[1]
 
