@@ -399,18 +399,27 @@ def probe_writable(path: Path) -> Optional[str]:
     return None
 
 
+def _existing_local(key: str, path: str, fix: str, found: list[Problem], notes: list[str], submit: bool) -> Optional[Path]:
+    """``path`` as a ``Path`` when it is local and exists here; otherwise None, with a note (a remote
+    path; with ``LAUNCH=submit``, a path not visible on this machine) or a problem (it does not exist)."""
+    if "://" in path:
+        notes.append(f"{key}: {path} is remote, not checked here")
+        return None
+    p = Path(path)
+    if p.exists():
+        return p
+    if submit:
+        notes.append(f"{key}: {path} is not visible here (LAUNCH=submit): the job's driver checks it on the head node")
+    else:
+        found.append(Problem(key, f"{path} does not exist", fix))
+    return None
+
+
 def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], notes: list[str], submit: bool) -> None:
     prepare_cmd = ("python -m recipe.stapo.data.prepare " + ("train" if key == "data.train_files" else "bench")
                    + " --out-dir <folder>, then set STAPO_DATA_DIR=<folder> (or " + key + ")")
-    if "://" in path:
-        notes.append(f"{key}: {path} is remote, not checked here")
-        return
-    p = Path(path)
-    if not p.exists():
-        if submit:
-            notes.append(f"{key}: {path} is not visible here (LAUNCH=submit): the job's driver checks it on the head node")
-        else:
-            found.append(Problem(key, f"{path} does not exist", prepare_cmd))
+    p = _existing_local(key, path, prepare_cmd, found, notes, submit)
+    if p is None:
         return
     if not p.is_file():
         found.append(Problem(key, f"{path} is not a file", "point it to a parquet file"))
@@ -448,17 +457,10 @@ def _model_folder(config: DictConfig, found: list[Problem], notes: list[str], su
     if not path:
         found.append(Problem(key, "is empty", download))
         return
-    if "://" in path:
-        notes.append(f"{key}: {path} is remote, not checked here")
-        return
-    if not path.startswith("/"):  # the driver made every local path absolute: a hub id (logged by resolve_paths)
-        return
-    folder = Path(path)
-    if not folder.exists():
-        if submit:
-            notes.append(f"{key}: {path} is not visible here (LAUNCH=submit): the job's driver checks it on the head node")
-        else:
-            found.append(Problem(key, f"{path} does not exist", download))
+    if "://" not in path and not path.startswith("/"):  # the driver made every local path absolute: a hub id
+        return                                          # (logged by resolve_paths)
+    folder = _existing_local(key, path, download, found, notes, submit)
+    if folder is None:
         return
     if not folder.is_dir() or not any(folder.iterdir()):
         found.append(Problem(key, f"{path} is {'empty' if folder.is_dir() else 'not a folder'}", download))
