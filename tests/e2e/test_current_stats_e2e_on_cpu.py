@@ -55,19 +55,16 @@ MICRO = 1  # sequences per micro-batch (update and statistics forward); a mini-b
 #: probabilities / entropies this close to a threshold may fall on either side between two
 #: float32 forwards computed in different orders; such tokens are reported, not compared
 NEAR = 1e-4
-#: the runs: data-parallel ranks and the overrides that make them
-#: (one rank is a special case of two: the rank holding all of a mini-batch's positive-advantage
-#: sequences forwards them all, which the two-rank run also shows)
-RUNS = {
-    "2-ranks": ["trainer.n_gpus_per_node=2", "ray_kwargs.ray_init.num_gpus=2"],
-}
+#: data-parallel ranks of the run (one rank is a special case of two: the rank holding all of a
+#: mini-batch's positive-advantage sequences forwards them all, which the two-rank run also shows)
+RANKS = 2
 #: the rows of a mini-batch, concatenated over its ranks (padded to the widest)
 ROW_FIELDS = ("responses", "advantages", "old_log_probs", "entropy", "response_mask", "folded")
 
 
-@pytest.fixture(scope="module", params=list(RUNS))
-def records(request, assets, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("current_stats") / request.param
+@pytest.fixture(scope="module")
+def records(assets, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("current_stats") / f"{RANKS}-ranks"
     record_dir = run_dir / "records"
     modules = f"verl_patches,verl_patches.cpu,{RECORDER}"
     with pytest.MonkeyPatch.context() as mp:
@@ -83,22 +80,21 @@ def records(request, assets, tmp_path_factory):
                 f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={MICRO}",
                 f"++ray_kwargs.ray_init.runtime_env.env_vars.VERL_USE_EXTERNAL_MODULES='{modules}'",
                 f"++ray_kwargs.ray_init.runtime_env.env_vars.STAPO_TEST_RECORD_DIR='{record_dir}'",
-                *RUNS[request.param],
+                f"trainer.n_gpus_per_node={RANKS}", f"ray_kwargs.ray_init.num_gpus={RANKS}",
             ],
         )
     assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
-    ranks = 2 if request.param == "2-ranks" else 1
     by_call = defaultdict(list)
     for f in sorted(record_dir.glob("*.pt")):
         by_call[f.stem.split("_mb")[1]].append(torch.load(f, weights_only=False))
-    assert len(by_call) == 8 and all(len(v) == ranks for v in by_call.values()), \
-        f"expected 2 steps x 4 mini-batches on {ranks} rank(s), got {[f.name for f in record_dir.glob('*.pt')]}"
+    assert len(by_call) == 8 and all(len(v) == RANKS for v in by_call.values()), \
+        f"expected 2 steps x 4 mini-batches on {RANKS} ranks, got {[f.name for f in record_dir.glob('*.pt')]}"
     out, next_is_first = [], True
     for call in sorted(by_call):
         rec = combine(sorted(by_call[call], key=lambda r: r["rank"]))
         rec["first"], next_is_first = next_is_first, rec["update_lr_scheduler"]
         out.append(rec)
-    return {"records": out, "model": asset_paths(assets).model, "metrics": run.metrics, "ranks": ranks}
+    return {"records": out, "model": asset_paths(assets).model, "metrics": run.metrics}
 
 
 def combine(parts):
@@ -266,12 +262,9 @@ def test_only_the_positive_advantage_sequences_are_forwarded_and_none_on_the_fir
         assert all(len(call) == MICRO for rank in statistics_calls(r) for call in rank)
 
 
-def test_the_two_rank_run_has_a_rank_without_positive_advantage(records, compared):
+def test_the_two_rank_run_has_a_rank_without_positive_advantage(compared):
     """Some later mini-batch of the two-rank run has one rank without a positive-advantage
     sequence (its statistics then came from the other rank's sequences or only padding)."""
-    if records["ranks"] == 1:
-        assert all(int(r["rec"]["rank_of"].max()) == 0 for r in compared)
-        return
     empty = [k for k, r in enumerate(compared) if not r["rec"]["first"] and any(
         not bool(((r["advantages"] > 0) & r["mask"])[r["rec"]["rank_of"] == rank].any()) for rank in (0, 1))]
     assert empty, "no mini-batch with a rank that holds no positive-advantage sequence"
@@ -356,7 +349,4 @@ def test_the_run_trains_and_logs_the_s2t_metrics(records):
         assert 0.0 <= s2t["actor/s2t/rollout_agreement"] <= 1.0  # both statistics existed on mini-batches 2+
         frac, slowest = s2t["actor/s2t/current_forward_tokens_frac"], s2t["actor/s2t/current_forward_slowest_rank_frac"]
         assert 0.0 < frac < 1.0  # only the positive-advantage sequences
-        if records["ranks"] == 1:
-            assert slowest == pytest.approx(frac)  # one rank: it forwards everything forwarded
-        else:
-            assert 0.0 < slowest
+        assert 0.0 < slowest
