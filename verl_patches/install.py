@@ -104,6 +104,16 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="_materialize_batch(partition_id, selected_prompt_uids, partition_snapshot) keeping the snapshot's order",
         drop_when="verl orders the replay buffer's batches deterministically",
     ),
+    Patch(
+        name="cpu_replay_poll",
+        target="verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
+        wrapper="verl_patches.cpu.replay_poll:wrap_replay_buffer_init",
+        scope="cpu",
+        changes="the v1 replay buffer checks for finished rollouts every 0.2 s instead of every 2 s",
+        why="a CPU step's rollout takes 3-6 s, which the 2 s poll rounds up to the next multiple of 2 s",
+        relies_on="ReplayBuffer.__init__ storing poll_interval, which _wait_for_next_poll sleeps between checks",
+        drop_when="verl makes the replay buffer's poll interval a config key",
+    ),
     # -- token selection (STAPO's S2T, 20-Entropy) in the actor -----------------------------------
     Patch(
         name="ppo_loss_token_selection",

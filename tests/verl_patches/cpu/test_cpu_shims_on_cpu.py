@@ -373,3 +373,25 @@ def test_v1_ordering_patches_sort_batches_and_count_uids_only_under_full_determi
     monkeypatch.setenv(ordering.FULL_DETERMINISM_ENV, "0")
     assert len({counter.uuid4() for _ in range(3)}) == 3 and counter.uuid4().version == 4
     assert counter.UUID is ordering._uuid.UUID  # anything else is the uuid module's
+
+
+def test_replay_poll_patch_lowers_only_the_interval():
+    import inspect
+
+    from verl.trainer.ppo.v1.replay_buffer import ReplayBuffer
+    from verl_patches.cpu.replay_poll import CPU_POLL_INTERVAL_S, wrap_replay_buffer_init
+
+    # what the patch relies on: verl's constructor takes poll_interval (2 s by default) and the
+    # wait between checks sleeps it
+    assert inspect.signature(ReplayBuffer.__init__).parameters["poll_interval"].default == 2.0
+    assert "time.sleep(self.poll_interval)" in inspect.getsource(ReplayBuffer._wait_for_next_poll)
+
+    class Buffer:
+        def __init__(self, mode, poll_interval=2.0, other=None):
+            self.mode, self.poll_interval, self.other = mode, poll_interval, other
+
+    Buffer.__init__ = wrap_replay_buffer_init(Buffer.__init__)
+    assert CPU_POLL_INTERVAL_S < 2.0
+    default, slow, fast = Buffer("sync", other=3), Buffer("sync", poll_interval=5), Buffer("sync", 0.01)
+    assert (default.mode, default.other, default.poll_interval) == ("sync", 3, CPU_POLL_INTERVAL_S)
+    assert slow.poll_interval == CPU_POLL_INTERVAL_S and fast.poll_interval == 0.01
