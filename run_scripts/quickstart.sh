@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Quickstart on a machine without a GPU (README's main command):
-#   bash run_scripts/quickstart.sh [--steps 8] [--out results/quickstart] [--methods grpo,stapo] ...
+#   bash run_scripts/quickstart.sh [--steps 16] [--out results/quickstart] [--methods grpo,stapo] ...
 #   bash run_scripts/quickstart.sh --out results/study --steps 20 --seeds 3     # study mode: bands across seeds
 # Creates/refreshes .venv (CPU stack), builds the tiny assets in assets/tiny (reused when present),
 # then trains GRPO, 20-Entropy, JustRL and STAPO with verl's real trainer on CPU, identical settings

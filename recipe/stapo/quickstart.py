@@ -2,7 +2,7 @@
 
 ::
 
-    python -m recipe.stapo.quickstart [--out results/quickstart] [--assets assets/tiny] [--steps 8]
+    python -m recipe.stapo.quickstart [--out results/quickstart] [--assets assets/tiny] [--steps 16]
     python -m recipe.stapo.quickstart --out results/study --steps 20 --seeds 3     # study mode
 
 Builds (or reuses) the tiny assets (:mod:`recipe.stapo.cpu.assets`), then trains every method
@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Optional
 
 from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
-from recipe.stapo.cpu.assets import AssetConfig, build_assets, is_built
+from recipe.stapo.cpu.assets import AssetConfig, asset_paths, build_assets, is_built
 from recipe.stapo.plots import DLOGP_SETS, plot_bands, plot_runs, plot_update_effect, update_effect_of_run
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
@@ -97,6 +97,8 @@ PAPER_S2T = {
     "actor_rollout_ref.rollout.top_p": 1.0,
 }
 REWARD_KEYS = ("reward.custom_reward_function.path", "reward.custom_reward_function.name")
+#: validation samples per held-out problem (the CPU runs draw one, the paper-scale config 32)
+VAL_N = "actor_rollout_ref.rollout.val_kwargs.n"
 #: scale settings: allowed to differ from the paper (listed in the summary with both values)
 SCALE_KEYS = {
     "data.train_batch_size": "prompts per step",
@@ -108,9 +110,10 @@ SCALE_KEYS = {
     f"{ACTOR}.optim.lr_warmup_steps": "lr warm-up steps",
     "trainer.total_training_steps": "training steps",
     "actor_rollout_ref.model.path": "model",
+    VAL_N: "validation samples per problem",
 }
 #: the quickstart's scale (defaults of the CLI): the tiny model needs a much larger lr than an 8B one
-DEFAULT_STEPS, DEFAULT_PROMPTS, DEFAULT_N, DEFAULT_LR = 8, 4, 4, 1e-4
+DEFAULT_STEPS, DEFAULT_PROMPTS, DEFAULT_N, DEFAULT_LR = 16, 4, 4, 1e-4
 #: the largest seed: verl's full-determinism setup seeds numpy with it, which takes [0, 2**32)
 MAX_SEED = 2**32 - 1
 
@@ -386,18 +389,41 @@ def learning_check(rows: list[dict]) -> dict:
     return {"methods": per_method, "learned": bool(per_method) and all(m["learned"] for m in per_method.values())}
 
 
-def learning_markdown(check: dict) -> str:
-    """The summary's first lines: whether the baselines learned with these settings, and the numbers."""
+def validation_noise(accuracy: float, samples: int) -> float:
+    """Standard error of a validation accuracy measured on ``samples`` independent samples (one per
+    held-out problem): ``sqrt(p (1 - p) / samples)`` at ``p = accuracy``."""
+    return math.sqrt(max(accuracy * (1 - accuracy), 0.0) / samples)
+
+
+def learning_markdown(check: dict, val_samples: Optional[int] = None) -> str:
+    """The summary's first lines: whether the baselines learned with these settings, and the numbers.
+    ``val_samples``: validation samples per evaluation; adds the accuracy's standard error, the scale
+    against which a change reads as learning or as noise."""
     if not check["methods"]:
         return ""
     parts = [f"{m}: validation accuracy {_fmt(v['val_acc_first'])} -> {_fmt(v['val_acc_last'])}, training reward "
              f"{_fmt(v['reward_first_half'])} (first half of the steps) -> {_fmt(v['reward_second_half'])} (second half)"
              for m, v in check["methods"].items()]
+    noise = ""
+    firsts = [v["val_acc_first"] for v in check["methods"].values() if v["val_acc_first"] is not None]
+    if val_samples and firsts:
+        se = validation_noise(firsts[0], val_samples)
+        noise = (f" Validation draws {val_samples} samples: at an accuracy of "
+                 f"{_fmt(firsts[0])} its standard error is {_fmt(se, 2)} per run, so a change of less than about "
+                 f"{_fmt(2 * se, 2)} in one run is within noise.")
     if check["learned"]:
-        return "**The baselines learned**: " + "; ".join(parts) + ".\n\n"
+        return "**The baselines learned**: " + "; ".join(parts) + "." + noise + "\n\n"
     failed = [m for m, v in check["methods"].items() if not v["learned"]]
     return ("**Not every baseline visibly learned with these settings** (" + ", ".join(failed) + " did not raise both "
-            "its validation accuracy and its training reward): " + "; ".join(parts) + ".\n\n")
+            "its validation accuracy and its training reward): " + "; ".join(parts) + "." + noise + "\n\n")
+
+
+def validation_samples(assets: Path, settings: dict) -> int:
+    """Samples per validation of the STAPO run's composed ``settings``: the held-out problems of
+    ``assets`` times the samples per problem (``val_kwargs.n``)."""
+    import pyarrow.parquet as pq
+
+    return pq.read_metadata(asset_paths(assets).val).num_rows * int(settings[VAL_N])
 
 
 def _settings(opts: QuickstartOptions, seed: int, validate_before: bool = True) -> dict:
@@ -658,6 +684,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     finished = [r for r in rows if not r["error"]]
     stapo_dirs = [opts.run_dir("stapo", r["seed"]) for r in finished if r["method"] == "stapo"]
     check = learning_check(rows)
+    learning_md = learning_markdown(check, validation_samples(assets, settings))
     by_method = update_effect_by_method(rows)
     effect_md = ("## Update effect: the change of log-probability across each update\n\n"
                  "Mean over every step of `actor/s2t/dlogp_*` (token-weighted): tokens S2T silenced (STAPO) or "
@@ -681,7 +708,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     provenance = reproducibility.collect(list(opts.seeds), assets)  # what it takes to repeat these numbers
     (out / "summary.md").write_text(f"# STAPO {'study' if study else 'quickstart'} (CPU, tiny model, {opts.steps} steps, "
                                     f"{len(opts.seeds)} seed(s), verl {opts.trainer} trainer)\n\n"
-                                    f"{learning_markdown(check)}{table}\n{extra_md}\n"
+                                    f"{learning_md}{table}\n{extra_md}\n"
                                     f"{reproducibility.markdown(provenance)}")
     (out / "summary.json").write_text(json.dumps({"methods": rows, "learning": check, "update_effect": by_method,
                                                   "reproducibility": provenance}, indent=2))
@@ -693,7 +720,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         plots = plot_runs({r["method"]: out / r["method"] for r in finished}, out) if finished else []
     plots += plot_update_effect(groups, out) if finished else []
-    print("\n" + learning_markdown(check) + table + "\n" + effect_md, flush=True)
+    print("\n" + learning_md + table + "\n" + effect_md, flush=True)
     print(f"[quickstart] wrote {out / 'summary.md'}" + "".join(f", {p.name}" for p in plots), flush=True)
     for run_dir in stapo_dirs:
         print(f"[quickstart] silenced tokens: python -m recipe.stapo.inspect {run_dir}", flush=True)

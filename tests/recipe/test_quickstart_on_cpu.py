@@ -7,9 +7,11 @@ import dataclasses
 import json
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from recipe.stapo import quickstart as qs
+from recipe.stapo.config_utils import compose
 from recipe.stapo.cpu.assets import asset_paths
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
@@ -22,6 +24,7 @@ def fake_assets(tmp_path, monkeypatch) -> Path:
     root = tmp_path / "assets"
     root.mkdir()
     (root / "manifest.json").write_text("{}")
+    pd.DataFrame({"problem": [f"{i} + 1" for i in range(8)]}).to_parquet(asset_paths(root).val)  # 8 held-out problems
     monkeypatch.setattr(qs, "build_assets", lambda folder: asset_paths(root))
     return root
 
@@ -47,6 +50,7 @@ def test_quickstart_stapo_config_has_the_papers_settings(fake_assets, tmp_path):
     assert settings["data.train_batch_size"] == 4 and settings["actor_rollout_ref.rollout.n"] == 4
     assert settings["data.max_response_length"] == 160
     assert settings["actor_rollout_ref.actor.ppo_mini_batch_size"] == 2  # half of the 4 prompts by default
+    assert settings[qs.VAL_N] == 1 and qs._select(compose(["method=stapo"]), qs.VAL_N) == 32  # JustRL's avg@32
     text = qs.settings_markdown(settings)
     for key in [*qs.PAPER_S2T, *qs.SCALE_KEYS]:
         assert f"`{key}`" in text, key
@@ -158,6 +162,23 @@ def test_the_summary_says_first_whether_the_baselines_learned():
     assert qs.learning_markdown(qs.learning_check([_learning_row("stapo", 0.4, 0.5, (0, 1))])) == ""
 
 
+def test_the_learning_lines_state_the_validation_noise(tmp_path):
+    # standard error of an accuracy p on k samples: sqrt(p (1 - p) / k); 0.4 on 64: 0.0612
+    assert qs.validation_noise(0.4, 64) == pytest.approx((0.4 * 0.6 / 64) ** 0.5)
+    assert qs.validation_noise(0.0, 64) == 0.0
+    check = qs.learning_check([_learning_row("justrl", 0.4, 0.45, (-0.5, -0.2))])
+    text = qs.learning_markdown(check, val_samples=64)
+    assert text.startswith("**The baselines learned**") and text.endswith(
+        "Validation draws 64 samples: at an accuracy of 0.400 its standard error is 0.06 per run, so a change of "
+        "less than about 0.12 in one run is within noise.\n\n")
+    assert "standard error" not in qs.learning_markdown(check)
+    # the samples of one validation: held-out problems x samples per problem
+    root = tmp_path / "assets"
+    root.mkdir()
+    pd.DataFrame({"x": range(5)}).to_parquet(asset_paths(root).val)
+    assert qs.validation_samples(root, {qs.VAL_N: 3}) == 15
+
+
 def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets, tmp_path, monkeypatch):
     """The seed's first run validates before training; the seed's other runs skip it and get that
     record as their step 0, marked with its source (a stub trainer writes verl-style metrics)."""
@@ -190,6 +211,9 @@ def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets
     assert {(r["method"], r["seed"]): r["val_acc_first"] for r in rows} == {
         ("grpo", 0): 0.25, ("stapo", 0): 0.25, ("grpo", 1): 1.25, ("stapo", 1): 1.25}
     assert "measured once per seed, by grpo (seed 0), grpo (seed 1)" in (out / "summary.md").read_text()
+    # the learning lines give the validation's noise: 8 held-out problems x 1 sample, at 0.75 (grpo's mean)
+    assert "Validation draws 8 samples: at an accuracy of 0.750 its standard error is 0.15 per run" in \
+        (out / "summary.md").read_text()
     assert json.loads((out / "summary.json").read_text())["reproducibility"]["seeds"] == [0, 1]
     assert "- seeds: 0, 1\n" in (out / "summary.md").read_text()
     assert (out / "summary.md").read_text().startswith("# STAPO study (CPU, tiny model, 1 steps, 2 seed(s)")
