@@ -408,9 +408,9 @@ def learning_markdown(check: dict, val_samples: Optional[int] = None) -> str:
     firsts = [v["val_acc_first"] for v in check["methods"].values() if v["val_acc_first"] is not None]
     if val_samples and firsts:
         se = validation_noise(firsts[0], val_samples)
-        noise = (f" Validation draws {val_samples} samples: at an accuracy of "
-                 f"{_fmt(firsts[0])} its standard error is {_fmt(se, 2)} per run, so a change of less than about "
-                 f"{_fmt(2 * se, 2)} in one run is within noise.")
+        noise = (f" Validation draws {val_samples} samples: at an accuracy of {_fmt(firsts[0])} its standard error "
+                 f"is {_fmt(se, 2)} per validation, so a change between two validations of less than about "
+                 f"{_fmt(2 * math.sqrt(2) * se, 2)} (two standard errors of the difference) is within noise.")
     if check["learned"]:
         return "**The baselines learned**: " + "; ".join(parts) + "." + noise + "\n\n"
     failed = [m for m, v in check["methods"].items() if not v["learned"]]

@@ -163,14 +163,16 @@ def test_the_summary_says_first_whether_the_baselines_learned():
 
 
 def test_the_learning_lines_state_the_validation_noise(tmp_path):
-    # standard error of an accuracy p on k samples: sqrt(p (1 - p) / k); 0.4 on 64: 0.0612
+    # standard error of an accuracy p on k samples: sqrt(p (1 - p) / k); 0.4 on 64: 0.0612, of a difference
+    # of two such validations sqrt(2) times that: twice it is 0.173
     assert qs.validation_noise(0.4, 64) == pytest.approx((0.4 * 0.6 / 64) ** 0.5)
     assert qs.validation_noise(0.0, 64) == 0.0
     check = qs.learning_check([_learning_row("justrl", 0.4, 0.45, (-0.5, -0.2))])
     text = qs.learning_markdown(check, val_samples=64)
     assert text.startswith("**The baselines learned**") and text.endswith(
-        "Validation draws 64 samples: at an accuracy of 0.400 its standard error is 0.06 per run, so a change of "
-        "less than about 0.12 in one run is within noise.\n\n")
+        "Validation draws 64 samples: at an accuracy of 0.400 its standard error is 0.06 per validation, so a "
+        "change between two validations of less than about 0.17 (two standard errors of the difference) is within "
+        "noise.\n\n")
     assert "standard error" not in qs.learning_markdown(check)
     # the samples of one validation: held-out problems x samples per problem
     root = tmp_path / "assets"
@@ -212,7 +214,7 @@ def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets
         ("grpo", 0): 0.25, ("stapo", 0): 0.25, ("grpo", 1): 1.25, ("stapo", 1): 1.25}
     assert "measured once per seed, by grpo (seed 0), grpo (seed 1)" in (out / "summary.md").read_text()
     # the learning lines give the validation's noise: 8 held-out problems x 1 sample, at 0.75 (grpo's mean)
-    assert "Validation draws 8 samples: at an accuracy of 0.750 its standard error is 0.15 per run" in \
+    assert "Validation draws 8 samples: at an accuracy of 0.750 its standard error is 0.15 per validation" in \
         (out / "summary.md").read_text()
     assert json.loads((out / "summary.json").read_text())["reproducibility"]["seeds"] == [0, 1]
     assert "- seeds: 0, 1\n" in (out / "summary.md").read_text()
