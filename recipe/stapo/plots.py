@@ -134,7 +134,7 @@ PANELS = (
     Panel("silenced_frac", "Silenced token fraction (S2T)", "actor/s2t/silenced_frac",
           _first_of("actor/s2t/silenced_frac"), log_scale=True),
     Panel("val_accuracy", "Validation accuracy", "val-core/<data_source>/<acc|reward>/mean@N", _val_accuracy),
-    Panel("update_effect", "Log-prob change across the update\nsilenced (dashed), kept candidates (dotted), all (solid)",
+    Panel("dlogp", "Log-prob change across the update\nsilenced (dashed), kept candidates (dotted), all (solid)",
           "actor/s2t/dlogp_{silenced,kept_candidates,all}", _dlogp_keys,
           styles={label: style for _, _, style, label in DLOGP_SETS}),
 )

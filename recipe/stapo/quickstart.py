@@ -291,6 +291,7 @@ def summarise(method: str, steps: dict[int, dict], wall_s: Optional[float], erro
         "final_reward": reward[-1] if reward else None, "mean_reward": mean(reward),
         "reward_first_half": mean(reward[:half]) if half else None,
         "reward_second_half": mean(reward[half:]) if half else None,
+        "reward_change_se": half_change_se(reward[:half], reward[half:]),
         "final_entropy": entropy[-1] if entropy else None, "mean_entropy": mean(entropy),
         "mean_silenced_frac": mean(silenced), "mean_step_s": mean(step_time),
         "mean_candidates": mean(_series(steps, CANDIDATES)),
@@ -371,22 +372,13 @@ def update_effect_markdown(by_method: dict[str, dict]) -> str:
     return head + "\n".join(lines) + "\n"
 
 
-def learning_check(rows: list[dict]) -> dict:
-    """Did the baselines visibly learn? Per baseline (means over its seeds): validation accuracy
-    before and after training, mean training reward over the first and the second half of the
-    steps; ``learned`` when both rose for every baseline that ran."""
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    per_method = {}
-    for method in BASELINES:
-        runs = [r for r in rows if r["method"] == method and not r["error"]]
-        if not runs:
-            continue
-        got = {key: mean([r[key] for r in runs if r.get(key) is not None])
-               for key in ("val_acc_first", "val_acc_last", "reward_first_half", "reward_second_half")}
-        got["learned"] = all(v is not None for v in got.values()) and got["val_acc_last"] > got["val_acc_first"] \
-            and got["reward_second_half"] > got["reward_first_half"]
-        per_method[method] = got
-    return {"methods": per_method, "learned": bool(per_method) and all(m["learned"] for m in per_method.values())}
+def half_change_se(first: list[float], second: list[float]) -> Optional[float]:
+    """Standard error of ``mean(second) - mean(first)`` from the spread of the steps' values in each
+    half, ``sqrt(s1^2 / n1 + s2^2 / n2)`` (sample variances); None when a half has fewer than 2 steps."""
+    if len(first) < 2 or len(second) < 2:
+        return None
+    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / (len(xs) - 1)  # noqa: E731
+    return math.sqrt(var(first) / len(first) + var(second) / len(second))
 
 
 def validation_noise(accuracy: float, samples: int) -> float:
@@ -395,27 +387,59 @@ def validation_noise(accuracy: float, samples: int) -> float:
     return math.sqrt(max(accuracy * (1 - accuracy), 0.0) / samples)
 
 
-def learning_markdown(check: dict, val_samples: Optional[int] = None) -> str:
-    """The summary's first lines: whether the baselines learned with these settings, and the numbers.
-    ``val_samples``: validation samples per evaluation; adds the accuracy's standard error, the scale
-    against which a change reads as learning or as noise."""
+def learning_check(rows: list[dict], val_samples: Optional[int] = None) -> dict:
+    """Did the baselines visibly learn? Per baseline, over its seeds: the mean validation accuracy
+    before and after training and the mean training reward over the first and the second half of the
+    steps, each change with its standard error (``val_change_se``: two validations of
+    ``val_samples`` samples each, ``reward_change_se``: from the steps' spread; both divided by
+    sqrt(seeds) for the mean over seeds). ``rose``: both changes are positive; ``learned``: both
+    exceed twice their standard error (a change the noise alone gives about 1 time in 40). The
+    check's ``learned``: every baseline that ran learned."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
+    per_method = {}
+    for method in BASELINES:
+        runs = [r for r in rows if r["method"] == method and not r["error"]]
+        if not runs:
+            continue
+        got = {key: mean([r[key] for r in runs if r.get(key) is not None])
+               for key in ("val_acc_first", "val_acc_last", "reward_first_half", "reward_second_half")}
+        complete = all(v is not None for v in got.values())
+        val_change = got["val_acc_last"] - got["val_acc_first"] if complete else None
+        reward_change = got["reward_second_half"] - got["reward_first_half"] if complete else None
+        val_firsts = [r.get("val_acc_first") for r in runs]
+        val_se = (math.sqrt(sum(2 * validation_noise(p, val_samples) ** 2 for p in val_firsts)) / len(runs)
+                  if val_samples and None not in val_firsts else None)
+        reward_ses = [r.get("reward_change_se") for r in runs]
+        reward_se = math.sqrt(sum(se ** 2 for se in reward_ses)) / len(runs) if None not in reward_ses else None
+        got.update(val_change_se=val_se, reward_change_se=reward_se,
+                   rose=complete and val_change > 0 and reward_change > 0)
+        got["learned"] = got["rose"] and val_se is not None and reward_se is not None \
+            and val_change > 2 * val_se and reward_change > 2 * reward_se
+        per_method[method] = got
+    return {"methods": per_method, "learned": bool(per_method) and all(m["learned"] for m in per_method.values())}
+
+
+def learning_markdown(check: dict) -> str:
+    """The summary's first lines: whether the baselines learned with these settings, each change with
+    its standard error (the scale against which it reads as learning or as noise)."""
     if not check["methods"]:
         return ""
-    parts = [f"{m}: validation accuracy {_fmt(v['val_acc_first'])} -> {_fmt(v['val_acc_last'])}, training reward "
-             f"{_fmt(v['reward_first_half'])} (first half of the steps) -> {_fmt(v['reward_second_half'])} (second half)"
+    se = lambda v: "" if v is None else f" (standard error {_fmt(v, 2)})"  # noqa: E731
+    parts = [f"{m}: validation accuracy {_fmt(v['val_acc_first'])} -> {_fmt(v['val_acc_last'])}"
+             f"{se(v['val_change_se'])}, training reward {_fmt(v['reward_first_half'])} (first half of the steps) -> "
+             f"{_fmt(v['reward_second_half'])} (second half){se(v['reward_change_se'])}"
              for m, v in check["methods"].items()]
-    noise = ""
-    firsts = [v["val_acc_first"] for v in check["methods"].values() if v["val_acc_first"] is not None]
-    if val_samples and firsts:
-        se = validation_noise(firsts[0], val_samples)
-        noise = (f" Validation draws {val_samples} samples: at an accuracy of {_fmt(firsts[0])} its standard error "
-                 f"is {_fmt(se, 2)} per validation, so a change between two validations of less than about "
-                 f"{_fmt(2 * math.sqrt(2) * se, 2)} (two standard errors of the difference) is within noise.")
+    rule = (" A baseline learned when its validation accuracy and its training reward both rose by more than two "
+            "standard errors of the change (validation: an accuracy p measured on k samples has a standard error "
+            "sqrt(p (1 - p) / k); reward: from the spread of the steps' rewards in each half).")
     if check["learned"]:
-        return "**The baselines learned**: " + "; ".join(parts) + "." + noise + "\n\n"
+        return "**The baselines learned**: " + "; ".join(parts) + "." + rule + "\n\n"
     failed = [m for m, v in check["methods"].items() if not v["learned"]]
-    return ("**Not every baseline visibly learned with these settings** (" + ", ".join(failed) + " did not raise both "
-            "its validation accuracy and its training reward): " + "; ".join(parts) + "." + noise + "\n\n")
+    within = [m for m in failed if check["methods"][m]["rose"]]
+    head = ("**Not every baseline visibly learned with these settings** (" + ", ".join(failed) + ": validation "
+            "accuracy and training reward did not both rise beyond their noise"
+            + (f"; {', '.join(within)} rose, but within it" if within else "") + "): ")
+    return head + "; ".join(parts) + "." + rule + "\n\n"
 
 
 def validation_samples(assets: Path, settings: dict) -> int:
@@ -679,12 +703,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 shared[seed] = (method, record)
 
     study, out = opts.study, opts.out
-    table = markdown_table(rows if not study else [{**r, "method": f"{r['method']} (seed {r['seed']})"} for r in
-                                                   sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))])
+    by_seed = [{**r, "method": f"{r['method']} (seed {r['seed']})"}
+               for r in sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))]
+    table = markdown_table(by_seed if study else rows)
     finished = [r for r in rows if not r["error"]]
     stapo_dirs = [opts.run_dir("stapo", r["seed"]) for r in finished if r["method"] == "stapo"]
-    check = learning_check(rows)
-    learning_md = learning_markdown(check, validation_samples(assets, settings))
+    check = learning_check(rows, validation_samples(assets, settings))
+    learning_md = learning_markdown(check)
     by_method = update_effect_by_method(rows)
     effect_md = ("## Update effect: the change of log-probability across each update\n\n"
                  "Mean over every step of `actor/s2t/dlogp_*` (token-weighted): tokens S2T silenced (STAPO) or "
@@ -692,8 +717,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                  "and all tokens of the measured responses (the positive-advantage responses holding a candidate); "
                  "token counts in brackets. A positive value: the update made the tokens more likely.\n\n"
                  + (update_effect_markdown(by_method) + "\nPer run:\n\n" if study else "")
-                 + update_effect_table(sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))
-                                       if study else rows))
+                 + update_effect_table(by_seed if study else rows))
     extra_md = effect_md + "\n" + settings_markdown(settings)
     if shared:
         extra_md = ("Validation before training: measured once per seed, by "

@@ -122,7 +122,7 @@ def test_plotted_lines_equal_logged_values(two_runs):
         "val_accuracy": ("val-core/aime24/acc/mean@4", ["stapo"]),
     }
     for ax, panel in zip(axes, plots.PANELS):
-        if panel.name == "update_effect":
+        if panel.name == "dlogp":
             continue  # below: three lines per run
         key, methods = expected[panel.name]
         lines = ax.get_lines()
@@ -133,7 +133,7 @@ def test_plotted_lines_equal_logged_values(two_runs):
             np.testing.assert_array_equal(line.get_ydata(), [float(logged[method][key][s]) for s in steps])
     silenced_ax = axes[[p.name for p in plots.PANELS].index("silenced_frac")]
     assert silenced_ax.get_yscale() == "symlog"  # zeros stay on the plot
-    effect = axes[[p.name for p in plots.PANELS].index("update_effect")].get_lines()
+    effect = axes[[p.name for p in plots.PANELS].index("dlogp")].get_lines()
     sets = (("silenced", "--"), ("kept_candidates", ":"), ("all", "-"))
     assert [line.get_label() for line in effect] == [f"{m} ({n.replace('_', ' ')})" for m in ("stapo", "justrl")
                                                     for n, _ in sets]
@@ -361,6 +361,10 @@ def test_update_effect_figure_shows_each_seeds_run_mean(seeded_runs, tmp_path):
     (path,) = plots.plot_update_effect(runs, tmp_path / "out")
     assert path.name == "update_effect.png" and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plots.plot_update_effect({"grpo": []}, tmp_path / "none") == []  # nothing measured: no figure
+    # the per-step panel of the same runs is a file of its own: the quickstart writes both into one folder
+    panels = plots.plot_runs({m: dirs[0] for m, dirs in runs.items()}, tmp_path / "out")
+    assert tmp_path / "out" / "dlogp.png" in panels and path not in panels
+    assert len({p.name for p in panels} | {path.name}) == len(panels) + 1
 
 
 def test_plot_bands_writes_png_and_refuses_nothing(seeded_runs, tmp_path):

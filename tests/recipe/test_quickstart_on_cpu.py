@@ -143,37 +143,55 @@ def test_update_effect_across_seeds_is_mean_and_range_of_the_runs():
     assert "| justrl | monitored | 1.000 [-2.000, 4.000] (3 seeds, 9 tokens) | - |" in qs.update_effect_markdown(by_method)
 
 
-def _learning_row(method, before, after, rewards):
+def _learning_row(method, before, after, rewards, reward_se=0.05):
     return {"method": method, "error": None, "val_acc_first": before, "val_acc_last": after,
-            "reward_first_half": rewards[0], "reward_second_half": rewards[1]}
+            "reward_first_half": rewards[0], "reward_second_half": rewards[1], "reward_change_se": reward_se}
 
 
-def test_the_summary_says_first_whether_the_baselines_learned():
-    rising = [_learning_row(m, 0.4, 0.5, (-0.5, -0.2)) for m in ("grpo", "entropy20", "justrl")]
-    check = qs.learning_check(rising + [_learning_row("stapo", 0.4, 0.3, (-0.5, -0.6))])  # STAPO is not judged
-    assert check["learned"] and set(check["methods"]) == {"grpo", "entropy20", "justrl"}
-    assert qs.learning_markdown(check).startswith("**The baselines learned**: grpo: validation accuracy 0.400 -> 0.500")
-    flat = rising[:2] + [_learning_row("justrl", 0.4, 0.45, (-0.3, -0.3))]  # reward did not rise
-    check = qs.learning_check(flat)
-    assert not check["learned"] and not check["methods"]["justrl"]["learned"] and check["methods"]["grpo"]["learned"]
-    assert qs.learning_markdown(check).startswith("**Not every baseline visibly learned with these settings** (justrl")
-    two_seeds = [_learning_row("grpo", 0.4, 0.5, (-0.5, -0.2)), _learning_row("grpo", 0.4, 0.2, (-0.5, -0.6))]
-    assert not qs.learning_check(two_seeds)["learned"]  # means over seeds: 0.4 -> 0.35
+def test_half_change_se_is_the_standard_error_of_the_difference_of_means():
+    first, second = [0.0, 1.0, 2.0], [1.0, 3.0]  # sample variances 1 and 2
+    assert qs.half_change_se(first, second) == pytest.approx((1 / 3 + 2 / 2) ** 0.5)
+    assert qs.half_change_se([1.0], second) is None  # one step: no spread to measure
+    rewards = {s: {qs.REWARD: r} for s, r in enumerate([-1.0, 0.0, 1.0, 1.0], start=1)}
+    assert qs.summarise("justrl", rewards, None)["reward_change_se"] == pytest.approx((0.5 / 2 + 0.0) ** 0.5)
+
+
+def test_the_summary_says_first_whether_the_baselines_learned_beyond_noise():
+    # validation on 64 samples at 0.4: standard error of a change sqrt(2 * 0.4 * 0.6 / 64) = 0.0866
+    rising = [_learning_row(m, 0.4, 0.6, (-0.5, -0.2)) for m in ("grpo", "entropy20", "justrl")]
+    check = qs.learning_check(rising + [_learning_row("stapo", 0.4, 0.3, (-0.5, -0.6))], val_samples=64)
+    assert check["learned"] and set(check["methods"]) == {"grpo", "entropy20", "justrl"}  # STAPO is not judged
+    assert check["methods"]["grpo"]["val_change_se"] == pytest.approx((2 * 0.4 * 0.6 / 64) ** 0.5)
+    assert qs.learning_markdown(check).startswith(
+        "**The baselines learned**: grpo: validation accuracy 0.400 -> 0.600 (standard error 0.09), training "
+        "reward -0.500 (first half of the steps) -> -0.200 (second half) (standard error 0.05)")
+    # justrl: both rise, but the accuracy by 0.1 < 2 x 0.0866: within noise
+    within = rising[:2] + [_learning_row("justrl", 0.4, 0.5, (-0.5, -0.2))]
+    check = qs.learning_check(within, val_samples=64)
+    assert not check["learned"] and check["methods"]["justrl"]["rose"] and not check["methods"]["justrl"]["learned"]
+    assert qs.learning_markdown(check).startswith(
+        "**Not every baseline visibly learned with these settings** (justrl: validation accuracy and training "
+        "reward did not both rise beyond their noise; justrl rose, but within it)")
+    flat = rising[:2] + [_learning_row("justrl", 0.4, 0.7, (-0.3, -0.3))]  # the reward did not rise
+    check = qs.learning_check(flat, val_samples=64)
+    assert not check["methods"]["justrl"]["rose"] and "rose, but within it" not in qs.learning_markdown(check)
+    # over seeds: means of the changes, standard errors divided by sqrt(seeds)
+    two_seeds = [_learning_row("grpo", 0.4, 0.6, (-0.5, -0.2), 0.1), _learning_row("grpo", 0.4, 0.6, (-0.5, -0.2), 0.1)]
+    got = qs.learning_check(two_seeds, val_samples=64)["methods"]["grpo"]
+    assert got["reward_change_se"] == pytest.approx(0.1 / 2 ** 0.5)
+    assert got["val_change_se"] == pytest.approx((2 * 0.4 * 0.6 / 64) ** 0.5 / 2 ** 0.5)
+    down = [_learning_row("grpo", 0.4, 0.6, (-0.5, -0.2)), _learning_row("grpo", 0.4, 0.0, (-0.5, -0.6))]
+    assert not qs.learning_check(down, val_samples=64)["methods"]["grpo"]["rose"]  # means over seeds: 0.4 -> 0.3
+    assert not qs.learning_check(rising)["learned"]  # no validation size: no noise to judge against
     assert qs.learning_markdown(qs.learning_check([_learning_row("stapo", 0.4, 0.5, (0, 1))])) == ""
 
 
-def test_the_learning_lines_state_the_validation_noise(tmp_path):
-    # standard error of an accuracy p on k samples: sqrt(p (1 - p) / k); 0.4 on 64: 0.0612, of a difference
-    # of two such validations sqrt(2) times that: twice it is 0.173
+def test_the_learning_lines_state_the_noise_rule(tmp_path):
+    # standard error of an accuracy p on k samples: sqrt(p (1 - p) / k); 0.4 on 64: 0.0612
     assert qs.validation_noise(0.4, 64) == pytest.approx((0.4 * 0.6 / 64) ** 0.5)
     assert qs.validation_noise(0.0, 64) == 0.0
-    check = qs.learning_check([_learning_row("justrl", 0.4, 0.45, (-0.5, -0.2))])
-    text = qs.learning_markdown(check, val_samples=64)
-    assert text.startswith("**The baselines learned**") and text.endswith(
-        "Validation draws 64 samples: at an accuracy of 0.400 its standard error is 0.06 per validation, so a "
-        "change between two validations of less than about 0.17 (two standard errors of the difference) is within "
-        "noise.\n\n")
-    assert "standard error" not in qs.learning_markdown(check)
+    text = qs.learning_markdown(qs.learning_check([_learning_row("justrl", 0.4, 0.7, (-0.5, -0.2))], val_samples=64))
+    assert text.startswith("**The baselines learned**") and "rose by more than two standard errors" in text
     # the samples of one validation: held-out problems x samples per problem
     root = tmp_path / "assets"
     root.mkdir()
@@ -213,9 +231,10 @@ def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets
     assert {(r["method"], r["seed"]): r["val_acc_first"] for r in rows} == {
         ("grpo", 0): 0.25, ("stapo", 0): 0.25, ("grpo", 1): 1.25, ("stapo", 1): 1.25}
     assert "measured once per seed, by grpo (seed 0), grpo (seed 1)" in (out / "summary.md").read_text()
-    # the learning lines give the validation's noise: 8 held-out problems x 1 sample, at 0.75 (grpo's mean)
-    assert "Validation draws 8 samples: at an accuracy of 0.750 its standard error is 0.15 per validation" in \
-        (out / "summary.md").read_text()
+    # the learning lines give the validation's noise from its size, 8 held-out problems x 1 sample: a change
+    # has standard error sqrt(2 p (1 - p) / 8) per seed at each seed's p (0.25; 1.25 clips to 0), / 2 seeds
+    se = (2 * 0.25 * 0.75 / 8) ** 0.5 / 2
+    assert f"grpo: validation accuracy 0.750 -> 0.750 (standard error {se:.2f})," in (out / "summary.md").read_text()
     assert json.loads((out / "summary.json").read_text())["reproducibility"]["seeds"] == [0, 1]
     assert "- seeds: 0, 1\n" in (out / "summary.md").read_text()
     assert (out / "summary.md").read_text().startswith("# STAPO study (CPU, tiny model, 1 steps, 2 seed(s)")
