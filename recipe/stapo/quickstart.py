@@ -28,7 +28,7 @@ all tokens of the responses holding them.
 
 Writes into ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
 the S2T token dump, checkpoints off), ``summary.md`` (its first lines say whether the baselines
-learned: validation accuracy and training reward rose), ``summary.json`` (``methods``: the rows,
+learned: validation accuracy and training reward both rose by more than two standard errors), ``summary.json`` (``methods``: the rows,
 ``learning``: that check, ``update_effect``: per method over seeds, ``reproducibility``: seeds,
 asset hash, library versions, thread counts), ``settings.json``, PNG curves and
 ``update_effect.png``. With
