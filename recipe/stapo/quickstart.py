@@ -48,6 +48,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -377,8 +378,13 @@ def half_change_se(first: list[float], second: list[float]) -> Optional[float]:
     half, ``sqrt(s1^2 / n1 + s2^2 / n2)`` (sample variances); None when a half has fewer than 2 steps."""
     if len(first) < 2 or len(second) < 2:
         return None
-    var = lambda xs: sum((x - sum(xs) / len(xs)) ** 2 for x in xs) / (len(xs) - 1)  # noqa: E731
-    return math.sqrt(var(first) / len(first) + var(second) / len(second))
+    return math.sqrt(statistics.variance(first) / len(first) + statistics.variance(second) / len(second))
+
+
+def mean_se(standard_errors: list[float]) -> float:
+    """Standard error of the mean of independent estimates with these standard errors (one per
+    seed): ``sqrt(sum se_i^2) / n``."""
+    return math.sqrt(sum(se ** 2 for se in standard_errors)) / len(standard_errors)
 
 
 def validation_noise(accuracy: float, samples: int) -> float:
@@ -407,10 +413,11 @@ def learning_check(rows: list[dict], val_samples: Optional[int] = None) -> dict:
         val_change = got["val_acc_last"] - got["val_acc_first"] if complete else None
         reward_change = got["reward_second_half"] - got["reward_first_half"] if complete else None
         val_firsts = [r.get("val_acc_first") for r in runs]
-        val_se = (math.sqrt(sum(2 * validation_noise(p, val_samples) ** 2 for p in val_firsts)) / len(runs)
+        # a change between two validations: sqrt(2) times one validation's standard error
+        val_se = (mean_se([math.sqrt(2) * validation_noise(p, val_samples) for p in val_firsts])
                   if val_samples and None not in val_firsts else None)
         reward_ses = [r.get("reward_change_se") for r in runs]
-        reward_se = math.sqrt(sum(se ** 2 for se in reward_ses)) / len(runs) if None not in reward_ses else None
+        reward_se = mean_se(reward_ses) if None not in reward_ses else None
         got.update(val_change_se=val_se, reward_change_se=reward_se,
                    rose=complete and val_change > 0 and reward_change > 0)
         got["learned"] = got["rose"] and val_se is not None and reward_se is not None \
