@@ -3,8 +3,7 @@
 * :func:`s2t_mask`: S2T, the keep mask that silences spurious tokens (and the paper's ablations);
   :func:`s2t_candidates`: its candidate set;
 * :func:`entropy_topk_mask`: 20-Entropy's top-``ratio`` highest-entropy tokens (``entropy_topk``);
-* :func:`clipped_policy_loss` / :func:`clipped_surrogate` / :func:`aggregate_loss`: the clipped
-  surrogate (asymmetric clip, optional dual clip) and its aggregations;
+* :mod:`stapo_core.rules`: the table of token-selection rules every layer reads;
 * :func:`entropy_from_logits`, :func:`logit_grad_norm`, :func:`grad_norm_bounds`: the paper's
   gradient-norm identity and bounds.
 
@@ -16,18 +15,13 @@ because every layer shares them and none of them needs verl: the token-dump reco
 from .checks import is_number
 from .entropy_topk import entropy_topk_mask
 from .grad_norm import entropy_from_logits, grad_norm_bounds, logit_grad_norm
-from .loss import AGG_MODES, aggregate_loss, clipped_policy_loss, clipped_surrogate
 from .s2t import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES, S2TResult, quantile_sorted_padded, s2t_candidates, s2t_mask
 
 __all__ = [
-    "AGG_MODES",
     "DEFAULT_Q",
     "DEFAULT_TAU_P",
     "STRATEGIES",
     "S2TResult",
-    "aggregate_loss",
-    "clipped_policy_loss",
-    "clipped_surrogate",
     "entropy_from_logits",
     "entropy_topk_mask",
     "grad_norm_bounds",

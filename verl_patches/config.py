@@ -17,14 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from stapo_core import DEFAULT_Q, DEFAULT_TAU_P, STRATEGIES, is_number
+from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
+from stapo_core.rules import ENTROPY_TOPK, NO_SELECTION, RULES, S2T, get_rule, token_selections
 from verl.workers.config import PolicyLossConfig
 
 #: config path of this block, used in error messages
 KEY_PREFIX = "actor_rollout_ref.actor.policy_loss"
 
-#: token selectors: none (every response token), S2T (STAPO), 20-Entropy's top-entropy rank
-TOKEN_SELECTIONS = ("none", "s2t", "entropy_topk")
 #: where p and H come from: the old (rollout) policy, or the policy being updated
 STATS_FROM = ("rollout", "current")
 #: what the statistic is pooled over: the whole PPO mini-batch, or one micro-batch of every rank
@@ -51,7 +50,8 @@ class TokenSelectionLossConfig(PolicyLossConfig):
 
     Args:
         loss_mode: any policy loss registered with verl (``vanilla`` for JustRL/STAPO/20-Entropy).
-        token_selection: ``none``, ``s2t`` (STAPO) or ``entropy_topk`` (20-Entropy).
+        token_selection: ``none``, or a rule of :data:`stapo_core.rules.RULES`: ``s2t`` (STAPO),
+            ``entropy_topk`` (20-Entropy).
         tau_p: S2T: candidates have ``p < tau_p`` (paper: 0.002).
         q: S2T: entropy quantile of the candidate set (paper: 0.75).
         strategy: S2T: which candidates are silenced: ``low_entropy`` (STAPO), ``high_entropy``,
@@ -117,16 +117,11 @@ class TokenSelectionLossConfig(PolicyLossConfig):
 
         if not isinstance(self.loss_mode, str):
             fail("loss_mode", self.loss_mode, "a registered policy loss name")
-        if self.token_selection not in TOKEN_SELECTIONS:
-            fail("token_selection", self.token_selection, f"one of {list(TOKEN_SELECTIONS)}")
-        if not is_number(self.tau_p) or not 0.0 < self.tau_p < 1.0:
-            fail("tau_p", self.tau_p, "a probability in (0, 1)")
-        if not is_number(self.q) or not 0.0 < self.q < 1.0:
-            fail("q", self.q, "a quantile in (0, 1)")
-        if self.strategy not in STRATEGIES:
-            fail("strategy", self.strategy, f"one of {list(STRATEGIES)}")
-        if not is_number(self.entropy_top_ratio) or not 0.0 < self.entropy_top_ratio <= 1.0:
-            fail("entropy_top_ratio", self.entropy_top_ratio, "a fraction in (0, 1]")
+        if self.token_selection not in token_selections():
+            fail("token_selection", self.token_selection, f"one of {list(token_selections())}")
+        for rule in RULES.values():  # every rule's fields, whichever selects (the S2T monitor reads S2T's)
+            for key, expected in rule.check(self):
+                fail(key, getattr(self, key), expected)
         if self.stats_from not in STATS_FROM:
             fail("stats_from", self.stats_from, f"one of {list(STATS_FROM)}")
         if self.scope is not None and self.scope not in SCOPES:
@@ -136,7 +131,7 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         if self.entropy_topk_reading not in ENTROPY_TOPK_READINGS:
             fail("entropy_topk_reading", self.entropy_topk_reading, f"one of {list(ENTROPY_TOPK_READINGS)}")
         if self.entropy_topk_reading == "authors_code":
-            if self.token_selection != "entropy_topk":
+            if self.token_selection != ENTROPY_TOPK.name:
                 fail("entropy_topk_reading", self.entropy_topk_reading,
                      f"pooled with token_selection={self.token_selection} (authors_code is 20-Entropy's: "
                      "token_selection=entropy_topk)")
@@ -161,7 +156,7 @@ class TokenSelectionLossConfig(PolicyLossConfig):
                 or self.update_effect_responses < 0):
             fail("update_effect_responses", self.update_effect_responses, "an integer >= 0 (0: off)")
         if self.measures_update_effect and not self.s2t_selection_before_update:
-            if self.token_selection == "s2t":
+            if self.token_selection == S2T.name:
                 fail("update_effect_responses", self.update_effect_responses,
                      "0 with scope=micro_batch: S2T then silences tokens inside the loss, per micro-batch, so the "
                      "silenced set is not known before the update (use scope=null to measure the update effect)")
@@ -174,12 +169,12 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     @property
     def selects_tokens(self) -> bool:
         """True when some response tokens may lose their gradient."""
-        return self.token_selection != "none"
+        return self.token_selection != NO_SELECTION
 
     @property
     def authors_code_reading(self) -> bool:
         """20-Entropy exactly as its authors' code: per rank and micro-batch, inside the loss."""
-        return self.token_selection == "entropy_topk" and self.entropy_topk_reading == "authors_code"
+        return self.token_selection == ENTROPY_TOPK.name and self.entropy_topk_reading == "authors_code"
 
     @property
     def resolved_scope(self) -> str:
@@ -224,8 +219,9 @@ class TokenSelectionLossConfig(PolicyLossConfig):
 
     @property
     def forwards_positive_advantage_only(self) -> bool:
-        """That forward covers only the sequences with a positive advantage (S2T; ``current_forward``)."""
-        return (self.forwards_current_policy and self.token_selection == "s2t"
+        """That forward covers only the sequences with a positive advantage (``current_forward``; for a
+        rule whose selection those sequences decide alone, e.g. S2T)."""
+        return (self.forwards_current_policy and get_rule(self.token_selection).positive_advantage_only
                 and self.current_forward == "positive_advantage")
 
     @property
@@ -243,7 +239,7 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     @property
     def applies_s2t(self) -> bool:
         """S2T is the run's token selection (STAPO)."""
-        return self.token_selection == "s2t"
+        return self.token_selection == S2T.name
 
     @property
     def monitors_s2t(self) -> bool:

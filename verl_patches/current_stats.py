@@ -23,13 +23,10 @@ import torch
 from stapo_core.balance import ForwardPlan, Item, plan_forward
 from stapo_core.distributed import exchange_objects, gather_objects, group_rank, world_size
 
-from .token_selection import (
-    S2T_METRIC_PREFIX,
-    TOPK_METRIC_PREFIX,
-    UNSELECTED_MASK_FIELD,
-    CurrentStatistics,
-    to_padded,
-)
+from stapo_core.rules import S2T, get_rule
+
+from .layout import to_padded
+from .token_selection import UNSELECTED_MASK_FIELD, CurrentStatistics
 
 #: attribute marking an engine's entropy function as already running without autograd
 NO_GRAD_MARK = "_stapo_no_grad"
@@ -74,7 +71,7 @@ def current_policy_statistics(worker, data, cfg=None, *, group=None, device=None
     (:func:`forward_positive_advantage`; ``device``: where the group's collectives run). ``cfg``: the
     worker's ``TokenSelectionLossConfig`` (None: every sequence). Adds the metric
     ``current_forward_s``: this rank's wall time of the forward, exchanges included."""
-    prefix = S2T_METRIC_PREFIX if cfg is not None and cfg.token_selection == "s2t" else TOPK_METRIC_PREFIX
+    prefix = forward_metric_prefix(cfg)
     start = time.perf_counter()
     if cfg is not None and cfg.forwards_positive_advantage_only:
         current = forward_positive_advantage(worker, data, group=group, device=device, prefix=prefix)
@@ -85,6 +82,14 @@ def current_policy_statistics(worker, data, cfg=None, *, group=None, device=None
                                      prefix + "current_forward_slowest_rank_frac": 1.0})
     current.metrics[prefix + "current_forward_s"] = time.perf_counter() - start
     return current
+
+
+def forward_metric_prefix(cfg) -> str:
+    """Where the statistics forward's metrics go: the prefix of the rule it serves (the run's own,
+    or S2T's when it serves only the S2T monitor)."""
+    if cfg is not None and cfg.forwards_current_policy:
+        return get_rule(cfg.token_selection).metric_prefix
+    return S2T.metric_prefix
 
 
 def _forward_every_sequence(worker, data) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +128,7 @@ def positive_advantage_rows(data) -> torch.Tensor:
     return ((advantages > 0) & (mask != 0)).any(-1)
 
 
-def forward_positive_advantage(worker, data, *, group=None, device=None, prefix=S2T_METRIC_PREFIX) -> CurrentStatistics:
+def forward_positive_advantage(worker, data, *, group=None, device=None, prefix=S2T.metric_prefix) -> CurrentStatistics:
     """The current policy's statistics of the positive-advantage sequences of the mini-batch.
 
     1. every rank learns which sequences of every rank have a positive advantage and their token

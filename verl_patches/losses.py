@@ -6,7 +6,7 @@ verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) hands the policy loss onl
 :func:`ppo_loss_with_token_selection` is the wrap of verl's own function, for direct use):
 
 * ``scope=mini_batch`` (the default): the keep mask was already folded into ``response_mask`` and
-  into verl's token and sequence counts by :func:`verl_patches.token_selection.fold_into_mini_batch`,
+  into verl's token and sequence counts by :mod:`verl_patches.mini_batch_selection`,
   so verl's loss runs unchanged. The only guard: a mini-batch whose every token was silenced has
   ``batch_num_tokens == 0``, and the count is raised to 1 so that the all-zero masked sums give 0.
 * ``scope=micro_batch``: the keep mask is computed here, per micro-batch, pooled over the
@@ -39,16 +39,8 @@ from verl.workers.utils import losses as verl_losses
 from verl.workers.utils.padding import no_padding_2_padding
 
 from .config import KEY_PREFIX, TokenSelectionLossConfig
-from .token_selection import (
-    ROLLOUT_ENTROPY_FIELD,
-    SEQ_MEAN_MODES,
-    UNSELECTED_MASK_FIELD,
-    add_per_row,
-    multiply_like,
-    rollout_agreement,
-    select_tokens,
-    to_padded,
-)
+from .layout import add_per_row, multiply_like, to_padded
+from .token_selection import ROLLOUT_ENTROPY_FIELD, SEQ_MEAN_MODES, UNSELECTED_MASK_FIELD, rollout_agreement, select_tokens
 
 
 def wrap_ppo_loss(ppo_loss):

@@ -8,19 +8,22 @@ runs :func:`before_update` before verl's ``train_batch`` and :func:`after_update
 1. :func:`verl_patches.mini_batch_position.position_of` computes the mini-batch's position in
    its step once, on the worker itself (each worker object keeps its own count, so a second model
    worker in the same process, e.g. a critic, cannot shift the actor's);
-2. with token selection at the mini-batch scope, the keep mask is folded into the mini-batch
-   (:func:`verl_patches.token_selection.fold_into_mini_batch`), from the rollout statistics on the
-   first mini-batch of a step and, with ``stats_from=current``, from one no-grad forward of the
-   current policy on each later one (:func:`verl_patches.current_stats.current_policy_statistics`);
-3. with ``s2t_monitor`` in a run that does not apply S2T, S2T's selection is computed on the same
-   statistics and logged, not applied (:func:`verl_patches.s2t_monitor.monitor_mini_batch`), on
-   the mini-batch as it came (before 2 folds another selection into it);
+2. with ``stats_from=current``, each mini-batch after a step's first gets one no-grad forward of the
+   current policy (:func:`verl_patches.current_stats.current_policy_statistics`) for the run's
+   selection or for the S2T monitor;
+3. every selection of the mini-batch is computed once
+   (:func:`verl_patches.mini_batch_selection.select_mini_batch`): the run's keep mask, folded into
+   the mini-batch at the mini-batch scope, and S2T's sets (applied by STAPO, or monitored);
 4. with ``update_effect_responses > 0``, the responses holding S2T's silenced (or would-be-silenced)
    tokens and kept candidates are forwarded before the update and again after it
    (:mod:`verl_patches.update_effect`); the step's metrics come with its last mini-batch;
 5. with the token dump on, the first mini-batch's sampled responses are scored before the update
    and again after it, then written (:mod:`verl_patches.token_dump.hook`);
 6. the metrics of 2-5 join the ones verl returns for the mini-batch.
+
+This module is imported when its patch is applied, which can be inside ``import verl`` itself
+(``VERL_USE_EXTERNAL_MODULES``); the modules of 2-5 import verl's worker code, so they are imported
+at the first mini-batch.
 """
 
 from __future__ import annotations
@@ -70,14 +73,13 @@ def _statistics_forward(cfg, position: MiniBatchPosition) -> bool:
 def before_update(worker, data) -> tuple[dict, Optional[PendingUpdate]]:
     """Everything the recipe does to one mini-batch before verl trains on it; returns its metrics
     and what :func:`after_update` needs (None for a batch the recipe does not handle)."""
-    import torch
     from tensordict import TensorDict
 
-    from . import s2t_monitor, update_effect
+    from . import update_effect
     from .config import TokenSelectionLossConfig
     from .current_stats import current_policy_statistics
+    from .mini_batch_selection import apply_selection, select_mini_batch
     from .token_dump import hook as token_dump, settings as token_dump_settings
-    from .token_selection import fold_into_mini_batch
 
     if not isinstance(data, TensorDict):
         return {}, None
@@ -86,33 +88,21 @@ def before_update(worker, data) -> tuple[dict, Optional[PendingUpdate]]:
     pending = PendingUpdate(position, cfg)
     response_mask = data.get("response_mask", None)  # before any token is silenced
     metrics: dict = {}
-    if isinstance(cfg, TokenSelectionLossConfig):
+    selection = None
+    if isinstance(cfg, TokenSelectionLossConfig) and (cfg.folds_into_mini_batch or cfg.monitors_s2t):
         group, device = worker.engine.get_data_parallel_group(), engine_device(worker.engine)
         current = None
         if _statistics_forward(cfg, position):
             current = current_policy_statistics(worker, data, cfg, group=group, device=device)
-        sets = None
-        if cfg.monitors_s2t:  # before any fold: on the mini-batch's own mask
-            # the monitor's runs never apply S2T, so their forward covers every sequence
-            metrics, sets = s2t_monitor.monitor_mini_batch(
-                cfg, data, group=group, device=device,
-                current=(current.log_prob, current.entropy) if current is not None and cfg.stats_from == "current" else None)
-        if cfg.folds_into_mini_batch:
-            fold_current = current if cfg.forwards_current_policy else None
-            metrics.update(fold_into_mini_batch(cfg, data, group=group, device=device, current=fold_current))
-            if cfg.applies_s2t:
-                metrics[s2t_monitor.APPLIED_METRIC] = 1.0
-                if cfg.measures_update_effect:
-                    # rows not forwarded (no positive advantage) hold NaN: p = 1 there, never a candidate
-                    sets = s2t_monitor.applied_sets(
-                        cfg, data, response_mask, device=device,
-                        current=None if fold_current is None else (torch.nan_to_num(fold_current.log_prob, nan=0.0),
-                                                                   fold_current.entropy))
-        if cfg.measures_update_effect and sets is not None:
-            pending.measurement = update_effect.measure_before(worker, data, sets, cfg.update_effect_responses,
+        selection = select_mini_batch(cfg, data, group=group, device=device, current=current)
+        apply_selection(cfg, data, selection, group)
+        metrics = selection.metrics
+        if cfg.measures_update_effect and selection.s2t is not None:
+            pending.measurement = update_effect.measure_before(worker, data, selection.s2t, cfg.update_effect_responses,
                                                                group=group, device=device)
     if token_dump_settings.enabled():
-        pending.dump = token_dump.score_mini_batch(worker, data, response_mask, cfg, position)
+        pending.dump = token_dump.score_mini_batch(worker, data, response_mask, cfg, position,
+                                                   s2t=selection.s2t if selection is not None else None)
     return metrics, pending
 
 

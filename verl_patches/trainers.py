@@ -18,7 +18,8 @@ from __future__ import annotations
 import functools
 
 from .step_metrics import entropy_quantile_metrics
-from .token_selection import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD, to_padded
+from .layout import to_padded
+from .token_selection import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD
 
 
 def needs_rollout_entropy(config) -> bool:

@@ -1,8 +1,8 @@
 """What each update does to the tokens S2T singles out: their log-probability just before and just
 after the mini-batch's update (``update_effect_responses > 0``).
 
-For every PPO mini-batch, with S2T's sets known before the update (:mod:`verl_patches.s2t_monitor`:
-applied by STAPO, or monitored in any other run):
+For every PPO mini-batch, with S2T's sets known before the update
+(:mod:`verl_patches.mini_batch_selection`: applied by STAPO, or monitored in any other run):
 
 1. :func:`choose_rows` picks up to ``update_effect_responses`` responses of this rank: those
    holding a silenced (or would-be-silenced) token first, then those holding a candidate S2T keeps;
@@ -38,14 +38,15 @@ from typing import Optional
 
 import torch
 
-from .s2t_monitor import S2TSets
-from .token_selection import S2T_METRIC_PREFIX
+from stapo_core.rules import S2T
+
+from .mini_batch_selection import S2TSets
 
 #: worker attribute holding the step's running sums (:class:`StepTotals`)
 STATE_ATTR = "_stapo_update_effect"
 #: the token sets, in the order of the metric names and of the pooled sums
 SETS = ("silenced", "kept_candidates", "all")
-METRIC_PREFIX = S2T_METRIC_PREFIX + "dlogp_"
+METRIC_PREFIX = S2T.metric_prefix + "dlogp_"
 
 
 def choose_rows(sets: S2TSets, limit: int) -> list[int]:

@@ -28,10 +28,10 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from recipe.stapo.preflight import POLICY_LOSS, PreflightError, check_loss_mode, summary  # noqa: F401
+from recipe.stapo.preflight import POLICY_LOSS, PreflightError, summary
 from recipe.stapo.preflight import check as preflight_check
+from recipe.stapo.methods import METHODS
 
-METHODS = ("grpo", "entropy20", "justrl", "stapo")
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 CONFIG_NAME = "stapo_trainer"

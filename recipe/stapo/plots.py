@@ -33,6 +33,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from stapo_core.fileio import atomic_write
 
+from .methods import methods
 from .metrics import Series, find_metrics_file, metric_series, nonfinite_values
 from .metrics import read_metrics as read_steps
 
@@ -304,14 +305,14 @@ def _save(fig, path: Path) -> Path:
 # bands across seeds (study mode)
 # --------------------------------------------------------------------------------------------
 
-#: one colour per method, the same in every panel and figure
-METHOD_COLORS = {"grpo": "tab:blue", "entropy20": "tab:orange", "justrl": "tab:green", "stapo": "tab:red"}
-_SPARE_COLORS = ("tab:purple", "tab:brown", "tab:pink", "tab:gray", "tab:olive", "tab:cyan")
+#: one colour per method (its table row's), the same in every panel and figure
+METHOD_COLORS = {m.name: m.color for m in methods().values()}
+_SPARE_COLORS = ("tab:gray", "tab:olive", "tab:cyan", "tab:pink", "tab:brown", "tab:purple")
 
 
 def method_color(label: str, order: Sequence[str] = ()) -> str:
-    """The colour of ``label``: :data:`METHOD_COLORS` for a known method, else a spare colour by
-    its position in ``order`` (stable for a given list of labels)."""
+    """The colour of ``label``: its method's (:mod:`recipe.stapo.methods`) for a known method, else a
+    spare colour by its position in ``order`` (stable for a given list of labels)."""
     if label in METHOD_COLORS:
         return METHOD_COLORS[label]
     others = [x for x in order if x not in METHOD_COLORS]

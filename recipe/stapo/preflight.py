@@ -39,11 +39,12 @@ from typing import Callable, Mapping, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipe.stapo import memory_model
+from recipe.stapo.methods import methods
+from stapo_core.rules import NO_SELECTION, RULES
 
 POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
 ACTOR, ROLLOUT, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 #: the token selection each method runs (docs/method.md); another one needs a name that says so
-METHOD_SELECTION = {"stapo": "s2t", "entropy20": "entropy_topk", "justrl": "none", "grpo": "none"}
 #: advantage estimators that normalise rewards within each prompt's group of rollout.n responses
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
                     "reinforce_plus_plus_baseline", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo")
@@ -262,21 +263,6 @@ def uses_reference(config: DictConfig) -> bool:
 # ------------------------------------------------------------------------------------------------
 
 
-def check_loss_mode(config: DictConfig) -> None:
-    """Fail (``ValueError`` naming the key) unless the policy loss is registered with verl.
-
-    Imports :mod:`verl_patches` (installed in every worker too) and reads verl's policy-loss
-    registry, as the actor will in every worker.
-    """
-    import verl_patches  # noqa: F401  (the patches every worker runs with)
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-
-    mode = OmegaConf.select(config, f"{POLICY_LOSS}.loss_mode", default="vanilla")
-    if mode not in POLICY_LOSS_REGISTRY:
-        raise ValueError(f"{POLICY_LOSS}.loss_mode={mode!r} is not a registered policy loss: expected one of "
-                         f"{sorted(POLICY_LOSS_REGISTRY)}")
-
-
 def token_selection(config: DictConfig) -> str:
     """The token selection a config runs (``none`` without the recipe's policy-loss config)."""
     policy_loss = _pick(config, POLICY_LOSS)
@@ -343,7 +329,7 @@ def check_reward_function(config: DictConfig, found: list[Problem]) -> None:
 def check_identity(config: DictConfig, found: list[Problem]) -> None:
     """A method's run selects that method's tokens, or its experiment name says what it runs instead."""
     method = str(_pick(config, "recipe.method", ""))
-    expected = METHOD_SELECTION.get(method)
+    expected = methods()[method].token_selection if method in methods() else None
     actual = token_selection(config)
     name = str(_pick(config, "trainer.experiment_name", ""))
     if expected is None or actual == expected or actual.lower() in name.lower():
@@ -621,11 +607,9 @@ def summary(config: DictConfig) -> str:
              (f"{POLICY_LOSS}.loss_mode", pick(f"{POLICY_LOSS}.loss_mode") or "vanilla"),
              (f"{POLICY_LOSS}.token_selection", token_selection(config))]
     selection = token_selection(config)
-    if selection == "s2t":
-        lines += [(f"{POLICY_LOSS}.{k}", pick(f"{POLICY_LOSS}.{k}")) for k in ("tau_p", "q", "strategy")]
-    elif selection == "entropy_topk":
-        lines.append((f"{POLICY_LOSS}.entropy_top_ratio", pick(f"{POLICY_LOSS}.entropy_top_ratio")))
-    if selection != "none":
+    if selection in RULES:
+        lines += [(f"{POLICY_LOSS}.{k}", pick(f"{POLICY_LOSS}.{k}")) for k in RULES[selection].fields]
+    if selection != NO_SELECTION:
         lines += [(f"{POLICY_LOSS}.stats_from", pick(f"{POLICY_LOSS}.stats_from")),
                   (f"{POLICY_LOSS}.scope", pick(f"{POLICY_LOSS}.scope") or "mini_batch")]
     lines += [("reward.custom_reward_function", f"{pick('reward.custom_reward_function.path')}:"

@@ -57,6 +57,8 @@ from typing import Optional
 from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
 from recipe.stapo.cpu.assets import AssetConfig, asset_paths, build_assets, is_built
 from recipe.stapo.plots import DLOGP_SETS, plot_bands, plot_runs, plot_update_effect, update_effect_of_run
+from recipe.stapo.methods import methods
+from stapo_core.rules import S2T
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
 REWARD = "critic/score/mean"
@@ -70,8 +72,8 @@ APPLIED = "actor/s2t/applied"
 #: seconds per step spent measuring the update effect (actor/s2t/dlogp_*)
 DLOGP_SECONDS = "actor/s2t/dlogp_seconds"
 DLOGP_SILENCED = "actor/s2t/dlogp_silenced"
-#: the methods whose learning the summary's first lines report (the baselines)
-BASELINES = ("grpo", "entropy20", "justrl")
+#: the methods whose learning the summary's first lines report (the baselines: every method but STAPO)
+BASELINES = tuple(m.name for m in methods().values() if m.token_selection != S2T.name)
 DONE = "quickstart_done.json"
 #: key marking a step-0 validation record copied from the seed's first run (see the module docstring)
 SHARED_FROM = "shared_from"

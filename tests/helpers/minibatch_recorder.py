@@ -37,7 +37,7 @@ RECORD_DIR_ENV = "STAPO_TEST_RECORD_DIR"
 
 
 def _padded(value) -> torch.Tensor:
-    from verl_patches.token_selection import to_padded
+    from verl_patches.layout import to_padded
 
     return to_padded(value).detach().cpu().clone()
 

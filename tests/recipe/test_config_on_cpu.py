@@ -13,6 +13,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from recipe.stapo.config_utils import METHODS, MODELS, compose, prepare, validate
+from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
 from verl.utils.config import omega_conf_to_dataclass
 from tests.helpers.cluster_files import fake_cluster
 from tests.helpers.paths import REPO
@@ -64,7 +65,7 @@ def composed():
 def test_methods_differ_only_where_the_spec_says(composed, a, b):
     fa, fb = flat(composed[a]), flat(composed[b])
     differing = {k for k in fa.keys() | fb.keys() if fa.get(k, "<absent>") != fb.get(k, "<absent>")}
-    differing -= {"recipe.method"}
+    differing -= {"recipe.method", "recipe.table_row"}  # what names the method
     allowed = ALLOWED_VS_JUSTRL[a] | ALLOWED_VS_JUSTRL[b]
     assert differing <= allowed, f"{a} vs {b}: unexpected differences {sorted(differing - allowed)}"
     assert differing, f"{a} and {b} compose to the same config"
@@ -92,7 +93,8 @@ def test_shared_settings_are_the_papers(composed):
         settings = omega_conf_to_dataclass(cfg.actor_rollout_ref.actor.policy_loss)
         assert type(settings).__name__ == "TokenSelectionLossConfig" and settings.loss_mode == "vanilla"
         assert settings.s2t_monitor and settings.monitors_s2t == (method != "stapo")
-        assert (settings.tau_p, settings.q, settings.strategy) == (0.002, 0.75, "low_entropy")
+        assert (settings.tau_p, settings.q, settings.strategy) == (0.002, 0.75, "low_entropy")  # the paper's
+        assert (settings.tau_p, settings.q) == (DEFAULT_TAU_P, DEFAULT_Q)  # stapo_core's defaults, one value
         assert settings.update_effect_responses == 0  # off at paper scale (docs/miniature.md)
         assert settings.token_selection == {"stapo": "s2t", "entropy20": "entropy_topk"}.get(method, "none")
     s2t = composed["stapo"].actor_rollout_ref.actor.policy_loss

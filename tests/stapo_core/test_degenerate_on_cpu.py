@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from stapo_core import AGG_MODES, STRATEGIES, clipped_policy_loss, s2t_mask, entropy_topk_mask
+from stapo_core import STRATEGIES, s2t_mask, entropy_topk_mask
+from tests.helpers.reference_loss import AGG_MODES, clipped_policy_loss
 
 RARE = math.log(1e-4)
 

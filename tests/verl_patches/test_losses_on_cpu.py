@@ -14,14 +14,15 @@ import torch
 
 import verl_patches  # noqa: F401  (installs the patches)
 from recipe.stapo.config_utils import compose
-from stapo_core import clipped_policy_loss, s2t_mask, entropy_topk_mask
+from stapo_core import s2t_mask, entropy_topk_mask
+from tests.helpers.reference_loss import clipped_policy_loss
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils import losses as verl_losses
 from verl_patches.losses import ppo_loss_with_token_selection
-from verl_patches.token_selection import fold_into_mini_batch
+from verl_patches.mini_batch_selection import fold_into_mini_batch
 
 B, R = 6, 12
 #: the recipe's dual clip for JustRL / STAPO / 20-Entropy (JustRL's script)

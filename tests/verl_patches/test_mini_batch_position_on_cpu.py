@@ -103,7 +103,7 @@ def test_the_token_dump_gets_the_same_position(monkeypatch):
 
     got = []
     monkeypatch.setattr(hook, "score_mini_batch",
-                        lambda worker, data, response_mask, cfg, position: got.append((worker, position)))
+                        lambda worker, data, response_mask, cfg, position, s2t=None: got.append((worker, position)))
     monkeypatch.setenv(settings.DIR_ENV, "unused")
     config = _config("rollout")
     mask, old, adv, entropy, moved = _batch(seed=4)

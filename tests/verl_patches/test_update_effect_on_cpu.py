@@ -26,7 +26,7 @@ from stapo_core import s2t_mask
 from verl.utils import tensordict_utils as tu
 from verl_patches.config import TokenSelectionLossConfig
 from verl_patches.mini_batch import wrap_train_batch
-from verl_patches.s2t_monitor import S2TSets
+from verl_patches.mini_batch_selection import S2TSets
 from verl_patches.update_effect import SETS, choose_rows
 
 VOCAB, GROUPS, N = 48, 2, 4
@@ -125,7 +125,7 @@ class TinyWorker:
 
 
 def _padded(t: torch.Tensor) -> torch.Tensor:
-    from verl_patches.token_selection import to_padded
+    from verl_patches.layout import to_padded
 
     return to_padded(t)
 

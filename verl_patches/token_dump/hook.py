@@ -32,10 +32,11 @@ Where the numbers come from:
   between these p and ``exp(old_log_probs)`` is logged as ``token_dump/max_prob_diff``.
 * ``tau_p``: the policy loss's ``tau_p`` (S2T methods), else the paper's 0.002. ``q``: the loss's
   ``q``, else 0.75.
-* ``tau_h``: S2T's entropy threshold of the mini-batch, recomputed with :func:`stapo_core.s2t_mask`
-  on exactly what the fold used (``old_log_probs``, the rollout ``entropy`` field, ``advantages``,
-  the original response mask, pooled over the data-parallel group): it equals the fold's
-  ``s2t/tau_h`` of that mini-batch (the logged ``actor/s2t/tau_h`` is the mean over the step's
+* ``tau_h``: S2T's entropy threshold of the mini-batch: the one the mini-batch's S2T selection
+  (applied, or monitored) computed on the rollout statistics when it has the dump's strategy, else
+  computed with :func:`stapo_core.s2t_mask` on the same inputs (``old_log_probs``, the rollout
+  ``entropy`` field, ``advantages``, the original response mask, pooled over the data-parallel
+  group): the fold's ``s2t/tau_h`` of that mini-batch (the logged ``actor/s2t/tau_h`` is the mean over the step's
   mini-batches). Strategy: the loss's own when it is ``low_entropy`` / ``high_entropy``, else
   ``low_entropy`` (baselines, ``random``, ``full``: what STAPO would have used). When the
   mini-batch holds no rollout ``entropy`` (legacy trainer, non-S2T methods), it is computed the
@@ -91,7 +92,7 @@ METRIC_PREFIX = "token_dump/"
 
 
 def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    from ..token_selection import to_padded
+    from ..layout import to_padded
 
     return to_padded(t, width)[:, :width]
 
@@ -160,7 +161,7 @@ def _loss_settings(cfg) -> tuple[float, float, str, bool]:
 
     tau_p = float(getattr(cfg, "tau_p", DEFAULT_TAU_P))
     q = float(getattr(cfg, "q", DEFAULT_Q))
-    is_s2t = isinstance(cfg, TokenSelectionLossConfig) and cfg.token_selection == "s2t"
+    is_s2t = isinstance(cfg, TokenSelectionLossConfig) and cfg.applies_s2t
     strategy = cfg.strategy if is_s2t and cfg.strategy in ("low_entropy", "high_entropy") else "low_entropy"
     return tau_p, q, strategy, is_s2t and cfg.selects_in_loss
 
@@ -264,7 +265,7 @@ class PendingDump:
 
 
 def score_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg,
-                     position: MiniBatchPosition) -> Optional[PendingDump]:
+                     position: MiniBatchPosition, s2t=None) -> Optional[PendingDump]:
     """Phase 1 of the dump (a step's first mini-batch only), before verl's update: sample a few
     responses of this mini-batch and score them under the policy about to be updated.
 
@@ -278,6 +279,9 @@ def score_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg,
         response_mask: the response mask before the fold (None: ``data["response_mask"]``).
         cfg: the policy-loss config (``tau_p`` / ``q`` / ``strategy`` when it has them).
         position: the mini-batch's position in its step (:func:`verl_patches.mini_batch_position.position_of`).
+        s2t: S2T's sets of this mini-batch when the run applies or monitors S2T
+            (:class:`verl_patches.mini_batch_selection.S2TSets`): their ``tau_h`` is the dump's when
+            they were computed with the dump's strategy, so it is not computed again.
 
     Returns:
         What :func:`finish_mini_batch` needs after the update, or None (not a step's first
@@ -308,7 +312,11 @@ def score_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg,
             resp.uid, resp.response_index, resp.rank = uids[row], indices[row], group.rank
             sampled.append(resp)
 
-    tau_h, tau_h_source, s2t_keep = _entropy_threshold(fields, sampled, picked, group, tau_p, q, strategy)
+    if s2t is not None and getattr(cfg, "strategy", None) == strategy and fields.rollout_entropy is not None:
+        # the first mini-batch's selection ran on the rollout statistics of the whole mini-batch
+        tau_h, tau_h_source, s2t_keep = s2t.tau_h, "mini_batch", None
+    else:
+        tau_h, tau_h_source, s2t_keep = _entropy_threshold(fields, sampled, picked, group, tau_p, q, strategy)
     if s2t_in_loss:
         for resp, row in zip(sampled, picked):
             resp.silenced = s2t_keep[row] == 0
@@ -379,7 +387,8 @@ class MiniBatchFields:
 
 def _host_fields(data, response_mask: Optional[torch.Tensor]) -> MiniBatchFields:
     """The :class:`MiniBatchFields` of ``data`` (``response_mask``: the mask before the fold)."""
-    from ..token_selection import ROLLOUT_ENTROPY_FIELD, to_padded
+    from ..layout import to_padded
+    from ..token_selection import ROLLOUT_ENTROPY_FIELD
 
     current = data["response_mask"]
     original = current if response_mask is None else response_mask

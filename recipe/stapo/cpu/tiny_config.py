@@ -11,6 +11,8 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from stapo_core import DEFAULT_TAU_P
+
 #: instruction appended to every prompt (as in the real runs; docs/method.md, "Training settings")
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 
@@ -50,7 +52,7 @@ class AssetConfig:
     target_success: float = 0.3
     noise_rate: float = 0.004
     max_new_tokens: int = 160
-    tau_p: float = 0.002
+    tau_p: float = DEFAULT_TAU_P
 
     def digest(self) -> str:
         """sha256 (16 hex chars) of the config, the format version and the prompt instruction."""

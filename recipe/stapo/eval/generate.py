@@ -339,55 +339,6 @@ def generate_items(
     return made
 
 
-def generate_samples(
-    backend: GenerationBackend,
-    problems: Sequence[Problem],
-    n_samples: int,
-    sampling: SamplingConfig,
-    store: JsonlStore,
-    benchmark: str,
-    decoding: str,
-    base_seed: int = 0,
-    batch_size: int = 256,
-    after_batch: Optional[Callable[[list[dict]], None]] = None,
-    catalog: Optional[Sequence[Problem]] = None,
-    data_label: str = "the benchmark data",
-) -> dict[tuple[int, int], dict]:
-    """Generate every missing (problem, sample) and append it to ``store``.
-
-    Args:
-        backend: generation backend.
-        problems: the benchmark's problems.
-        n_samples: samples per problem (N of mean@N).
-        sampling: decoding settings.
-        store: where records go (and are resumed from).
-        benchmark, decoding: names used for seeds and progress bars.
-        base_seed: run seed.
-        batch_size: (problem, sample) requests per backend call; each batch is on disk before the
-            next starts.
-        after_batch: called with each written batch (progress hooks; tests interrupt here).
-        catalog: every problem of the benchmark data, against which saved records are checked
-            (default ``problems``; pass the whole file when ``problems`` is a ``--limit`` prefix).
-        data_label: how error messages name the data.
-    Returns:
-        The records of ``problems`` x ``range(n_samples)``, keyed by ``(problem.index, sample)``
-        with ``problem.index`` the problem's row in the current data (saved records are matched by
-        problem id and prompt hash, see the module docstring).
-    Raises:
-        ResumeMismatch: a saved record does not belong to the data (see :func:`saved_samples`).
-    """
-    if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
-    saved = saved_samples(store, catalog if catalog is not None else problems, benchmark, decoding, base_seed, data_label)
-    todo = pending_items(problems, n_samples, saved)
-    made = generate_items(
-        backend, todo, sampling, store, benchmark, decoding, base_seed, batch_size, after_batch,
-        total=len(problems) * n_samples,
-    )
-    saved.update({(r["problem_id"], r["sample"]): r for r in made})
-    return collect_records(problems, n_samples, saved)
-
-
 def collect_records(problems: Sequence[Problem], n_samples: int, saved: dict[tuple[str, int], dict]) -> dict[tuple[int, int], dict]:
     """The records of ``problems`` x ``range(n_samples)`` from ``saved`` (keys ``(problem_id,
     sample)``), keyed by ``(problem.index, sample)`` of the current data.

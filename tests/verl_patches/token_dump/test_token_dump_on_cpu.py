@@ -267,7 +267,7 @@ def _metrics_of(output) -> dict:
 
 @pytest.mark.parametrize("layout", ["v1", "legacy"])
 def test_dump_matches_independent_forward(model, batch, dump_env, layout, monkeypatch):
-    from verl_patches.token_selection import to_padded
+    from verl_patches.layout import to_padded
 
     hook, worker = _hook(model, _stapo_cfg(), last_epoch=4)
     data = _mini_batch(batch, layout, last=False)

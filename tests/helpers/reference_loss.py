@@ -1,4 +1,6 @@
-"""Clipped policy-gradient surrogate (PPO / DAPO / JustRL) and its aggregation.
+"""A reference clipped policy-gradient surrogate (PPO / DAPO / JustRL) and its aggregation, written
+from the paper's equations independently of verl: the tests check verl's loss under the recipe's
+token selection against it.
 
 Per token (docs/method.md, "Objective"), with r = pi_theta / pi_old = exp(log_prob - old_log_prob):
 
@@ -25,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from .checks import check_token_tensors, is_number, token_advantages
+from stapo_core.checks import check_token_tensors, is_number, token_advantages
 
 #: aggregation modes of :func:`aggregate_loss`
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")

