@@ -58,6 +58,7 @@ class STAPOTrainer(GRPOTrainer):
             raise TypeError(f"STAPOTrainer: args must be a STAPOConfig, got {type(self.args).__name__}")
         #: keep masks (and the step's kept-token count) of the current optimizer step, by buffer slot
         self._s2t_keeps: dict[int, tuple[torch.Tensor, int]] = {}
+        self._s2t_keeps_step = None  # the optimizer step (state.global_step) they belong to
         self._s2t_generator = None
         if self.args.strategy == "random":  # each process draws for its own tokens, seeded apart
             self._s2t_generator = torch.Generator(device=self.accelerator.device)
@@ -114,9 +115,10 @@ class STAPOTrainer(GRPOTrainer):
         if mode != "train":  # evaluation: the batch alone is the step
             return self._s2t_select(model, [inputs], mode)[0]
         slot = self._step % self.args.steps_per_generation
-        if self._step % self.current_gradient_accumulation_steps == 0:  # first micro-batch of a step
+        if self._s2t_keeps_step != self.state.global_step:  # first micro-batch of an optimizer step
             window = self._buffered_inputs[slot: slot + self.current_gradient_accumulation_steps]
             self._s2t_keeps = dict(enumerate(self._s2t_select(model, window, mode), start=slot))
+            self._s2t_keeps_step = self.state.global_step
         if slot not in self._s2t_keeps:
             raise RuntimeError(
                 f"STAPOTrainer: no S2T mask for micro-batch {self._step} (buffer slot {slot}): the optimizer step's "
