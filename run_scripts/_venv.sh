@@ -14,5 +14,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install -q torch==2.13.0 >&2
   python -m pip install -q -r requirements-cpu.txt >&2
   python -m pip install -q --no-deps -e . >&2
+  # the TRL adapter's extra (pyproject.toml): TRL itself; its requirements are satisfied by the pins above
+  python -m pip install -q -e ".[trl]" >&2
   echo "$want" > "$stamp"
 fi

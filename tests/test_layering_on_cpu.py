@@ -1,4 +1,5 @@
-"""The project's import graph: stapo_core <- verl_patches <- recipe, no cycles, thin __init__ files.
+"""The project's import graph: stapo_core <- verl_patches <- recipe, and stapo_core <- stapo_trl (the
+TRL adapter, beside the verl layers: neither imports the other), no cycles, thin __init__ files.
 
 Read from the source with ``ast`` (every import, at module level or inside a function), so the test
 needs no import side effect and fails on the first upward import anyone adds.
@@ -18,8 +19,12 @@ ALLOWED = {
     "verl_patches": {"stapo_core"},
     "recipe": {"stapo_core", "verl_patches"},
     "benchmarks": {"stapo_core", "verl_patches", "recipe"},
+    "stapo_trl": {"stapo_core"},
 }
-FORBIDDEN_THIRD_PARTY = {"stapo_core": {"verl", "ray", "transformers", "hydra", "omegaconf"}}
+FORBIDDEN_THIRD_PARTY = {
+    "stapo_core": {"verl", "ray", "transformers", "hydra", "omegaconf", "trl", "accelerate"},
+    "stapo_trl": {"verl", "ray", "hydra", "omegaconf"},
+}
 
 
 def module_name(path: Path) -> str:
