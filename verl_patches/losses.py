@@ -125,7 +125,7 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
         log_prob, entropy = old_log_prob, rollout_entropy
     selection = select_tokens(cfg, log_prob=log_prob, entropy=entropy, advantages=advantages,
                               response_mask=mask, group=group)
-    metrics = dict(selection.metrics)
+    metrics = dict(selection.stats)
     if cfg.statistics_source == "current" and rollout_entropy is not None:
         rollout = select_tokens(cfg, log_prob=old_log_prob, entropy=rollout_entropy, advantages=advantages,
                                 response_mask=mask, group=group)

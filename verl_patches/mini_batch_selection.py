@@ -30,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from stapo_core.rules import S2T, get_rule
+from stapo_core.rules import S2T, RuleResult, get_rule
 
 from .config import TokenSelectionLossConfig
 from .layout import multiply_like, to_padded
@@ -39,7 +39,6 @@ from .token_selection import (
     SUM_PI_SQUARED_FIELD,
     UNSELECTED_MASK_FIELD,
     CurrentStatistics,
-    Selection,
     check_statistics_fields,
     grad_norm_metrics,
     rollout_agreement,
@@ -119,7 +118,7 @@ def _as_current(current, batch: int) -> Optional[CurrentStatistics]:
 
 
 def _select(cfg: TokenSelectionLossConfig, stats: _Statistics, current: Optional[CurrentStatistics], group,
-            device) -> tuple[Selection, dict]:
+            device) -> tuple[RuleResult, dict]:
     """The rule of ``cfg`` on the mini-batch: its selection over every response token, and its metrics
     (the rule's, the drift from the rollout selection, the gradient norms of its sets)."""
     rule = get_rule(cfg.token_selection)
@@ -137,7 +136,7 @@ def _select(cfg: TokenSelectionLossConfig, stats: _Statistics, current: Optional
     if current is not None and rule.positive_advantage_only:
         # the same counts everywhere, whether this rank forwarded every row or not
         selection = widen_selection(cfg, selection, part, mask, group)
-    metrics = dict(selection.metrics)
+    metrics = dict(selection.stats)
     if current is not None and stats.rollout is not None:
         rollout = select_tokens(cfg, log_prob=stats.rollout[0], entropy=stats.rollout[1], advantages=stats.advantages,
                                 response_mask=mask, group=group)
@@ -149,9 +148,9 @@ def _select(cfg: TokenSelectionLossConfig, stats: _Statistics, current: Optional
     return selection, metrics
 
 
-def _s2t_sets(mask: torch.Tensor, selection: Selection) -> S2TSets:
+def _s2t_sets(mask: torch.Tensor, selection: RuleResult) -> S2TSets:
     inside = mask != 0
-    tau_h = selection.metrics.get(S2T.metric_prefix + "tau_h")
+    tau_h = selection.stats.get(S2T.metric_prefix + "tau_h")
     return S2TSets(mask=inside, silenced=inside & (selection.keep == 0), candidate=selection.candidate, tau_h=tau_h)
 
 

@@ -11,12 +11,13 @@ composes with every loss mode verl registers. Two places select:
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from stapo_core.rules import finite_stats, get_rule
+from stapo_core.rules import RuleResult, finite_stats, get_rule
 
 from .config import TokenSelectionLossConfig
 
@@ -41,20 +42,6 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     if key not in _generators:
         _generators[key] = torch.Generator(device=device).manual_seed(seed)
     return _generators[key]
-
-
-@dataclass(frozen=True)
-class Selection:
-    """keep: float32 ``(batch, resp_len)``, 1 where the token carries gradient (0 outside the
-    response mask); tokens / kept: global counts over the pooled group; metrics: python floats
-    named ``<rule's metric prefix><stat>``, undefined (NaN) statistics omitted; candidate: the rule's
-    candidate set (bool, like ``keep``; S2T's), None for a rule without one."""
-
-    keep: torch.Tensor
-    tokens: float
-    kept: float
-    metrics: dict
-    candidate: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
@@ -87,8 +74,9 @@ def select_tokens(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     group=None,
-) -> Selection:
-    """The tokens ``cfg.token_selection``'s rule (:data:`stapo_core.rules.RULES`) keeps.
+) -> RuleResult:
+    """The tokens ``cfg.token_selection``'s rule (:data:`stapo_core.rules.RULES`) keeps, its
+    ``stats`` named as metrics (``<rule's metric prefix><stat>``, the undefined ones left out).
 
     Args:
         log_prob, entropy, advantages, response_mask: ``(batch, resp_len)`` padded tensors.
@@ -102,12 +90,11 @@ def select_tokens(
 
     result = rule.select(cfg, log_prob=log_prob, entropy=entropy, advantages=advantages, response_mask=response_mask,
                          group=group, generator=generator)
-    return Selection(result.keep, result.tokens, result.kept, finite_stats(rule.metric_prefix, result.stats),
-                     result.candidate)
+    return dataclasses.replace(result, stats=finite_stats(rule.metric_prefix, result.stats))
 
 
-def widen_selection(cfg: TokenSelectionLossConfig, selection: Selection, part: torch.Tensor,
-                    response_mask: torch.Tensor, group=None) -> Selection:
+def widen_selection(cfg: TokenSelectionLossConfig, selection: RuleResult, part: torch.Tensor,
+                    response_mask: torch.Tensor, group=None) -> RuleResult:
     """A selection computed over ``part`` of the response tokens (the forwarded sequences of a rule
     whose ``positive_advantage_only`` holds), made the selection over all of ``response_mask``:
     every other token is kept, and the token counts (``<prefix>tokens``, ``<prefix>silenced_frac``)
@@ -120,10 +107,10 @@ def widen_selection(cfg: TokenSelectionLossConfig, selection: Selection, part: t
         torch.distributed.all_reduce(count, group=group)
     tokens = float(count.item())
     silenced_count = selection.tokens - selection.kept
-    metrics = dict(selection.metrics)
+    metrics = dict(selection.stats)
     metrics[prefix + "tokens"] = tokens
     metrics[prefix + "silenced_frac"] = silenced_count / max(tokens, 1.0)
-    return Selection(mask * (1.0 - silenced), tokens, tokens - silenced_count, metrics, selection.candidate)
+    return RuleResult(mask * (1.0 - silenced), tokens, tokens - silenced_count, metrics, selection.candidate)
 
 
 def check_statistics_fields(data, current, who: str) -> None:
