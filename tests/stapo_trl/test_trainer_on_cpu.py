@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 
-from stapo_core import clipped_policy_loss, s2t_mask
+from stapo_core import s2t_mask
+from tests.helpers.reference_loss import clipped_policy_loss
 from stapo_trl import STAPOConfig, STAPOTrainer
 from stapo_trl.trainer import S2T_METRICS, loss_mask
 from tests.helpers.trl_tiny import digit_reward, prompts_dataset, tiny_model, tiny_tokenizer, trainer_settings
