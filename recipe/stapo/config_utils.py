@@ -309,6 +309,12 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     naming the key or path and the fix), before Ray starts. ``environ`` (default ``os.environ``) tells
     the preflight whether it runs for ``LAUNCH=submit``.
     """
+    from recipe.stapo.config_checks import check_environment
+    from recipe.stapo.preflight import PreflightError
+
+    bad_environment = check_environment()  # the variables the YAML interpolates, before resolving them
+    if bad_environment:
+        raise PreflightError(bad_environment)
     ensure_loss_statistics(config, log=log)
     resolve_paths(config, cwd=cwd, log=log)
     ensure_wandb_resume(config)

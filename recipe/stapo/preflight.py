@@ -452,7 +452,7 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
 def _model_folder(config: DictConfig, found: list[Problem], notes: list[str], submit: bool) -> None:
     key = "actor_rollout_ref.model.path"
     path = str(_pick(config, key, "") or "")
-    download = (f"download it (huggingface-cli download Qwen/<model> --local-dir <folder>) and set STAPO_MODEL_DIR "
+    download = (f"download it (hf download Qwen/<model> --local-dir <folder>) and set STAPO_MODEL_DIR "
                 f"(or {key}) to the folder holding it")
     if not path:
         found.append(Problem(key, "is empty", download))
@@ -601,6 +601,9 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
         report.notes.append("LAUNCH=submit: paths this machine cannot see are left to the job's driver, which runs "
                             "the same checks on the head node before Ray starts")
     numbers_ok = check_numbers(config, found)
+    from recipe.stapo.config_checks import check_values
+
+    check_values(config, found)  # types and ranges verl would only trip over after Ray starts
     check_names(config, found)
     check_identity(config, found)
     check_paths(config, found, report.notes, submit)
