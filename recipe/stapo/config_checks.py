@@ -1,8 +1,8 @@
 """Type and range checks of config values whose bad value verl reports only after Ray has started
 (minutes in, often without the key's name), and of the environment variables the config reads.
 
-:func:`check_values` adds one :class:`~recipe.stapo.preflight.Problem` per bad value to the
-preflight's list; :func:`check_environment` parses the environment variables the recipe's YAML
+:func:`check_values` returns one finding per bad value, ``(key, problem, fix, value)``, which the
+preflight (:mod:`recipe.stapo.preflight`) reports as its problems; :func:`check_environment` parses the environment variables the recipe's YAML
 interpolates (``GPU_MEM_GB``) once, before the config is resolved, so that a bad one is named
 instead of failing inside omegaconf. Each rule of :data:`VALUE_RULES` says what verl does with a
 bad value (read from verl 0.9.1's trainer, workers and config dataclasses).
@@ -145,38 +145,40 @@ def _shown(value) -> object:
     return value
 
 
-def check_values(config: DictConfig, found: list) -> None:
-    """One :class:`~recipe.stapo.preflight.Problem` per value of :data:`VALUE_RULES` that fails its
-    test, plus the logger list (verl's backends) and ``recipe.gpu_mem_gb`` given as true/false.
-    A key the config does not have is not checked (verl then uses its default)."""
-    from recipe.stapo.preflight import Problem
+Finding = tuple
+"""``(key, problem, fix)`` or ``(key, problem, fix, value)``: the fields of a preflight ``Problem``."""
 
+
+def check_values(config: DictConfig) -> list[Finding]:
+    """One finding per value of :data:`VALUE_RULES` that fails its test, plus the logger list
+    (verl's backends) and ``recipe.gpu_mem_gb`` given as true/false. A key the config does not have
+    is not checked (verl then uses its default)."""
+    found: list[Finding] = []
     for rule in VALUE_RULES:
         value = OmegaConf.select(config, rule.key, default=_ABSENT)
         if value is _ABSENT or (value is None and rule.optional):
             continue
         if not rule.test(value):
-            found.append(Problem(rule.key, f"must be {rule.what} ({rule.why})", f"set {rule.key} to {rule.what}; "
-                                 f"{rule.fix}", _shown(value)))
+            found.append((rule.key, f"must be {rule.what} ({rule.why})", f"set {rule.key} to {rule.what}; "
+                          f"{rule.fix}", _shown(value)))
     _check_logger(config, found)
     gpu_mem = OmegaConf.select(config, "recipe.gpu_mem_gb", default=None)
     if isinstance(gpu_mem, bool):
-        found.append(Problem("recipe.gpu_mem_gb", "the target GPU's memory in GB must be a number, not true/false",
-                             "set GPU_MEM_GB (or recipe.gpu_mem_gb) to a number of GiB, e.g. 80", gpu_mem))
+        found.append(("recipe.gpu_mem_gb", "the target GPU's memory in GB must be a number, not true/false",
+                      "set GPU_MEM_GB (or recipe.gpu_mem_gb) to a number of GiB, e.g. 80", gpu_mem))
+    return found
 
 
 def _check_logger(config: DictConfig, found: list) -> None:
     """``trainer.logger``: a name or a list of names of verl's tracking backends (verl asserts it when
     the trainer builds its tracker, after Ray starts)."""
-    from recipe.stapo.preflight import Problem
-
     value = OmegaConf.select(config, "trainer.logger", default=_ABSENT)
     if value is _ABSENT:
         return
     names = [value] if isinstance(value, str) else list(value) if isinstance(value, ListConfig) else None
     supported = supported_loggers()
     if names is None or not all(isinstance(n, str) for n in names):
-        found.append(Problem("trainer.logger", "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
+        found.append(("trainer.logger", "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
                              f"(verl's loggers: {', '.join(supported)})", _shown(value)))
         return
     unknown = [n for n in names if n not in supported and n != "tracking"]
@@ -184,7 +186,7 @@ def _check_logger(config: DictConfig, found: list) -> None:
         import difflib
 
         hints = [f"{n} -> {close[0]}" for n in unknown if (close := difflib.get_close_matches(n, supported, n=1))]
-        found.append(Problem("trainer.logger", f"{', '.join(map(repr, unknown))} is not one of verl's loggers (verl "
+        found.append(("trainer.logger", f"{', '.join(map(repr, unknown))} is not one of verl's loggers (verl "
                              "asserts it when the trainer starts, after Ray)",
                              (f"did you mean {'; '.join(hints)}? " if hints else "")
                              + f"verl's loggers: {', '.join(supported)}", _shown(value)))
@@ -228,16 +230,14 @@ def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = N
     return value
 
 
-def check_environment(environ: Optional[Mapping[str, str]] = None) -> list:
-    """A :class:`~recipe.stapo.preflight.Problem` for each variable of :data:`NUMBER_ENV` that is set
+def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Finding]:
+    """A finding for each variable of :data:`NUMBER_ENV` that is set
     to something other than a positive number (checked before the config is resolved: omegaconf
     would fail on it with a long traceback that does not name the variable, or read ``true`` as 1)."""
-    from recipe.stapo.preflight import Problem
-
-    found = []
+    found: list[Finding] = []
     for name in NUMBER_ENV:
         try:
             positive_number_from_env(name, environ)
         except ValueError as e:
-            found.append(Problem(name, str(e), f"export {name}={NUMBER_ENV[name][1]} (or unset it)"))
+            found.append((name, str(e), f"export {name}={NUMBER_ENV[name][1]} (or unset it)"))
     return found

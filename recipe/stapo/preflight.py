@@ -603,7 +603,7 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
     numbers_ok = check_numbers(config, found)
     from recipe.stapo.config_checks import check_values
 
-    check_values(config, found)  # types and ranges verl would only trip over after Ray starts
+    found += [Problem(*finding) for finding in check_values(config)]  # types and ranges verl checks after Ray
     check_names(config, found)
     check_identity(config, found)
     check_paths(config, found, report.notes, submit)
