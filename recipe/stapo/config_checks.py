@@ -162,6 +162,7 @@ def check_values(config: DictConfig) -> list[Finding]:
             found.append((rule.key, f"must be {rule.what} ({rule.why})", f"set {rule.key} to {rule.what}; "
                           f"{rule.fix}", _shown(value)))
     _check_logger(config, found)
+    _check_metrics_writer(config, found)
     gpu_mem = OmegaConf.select(config, "recipe.gpu_mem_gb", default=None)
     if isinstance(gpu_mem, bool):
         found.append(("recipe.gpu_mem_gb", "the target GPU's memory in GB must be a number, not true/false",
@@ -190,6 +191,26 @@ def _check_logger(config: DictConfig, found: list) -> None:
                              "asserts it when the trainer starts, after Ray)",
                              (f"did you mean {'; '.join(hints)}? " if hints else "")
                              + f"verl's loggers: {', '.join(supported)}", _shown(value)))
+
+
+def _check_metrics_writer(config: DictConfig, found: list) -> None:
+    """The run's metrics file (``VERL_FILE_LOGGER_PATH`` the driver passes to the workers) has no
+    writer now: another launch of the same run still training would lose records to this one (the
+    logger itself refuses a second writer too, but only after Ray has started)."""
+    from verl_patches.resume import MetricsFileBusy, claim_metrics_file, writer_lock_path
+
+    path = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH", default=None)
+    loggers = OmegaConf.select(config, "trainer.logger", default=None)
+    names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
+    if not path or "file" not in names or not writer_lock_path(path).is_file():
+        return
+    try:
+        os.close(claim_metrics_file(path))
+    except MetricsFileBusy as e:
+        found.append(("trainer.default_local_dir", str(e), "wait for the other launch to end (or stop it), or "
+                      "give this run another trainer.default_local_dir (CKPT_DIR) or experiment name", path))
+    except OSError:
+        return  # a lock file this process cannot open: left to the logger, which names it
 
 
 def supported_loggers() -> list[str]:

@@ -390,3 +390,20 @@ def test_gpu_mem_gb_is_parsed_once_and_named(cluster, monkeypatch, value, phrase
     err = refused(paper(cluster))
     assert [p.key for p in err.problems] == ["GPU_MEM_GB"]
     assert phrase in str(err) and "Set e.g. GPU_MEM_GB=80" in str(err)
+
+
+def test_a_second_launch_while_the_metrics_file_has_a_writer_is_refused_before_ray(cluster):
+    """A local launch into a run folder whose trainer is still logging: refused in the driver (the
+    logger would refuse it too, but only after Ray has started)."""
+    from verl_patches.resume import claim_metrics_file
+
+    run_dir = Path(cluster["ckpt"]) / "qwen3_8b_stapo"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    passes(paper(cluster, "trainer.logger=[console,file]"))  # no writer: passes
+    held = claim_metrics_file(run_dir / "metrics.jsonl")  # the running launch's logger
+    try:
+        err = refused(paper(cluster, "trainer.logger=[console,file]"))
+        problem(err, "trainer.default_local_dir", f"{run_dir / 'metrics.jsonl'}: another process (pid {os.getpid()})")
+    finally:
+        os.close(held)
+    passes(paper(cluster, "trainer.logger=[console,file]"))  # the writer is gone
