@@ -432,6 +432,9 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
     except Exception as e:  # noqa: BLE001
         found.append(Problem(key, f"{path} is not a parquet file ({type(e).__name__}: {e})", prepare_cmd))
         return
+    if meta.num_rows == 0:  # before the columns: a file without rows may have none either
+        found.append(Problem(key, f"{path} has no rows", prepare_cmd))
+        return
     prompt_key = str(_pick(config, "data.prompt_key", "prompt"))
     source_key = str(_pick(config, "data.reward_fn_key", "data_source"))
     missing = [c for c in (prompt_key, source_key, REWARD_MODEL_COLUMN) if c not in schema.names]
@@ -445,8 +448,6 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
         found.append(Problem(key, f"{path} has no column {', '.join(missing)} (it has {', '.join(schema.names)}); "
                              f"the run reads {prompt_key}, {source_key} and {REWARD_MODEL_COLUMN}.{GROUND_TRUTH_FIELD}",
                              prepare_cmd))
-    elif meta.num_rows == 0:
-        found.append(Problem(key, f"{path} has no rows", prepare_cmd))
 
 
 def _model_folder(config: DictConfig, found: list[Problem], notes: list[str], submit: bool) -> None:

@@ -407,3 +407,10 @@ def test_a_second_launch_while_the_metrics_file_has_a_writer_is_refused_before_r
     finally:
         os.close(held)
     passes(paper(cluster, "trainer.logger=[console,file]"))  # the writer is gone
+
+
+def test_a_data_file_without_rows_is_named_as_empty_not_as_missing_columns(cluster):
+    import pandas as pd
+
+    pd.DataFrame([]).to_parquet(cluster["data"] / "aime24.parquet")  # 0 rows, and so no columns
+    problem(refused(paper(cluster)), "data.val_files", f"{cluster['data']}/aime24.parquet has no rows")
