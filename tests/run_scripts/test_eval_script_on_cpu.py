@@ -35,6 +35,7 @@ def test_a_checkpoint_not_saved_yet_is_refused_before_anything_is_written(tmp_pa
     proc = _run(tmp_path, "ck/qwen3_8b_stapo/global_step_200", tmp_path / "out", bench)
     assert proc.returncode == 2, proc.stderr
     assert f"{tmp_path}/ck/qwen3_8b_stapo/global_step_200: no such folder" in proc.stderr
+    assert "relative paths are taken from" not in proc.stderr  # eval.sh passed it made absolute: no other base named
     assert "Traceback" not in proc.stderr and "OSError" not in proc.stderr
     assert not (tmp_path / "out").exists()
 
