@@ -51,6 +51,15 @@ check_actor() {
     for ((r = 0; r < world; r++)); do
       [ -f "$actor/model_world_size_${world}_rank_${r}.pt" ] || missing+=("$actor/model_world_size_${world}_rank_${r}.pt (rank $r of $world)")
     done
+    # a shard cut off by a kill lacks the end of its zip archive (torch.save writes it last)
+    while IFS= read -r cut; do
+      [ -n "$cut" ] && missing+=("the end of $cut (cut off: the save was killed while writing it)")
+    done < <("$python" -c 'import sys, zipfile; print("\n".join(p for p in sys.argv[1:] if not zipfile.is_zipfile(p)))' \
+             "$actor"/model_world_size_"${world}"_rank_*.pt)
+  fi
+  if [ -f "$actor/huggingface/config.json" ] && ! "$python" -c 'import json, sys; assert isinstance(json.load(open(sys.argv[1])), dict)' \
+       "$actor/huggingface/config.json" 2>/dev/null; then
+    missing+=("a readable $actor/huggingface/config.json (it is not a JSON object: cut off or damaged)")
   fi
   if [[ "$(basename "$(dirname "$actor")")" =~ ^global_step_([0-9]+)$ ]]; then
     step=${BASH_REMATCH[1]}
@@ -94,7 +103,11 @@ if [ -n "$actor" ]; then
     check_actor "$actor"
     echo "[stapo] converting the verl checkpoint $actor to a Hugging Face model in $merged" >&2
     rm -rf "$merged.partial"
-    "$python" -m verl.model_merger merge --backend fsdp --local_dir "$actor" --target_dir "$merged.partial" >&2
+    if ! "$python" -m verl.model_merger merge --backend fsdp --local_dir "$actor" --target_dir "$merged.partial" >&2; then
+      rm -rf "$merged.partial"
+      echo "error: verl's model merger failed on $actor (its message is above); nothing was written" >&2
+      exit 2
+    fi
     rm -rf "$merged"
     mv "$merged.partial" "$merged"
   fi

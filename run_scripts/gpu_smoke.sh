@@ -29,6 +29,7 @@ python=${PYTHON:-python3}
 abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$2" "$1" ;; esac; }
 out=$(abs "${OUT:-results/gpu_smoke}" "$([ -n "${OUT:-}" ] && echo "$launch_dir" || echo "$PWD")")
 steps=${STEPS:-2}
+[[ "$steps" =~ ^[0-9]+$ ]] && [ "$steps" -ge 1 ] || { echo "STEPS='$steps': expected a whole number >= 1 (training steps per method)" >&2; exit 2; }
 read -ra methods <<< "${METHODS:-grpo entropy20 justrl stapo}"
 device=${SMOKE_DEVICE:-gpu}
 lengths=${LENGTHS:-short}

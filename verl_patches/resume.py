@@ -9,7 +9,11 @@ checkpoint). Two things of verl's would lose or keep too much across launches:
   (steps it trained past its last checkpoint, which the relaunch trains again); a step logged again
   (the validation a relaunch runs at its resume step, or two calls for one step) is merged into
   that step's record, the new values winning. The file is rewritten atomically only in the first
-  case; otherwise records are appended (a truncated last line, from a killed process, is dropped).
+  case; otherwise records are appended. A line that is not a step record (one cut by a killed
+  process, a garbage line anywhere) is moved to ``<file>.unreadable`` with a warning naming its
+  line; the records after it are kept. One process writes a file at a time: a second logger of the
+  same file (another launch into the same folder) stops at its start, naming the file and the
+  writer's pid (a lock file ``.<name>.writer`` beside it).
 - verl's checkpoint manager prunes (``trainer.max_actor_ckpt_to_keep``) only the checkpoints its
   own process saved, so those of earlier launches are never removed.
   :func:`wrap_checkpoint_save` counts them: before a manager's first save, the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
@@ -50,30 +55,79 @@ def file_logger_path(project_name: str, experiment_name: str, environ=os.environ
     return os.path.join(root, project_name, f"{experiment_name}.jsonl")
 
 
-def read_step_lines(path: str | os.PathLike) -> list[tuple[int, bytes]]:
-    """``(step, line)`` of each record of a metrics file, in file order (``[]`` if it is absent).
-
-    A line that is not a ``{"step": <int>, ...}`` JSON object ends the scan: a process killed while
-    writing leaves such a last line, and what follows it cannot be trusted either.
-    """
+def scan_step_lines(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+    """``(records, unreadable)`` of a metrics file (both ``[]`` if it is absent): ``(step, line)`` of
+    each ``{"step": <int>, ...}`` JSON object line, and ``(line_number, line)`` (1-based) of every
+    other line, in file order. A bad line anywhere (a last line cut by a killed process, a garbage
+    line in the middle) is listed on its own: the records after it are still read."""
     try:
         with open(path, "rb") as handle:
             raw = handle.read()
     except FileNotFoundError:
-        return []
-    records = []
-    for line in raw.splitlines(keepends=True):
-        if not line.endswith(b"\n"):
-            break
+        return [], []
+    records, unreadable = [], []
+    for number, line in enumerate(raw.splitlines(keepends=True), start=1):
         try:
-            obj = orjson.loads(line)
+            obj = orjson.loads(line) if line.endswith(b"\n") else None
         except orjson.JSONDecodeError:
-            break
+            obj = None
         step = obj.get("step") if isinstance(obj, dict) else None
         if not isinstance(step, int) or isinstance(step, bool):
-            break
+            if line.strip():
+                unreadable.append((number, line))
+            continue
         records.append((step, line))
-    return records
+    return records, unreadable
+
+
+def read_step_lines(path: str | os.PathLike) -> list[tuple[int, bytes]]:
+    """``(step, line)`` of each record of a metrics file, in file order (``[]`` if it is absent);
+    unreadable lines are left out (:func:`scan_step_lines` lists them)."""
+    return scan_step_lines(path)[0]
+
+
+def unreadable_lines_path(path: str | os.PathLike) -> Path:
+    """Where :class:`ResumableFileLog` moves the unreadable lines of ``path``: ``<path>.unreadable``."""
+    path = Path(path)
+    return path.with_name(path.name + ".unreadable")
+
+
+def writer_lock_path(path: str | os.PathLike) -> Path:
+    """The lock file a writer of ``path`` holds: ``.<name>.writer`` beside it (holds the writer's pid)."""
+    path = Path(path)
+    return path.with_name(f".{path.name}.writer")
+
+
+class MetricsFileBusy(RuntimeError):
+    """Another process is writing the metrics file (its two writers would lose records)."""
+
+
+def claim_metrics_file(path: str | os.PathLike) -> int:
+    """Take the one-writer lock of ``path`` (:func:`writer_lock_path`) and return its open file
+    descriptor (closing it releases the lock; so does the process's end, however it ends).
+
+    Raises:
+        MetricsFileBusy: naming the file and the other writer's pid, when another process (or
+            another open logger of this one) holds it.
+    """
+    import fcntl
+
+    lock = writer_lock_path(path)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise MetricsFileBusy(
+            f"{path}: another process (pid {holder}) is writing this metrics file; two writers would lose each "
+            f"other's records. Wait for it to end (or stop it), or give this run its own trainer.default_local_dir "
+            f"/ experiment name"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 
 class ResumableFileLog:
@@ -86,7 +140,8 @@ class ResumableFileLog:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._records = read_step_lines(self.path)
+        self._lock_fd: Optional[int] = claim_metrics_file(self.path)
+        self._records, self._unreadable = scan_step_lines(self.path)
         self._first = True
         self._last: Optional[tuple[int, dict, int]] = None  # step, data, byte offset of its line
         self.fp = None
@@ -104,6 +159,8 @@ class ResumableFileLog:
         """First record of this process: keep the earlier records up to ``step``, open for appending."""
         kept = [(s, line) for s, line in self._records if s <= step]
         on_disk = self.path.stat().st_size if self.path.exists() else 0
+        if self._unreadable:
+            self._quarantine()
         if len(kept) != len(self._records) or sum(len(line) for _, line in kept) != on_disk:
             self._rewrite([line for _, line in kept])
         self.fp = open(self.path, "ab", buffering=0)
@@ -111,6 +168,19 @@ class ResumableFileLog:
             offset = sum(len(line) for _, line in kept[:-1])
             self._last = (step, orjson.loads(kept[-1][1])["data"], offset)
         self._records = []
+
+    def _quarantine(self) -> None:
+        """Append the unreadable lines to :func:`unreadable_lines_path` (before the file is rewritten
+        without them, so a kill in between loses nothing) and say so."""
+        target = unreadable_lines_path(self.path)
+        with open(target, "ab") as handle:
+            handle.writelines(line if line.endswith(b"\n") else line + b"\n" for _, line in self._unreadable)
+            handle.flush()
+            os.fsync(handle.fileno())
+        numbers = ", ".join(str(n) for n, _ in self._unreadable[:10]) + (" ..." if len(self._unreadable) > 10 else "")
+        print(f"WARNING: {self.path}: line(s) {numbers} not a step record (a garbage line, or one cut by a killed "
+              f"process); moved to {target}, every readable step kept", file=sys.stderr)
+        self._unreadable = []
 
     def log(self, data: dict, step: int) -> None:
         if self._first:
@@ -128,6 +198,10 @@ class ResumableFileLog:
     def close(self) -> None:
         if self.fp is not None:
             self.fp.close()
+            self.fp = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
 
 def wrap_file_logger(original: type) -> type:

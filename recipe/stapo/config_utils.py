@@ -95,7 +95,8 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     """The config ``python -m recipe.stapo.main_stapo <overrides>`` would run with (interpolations
     unresolved, as Hydra gives it to the entry point).
 
-    Raises ``ValueError`` naming the group for an unknown ``method=`` or ``model=``.
+    Raises ``ValueError`` naming the group for an unknown ``method=`` or ``model=``, and with
+    Hydra's message for an override it refuses (a key that does not exist, bad syntax).
     """
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
@@ -105,11 +106,16 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         for group, valid in (("method", METHODS), ("model", MODELS)):
             if override.startswith(group + "=") and override.split("=", 1)[1] not in valid:
                 raise ValueError(f"unknown {group} {override.split('=', 1)[1]!r}: expected one of {list(valid)}")
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
             return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
     except MissingConfigException as e:
         raise ValueError(str(e)) from e
+    except (ConfigCompositionException, OverrideParseException) as e:  # a bad override: its message, no traceback
+        cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
+        raise ValueError(f"override refused: {str(e).strip()}{cause}".replace("\n", " ")) from None
 
 
 def validate(config: DictConfig) -> None:
@@ -309,6 +315,12 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     naming the key or path and the fix), before Ray starts. ``environ`` (default ``os.environ``) tells
     the preflight whether it runs for ``LAUNCH=submit``.
     """
+    from recipe.stapo.config_checks import check_environment
+    from recipe.stapo.preflight import PreflightError, Problem
+
+    bad_environment = check_environment()  # the variables the YAML interpolates, before resolving them
+    if bad_environment:
+        raise PreflightError([Problem(*finding) for finding in bad_environment])
     ensure_loss_statistics(config, log=log)
     resolve_paths(config, cwd=cwd, log=log)
     ensure_wandb_resume(config)

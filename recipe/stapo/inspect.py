@@ -388,11 +388,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.top < 1:
         parser.error(f"--top must be a positive integer, got {args.top}")
     try:
+        from recipe.stapo.plots import check_out_dir
+
+        check_out_dir(args.out if args.out is not None else args.run_dir / "inspect")  # before any reading
         paths = write_report(args.run_dir, args.out, top=args.top, seed=args.seed)
     except NoRecordsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    except (FileNotFoundError, ValueError) as exc:
+    except (OSError, ValueError) as exc:  # FileNotFoundError included; an OSError's message names its file
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for path in paths:

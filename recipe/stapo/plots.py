@@ -64,7 +64,22 @@ def read_metrics(path: str | os.PathLike) -> RunMetrics:
     (:func:`recipe.stapo.metrics.read_metrics`, then :func:`recipe.stapo.metrics.metric_series`), with
     its non-finite values in ``.nonfinite``."""
     steps = read_steps(path)
-    return RunMetrics(metric_series(steps), nonfinite_values(steps))
+    if not steps:
+        raise ValueError(f"{path}: no step records (an empty metrics file: the run logged no step yet, or the file "
+                         "was emptied); nothing to plot")
+    series, nonfinite = metric_series(steps), nonfinite_values(steps)
+    for key, (xs, ys) in list(series.items()):  # beyond PLOT_LIMIT: marked like a non-finite value
+        far = [(x, y) for x, y in zip(xs, ys) if abs(y) > PLOT_LIMIT]
+        if far:
+            kept = [(x, y) for x, y in zip(xs, ys) if abs(y) <= PLOT_LIMIT]
+            series[key] = ([x for x, _ in kept], [y for _, y in kept])
+            nonfinite[key] = sorted(nonfinite.get(key, []) + far, key=lambda p: p[0])
+    return RunMetrics(series, nonfinite)
+
+
+PLOT_LIMIT = 1e300
+"""Largest magnitude drawn as a point of a line: a larger (finite) value, e.g. a diverged loss near the
+float maximum, is marked at the top or bottom like an infinity (an axis spanning it cannot be drawn)."""
 
 
 def _nonfinite(metrics: Mapping[str, Series], key: str) -> list:
@@ -174,19 +189,25 @@ def nonfinite_notes(runs: Mapping[str, Mapping[str, Series]]) -> list[str]:
         for panel in PANELS:
             for key in panel.select(metrics).values():
                 if points := _nonfinite(metrics, key):
-                    notes.append(f"{label}: {key} is not finite at {len(points)} step(s) ({_describe_points(points)}); "
+                    what = "not finite" if not any(v is not None and math.isfinite(v) for _, v in points) else \
+                        "not finite or beyond +-1e300"
+                    notes.append(f"{label}: {key} is {what} at {len(points)} step(s) ({_describe_points(points)}); "
                                  f"marked on '{panel.name}', left out of its line")
     return notes
 
 
 #: how a non-finite value is marked on a panel: kind -> (marker, height in axes coordinates)
-NONFINITE_MARKERS = {"NaN": ("x", 0.96), "NaN/inf (null)": ("x", 0.96), "+inf": ("^", 0.96), "-inf": ("v", 0.04)}
+NONFINITE_MARKERS = {"NaN": ("x", 0.96), "NaN/inf (null)": ("x", 0.96), "+inf": ("^", 0.96), "-inf": ("v", 0.04),
+                     "> 1e300": ("^", 0.96), "< -1e300": ("v", 0.04)}
 
 
 def nonfinite_kind(value) -> str:
-    """``"NaN"``, ``"+inf"``, ``"-inf"``, or ``"NaN/inf (null)"`` for None (verl's file logger writes both as null)."""
+    """``"NaN"``, ``"+inf"``, ``"-inf"``, ``"NaN/inf (null)"`` for None (verl's file logger writes both as
+    null), or ``"> 1e300"`` / ``"< -1e300"`` for a finite value beyond :data:`PLOT_LIMIT`."""
     if value is None:
         return "NaN/inf (null)"
+    if math.isfinite(value):  # beyond PLOT_LIMIT
+        return "> 1e300" if value > 0 else "< -1e300"
     return "NaN" if math.isnan(value) else ("+inf" if value > 0 else "-inf")
 
 

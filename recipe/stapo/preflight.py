@@ -418,6 +418,9 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
     except Exception as e:  # noqa: BLE001
         found.append(Problem(key, f"{path} is not a parquet file ({type(e).__name__}: {e})", prepare_cmd))
         return
+    if meta.num_rows == 0:  # before the columns: a file without rows may have none either
+        found.append(Problem(key, f"{path} has no rows", prepare_cmd))
+        return
     prompt_key = str(_pick(config, "data.prompt_key", "prompt"))
     source_key = str(_pick(config, "data.reward_fn_key", "data_source"))
     missing = [c for c in (prompt_key, source_key, REWARD_MODEL_COLUMN) if c not in schema.names]
@@ -431,14 +434,12 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
         found.append(Problem(key, f"{path} has no column {', '.join(missing)} (it has {', '.join(schema.names)}); "
                              f"the run reads {prompt_key}, {source_key} and {REWARD_MODEL_COLUMN}.{GROUND_TRUTH_FIELD}",
                              prepare_cmd))
-    elif meta.num_rows == 0:
-        found.append(Problem(key, f"{path} has no rows", prepare_cmd))
 
 
 def _model_folder(config: DictConfig, found: list[Problem], notes: list[str], submit: bool) -> None:
     key = "actor_rollout_ref.model.path"
     path = str(_pick(config, key, "") or "")
-    download = (f"download it (huggingface-cli download Qwen/<model> --local-dir <folder>) and set STAPO_MODEL_DIR "
+    download = (f"download it (hf download Qwen/<model> --local-dir <folder>) and set STAPO_MODEL_DIR "
                 f"(or {key}) to the folder holding it")
     if not path:
         found.append(Problem(key, "is empty", download))
@@ -587,6 +588,9 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
         report.notes.append("LAUNCH=submit: paths this machine cannot see are left to the job's driver, which runs "
                             "the same checks on the head node before Ray starts")
     numbers_ok = check_numbers(config, found)
+    from recipe.stapo.config_checks import check_values
+
+    found += [Problem(*finding) for finding in check_values(config)]  # types and ranges verl checks after Ray
     check_names(config, found)
     check_identity(config, found)
     check_paths(config, found, report.notes, submit)

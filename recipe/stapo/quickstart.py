@@ -691,6 +691,13 @@ def parse_options(argv: Optional[list[str]] = None) -> QuickstartOptions:
 
 def main(argv: Optional[list[str]] = None) -> int:
     opts = parse_options(argv)
+    try:  # the overrides alone, before anything is built or written: a refusal leaves nothing behind
+        early = s2t_differences(run_settings("stapo", list(opts.overrides)), paper_settings())
+    except ValueError as exc:  # an override Hydra refuses (unknown key, bad syntax)
+        early = [f"--override: {exc}"]
+    if early:
+        print("[quickstart] refusing to run:\n  " + "\n  ".join(early), file=sys.stderr, flush=True)
+        return 2
     opts.out.mkdir(parents=True, exist_ok=True)
     print(f"[quickstart] tiny assets in {opts.assets} (built once, then reused)", flush=True)
     assets = build_assets(opts.assets).root

@@ -418,3 +418,13 @@ def test_dump_without_usable_record_exits_non_zero(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no usable record" in err and "step_000001.jsonl" in err
     assert not (tmp_path / "inspect").exists()
+
+
+def test_out_at_a_file_is_a_named_error(run, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for out in (afile, afile / "sub"):
+        assert insp.main([str(run[0]), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"error: output folder {out}" in err and "Traceback" not in err
+    assert afile.read_text() == "keep"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -514,3 +515,22 @@ def test_out_pointing_at_a_file_is_a_clear_error(two_runs, tmp_path, capsys):
     with pytest.raises(ValueError, match="is inside"):
         plots.plot_bands({"stapo": [runs["stapo"]]}, afile / "sub")
     assert afile.read_text() == "x"
+
+
+def test_values_near_the_float_maximum_are_marked_not_drawn(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    values = {1: 0.5, 2: 1.7e308, 3: -1.7e308, 4: 0.25}
+    path.write_text("".join(json.dumps({"step": s, "data": {"critic/score/mean": v}}) + "\n" for s, v in values.items()))
+    assert plots.main([str(path), "--out", str(tmp_path / "out")]) == 0
+    err = capsys.readouterr().err
+    assert "critic/score/mean is not finite or beyond +-1e300 at 2 step(s) (step 2 > 1e300, step 3 < -1e300)" in err
+    assert (tmp_path / "out" / "reward.png").is_file()
+    assert plots.read_metrics(path)["critic/score/mean"] == ([1, 4], [0.5, 0.25])
+
+
+def test_an_empty_metrics_file_is_an_error_naming_it(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"")
+    assert plots.main([str(path), "--out", str(tmp_path / "out")]) == 2
+    assert f"error: {path}: no step records" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

@@ -142,7 +142,7 @@ def test_model_folder_without_config_tokenizer_or_weights_is_refused(cluster, ca
     err = refused(paper(cluster, f"actor_rollout_ref.model.path={folder}"))
     phrase = {"missing": "does not exist", "empty": "is empty", "no_config": "no readable Hugging Face config.json",
               "no_tokenizer": "has no tokenizer", "no_weights": "has no weights"}[case]
-    problem(err, "actor_rollout_ref.model.path", str(folder), phrase, "huggingface-cli download")
+    problem(err, "actor_rollout_ref.model.path", str(folder), phrase, "hf download")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -348,3 +348,69 @@ def test_check_command_refuses_hostile_values_before_ray(tmp_path):
         assert text in out, out[-3000:]
     assert "Traceback" not in out and RAY_INIT_MARK not in out
     assert not (tmp_path / "dump").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# values verl would only trip over after Ray starts (recipe.stapo.config_checks)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, key, phrase", [
+    (f"{ACTOR}.optim.lr=abc", f"{ACTOR}.optim.lr", "='abc': must be a number >= 0"),
+    (f"{ACTOR}.ppo_epochs=0", f"{ACTOR}.ppo_epochs", "=0: must be a whole number >= 1"),
+    ("trainer.test_freq=abc", "trainer.test_freq", "='abc': must be a whole number"),
+    ("trainer.total_training_steps=abc", "trainer.total_training_steps", "='abc': must be a whole number >= 1"),
+    ("trainer.resume_mode=bogus", "trainer.resume_mode", "='bogus': must be one of auto, disable, resume_path"),
+    (f"{ROLLOUT}.top_p=0", f"{ROLLOUT}.top_p", "=0: must be a number in (0, 1]"),
+    (f"{ROLLOUT}.top_p=1.5", f"{ROLLOUT}.top_p", "=1.5: must be a number in (0, 1]"),
+    (f"{ROLLOUT}.gpu_memory_utilization=0", f"{ROLLOUT}.gpu_memory_utilization", "=0: must be a number in (0, 1]"),
+    (f"{ROLLOUT}.gpu_memory_utilization=-0.7", f"{ROLLOUT}.gpu_memory_utilization", "=-0.7: must be"),
+    (f"{ROLLOUT}.val_kwargs.n=0", f"{ROLLOUT}.val_kwargs.n", "=0: must be a whole number >= 1"),
+    (f"{ACTOR}.clip_ratio_high=-0.5", f"{ACTOR}.clip_ratio_high", "=-0.5: must be a number >= 0"),
+    (f"{ACTOR}.clip_ratio_low=2", f"{ACTOR}.clip_ratio_low", "=2: must be a number in [0, 1)"),
+    (f"{ACTOR}.clip_ratio_c=0.5", f"{ACTOR}.clip_ratio_c", "=0.5: must be a number > 1"),
+    (f"{ROLLOUT}.temperature=0", f"{ROLLOUT}.temperature", "=0: must be a number > 0"),
+    ("trainer.logger=[console,wandbb]", "trainer.logger", "'wandbb' is not one of verl's loggers"),
+    ("recipe.gpu_mem_gb=true", "recipe.gpu_mem_gb", "must be a number, not true/false"),
+])
+def test_a_value_verl_refuses_only_after_ray_is_refused_naming_the_key(cluster, override, key, phrase):
+    text = problem(refused(paper(cluster, override)), key, phrase)
+    if key == "trainer.logger":
+        assert "did you mean wandbb -> wandb" in text
+
+
+@pytest.mark.parametrize("value, phrase", [
+    ("", "GPU_MEM_GB is set but empty"),
+    ("[80]", "GPU_MEM_GB is '[80]', not a positive number"),
+    ("true", "GPU_MEM_GB is 'true', not a positive number"),
+    ("0", "GPU_MEM_GB is '0', not a positive number"),
+])
+def test_gpu_mem_gb_is_parsed_once_and_named(cluster, monkeypatch, value, phrase):
+    monkeypatch.setenv("GPU_MEM_GB", value)
+    err = refused(paper(cluster))
+    assert [p.key for p in err.problems] == ["GPU_MEM_GB"]
+    assert phrase in str(err) and "Set e.g. GPU_MEM_GB=80" in str(err)
+
+
+def test_a_second_launch_while_the_metrics_file_has_a_writer_is_refused_before_ray(cluster):
+    """A local launch into a run folder whose trainer is still logging: refused in the driver (the
+    logger would refuse it too, but only after Ray has started)."""
+    from verl_patches.resume import claim_metrics_file
+
+    run_dir = Path(cluster["ckpt"]) / "qwen3_8b_stapo"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    passes(paper(cluster, "trainer.logger=[console,file]"))  # no writer: passes
+    held = claim_metrics_file(run_dir / "metrics.jsonl")  # the running launch's logger
+    try:
+        err = refused(paper(cluster, "trainer.logger=[console,file]"))
+        problem(err, "trainer.default_local_dir", f"{run_dir / 'metrics.jsonl'}: another process (pid {os.getpid()})")
+    finally:
+        os.close(held)
+    passes(paper(cluster, "trainer.logger=[console,file]"))  # the writer is gone
+
+
+def test_a_data_file_without_rows_is_named_as_empty_not_as_missing_columns(cluster):
+    import pandas as pd
+
+    pd.DataFrame([]).to_parquet(cluster["data"] / "aime24.parquet")  # 0 rows, and so no columns
+    problem(refused(paper(cluster)), "data.val_files", f"{cluster['data']}/aime24.parquet has no rows")

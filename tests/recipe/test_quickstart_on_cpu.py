@@ -77,6 +77,21 @@ def test_quickstart_refuses_non_paper_stapo(fake_assets, tmp_path, monkeypatch, 
     assert f"{key} = " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("override, message", [
+    (f"{S2T}.tau_p=0.01", f"{S2T}.tau_p = 0.01, the paper's is 0.002"),
+    ("trainer.nnodez=1", "--override: override refused: Could not override 'trainer.nnodez'"),
+    ("trainer.nnodes=[1", "--override: override refused: no viable alternative at input '[1'"),
+])
+def test_an_override_is_refused_before_the_assets_are_built(tmp_path, monkeypatch, capsys, override, message):
+    monkeypatch.setattr(qs, "build_assets", _run_trainer_forbidden)
+    monkeypatch.setattr(qs, "run_cpu_trainer", _run_trainer_forbidden)
+    out, assets = tmp_path / "out", tmp_path / "assets"
+    assert qs.main(["--out", str(out), "--assets", str(assets), "--override", override]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists() and not assets.exists()
+
+
 def test_scale_override_is_allowed_and_recorded(fake_assets, tmp_path, monkeypatch):
     """A scale override passes the check; the run is attempted with it (a stub trainer fails it)."""
     calls = []

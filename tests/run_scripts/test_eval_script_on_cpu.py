@@ -35,6 +35,7 @@ def test_a_checkpoint_not_saved_yet_is_refused_before_anything_is_written(tmp_pa
     proc = _run(tmp_path, "ck/qwen3_8b_stapo/global_step_200", tmp_path / "out", bench)
     assert proc.returncode == 2, proc.stderr
     assert f"{tmp_path}/ck/qwen3_8b_stapo/global_step_200: no such folder" in proc.stderr
+    assert "relative paths are taken from" not in proc.stderr  # eval.sh passed it made absolute: no other base named
     assert "Traceback" not in proc.stderr and "OSError" not in proc.stderr
     assert not (tmp_path / "out").exists()
 
@@ -103,3 +104,55 @@ def test_the_default_grading_is_the_papers(tmp_path):
     argv = proc.stdout.splitlines()
     assert argv[argv.index("--verifier") + 1] == "auto"
     assert argv[argv.index("--verifier-prompt-file") + 1] == str(tmp_path / "cv" / "prompts.py")
+
+
+def _zip_shard(actor: Path, world: int, rank: int, cut: bool = False) -> None:
+    """A shard written as torch.save writes (a zip archive); ``cut``: its last bytes missing, as a
+    save killed mid-write leaves it."""
+    import io
+    import zipfile
+
+    actor.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("archive/data.pkl", b"x" * 4096)
+    data = buffer.getvalue()
+    (actor / f"model_world_size_{world}_rank_{rank}.pt").write_bytes(data[: len(data) // 2] if cut else data)
+
+
+def _first_checkpoint(tmp_path, cut_rank=None, hf_config="{}"):
+    """The first checkpoint of a run (no latest_checkpointed_iteration.txt yet: verl writes it after a save)."""
+    step = tmp_path / "ck" / "qwen3_8b_stapo" / "global_step_10"
+    actor = step / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    (actor / "huggingface" / "config.json").write_text(hf_config)
+    for rank in range(2):
+        _zip_shard(actor, 2, rank, cut=rank == cut_rank)
+    return step, actor
+
+
+def test_a_first_checkpoint_killed_mid_save_is_refused(tmp_path, bench):
+    step, actor = _first_checkpoint(tmp_path, cut_rank=1)
+    proc = _run(tmp_path, str(step), tmp_path / "out", bench)
+    assert proc.returncode == 2, proc.stderr
+    assert f"the end of {actor}/model_world_size_2_rank_1.pt (cut off" in proc.stderr
+    assert "rank_0" not in proc.stderr
+    assert not _written(tmp_path, tmp_path / "out", step / "merged_hf", step / "merged_hf.partial")
+
+
+def test_a_damaged_checkpoint_config_is_refused(tmp_path, bench):
+    step, actor = _first_checkpoint(tmp_path, hf_config='{"model_type": ')
+    proc = _run(tmp_path, str(step), tmp_path / "out", bench)
+    assert proc.returncode == 2 and f"a readable {actor}/huggingface/config.json" in proc.stderr
+
+
+def test_a_failing_merger_leaves_no_partial_folder(tmp_path, bench):
+    step, actor = _first_checkpoint(tmp_path)
+    fake = tmp_path / "python_merger_fails"
+    fake.write_text(f'#!/usr/bin/env bash\n[ "$2" = verl.model_merger ] && {{ echo merger exploded >&2; '
+                    f'mkdir -p "${{@: -1}}"; exit 1; }}\nexec {sys.executable} "$@"\n')
+    fake.chmod(0o755)
+    proc = _run(tmp_path, str(step), tmp_path / "out", bench, PYTHON=str(fake))
+    assert proc.returncode == 2, proc.stderr
+    assert "merger exploded" in proc.stderr and "verl's model merger failed" in proc.stderr
+    assert not _written(tmp_path, tmp_path / "out", step / "merged_hf", step / "merged_hf.partial")

@@ -241,6 +241,8 @@ def test_paper_lengths_with_a_model_too_large_for_the_gpus_is_refused(tmp_path, 
 @pytest.mark.parametrize("extra, message", [
     ({"LENGTHS": "long"}, "LENGTHS: unknown value 'long'"),
     ({"LENGTHS": "paper", "SMOKE_DEVICE": "cpu"}, "LENGTHS=paper needs SMOKE_DEVICE=gpu"),
+    ({"STEPS": "abc"}, "STEPS='abc': expected a whole number >= 1"),
+    ({"STEPS": "0"}, "STEPS='0': expected a whole number >= 1"),
 ])
 def test_bad_lengths_setting_fails(tmp_path, extra, message):
     model = write_model(tmp_path / "Qwen3-1.7B-Base", QWEN3_CONFIGS["Qwen3-1.7B-Base"])

@@ -15,7 +15,7 @@ import os
 import pytest
 
 from verl_patches.registry import original_of
-from verl_patches.resume import ResumableFileLog, earlier_checkpoints, read_step_lines, wrap_checkpoint_save, \
+from verl_patches.resume import MetricsFileBusy, ResumableFileLog, earlier_checkpoints, read_step_lines, wrap_checkpoint_save, \
     wrap_file_logger
 
 
@@ -107,6 +107,59 @@ def test_a_line_cut_by_a_killed_process_is_dropped(tmp_path):
     log.log({"a": 30}, 3)
     log.close()
     assert _records(path) == {1: {"a": 1}, 2: {"a": 2}, 3: {"a": 30}}
+
+
+def test_a_bad_middle_line_is_moved_aside_and_no_later_step_is_lost(tmp_path, capsys):
+    """Steps 1-10 with a garbage line after step 3; a relaunch resuming past 10 logs step 11: every
+    step stays (the earlier rule ended the scan at the bad line and kept [1, 2, 3, 11])."""
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "data": {"loss": float(s)}}).encode() + b"\n" for s in range(1, 11)]
+    lines.insert(3, b"this is not json\n")
+    path.write_bytes(b"".join(lines))
+    log = ResumableFileLog(path)
+    log.log({"loss": 11.0}, 11)
+    log.close()
+    assert _steps(path) == list(range(1, 12))
+    assert (tmp_path / "metrics.jsonl.unreadable").read_bytes() == b"this is not json\n"
+    err = capsys.readouterr().err
+    assert f"{path}: line(s) 4 not a step record" in err and "metrics.jsonl.unreadable" in err
+
+
+def test_a_relaunch_from_an_earlier_step_keeps_steps_around_a_bad_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step":1,"data":{"a":1}}\n[1, 2]\n{"step":2,"data":{"a":2}}\n{"step":3,"data":{"a":3}}\n')
+    log = ResumableFileLog(path)
+    log.log({"a": 20}, 2)  # resumes at 2: step 3 is trained again, step 1 and 2 merge
+    log.close()
+    assert _records(path) == {1: {"a": 1}, 2: {"a": 20}}
+    assert (tmp_path / "metrics.jsonl.unreadable").read_bytes() == b"[1, 2]\n"
+
+
+def test_a_second_writer_of_one_metrics_file_is_refused(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    first = ResumableFileLog(path)
+    first.log({"a": 1}, 1)
+    with pytest.raises(MetricsFileBusy, match=rf"{path}: another process \(pid {os.getpid()}\) is writing"):
+        ResumableFileLog(path)
+    first.log({"a": 2}, 2)
+    first.close()
+    second = ResumableFileLog(path)  # the first writer is done: the file is free again
+    second.log({"a": 3}, 3)
+    second.close()
+    assert _records(path) == {1: {"a": 1}, 2: {"a": 2}, 3: {"a": 3}}
+
+
+def test_a_second_writer_in_another_process_is_refused(tmp_path):
+    import subprocess
+    import sys
+
+    path = tmp_path / "metrics.jsonl"
+    first = ResumableFileLog(path)
+    code = ("import sys; from verl_patches.resume import ResumableFileLog, MetricsFileBusy\n"
+            "try:\n    ResumableFileLog(sys.argv[1])\nexcept MetricsFileBusy as exc:\n    print(exc); sys.exit(3)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    first.close()
+    assert done.returncode == 3 and f"another process (pid {os.getpid()})" in done.stdout
 
 
 def test_the_patched_logger_is_what_verls_tracking_builds(tmp_path, monkeypatch):

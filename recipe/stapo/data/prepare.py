@@ -18,8 +18,12 @@ answer is only ever taken from an answer field, never from a worked solution.
 
 ``OUT/manifest.json`` records row counts and sha256 hashes of output and source. It is read
 before any work (a corrupt one is an error naming it, and nothing is written); each output is
-written to a temp file, recorded in the manifest, then renamed into place, so an error at any
-point leaves the parquet file and its manifest entry as they were. ``--out-dir`` must be a folder
+written to a temp file, recorded in the manifest (with the temp file named as pending), renamed
+into place, and the pending mark dropped, so an error at any point leaves the parquet file and its
+manifest entry as they were, and a kill between the two steps is finished by the next preparation
+(the pending file is renamed into place, stale temp files removed). Writing holds the folder's
+lock (``OUT/.prepare.lock``) and reads the manifest under it, so overlapping preparations into one
+folder take turns and the manifest keeps every dataset written. ``--out-dir`` must be a folder
 (or not exist yet).
 
 Output schema (one row per problem; what verl's RLHFDataset reads)::
@@ -40,6 +44,7 @@ import math
 import os
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Optional, Sequence
@@ -445,7 +450,8 @@ def prepare_dataset(
     import pandas as pd
 
     check_out_dir(out_path.parent)
-    previous = read_manifest(manifest_dir) if manifest_dir is not None else None
+    if manifest_dir is not None:
+        read_manifest(manifest_dir)  # a corrupt manifest fails before the source is read
     source = source or spec.hf_id
     if _is_local(source):
         label = str(Path(source).resolve())
@@ -457,36 +463,63 @@ def prepare_dataset(
     records, source_rows, duplicates, invalid = collect_records(spec, rows, label, drop_invalid)
     table = [build_row(r, i, data_source or spec.name, split) for i, r in enumerate(records)]
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-    os.close(fd)
-    try:
-        pd.DataFrame(table).to_parquet(tmp, index=False)
-        result = PrepareResult(
-            name=spec.name,
-            output=out_path.name,
-            rows=len(records),
-            output_sha256=sha256_file(tmp),
-            source=label,
-            source_sha256=source_hash,
-            source_rows=source_rows,
-            dropped_invalid=len(invalid),
-            duplicates_removed=duplicates,
-            invalid_examples=invalid[:20],
-        )
-        if manifest_dir is not None:
-            _write_manifest(manifest_dir, previous, [result])
+    with _folder_lock(out_path.parent):
+        # under the folder's lock: another preparation into this folder waits here, and the
+        # manifest is read now, so an entry it wrote meanwhile is kept
+        previous = read_manifest(manifest_dir, _locked=True) if manifest_dir is not None else None
+        for stale in out_path.parent.glob(f".{out_path.name}.*.tmp"):  # left by a killed preparation
+            stale.unlink(missing_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
+        os.close(fd)
         try:
-            os.replace(tmp, out_path)
-        except BaseException:
+            pd.DataFrame(table).to_parquet(tmp, index=False)
+            result = PrepareResult(
+                name=spec.name,
+                output=out_path.name,
+                rows=len(records),
+                output_sha256=sha256_file(tmp),
+                source=label,
+                source_sha256=source_hash,
+                source_rows=source_rows,
+                dropped_invalid=len(invalid),
+                duplicates_removed=duplicates,
+                invalid_examples=invalid[:20],
+            )
             if manifest_dir is not None:
-                _put_back_manifest(manifest_dir, previous)
-            raise
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+                # the entry names its temp file as pending: a kill before the rename below is
+                # finished by the next reader of the manifest (:func:`read_manifest`)
+                _write_manifest(manifest_dir, previous, [result], pending={out_path.name: Path(tmp).name})
+            try:
+                os.replace(tmp, out_path)
+            except BaseException:
+                if manifest_dir is not None:
+                    _put_back_manifest(manifest_dir, previous)
+                raise
+            if manifest_dir is not None:
+                _write_manifest(manifest_dir, previous, [result])
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
     if spec.expected_rows is not None and len(records) != spec.expected_rows:
         print(f"[prepare] note: {spec.name} has {len(records)} rows, the paper's has {spec.expected_rows}", file=sys.stderr)
     return result
+
+
+LOCK_NAME = ".prepare.lock"
+"""Lock file of an output folder: one preparation at a time writes its parquet files and manifest."""
+
+
+@contextmanager
+def _folder_lock(out_dir: Path) -> Iterator[None]:
+    """Hold the output folder's lock (:data:`LOCK_NAME`; waits for another preparation's write)."""
+    import fcntl
+
+    with open(Path(out_dir) / LOCK_NAME, "a+b") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -502,12 +535,50 @@ def check_out_dir(out_dir: Path) -> None:
             return
 
 
-def read_manifest(out_dir: Path) -> Optional[dict]:
+def read_manifest(out_dir: Path, _locked: bool = False) -> Optional[dict]:
     """``out_dir/manifest.json`` as a dict, or None when there is none.
+
+    A manifest left with ``pending`` renames (a preparation killed between recording a parquet
+    file and renaming it into place) is completed first, under the folder's lock: a pending temp
+    file whose hash is the one recorded is renamed into place; then every stale temp file of a
+    preparation is removed and ``pending`` dropped, so the manifest and the files agree again.
 
     Raises:
         ValueError: naming the file, when it is not a UTF-8 JSON object whose ``datasets`` is an object.
     """
+    manifest = _read_manifest_file(out_dir)
+    if manifest is not None and manifest.get("pending") and not _locked and Path(out_dir).is_dir():
+        with _folder_lock(Path(out_dir)):
+            return read_manifest(out_dir, _locked=True)
+    if manifest is not None and manifest.get("pending"):
+        manifest = _finish_pending(Path(out_dir), manifest)
+    return manifest
+
+
+def _finish_pending(out_dir: Path, manifest: dict) -> dict:
+    """Complete the pending renames of ``manifest`` (see :func:`read_manifest`); the lock is held."""
+    pending = manifest.pop("pending") or {}
+    for output, tmp_name in pending.items() if isinstance(pending, dict) else ():
+        tmp, final = out_dir / str(tmp_name), out_dir / str(output)
+        name, entry = next(((n, e) for n, e in manifest.get("datasets", {}).items()
+                            if isinstance(e, dict) and e.get("output") == output), (None, None))
+        if entry is None:
+            continue
+        if tmp.is_file() and sha256_file(tmp) == entry.get("output_sha256"):
+            os.replace(tmp, final)
+            print(f"[prepare] {final}: finished the rename a killed preparation left", file=sys.stderr)
+        elif not final.is_file() or sha256_file(final) != entry.get("output_sha256"):
+            del manifest["datasets"][name]
+            print(f"[prepare] warning: {out_dir / MANIFEST_NAME}: the entry of {name} did not match {final} and its "
+                  "pending copy is gone; entry removed, rerun the preparation of that dataset", file=sys.stderr)
+    for stale in out_dir.glob(".*.parquet.*.tmp"):
+        stale.unlink(missing_ok=True)
+    atomic_write_json(out_dir / MANIFEST_NAME, manifest)
+    return manifest
+
+
+def _read_manifest_file(out_dir: Path) -> Optional[dict]:
+    """``out_dir/manifest.json`` as it is on disk (see :func:`read_manifest`)."""
     path = Path(out_dir) / MANIFEST_NAME
     if not path.exists():
         return None
@@ -524,12 +595,16 @@ def read_manifest(out_dir: Path) -> Optional[dict]:
     return manifest
 
 
-def _write_manifest(out_dir: Path, previous: Optional[dict], results: Sequence[PrepareResult]) -> Path:
+def _write_manifest(out_dir: Path, previous: Optional[dict], results: Sequence[PrepareResult],
+                    pending: Optional[dict[str, str]] = None) -> Path:
     manifest = json.loads(json.dumps(previous)) if previous else {}
     manifest.setdefault("datasets", {})
+    manifest.pop("pending", None)
     for result in results:
         manifest["datasets"][result.name] = result.manifest_entry()
     manifest["prompt_suffix"] = PROMPT_SUFFIX
+    if pending:
+        manifest["pending"] = pending
     return atomic_write_json(Path(out_dir) / MANIFEST_NAME, manifest)
 
 
@@ -587,6 +662,9 @@ def run_train(args: argparse.Namespace) -> list[PrepareResult]:
 
 def run_bench(args: argparse.Namespace) -> list[PrepareResult]:
     names = [n.strip() for n in args.benchmarks.split(",") if n.strip()]
+    if not names:
+        raise ValueError(f"--benchmarks {args.benchmarks!r} names no benchmark; pass some of {','.join(BENCHMARK_SPECS)} "
+                         "(or leave --benchmarks out for all six)")
     unknown = [n for n in names if n not in BENCHMARK_SPECS]
     if unknown:
         raise ValueError(f"--benchmarks: unknown {unknown}; known: {list(BENCHMARK_SPECS)}")

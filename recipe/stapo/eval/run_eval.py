@@ -132,6 +132,9 @@ class EvalConfig:
             raise ValueError(f"--backend must be 'vllm' or 'hf', got {self.backend!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization is the fraction of each GPU's memory vLLM may use, in (0, 1]; "
+                             f"got {self.gpu_memory_utilization:g} (e.g. 0.85)")
 
     def verifier_name(self) -> str:
         """``compass`` or ``none``: ``auto`` is ``none`` for a ``--limit`` smoke test, else ``compass``."""
@@ -161,6 +164,9 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; run `python -m recipe.stapo.data.prepare bench --out-dir {path.parent}`")
     frame = pd.read_parquet(path)
+    if len(frame) == 0:
+        raise ValueError(f"{path}: no problems (0 rows); re-prepare the data with "
+                         f"`python -m recipe.stapo.data.prepare bench --out-dir {path.parent}`")
     missing = [c for c in ("prompt", "reward_model", "extra_info") if c not in frame.columns]
     if missing:
         raise ValueError(f"{path}: missing column(s) {missing}")
@@ -174,6 +180,8 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
             problem_id = str(extra.get("id", index))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"{path}: row {index}: malformed prompt/reward_model/extra_info ({exc})") from exc
+        if not messages:
+            raise ValueError(f"{path}: row {index}: empty prompt (no chat message); re-prepare the data")
         if truth is None:
             raise ValueError(f"{path}: row {index}: unusable ground truth {row['reward_model']['ground_truth']!r} "
                              "(expected text, a number or a list of them); re-prepare the data")
@@ -209,8 +217,9 @@ def check_model_source(model: str, what: str = "--model") -> None:
     if not local:
         return
     if not path.exists():
+        base = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()}, this process's working folder)"
         raise FileNotFoundError(
-            f"{what} {model}: no such folder (relative paths are taken from {Path.cwd()}). A verl checkpoint "
+            f"{what} {model}: no such folder{base}. A verl checkpoint "
             "global_step_N exists only once the trainer has saved it; a hub id is ORG/NAME"
         )
     if not path.is_dir():
@@ -227,6 +236,72 @@ def check_model_source(model: str, what: str = "--model") -> None:
             f"{what} {model}: config.json but no weights (*.safetensors or *.bin): a copy or conversion that did "
             "not finish? Redo it (eval.sh converts a verl checkpoint into MODEL/actor/merged_hf)"
         )
+    problem = model_folder_problem(path)
+    if problem:
+        raise ValueError(f"{what} {model}: {problem}; redo the copy or conversion (eval.sh converts a verl checkpoint "
+                         "into global_step_N/merged_hf); nothing was written")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+"""A Hugging Face model folder has its tokenizer in at least one of these files."""
+
+
+def model_folder_problem(path: Path) -> Optional[str]:
+    """What makes a Hugging Face model folder that has ``config.json`` and weight files unusable, or
+    None: a ``config.json`` that is not a JSON object, a ``*.safetensors`` file shorter than its
+    header says (a copy or save cut off), a shard index naming a missing file, a ``*.bin`` file
+    that is not a complete zip archive, or no tokenizer file (:data:`TOKENIZER_FILES`). Reads only
+    the headers (milliseconds, whatever the model's size)."""
+    import zipfile
+
+    try:
+        config = json.loads((path / "config.json").read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"{path / 'config.json'} is not valid JSON ({exc})"
+    if not isinstance(config, dict):
+        return f"{path / 'config.json'} is not a JSON object"
+    for index in sorted(path.glob("*.index.json")):
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
+            return f"{index} is not a valid shard index ({exc})"
+        missing = sorted({str(f) for f in weight_map.values()} - {p.name for p in path.iterdir()})
+        if missing:
+            return f"{index} names shard(s) that are not there: {', '.join(missing[:5])}"
+    for weights in sorted(path.glob("*.safetensors")):
+        problem = _safetensors_problem(weights)
+        if problem:
+            return f"{weights}: {problem}"
+    for weights in sorted(path.glob("*.bin")):
+        if not zipfile.is_zipfile(weights):
+            return f"{weights}: not a complete PyTorch archive (cut off while being written or copied?)"
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        return (f"no tokenizer file (one of {', '.join(TOKENIZER_FILES)}); copy the tokenizer of the base model into "
+                "it (verl's merger writes it when the checkpoint's huggingface/ folder has it)")
+    return None
+
+
+def _safetensors_problem(path: Path) -> Optional[str]:
+    """Why a ``.safetensors`` file is not complete (its header is cut, or its tensors end past the
+    file's end), or None."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            return f"{size} bytes, not a safetensors file (cut off while being written or copied?)"
+        length = int.from_bytes(head, "little")
+        if length > size - 8:
+            return f"its header says {length} bytes but the file has {size} (cut off while being written or copied?)"
+        try:
+            header = json.loads(handle.read(length).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            return "an unreadable header (not a safetensors file, or damaged)"
+    ends = [v["data_offsets"][1] for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and isinstance(v.get("data_offsets"), list)]
+    needed = 8 + length + max(ends, default=0)
+    if needed > size:
+        return f"{size} bytes, but its tensors need {needed} (cut off while being written or copied?)"
+    return None
 
 
 def data_fingerprint(benchmarks_dir: Path, catalogs: dict[str, list[Problem]]) -> dict:

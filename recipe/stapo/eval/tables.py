@@ -147,7 +147,7 @@ def parse_markdown_table(text: str, source: str = "<table>") -> list[Row]:
             continue
         if len(cells) != len(header):
             raise ValueError(f"{source}: line {number}: {len(cells)} cells, header has {len(header)}")
-        row = Row(scale=cells[0], method=cells[1], source=f"{source}: line {number}", protocol={"protocol": PRINTED})
+        row = Row(scale=cells[0].strip(), method=cells[1].strip(), source=f"{source}: line {number}", protocol={"protocol": PRINTED})
         bad: dict[str, list[str]] = {}
         unusable: dict[str, set] = {}
         for name, cell in zip(header[2:], cells[2:]):
@@ -158,7 +158,7 @@ def parse_markdown_table(text: str, source: str = "<table>") -> list[Row]:
                     unusable.setdefault(decoding, set()).add(name)
                 else:
                     row.values.setdefault(decoding, {})[name] = value
-        row.issues = _merge_issues(bad, _missing_issues(row, unusable), _fraction_issue(row))
+        row.issues = _merge_issues(bad, _missing_issues(row, unusable), _fraction_issue(row), _lone_fraction_issues(row))
         rows.append(row)
     if header is None:
         raise ValueError(f"{source}: no '| model | method | ...' table header found")
@@ -181,6 +181,30 @@ def _fraction_issue(row: Row) -> dict[str, list[str]]:
     if not values or max(values) > 1.0:
         return {}
     return {d: ["every value is <= 1: fractions, not percentages? Table 2 takes mean@N in percent"] for d in DECODING_ORDER}
+
+
+def _lone_fraction_issues(row: Row, samples: Optional[dict[tuple[str, str], int]] = None) -> dict[str, list[str]]:
+    """An issue for each cell in (0, 1] of a row whose other values include one above 1: a single
+    fraction among percentages (``0.55`` for 55%), refused like a row of them. A cell of a run
+    summary that is a whole number of correct samples out of ``samples[(decoding, column)]``
+    (problems times N) is a genuine small mean@N and stays (``0.83`` = 8 of 960 samples)."""
+    values = [v for block in row.values.values() for v in block.values()]
+    if not values or max(values) <= 1.0:
+        return {}  # no percentages beside it (a row of fractions is :func:`_fraction_issue`'s)
+    issues: dict[str, list[str]] = {}
+    for decoding, block in row.values.items():
+        for column, value in block.items():
+            if column == AVG or not 0.0 < value <= 1.0:
+                continue
+            total = (samples or {}).get((decoding, column))
+            if total:
+                hits = value * total / 100.0
+                if abs(hits - round(hits)) <= 1e-6 * max(1.0, hits):
+                    continue
+            issues.setdefault(decoding, []).append(
+                f"{column} ({_label(decoding)}) = {value:g} is <= 1 among percentages: a fraction, not a percentage? "
+                "Table 2 takes mean@N in percent")
+    return issues
 
 
 def _merge_issues(*parts: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -253,8 +277,9 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
 
     Issues: ``limit`` set (smoke test) in the summary or a benchmark, a decoding block with
     ``complete: false``, a decoding setting or benchmark missing, a value that is not a finite
-    number or not a percentage in [0, 100] (that cell is left empty and no Avg is computed), or
-    every value at most 1 (fractions).
+    number or not a percentage in [0, 100] (that cell is left empty and no Avg is computed),
+    every value at most 1 (fractions), or one value in (0, 1] among percentages that is not a whole
+    number of correct samples (a fraction).
 
     Args:
         grading: ``as-run`` (``mean_at_n``) or ``rule-only`` (``rule_mean_at_n``).
@@ -267,18 +292,31 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
         raise ValueError(f"{source}: summary has no scale/method; pass it as SCALE:METHOD={source}")
     if not summary.get("decodings"):
         raise ValueError(f"{source}: summary has no decodings")
+    if not isinstance(summary["decodings"], dict):
+        raise ValueError(f"{source}: 'decodings' is a {type(summary['decodings']).__name__}, not an object of "
+                         "decoding settings; not a summary written by recipe.stapo.eval.run_eval")
+    for decoding, block in summary["decodings"].items():
+        if not isinstance(block, dict) or not isinstance(block.get("benchmarks", {}), (dict, type(None))):
+            what = block if not isinstance(block, dict) else block.get("benchmarks")
+            where = f"decodings.{decoding}" + ("" if not isinstance(block, dict) else ".benchmarks")
+            raise ValueError(f"{source}: {where} is {json.dumps(what)[:40]} ({type(what).__name__}), not an object; "
+                             "not a summary written by recipe.stapo.eval.run_eval (rerun the evaluation or fix the file)")
     key = "rule_mean_at_n" if grading == "rule-only" else "mean_at_n"
-    row = Row(scale=str(scale), method=str(method), source=source, protocol=protocol_of(summary, grading),
+    row = Row(scale=str(scale).strip(), method=str(method).strip(), source=source, protocol=protocol_of(summary, grading),
               grading=grading_of(summary, grading)[1])
     issues: dict[str, list[str]] = {d: [] for d in DECODING_ORDER}
     unusable: dict[str, set] = {d: set() for d in DECODING_ORDER}
     limit = summary.get("limit")
+    samples: dict[tuple[str, str], int] = {}
     for decoding, block in summary["decodings"].items():
         values = {}
         for bench, result in (block.get("benchmarks") or {}).items():
             if bench not in BENCH_TO_COLUMN:
                 continue
             column = BENCH_TO_COLUMN[bench]
+            counts = [result.get(k) for k in ("problems", "n_samples")] if isinstance(result, dict) else []
+            if len(counts) == 2 and all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts):
+                samples[(decoding, column)] = counts[0] * counts[1]
             if not isinstance(result, dict) or key not in result:
                 if grading == "rule-only":
                     raise ValueError(f"{source}: {bench} ({_label(decoding)}) has no rule_mean_at_n; rerun the evaluation")
@@ -300,7 +338,8 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
         if all(c in values for c in COLUMNS):
             values[AVG] = sum(values[c] for c in COLUMNS) / len(COLUMNS)
         row.values[decoding] = values
-    for decoding, found in _merge_issues(_missing_issues(row, unusable), _fraction_issue(row)).items():
+    found_issues = _merge_issues(_missing_issues(row, unusable), _fraction_issue(row), _lone_fraction_issues(row, samples))
+    for decoding, found in found_issues.items():
         issues[decoding] += found
     for decoding in DECODING_ORDER:
         if limit is not None:
@@ -314,25 +353,44 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
 
 def check_protocol(rows: Sequence[Row]) -> None:
     """Set ``protocol_issues`` of every row whose protocol differs from the table's: per field,
-    the value most rows have (ties: the earliest row's). A field a row lacks (a benchmark it
-    misses) is not compared: that row is partial anyway."""
+    the value more than half of the rows have. When no value has such a majority (two rows that
+    differ, or a three-way split) the table has no protocol for that field and every row that has
+    the field is marked, so that the order of the inputs never decides which row counts. A field a
+    row lacks (a benchmark it misses) is not compared: that row is partial anyway."""
     fields: list[str] = []
     for row in rows:
         fields += [f for f in row.protocol if f not in fields]
-    reference: dict[str, object] = {}
-    for name in fields:
-        values = [row.protocol[name] for row in rows if name in row.protocol]
-        counts = {json.dumps(v, sort_keys=True): 0 for v in values}
-        for v in values:
-            counts[json.dumps(v, sort_keys=True)] += 1
-        best = max(counts.values())
-        reference[name] = next(v for v in values if counts[json.dumps(v, sort_keys=True)] == best)
     for row in rows:
-        row.protocol_issues = [
-            f"{name} is {row.protocol[name]}, the table's is {reference[name]}"
-            for name in fields
-            if name in row.protocol and row.protocol[name] != reference[name]
-        ]
+        row.protocol_issues = []
+    for name in fields:
+        having = [row for row in rows if name in row.protocol]
+        counts: dict[str, int] = {}
+        for row in having:
+            key = json.dumps(row.protocol[name], sort_keys=True)
+            counts[key] = counts.get(key, 0) + 1
+        if len(counts) == 1:
+            continue
+        majority = [key for key, count in counts.items() if 2 * count > len(having)]
+        if majority:
+            reference = json.loads(majority[0])
+            for row in having:
+                if row.protocol[name] != reference:
+                    row.protocol_issues.append(f"{name} is {_shown(row.protocol[name], reference)}, "
+                                               f"the table's is {_shown(reference, row.protocol[name])}")
+            continue
+        distinct = [json.loads(key) for key in counts]
+        for row in having:
+            others = ", ".join(_shown(v, row.protocol[name]) for v in distinct if v != row.protocol[name])
+            row.protocol_issues.append(f"{name} is {_shown(row.protocol[name], distinct[0])}, other rows have {others} "
+                                       "(no value shared by most rows)")
+
+
+def _shown(value: object, other: object) -> str:
+    """``value`` as a protocol message writes it: as is, or with its type when it reads the same
+    as ``other`` (the text ``'32'`` beside the number ``32``)."""
+    if str(value) == str(other) and value != other:
+        return f"{value!r} ({type(value).__name__})"
+    return str(value)
 
 
 def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_protocol: bool = False,
@@ -357,13 +415,16 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
         label = None
         if "=" in spec and ":" in spec.split("=", 1)[0]:
             head, spec = spec.split("=", 1)
-            label = tuple(head.split(":", 1))
+            label = tuple(part.strip() for part in head.split(":", 1))
         path = Path(spec)
         if not path.is_file():
             raise FileNotFoundError(f"table input not found: {path}")
         if path.suffix.lower() == ".json":
             try:
-                summary = json.loads(path.read_text())
+                summary = json.loads(path.read_bytes().decode("utf-8"))
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}: not UTF-8 text (byte {exc.start + 1}); not a summary written by "
+                                 "recipe.stapo.eval.run_eval") from None
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from exc
             if not isinstance(summary, dict):
@@ -372,7 +433,11 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
         else:
             if grading == "rule-only":
                 raise ValueError(f"{path}: --grading rule-only needs summary.json inputs (a printed table has one grading)")
-            rows.extend(parse_markdown_table(path.read_text(), str(path)))
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"{path}: not UTF-8 text (byte {exc.start + 1}); expected a markdown table") from None
+            rows.extend(parse_markdown_table(text, str(path)))
     seen = set()
     for row in rows:
         if (row.scale, row.method) in seen:
@@ -599,6 +664,19 @@ def report(rows: Sequence[Row], fmt: str = "markdown", stapo_method: str = "STAP
     return "\n".join(parts) + "\n"
 
 
+def check_out_file(out: str | Path) -> None:
+    """Raise ValueError when the report cannot be written to ``out``: it is a folder, or a folder
+    above it is a file. An existing file is replaced."""
+    out = Path(out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; pass a file path (e.g. {out / 'table.md'})")
+    for folder in out.parents:
+        if folder.exists():
+            if not folder.is_dir():
+                raise ValueError(f"--out {out}: {folder} is a file, not a folder")
+            return
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.eval.tables", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", help="summary.json files ([SCALE:METHOD=]path) and/or markdown tables")
@@ -617,15 +695,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="as-run: each summary's grading (rows must share it); rule-only: every row's rule-only mean@N")
     args = parser.parse_args(argv)
     try:
+        if args.out:
+            check_out_file(args.out)
         rows = load_inputs(args.inputs, args.allow_partial, args.allow_mixed_protocol, args.grading)
         text = report(rows, args.format, args.stapo_method)
+        if args.out:
+            from stapo_core.fileio import atomic_write_text
+
+            try:
+                atomic_write_text(args.out, text)
+            except OSError as exc:
+                raise ValueError(f"--out {args.out}: cannot write the report ({exc.strerror or exc})") from None
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.out:
-        from stapo_core.fileio import atomic_write_text
-
-        atomic_write_text(args.out, text)
     print(text, end="")
     return 0
 

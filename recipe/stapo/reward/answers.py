@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+import unicodedata
 from decimal import Decimal
 from typing import Any, Optional
 
@@ -42,7 +43,23 @@ _LATEX_SPELLINGS = (
     ("°", ""),
     ("\\%", ""),
     ("%", ""),
+    ("\\varnothing", "\\emptyset"),
+    ("\u2205", "\\emptyset"),  # the character ∅
 )
+
+
+# ----------------------------------------------------------------------------------------------
+# invisible characters
+# ----------------------------------------------------------------------------------------------
+def without_invisible(text: str) -> str:
+    """``text`` without its invisible format characters (Unicode category Cf: zero-width space
+    U+200B, zero-width (non-)joiner, word joiner U+2060, byte-order mark U+FEFF, soft hyphen U+00AD,
+    direction marks, ...). They print as nothing, so ``"6\u200b"`` reads as ``6`` to a person and
+    must read the same to a reward: a ground truth copied from a web page or a file saved with a
+    byte-order mark would otherwise never match its correct answer. Linear in ``len(text)``."""
+    if text.isascii():
+        return text
+    return "".join(char for char in text if unicodedata.category(char) != "Cf")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,7 +91,7 @@ def _scalar_ground_truth(value: Any) -> tuple[Optional[str], Optional[str]]:
     """``(text, None)`` for a string or a finite number, else ``(None, why)``."""
     value = _unbox(value)
     if isinstance(value, str):
-        return value, None
+        return without_invisible(value), None
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None, f"a value of type {type(value).__name__} ({value!r:.40}), not a string or number"
     if isinstance(value, float) and not math.isfinite(value):
@@ -93,7 +110,9 @@ def ground_truth_conversion(value: Any) -> tuple[Optional[str], Optional[str]]:
     """``(text, None)`` for a usable ground truth, ``(None, why)`` otherwise: the one rule the
     rewards (:func:`ground_truth_text`) and the data preparation share.
 
-    * a string is itself (not stripped: the strict training reward compares it exactly);
+    * a string is itself without its invisible format characters (:func:`without_invisible`:
+      ``"6\u200b"`` -> ``"6"``), otherwise not stripped (the strict training reward compares it
+      exactly);
     * an int is its decimal digits; a finite float its plain decimal form (``5.0`` -> ``"5"``,
       ``0.5`` -> ``"0.5"``, ``1e-07`` -> ``"0.0000001"``); a numpy scalar the same as the Python
       number it stands for (``np.float32(0.1)`` -> ``"0.1"``);
@@ -102,7 +121,7 @@ def ground_truth_conversion(value: Any) -> tuple[Optional[str], Optional[str]]:
       way a model writes a list of answers in one box).
 
     Unusable: None, a bool, NaN or infinity, any other type (dict, bytes, ...), an empty list, a
-    list inside a list, an empty or whitespace-only text, a text longer than
+    list inside a list, an empty or whitespace-only text (invisible characters count as nothing), a text longer than
     :data:`MAX_GROUND_TRUTH_CHARS`, a text that is not valid Unicode (a lone surrogate).
     """
     value = _unbox(value)
@@ -137,14 +156,16 @@ def _list_ground_truth(values: list | tuple) -> tuple[Optional[str], Optional[st
 
 
 def _checked_text(text: str) -> tuple[Optional[str], Optional[str]]:
-    """``(text, None)``, or ``(None, why)`` for an empty, too long or not-Unicode text."""
+    """``(text, None)`` with invisible characters removed, or ``(None, why)`` for an empty, too long
+    or not-Unicode text."""
+    surrogate = unicode_problem(text)
+    if surrogate:
+        return None, surrogate
+    text = without_invisible(text)
     if not text.strip():
         return None, "an empty text"
     if len(text) > MAX_GROUND_TRUTH_CHARS:
         return None, f"{len(text)} characters, more than MAX_GROUND_TRUTH_CHARS={MAX_GROUND_TRUTH_CHARS}"
-    surrogate = unicode_problem(text)
-    if surrogate:
-        return None, surrogate
     return text, None
 
 
@@ -218,17 +239,37 @@ _BARE_COMMA = "\ue001"
 _SPACED_COMMA_RE = re.compile(r",(?=\s)")
 _AND_RE = re.compile(r"(?:,\s*)?\\text\{\s*and\s*\}")
 _THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:" + _BARE_COMMA + r"\d{3})+(?:\.\d+)?")
+_E_NOTATION_RE = re.compile(r"[-+]?\d+(?:\.\d*)?[eE][-+]?\d{1,3}")
+MAX_E_NOTATION_EXPONENT = 300
+"""A number in e-notation (``1e6``, ``2.5E-3``) is written out in plain digits when its exponent is at
+most this in absolute value (so the plain form has at most about this many digits)."""
+
+
+def _plain_number(text: str) -> str:
+    """``text`` in plain decimal digits when it is one number in e-notation (``1e6`` -> ``1000000``,
+    ``1e-3`` -> ``0.001``, ``2.5e3`` -> ``2500``), else ``text`` unchanged."""
+    if not _E_NOTATION_RE.fullmatch(text):
+        return text
+    number = Decimal(text)
+    if abs(number.as_tuple().exponent) > MAX_E_NOTATION_EXPONENT:
+        return text
+    plain = format(number, "f")
+    plain = plain.rstrip("0").rstrip(".") if "." in plain else plain
+    return "0" if plain in ("-0", "+0", "") else plain.lstrip("+")
 
 
 def normalize_answer(answer: str) -> str:
     """verl's DAPO / Minerva normalisation of a final answer, plus LaTeX-spelling folding and
     list-aware commas.
 
-    Steps: fold display variants (``\\dfrac``/``\\tfrac`` -> ``\\frac``, ``\\left``/``\\right``,
-    ``\\,``, degree and percent signs); verl's own
+    Steps: remove invisible format characters (:func:`without_invisible`); fold display variants
+    (``\\dfrac``/``\\tfrac`` -> ``\\frac``, ``\\left``/``\\right``, ``\\,``, degree and percent
+    signs, ``\\varnothing`` and ``∅`` -> ``\\emptyset``); verl's own
     ``verl.utils.reward_score.math_dapo.normalize_final_answer`` (right-hand side of ``=``, units and
     words, ``\\text{}``, dollars, spaces, ``\\frac12`` -> ``\\frac{1}{2}``); drop a trailing period
-    (``7.`` -> ``7``); finally remove the commas of a thousands-separated number (``1,234`` ->
+    (``7.`` -> ``7``); write one number in e-notation in plain digits (``1e6`` -> ``1000000``,
+    ``2.5E-3`` -> ``0.0025``: ``math_verify`` reads a lower-case ``e`` as Euler's number); finally
+    remove the commas of a thousands-separated number (``1,234`` ->
     ``1234``) and write every other comma as ``", "``.
 
     The commas are ours, not verl's: verl deletes every comma of an answer made of digits and commas
@@ -250,13 +291,13 @@ def normalize_answer(answer: str) -> str:
     """
     from verl.utils.reward_score.math_dapo import normalize_final_answer
 
-    final = answer.replace(_SPACED_COMMA, "").replace(_BARE_COMMA, "")
+    final = without_invisible(answer).replace(_SPACED_COMMA, "").replace(_BARE_COMMA, "")
     for before, after in _LATEX_SPELLINGS:
         final = final.replace(before, after)
     final = final.replace("{,}", "")  # verl's rule for LaTeX's thousands separator, before commas are hidden
     final = _AND_RE.sub(_SPACED_COMMA, final)  # verl reads "\text{and}" as a comma: a list separator
     final = _SPACED_COMMA_RE.sub(_SPACED_COMMA, final).replace(",", _BARE_COMMA)
-    final = normalize_final_answer(final).rstrip(".").strip()
+    final = _plain_number(normalize_final_answer(final).rstrip(".").strip())
     if _THOUSANDS_RE.fullmatch(final):
         return final.replace(_BARE_COMMA, "")
     return final.replace(_SPACED_COMMA, ", ").replace(_BARE_COMMA, ", ")

@@ -358,3 +358,77 @@ def test_list_answers_from_a_parquet_list_column(tmp_path):
     pd.DataFrame([{"id": "l1", "problem": "Roots?", "answer": [2, 3]}, {"id": "l2", "problem": "Root?", "answer": [7]}]).to_parquet(source)
     assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "amc23", "--source", f"amc23={source}"]) == 0
     assert [r["ground_truth"] for r in pd.read_parquet(tmp_path / "amc23.parquet")["reward_model"]] == ["2, 3", "7"]
+
+
+def test_overlapping_preparations_into_one_folder_keep_both_manifest_entries(tmp_path, monkeypatch):
+    """A second preparation finishes while the first is still reading its source: the first one's
+    manifest update keeps the second's entry (the earlier code wrote the manifest it read at its start)."""
+    out = tmp_path / "out"
+    good = FIXTURES / "bench_sample.jsonl"
+    real_collect = prepare.collect_records
+    calls = []
+
+    def collect_while_another_run_finishes(spec, rows, label, drop_invalid):
+        calls.append(spec.name)
+        if len(calls) == 1:  # the first run is reading its rows: the overlapping run writes amc23
+            assert main(["bench", "--out-dir", str(out), "--benchmarks", "amc23", "--source", f"amc23={good}"]) == 0
+        return real_collect(spec, rows, label, drop_invalid)
+
+    monkeypatch.setattr(prepare, "collect_records", collect_while_another_run_finishes)
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={good}"]) == 0
+    datasets = json.loads((out / "manifest.json").read_text())["datasets"]
+    assert set(datasets) == {"aime24", "amc23"}
+    for name in ("aime24", "amc23"):
+        assert datasets[name]["output_sha256"] == _sha(out / f"{name}.parquet")
+
+
+_KILL_AT_RENAME = """
+import os, signal, sys
+from recipe.stapo.data import prepare
+real_replace = os.replace
+def kill_at_rename(src, dst):
+    if str(dst).endswith(".parquet"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst)
+prepare.os.replace = kill_at_rename
+sys.exit(prepare.main(sys.argv[1:]))
+"""
+
+
+def test_a_kill_between_manifest_and_rename_is_finished_by_the_next_run(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    small = _write_jsonl(tmp_path / "small.jsonl", [GOOD])
+    big = _write_jsonl(tmp_path / "big.jsonl", [dict(GOOD, id=f"g{i}", problem=f"What is {i} + 2?") for i in range(50)])
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={small}"]) == 0
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    killed = subprocess.run([sys.executable, "-c", _KILL_AT_RENAME, "bench", "--out-dir", str(out), "--benchmarks",
+                             "aime24", "--source", f"aime24={big}"], env=env, capture_output=True, timeout=300)
+    assert killed.returncode == -9
+    assert list(out.glob(".aime24.parquet.*.tmp"))  # the kill left the temp file
+    # any reader of the manifest (here: the next preparation of another benchmark) finishes the rename
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "amc23", "--source", f"amc23={small}"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert "pending" not in manifest
+    assert manifest["datasets"]["aime24"]["rows"] == len(pd.read_parquet(out / "aime24.parquet")) == 50
+    assert manifest["datasets"]["aime24"]["output_sha256"] == _sha(out / "aime24.parquet")
+    assert not list(out.glob(".*.tmp"))
+
+
+def test_a_stale_temp_file_of_a_kill_before_the_manifest_is_removed(tmp_path):
+    out = tmp_path / "out"
+    good = FIXTURES / "bench_sample.jsonl"
+    out.mkdir()
+    (out / ".aime24.parquet.abc123.tmp").write_bytes(b"half a parquet")
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={good}"]) == 0
+    assert not list(out.glob(".*.tmp"))
+
+
+@pytest.mark.parametrize("names", ["", " , "])
+def test_benchmarks_naming_nothing_is_an_error(tmp_path, capsys, names):
+    assert main(["bench", "--out-dir", str(tmp_path / "out"), "--benchmarks", names]) == 2
+    assert f"error: --benchmarks {names!r} names no benchmark" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

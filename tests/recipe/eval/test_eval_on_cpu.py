@@ -344,3 +344,26 @@ def test_repeated_problem_id_in_a_benchmark_file_is_named(tmp_path):
     frame.to_parquet(bench / "aime24.parquet", index=False)
     with pytest.raises(ValueError, match=r"aime24\.parquet: rows 1 and 3 .*'b2'"):
         run_eval.load_problems(bench / "aime24.parquet")
+
+
+def test_a_row_with_an_empty_prompt_is_named(tmp_path):
+    import pandas as pd
+
+    bench = _bench_dir(tmp_path / "bench", _fixture_rows())
+    frame = pd.read_parquet(bench / "aime24.parquet")
+    frame.at[2, "prompt"] = []
+    frame.to_parquet(bench / "aime24.parquet", index=False)
+    with pytest.raises(ValueError, match=r"aime24\.parquet: row 2: empty prompt"):
+        run_eval.load_problems(bench / "aime24.parquet")
+
+
+def test_a_benchmark_file_without_rows_is_named_as_empty(tmp_path):
+    import pandas as pd
+
+    bench = _bench_dir(tmp_path / "bench", _fixture_rows(), names=("aime24", "amc23"))
+    pd.DataFrame([]).to_parquet(bench / "aime24.parquet", index=False)  # no columns either
+    frame = pd.read_parquet(bench / "amc23.parquet")
+    frame.iloc[:0].to_parquet(bench / "amc23.parquet", index=False)  # the columns, no rows
+    for name in ("aime24", "amc23"):
+        with pytest.raises(ValueError, match=rf"{name}\.parquet: no problems \(0 rows\)"):
+            run_eval.load_problems(bench / f"{name}.parquet")

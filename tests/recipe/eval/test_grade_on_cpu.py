@@ -3,6 +3,7 @@ cached verdicts and grades keyed by everything that decides them, summaries that
 across invocations, and bad inputs refused before anything is written."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -449,3 +450,47 @@ def test_a_second_evaluation_into_a_busy_folder_is_refused(bench, tmp_path):
     finally:
         lock.release()
     assert run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))["decodings"]
+
+
+def _model_copy(assets, tmp_path):
+    """A copy of the tiny CPU model folder (a complete Hugging Face model folder)."""
+    import shutil
+
+    return Path(shutil.copytree(Path(assets) / "model", tmp_path / "hf"))
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda m: (m / "model.safetensors").write_bytes((m / "model.safetensors").read_bytes()[:-100]), "cut off"),
+    (lambda m: (m / "model.safetensors").write_bytes(b"\x05"), "not a safetensors file"),
+    (lambda m: (m / "config.json").write_text('{"model_type": "qwen'), "config.json is not valid JSON"),
+    (lambda m: (m / "config.json").write_text("[1]"), "config.json is not a JSON object"),
+    (lambda m: (m / "tokenizer.json").unlink(), "no tokenizer file"),
+    (lambda m: (m / "model.safetensors.index.json").write_text('{"weight_map": {"a": "model-00002.safetensors"}}'),
+     "names shard(s) that are not there: model-00002.safetensors"),
+    (lambda m: (m / "pytorch_model.bin").write_bytes(b"PK\x03\x04 cut"), "not a complete PyTorch archive"),
+])
+def test_an_incomplete_or_corrupt_model_folder_is_refused_before_anything_is_written(assets, bench, tmp_path, damage, words):
+    model = _model_copy(assets, tmp_path)
+    damage(model)
+    with pytest.raises(ValueError, match=re.escape(words)):
+        run_evaluation(scripted_config(bench, tmp_path / "out", model=str(model)))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_complete_model_folder_passes_the_check(assets, tmp_path):
+    run_eval.check_model_source(str(_model_copy(assets, tmp_path)))
+
+
+def test_a_missing_absolute_path_names_no_working_folder(tmp_path):
+    with pytest.raises(FileNotFoundError) as err:
+        run_eval.check_model_source(str(tmp_path / "nope" / "global_step_2"))
+    assert "relative paths" not in str(err.value)
+    with pytest.raises(FileNotFoundError, match=re.escape(f"relative paths are taken from {Path.cwd()}")):
+        run_eval.check_model_source("nope/global_step_2")
+
+
+@pytest.mark.parametrize("value", [5.0, 0.0, -0.7])
+def test_gpu_memory_utilization_outside_0_1_is_refused(bench, tmp_path, value):
+    config = scripted_config(bench, tmp_path / "out", gpu_memory_utilization=value)
+    with pytest.raises(ValueError, match=r"--gpu-memory-utilization .* in \(0, 1\]"):
+        config.validate()

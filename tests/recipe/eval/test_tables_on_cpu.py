@@ -382,3 +382,92 @@ def test_summary_from_run_eval_carries_its_protocol(tmp_path):
     assert protocol["max_new_tokens"] == 6 and protocol["N (AIME24, 1.0/1.0)"] == 6
     assert protocol["decoding 1.0/1.0"] == "temperature 1.0, top-p 1.0"
     assert protocol["grading"].startswith("rule-only ") and protocol["problems (AIME24)"].startswith("5 [")
+
+
+@pytest.mark.parametrize("value", [0.55, 1.0, 0.3])
+def test_one_fraction_cell_among_percentages_is_refused(tmp_path, value):
+    stapo = _run_summary("8B", "STAPO", 50.0)
+    stapo["decodings"]["train"]["benchmarks"]["aime24"]["mean_at_n"] = value
+    paths = [_write(tmp_path, "justrl", _run_summary("8B", "JustRL", 40.0)), _write(tmp_path, "stapo", stapo)]
+    with pytest.raises(ValueError, match=rf"stapo\.json: 8B STAPO: AIME24 \(1\.0/1\.0\) = {value:g} is <= 1 among percentages"):
+        load_inputs(paths)
+    text = tables.report(load_inputs(paths, allow_partial=True))
+    assert "n/a" in _headline_line(text, "1.0/1.0")  # the row never makes a headline
+
+
+def test_a_small_whole_number_of_correct_samples_is_a_percentage(tmp_path):
+    stapo = _run_summary("8B", "STAPO", 50.0)  # 30 problems, N=32 on AIME24: 960 samples
+    stapo["decodings"]["train"]["benchmarks"]["aime24"]["mean_at_n"] = 100.0 * 8 / 960  # 0.83: 8 correct samples
+    stapo["decodings"]["train"]["benchmarks"]["aime25"]["mean_at_n"] = 0.0
+    paths = [_write(tmp_path, "justrl", _run_summary("8B", "JustRL", 40.0)), _write(tmp_path, "stapo", stapo)]
+    assert not load_inputs(paths)[1].partial()
+
+
+def test_a_fraction_cell_in_a_printed_table_is_refused(tmp_path):
+    path = tmp_path / "t.md"
+    path.write_text(PAPER.read_text().replace("| 8B | STAPO | 33.44 (39.48)", "| 8B | STAPO | 0.33 (39.48)", 1))
+    with pytest.raises(ValueError, match=r"8B STAPO: AIME24 \(1\.0/1\.0\) = 0\.33 is <= 1 among percentages"):
+        load_inputs([str(path)])
+
+
+@pytest.mark.parametrize("decodings, words", [
+    ({"train": None}, "decodings.train is null (NoneType), not an object"),
+    ({"train": [1, 2]}, "decodings.train is [1, 2] (list), not an object"),
+    ({"train": {"benchmarks": [50.0]}}, "decodings.train.benchmarks is [50.0] (list), not an object"),
+    ([{"train": {}}], "'decodings' is a list, not an object"),
+])
+def test_a_summary_of_the_wrong_shape_is_a_named_error(tmp_path, capsys, decodings, words):
+    path = _write(tmp_path, "odd", {"scale": "8B", "method": "STAPO", "decodings": decodings})
+    assert tables.main([path]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {path}: {words}" in err and "Traceback" not in err
+
+
+def test_a_non_utf8_summary_is_named(tmp_path, capsys):
+    path = tmp_path / "s.json"
+    path.write_bytes(b'{"scale": "8B\xff"}')
+    assert tables.main([str(path)]) == 2
+    assert f"error: {path}: not UTF-8 text" in capsys.readouterr().err
+
+
+def test_out_at_a_folder_or_below_a_file_is_a_named_error_written_nowhere(tmp_path, capsys):
+    paths = _eight_b(tmp_path, _summary("8B", "GRPO", [45.0] * 6, [45.0] * 6))
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    assert tables.main(paths + ["--out", str(folder)]) == 2
+    assert f"error: --out {folder} is a folder" in capsys.readouterr().err
+    assert list(folder.iterdir()) == []
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    assert tables.main(paths + ["--out", str(afile / "t.md")]) == 2
+    assert f"{afile} is a file, not a folder" in capsys.readouterr().err and afile.read_text() == "keep"
+    assert tables.main(paths + ["--out", str(afile)]) == 0  # an existing file is replaced
+    assert "Headline" in afile.read_text()
+
+
+def test_two_rows_that_differ_are_both_marked_whatever_their_order(tmp_path):
+    one = _write(tmp_path, "one", _run_summary("8B", "JustRL", 40.0, n={"aime24": 1}))
+    many = _write(tmp_path, "many", _run_summary("8B", "STAPO", 50.0))
+    for paths in ([one, many], [many, one]):
+        rows = load_inputs(paths, allow_mixed_protocol=True)
+        assert all(r.protocol_issues for r in rows)
+        text = tables.report(rows)
+        assert "**" not in text.split("\n\n")[0]  # no row is bolded against another protocol
+        assert "N (AIME24, 1.0/1.0) is 1, other rows have 32 (no value shared by most rows)" in text
+        assert "N (AIME24, 1.0/1.0) is 32, other rows have 1" in text
+
+
+def test_a_text_n_beside_a_number_shows_both_types(tmp_path):
+    odd = _run_summary("8B", "GRPO", 45.0)
+    odd["decodings"]["train"]["benchmarks"]["aime24"]["n_samples"] = "32"
+    paths = _eight_b_rows(tmp_path, odd)
+    with pytest.raises(ValueError, match=re.escape("N (AIME24, 1.0/1.0) is '32' (str), the table's is 32 (int)")):
+        load_inputs(paths)
+
+
+def test_labels_are_read_without_surrounding_spaces(tmp_path):
+    paths = [_write(tmp_path, "justrl", _run_summary("8B ", "JustRL", 40.0)),
+             _write(tmp_path, "stapo", _run_summary("8B", " STAPO", 50.0))]
+    rows = load_inputs(paths)
+    assert tables.scales(rows) == ["8B"] and rows[1].method == "STAPO"
+    assert headline(rows, "train")[0] == pytest.approx(25.0)

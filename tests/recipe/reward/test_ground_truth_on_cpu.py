@@ -59,6 +59,28 @@ def test_lenient_reward_scores_numeric_and_list_ground_truths_as_their_text(valu
     assert compute_score_lenient("x", f"The answer is \\boxed{{{text}}}.", value)["score"] == 1.0
 
 
+INVISIBLE = [  # (ground-truth cell with invisible characters, the text every reader sees)
+    ("6\u200b", "6"),
+    ("\ufeff6", "6"),
+    ("1\u20600", "10"),
+    ("\\frac{1}{2}\u00ad", "\\frac{1}{2}"),
+    (["1\u200b", "2"], "1, 2"),
+]
+
+
+@pytest.mark.parametrize("value, text", INVISIBLE, ids=repr)
+def test_invisible_characters_in_a_ground_truth_are_removed_for_both_rewards(value, text):
+    assert ground_truth_text(value) == text
+    response = f"The answer is \\boxed{{{text}}}."
+    assert compute_score("x", response, value) == {"score": 1.0, "acc": True, "pred": text}
+    assert compute_score_lenient("x", response, value)["score"] == 1.0
+
+
+def test_a_ground_truth_of_invisible_characters_only_is_empty():
+    assert ground_truth_text("\u200b\ufeff") is None
+    assert "empty" in ground_truth_problem("\u200b")
+
+
 @pytest.mark.parametrize("value, text", LISTS, ids=repr)
 def test_a_list_is_never_read_as_its_first_element(value, text):
     first = text.split(", ")[0]
@@ -70,7 +92,7 @@ def test_a_list_is_never_read_as_its_first_element(value, text):
 def test_data_preparation_writes_the_same_text(tmp_path):
     """JSONL cells (floats, ints, lists) and a parquet list column: what preparation writes is the
     rewards' text, stripped of surrounding spaces and $."""
-    json_values = [(v, t) for v, t in NUMBERS + LISTS if not isinstance(v, (np.generic, np.ndarray))]
+    json_values = [(v, t) for v, t in NUMBERS + LISTS + INVISIBLE if not isinstance(v, (np.generic, np.ndarray))]
     rows = [{"id": f"j{i}", "problem": f"p{i}", "answer": value if not isinstance(value, tuple) else list(value)}
             for i, (value, _) in enumerate(json_values)]
     source = tmp_path / "amc.jsonl"

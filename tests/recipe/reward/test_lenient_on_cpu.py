@@ -59,6 +59,23 @@ CASES = [
     ("", "3", -1.0),
     ("数学 \\boxed{５}", "5", -1.0),  # full-width digit is not 5
     ("émoji 🙂 \\boxed{5}", "5", 1.0),
+    # lower-case e-notation is a number, not Euler's number (math_verify alone: wrong)
+    ("\\boxed{1e6}", "1000000", 1.0),
+    ("\\boxed{1000000}", "1e6", 1.0),
+    ("\\boxed{1e-3}", "0.001", 1.0),
+    ("\\boxed{2.5e3}", "2500", 1.0),
+    ("\\boxed{1E6}", "1000000", 1.0),
+    ("\\boxed{1e6}", "100000", -1.0),
+    ("\\boxed{2e}", "2", -1.0),
+    # the empty set's spellings
+    ("\\boxed{\\emptyset}", "\\varnothing", 1.0),
+    ("\\boxed{\\varnothing}", "\\emptyset", 1.0),
+    ("\\boxed{\u2205}", "\\emptyset", 1.0),
+    # invisible characters (zero-width space, byte-order mark, word joiner) read as nothing
+    ("\\boxed{6}", "6\u200b", 1.0),
+    ("\\boxed{6}", "\ufeff6", 1.0),
+    ("\\boxed{6\u2060}", "6", 1.0),
+    ("\\boxed{7}", "6\u200b", -1.0),
 ]
 
 
