@@ -12,7 +12,34 @@ import os
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
+
+
+def output_folder_problem(option: str, path: str | os.PathLike) -> Optional[str]:
+    """Why files cannot be written into the folder ``path`` (created if missing), named after the
+    command-line ``option`` that gave it; None when they can. Nothing is created."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            return f"{option} {path} is a file, not a folder: give a folder path (it is created if missing)"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{option} {path} is not writable: give a folder you can write to"
+        return None
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{option} {path} cannot be created: {parent} is a file; give a folder path"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{option} {path} cannot be created: {parent} is not writable; give a folder you can write to"
+    return None
+
+
+def check_output_folder(option: str, path: str | os.PathLike) -> None:
+    """Raise ``ValueError`` with :func:`output_folder_problem`'s message when there is one."""
+    problem = output_folder_problem(option, path)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:

@@ -114,6 +114,17 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="ReplayBuffer.__init__ storing poll_interval, which _wait_for_next_poll sleeps between checks",
         drop_when="verl makes the replay buffer's poll interval a config key",
     ),
+    # -- TRL beside verl (the recipe's TRL adapter installs TRL 1.x) ------------------------------
+    Patch(
+        name="trl_without_value_head",
+        target="verl.models.transformers.monkey_patch:is_trl_available",
+        wrapper="verl_patches.trl_compat:wrap_is_trl_available",
+        changes="reports TRL as unavailable when the installed TRL has no AutoModelForCausalLMWithValueHead",
+        why="verl imports that class in apply_monkey_patch whenever TRL is installed; TRL 1.x (the trl extra) "
+            "dropped it, so every model build failed",
+        relies_on="apply_monkey_patch reading the module-level is_trl_available only to patch the value-head class",
+        drop_when="verl imports the value-head class only where the installed TRL has it",
+    ),
     # -- token selection (STAPO's S2T, 20-Entropy) in the actor -----------------------------------
     Patch(
         name="ppo_loss_token_selection",

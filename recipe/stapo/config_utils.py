@@ -316,7 +316,7 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     the preflight whether it runs for ``LAUNCH=submit``.
     """
     from recipe.stapo.config_checks import check_environment
-    from recipe.stapo.preflight import PreflightError, Problem
+    from recipe.stapo.preflight import Problem
 
     bad_environment = check_environment()  # the variables the YAML interpolates, before resolving them
     if bad_environment:

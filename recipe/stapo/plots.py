@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from stapo_core.fileio import atomic_write
+from stapo_core.fileio import atomic_write, check_output_folder
 
 from .methods import methods
 from .metrics import Series, find_metrics_file, metric_series, nonfinite_values
@@ -304,16 +304,8 @@ def panel_figure(panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapp
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """Raise ValueError when ``out_dir`` (or a folder above it) exists as a file; a folder that does
-    not exist yet is fine (it is created)."""
-    out_dir = Path(out_dir)
-    for folder in (out_dir, *out_dir.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                where = "is a file" if folder == out_dir else f"is inside {folder}, which is a file"
-                raise ValueError(f"output folder {out_dir} {where}, not a folder; pass --out a folder "
-                                 "(it is created if missing)")
-            return
+    """Raise ValueError when files cannot be written into ``out_dir`` (``--out``; created if missing)."""
+    check_output_folder("--out", out_dir)
 
 
 def _save(fig, path: Path) -> Path:

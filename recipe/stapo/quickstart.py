@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -58,6 +57,7 @@ from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibili
 from recipe.stapo.cpu.assets import AssetConfig, asset_paths, build_assets, is_built
 from recipe.stapo.plots import DLOGP_SETS, plot_bands, plot_runs, plot_update_effect, update_effect_of_run
 from recipe.stapo.methods import methods
+from stapo_core.fileio import output_folder_problem
 from stapo_core.rules import S2T
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
@@ -139,24 +139,6 @@ def _is_hydra_override(text: str) -> bool:
     return bool(key) and bool(eq)
 
 
-def _folder_problem(option: str, path: Path) -> Optional[str]:
-    """Why files cannot be written into the folder ``path`` (created if missing), or None."""
-    if path.exists():
-        if not path.is_dir():
-            return f"{option} {path} is a file, not a folder: give a folder path"
-        if not os.access(path, os.W_OK | os.X_OK):
-            return f"{option} {path} is not writable: give a folder you can write to"
-        return None
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{option} {path} cannot be created: {parent} is a file; give a folder path"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{option} {path} cannot be created: {parent} is not writable; give a folder you can write to"
-    return None
-
-
 @dataclass(frozen=True)
 class QuickstartOptions:
     """The quickstart's options, checked when built: an instance always describes runs that can
@@ -231,11 +213,11 @@ class QuickstartOptions:
                                 "++key=value or ~key")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             problems.append(f"--timeout must be a positive number of seconds, got {self.timeout}")
-        out_problem = _folder_problem("--out", self.out)
+        out_problem = output_folder_problem("--out", self.out)
         if out_problem:
             problems.append(out_problem)
         if not is_built(self.assets):
-            assets_problem = _folder_problem("--assets", self.assets)
+            assets_problem = output_folder_problem("--assets", self.assets)
             if assets_problem:
                 problems.append(assets_problem + " (or a folder holding built assets)")
         return problems

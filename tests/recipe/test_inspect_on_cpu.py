@@ -426,5 +426,5 @@ def test_out_at_a_file_is_a_named_error(run, tmp_path, capsys):
     for out in (afile, afile / "sub"):
         assert insp.main([str(run[0]), "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert f"error: output folder {out}" in err and "Traceback" not in err
+        assert f"error: --out {out}" in err and "Traceback" not in err
     assert afile.read_text() == "keep"

@@ -13,6 +13,7 @@ import pytest
 from recipe.stapo import quickstart as qs
 from recipe.stapo.config_utils import compose
 from recipe.stapo.cpu.assets import asset_paths
+from stapo_core import fileio
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
 S2T = "actor_rollout_ref.actor.policy_loss"
@@ -335,8 +336,8 @@ def test_a_read_only_output_folder_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(qs, "build_assets", _run_trainer_forbidden)
     locked = tmp_path / "locked"
     locked.mkdir()
-    real_access = qs.os.access
-    monkeypatch.setattr(qs.os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode))
+    real_access = fileio.os.access
+    monkeypatch.setattr(fileio.os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode))
     with pytest.raises(SystemExit) as exit_info:
         qs.main(["--out", str(locked / "out"), "--assets", str(tmp_path / "assets")])
     assert exit_info.value.code == 2
@@ -347,7 +348,7 @@ def test_built_assets_in_a_read_only_folder_are_accepted(tmp_path, monkeypatch):
     """The assets folder only needs to be writable when it has to be built."""
     calls = []
     monkeypatch.setattr(qs, "is_built", lambda folder: calls.append(folder) or True)
-    monkeypatch.setattr(qs.os, "access", lambda path, mode: Path(path) != tmp_path / "assets")
+    monkeypatch.setattr(fileio.os, "access", lambda path, mode: Path(path) != tmp_path / "assets")
     (tmp_path / "assets").mkdir()
     opts = qs.parse_options(["--out", str(tmp_path / "out"), "--assets", str(tmp_path / "assets")])
     assert opts.assets == tmp_path / "assets" and calls == [tmp_path / "assets"]

@@ -51,7 +51,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
-from stapo_core.fileio import atomic_write_json, sha256_file
+from stapo_core.fileio import atomic_write_json, check_output_folder, sha256_file
 from recipe.stapo.reward.answers import ground_truth_conversion, ground_truth_problem, unicode_problem
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -523,16 +523,8 @@ def _folder_lock(out_dir: Path) -> Iterator[None]:
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """Raise ValueError when ``out_dir`` (or a folder above it) exists as a file: no output can be
-    written there. A folder that does not exist yet is fine (it is created)."""
-    out_dir = Path(out_dir)
-    for folder in (out_dir, *out_dir.parents):
-        if folder.exists():
-            if not folder.is_dir():
-                where = "is a file" if folder == out_dir else f"is inside {folder}, which is a file"
-                raise ValueError(f"output folder {out_dir} {where}, not a folder; pass --out-dir a folder "
-                                 "(it is created if missing)")
-            return
+    """Raise ValueError when no output can be written into ``out_dir`` (``--out-dir``; created if missing)."""
+    check_output_folder("--out-dir", out_dir)
 
 
 def read_manifest(out_dir: Path, _locked: bool = False) -> Optional[dict]:

@@ -69,7 +69,7 @@ from recipe.stapo.eval.verifier import (
     build_verifier,
     load_verifier_prompt,
 )
-from stapo_core.fileio import atomic_write_json, atomic_write_text, sha256_file
+from stapo_core.fileio import atomic_write_json, atomic_write_text, check_output_folder, sha256_file
 
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_SPECS)
 """Benchmark names in the paper's column order."""
@@ -353,16 +353,6 @@ def check_fingerprint(out: Path, stored: dict, config: EvalConfig) -> None:
             )
 
 
-def _check_out_folder(out: Path) -> None:
-    """Raise ValueError when ``out`` or one of its parents exists but is not a folder."""
-    for path in (out, *out.parents):
-        if path.exists():
-            if not path.is_dir():
-                what = "--out" if path == out else f"--out {out}: its parent"
-                raise ValueError(f"{what} {path} is a file, not a folder; pass a folder path (it is created if missing)")
-            return
-
-
 def backend_factory(config: EvalConfig) -> Callable[[], GenerationBackend]:
     """Builds the generation backend of ``config`` (vLLM with its tensor-parallel size and memory
     fraction, or transformers on CPU)."""
@@ -428,7 +418,7 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
     """
     config.validate()
     out = Path(config.out)
-    _check_out_folder(out)
+    check_output_folder("--out", out)
     parallel.OutputLock(out).check_free()
     stored = read_run_config(out)
     check_fingerprint(out, stored, config)

@@ -325,9 +325,9 @@ def test_out_dir_that_is_a_file_is_a_clear_error(tmp_path, capsys, command):
     source = ["--source", str(FIXTURES / "dapo_sample.jsonl")] if command == "train" else [
         "--benchmarks", "aime24", "--source", f"aime24={FIXTURES / 'bench_sample.jsonl'}"]
     assert main([command, "--out-dir", str(afile), *source]) == 2
-    assert f"error: output folder {afile} is a file, not a folder; pass --out-dir a folder" in capsys.readouterr().err
+    assert f"error: --out-dir {afile} is a file, not a folder" in capsys.readouterr().err
     assert main([command, "--out-dir", str(afile / "sub"), *source]) == 2
-    assert f"is inside {afile}, which is a file" in capsys.readouterr().err
+    assert f"cannot be created: {afile} is a file" in capsys.readouterr().err
     assert afile.read_text() == "not a folder"
 
 

@@ -12,6 +12,8 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from recipe.stapo.data import prepare
 from recipe.stapo.eval import parallel, run_eval
@@ -116,7 +118,8 @@ def test_a_vllm_run_starts_one_worker_per_replica_with_its_gpus(tmp_path, monkey
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text("{}")
-    (model / "model.safetensors").write_bytes(b"")
+    (model / "tokenizer.json").write_text("{}")
+    save_file({"w": torch.zeros(1)}, str(model / "model.safetensors"))  # a complete (tiny) weights file
     seen = {}
 
     def run_workers(launches, plans, lock):
