@@ -53,9 +53,9 @@ SUM_PI_SQUARED_CHUNK_ROWS = 2048
 #: ``actor.entropy_from_logits_chunk_size``'s (a test ties them)
 ENTROPY_CHUNK_ROWS = 2048
 #: one recomputed decoder layer's backward (its saved tensors and their gradients, the attention's and
-#: the MLP's temporaries) in units of its saved set ``(2h + 3q + 3kv + 4I) x b`` bytes per token: measured
-#: on CPU for a Qwen3 layer at reduced width (benchmarks/bench_layer_memory.py)
-LAYER_BACKWARD_FACTOR = 1.85
+#: the MLP's temporaries) in units of its saved set ``(2h + 3q + 3kv + 4I) x b`` bytes per token: 1.93
+#: measured on CPU for Qwen3-8B's layer at 1/8 width (benchmarks/bench_layer_memory.py), rounded up
+LAYER_BACKWARD_FACTOR = 1.95
 
 #: what CUDA reports as a card's total memory (GiB, ``torch.cuda.get_device_properties(0).total_memory``),
 #: the meaning of ``GPU_MEM_GB``; vLLM's ``gpu_memory_utilization`` is a share of the same number
