@@ -592,11 +592,13 @@ def largest_budget(est: Estimate, name: str, gpu_bytes: float, floor: int, multi
     return best if _fits_with(est, name, gpu_bytes, **_budget_changes(est, name, best)) else floor
 
 
-def _more_gpus(est: Estimate, name: str, gpu_bytes: float, gpus_per_node: int, max_nodes: int = 64) -> Optional[int]:
-    """The fewest nodes (of ``gpus_per_node``) above the current world size on which the pass fits."""
-    for nodes in range(est.settings.world_size // gpus_per_node + 1, max_nodes + 1):
-        if _fits_with(est, name, gpu_bytes, world_size=nodes * gpus_per_node):
-            return nodes
+def _more_gpus(est: Estimate, name: str, gpu_bytes: float, gpus_per_node: int, max_gpus: int = 512) -> Optional[int]:
+    """The fewest GPUs above the current world size on which the pass fits: whole nodes of
+    ``gpus_per_node``, or up to a node of 8 when the world is smaller."""
+    worlds = sorted({n * gpus_per_node for n in range(1, max_gpus // gpus_per_node + 1)} | {2, 4, 8})
+    for world in worlds:
+        if world > est.settings.world_size and _fits_with(est, name, gpu_bytes, world_size=world):
+            return world
     return None
 
 
@@ -638,10 +640,10 @@ def fixes(est: Estimate, name: str, gpu_bytes: float, longest: int, sp: int = 1,
     elif not (s.param_offload and s.optimizer_offload) and _fits_with(est, name, gpu_bytes, param_offload=True,
                                                                       optimizer_offload=True):
         helps.append("set actor_rollout_ref.actor.fsdp_config.param_offload=true and optimizer_offload=true")
-    nodes = _more_gpus(est, name, gpu_bytes, gpus_per_node)
-    if nodes is not None:
-        helps.append(f"use at least {nodes} nodes of {gpus_per_node} GPUs (trainer.nnodes={nodes}, NNODES in the "
-                     "run scripts) to shard the actor's state further")
+    world = _more_gpus(est, name, gpu_bytes, gpus_per_node)
+    if world is not None:
+        helps.append(f"use at least {world} GPUs (trainer.nnodes x trainer.n_gpus_per_node; NNODES and "
+                     "GPUS_PER_NODE in the run scripts) to shard the actor's state further")
     if not helps:
         return ["no single change fits this pass by the estimate: use more GPUs, offload, a smaller model or "
                 "shorter sequences"]

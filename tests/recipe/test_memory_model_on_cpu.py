@@ -12,6 +12,7 @@ import pytest
 from recipe.stapo import memory_model as mm
 from recipe.stapo.config_utils import compose
 from tests.helpers.cluster_files import QWEN3_CONFIGS
+from tests.helpers.paths import REPO
 
 GPU80 = mm.DEFAULT_GPU_MEM_GIB * mm.GIB  # an 80 GB card as CUDA reports it
 
@@ -335,8 +336,9 @@ def test_when_no_budget_fits_only_offload_or_more_gpus_is_suggested_and_it_fits(
     assert fixed_part > GPU80
     (fix,) = [f for n, _, _, f in mm.problems(est, GPU80, longest=16384, gpus_per_node=8) if n == "update"]
     assert fix.startswith("only offload or more GPUs make it fit") and "ulysses" not in fix and "lower" not in fix
-    nodes = int(fix.split("use at least ")[1].split()[0])
-    assert mm.fits(_pass(mm.estimate(shape, replace(settings, world_size=8 * nodes), GPU80), "update"), GPU80)
+    world = int(fix.split("use at least ")[1].split()[0])
+    assert mm.fits(_pass(mm.estimate(shape, replace(settings, world_size=world), GPU80), "update"), GPU80)
+    assert not mm.fits(_pass(mm.estimate(shape, replace(settings, world_size=world // 2), GPU80), "update"), GPU80)
 
 
 def test_every_budget_fix_is_re_estimated_before_it_is_suggested():
@@ -351,3 +353,21 @@ def test_every_budget_fix_is_re_estimated_before_it_is_suggested():
     assert budget >= 65536 // sp
     assert mm.fits(_pass(mm.estimate(shape, replace(est.settings, log_prob_tokens=budget), 40 * mm.GIB),
                          "log_prob"), 40 * mm.GIB)
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (REPO / "run_scripts").glob("qwen3_*_*.sh")))
+def test_the_one_node_settings_each_run_script_names_fit(script):
+    """Each paper run script names its one-node settings; the model accepts them, and needs them
+    (the 14B without its lower utilisation is refused)."""
+    import re
+
+    text = (REPO / "run_scripts" / script).read_text()
+    (line,) = re.findall(r"^#   NNODES=1(.*)$", text, flags=re.M)
+    overrides = re.findall(r"(actor_rollout_ref\.\S+=\S+)", line)
+    method, model = re.search(r'common\.sh" (\w+) (qwen3_\w+)', text).groups()
+    shape = mm.BUILTIN_SHAPES[_SIZES[model]]
+    est = mm.estimate(shape, mm.settings_from_config(_paper(model, method, *overrides, nnodes=1)), GPU80)
+    assert mm.problems(est, GPU80, longest=16384) == [], mm.table(est, GPU80)
+    if overrides:
+        bare = mm.estimate(shape, mm.settings_from_config(_paper(model, method, nnodes=1)), GPU80)
+        assert mm.problems(bare, GPU80, longest=16384) != []
