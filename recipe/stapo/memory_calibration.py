@@ -4,14 +4,15 @@ GPU run (docs/memory.md, "Calibrating on a GPU").
     python -m recipe.stapo.memory_calibration results/gpu_smoke/stapo [more run folders...]
     python -m recipe.stapo.memory_calibration --log train.log --metrics metrics.jsonl
 
-A run folder holds the driver's log (``train.log``: the preflight's memory table, one row per pass)
-and verl's file logger output (``metrics.jsonl``: per step, the trainer process's
-``perf/max_memory_allocated_gb`` and ``perf/max_memory_reserved_gb``, PyTorch's allocator peaks since
-the process started, in GiB, as verl logs them after each training call). verl resets no peak
-between passes, so the measurement is the peak over the training passes (log-prob, reference,
-current-policy, update) of the run so far; it is compared with the largest training pass of the
-estimate less its overhead (CUDA contexts, NCCL buffers and vLLM's residue are outside PyTorch's
-allocator). The rollout is not compared: vLLM holds its share of the GPU by construction.
+A run folder holds the driver's log (``train.log``: the preflight's memory table, one row per pass,
+and the workers' ``[stapo] memory peak: pass=...`` lines, :mod:`verl_patches.memory_probe`: PyTorch's
+allocator peak of each log-prob, reference and update pass on rank 0) and verl's file logger output
+(``metrics.jsonl``: verl's own ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb``,
+peaks since the process started, never reset: one number for all training passes). Each measured
+pass (its largest peak over the run) is set beside its estimate less the fixed overhead (CUDA
+contexts, NCCL buffers and vLLM's residue are outside PyTorch's allocator); verl's run-wide peak
+beside the largest training pass. The rollout is not compared: vLLM holds its share of the GPU by
+construction.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ ROW = re.compile(r"^\s*(?:\[stapo\]\s*)?([a-z_]+)\s+([0-9.]+) \+\s*([0-9.]+)\s+\
 #: the table's first line (carries the target GPU's capacity)
 HEAD = re.compile(r"GPU memory per GPU \(estimate, GiB; target ([0-9.]+) GiB")
 MEASURED_KEYS = ("max_memory_allocated_gb", "max_memory_reserved_gb")
+#: a worker's per-pass line (verl_patches.memory_probe), with Ray's prefix before it
+PROBE = re.compile(r"\[stapo\] memory peak: pass=([a-z_]+) allocated_gib=([0-9.]+) reserved_gib=([0-9.]+)")
 NOT_COMPARED = ("rollout",)
 
 
@@ -48,6 +51,16 @@ def estimate_from_log(text: str) -> tuple[Optional[float], dict[str, float]]:
             elif "peak:" not in line:
                 inside = False
     return target, rows
+
+
+def measured_passes(text: str) -> dict[str, tuple[float, float]]:
+    """{pass: (allocated GiB, reserved GiB)}, the largest of each pass's lines in a driver's log."""
+    peaks: dict[str, tuple[float, float]] = {}
+    for m in PROBE.finditer(text):
+        name, allocated, reserved = m.group(1), float(m.group(2)), float(m.group(3))
+        old = peaks.get(name, (0.0, 0.0))
+        peaks[name] = (max(old[0], allocated), max(old[1], reserved))
+    return peaks
 
 
 def measured_from_metrics(path: Path) -> dict[str, float]:
@@ -74,13 +87,25 @@ def compare(log: Path, metrics: Path) -> str:
     for path in (log, metrics):
         if not path.is_file():
             raise ValueError(f"{path}: no such file")
-    target, rows = estimate_from_log(log.read_text(errors="replace"))
+    text = log.read_text(errors="replace")
+    target, rows = estimate_from_log(text)
     if not rows:
         raise ValueError(f"{log}: no memory table of the preflight (a CPU run, or memory_check=off)")
     measured = measured_from_metrics(metrics)
-    lines = [f"{log.parent}: target {target} GiB"]
-    lines += [f"  estimate {name:<14} {gib:6.1f} GiB" + ("  (not compared: vLLM's share)" if name in NOT_COMPARED else "")
-              for name, gib in rows.items()]
+    probed = measured_passes(text)
+    overhead = mm.OVERHEAD_BYTES / mm.GIB
+    lines = [f"{log.parent}: target {target} GiB; per pass: estimate, estimate less the {overhead:.1f} GiB overhead, "
+             "measured allocated / reserved peak (rank 0), reserved / estimate less overhead"]
+    for name, gib in rows.items():
+        row = f"  {name:<14} {gib:6.1f}"
+        if name in NOT_COMPARED:
+            row += "  (not compared: vLLM's share)"
+        elif name in probed:
+            allocated, reserved = probed[name]
+            row += f" {gib - overhead:6.1f}  measured {allocated:6.1f} / {reserved:6.1f}  {reserved / (gib - overhead):.2f}"
+        else:
+            row += f" {gib - overhead:6.1f}  not measured"
+        lines.append(row)
     training = {k: v for k, v in rows.items() if k not in NOT_COMPARED}
     if not measured:
         lines.append(f"  measured: {metrics} has no {' / '.join(MEASURED_KEYS)}")
@@ -89,8 +114,8 @@ def compare(log: Path, metrics: Path) -> str:
     expected = training[name] - mm.OVERHEAD_BYTES / mm.GIB
     for key in MEASURED_KEYS:
         if key in measured:
-            lines.append(f"  measured {key}: {measured[key]:.1f} GiB; estimate of the largest training pass "
-                         f"({name}) less the overhead: {expected:.1f} GiB; measured / estimate "
+            lines.append(f"  verl's {key} (all passes): {measured[key]:.1f} GiB; estimate of the largest training "
+                         f"pass ({name}) less the overhead: {expected:.1f} GiB; measured / estimate "
                          f"{measured[key] / expected:.2f}")
     return "\n".join(lines)
 
