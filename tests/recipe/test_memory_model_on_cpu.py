@@ -315,6 +315,10 @@ def test_14b_on_one_node_is_refused_and_the_suggested_utilisation_fits(method, e
     assert suggested == expected
     fixed = mm.estimate(shape, replace(est.settings, gpu_memory_utilization=suggested), GPU80)
     assert mm.problems(fixed, GPU80, longest=16384) == []
+    # a card taken for 79.6 or even 80 GiB does not let the default through either
+    for gib in (79.6, 80.0):
+        assert "rollout" in [n for n, *_ in mm.problems(mm.estimate(shape, est.settings, gib * mm.GIB), gib * mm.GIB,
+                                                        longest=16384)]
 
 
 @pytest.mark.parametrize("model", ["qwen3_1_7b", "qwen3_8b"])
