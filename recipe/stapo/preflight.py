@@ -573,7 +573,11 @@ def check_memory(config: DictConfig, found: list[Problem], notes: list[str]) -> 
     longest = int(_pick(config, "data.max_prompt_length")) + int(_pick(config, "data.max_response_length"))
     sp = int(_pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1))
     gpus_per_node = int(_pick(config, "trainer.n_gpus_per_node", 8))
-    accept_tight = _pick(config, "recipe.memory_accept_tight", False) is True
+    accept_tight = _pick(config, "recipe.memory_accept_tight", False)
+    if not isinstance(accept_tight, bool):
+        found.append(Problem("recipe.memory_accept_tight", "must be true or false",
+                             "set recipe.memory_accept_tight=true to run a TIGHT pass, else leave it false", accept_tight))
+        accept_tight = False
     passes = {p.name: p for p in estimate.passes}
     for name, setting, problem, fix in memory_model.problems(estimate, gpu, longest, sp, gpus_per_node):
         tight = memory_model.verdict(passes[name], gpu) == "TIGHT"

@@ -310,6 +310,8 @@ def test_a_pass_inside_the_margin_is_refused_unless_explicitly_accepted(cluster,
     logged = "\n".join(passes(paper(cluster, *overrides, "recipe.memory_accept_tight=true", method="justrl",
                                     model="qwen3_14b")))
     assert "TIGHT" in logged and "(recipe.memory_accept_tight=true): pass 'rollout'" in logged
+    err = refused(paper(cluster, *overrides, "recipe.memory_accept_tight=yes", method="justrl", model="qwen3_14b"))
+    problem(err, "recipe.memory_accept_tight", "must be true or false")
     # above the capacity the flag does not help
     monkeypatch.setenv("GPU_MEM_GB", "60")
     err = refused(paper(cluster, *overrides, "recipe.memory_accept_tight=true", method="justrl", model="qwen3_14b"))
