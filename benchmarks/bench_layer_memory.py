@@ -2,6 +2,7 @@
 
     python -m benchmarks.bench_layer_memory layer          # a Qwen3-8B decoder layer at 1/8 width
     python -m benchmarks.bench_layer_memory layer --scale 4 --tokens 1024,2048
+    python -m benchmarks.bench_layer_memory logits-grad    # the logits' gradient, 2048 x 151,936
     python -m benchmarks.bench_layer_memory fsdp-root      # FSDP1 on gloo, two processes
 
 ``layer``: the bytes per token one recomputed decoder layer's forward with grad and its backward
@@ -13,6 +14,12 @@ the layer's parameters) is measured at each token count (``VmHWM``, as
 benchmarks/bench_logits_memory.py); the slope over the token counts is the per-token part, which
 scales with the width, so ``slope x scale`` is the 8B layer's, compared with the model's
 ``LAYER_BACKWARD_FACTOR x (2h + 3q + 3kv + 4I) x 2`` bytes per token.
+
+``logits-grad``: the backward of verl's ``logprobs_from_logits`` on ``(tokens, vocab)`` bfloat16 logits
+with ``inplace_backward=False`` (what verl passes when the update computes the entropy): the peak
+bytes beyond the forward, against the model's ``tokens x vocab x 2`` for the logits' gradient. On CPU
+verl's row-wise fallback runs (flash-attn's in-place kernel is GPU-only), so the flag changes nothing
+here; the measurement is the gradient tensor the model adds.
 
 ``fsdp-root``: FSDP1 with one unit per decoder layer and the root holding the embedding and the
 LM head, compute in bfloat16, on two gloo processes: after a forward without grad the decoder
@@ -93,6 +100,23 @@ def measure_layer(scale: int, token_counts: list[int], seed: int = 0) -> dict:
             "ratio": full / model}
 
 
+def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
+    """Peak bytes of the log-probs' backward beyond the forward (the logits' gradient and the
+    fallback's temporaries), against the model's gradient term."""
+    import verl_patches  # noqa: F401  (the recipe's patches, as in every verl process)
+    from verl.utils import torch_functional as verl_F
+
+    _mmap_large_allocations()
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.empty(tokens, vocab, dtype=torch.bfloat16).normal_(0.0, 3.0, generator=gen).requires_grad_(True)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    log_probs = verl_F.logprobs_from_logits(logits, labels, inplace_backward=False)
+    measured = peak_extra_bytes(lambda: log_probs.sum().backward(), "cpu")
+    model = mm.logits_bytes(tokens, vocab, mm.BF16)
+    return {"tokens": tokens, "vocab": vocab, "measured_bytes": measured, "model_bytes": model,
+            "ratio": measured / model, "grad_dtype": str(logits.grad.dtype)}
+
+
 def _fsdp_root_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
@@ -166,15 +190,18 @@ def measure_fsdp_root(port: int = 29533) -> dict:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("layer", "fsdp-root"))
+    p.add_argument("what", choices=("layer", "logits-grad", "fsdp-root"))
     p.add_argument("--scale", type=int, default=8)
     p.add_argument("--tokens", default="2048,4096")
     p.add_argument("--port", type=int, default=29533)
+    p.add_argument("--vocab", type=int, default=151936, help="logits-grad: the vocabulary")
     p.add_argument("--json", default=None, help="also write the result to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     if args.what == "layer":
         result = measure_layer(args.scale, [int(t) for t in args.tokens.split(",")])
+    elif args.what == "logits-grad":
+        result = measure_logits_grad(int(args.tokens.split(",")[0]), args.vocab)
     else:
         result = measure_fsdp_root(args.port)
     print(json.dumps(result, indent=1))

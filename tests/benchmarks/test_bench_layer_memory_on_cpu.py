@@ -1,7 +1,8 @@
-"""Two memory-model terms against a CPU measurement (benchmarks/bench_layer_memory.py), each in a
+"""Three memory-model terms against a CPU measurement (benchmarks/bench_layer_memory.py), each in a
 fresh process: one recomputed decoder layer's backward per token (Qwen3-8B's layer at 1/8 width,
-scaled back), and FSDP1 leaving the root unit's parameters unsharded after a forward without grad
-(two gloo processes), which is the reference model's resident root. About a minute of CPU: slow."""
+scaled back), the logits' gradient when verl's log-prob kernel does not write it in place, and FSDP1
+leaving the root unit's parameters unsharded after a forward without grad (two gloo processes), the
+reference model's resident root. About two minutes of CPU: slow."""
 
 from __future__ import annotations
 
@@ -33,6 +34,16 @@ def test_layer_backward_per_token_matches_the_model(tmp_path):
     assert abs(result["ratio"] - 1) <= 0.05, result
     # the model before the measurement (1.5x the saved set, 218 kB per token for 8B) was 20% low
     assert result["bytes_per_token_8b"] > 1.2 * 1.5 * (2 * 4096 + 3 * 4096 + 3 * 1024 + 4 * 12288) * 2
+
+
+def test_the_logits_gradient_not_written_in_place_is_one_more_logits_tensor(tmp_path):
+    """verl's log-probs with inplace_backward=False (the update computing the entropy): the backward
+    allocates the logits' gradient, tokens x vocab in bfloat16, the model's term (9.3 GiB at 32,768
+    tokens for Qwen3's vocabulary)."""
+    result = _bench(tmp_path, "logits-grad", "--tokens", "2048")
+    assert result["grad_dtype"] == "torch.bfloat16"
+    assert abs(result["ratio"] - 1) <= 0.05, result
+    assert round(mm.logits_bytes(32768, 151936, mm.BF16) / mm.GIB, 1) == 9.3
 
 
 def test_fsdp1_leaves_the_root_unit_unsharded_after_a_forward_without_grad(tmp_path):
