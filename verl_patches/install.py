@@ -175,6 +175,27 @@ PATCHES: tuple[Patch, ...] = (
                   "attribute looked up at each call)",
         drop_when="verl chunks the sum of squared probabilities",
     ),
+    # -- calibrating the memory model (docs/memory.md) ------------------------------------------
+    Patch(
+        name="memory_probe_infer",
+        target=f"{_ENGINE_WORKERS}:TrainingWorker.infer_batch",
+        wrapper="verl_patches.memory_probe:wrap_infer_batch",
+        changes="on CUDA, resets PyTorch's peak memory before a forward pass (log-prob; reference on a "
+                "forward-only engine) and logs the peak after it on rank 0 ('[stapo] memory peak: ...')",
+        why="verl's perf/max_memory_* never reset, so they give one peak for all passes; the memory model "
+            "is calibrated pass by pass (python -m recipe.stapo.memory_calibration)",
+        relies_on="compute_log_prob and compute_ref_log_prob calling TrainingWorker.infer_batch once per pass",
+        drop_when="verl logs a peak per pass",
+    ),
+    Patch(
+        name="memory_probe_update",
+        target=f"{_ENGINE_WORKERS}:TrainingWorker.train_mini_batch",
+        wrapper="verl_patches.memory_probe:wrap_train_mini_batch",
+        changes="the same for the update (the recipe's forwards inside it neither reset nor log)",
+        why="the update's peak, for the memory model's calibration",
+        relies_on="update_actor calling TrainingWorker.train_mini_batch once per step",
+        drop_when="verl logs a peak per pass",
+    ),
     # -- resuming a run (relaunching the same command) -------------------------------------------
     Patch(
         name="resumable_file_logger",

@@ -78,7 +78,7 @@ def test_paper_config_passes_with_summary_and_memory_table(cluster):
     assert "preflight passed" in logged
     for name in ("rollout", "log_prob", "current", "update", "update_end"):
         assert f"  {name} " in logged, logged  # one row per pass of the step
-    assert "target 80.0 GiB" in logged and "DOES NOT FIT" not in logged
+    assert "target 79.1 GiB" in logged and "DOES NOT FIT" not in logged and "TIGHT" not in logged
     text = describe(config)
     for line in (f"{PL}.loss_mode = vanilla", f"{PL}.token_selection = s2t", f"{PL}.tau_p = 0.002", f"{PL}.q = 0.75",
                  f"{PL}.stats_from = current", f"{PL}.scope = mini_batch",
@@ -279,6 +279,43 @@ def test_target_gpu_memory_comes_from_gpu_mem_gb_and_warn_mode_refuses_nothing(c
     assert "recipe.memory_check=warn" in logged and "DOES NOT FIT" in logged
     monkeypatch.setenv("GPU_MEM_GB", "141")
     assert "target 141.0 GiB" in "\n".join(passes(paper(cluster)))
+
+
+@pytest.mark.parametrize("method", ["justrl", "grpo"])
+def test_14b_on_one_node_is_refused_at_the_default_utilisation_and_passes_at_the_suggested_one(cluster, method):
+    one_node = ["trainer.nnodes=1"]
+    err = refused(paper(cluster, *one_node, method=method, model="qwen3_14b"))
+    text = problem(err, f"GPU memory, pass 'rollout' ({ROLLOUT}.gpu_memory_utilization)",
+                   f"lower {ROLLOUT}.gpu_memory_utilization to at most")
+    suggested = float(text.split("to at most ")[1].split()[0].rstrip(";"))
+    assert suggested < 0.7
+    logged = "\n".join(passes(paper(cluster, *one_node, f"{ROLLOUT}.gpu_memory_utilization={suggested}",
+                                    method=method, model="qwen3_14b")))
+    assert "preflight passed" in logged and "DOES NOT FIT" not in logged and "TIGHT" not in logged
+
+
+@pytest.mark.parametrize("model", ["qwen3_1_7b", "qwen3_8b"])
+def test_1_7b_and_8b_pass_on_one_node_as_shipped(cluster, model):
+    assert "preflight passed" in "\n".join(passes(paper(cluster, "trainer.nnodes=1", method="grpo", model=model)))
+
+
+def test_a_pass_inside_the_margin_is_refused_unless_explicitly_accepted(cluster, monkeypatch):
+    """Qwen3-14B on one node at gpu_memory_utilization 0.6: on a card reporting 68 GiB its rollout
+    (about 66 GiB) fits the capacity but not the estimate's margin."""
+    overrides = ["trainer.nnodes=1", f"{ROLLOUT}.gpu_memory_utilization=0.6"]
+    monkeypatch.setenv("GPU_MEM_GB", "68")
+    err = refused(paper(cluster, *overrides, method="justrl", model="qwen3_14b"))
+    problem(err, f"GPU memory, pass 'rollout' ({ROLLOUT}.gpu_memory_utilization)", "not with the estimate's margin",
+            "recipe.memory_accept_tight=true")
+    logged = "\n".join(passes(paper(cluster, *overrides, "recipe.memory_accept_tight=true", method="justrl",
+                                    model="qwen3_14b")))
+    assert "TIGHT" in logged and "(recipe.memory_accept_tight=true): pass 'rollout'" in logged
+    err = refused(paper(cluster, *overrides, "recipe.memory_accept_tight=yes", method="justrl", model="qwen3_14b"))
+    problem(err, "recipe.memory_accept_tight", "must be true or false")
+    # above the capacity the flag does not help
+    monkeypatch.setenv("GPU_MEM_GB", "60")
+    err = refused(paper(cluster, *overrides, "recipe.memory_accept_tight=true", method="justrl", model="qwen3_14b"))
+    assert any("pass 'rollout'" in p.key for p in err.problems)
 
 
 # ------------------------------------------------------------------------------------------------
