@@ -525,3 +525,28 @@ def test_sequence_ratio_all_tokens_needs_a_sequence_level_loss():
         TokenSelectionLossConfig(token_selection="s2t", sequence_ratio="all_tokens")
     assert TokenSelectionLossConfig(token_selection="s2t", loss_mode="gspo",
                                     sequence_ratio="all_tokens").sequence_ratio_over_all_tokens
+
+
+def test_geo_mean_leaves_a_fully_silenced_sequence_out_of_the_mean():
+    """verl's geo_mean averages over every row of the micro-batch; a sequence whose every token was
+    silenced must not count (it would scale the others' loss by kept / rows): the loss and
+    gradients equal verl's own geo_mean over the sequences that keep a token."""
+    config = actor_config("stapo", f"{PLK}.loss_mode=geo_mean", f"{PLK}.stats_from=rollout", f"{PLK}.strategy=full")
+    mask, old, log_prob, _, adv = sequence_batch()
+    kept = mask.clone()
+    kept[0] = 0  # every token silenced (positive advantage: S2T can do this)
+    kept[3, :2] = 0  # partly silenced
+    rows = [i for i in range(B) if i != 0]
+    step = micro_batch(kept, old, adv, valid=mask, batch_num_tokens=int(kept.sum()), global_batch_size=B)
+    lp = log_prob.clone().requires_grad_(True)
+    loss, _ = ppo_loss_with_token_selection(config=config, model_output={"log_probs": flat_model_output(lp, mask)}, data=step)
+    loss.backward()
+    sub = micro_batch(kept[rows], old[rows], adv[rows], valid=mask[rows], batch_num_tokens=int(kept.sum()),
+                      global_batch_size=B - 1)
+    lp_sub = log_prob[rows].clone().requires_grad_(True)
+    ref, _ = verl_losses.ppo_loss(config=config, model_output={"log_probs": flat_model_output(lp_sub, mask[rows])}, data=sub)
+    ref.backward()
+    assert ref.abs() > 0
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(lp.grad[rows], lp_sub.grad)
+    assert torch.all(lp.grad[0] == 0)
