@@ -10,7 +10,7 @@ grades every sample first, what the verifier is shown as the question, and how i
 - ``compassverifier``: CompassVerifier's README usage: the lenient rule
   (:mod:`recipe.stapo.reward.lenient`) first, the bare problem as the question (the benchmark's
   problem without the policy's "Please reason step by step..." instruction), and the README's
-  ``process_judgment`` parsing (:func:`recipe.stapo.eval.verifier.compass_judgement`).
+  ``process_judgment`` parsing (:func:`compass_judgement`).
 
 Both feed the official ``CV_PROMPT`` through the verifier's chat template, greedy, at most 2048 new
 tokens, load the verifier in its checkpoint's own dtype, and show the whole response.
@@ -18,9 +18,28 @@ tokens, load the verifier in its checkpoint's own dtype, and show the whole resp
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from recipe.stapo.data.prepare import PROMPT_SUFFIX
+
+
+def compass_judgement(text: str) -> str:
+    """CompassVerifier's label in a verifier output, parsed as its authors do: the last
+    ``\\boxed{A|B|C}``; else the whole output when it is exactly "A", "B" or "C"; else, in the part
+    after the last "Final Judgment:", the last ``(X)``-style letter, else the last capital A, B or C
+    anywhere in it; else "" (unreadable). Note that the last rule reads a bare "CORRECT" as "C"."""
+    boxed = re.findall(r"boxed{([A-C])}", text)
+    if boxed:
+        return boxed[-1]
+    if text in ("A", "B", "C"):
+        return text
+    tail = text.split("Final Judgment:")[-1]
+    for pattern in (r"\(([A-C])\)*", r"([A-C])"):
+        found = re.findall(pattern, tail)
+        if found:
+            return found[-1]
+    return ""
 
 
 @dataclass(frozen=True)
@@ -51,8 +70,6 @@ class GradingProtocol:
         if self.parser == "exact-A":
             text = output.strip()
             return text if text in ("A", "B", "C") else ""
-        from recipe.stapo.eval.verifier import compass_judgement
-
         return compass_judgement(output)
 
     def identity(self) -> dict:

@@ -4,6 +4,7 @@ CLI::
 
     python -m recipe.stapo.eval.run_eval --model CKPT --benchmarks-dir DIR --out OUT \\
         [--decoding both|train|justrl] [--backend vllm|hf] [--verifier auto|compass|none] \\
+        [--grading-protocol justrl|compassverifier] [--verifier-dtype auto] \\
         [--benchmarks aime24,aime25,...] [--n-samples 32 | --n-samples aime24=64,math500=8] \\
         [--max-new-tokens 20480] [--seed 0] [--scale 8B --method STAPO] \\
         [--data-parallel-size auto|K] [--tensor-parallel-size T] [--gpus 0,1,...]

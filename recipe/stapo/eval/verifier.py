@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import re
 import string
 import sys
 from abc import ABC, abstractmethod
@@ -35,7 +34,7 @@ from typing import Any, Optional, Sequence
 
 from recipe.stapo.eval.backends import GenerationBackend, render_chat
 from recipe.stapo.eval.generate import text_sha256
-from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, GradingProtocol
+from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, GradingProtocol, compass_judgement
 
 DEFAULT_COMPASS_MODEL = "opencompass/CompassVerifier-3B"
 OFFICIAL_REPOSITORY = "open-compass/CompassVerifier"
@@ -102,24 +101,6 @@ class AnswerVerifier(ABC):
     def describe(self) -> str:
         """One line naming the verifier, for summaries and tables."""
         return f"custom verifier {self.name}"
-
-
-def compass_judgement(text: str) -> str:
-    """CompassVerifier's label in a verifier output, parsed as its authors do: the last
-    ``\\boxed{A|B|C}``; else the whole output when it is exactly "A", "B" or "C"; else, in the part
-    after the last "Final Judgment:", the last ``(X)``-style letter, else the last capital A, B or C
-    anywhere in it; else "" (unreadable). Note that the last rule reads a bare "CORRECT" as "C"."""
-    boxed = re.findall(r"boxed{([A-C])}", text)
-    if boxed:
-        return boxed[-1]
-    if text in ("A", "B", "C"):
-        return text
-    tail = text.split("Final Judgment:")[-1]
-    for pattern in (r"\(([A-C])\)*", r"([A-C])"):
-        found = re.findall(pattern, tail)
-        if found:
-            return found[-1]
-    return ""
 
 
 def parse_judgement(text: str) -> bool:
