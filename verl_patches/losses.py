@@ -23,6 +23,8 @@ verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) hands the policy loss onl
   sequences (docs/method.md).
 * ``sequence_ratio=all_tokens`` (``gspo``, ``geo_mean``): the sequence-level ratio covers every
   response token, the silenced ones carrying no gradient (:func:`_sequence_ratio_over_all_tokens`).
+* ``geo_mean`` over the kept tokens (the default): a sequence whose every token was silenced leaves
+  the mean over sequences (:func:`_geo_mean_over_kept_sequences`).
 
 Every loss mode without token selection runs bit-identically through the wrapper (tested).
 """
@@ -61,6 +63,8 @@ def wrap_ppo_loss(ppo_loss):
             scale, metrics = _select_in_micro_batch(cfg, config, model_output, data, dp_group)
         if cfg.sequence_ratio_over_all_tokens:
             model_output = _sequence_ratio_over_all_tokens(cfg.loss_mode, model_output, data, unselected)
+        elif cfg.loss_mode == "geo_mean":
+            _geo_mean_over_kept_sequences(data)
         loss, verl_metrics = ppo_loss(config, model_output, data, dp_group=dp_group)
         if metrics:
             verl_metrics.update(Metric.from_dict(metrics, aggregation=AggregationType.MEAN))
@@ -147,6 +151,19 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
     else:  # token-sum: no denominator to correct
         total, kept = 1.0, 1.0
     return total / max(kept, 1.0), metrics
+
+
+def _geo_mean_over_kept_sequences(data) -> None:
+    """verl's ``geo_mean`` averages its per-sequence losses over every row of the micro-batch
+    (``torch.mean``, whatever ``loss_agg_mode``), so a sequence whose every token was silenced (ratio
+    1, advantage 0, loss 0) would still count in the mean and shrink the others' weight. Scaling the
+    micro-batch's advantages by ``rows / rows that keep a token`` makes the loss the mean over the
+    sequences that keep a token: geo_mean uses the advantages only linearly and through their sign."""
+    width = to_padded(data["response_mask"]).shape[1]
+    mask = to_padded(data["response_mask"], width)[:, :width].float()
+    rows, kept = mask.shape[0], int((mask.sum(-1) > 0).sum())
+    if 0 < kept < rows:
+        data["advantages"] = multiply_like(data["advantages"], torch.full_like(mask, rows / kept))
 
 
 def _sequence_ratio_over_all_tokens(loss_mode: str, model_output, data, unselected):

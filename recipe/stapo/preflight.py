@@ -299,6 +299,40 @@ def check_names(config: DictConfig, found: list[Problem]) -> None:
         found.append(Problem("algorithm.adv_estimator", "not one of verl's advantage estimators",
                              f"use one of {known}", estimator))
     check_reward_function(config, found)
+    check_sequence_parallel(config, found)
+
+
+def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:
+    """Ulysses sequence parallelism with a current-policy forward of the recipe's: verl's
+    ``TrainingWorker.infer_batch`` returns its output to one rank of each sequence-parallel group
+    only, and the loss's own statistics would be one rank's slice, so the recipe refuses it here
+    rather than on some ranks hours in."""
+    sp = _pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1)
+    policy_loss = _pick(config, POLICY_LOSS)
+    if not (_is_int(sp) and sp > 1) or policy_loss is None or not str(policy_loss.get("_target_", "")).endswith(
+            "TokenSelectionLossConfig"):
+        return
+    from verl.utils.config import omega_conf_to_dataclass
+
+    try:
+        cfg = omega_conf_to_dataclass(policy_loss)
+    except Exception:  # noqa: BLE001  (check_names reports an invalid policy-loss config)
+        return
+    uses = []
+    if cfg.selects_tokens and cfg.statistics_source == "current":
+        uses.append(f"{cfg.token_selection} from the current policy (stats_from=current"
+                    + (", entropy_topk_reading=authors_code" if cfg.authors_code_reading else "") + ")")
+    if cfg.monitor_forwards_current_policy:
+        uses.append("the S2T monitor with stats_from=current")
+    if cfg.measures_update_effect:
+        uses.append(f"update_effect_responses={cfg.update_effect_responses}")
+    if uses:
+        found.append(Problem(
+            f"{ACTOR}.ulysses_sequence_parallel_size",
+            f"sequence parallelism is not supported with {', '.join(uses)}: the recipe's current-policy forwards "
+            "need every rank's full output",
+            f"set {ACTOR}.ulysses_sequence_parallel_size=1 (and a token budget that holds the longest sequence), "
+            f"or {POLICY_LOSS}.stats_from=rollout (and update_effect_responses=0)", sp))
 
 
 def check_reward_function(config: DictConfig, found: list[Problem]) -> None:

@@ -216,9 +216,26 @@ def test_micro_batch_must_divide_a_ranks_mini_batch_without_dynamic_batching(clu
 
 def test_sequence_parallelism_lets_a_budget_go_below_the_longest_sequence(cluster):
     half = [f"{ACTOR}.ppo_max_token_len_per_gpu=8192", f"{ROLLOUT}.log_prob_max_token_len_per_gpu=8192"]
-    passes(paper(cluster, *half, f"{ACTOR}.ulysses_sequence_parallel_size=2"))
-    problem(refused(paper(cluster, *half, f"{ACTOR}.ulysses_sequence_parallel_size=3")),
+    passes(paper(cluster, *half, f"{ACTOR}.ulysses_sequence_parallel_size=2", method="justrl"))
+    passes(paper(cluster, *half, f"{ACTOR}.ulysses_sequence_parallel_size=2", f"{PL}.stats_from=rollout"))
+    problem(refused(paper(cluster, *half, f"{ACTOR}.ulysses_sequence_parallel_size=3", method="justrl")),
             f"{ACTOR}.ulysses_sequence_parallel_size", "=3: does not divide the 64 GPUs")
+
+
+@pytest.mark.parametrize("method, overrides, what", [
+    ("stapo", (), "s2t from the current policy (stats_from=current)"),
+    ("entropy20", (f"{PL}.entropy_topk_reading=authors_code",),
+     "entropy_topk from the current policy (stats_from=current, entropy_topk_reading=authors_code)"),
+    ("justrl", (f"{PL}.s2t_monitor=true", f"{PL}.stats_from=current"), "the S2T monitor with stats_from=current"),
+    ("stapo", (f"{PL}.stats_from=rollout", f"{PL}.update_effect_responses=2"), "update_effect_responses=2"),
+])
+def test_sequence_parallelism_with_a_current_policy_forward_is_refused(cluster, method, overrides, what):
+    """verl's inference pass returns its output to one rank of each sequence-parallel group: the
+    recipe's current-policy forwards are refused before Ray starts, naming the key and the reason."""
+    half = [f"{ACTOR}.ppo_max_token_len_per_gpu=8192", f"{ROLLOUT}.log_prob_max_token_len_per_gpu=8192"]
+    err = refused(paper(cluster, *half, f"{ACTOR}.ulysses_sequence_parallel_size=2", *overrides, method=method))
+    problem(err, f"{ACTOR}.ulysses_sequence_parallel_size", f"not supported with {what}", "=1")
+    passes(paper(cluster, *overrides, method=method))  # without sequence parallelism: fine
 
 
 def test_reference_budget_is_checked_where_a_reference_model_runs(cluster):

@@ -526,3 +526,106 @@ def test_sequence_ratio_all_tokens_needs_a_sequence_level_loss():
         TokenSelectionLossConfig(token_selection="s2t", sequence_ratio="all_tokens")
     assert TokenSelectionLossConfig(token_selection="s2t", loss_mode="gspo",
                                     sequence_ratio="all_tokens").sequence_ratio_over_all_tokens
+
+
+def test_geo_mean_leaves_a_fully_silenced_sequence_out_of_the_mean():
+    """verl's geo_mean averages over every row of the micro-batch; a sequence whose every token was
+    silenced must not count (it would scale the others' loss by kept / rows): the loss and
+    gradients equal verl's own geo_mean over the sequences that keep a token."""
+    config = actor_config("stapo", f"{PLK}.loss_mode=geo_mean", f"{PLK}.stats_from=rollout", f"{PLK}.strategy=full")
+    mask, old, log_prob, _, adv = sequence_batch()
+    kept = mask.clone()
+    kept[0] = 0  # every token silenced (positive advantage: S2T can do this)
+    kept[3, :2] = 0  # partly silenced
+    rows = [i for i in range(B) if i != 0]
+    step = micro_batch(kept, old, adv, valid=mask, batch_num_tokens=int(kept.sum()), global_batch_size=B)
+    lp = log_prob.clone().requires_grad_(True)
+    loss, _ = ppo_loss_with_token_selection(config=config, model_output={"log_probs": flat_model_output(lp, mask)}, data=step)
+    loss.backward()
+    sub = micro_batch(kept[rows], old[rows], adv[rows], valid=mask[rows], batch_num_tokens=int(kept.sum()),
+                      global_batch_size=B - 1)
+    lp_sub = log_prob[rows].clone().requires_grad_(True)
+    ref, _ = verl_losses.ppo_loss(config=config, model_output={"log_probs": flat_model_output(lp_sub, mask[rows])}, data=sub)
+    ref.backward()
+    assert ref.abs() > 0
+    torch.testing.assert_close(loss, ref)
+    torch.testing.assert_close(lp.grad[rows], lp_sub.grad)
+    assert torch.all(lp.grad[0] == 0)
+
+
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum")
+
+
+def agg_scale(mode, mask, keep):
+    """What silencing does to a kept token's gradient under ``mode`` for a loss whose per-token
+    term is the token's own (token-level ratios, or GSPO with sequence_ratio=all_tokens): the
+    unselected gradient times the change of the aggregation's denominator."""
+    kept_rows = (keep.sum(-1) > 0).sum()
+    if mode == "token-mean":  # one denominator: the mini-batch's tokens
+        return torch.full((B, R), float(mask.sum() / keep.sum()))
+    if mode == "seq-mean-token-mean":  # each sequence's own tokens, then the sequences that keep one
+        return (mask.sum(-1) * B / (keep.sum(-1).clamp(min=1) * kept_rows))[:, None].expand(B, R)
+    if mode == "seq-mean-token-sum":  # the sequences that keep a token
+        return torch.full((B, R), float(B / kept_rows))
+    return torch.ones(B, R)  # token-sum: no denominator
+
+
+@pytest.mark.parametrize("mode", AGG_MODES)
+@pytest.mark.parametrize("loss_mode, extra", [("vanilla", ()), ("cispo", ()), ("gspo", (f"{PLK}.sequence_ratio=all_tokens",))])
+def test_each_composed_loss_under_each_aggregation_mode(loss_mode, extra, mode):
+    """The table of docs/method.md, per aggregation mode: a kept token's gradient is the unselected
+    one times the change of the aggregation's denominator (for GSPO all_tokens: ``s_i`` stays the
+    whole sequence's, so under seq-mean-token-mean it is ``|y_i| B / (kept_i kept_sequences)``, under
+    token-mean ``tokens / kept``); silenced tokens get none, CISPO's included (silencing overrides
+    its keep-every-token's-gradient design)."""
+    config = actor_config("stapo", f"{PLK}.loss_mode={loss_mode}", f"{PLK}.stats_from=rollout", f"{PLK}.strategy=full",
+                          f"actor_rollout_ref.actor.loss_agg_mode={mode}", *extra)
+    mask, old, log_prob, entropy, adv = sequence_batch()
+    keep = mask * s2t_mask(old, entropy, adv, mask, strategy="full").keep
+    silenced = (mask - keep) > 0
+    assert silenced.any()
+    _, full_grad = unselected_loss(config, mask, old, log_prob, adv)
+    _, grad = selected_loss(config, mask, old, log_prob, adv, entropy, "mini_batch")
+    assert torch.all(grad[silenced] == 0)
+    torch.testing.assert_close(grad[keep > 0], (full_grad * agg_scale(mode, mask, keep))[keep > 0])
+
+
+@pytest.mark.parametrize("sequence_ratio", ["kept_tokens", "all_tokens"])
+def test_geo_mean_ignores_the_aggregation_mode(sequence_ratio):
+    """verl's geo_mean is a mean over the micro-batch's sequences whatever loss_agg_mode says; with
+    token selection too."""
+    losses = []
+    for mode in AGG_MODES:
+        config = actor_config("stapo", f"{PLK}.loss_mode=geo_mean", f"{PLK}.stats_from=rollout", f"{PLK}.strategy=full",
+                              f"actor_rollout_ref.actor.loss_agg_mode={mode}", f"{PLK}.sequence_ratio={sequence_ratio}")
+        mask, old, log_prob, entropy, adv = sequence_batch()
+        losses.append(selected_loss(config, mask, old, log_prob, adv, entropy, "mini_batch"))
+    for loss, grad in losses[1:]:
+        torch.testing.assert_close(loss, losses[0][0])
+        torch.testing.assert_close(grad, losses[0][1])
+
+
+def test_gspo_all_tokens_logs_ppo_kl_from_the_shifted_old_log_probs():
+    """With GSPO and sequence_ratio=all_tokens the old log-probs verl sees are shifted per sequence,
+    so its logged actor/ppo_kl is the kept tokens' mean of ``old + shift - log p``, not the
+    unshifted one (docs/metrics.md says so)."""
+    config = actor_config("stapo", f"{PLK}.loss_mode=gspo", f"{PLK}.stats_from=rollout", f"{PLK}.strategy=full",
+                          f"{PLK}.sequence_ratio=all_tokens")
+    mask, old, log_prob, entropy, adv = sequence_batch()
+    keep = mask * s2t_mask(old, entropy, adv, mask, strategy="full").keep
+    data = micro_batch(mask, old, adv, entropy=entropy)
+    fold_into_mini_batch(config.policy_loss, data)
+    from verl_patches.token_selection import UNSELECTED_MASK_FIELD
+
+    step = micro_batch(data["response_mask"], old, adv, valid=mask, batch_num_tokens=int(keep.sum()),
+                       global_batch_size=tu.get(data, "global_batch_size"))
+    step[UNSELECTED_MASK_FIELD] = data[UNSELECTED_MASK_FIELD]
+    _, metrics = ppo_loss_with_token_selection(config=config, model_output={"log_probs": flat_model_output(log_prob, mask)},
+                                               data=step)
+    log_ratio = (log_prob - old).double()
+    shift = (log_ratio * keep).sum(-1) / keep.sum(-1).clamp(min=1) - (log_ratio * mask).sum(-1) / mask.sum(-1)
+    shifted = ((old + shift[:, None] - log_prob) * keep).sum() / keep.sum()
+    unshifted = ((old - log_prob) * keep).sum() / keep.sum()
+    logged = metrics["actor/ppo_kl"].aggregate()
+    assert logged == pytest.approx(float(shifted), rel=1e-4, abs=1e-6)
+    assert abs(float(shifted) - float(unshifted)) > 1e-4

@@ -69,10 +69,17 @@ def verl_loss(config, mask, valid, old, log_prob, adv, *, batch_num_tokens, glob
 
 
 def reference(config, keep, mask, old, log_prob, adv):
-    """verl's loss on the batch with the silenced tokens removed from the mask, counts recounted."""
+    """verl's loss on the batch with the silenced tokens removed from the mask, counts recounted
+    (geo_mean, which averages over the micro-batch's rows: a fully silenced sequence removed too)."""
     kept = mask * keep
-    return verl_loss(config, kept, mask, old, log_prob, adv, batch_num_tokens=int(kept.sum()),
-                     global_batch_size=int((kept.sum(-1) > 0).sum()))
+    counts = dict(batch_num_tokens=int(kept.sum()), global_batch_size=int((kept.sum(-1) > 0).sum()))
+    if config.policy_loss.loss_mode == "geo_mean":
+        rows = kept.sum(-1) > 0
+        loss, grad = verl_loss(config, kept[rows], mask[rows], old[rows], log_prob[rows], adv[rows], **counts)
+        full = torch.zeros_like(log_prob)
+        full[rows] = grad
+        return loss, full
+    return verl_loss(config, kept, mask, old, log_prob, adv, **counts)
 
 
 CASES = [(scope, mode, agg) for scope in ("mini_batch", "micro_batch") for mode in LOSS_MODES for agg in AGG_MODES

@@ -105,7 +105,7 @@ class HFBackend(GenerationBackend):
         model: a causal LM (``PreTrainedModel``) or a path / hub id to load one from.
         tokenizer: its tokenizer, or None to load from ``model`` when it is a path.
         device: torch device string.
-        dtype: torch dtype name used when loading from a path.
+        dtype: torch dtype name used when loading from a path (``auto``: the checkpoint's own).
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: str = "float32"):
@@ -114,7 +114,7 @@ class HFBackend(GenerationBackend):
 
         if isinstance(model, str):
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(model)
-            model = AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype))
+            model = AutoModelForCausalLM.from_pretrained(model, dtype="auto" if dtype == "auto" else getattr(torch, dtype))
         if tokenizer is None:
             raise ValueError("HFBackend: a tokenizer is required when passing a model object")
         self.model = model.to(device).eval()

@@ -1,10 +1,12 @@
 """Grading of generated samples and the mean@N metric.
 
-Stage 1 is the lenient rule (:func:`recipe.stapo.reward.lenient.grade_solution`: last
-``\\boxed{}`` in the final 300 characters, normalised string or symbolic equality, a hard time
-limit per answer), deliberately not the strict training reward: evaluation asks whether the answer
-is right, not whether it is written exactly like the ground truth. Stage 2, when a verifier is
-given, re-checks only the stage-1 failures (the paper's grading).
+Stage 1 is the grading protocol's rule (:mod:`recipe.stapo.eval.protocols`): JustRL's
+(:func:`recipe.stapo.eval.justrl_rule.grade_solution`: last ``\\boxed{}`` anywhere, mathd or
+sympy equality) or the lenient rule (:func:`recipe.stapo.reward.lenient.grade_solution`: last
+``\\boxed{}`` in the final 300 characters, normalised string or ``math_verify`` equality), each
+with a hard time limit per answer and deliberately not the strict training reward: evaluation asks
+whether the answer is right, not whether it is written exactly like the ground truth. Stage 2, when
+a verifier is given, re-checks only the stage-1 failures (the paper's grading).
 
 Both stages cache their results on disk (:class:`~recipe.stapo.eval.generate.ResultCache`), each
 result keyed by the sample (problem, reference answer, response) and by the identity of its
@@ -25,6 +27,7 @@ from tqdm import tqdm
 
 from recipe.stapo.eval.generate import Problem, ResultCache
 from recipe.stapo.eval.verifier import AnswerVerifier, Verdict, VerifyItem
+from recipe.stapo.eval.justrl_rule import grade_solution as justrl_grade_solution
 from recipe.stapo.reward.lenient import DEFAULT_TIMEOUT_S, grade_solution
 
 
@@ -50,20 +53,31 @@ class GradedSample:
         return self.rule_correct or bool(self.verifier_correct)
 
 
-@lru_cache(maxsize=1)
-def _rule_source_sha256() -> str:
+RULES = ("lenient", "justrl")
+"""The stage-1 rules (:mod:`recipe.stapo.eval.protocols` says which protocol uses which)."""
+
+
+def _check_rule(rule: str) -> None:
+    if rule not in RULES:
+        raise ValueError(f"unknown grading rule {rule!r}; known {list(RULES)}")
+
+
+@lru_cache(maxsize=2)
+def _rule_source_sha256(rule: str = "lenient") -> str:
+    import recipe.stapo.eval.justrl_rule as justrl_rule
     import recipe.stapo.reward as reward
 
     digest = hashlib.sha256()
-    for path in sorted(Path(reward.__file__).parent.glob("*.py")):
+    paths = [Path(justrl_rule.__file__)] if rule == "justrl" else sorted(Path(reward.__file__).parent.glob("*.py"))
+    for path in paths:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
-def rule_identity(timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
-    """What decides a stage-1 grade: the rule's code (sha256 of every module of
-    ``recipe.stapo.reward``), the versions of ``math_verify`` and verl (its DAPO normalisation),
-    and the per-answer time limit."""
+def rule_identity(timeout_s: float = DEFAULT_TIMEOUT_S, rule: str = "lenient") -> dict:
+    """What decides a stage-1 grade: the rule, its code (``lenient``: sha256 of every module of
+    ``recipe.stapo.reward``; ``justrl``: of :mod:`recipe.stapo.eval.justrl_rule`), the versions of
+    ``math_verify`` and verl (whose graders both rules use), and the per-answer time limit."""
     from importlib.metadata import PackageNotFoundError, version
 
     def _version(name: str) -> Optional[str]:
@@ -72,9 +86,10 @@ def rule_identity(timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
         except PackageNotFoundError:
             return None
 
+    _check_rule(rule)
     return {
-        "rule": "lenient",
-        "code_sha256": _rule_source_sha256(),
+        "rule": rule,
+        "code_sha256": _rule_source_sha256(rule),
         "math_verify": _version("math-verify"),
         "verl": _version("verl"),
         "timeout_s": float(timeout_s),
@@ -87,20 +102,24 @@ def grade_rule(
     timeout_s: float = DEFAULT_TIMEOUT_S,
     desc: str = "grade",
     cache: Optional[ResultCache] = None,
+    rule: str = "lenient",
 ) -> dict[tuple[int, int], GradedSample]:
     """Stage-1 grades of every record (keys ``(problem_index, sample)``).
 
     Args:
         cache: cached grades of this rule (its grader identity must be :func:`rule_identity` of
-            ``timeout_s``); new grades are appended to it.
+            ``timeout_s`` and ``rule``); new grades are appended to it.
+        rule: ``lenient`` or ``justrl`` (:data:`RULES`).
     """
+    _check_rule(rule)
+    grade_one = grade_solution if rule == "lenient" else justrl_grade_solution
     truth = {p.index: p.ground_truth for p in problems}
     cached = cache.load() if cache is not None else {}
     graded = {key: GradedSample(key[0], key[1], r.get("pred"), bool(r["rule_correct"])) for key, r in cached.items()}
     todo = [key for key in sorted(records) if key not in graded]
     fresh = []
     for key in tqdm(todo, desc=desc, unit="sample", leave=False):
-        correct, pred = grade_solution(records[key]["response"], truth[key[0]], timeout_s)
+        correct, pred = grade_one(records[key]["response"], truth[key[0]], timeout_s)
         graded[key] = GradedSample(key[0], key[1], pred, correct)
         fresh.append({"problem_index": key[0], "sample": key[1], "rule_correct": bool(correct), "pred": pred})
         if cache is not None and len(fresh) >= 1024:

@@ -4,6 +4,7 @@ CLI::
 
     python -m recipe.stapo.eval.run_eval --model CKPT --benchmarks-dir DIR --out OUT \\
         [--decoding both|train|justrl] [--backend vllm|hf] [--verifier auto|compass|none] \\
+        [--grading-protocol justrl|compassverifier] [--verifier-dtype auto] \\
         [--benchmarks aime24,aime25,...] [--n-samples 32 | --n-samples aime24=64,math500=8] \\
         [--max-new-tokens 20480] [--seed 0] [--scale 8B --method STAPO] \\
         [--data-parallel-size auto|K] [--tensor-parallel-size T] [--gpus 0,1,...]
@@ -21,9 +22,13 @@ refused (``run_config.json`` names the key that differs). Saved samples are matc
 problem id and prompt hash, not by row. ``summary.json`` covers every benchmark and decoding
 evaluated in ``OUT`` by any invocation, all graded with this invocation's grading.
 
-Grading (``--verifier``): ``compass`` is the paper's (lenient rule, then CompassVerifier-3B with
-its official prompt on the rule failures); ``none`` is rule-only; ``auto`` (default) is
-``compass`` for a full run and ``none`` for a ``--limit`` smoke test (which no table accepts).
+Grading (``--verifier``): ``compass`` is the paper's (a rule, then CompassVerifier-3B with its
+official prompt on the rule failures); ``none`` is rule-only; ``auto`` (default) is ``compass``
+for a full run and ``none`` for a ``--limit`` smoke test (which no table accepts).
+``--grading-protocol`` (:mod:`recipe.stapo.eval.protocols`): ``justrl`` (default, as the paper's
+tables were graded: JustRL's rule, an empty question, only an output "A" counts) or
+``compassverifier`` (the lenient rule, the bare problem, CompassVerifier's README parser).
+``--verifier-dtype`` (default ``auto``: the verifier checkpoint's own dtype).
 
 ``--data-parallel-size`` (default ``auto``: one vLLM replica per ``--tensor-parallel-size``
 visible GPUs) splits the generation over worker processes (:mod:`recipe.stapo.eval.parallel`);
@@ -59,6 +64,7 @@ from recipe.stapo.eval.generate import (
     saved_samples,
 )
 from recipe.stapo.eval.grade import apply_verifier, grade_rule, mean_at_n, rule_identity
+from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, get_protocol
 from recipe.stapo.eval.verifier import (
     DEFAULT_COMPASS_MODEL,
     DEFAULT_PROMPT_NAME,
@@ -101,6 +107,8 @@ class EvalConfig:
     verifier_model: Optional[str] = None
     verifier_prompt_file: Optional[str] = None
     verifier_prompt_name: str = DEFAULT_PROMPT_NAME
+    grading_protocol: str = DEFAULT_PROTOCOL
+    verifier_dtype: str = "auto"
     batch_size: int = 1024
     limit: Optional[int] = None
     scale: Optional[str] = None
@@ -128,6 +136,7 @@ class EvalConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
         if self.verifier not in VERIFIERS:
             raise ValueError(f"--verifier must be one of {list(VERIFIERS)}, got {self.verifier!r}")
+        get_protocol(self.grading_protocol)
         if self.backend not in ("vllm", "hf"):
             raise ValueError(f"--backend must be 'vllm' or 'hf', got {self.backend!r}")
         if self.tensor_parallel_size < 1:
@@ -593,29 +602,42 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
         records[block.decoding, block.bench] = collect_records(block.problems, block.n_samples, saved)
     if verifier is None and plan.verifier_name == "compass":  # built only now: the policy's GPU memory is free
         kwargs = {} if config.backend == "hf" else {"gpu_memory_utilization": config.gpu_memory_utilization}
-        verifier = build_verifier("compass", config.verifier_model, plan.prompt, config.backend, **kwargs)
+        verifier = build_verifier("compass", config.verifier_model, plan.prompt, config.backend,
+                                  get_protocol(config.grading_protocol), config.verifier_dtype, **kwargs)
     summary = summarise(config, plan.blocks, records, verifier, out)
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "summary.md", summary_markdown(summary))
     return summary
 
 
-def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float) -> dict:
-    """The ``grading`` block of a summary: label (``rule-only`` or ``rule+verifier``), the rule's
-    identity, the verifier's identity and a description, and ``key``, a hash of both identities
-    (rows of one table must share it)."""
-    rule = rule_identity(timeout_s)
+def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float, protocol: str = DEFAULT_PROTOCOL) -> dict:
+    """The ``grading`` block of a summary: the protocol's name, label (``rule-only`` or
+    ``rule+verifier``), the rule's identity, the verifier's identity and a description, and
+    ``key``, a hash of both identities (rows of one table must share it).
+
+    Raises:
+        ValueError: a CompassVerifier built for another protocol than ``protocol``.
+    """
+    chosen = get_protocol(protocol)
+    if isinstance(verifier, CompassVerifier) and verifier.protocol.name != chosen.name:
+        raise ValueError(f"the verifier is fed by the {verifier.protocol.name!r} protocol but the run grades "
+                         f"with --grading-protocol {chosen.name}; build it with that protocol")
+    rule = rule_identity(timeout_s, chosen.rule)
     identity = verifier.identity() if verifier is not None else None
+    rule_text = "JustRL's rule" if chosen.rule == "justrl" else f"{chosen.rule} rule"
     if verifier is None:
-        label, text = "rule-only", "lenient rule only (no verifier)"
+        label, text = "rule-only", f"{rule_text} only (no verifier)"
     else:
-        label, text = "rule+verifier", f"lenient rule, then {verifier.describe()} on the rule failures"
+        label, text = "rule+verifier", f"{rule_text}, then {verifier.describe()} on the rule failures"
+    text = f"{chosen.name} protocol: {text}"
     paper = (
         isinstance(verifier, CompassVerifier)
         and verifier.model.rstrip("/").endswith("CompassVerifier-3B")
         and verifier.prompt.official == DEFAULT_PROMPT_NAME
+        and chosen.name == DEFAULT_PROTOCOL
     )
     return {
+        "protocol": chosen.name,
         "label": label,
         "description": text,
         "paper": paper,
@@ -628,7 +650,7 @@ def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float) -> dict:
 
 def summarise(config: EvalConfig, blocks: Sequence[_Block], records: dict, verifier: Optional[AnswerVerifier], out: Path) -> dict:
     """Grade every block and build the summary dict (schema in docs/eval.md)."""
-    grading = grading_info(verifier, config.reward_timeout_s)
+    grading = grading_info(verifier, config.reward_timeout_s, config.grading_protocol)
     limits = [b.limit for b in blocks if b.limit is not None]
     summary: dict[str, Any] = {
         "model": config.model,
@@ -651,7 +673,8 @@ def summarise(config: EvalConfig, blocks: Sequence[_Block], records: dict, verif
         for block in mine:
             recs, probs, n = records[decoding, block.bench], block.problems, block.n_samples
             rule_cache = ResultCache(_store(out, "grades", block.bench, decoding), probs, recs, grading["rule"])
-            graded = grade_rule(recs, probs, config.reward_timeout_s, desc=f"grade {block.bench}/{decoding}", cache=rule_cache)
+            graded = grade_rule(recs, probs, config.reward_timeout_s, desc=f"grade {block.bench}/{decoding}", cache=rule_cache,
+                                rule=grading["rule"]["rule"])
             judged_now = 0
             if verifier is not None:
                 cache = ResultCache(_store(out, "verifier", block.bench, decoding), probs, recs, grading["verifier"])
@@ -737,6 +760,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="CompassVerifier's src/prompts.py or a text template with {question} {gold_answer} {llm_response} "
                              f"(default <benchmarks-dir>/{DEFAULT_PROMPT_LOCATION.as_posix()})")
     parser.add_argument("--verifier-prompt-name", default=DEFAULT_PROMPT_NAME, help="the template's name in a .py prompt file")
+    parser.add_argument("--grading-protocol", default=DEFAULT_PROTOCOL, choices=sorted(PROTOCOLS),
+                        help="justrl (default, the paper's: JustRL's rule, empty question, only 'A' counts) or "
+                             "compassverifier (lenient rule, the bare problem, the README's parser)")
+    parser.add_argument("--verifier-dtype", default="auto",
+                        help="dtype the verifier is loaded in (default auto: its checkpoint's own)")
     parser.add_argument("--benchmarks", default=",".join(BENCHMARKS))
     parser.add_argument("--n-samples", default=None, help="N for all benchmarks, or NAME=N,... (default 32 for AIME24/25, AMC23; 4 otherwise)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
@@ -769,6 +797,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         verifier_model=args.verifier_model,
         verifier_prompt_file=args.verifier_prompt_file,
         verifier_prompt_name=args.verifier_prompt_name,
+        grading_protocol=args.grading_protocol,
+        verifier_dtype=args.verifier_dtype,
         batch_size=args.batch_size,
         limit=args.limit,
         scale=args.scale,

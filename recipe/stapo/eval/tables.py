@@ -245,9 +245,18 @@ def grading_of(summary: dict, grading: str = "as-run") -> tuple[str, str]:
             return "rule-only (unrecorded rule)", "rule-only (lenient rule; summary without a grading record)"
         return f"rule+verifier {verifier} (unrecorded)", f"lenient rule, then the {verifier} verifier (unrecorded)"
     if grading == "rule-only":
-        return f"rule-only {record.get('rule_key', '?')[:12]}", "rule-only: lenient rule, no verifier (not the paper's grading)"
+        rule = (record.get("rule") or {}).get("rule", "lenient") if isinstance(record.get("rule"), dict) else "lenient"
+        rule = "JustRL's rule" if rule == "justrl" else f"{rule} rule"
+        return f"rule-only {record.get('rule_key', '?')[:12]}", f"rule-only: {rule}, no verifier (not the paper's grading)"
     label = record.get("label", "?")
     return f"{label} {record.get('key', '?')[:12]}", str(record.get("description", label))
+
+
+def grading_protocol_of(summary: dict) -> str:
+    """The grading protocol a summary records (``justrl``, ``compassverifier``), or ``unnamed`` for
+    a summary written before protocols were named (lenient rule, the policy's whole user message)."""
+    record = summary.get("grading") if isinstance(summary.get("grading"), dict) else {}
+    return str(record.get("protocol") or "unnamed")
 
 
 def protocol_of(summary: dict, grading: str = "as-run") -> dict[str, object]:
@@ -258,6 +267,7 @@ def protocol_of(summary: dict, grading: str = "as-run") -> dict[str, object]:
         "protocol": "recorded in a run summary",
         "max_new_tokens": summary.get("max_new_tokens"),
         "grading": grading_of(summary, grading)[0],
+        "grading protocol": grading_protocol_of(summary),
     }
     for decoding, block in (summary.get("decodings") or {}).items():
         if not isinstance(block, dict):
@@ -451,6 +461,14 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
             f"rule-only and verifier-graded rows are never mixed in one table: {listed}. Evaluate the rule-only "
             "runs with the verifier (rerun eval.sh on their folders: generations are reused), or pass "
             "--grading rule-only for a rule-only table of every row"
+        )
+    protocols = {r.protocol["grading protocol"] for r in rows if "grading protocol" in r.protocol}
+    if len(protocols) > 1:
+        listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {r.protocol['grading protocol']}" for r in rows
+                           if "grading protocol" in r.protocol)
+        raise ValueError(
+            f"rows graded under different grading protocols are never mixed in one table: {listed}. Rerun "
+            "eval.sh on the odd folders with the table's --grading-protocol (generations are reused)"
         )
     partial = [r for r in rows if r.partial()]
     if partial and not allow_partial:

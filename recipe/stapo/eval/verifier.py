@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import re
 import string
 import sys
 from abc import ABC, abstractmethod
@@ -35,6 +34,7 @@ from typing import Any, Optional, Sequence
 
 from recipe.stapo.eval.backends import GenerationBackend, render_chat
 from recipe.stapo.eval.generate import text_sha256
+from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, GradingProtocol, compass_judgement
 
 DEFAULT_COMPASS_MODEL = "opencompass/CompassVerifier-3B"
 OFFICIAL_REPOSITORY = "open-compass/CompassVerifier"
@@ -49,8 +49,6 @@ OFFICIAL_PROMPT_SHA256 = {
 DEFAULT_PROMPT_NAME = "CV_PROMPT"
 COMPASS_MAX_NEW_TOKENS = 2048
 """The judgement budget CompassVerifier's authors use."""
-PARSER = "compassverifier-readme"
-"""Name of the answer parsing (:func:`compass_judgement`), part of the verifier's identity."""
 PROMPT_FIELDS = ("question", "gold_answer", "llm_response")
 CONTEXT_RESERVE_TOKENS = 32
 """Tokens kept free for the judgement when a prompt has to be shortened to fit the context."""
@@ -103,24 +101,6 @@ class AnswerVerifier(ABC):
     def describe(self) -> str:
         """One line naming the verifier, for summaries and tables."""
         return f"custom verifier {self.name}"
-
-
-def compass_judgement(text: str) -> str:
-    """CompassVerifier's label in a verifier output, parsed as its authors do: the last
-    ``\\boxed{A|B|C}``; else the whole output when it is exactly "A", "B" or "C"; else, in the part
-    after the last "Final Judgment:", the last ``(X)``-style letter, else the last capital A, B or C
-    anywhere in it; else "" (unreadable). Note that the last rule reads a bare "CORRECT" as "C"."""
-    boxed = re.findall(r"boxed{([A-C])}", text)
-    if boxed:
-        return boxed[-1]
-    if text in ("A", "B", "C"):
-        return text
-    tail = text.split("Final Judgment:")[-1]
-    for pattern in (r"\(([A-C])\)*", r"([A-C])"):
-        found = re.findall(pattern, tail)
-        if found:
-            return found[-1]
-    return ""
 
 
 def parse_judgement(text: str) -> bool:
@@ -224,25 +204,34 @@ FETCH_HINT = (
 
 
 class CompassVerifier(AnswerVerifier):
-    """CompassVerifier (or any judge model answering A/B/C) on a generation backend, fed as its
-    authors do (module docstring).
+    """CompassVerifier (or any judge model answering A/B/C) on a generation backend, fed as a
+    grading protocol says (:mod:`recipe.stapo.eval.protocols`): its ``{question}`` (empty for
+    ``justrl``, the bare problem for ``compassverifier``) and its parser (an output exactly "A",
+    or the README's :func:`compass_judgement`).
 
-    A prompt longer than the backend's context (known for vLLM and transformers) is shortened by
-    cutting the start of the response, keeping its end, and the verdict records how many
-    characters were dropped; otherwise the whole response is shown.
+    Neither reference truncates: the whole response is shown. Only a prompt longer than the
+    backend's context (known for vLLM and transformers; CompassVerifier-3B's is 32,768 tokens, which
+    a 20,480-token response and the prompt fit) is shortened, by cutting the start of the response
+    and keeping its end, and the verdict records how many characters were dropped.
 
     Args:
         backend: runs the judge model (its ``greedy``, ``tokenizer`` and ``context_length``).
         prompt: the template (:func:`load_verifier_prompt`).
         model: the judge model's name or path (its identity).
         max_new_tokens: judgement budget.
+        protocol: the grading protocol (default :data:`~recipe.stapo.eval.protocols.DEFAULT_PROTOCOL`).
+        dtype: the dtype the judge model is loaded in (``auto``: the checkpoint's own); part of the
+            identity only, the backend does the loading.
     """
 
     name = "compass"
 
     def __init__(self, backend: GenerationBackend, prompt: VerifierPrompt, model: str = DEFAULT_COMPASS_MODEL,
-                 max_new_tokens: int = COMPASS_MAX_NEW_TOKENS):
+                 max_new_tokens: int = COMPASS_MAX_NEW_TOKENS, protocol: Optional[GradingProtocol] = None,
+                 dtype: str = "auto"):
         self.backend, self.prompt, self.model, self.max_new_tokens = backend, prompt, model, max_new_tokens
+        self.protocol = protocol or PROTOCOLS[DEFAULT_PROTOCOL]
+        self.dtype = dtype
 
     def identity(self) -> dict:
         return {
@@ -251,10 +240,12 @@ class CompassVerifier(AnswerVerifier):
             "prompt_sha256": self.prompt.sha256,
             "prompt_official": self.prompt.official,
             "input": "question, gold answer, whole response (start cut only beyond the context)",
+            "question": self.protocol.question,
             "chat_template": True,
             "decoding": "greedy",
             "max_new_tokens": self.max_new_tokens,
-            "parser": PARSER,
+            "parser": self.protocol.parser,
+            "dtype": self.dtype,
         }
 
     def describe(self) -> str:
@@ -262,7 +253,8 @@ class CompassVerifier(AnswerVerifier):
 
     def build_prompt(self, item: VerifyItem, response: Optional[str] = None) -> str:
         """Chat-formatted prompt of one item (``response`` replaces the item's, e.g. shortened)."""
-        content = self.prompt.render(item.question, item.gold_answer, item.response if response is None else response)
+        question = self.protocol.verifier_question(item.question)
+        content = self.prompt.render(question, item.gold_answer, item.response if response is None else response)
         return render_chat(self.backend.tokenizer, [{"role": "user", "content": content}])
 
     def fitted_prompt(self, item: VerifyItem) -> tuple[str, int]:
@@ -293,7 +285,7 @@ class CompassVerifier(AnswerVerifier):
         outputs = self.backend.greedy([prompt for prompt, _ in fitted], self.max_new_tokens)
         verdicts = []
         for (_, dropped), output in zip(fitted, outputs):
-            label = compass_judgement(output)
+            label = self.protocol.judgement(output)
             verdicts.append(Verdict(label == "A", label, output, dropped))
         return verdicts
 
@@ -303,10 +295,13 @@ def build_verifier(
     model: Optional[str] = None,
     prompt: Optional[VerifierPrompt] = None,
     backend: str = "vllm",
+    protocol: Optional[GradingProtocol] = None,
+    dtype: str = "auto",
     **backend_kwargs: Any,
 ) -> Optional[AnswerVerifier]:
     """Verifier by name: ``"none"`` (None) or ``"compass"`` (its judge model loaded on ``backend``,
-    ``"vllm"`` or ``"hf"``, on first use: with every verdict cached it is never loaded)."""
+    ``"vllm"`` or ``"hf"``, in ``dtype`` (``auto``: the checkpoint's own, as both references load
+    it), on first use: with every verdict cached it is never loaded), fed as ``protocol`` says."""
     if name == "none":
         return None
     if name == "compass":
@@ -315,7 +310,8 @@ def build_verifier(
         from recipe.stapo.eval.backends import LazyBackend, build_backend
 
         model = model or DEFAULT_COMPASS_MODEL
-        return CompassVerifier(LazyBackend(lambda: build_backend(backend, model, **backend_kwargs)), prompt, model)
+        load = lambda: build_backend(backend, model, dtype=dtype, **backend_kwargs)  # noqa: E731
+        return CompassVerifier(LazyBackend(load), prompt, model, protocol=protocol, dtype=dtype)
     raise ValueError(f"--verifier must be 'none' or 'compass', got {name!r}")
 
 

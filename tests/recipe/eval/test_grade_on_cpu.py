@@ -11,6 +11,7 @@ import pytest
 from recipe.stapo.eval import grade, parallel, run_eval, verifier as verifier_mod
 from recipe.stapo.eval.backends import HFBackend, render_chat
 from recipe.stapo.eval.generate import JsonlStore, sample_seed
+from recipe.stapo.eval.protocols import PROTOCOLS
 from recipe.stapo.eval.run_eval import run_evaluation
 from recipe.stapo.eval.verifier import AnswerVerifier, CompassVerifier, VerifyItem, load_verifier_prompt
 
@@ -79,22 +80,27 @@ def _verdicts(out, decoding="train"):
 # the verifier path: CompassVerifier's format, the whole response, greedy, its parser
 # ----------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_verifier_gets_the_whole_response_in_compassverifiers_format(bench, judges, tmp_path):
+@pytest.mark.parametrize("protocol", ["justrl", "compassverifier"])
+def test_verifier_gets_the_whole_response_in_compassverifiers_format(bench, judges, tmp_path, protocol):
     prompt_file = _prompts_py(tmp_path / "cv" / "prompts.py")
-    judge = _compass(judges["A"], prompt_file)
-    config = scripted_config(bench, tmp_path / "out")
+    judge = _compass(judges["A"], prompt_file, protocol=PROTOCOLS[protocol])
+    config = scripted_config(bench, tmp_path / "out", grading_protocol=protocol)
     summary = run_evaluation(config, lambda: ScriptedBackend(answers(bench), PAD), verifier=judge)
     failures = _rule_failures(bench)
     assert len(judge.backend.prompts) == len(failures) > 0
-    # the expected prompts, built independently: the template filled by str.format with the user
-    # message, the reference answer and the WHOLE response, sent as one user turn of the chat template
+    # the expected prompts, built independently: the template filled by str.format with the
+    # protocol's question (JustRL: empty; the README: the problem without the policy's instruction),
+    # the reference answer and the WHOLE response, sent as one user turn of the chat template
     problems = {p.index: p for p in run_eval.load_problems(bench / "aime24.parquet")}
     records = JsonlStore(tmp_path / "out" / "generations" / "aime24__train.jsonl").load()
     expected = []
     for index, sample in sorted(failures):
         problem, response = problems[index], records[index, sample]["response"]
         assert len(response) > 5000
-        content = TEMPLATE.format(question=problem.messages[-1]["content"], gold_answer=problem.ground_truth, llm_response=response)
+        user = problem.messages[-1]["content"]
+        assert user.endswith("\n\nPlease reason step by step, and put your final answer within \\boxed{}.")
+        question = "" if protocol == "justrl" else user[: user.rindex("\n\nPlease reason step by step")]
+        content = TEMPLATE.format(question=question, gold_answer=problem.ground_truth, llm_response=response)
         expected.append(render_chat(judge.backend.tokenizer, [{"role": "user", "content": content}]))
     assert judge.backend.prompts == expected
     # the judge answers "A" to everything: every rule failure becomes correct
@@ -103,6 +109,8 @@ def test_verifier_gets_the_whole_response_in_compassverifiers_format(bench, judg
     assert block["verifier_judged"] == block["verifier_accepted"] == len(failures)
     cached = _verdicts(tmp_path / "out")
     assert {(r["judgement"], r["output"], r["response_chars_dropped"]) for r in cached} == {("A", "A", 0)}
+    assert summary["grading"]["protocol"] == protocol and protocol in summary["grading"]["description"]
+    assert judge.identity()["question"] == ("empty" if protocol == "justrl" else "problem")
 
 
 def test_the_configured_compass_verifier_runs_the_same_path(bench, judges, tmp_path):
@@ -210,25 +218,28 @@ def test_another_verifier_object_judges_again_and_the_summary_names_it(bench, tm
     assert summary["verifier"] == "reject-all" and summary["grading"]["verifier"]["name"] == "reject-all"
 
 
-def test_rule_grades_are_cached_and_keyed_by_the_rule(bench, tmp_path, monkeypatch):
+@pytest.mark.parametrize("protocol, function", [("justrl", "justrl_grade_solution"), ("compassverifier", "grade_solution")])
+def test_rule_grades_are_cached_and_keyed_by_the_rule(bench, tmp_path, monkeypatch, protocol, function):
     calls = []
-    real = grade.grade_solution
-    monkeypatch.setattr(grade, "grade_solution", lambda *a: calls.append(a) or real(*a))
+    real = getattr(grade, function)
+    monkeypatch.setattr(grade, function, lambda *a: calls.append(a) or real(*a))
     out = tmp_path / "out"
-    first = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    config = lambda **kw: scripted_config(bench, out, grading_protocol=protocol, **kw)  # noqa: E731
+    first = run_evaluation(config(), lambda: ScriptedBackend(answers(bench)))
     assert len(calls) == 5 * 6
     calls.clear()
-    assert run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench))) == first
+    assert run_evaluation(config(), lambda: ScriptedBackend(answers(bench))) == first
     assert calls == []  # every grade cached
     # another time limit per answer: graded again
-    timed = run_evaluation(scripted_config(bench, out, reward_timeout_s=2.0), lambda: ScriptedBackend(answers(bench)))
+    timed = run_evaluation(config(reward_timeout_s=2.0), lambda: ScriptedBackend(answers(bench)))
     assert len(calls) == 30 and timed["grading"]["rule"]["timeout_s"] == 2.0
     calls.clear()
     # another version of the rule's code: graded again
-    monkeypatch.setattr(grade, "_rule_source_sha256", lambda: "0" * 64)
-    again = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    monkeypatch.setattr(grade, "_rule_source_sha256", lambda rule: "0" * 64)
+    again = run_evaluation(config(), lambda: ScriptedBackend(answers(bench)))
     assert len(calls) == 30 and again["grading"]["rule"]["code_sha256"] == "0" * 64
     assert again["decodings"] == first["decodings"]
+    assert first["grading"]["rule"]["rule"] == PROTOCOLS[protocol].rule
 
 
 def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypatch):
@@ -243,8 +254,8 @@ def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypa
     lines[index] = json.dumps(record)
     path.write_text("\n".join(lines) + "\n")
     calls = []
-    real = grade.grade_solution
-    monkeypatch.setattr(grade, "grade_solution", lambda *a: calls.append(a) or real(*a))
+    real = grade.justrl_grade_solution  # the default protocol's rule
+    monkeypatch.setattr(grade, "justrl_grade_solution", lambda *a: calls.append(a) or real(*a))
     judge = RejectAll()
     summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=judge)
     assert [a[0] for a in calls] == [record["response"]]  # only the edited sample is graded again

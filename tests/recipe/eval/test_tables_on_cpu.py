@@ -300,7 +300,7 @@ def test_rows_of_one_protocol_pass(tmp_path):
     rows = load_inputs(paths)
     assert not any(r.protocol_issues for r in rows)
     assert headline(rows, "train")[0] == pytest.approx(100 * 5 / 45)
-    assert "Grading: lenient rule only (no verifier)" in tables.report(rows)
+    assert "Grading: justrl protocol: JustRL's rule only (no verifier)" in tables.report(rows)
 
 
 def test_rule_only_rows_are_never_mixed_with_verified_ones(tmp_path):
@@ -316,7 +316,7 @@ def test_rule_only_rows_are_never_mixed_with_verified_ones(tmp_path):
     rows = load_inputs(paths, grading="rule-only")
     assert [r.value("train", "AIME24") for r in rows] == [35.0, 45.0, 40.0]
     report = tables.report(rows)
-    assert "Grading: rule-only: lenient rule, no verifier (not the paper's grading)" in report
+    assert "Grading: rule-only: JustRL's rule, no verifier (not the paper's grading)" in report
     assert headline(rows, "train")[0] == pytest.approx(100 * 5 / 40)
 
 
@@ -471,3 +471,22 @@ def test_labels_are_read_without_surrounding_spaces(tmp_path):
     rows = load_inputs(paths)
     assert tables.scales(rows) == ["8B"] and rows[1].method == "STAPO"
     assert headline(rows, "train")[0] == pytest.approx(25.0)
+
+
+@pytest.mark.parametrize("grading", ["as-run", "rule-only"])
+def test_rows_of_another_grading_protocol_are_never_mixed(tmp_path, grading):
+    """Each summary records its grading protocol; justrl and compassverifier rows never share a
+    table, not with --allow-mixed-protocol, and not as a rule-only table (their rules differ)."""
+    from recipe.stapo.eval.run_eval import grading_info
+
+    other = grading_info(None, 5.0, "compassverifier")
+    assert other["protocol"] == "compassverifier" and grading_info(None, 5.0)["protocol"] == "justrl"
+    paths = _eight_b_rows(tmp_path, _run_summary("8B", "GRPO", 45.0, grading=other))
+    for mixed in (False, True):
+        with pytest.raises(ValueError, match=r"different grading protocols.*stapo\.json: 8B STAPO: justrl; "
+                                             r".*grpo\.json: 8B GRPO: compassverifier"):
+            load_inputs(paths, allow_mixed_protocol=mixed, grading=grading)
+    # the same protocol: one table
+    (tmp_path / "same").mkdir()
+    same = _eight_b_rows(tmp_path / "same", _run_summary("8B", "GRPO", 45.0, grading=grading_info(None, 5.0, "justrl")))
+    assert len(load_inputs(same, grading=grading)) == 3

@@ -1,0 +1,168 @@
+"""JustRL's rule-based grader, the first stage of the ``justrl`` grading protocol (docs/eval.md).
+
+JustRL's evaluation grades a response with ``grade_answer_verl`` (its ``evals/utils.py``), the
+DeepScaleR / PRIME math check that verl also ships (``verl.utils.reward_score.prime_math``):
+
+1. no ground truth (empty) never matches; a ground truth holding ``\\boxed`` is replaced by its
+   box's content;
+2. the answer is the content of the response's *last* ``\\boxed{...}``, anywhere in the whole
+   response (no tail window), matched by counting braces; a response without ``\\boxed``, an
+   unclosed box or a ``\\boxed`` not followed by ``{`` has no answer and is wrong;
+3. correct when the two answers are equal after the MATH (Hendrycks) normalisation ("mathd"), OR
+   when the sympy check accepts them: both normalised (:func:`sympy_normalize`), equal strings, or
+   split into tuple elements that pair up, each pair equal as written when both are fractions,
+   wrong when exactly one is an integer, else equal when sympy simplifies their difference to 0.
+
+The pieces come from verl's copy (``math_normalize.normalize_answer`` for mathd, ``prime_math``'s
+helpers for sympy); the sympy normalisation follows JustRL's version of it, which also deletes
+spaces and leftover braces and does not strip "liter" as a unit. The sympy stage runs in the
+reward guard's helper process under a hard time limit (a sympy call can hang; JustRL's has no
+limit): a check that runs past it counts the answer as wrong.
+
+This rule differs from the lenient rule (:mod:`recipe.stapo.reward.lenient`): the box may be
+anywhere in the response (not only in its last 300 characters), ``math_verify`` is not used, an
+integer ground truth never matches a non-integer spelling unless the normalisations make them equal
+(``\\frac{10}{2}`` is not ``5``), and fewer units are stripped (``5 kg`` is not ``5``); so the two
+rules send different samples to the verifier (``tests/recipe/eval/test_protocols_on_cpu.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any, Optional
+
+logger = logging.getLogger(__name__)
+
+RULE = "justrl"
+"""Name of this rule in grading identities and summaries."""
+
+_UNITS = (
+    "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month",
+    "year", "foot", "feet", "inch", "yard",
+)
+
+
+def boxed_answer(text: str) -> Optional[str]:
+    """Content of the last ``\\boxed{...}`` of ``text`` (braces counted from the last ``\\boxed``),
+    or None: no ``\\boxed``, the box never closes, or ``\\boxed`` is not directly followed by ``{``."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    depth = 0
+    for end in range(start, len(text)):
+        if text[end] == "{":
+            depth += 1
+        elif text[end] == "}":
+            depth -= 1
+            if depth == 0:
+                box = text[start : end + 1]
+                return box[len("\\boxed{") : -1] if box.startswith("\\boxed{") else None
+    return None
+
+
+def mathd_equal(pred: str, gold: str) -> bool:
+    """Equal after the MATH (Hendrycks) answer normalisation."""
+    from verl.utils.reward_score.prime_math.math_normalize import normalize_answer
+
+    return normalize_answer(gold) == normalize_answer(pred)
+
+
+def sympy_normalize(expr: str) -> str:
+    """The sympy stage's normalisation, as JustRL's grader writes it: strip an enclosing
+    ``\\text{}``, dollar and percent signs, words for 10^6/9/12, listed units and degree marks, one
+    pair of enclosing braces, ``,\\!`` separators; integral floats become integers; LaTeX is turned
+    into text; spaces and leftover braces are deleted; lower case; integers canonical."""
+    from verl.utils.reward_score.prime_math import (
+        _inject_implicit_mixed_number,
+        _is_float,
+        _is_int,
+        _parse_latex,
+        _str_is_int,
+        _str_to_int,
+    )
+
+    found = re.search(r"^\\text\{(?P<text>.+?)\}$", expr)
+    if found is not None:
+        expr = found.group("text")
+    for old, new in (("\\%", "%"), ("\\$", "$"), ("$", ""), ("%", ""), (" or ", " , "), (" and ", " , "),
+                     ("million", "*10^6"), ("billion", "*10^9"), ("trillion", "*10^12")):
+        expr = expr.replace(old, new)
+    for unit in _UNITS:
+        expr = re.sub(f"{unit}(es)?(s)? *(\\^[0-9]+)?", "", expr)
+    expr = re.sub(r"\^ *\\circ", "", expr)
+    if expr[:1] == "{" and expr[-1:] == "}":
+        expr = expr[1:-1]
+    expr = re.sub(r",\\! *", "", expr)
+    if _is_float(expr) and _is_int(float(expr)):
+        expr = str(int(round(float(expr))))
+    if "\\" in expr:
+        try:
+            expr = _parse_latex(expr)
+        except Exception:  # noqa: BLE001 - unparsable LaTeX stays as written, as in the reference
+            pass
+    expr = re.sub("- *", "-", expr)
+    expr = _inject_implicit_mixed_number(expr)
+    expr = expr.replace(" ", "").replace("{", "").replace("}", "").lower()
+    if _str_is_int(expr):
+        expr = str(_str_to_int(expr))
+    return expr
+
+
+def sympy_equal(pred: str, gold: str) -> bool:
+    """The sympy stage (see the module docstring); runs in a guard helper process."""
+    from verl.utils.reward_score.prime_math import _is_frac, _str_is_int, are_equal_under_sympy, split_tuple
+
+    simplify_equal = getattr(are_equal_under_sympy, "__wrapped__", are_equal_under_sympy)  # the guard bounds the time
+    norm_gold, norm_pred = sympy_normalize(gold), sympy_normalize(pred)
+    if norm_gold == norm_pred:
+        return True
+    if not norm_pred:
+        return False
+    gold_elems, pred_elems = split_tuple(norm_gold), split_tuple(norm_pred)
+    if len(gold_elems) > 1 and (norm_gold[0] != norm_pred[0] or norm_gold[-1] != norm_pred[-1]):
+        return False
+    if len(gold_elems) != len(pred_elems):
+        return False
+    for g, p in zip(gold_elems, pred_elems):
+        if _is_frac(g) and _is_frac(p):
+            same = g == p
+        elif _str_is_int(g) != _str_is_int(p):
+            same = False
+        else:
+            same = bool(simplify_equal(g, p))
+        if not same:
+            return False
+    return True
+
+
+def warm_up() -> None:
+    """Import sympy and verl's grader and run one comparison (a guard helper's warm-up)."""
+    sympy_equal("\\frac{1}{2}", "0.5")
+
+
+def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float) -> tuple[bool, Optional[str]]:
+    """Grade one response with JustRL's rule.
+
+    Returns:
+        ``(correct, pred)``: ``pred`` is the last box's content, or None when there is none.
+    Raises only :class:`~recipe.stapo.reward.guard.RewardConfigError` (an invalid
+    ``STAPO_REWARD_WORKERS``).
+    """
+    from recipe.stapo.reward.guard import get_runner
+
+    text = solution_str if isinstance(solution_str, str) else str(solution_str)
+    gold = "" if ground_truth is None else str(ground_truth)
+    if not gold:
+        return False, boxed_answer(text)
+    if "\\boxed" in gold:
+        gold = boxed_answer(gold)
+    pred = boxed_answer(text)
+    if pred is None or gold is None:
+        return False, pred
+    if mathd_equal(pred, gold):
+        return True, pred
+    status, value = get_runner(f"{__name__}:warm_up").call(sympy_equal, (pred, gold), timeout_s)
+    if status == "err":
+        logger.warning("justrl rule: sympy check failed (%s); counting the answer as wrong", value)
+    return status == "ok" and bool(value), pred
