@@ -28,7 +28,8 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from recipe.stapo.preflight import POLICY_LOSS, PreflightError, summary
+from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
+from recipe.stapo.preflight import PreflightError, summary
 from recipe.stapo.preflight import check as preflight_check
 from recipe.stapo.methods import METHODS
 
@@ -149,19 +150,12 @@ def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = prin
     runs its own forward for the statistics and nothing is switched on. Each change is logged
     through ``log``; returns the overrides applied (``key=value`` strings).
     """
-    from verl.utils.config import omega_conf_to_dataclass
-
-    from verl_patches.config import TokenSelectionLossConfig
-
-    policy_loss = OmegaConf.select(config, POLICY_LOSS)
-    if policy_loss is None or policy_loss.get("_target_", None) is None:
-        return []
     try:
-        settings = omega_conf_to_dataclass(policy_loss)
-    except Exception:  # a bad value: validate() reports it, naming the key
+        settings = settings_of(config)
+    except ValueError:  # a bad value: the preflight reports it, naming the key
         return []
     applied = []
-    if (isinstance(settings, TokenSelectionLossConfig) and settings.needs_update_entropy
+    if (settings is not None and settings.needs_update_entropy
             and not OmegaConf.select(config, CALCULATE_ENTROPY)):
         with open_dict(config):
             OmegaConf.update(config, CALCULATE_ENTROPY, True, force_add=True)

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Optional
 
+from recipe.stapo.policy_loss import settings_of
+
 GIB = 1024**3
 #: bytes of the dtypes involved
 FP32, BF16 = 4, 2
@@ -453,24 +455,6 @@ def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
 _KL_KEYS = ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward")
 
 
-def loss_decisions(config):
-    """The policy-loss block of a composed config as verl builds it (``TokenSelectionLossConfig``, whose
-    properties say which extra forwards and entropies the run needs), or None for a policy loss
-    without token selection (verl's own ``PolicyLossConfig``, or none). ``ValueError`` naming the key
-    when the block is invalid."""
-    from omegaconf import OmegaConf
-
-    policy_loss = OmegaConf.select(config, "actor_rollout_ref.actor.policy_loss")
-    if policy_loss is None or not str(policy_loss.get("_target_", "")).endswith("TokenSelectionLossConfig"):
-        return None
-    from verl.utils.config import omega_conf_to_dataclass
-
-    try:
-        return omega_conf_to_dataclass(policy_loss)
-    except Exception as e:  # noqa: BLE001  (hydra wraps the dataclass's ValueError naming the key)
-        raise ValueError(str(e.__cause__ or e)) from None
-
-
 def settings_from_config(config) -> Settings:
     """:class:`Settings` of a composed recipe config (an OmegaConf config whose numbers the preflight
     has checked); the token selection's decisions come from its policy-loss dataclass."""
@@ -491,7 +475,7 @@ def settings_from_config(config) -> Settings:
     uses_ref = any(bool(pick(k, False)) for k in _KL_KEYS)
     ref_tokens = tokens(f"{ref}.log_prob_use_dynamic_bsz", f"{ref}.log_prob_max_token_len_per_gpu",
                         f"{ref}.log_prob_micro_batch_size_per_gpu") if uses_ref else None
-    loss = loss_decisions(config)
+    loss = settings_of(config)
     current = loss is not None and (loss.forwards_current_policy or loss.monitor_forwards_current_policy)
     update_effect = None
     if loss is not None and loss.measures_update_effect:
@@ -687,8 +671,3 @@ def table(est: Estimate, gpu_bytes: float) -> str:
     lines.append(f"  peak: {peak.name}, {gib(peak.total)} GiB ({peak.total / gpu_bytes:.0%} of the GPU; a pass must "
                  "leave its margin, the second number, free)")
     return "\n".join(lines)
-
-
-def with_settings(est: Estimate, **changes) -> Settings:
-    """The estimate's settings with ``changes`` (for what-if comparisons)."""
-    return replace(est.settings, **changes)

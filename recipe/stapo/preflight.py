@@ -40,9 +40,9 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipe.stapo import memory_model
 from recipe.stapo.methods import methods
+from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
 from stapo_core.rules import NO_SELECTION, RULES
 
-POLICY_LOSS = "actor_rollout_ref.actor.policy_loss"
 ACTOR, ROLLOUT, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 #: the token selection each method runs (docs/method.md); another one needs a name that says so
 #: advantage estimators that normalise rewards within each prompt's group of rollout.n responses
@@ -280,17 +280,10 @@ def check_names(config: DictConfig, found: list[Problem]) -> None:
     if mode not in POLICY_LOSS_REGISTRY:
         found.append(Problem(f"{POLICY_LOSS}.loss_mode", "not a registered policy loss",
                              f"use one of {sorted(POLICY_LOSS_REGISTRY)}", mode))
-    policy_loss = _pick(config, POLICY_LOSS)
-    if policy_loss is not None and policy_loss.get("_target_", None):
-        from hydra.errors import InstantiationException
-
-        from verl.utils.config import omega_conf_to_dataclass
-
-        try:
-            omega_conf_to_dataclass(policy_loss)
-        except (InstantiationException, ValueError, TypeError) as e:
-            cause = e.__cause__ if isinstance(e, InstantiationException) and e.__cause__ else e
-            found.append(Problem(POLICY_LOSS, str(cause), "use the values docs/method.md lists for these keys"))
+    try:
+        settings_of(config)
+    except ValueError as e:
+        found.append(Problem(POLICY_LOSS, str(e), "use the values docs/method.md lists for these keys"))
     from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator
 
     estimator = str(_pick(config, "algorithm.adv_estimator", "grpo"))
@@ -308,15 +301,13 @@ def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:
     only, and the loss's own statistics would be one rank's slice, so the recipe refuses it here
     rather than on some ranks hours in."""
     sp = _pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1)
-    policy_loss = _pick(config, POLICY_LOSS)
-    if not (_is_int(sp) and sp > 1) or policy_loss is None or not str(policy_loss.get("_target_", "")).endswith(
-            "TokenSelectionLossConfig"):
+    if not (_is_int(sp) and sp > 1):
         return
-    from verl.utils.config import omega_conf_to_dataclass
-
     try:
-        cfg = omega_conf_to_dataclass(policy_loss)
-    except Exception:  # noqa: BLE001  (check_names reports an invalid policy-loss config)
+        cfg = settings_of(config)
+    except ValueError:  # check_names reports an invalid policy-loss config
+        return
+    if cfg is None:
         return
     uses = []
     if cfg.selects_tokens and cfg.statistics_source == "current":
