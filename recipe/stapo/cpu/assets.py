@@ -11,7 +11,7 @@ CLI::
 
     python -m recipe.stapo.cpu.assets OUT_DIR [--force]
 
-The CLI runs the build with the math libraries held to AVX2 (:func:`recipe.stapo.cpu.trainer.isa_env`),
+The CLI runs the build with the math libraries held to AVX2 (:func:`recipe.stapo.cpu.isa.isa_env`),
 as every CPU training run is. Writes into ``OUT_DIR``:
 
 - ``model/``: a ``Qwen3ForCausalLM`` (random init with a fixed seed, then a short supervised
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None, cfg: AssetConfig = AssetConfig()) -> int
 def _exec_pinned() -> None:
     """Restart this command with the math libraries held to AVX2 unless they already are (the
     settings are read when torch loads, so they cannot be changed in a running process)."""
-    from .trainer import isa_env
+    from .isa import isa_env
 
     pin = isa_env()
     if any(os.environ.get(key) != value for key, value in pin.items()):

@@ -8,7 +8,7 @@ are the same (docs/reproducibility.md explains each):
 - the library versions (python, torch, verl, transformers, ray, numpy): kernels and their
   reduction orders change between releases;
 - the thread count of every process (``STAPO_CPU_THREADS`` and the OpenMP / MKL variables);
-- the instruction set the math libraries are held to (:func:`recipe.stapo.cpu.trainer.isa_env`:
+- the instruction set the math libraries are held to (:func:`recipe.stapo.cpu.isa.isa_env`:
   AVX2 on x86, so AVX2-only and AVX-512 machines compute the same), with the CPU's own
   vector extensions;
 - the CPU model, recorded.
@@ -27,7 +27,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from .trainer import DEFAULT_ISA, DEFAULT_THREADS, isa_env, thread_env
+from .isa import DEFAULT_ISA, isa_env
+from .trainer import DEFAULT_THREADS, thread_env
 
 #: the distributions whose versions a summary records (distribution name on PyPI)
 LIBRARIES = ("torch", "verl", "transformers", "ray", "numpy")
@@ -71,7 +72,7 @@ def thread_settings(threads: int = DEFAULT_THREADS) -> dict[str, Any]:
 
 
 def isa_settings(isa: str = DEFAULT_ISA) -> dict[str, Any]:
-    """The instruction-set pin every process of a CPU run gets (:func:`recipe.stapo.cpu.trainer.isa_env`)
+    """The instruction-set pin every process of a CPU run gets (:func:`recipe.stapo.cpu.isa.isa_env`)
     and the vector extensions this CPU has (``avx2``, ``avx512*`` flags of ``/proc/cpuinfo``)."""
     flags: list[str] = []
     try:

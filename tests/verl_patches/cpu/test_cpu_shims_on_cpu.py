@@ -325,7 +325,7 @@ ISA_KEYS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDN
 
 def test_cpu_env_and_ray_workers_hold_the_math_libraries_to_avx2(tmp_path):
     from recipe.stapo.cpu import cpu_env, cpu_overrides
-    from recipe.stapo.cpu.trainer import isa_env
+    from recipe.stapo.cpu.isa import isa_env
 
     pinned = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "MKL_CBWR": "AVX2,STRICT",
               "ONEDNN_MAX_CPU_ISA": "AVX2"}
