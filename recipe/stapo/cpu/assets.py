@@ -23,7 +23,8 @@ as every CPU training run is. Writes into ``OUT_DIR``:
   ``prompt`` = [{"role": "user", "content": ...}], ``ability``, ``reward_model`` =
   {"style": "rule", "ground_truth": ...}, ``extra_info``); every prompt ends with the instruction
   of the real runs. The answer goes in ``\\boxed{}``.
-- ``manifest.json``: the config, its hash, the sha256 of every other file (:func:`file_hashes`), the warm-up steps, the measured
+- ``manifest.json``: the config, its hash, the sha256 of every other file (:func:`file_hashes`),
+  the warm-up steps, the measured
   sampling success rate at temperature 1.0 (target 20-70%, so GRPO advantages are non-zero) and
   how often sampling at temperature 1.0 draws a token with p < ``tau_p`` (0.002, the paper's).
 

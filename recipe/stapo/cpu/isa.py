@@ -35,9 +35,9 @@ def isa_env(isa: str = DEFAULT_ISA, machine: Optional[str] = None) -> dict[str, 
     Each is read when its library loads, so it must be in a process's environment before torch is
     imported: :func:`recipe.stapo.cpu.trainer.cpu_env` puts it there for the trainer and Ray's workers
     inherit it (and get it from the runtime environment, :func:`recipe.stapo.cpu.trainer.cpu_overrides`).
-    AVX2 is what every x86 CPU of the last decade has; an AVX-512 machine then computes what an AVX2-only one does (docs/reproducibility.md
-    has the measurement and the cost). ``isa="native"`` returns nothing (each library picks, as
-    without the recipe); other CPUs (ARM) get nothing either.
+    AVX2 is what every x86 CPU of the last decade has; an AVX-512 machine then computes what an
+    AVX2-only one does (docs/reproducibility.md has the measurement and the cost). ``isa="native"``
+    returns nothing (each library picks, as without the recipe); other CPUs (ARM) get nothing either.
     """
     if isa not in ISAS:
         raise ValueError(f"isa_env: isa must be one of {ISAS}, got {isa!r}")

@@ -216,7 +216,8 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     """Run ``python -m recipe.stapo.main_stapo method=<method>`` on CPU (blocking).
 
     ``overrides_kwargs`` go to :func:`cpu_overrides`; ``threads``: torch threads per process
-    (:func:`thread_env`); ``isa``: the math libraries' instruction set (:func:`isa_env`). stdout+stderr go to ``log_file`` (default
+    (:func:`thread_env`); ``isa``: the math libraries' instruction set
+    (:func:`recipe.stapo.cpu.isa.isa_env`). stdout+stderr go to ``log_file`` (default
     ``run_dir/<metrics_file stem>.log``). ``on_step(step, metrics)`` is called for each step as
     soon as verl's file logger writes it. Returns a :class:`CPURun` (return code, wall seconds,
     paths); it never raises on a failed or timed-out run (return code -9), so callers can report
