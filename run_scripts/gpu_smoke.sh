@@ -18,8 +18,9 @@
 #                          this node, not on the cluster (GPU mode only)
 #   OUT [results/gpu_smoke]  per-method run folders (metrics.jsonl, log, checkpoints) and eval/
 #   PYTHON [python3]       interpreter with requirements.txt installed
-#   SMOKE_DEVICE [gpu]     cpu: the same script without a GPU: the tiny model built in ASSETS
-#                          [assets/tiny], verl's real trainer on CPU with an HF rollout, HF evaluation
+#   SMOKE_DEVICE [gpu]     cpu: the same script without a GPU: the tiny model in ASSETS [the shipped
+#                          set, recipe/stapo/cpu/shipped_assets; another folder is built], verl's real
+#                          trainer on CPU with an HF rollout, HF evaluation
 #                          (the project's tests run this mode)
 #   STAPO_DRY_RUN=1        print the training commands only
 # It stops at the first failure and names the log to read.
@@ -56,7 +57,7 @@ case "$device" in
     [ "$lengths" = paper ] && eval_tokens=15360
     ;;
   cpu)
-    assets=$(abs "${ASSETS:-assets/tiny}" "$([ -n "${ASSETS:-}" ] && echo "$launch_dir" || echo "$PWD")")
+    assets=$(abs "${ASSETS:-recipe/stapo/cpu/shipped_assets}" "$([ -n "${ASSETS:-}" ] && echo "$launch_dir" || echo "$PWD")")
     "$python" -m recipe.stapo.cpu.assets "$assets" >&2   # reused when already built
     # the CPU path's environment (VERL_PLATFORM=cpu, the CPU shims in every verl process...)
     exports=$("$python" -c '

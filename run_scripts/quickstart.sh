@@ -2,7 +2,7 @@
 # Quickstart on a machine without a GPU (README's main command):
 #   bash run_scripts/quickstart.sh [--steps 16] [--out results/quickstart] [--methods grpo,stapo] ...
 #   bash run_scripts/quickstart.sh --out results/study --steps 20 --seeds 3     # study mode: bands across seeds
-# Creates/refreshes .venv (CPU stack), builds the tiny assets in assets/tiny (reused when present),
+# Creates/refreshes .venv (CPU stack), takes the tiny assets the repository ships (recipe/stapo/cpu/shipped_assets),
 # then trains GRPO, 20-Entropy, JustRL and STAPO with verl's real trainer on CPU, identical settings
 # and seeds, STAPO at the paper's S2T settings (tau_p = 0.002, q = 0.75; refused otherwise), and
 # writes results/quickstart/ (per-method run folders with verl's metrics.jsonl and the S2T token

@@ -55,16 +55,25 @@ def session_folder(tmp_path_factory, name: str) -> Path:
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:
-    """The tiny CPU assets, built once per test session (every trainer test of the session, on every
-    worker, reuses them); ``STAPO_CPU_ASSETS_DIR`` names a folder to build them in once and reuse
-    across sessions (its manifest is checked against the assets' configuration)."""
-    from recipe.stapo.cpu.assets import build_assets
+    """The tiny CPU assets: a copy of the shipped set (recipe/stapo/cpu/shipped_assets, checked
+    against its manifest) made once per test session in the session's folder, so no test writes
+    into the repository's copy. ``STAPO_CPU_ASSETS_DIR`` names a folder to build a local set in
+    instead (reused across sessions while its manifest matches the assets' configuration); the
+    end-to-end tests' chosen seeds and prompts are those of the shipped set."""
+    import shutil
 
-    folder = Path(os.environ.get("STAPO_CPU_ASSETS_DIR") or session_folder(tmp_path_factory, "stapo_cpu_assets"))
+    from recipe.stapo.cpu.assets import SHIPPED_DIR, build_assets, is_built, verify_assets
+
+    local = os.environ.get("STAPO_CPU_ASSETS_DIR")
+    folder = Path(local) if local else session_folder(tmp_path_factory, "stapo_cpu_assets")
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with open(folder.parent / f".{folder.name}.lock", "w") as lock:  # one worker builds, the others wait
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:  # one worker builds or copies, the others wait
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return build_assets(folder).root
+        if local:
+            return build_assets(folder).root
+        if not is_built(folder):
+            shutil.copytree(verify_assets(SHIPPED_DIR), folder, dirs_exist_ok=True)
+        return folder.resolve()
 
 
 @pytest.fixture(scope="session")

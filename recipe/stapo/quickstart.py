@@ -2,10 +2,11 @@
 
 ::
 
-    python -m recipe.stapo.quickstart [--out results/quickstart] [--assets assets/tiny] [--steps 16]
+    python -m recipe.stapo.quickstart [--out results/quickstart] [--assets FOLDER] [--steps 16]
     python -m recipe.stapo.quickstart --out results/study --steps 20 --seeds 3     # study mode
 
-Builds (or reuses) the tiny assets (:mod:`recipe.stapo.cpu.assets`), then trains every method
+Uses the tiny assets the repository ships (:mod:`recipe.stapo.cpu.assets`; ``--assets`` builds or
+reuses a set in another folder), then trains every method
 with verl's real trainer on CPU (:mod:`recipe.stapo.cpu`) under identical settings and seeds, one
 after the other, validating on the held-out problems before training and after the last step.
 
@@ -54,7 +55,7 @@ from pathlib import Path
 from typing import Optional
 
 from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
-from recipe.stapo.cpu.assets import AssetConfig, asset_paths, build_assets, is_built
+from recipe.stapo.cpu.assets import SHIPPED_DIR, AssetConfig, asset_paths, build_assets, is_built, verify_assets
 from recipe.stapo.plots import DLOGP_SETS, plot_bands, plot_runs, plot_update_effect, update_effect_of_run
 from recipe.stapo.methods import methods
 from stapo_core.fileio import output_folder_problem
@@ -634,7 +635,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The quickstart's command line (defaults: the quickstart's scale)."""
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.quickstart", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="results/quickstart", help="output folder (default: results/quickstart)")
-    parser.add_argument("--assets", default="assets/tiny", help="tiny assets folder (built if missing)")
+    parser.add_argument("--assets", default=str(SHIPPED_DIR),
+                        help="tiny assets folder (default: the shipped set; another folder is built if missing)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per run (default {DEFAULT_STEPS})")
     parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help=f"prompts per step (default {DEFAULT_PROMPTS})")
     parser.add_argument("--mini-batch", type=int, default=None,
@@ -681,8 +683,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("[quickstart] refusing to run:\n  " + "\n  ".join(early), file=sys.stderr, flush=True)
         return 2
     opts.out.mkdir(parents=True, exist_ok=True)
-    print(f"[quickstart] tiny assets in {opts.assets} (built once, then reused)", flush=True)
-    assets = build_assets(opts.assets).root
+    print(f"[quickstart] tiny assets in {opts.assets}"
+          f"{' (the shipped set)' if opts.assets == SHIPPED_DIR else ' (built once, then reused)'}", flush=True)
+    # the shipped set is checked against its manifest (never rebuilt here); another folder is built or reused
+    assets = verify_assets(SHIPPED_DIR) if opts.assets == SHIPPED_DIR else build_assets(opts.assets).root
     settings, differences = check_stapo_settings(opts, assets)
     if differences:
         print("[quickstart] refusing to run: STAPO would not run with the paper's settings:\n  "

@@ -20,6 +20,11 @@ recipe's wrapper, which folds the token selection into the mini-batch) and write
   ``update_lr_scheduler``: verl's flag on the last mini-batch of a step (so the next call starts a step),
 - ``metrics``: the recipe's ``s2t/*`` metrics of the update (on the ranks that return verl's output).
 
+``STAPO_TEST_NO_POSITIVE_AT=<call>:<rank>`` also injects a case: on that call (mini-batch index,
+counted from 0 over the run) that rank's advantages become ``-|A|`` before the update, so the rank
+holds no positive-advantage sequence there whatever the model sampled. The record holds the
+advantages the update used.
+
 Used by tests/e2e/test_current_stats_e2e_on_cpu.py, which recomputes the silenced set from an
 independent forward of the recorded weights, and the update effect from the weights before and
 after each update.
@@ -34,6 +39,18 @@ from pathlib import Path
 import torch
 
 RECORD_DIR_ENV = "STAPO_TEST_RECORD_DIR"
+NO_POSITIVE_ENV = "STAPO_TEST_NO_POSITIVE_AT"
+
+
+def no_positive_at(value: str) -> tuple[int, int] | None:
+    """``"<call>:<rank>"`` -> (call, rank); None for an empty value. Raises ValueError naming the variable."""
+    if not value:
+        return None
+    try:
+        call, rank = (int(part) for part in value.split(":"))
+    except ValueError as exc:
+        raise ValueError(f"{NO_POSITIVE_ENV}={value!r}: expected <call>:<rank>, two integers") from exc
+    return call, rank
 
 
 def _padded(value) -> torch.Tensor:
@@ -64,6 +81,7 @@ def install(out_dir: str) -> None:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {"calls": 0, "infer": 0, "responses": []}
+    inject = no_positive_at(os.environ.get(NO_POSITIVE_ENV, ""))
     inner_train, inner_infer = worker_cls.train_batch, worker_cls.infer_batch
 
     @functools.wraps(inner_infer)
@@ -84,12 +102,15 @@ def install(out_dir: str) -> None:
 
             engine.train_batch = engine_train_batch
             engine._recorder_wrapped = True
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if inject == (state["calls"], rank):
+            data["advantages"] = -data["advantages"].abs()
         record = {name: _padded(data[name]) for name in
                   ("responses", "advantages", "old_log_probs", "entropy", "response_mask") if name in data}
         record.update({name + "_rows": _rows(data[name]) for name in ("input_ids", "attention_mask", "position_ids")
                        if name in data})
         record["update_lr_scheduler"] = bool(tu.get(data, "update_lr_scheduler", False))
-        record["rank"] = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        record["rank"] = rank
         with engine.train_mode():
             weights = _full_state_dict(engine.module)  # collective: every rank gathers
         if record["rank"] == 0:

@@ -42,6 +42,13 @@ def test_paper_values_are_the_papers():
     assert paper["reward.custom_reward_function.path"]  # the recipe's reward, read from its config
 
 
+def test_quickstart_defaults_to_the_shipped_assets(tmp_path):
+    from recipe.stapo.cpu.assets import SHIPPED_DIR
+
+    assert qs.parse_options(["--out", str(tmp_path / "out")]).assets == SHIPPED_DIR
+    assert qs.parse_options(["--out", str(tmp_path / "out"), "--assets", str(tmp_path / "a")]).assets == tmp_path / "a"
+
+
 def test_quickstart_stapo_config_has_the_papers_settings(fake_assets, tmp_path):
     opts = qs.parse_options(["--out", str(tmp_path / "out"), "--assets", str(fake_assets)])
     settings, differences = qs.check_stapo_settings(opts, fake_assets)

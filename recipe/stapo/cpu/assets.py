@@ -1,10 +1,18 @@
 """Tiny offline assets for the CPU path: tokenizer, synthetic math task, warmed-up tiny Qwen3.
 
+The repository ships one built set, :data:`SHIPPED_DIR` (``recipe/stapo/cpu/shipped_assets/``,
+about 1.4 MB): the quickstart, the CPU runner's users and the tests start from those bytes on every
+machine (a build's warm-up sums floats in an order that depends on the CPU, so two machines building
+the same config can get different weights). Regenerate it after changing :class:`AssetConfig` with::
+
+    python -m recipe.stapo.cpu.assets recipe/stapo/cpu/shipped_assets --force
+
 CLI::
 
     python -m recipe.stapo.cpu.assets OUT_DIR [--force]
 
-Writes into ``OUT_DIR``:
+The CLI runs the build with the math libraries held to AVX2 (:func:`recipe.stapo.cpu.isa.isa_env`),
+as every CPU training run is. Writes into ``OUT_DIR``:
 
 - ``model/``: a ``Qwen3ForCausalLM`` (random init with a fixed seed, then a short supervised
   warm-up on the task) saved with ``save_pretrained`` (safetensors), together with its tokenizer
@@ -15,7 +23,8 @@ Writes into ``OUT_DIR``:
   ``prompt`` = [{"role": "user", "content": ...}], ``ability``, ``reward_model`` =
   {"style": "rule", "ground_truth": ...}, ``extra_info``); every prompt ends with the instruction
   of the real runs. The answer goes in ``\\boxed{}``.
-- ``manifest.json``: the config, its hash, file hashes, the warm-up steps, the measured
+- ``manifest.json``: the config, its hash, the sha256 of every other file (:func:`file_hashes`),
+  the warm-up steps, the measured
   sampling success rate at temperature 1.0 (target 20-70%, so GRPO advantages are non-zero) and
   how often sampling at temperature 1.0 draws a token with p < ``tau_p`` (0.002, the paper's).
 
@@ -56,10 +65,12 @@ from .tiny_tokenizer import encode_chat, tokenizer_corpus, train_tokenizer
 
 #: what other modules import from here: the build and its settings, and the builder steps the
 #: sampler tests assemble a small model from
-__all__ = ["AssetConfig", "AssetPaths", "MANIFEST", "asset_paths", "build_assets", "is_built", "main", "make_model",
-           "make_pairs", "make_problem", "train_tokenizer"]
+__all__ = ["AssetConfig", "AssetPaths", "MANIFEST", "SHIPPED_DIR", "asset_paths", "build_assets", "file_hashes",
+           "is_built", "main", "make_model", "make_pairs", "make_problem", "train_tokenizer", "verify_assets"]
 
 MANIFEST = "manifest.json"
+#: the built set the repository ships (the default everywhere a CPU run needs assets)
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped_assets"
 
 
 @dataclass(frozen=True)
@@ -91,6 +102,36 @@ def is_built(out_dir: str | os.PathLike, cfg: AssetConfig = AssetConfig()) -> bo
     needed = [paths.train, paths.val, paths.model / "config.json", paths.model / "model.safetensors",
               paths.model / "tokenizer.json"]
     return manifest.get("config_hash") == cfg.digest() and all(p.is_file() for p in needed)
+
+
+def file_hashes(out_dir: str | os.PathLike) -> dict[str, str]:
+    """sha256 of every file of an asset folder but the manifest, by path relative to it (sorted)."""
+    root = Path(out_dir)
+    return {path.relative_to(root).as_posix(): sha256_file(path)
+            for path in sorted(root.rglob("*")) if path.is_file() and path.name != MANIFEST}
+
+
+def verify_assets(out_dir: str | os.PathLike, cfg: AssetConfig = AssetConfig()) -> Path:
+    """Check that ``out_dir`` holds exactly the files its manifest lists, with their sha256, built
+    with ``cfg``; returns the folder. Raises ValueError naming the folder and every file that is
+    missing, extra or changed (or the config hash that differs)."""
+    paths = asset_paths(out_dir)
+    try:
+        manifest = json.loads(paths.manifest.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"verify_assets: cannot read {paths.manifest} ({exc})") from exc
+    problems = []
+    if manifest.get("config_hash") != cfg.digest():
+        problems.append(f"config hash {manifest.get('config_hash')} in the manifest, {cfg.digest()} in AssetConfig "
+                        f"(regenerate: python -m recipe.stapo.cpu.assets {paths.root} --force)")
+    listed, found = manifest.get("files") or {}, file_hashes(paths.root)
+    problems += [f"{name}: missing" for name in sorted(set(listed) - set(found))]
+    problems += [f"{name}: not in the manifest" for name in sorted(set(found) - set(listed))]
+    problems += [f"{name}: sha256 {found[name][:12]}... but the manifest says {listed[name][:12]}..."
+                 for name in sorted(set(listed) & set(found)) if listed[name] != found[name]]
+    if problems:
+        raise ValueError(f"verify_assets: {paths.root} does not match its manifest:\n  " + "\n  ".join(problems))
+    return paths.root
 
 
 def _build_into(tmp: Path, cfg: AssetConfig) -> dict:
@@ -130,8 +171,7 @@ def _build_into(tmp: Path, cfg: AssetConfig) -> dict:
         "n_params": sum(p.numel() for p in model.parameters()),
         "vocab_size": len(tokenizer),
         "build_seconds": round(time.time() - t0, 2),
-        "files": {name: sha256_file(paths.root / name) for name in ("train.parquet", "val.parquet",
-                                                                "model/model.safetensors")},
+        "files": file_hashes(paths.root),
     }
 
 
@@ -140,11 +180,16 @@ def build_assets(out_dir: str | os.PathLike, cfg: AssetConfig = AssetConfig(), f
 
     Reuses ``out_dir`` when :func:`is_built` (same config hash, files present) and not ``force``.
     Otherwise builds in a temporary sibling folder and swaps it in atomically (an interrupted build
-    leaves the previous folder, if any, untouched).
+    leaves the previous folder, if any, untouched). The shipped set (:data:`SHIPPED_DIR`) is rebuilt
+    only with ``force``: without it, a shipped set that does not match ``cfg`` raises ValueError.
     """
     paths = asset_paths(out_dir)
     if not force and is_built(paths.root, cfg):
         return paths
+    if not force and paths.root == SHIPPED_DIR:
+        raise ValueError(f"build_assets: the shipped assets in {paths.root} were not built with this AssetConfig "
+                         f"(config hash {cfg.digest()}); regenerate them with "
+                         f"`python -m recipe.stapo.cpu.assets {paths.root} --force` or give another folder")
     paths.root.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{paths.root.name}.tmp-", dir=paths.root.parent))
     try:
@@ -177,5 +222,17 @@ def main(argv: list[str] | None = None, cfg: AssetConfig = AssetConfig()) -> int
     return 0
 
 
+def _exec_pinned() -> None:
+    """Restart this command with the math libraries held to AVX2 unless they already are (the
+    settings are read when torch loads, so they cannot be changed in a running process)."""
+    from .isa import isa_env
+
+    pin = isa_env()
+    if any(os.environ.get(key) != value for key, value in pin.items()):
+        os.execve(sys.executable, [sys.executable, "-m", "recipe.stapo.cpu.assets", *sys.argv[1:]],
+                  {**os.environ, **pin})
+
+
 if __name__ == "__main__":
+    _exec_pinned()
     sys.exit(main())

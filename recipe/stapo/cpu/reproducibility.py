@@ -8,7 +8,10 @@ are the same (docs/reproducibility.md explains each):
 - the library versions (python, torch, verl, transformers, ray, numpy): kernels and their
   reduction orders change between releases;
 - the thread count of every process (``STAPO_CPU_THREADS`` and the OpenMP / MKL variables);
-- the CPU (its instruction set picks the math kernels), recorded but not something a user can set.
+- the instruction set the math libraries are held to (:func:`recipe.stapo.cpu.isa.isa_env`:
+  AVX2 on x86, so AVX2-only and AVX-512 machines compute the same), with the CPU's own
+  vector extensions;
+- the CPU model, recorded.
 
 :func:`collect` gathers them into a JSON-ready dict; :func:`markdown` renders it for a summary.
 """
@@ -24,6 +27,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .isa import DEFAULT_ISA, isa_env
 from .trainer import DEFAULT_THREADS, thread_env
 
 #: the distributions whose versions a summary records (distribution name on PyPI)
@@ -67,6 +71,20 @@ def thread_settings(threads: int = DEFAULT_THREADS) -> dict[str, Any]:
     return {"torch_threads_per_process": int(threads), "env": thread_env(threads), "cpu_count": os.cpu_count()}
 
 
+def isa_settings(isa: str = DEFAULT_ISA) -> dict[str, Any]:
+    """The instruction-set pin every process of a CPU run gets (:func:`recipe.stapo.cpu.isa.isa_env`)
+    and the vector extensions this CPU has (``avx2``, ``avx512*`` flags of ``/proc/cpuinfo``)."""
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("flags"):
+                flags = sorted({f for f in line.split(":", 1)[1].split() if f == "avx2" or f.startswith("avx512")})
+                break
+    except OSError:
+        pass
+    return {"setting": isa, "env": isa_env(isa), "cpu_vector_flags": flags}
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
     try:
@@ -85,6 +103,7 @@ def collect(seeds: Sequence[int], assets_dir: str | os.PathLike, threads: int = 
         "assets": asset_fingerprint(assets_dir),
         "versions": library_versions(),
         "threads": thread_settings(threads),
+        "isa": isa_settings(),
         "machine": {"cpu": cpu_model(), "arch": platform.machine(), "os": platform.platform(),
                     "byteorder": sys.byteorder},
     }
@@ -103,6 +122,16 @@ def markdown(info: dict[str, Any]) -> str:
             f"- versions: {versions}\n"
             f"- threads: {threads['torch_threads_per_process']} torch thread(s) per process ({env}); "
             f"{threads['cpu_count']} cores\n"
+            f"- math libraries held to: {_isa_line(info.get('isa'))}\n"
             f"- machine: {machine['cpu']} ({machine['arch']}, {machine['os']})\n\n"
-            "The same seed, assets, versions and thread count on the same kind of CPU give the same "
+            "The same seed, assets, versions, thread count and instruction-set pin give the same "
             "numbers bit for bit (docs/reproducibility.md).\n")
+
+
+def _isa_line(isa: Optional[dict[str, Any]]) -> str:
+    if not isa:
+        return "not recorded"
+    env = " ".join(f"{k}={v}" for k, v in isa["env"].items()) or "nothing pinned, each library picks"
+    has = "avx512" if any(f.startswith("avx512") for f in isa["cpu_vector_flags"]) else \
+        ("avx2" if "avx2" in isa["cpu_vector_flags"] else "neither avx2 nor avx512")
+    return f"{isa['setting']} ({env}); this CPU has {has}"

@@ -42,14 +42,14 @@ class AssetConfig:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int = 16
+    head_dim: int = 32
     max_position_embeddings: int = 256
     warmup_batch_size: int = 24
     warmup_lr: float = 3e-3
     max_warmup_steps: int = 1500
     eval_every: int = 50
     eval_prompts: int = 32
-    target_success: float = 0.3
+    target_success: float = 0.4
     noise_rate: float = 0.004
     max_new_tokens: int = 160
     tau_p: float = DEFAULT_TAU_P

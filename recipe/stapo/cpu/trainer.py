@@ -20,6 +20,7 @@ from recipe.stapo.config_utils import METHODS
 from recipe.stapo.metrics import METRICS_FILE, read_metrics
 
 from .assets import asset_paths
+from .isa import DEFAULT_ISA, isa_env
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: modules every verl process imports (the recipe's patches, then the CPU shims)
@@ -50,7 +51,7 @@ def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:
 
 
 def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[str, str]] = None,
-            metrics_file: str = METRICS_FILE, threads: int = DEFAULT_THREADS) -> dict[str, str]:
+            metrics_file: str = METRICS_FILE, threads: int = DEFAULT_THREADS, isa: str = DEFAULT_ISA) -> dict[str, str]:
     """Environment for a CPU run: ``base`` (default ``os.environ``) plus
 
     - ``VERL_PLATFORM=cpu`` (selects :mod:`verl_patches.cpu`'s platform and activates its shims),
@@ -61,7 +62,8 @@ def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[
       logger writes one ``{"step": s, "data": {...}}`` JSON line per step there; a resumed run
       continues the file, each step once, :mod:`verl_patches.resume`),
     - the repository on ``PYTHONPATH``, tokenizer parallelism off,
-    - :func:`thread_env` (``threads`` torch / OpenMP / MKL threads in every process).
+    - :func:`thread_env` (``threads`` torch / OpenMP / MKL threads in every process),
+    - :func:`isa_env` (the math libraries held to the instruction set ``isa``).
     """
     env = dict(os.environ if base is None else base)
     modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
@@ -73,6 +75,7 @@ def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[
         "VERL_USE_EXTERNAL_MODULES": ",".join(modules),
         "TOKENIZERS_PARALLELISM": "false",
         **thread_env(threads),
+        **isa_env(isa),
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p),
     })
     if run_dir is not None:
@@ -86,7 +89,7 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
                   prompt_length: int = 64, lr: float = 1e-4, seed: int = 0, use_v1: bool = True,
                   save_freq: int = -1, resume: bool = False, resume_from: Optional[str | os.PathLike] = None,
                   validate: bool = False, update_effect_responses: Optional[int] = None,
-                  experiment_name: Optional[str] = None, extra: Sequence[str] = ()) -> list[str]:
+                  experiment_name: Optional[str] = None, isa: str = DEFAULT_ISA, extra: Sequence[str] = ()) -> list[str]:
     """Hydra overrides running the recipe on CPU with the tiny assets in ``assets_dir``.
 
     Args:
@@ -107,6 +110,7 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
             of a mini-batch (``mini_batch_prompts * n``), so each one holding an S2T candidate is
             measured (0: off).
         experiment_name: defaults to the run folder's name.
+        isa: :func:`isa_env`'s setting, also given to every Ray worker through the runtime environment.
         extra: more overrides, appended last (they win).
 
     The method is chosen by ``method=<name>``, given separately (see :func:`trainer_command`).
@@ -166,7 +170,7 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         # Ray: one logical GPU slot, enough CPU slots for the actors; the selection reaches every worker
         "+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=8",
         "+ray_kwargs.ray_init.include_dashboard=false",
-        *_runtime_env_overrides(),
+        *_runtime_env_overrides(isa),
         # trainer
         "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
         f"trainer.use_v1={str(use_v1).lower()}", "trainer.logger=[console,file]",
@@ -189,10 +193,11 @@ def _resume_overrides(resume: bool, resume_from: Optional[str | os.PathLike]) ->
     return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={path}"]
 
 
-def _runtime_env_overrides() -> list[str]:
-    """``ray_kwargs.ray_init.runtime_env.env_vars`` entries selecting the CPU path in Ray workers
-    (quoted: a comma in an unquoted Hydra value would make a sweep)."""
-    env = {**CPU_ENV_VARS, "VERL_USE_EXTERNAL_MODULES": ",".join(EXTERNAL_MODULES)}
+def _runtime_env_overrides(isa: str = DEFAULT_ISA) -> list[str]:
+    """``ray_kwargs.ray_init.runtime_env.env_vars`` entries selecting the CPU path and the pinned
+    instruction set (:func:`isa_env`) in Ray workers (quoted: a comma in an unquoted Hydra value
+    would make a sweep)."""
+    env = {**CPU_ENV_VARS, "VERL_USE_EXTERNAL_MODULES": ",".join(EXTERNAL_MODULES), **isa_env(isa)}
     return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'" for key, value in env.items()]
 
 
@@ -207,11 +212,12 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
                     metrics_file: str = METRICS_FILE, timeout: Optional[float] = None,
                     log_file: Optional[str | os.PathLike] = None,
                     on_step: Optional[Callable[[int, dict], None]] = None, threads: int = DEFAULT_THREADS,
-                    **overrides_kwargs) -> "CPURun":
+                    isa: str = DEFAULT_ISA, **overrides_kwargs) -> "CPURun":
     """Run ``python -m recipe.stapo.main_stapo method=<method>`` on CPU (blocking).
 
     ``overrides_kwargs`` go to :func:`cpu_overrides`; ``threads``: torch threads per process
-    (:func:`thread_env`). stdout+stderr go to ``log_file`` (default
+    (:func:`thread_env`); ``isa``: the math libraries' instruction set
+    (:func:`recipe.stapo.cpu.isa.isa_env`). stdout+stderr go to ``log_file`` (default
     ``run_dir/<metrics_file stem>.log``). ``on_step(step, metrics)`` is called for each step as
     soon as verl's file logger writes it. Returns a :class:`CPURun` (return code, wall seconds,
     paths); it never raises on a failed or timed-out run (return code -9), so callers can report
@@ -224,7 +230,7 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     run_dir.mkdir(parents=True, exist_ok=True)
     log = Path(log_file) if log_file else run_dir / (Path(metrics_file).stem + ".log")
     metrics = run_dir / metrics_file
-    cmd = trainer_command(method, cpu_overrides(assets_dir, run_dir, **overrides_kwargs))
+    cmd = trainer_command(method, cpu_overrides(assets_dir, run_dir, isa=isa, **overrides_kwargs))
     start, seen = time.time(), set()
 
     def report_new_steps() -> None:
@@ -240,7 +246,8 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     if not (overrides_kwargs.get("resume") or overrides_kwargs.get("resume_from")):
         metrics.unlink(missing_ok=True)
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file, threads=threads), stdout=out,
+        proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file, threads=threads, isa=isa),
+                                stdout=out,
                                 stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         while proc.poll() is None:
             if timeout is not None and time.time() - start > timeout:

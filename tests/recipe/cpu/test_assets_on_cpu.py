@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 
-from recipe.stapo.cpu.assets import AssetConfig, asset_paths, build_assets, is_built, main
+from recipe.stapo.cpu.assets import SHIPPED_DIR, AssetConfig, asset_paths, build_assets, is_built, main, verify_assets
 from recipe.stapo.cpu.tiny_config import INSTRUCTION
 from recipe.stapo.cpu.tiny_model import make_model
 from recipe.stapo.cpu.tiny_task import make_pairs, make_problem
@@ -135,7 +135,10 @@ def test_build_is_deterministic_reused_and_rebuilt_on_config_change(tmp_path):
     for name in ("train.parquet", "val.parquet", "model/model.safetensors", "model/tokenizer.json"):
         assert _sha(one.root / name) == _sha(two.root / name), name
     recorded = json.loads(one.manifest.read_text())["files"]
-    assert recorded == {name: _sha(one.root / name) for name in ("train.parquet", "val.parquet", "model/model.safetensors")}
+    files = sorted(p.relative_to(one.root).as_posix() for p in one.root.rglob("*") if p.is_file() and p.name != "manifest.json")
+    assert sorted(recorded) == files and {"model/tokenizer.json", "model/config.json", "model/model.safetensors"} <= set(files)
+    assert recorded == {name: _sha(one.root / name) for name in files}
+    assert verify_assets(one.root, QUICK) == one.root  # a fresh build is a valid set
     stamp = one.manifest.stat().st_mtime_ns
     assert is_built(one.root, QUICK) and build_assets(one.root, QUICK).manifest.stat().st_mtime_ns == stamp
     other = replace(QUICK, seed=1)
@@ -144,6 +147,48 @@ def test_build_is_deterministic_reused_and_rebuilt_on_config_change(tmp_path):
     assert is_built(one.root, other) and not is_built(one.root, QUICK)
     assert _sha(one.root / "train.parquet") != _sha(two.root / "train.parquet")
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folders left
+
+
+def test_shipped_assets_match_their_manifest_and_the_default_config():
+    """The shipped set is the default config's build, every file listed with its sha256, nothing else."""
+    manifest = json.loads((SHIPPED_DIR / "manifest.json").read_text())
+    assert manifest["config_hash"] == AssetConfig().digest() and is_built(SHIPPED_DIR)
+    files = sorted(p.relative_to(SHIPPED_DIR).as_posix() for p in SHIPPED_DIR.rglob("*") if p.is_file()
+                   and p.name != "manifest.json")
+    assert sorted(manifest["files"]) == files and {name: _sha(SHIPPED_DIR / name) for name in files} == manifest["files"]
+    assert verify_assets(SHIPPED_DIR) == SHIPPED_DIR
+    # vLLM's CPU attention serves only head dimensions of 32 and more
+    assert json.loads((SHIPPED_DIR / "model" / "config.json").read_text())["head_dim"] >= 32
+
+
+def test_verify_assets_names_every_changed_missing_or_extra_file(tmp_path):
+    root = build_assets(tmp_path / "set", QUICK).root
+    assert verify_assets(root, QUICK) == root
+    (root / "val.parquet").write_bytes(b"changed")
+    (root / "model" / "tokenizer.json").unlink()
+    (root / "model" / "stray.bin").write_bytes(b"x")
+    with pytest.raises(ValueError) as err:
+        verify_assets(root, QUICK)
+    message = str(err.value)
+    assert str(root) in message and "val.parquet: sha256" in message
+    assert "model/tokenizer.json: missing" in message and "model/stray.bin: not in the manifest" in message
+    with pytest.raises(ValueError, match="config hash"):
+        verify_assets(root, replace(QUICK, seed=1))
+    with pytest.raises(ValueError, match="cannot read"):
+        verify_assets(tmp_path / "nothing", QUICK)
+
+
+def test_the_shipped_folder_is_rebuilt_only_when_forced(tmp_path, monkeypatch):
+    import recipe.stapo.cpu.assets as assets_module
+
+    shipped = build_assets(tmp_path / "shipped", QUICK).root
+    stamp = (shipped / "manifest.json").read_bytes()
+    monkeypatch.setattr(assets_module, "SHIPPED_DIR", shipped)
+    assert build_assets(shipped, QUICK).root == shipped  # up to date: reused
+    with pytest.raises(ValueError, match="--force"):
+        build_assets(shipped, replace(QUICK, seed=1))
+    assert (shipped / "manifest.json").read_bytes() == stamp  # nothing written
+    assert is_built(build_assets(shipped, replace(QUICK, seed=1), force=True).root, replace(QUICK, seed=1))
 
 
 def test_cli_reuses_a_built_folder(tmp_path, capsys):

@@ -122,12 +122,17 @@ def test_garbage_never_raises(response):
     assert result["score"] in (1.0, -1.0)
 
 
+#: slack a loaded 2-core machine cannot exceed for work that takes well under a second unloaded
+#: (starting a replacement helper process, a linear scan of a megabyte)
+SLACK_S = 20.0
+
+
 def test_huge_output_is_fast():
     big = "x" * (1 << 20) + " \\boxed{7}"
     start = time.perf_counter()
     assert compute_score_lenient("x", big, "7")["score"] == 1.0
     assert compute_score_lenient("x", "\\boxed{7}" + "y" * (1 << 20), "7")["score"] == -1.0
-    assert time.perf_counter() - start < 2.0
+    assert time.perf_counter() - start < SLACK_S  # a scan quadratic in the 1 MB response would take hours
 
 
 def test_sympy_hostile_answer_is_bounded():
@@ -135,7 +140,7 @@ def test_sympy_hostile_answer_is_bounded():
     result = compute_score_lenient("x", "\\boxed{9^{9^{9^{9^{9}}}}}", "1", timeout_s=3.0)
     elapsed = time.perf_counter() - start
     assert result["score"] == -1.0
-    assert elapsed < 3.0 + 2.0  # limit + worker start
+    assert elapsed < 3.0 + SLACK_S  # limit + worker start
 
 
 def _hang(*_args):
@@ -163,10 +168,11 @@ def test_guard_kills_a_hanging_check_within_the_limit_from_a_thread(monkeypatch)
 
     thread = threading.Thread(target=worker)
     thread.start()
-    thread.join(timeout=30)
+    thread.join(timeout=1.0 + 2 * SLACK_S)
     assert not thread.is_alive()
     assert results["score"] == -1.0
-    assert 1.0 <= results["elapsed"] < 1.0 + 3.0  # limit + restart slack (spawn of a new worker is lazy)
+    # the check never returns by itself: the call ends at the limit (not before), when its helper is killed
+    assert 1.0 <= results["elapsed"] < 1.0 + SLACK_S
     # the killed worker is replaced and the runner keeps working
     monkeypatch.setattr(lenient, "symbolic_check", _slow_true)
     assert compute_score_lenient("x", "\\boxed{0.5}", "\\frac{1}{2}", timeout_s=10.0)["score"] == 1.0

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -317,6 +318,45 @@ def test_cpu_env_and_overrides_fix_threads_and_determinism(tmp_path):
     overrides = cpu_overrides(tmp_path / "assets", tmp_path / "run")
     for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config"):
         assert f"{key}.full_determinism=true" in overrides
+
+
+ISA_KEYS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
+
+
+def test_cpu_env_and_ray_workers_hold_the_math_libraries_to_avx2(tmp_path):
+    from recipe.stapo.cpu import cpu_env, cpu_overrides
+    from recipe.stapo.cpu.isa import isa_env
+
+    pinned = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "MKL_CBWR": "AVX2,STRICT",
+              "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert isa_env(machine="x86_64") == pinned and isa_env(machine="AMD64") == pinned
+    assert isa_env(machine="aarch64") == {} and isa_env("native", machine="x86_64") == {}
+    with pytest.raises(ValueError, match="isa"):
+        isa_env("avx512")
+    # an inherited setting (here: a user's AVX-512) is overridden; "native" leaves the environment as it is
+    inherited = {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
+    env = cpu_env(base=inherited, isa="avx2")
+    assert {k: env.get(k) for k in ISA_KEYS} == {**dict.fromkeys(ISA_KEYS), **isa_env()}
+    assert {k: cpu_env(base=inherited, isa="native").get(k) for k in inherited} == inherited
+    # Ray workers get the same settings through the job's runtime environment
+    (tmp_path / "assets").mkdir()
+    (tmp_path / "assets" / "manifest.json").write_text("{}")
+    overrides = cpu_overrides(tmp_path / "assets", tmp_path / "run")
+    for key, value in isa_env().items():
+        assert f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'" in overrides
+    assert not any(k in o for o in cpu_overrides(tmp_path / "assets", tmp_path / "run", isa="native") for k in ISA_KEYS)
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the pin is an x86 one")
+def test_a_process_started_with_cpu_env_runs_torch_at_avx2():
+    """The variables take effect where they matter: a fresh process reports ATen's capability as AVX2
+    (on an AVX-512 machine it would otherwise report AVX512), and MKL/oneDNN read theirs."""
+    from recipe.stapo.cpu import cpu_env
+
+    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
+    out = subprocess.run([sys.executable, "-c", code], env=cpu_env(base=dict(os.environ, ATEN_CPU_CAPABILITY="avx512")),
+                         capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "AVX2", out
 
 
 def test_pin_threads_sets_torch_threads_from_the_environment():

@@ -472,6 +472,9 @@ def test_real_run_dump_matches_initial_model(real_run):
 def test_real_run_quadrants_and_metrics(real_run):
     tokens, responses = real_run.dump.tokens, real_run.dump.responses
     assert tokens, "no candidate token in the run: raise REAL_TAU_P"
+    # both outcomes occur (the shared run computes the same on every x86 machine, docs/testing.md)
+    assert any(t["silenced"] for t in tokens) and not all(t["silenced"] for t in tokens), \
+        f"{sum(t['silenced'] for t in tokens)} of {len(tokens)} candidates silenced: the check below needs both kinds"
     tau_h = {r["step"]: r["tau_h"] for r in responses}
     for t in tokens:  # STAPO silenced exactly the candidates below the mini-batch's tau_h (ties aside)
         if abs(t["entropy"] - tau_h[t["step"]]) > 1e-5:
@@ -506,5 +509,5 @@ def test_real_run_inspect_and_plots(real_run, tmp_path):
     report = (real_run.dir / "inspect" / "report.md").read_text()
     assert "Four-quadrant taxonomy" in report and (real_run.dir / "inspect" / "report.html").is_file()
     n_silenced = sum(t["silenced"] for t in real_run.dump.tokens)
-    assert str(n_silenced) in report
+    assert n_silenced > 0 and str(n_silenced) in report
     assert sorted(out.glob("*.png"))
