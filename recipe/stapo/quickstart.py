@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,66 +55,21 @@ from typing import Optional
 
 from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
 from recipe.stapo.cpu.assets import SHIPPED_DIR, AssetConfig, asset_paths, build_assets, is_built, verify_assets
-from recipe.stapo.plots import DLOGP_SETS, plot_bands, plot_runs, plot_update_effect, update_effect_of_run
-from recipe.stapo.methods import methods
+from recipe.stapo.plots import plot_bands, plot_runs, plot_update_effect
+from recipe.stapo.quickstart_report import (APPLIED, DLOGP_SILENCED, ENTROPY, REWARD, SILENCED, STEP_TIME, fmt,
+                                            learning_check, learning_markdown, markdown_table, quadrant_markdown,
+                                            summarise, update_effect_by_method, update_effect_markdown,
+                                            update_effect_table)
+from recipe.stapo.quickstart_settings import (ACTOR, VAL_N, paper_settings, run_settings, s2t_differences,
+                                              settings_markdown)
 from stapo_core.fileio import output_folder_problem
-from stapo_core.rules import S2T
-from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
-REWARD = "critic/score/mean"
-ENTROPY = "actor/entropy"
-SILENCED = "actor/s2t/silenced_frac"
-CANDIDATES = "actor/s2t/candidates"
-SILENCED_COUNT = "actor/s2t/silenced"
-STEP_TIME = "timing_s/step"
-#: 1 when the run applied S2T (STAPO), 0 when it only monitored it (the baselines)
-APPLIED = "actor/s2t/applied"
-#: seconds per step spent measuring the update effect (actor/s2t/dlogp_*)
-DLOGP_SECONDS = "actor/s2t/dlogp_seconds"
-DLOGP_SILENCED = "actor/s2t/dlogp_silenced"
-#: the methods whose learning the summary's first lines report (the baselines: every method but STAPO)
-BASELINES = tuple(m.name for m in methods().values() if m.token_selection != S2T.name)
 DONE = "quickstart_done.json"
 #: key marking a step-0 validation record copied from the seed's first run (see the module docstring)
 SHARED_FROM = "shared_from"
 #: the composed settings of the STAPO run and the paper's (written next to summary.json)
 SETTINGS_FILE = "settings.json"
 
-ACTOR = "actor_rollout_ref.actor"
-#: the settings that make STAPO the paper's STAPO: config key -> the paper's value (the reward is
-#: checked against the recipe's own paper-scale config, see :func:`paper_settings`)
-PAPER_S2T = {
-    f"{ACTOR}.policy_loss.loss_mode": "vanilla",
-    f"{ACTOR}.policy_loss.token_selection": "s2t",
-    f"{ACTOR}.policy_loss.tau_p": DEFAULT_TAU_P,
-    f"{ACTOR}.policy_loss.q": DEFAULT_Q,
-    f"{ACTOR}.policy_loss.strategy": "low_entropy",
-    f"{ACTOR}.policy_loss.stats_from": "current",
-    f"{ACTOR}.clip_ratio_low": 0.2,
-    f"{ACTOR}.clip_ratio_high": 0.28,
-    f"{ACTOR}.clip_ratio_c": 10.0,
-    f"{ACTOR}.loss_agg_mode": "token-mean",
-    f"{ACTOR}.entropy_coeff": 0,
-    f"{ACTOR}.use_kl_loss": False,
-    "actor_rollout_ref.rollout.temperature": 1.0,
-    "actor_rollout_ref.rollout.top_p": 1.0,
-}
-REWARD_KEYS = ("reward.custom_reward_function.path", "reward.custom_reward_function.name")
-#: validation samples per held-out problem (the CPU runs draw one, the paper-scale config 32)
-VAL_N = "actor_rollout_ref.rollout.val_kwargs.n"
-#: scale settings: allowed to differ from the paper (listed in the summary with both values)
-SCALE_KEYS = {
-    "data.train_batch_size": "prompts per step",
-    "actor_rollout_ref.rollout.n": "responses per prompt",
-    f"{ACTOR}.ppo_mini_batch_size": "prompts per PPO mini-batch",
-    "data.max_prompt_length": "max prompt tokens",
-    "data.max_response_length": "max response tokens",
-    f"{ACTOR}.optim.lr": "learning rate",
-    f"{ACTOR}.optim.lr_warmup_steps": "lr warm-up steps",
-    "trainer.total_training_steps": "training steps",
-    "actor_rollout_ref.model.path": "model",
-    VAL_N: "validation samples per problem",
-}
 #: the quickstart's scale (defaults of the CLI): the tiny model needs a much larger lr than an 8B one
 DEFAULT_STEPS, DEFAULT_PROMPTS, DEFAULT_N, DEFAULT_LR = 16, 4, 4, 1e-4
 #: the largest seed: verl's full-determinism setup seeds numpy with it, which takes [0, 2**32)
@@ -245,195 +199,6 @@ class QuickstartOptions:
         return self.out / f"seed{seed}" / method if self.study else self.out / method
 
 
-def _series(steps: dict[int, dict], key: str) -> list[float]:
-    return [float(steps[s][key]) for s in sorted(steps) if key in steps[s] and steps[s][key] is not None]
-
-
-def _fmt(value: Optional[float], digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return f"{value:.{digits}g}" if abs(value) < 1e-3 and value != 0 else f"{value:.{digits}f}"
-
-
-def _validation_accuracy(data: dict) -> Optional[float]:
-    """verl's validation accuracy in one step's record (``val-core/<source>/acc/mean@N``), if any."""
-    values = [v for k, v in data.items() if k.startswith("val-core/") and "/acc/" in k]
-    return sum(values) / len(values) if values else None
-
-
-def summarise(method: str, steps: dict[int, dict], wall_s: Optional[float], error: Optional[str] = None) -> dict:
-    """One summary row from a run's per-step metrics (means over the logged steps)."""
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    reward, entropy = _series(steps, REWARD), _series(steps, ENTROPY)
-    silenced, step_time = _series(steps, SILENCED), _series(steps, STEP_TIME)
-    validation = [_validation_accuracy(steps[s]) for s in sorted(steps)]
-    validation = [v for v in validation if v is not None]
-    applied = _series(steps, APPLIED)
-    half = len(reward) // 2
-    effect = update_effect_of_run(steps)
-    return {
-        "method": method, "steps": len(reward), "error": error, "wall_s": wall_s,
-        "val_acc_first": validation[0] if validation else None, "val_acc_last": validation[-1] if validation else None,
-        "final_reward": reward[-1] if reward else None, "mean_reward": mean(reward),
-        "reward_first_half": mean(reward[:half]) if half else None,
-        "reward_second_half": mean(reward[half:]) if half else None,
-        "reward_change_se": half_change_se(reward[:half], reward[half:]),
-        "final_entropy": entropy[-1] if entropy else None, "mean_entropy": mean(entropy),
-        "mean_silenced_frac": mean(silenced), "mean_step_s": mean(step_time),
-        "mean_candidates": mean(_series(steps, CANDIDATES)),
-        "mean_silenced": mean(_series(steps, SILENCED_COUNT)),
-        "s2t": None if not applied else ("applied" if min(applied) == 1.0 else "monitored"),
-        "update_effect": {name: {"mean": e.mean, "tokens": e.tokens} for name, e in effect.items()},
-        "mean_dlogp_seconds": mean(_series(steps, DLOGP_SECONDS)),
-    }
-
-
-def markdown_table(rows: list[dict]) -> str:
-    """The summary table (markdown). S2T: ``applied`` (STAPO) or ``monitored``; CPU s: user + system
-    CPU seconds of the run's processes, its cost whatever the machine's load (wall s is not)."""
-    head = ("| method | steps | final reward | mean reward | final entropy | mean entropy | S2T "
-            "| S2T candidates / silenced per step | silenced frac (S2T) | val acc before -> after | mean step s "
-            "| wall s | CPU s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-    lines = []
-    for r in rows:
-        if r["error"]:
-            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | | | | |")
-            continue
-        lines.append(f"| {r['method']} | {r['steps']} | {_fmt(r['final_reward'])} | {_fmt(r['mean_reward'])} | "
-                     f"{_fmt(r['final_entropy'])} | {_fmt(r['mean_entropy'])} | {r.get('s2t') or 'n/a'} | "
-                     f"{_fmt(r.get('mean_candidates'), 1)} / {_fmt(r.get('mean_silenced'), 1)} | {_fmt(r['mean_silenced_frac'])} | "
-                     f"{_fmt(r.get('val_acc_first'))} -> {_fmt(r.get('val_acc_last'))} | "
-                     f"{_fmt(r['mean_step_s'], 2)} | {_fmt(r['wall_s'], 1)} | {_fmt(r.get('cpu_s'), 1)} |")
-    return head + "\n".join(lines) + "\n"
-
-
-def _effect_cell(effect: dict) -> str:
-    return f"{_fmt(effect['mean'])} ({effect['tokens']})" if effect["tokens"] else "- (0)"
-
-
-def update_effect_table(rows: list[dict]) -> str:
-    """Per run: the mean change of log-probability across the update of the tokens S2T silenced
-    (STAPO) or would have silenced (monitored), of the candidates it keeps and of all tokens of the
-    measured responses (token counts in brackets), and the measurement's cost."""
-    head = ("| method | S2T | dlogp silenced (tokens) | dlogp kept candidates (tokens) | dlogp all (tokens) "
-            "| measurement s / step | step s |\n|---|---|---|---|---|---|---|\n")
-    lines = []
-    for r in rows:
-        if r["error"] or not r.get("update_effect"):
-            continue
-        e = r["update_effect"]
-        lines.append(f"| {r['method']} | {r.get('s2t') or 'n/a'} | {_effect_cell(e['silenced'])} | "
-                     f"{_effect_cell(e['kept_candidates'])} | {_effect_cell(e['all'])} | "
-                     f"{_fmt(r.get('mean_dlogp_seconds'), 3)} | {_fmt(r['mean_step_s'], 2)} |")
-    return head + "\n".join(lines) + "\n"
-
-
-def update_effect_by_method(rows: list[dict]) -> dict[str, dict]:
-    """Per method, per token set: the runs' update effects over seeds: ``mean`` (of the runs'
-    means), ``low`` / ``high`` (their range), ``runs`` (seeds that measured it), ``tokens`` (all runs)."""
-    out: dict[str, dict] = {}
-    for method in dict.fromkeys(r["method"] for r in rows if not r["error"]):
-        runs = [r for r in rows if r["method"] == method and not r["error"]]
-        out[method] = {"s2t": runs[0].get("s2t")}
-        for name, *_ in DLOGP_SETS:
-            values = [r["update_effect"][name]["mean"] for r in runs if r["update_effect"][name]["mean"] is not None]
-            out[method][name] = {
-                "mean": sum(values) / len(values) if values else None,
-                "low": min(values) if values else None, "high": max(values) if values else None,
-                "runs": len(values), "tokens": sum(r["update_effect"][name]["tokens"] for r in runs)}
-    return out
-
-
-def update_effect_markdown(by_method: dict[str, dict]) -> str:
-    """The study's update-effect table: mean over seeds [min, max] of each run's token-weighted mean."""
-    head = ("| method | S2T | dlogp silenced | dlogp kept candidates | dlogp all |\n|---|---|---|---|---|\n")
-    lines = []
-    for method, sets in by_method.items():
-        cells = []
-        for name, *_ in DLOGP_SETS:
-            e = sets[name]
-            cells.append("-" if e["mean"] is None else f"{_fmt(e['mean'])} [{_fmt(e['low'])}, {_fmt(e['high'])}] "
-                         f"({e['runs']} seeds, {e['tokens']} tokens)")
-        lines.append(f"| {method} | {sets['s2t'] or 'n/a'} | " + " | ".join(cells) + " |")
-    return head + "\n".join(lines) + "\n"
-
-
-def half_change_se(first: list[float], second: list[float]) -> Optional[float]:
-    """Standard error of ``mean(second) - mean(first)`` from the spread of the steps' values in each
-    half, ``sqrt(s1^2 / n1 + s2^2 / n2)`` (sample variances); None when a half has fewer than 2 steps."""
-    if len(first) < 2 or len(second) < 2:
-        return None
-    return math.sqrt(statistics.variance(first) / len(first) + statistics.variance(second) / len(second))
-
-
-def mean_se(standard_errors: list[float]) -> float:
-    """Standard error of the mean of independent estimates with these standard errors (one per
-    seed): ``sqrt(sum se_i^2) / n``."""
-    return math.sqrt(sum(se ** 2 for se in standard_errors)) / len(standard_errors)
-
-
-def validation_noise(accuracy: float, samples: int) -> float:
-    """Standard error of a validation accuracy measured on ``samples`` independent samples (one per
-    held-out problem): ``sqrt(p (1 - p) / samples)`` at ``p = accuracy``."""
-    return math.sqrt(max(accuracy * (1 - accuracy), 0.0) / samples)
-
-
-def learning_check(rows: list[dict], val_samples: Optional[int] = None) -> dict:
-    """Did the baselines visibly learn? Per baseline, over its seeds: the mean validation accuracy
-    before and after training and the mean training reward over the first and the second half of the
-    steps, each change with its standard error (``val_change_se``: two validations of
-    ``val_samples`` samples each, ``reward_change_se``: from the steps' spread; both divided by
-    sqrt(seeds) for the mean over seeds). ``rose``: both changes are positive; ``learned``: both
-    exceed twice their standard error (a change the noise alone gives about 1 time in 40). The
-    check's ``learned``: every baseline that ran learned."""
-    mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
-    per_method = {}
-    for method in BASELINES:
-        runs = [r for r in rows if r["method"] == method and not r["error"]]
-        if not runs:
-            continue
-        got = {key: mean([r[key] for r in runs if r.get(key) is not None])
-               for key in ("val_acc_first", "val_acc_last", "reward_first_half", "reward_second_half")}
-        complete = all(v is not None for v in got.values())
-        val_change = got["val_acc_last"] - got["val_acc_first"] if complete else None
-        reward_change = got["reward_second_half"] - got["reward_first_half"] if complete else None
-        val_firsts = [r.get("val_acc_first") for r in runs]
-        # a change between two validations: sqrt(2) times one validation's standard error
-        val_se = (mean_se([math.sqrt(2) * validation_noise(p, val_samples) for p in val_firsts])
-                  if val_samples and None not in val_firsts else None)
-        reward_ses = [r.get("reward_change_se") for r in runs]
-        reward_se = mean_se(reward_ses) if None not in reward_ses else None
-        got.update(val_change_se=val_se, reward_change_se=reward_se,
-                   rose=complete and val_change > 0 and reward_change > 0)
-        got["learned"] = got["rose"] and val_se is not None and reward_se is not None \
-            and val_change > 2 * val_se and reward_change > 2 * reward_se
-        per_method[method] = got
-    return {"methods": per_method, "learned": bool(per_method) and all(m["learned"] for m in per_method.values())}
-
-
-def learning_markdown(check: dict) -> str:
-    """The summary's first lines: whether the baselines learned with these settings, each change with
-    its standard error (the scale against which it reads as learning or as noise)."""
-    if not check["methods"]:
-        return ""
-    se = lambda v: "" if v is None else f" (standard error {_fmt(v, 2)})"  # noqa: E731
-    parts = [f"{m}: validation accuracy {_fmt(v['val_acc_first'])} -> {_fmt(v['val_acc_last'])}"
-             f"{se(v['val_change_se'])}, training reward {_fmt(v['reward_first_half'])} (first half of the steps) -> "
-             f"{_fmt(v['reward_second_half'])} (second half){se(v['reward_change_se'])}"
-             for m, v in check["methods"].items()]
-    rule = (" A baseline learned when its validation accuracy and its training reward both rose by more than two "
-            "standard errors of the change (validation: an accuracy p measured on k samples has a standard error "
-            "sqrt(p (1 - p) / k); reward: from the spread of the steps' rewards in each half).")
-    if check["learned"]:
-        return "**The baselines learned**: " + "; ".join(parts) + "." + rule + "\n\n"
-    failed = [m for m, v in check["methods"].items() if not v["learned"]]
-    within = [m for m in failed if check["methods"][m]["rose"]]
-    head = ("**Not every baseline visibly learned with these settings** (" + ", ".join(failed) + ": validation "
-            "accuracy and training reward did not both rise beyond their noise"
-            + (f"; {', '.join(within)} rose, but within it" if within else "") + "): ")
-    return head + "; ".join(parts) + "." + rule + "\n\n"
-
-
 def validation_samples(assets: Path, settings: dict) -> int:
     """Samples per validation of the STAPO run's composed ``settings``: the held-out problems of
     ``assets`` times the samples per problem (``val_kwargs.n``)."""
@@ -485,37 +250,6 @@ def run_kwargs(opts: QuickstartOptions, seed: int) -> dict:
                 use_v1=opts.trainer == "v1", validate=True)
 
 
-def _select(config, key: str):
-    from omegaconf import OmegaConf
-
-    value = OmegaConf.select(config, key, default=None)
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
-
-def paper_settings() -> dict:
-    """The paper's value of every checked key: :data:`PAPER_S2T` and the reward function of the
-    recipe's paper-scale config (``method=stapo`` with no other override)."""
-    from recipe.stapo.config_utils import compose
-
-    paper = compose(["method=stapo"])
-    return {**PAPER_S2T, **{key: _select(paper, key) for key in REWARD_KEYS}}
-
-
-def run_settings(method: str, overrides: list[str]) -> dict:
-    """The checked and the scale settings of the config ``main_stapo method=<method> <overrides>``
-    runs with (composed by Hydra exactly as the trainer composes it)."""
-    from recipe.stapo.config_utils import compose
-
-    config = compose([f"method={method}", *overrides])
-    return {key: _select(config, key) for key in [*PAPER_S2T, *REWARD_KEYS, *SCALE_KEYS]}
-
-
-def s2t_differences(settings: dict, paper: dict) -> list[str]:
-    """One line per checked key whose value differs from the paper's (empty: the paper's STAPO)."""
-    return [f"{key} = {settings.get(key)!r}, the paper's is {value!r}" for key, value in paper.items()
-            if settings.get(key) != value]
-
-
 def check_stapo_settings(opts: QuickstartOptions, assets: Path) -> tuple[dict, list[str]]:
     """Compose the STAPO run's config (first seed) with the built ``assets`` and compare it with the
     paper's settings. Returns (its settings, the differences)."""
@@ -524,24 +258,6 @@ def check_stapo_settings(opts: QuickstartOptions, assets: Path) -> tuple[dict, l
     overrides = cpu_overrides(assets, run_dir, **run_kwargs(opts, seed)) + method_overrides(opts, run_dir)
     settings = run_settings("stapo", overrides)
     return settings, s2t_differences(settings, paper_settings())
-
-
-def settings_markdown(settings: dict) -> str:
-    """The summary's settings section: the checked S2T settings (all the paper's) and the scale
-    settings next to the recipe's paper-scale values."""
-    from recipe.stapo.config_utils import compose
-
-    paper = compose(["method=stapo"])
-    lines = ["## STAPO settings (checked: equal to the paper's)\n", "| setting | value |", "|---|---|"]
-    lines += [f"| `{key}` | {settings[key]} |" for key in [*PAPER_S2T, *REWARD_KEYS]]
-    lines += ["", "## Scale settings (the only differences from the paper's runs)\n",
-              "| setting | quickstart | paper-scale config |", "|---|---|---|"]
-    for key, label in SCALE_KEYS.items():
-        ours, theirs = settings[key], _select(paper, key)
-        if key.endswith("model.path"):
-            ours = f"tiny Qwen3 ({Path(str(ours)).parent.name}/{Path(str(ours)).name})"
-        lines.append(f"| {label} (`{key}`) | {ours} | {theirs} |")
-    return "\n".join(lines) + "\n"
 
 
 def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
@@ -578,19 +294,19 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     def on_step(step: int, data: dict) -> None:
         validation = {k: v for k, v in data.items() if k.startswith("val-core/")}
         if validation:
-            print(f"{tag}: validation after step {step}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in validation.items()),
+            print(f"{tag}: validation after step {step}: " + ", ".join(f"{k} {fmt(v)}" for k, v in validation.items()),
                   flush=True)
         if REWARD not in data:
             return  # a validation-only record (before training)
         extra = ""
         if SILENCED in data:
             would = "" if data.get(APPLIED) == 1.0 else " (monitored)"
-            extra = (f", candidates {_fmt(data.get('actor/s2t/candidates'), 1)}, silenced{would} "
-                     f"{_fmt(data.get('actor/s2t/silenced'), 1)} ({_fmt(data.get(SILENCED))})")
+            extra = (f", candidates {fmt(data.get('actor/s2t/candidates'), 1)}, silenced{would} "
+                     f"{fmt(data.get('actor/s2t/silenced'), 1)} ({fmt(data.get(SILENCED))})")
         if DLOGP_SILENCED in data:
-            extra += f", dlogp silenced {_fmt(data[DLOGP_SILENCED])}"
-        print(f"{tag}: step {step}/{opts.steps}: reward {_fmt(data.get(REWARD))}, entropy "
-              f"{_fmt(data.get(ENTROPY))}{extra}, {_fmt(data.get(STEP_TIME), 2)} s", flush=True)
+            extra += f", dlogp silenced {fmt(data[DLOGP_SILENCED])}"
+        print(f"{tag}: step {step}/{opts.steps}: reward {fmt(data.get(REWARD))}, entropy "
+              f"{fmt(data.get(ENTROPY))}{extra}, {fmt(data.get(STEP_TIME), 2)} s", flush=True)
 
     cpu_before = _children_cpu_seconds()
     run = run_cpu_trainer(method, assets, run_dir, timeout=opts.timeout, on_step=on_step,
@@ -606,29 +322,6 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     (run_dir / DONE).write_text(json.dumps({"settings": settings, "wall_s": run.wall_s, "cpu_s": cpu_s}))
     print(f"{tag}: done in {run.wall_s} s ({cpu_s} CPU s)", flush=True)
     return {**summarise(method, steps, run.wall_s), "seed": seed, "cpu_s": cpu_s}
-
-
-def quadrant_markdown(stapo_dirs: list[Path]) -> str:
-    """The inspector's four-quadrant table (:func:`recipe.stapo.inspect.quadrant_table`) over the
-    token dumps of all ``stapo_dirs`` together (every step of every seed); also writes each run's
-    ``inspect/report.md``."""
-    from recipe.stapo.inspect import QUADRANT_LABELS, quadrant_table, write_report
-    from stapo_core.token_records import read_dump
-
-    responses, tokens = [], []
-    for run_dir in stapo_dirs:
-        dump = read_dump(run_dir, progress=False)
-        tokens += dump.tokens
-        responses += dump.responses
-        write_report(run_dir)
-    rows = quadrant_table(responses)
-    silenced = sum(t["silenced"] for t in tokens)
-    candidates = sum(t["candidate"] for t in tokens)
-    head = (f"## Token quadrants of STAPO's positive-advantage responses ({len(stapo_dirs)} run(s), all steps; "
-            f"{candidates} candidates, {silenced} silenced)\n\n| quadrant | tokens | share | mean grad norm |\n"
-            "|---|---|---|---|\n")
-    return head + "".join(f"| {QUADRANT_LABELS[r.name]} | {r.count} | {_fmt(r.share, 4)} | {_fmt(r.mean_grad_norm)} |\n"
-                          for r in rows)
 
 
 def build_parser() -> argparse.ArgumentParser:

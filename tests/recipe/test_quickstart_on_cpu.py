@@ -11,6 +11,8 @@ import pandas as pd
 import pytest
 
 from recipe.stapo import quickstart as qs
+from recipe.stapo import quickstart_report as report
+from recipe.stapo import quickstart_settings as qsettings
 from recipe.stapo.config_utils import compose
 from recipe.stapo.cpu.assets import asset_paths
 from stapo_core import fileio
@@ -35,7 +37,7 @@ def _run_trainer_forbidden(*args, **kwargs):
 
 
 def test_paper_values_are_the_papers():
-    paper = qs.paper_settings()
+    paper = qsettings.paper_settings()
     assert paper[f"{S2T}.tau_p"] == DEFAULT_TAU_P == 0.002 and paper[f"{S2T}.q"] == DEFAULT_Q == 0.75
     assert (paper["actor_rollout_ref.actor.clip_ratio_low"], paper["actor_rollout_ref.actor.clip_ratio_high"]) == (0.2, 0.28)
     assert paper["actor_rollout_ref.actor.loss_agg_mode"] == "token-mean"
@@ -58,18 +60,18 @@ def test_quickstart_stapo_config_has_the_papers_settings(fake_assets, tmp_path):
     assert settings["data.train_batch_size"] == 4 and settings["actor_rollout_ref.rollout.n"] == 4
     assert settings["data.max_response_length"] == 160
     assert settings["actor_rollout_ref.actor.ppo_mini_batch_size"] == 2  # half of the 4 prompts by default
-    assert settings[qs.VAL_N] == 1 and qs._select(compose(["method=stapo"]), qs.VAL_N) == 32  # JustRL's avg@32
-    text = qs.settings_markdown(settings)
-    for key in [*qs.PAPER_S2T, *qs.SCALE_KEYS]:
+    assert settings[qsettings.VAL_N] == 1 and qsettings.config_value(compose(["method=stapo"]), qsettings.VAL_N) == 32  # JustRL's avg@32
+    text = qsettings.settings_markdown(settings)
+    for key in [*qsettings.PAPER_S2T, *qsettings.SCALE_KEYS]:
         assert f"`{key}`" in text, key
     assert "| `actor_rollout_ref.actor.policy_loss.tau_p` | 0.002 |" in text
 
 
 def test_differences_name_the_key_and_both_values():
     paper = {f"{S2T}.tau_p": 0.002, f"{S2T}.q": 0.75}
-    assert qs.s2t_differences(dict(paper), paper) == []
-    assert qs.s2t_differences({**paper, f"{S2T}.q": 0.5}, paper) == [f"{S2T}.q = 0.5, the paper's is 0.75"]
-    assert qs.s2t_differences({f"{S2T}.q": 0.75}, paper) == [f"{S2T}.tau_p = None, the paper's is 0.002"]
+    assert qsettings.s2t_differences(dict(paper), paper) == []
+    assert qsettings.s2t_differences({**paper, f"{S2T}.q": 0.5}, paper) == [f"{S2T}.q = 0.5, the paper's is 0.75"]
+    assert qsettings.s2t_differences({f"{S2T}.q": 0.75}, paper) == [f"{S2T}.tau_p = None, the paper's is 0.002"]
 
 
 @pytest.mark.parametrize("override,key", [
@@ -121,12 +123,12 @@ def test_scale_override_is_allowed_and_recorded(fake_assets, tmp_path, monkeypat
 
 def test_summary_row_means_the_logged_s2t_counts():
     steps = {0: {"val-core/x/acc/mean@1": 0.25},
-             1: {qs.REWARD: -0.5, qs.CANDIDATES: 3, qs.SILENCED_COUNT: 2, qs.SILENCED: 0.002},
-             2: {qs.REWARD: 0.5, qs.CANDIDATES: 5, qs.SILENCED_COUNT: 4, qs.SILENCED: 0.004, "val-core/x/acc/mean@1": 0.5}}
-    row = qs.summarise("stapo", steps, 10.0)
+             1: {report.REWARD: -0.5, report.CANDIDATES: 3, report.SILENCED_COUNT: 2, report.SILENCED: 0.002},
+             2: {report.REWARD: 0.5, report.CANDIDATES: 5, report.SILENCED_COUNT: 4, report.SILENCED: 0.004, "val-core/x/acc/mean@1": 0.5}}
+    row = report.summarise("stapo", steps, 10.0)
     assert (row["mean_candidates"], row["mean_silenced"], row["mean_silenced_frac"]) == (4.0, 3.0, 0.003)
     assert (row["val_acc_first"], row["val_acc_last"], row["final_reward"], row["steps"]) == (0.25, 0.5, 0.5, 2)
-    table = qs.markdown_table([row])
+    table = report.markdown_table([row])
     assert "| 4.0 / 3.0 | 0.003 | 0.250 -> 0.500 |" in table
 
 
@@ -134,9 +136,9 @@ def _effect_steps(applied: float, silenced: list, tokens: list) -> dict:
     """Per-step records with the update effect: dlogp of silenced tokens (None: none that step)."""
     steps = {}
     for step, (value, count) in enumerate(zip(silenced, tokens), start=1):
-        data = {qs.REWARD: -0.5 + 0.25 * step, qs.APPLIED: applied, "actor/s2t/dlogp_silenced_tokens": float(count),
+        data = {report.REWARD: -0.5 + 0.25 * step, report.APPLIED: applied, "actor/s2t/dlogp_silenced_tokens": float(count),
                 "actor/s2t/dlogp_all": 0.1 * step, "actor/s2t/dlogp_all_tokens": 100.0,
-                "actor/s2t/dlogp_kept_candidates_tokens": 0.0, qs.DLOGP_SECONDS: 0.02}
+                "actor/s2t/dlogp_kept_candidates_tokens": 0.0, report.DLOGP_SECONDS: 0.02}
         if value is not None:
             data["actor/s2t/dlogp_silenced"] = value
         steps[step] = data
@@ -144,26 +146,26 @@ def _effect_steps(applied: float, silenced: list, tokens: list) -> dict:
 
 
 def test_summary_row_carries_the_update_effect():
-    row = qs.summarise("justrl", _effect_steps(0.0, [2.0, None, -1.0, 0.5], [1, 0, 2, 2]), 5.0)
+    row = report.summarise("justrl", _effect_steps(0.0, [2.0, None, -1.0, 0.5], [1, 0, 2, 2]), 5.0)
     assert row["s2t"] == "monitored" and row["mean_dlogp_seconds"] == pytest.approx(0.02)
     assert row["update_effect"]["silenced"] == {"mean": pytest.approx((2.0 - 2.0 + 1.0) / 5), "tokens": 5}
     assert row["update_effect"]["all"] == {"mean": pytest.approx(0.25), "tokens": 400}
     assert row["update_effect"]["kept_candidates"] == {"mean": None, "tokens": 0}
     assert (row["reward_first_half"], row["reward_second_half"]) == (pytest.approx(-0.125), pytest.approx(0.375))
-    table = qs.update_effect_table([row])
+    table = report.update_effect_table([row])
     assert "| justrl | monitored | 0.200 (5) | - (0) | 0.250 (400) | 0.020 |" in table
-    assert qs.summarise("stapo", _effect_steps(1.0, [0.1], [1]), 1.0)["s2t"] == "applied"
-    assert "| monitored | n/a / n/a | n/a | n/a -> n/a | n/a | 5.0 | 12.3 |" in qs.markdown_table([{**row, "cpu_s": 12.3}])
-    assert qs.summarise("grpo", {1: {qs.REWARD: 0.0}}, 1.0)["s2t"] is None  # S2T neither applied nor monitored
+    assert report.summarise("stapo", _effect_steps(1.0, [0.1], [1]), 1.0)["s2t"] == "applied"
+    assert "| monitored | n/a / n/a | n/a | n/a -> n/a | n/a | 5.0 | 12.3 |" in report.markdown_table([{**row, "cpu_s": 12.3}])
+    assert report.summarise("grpo", {1: {report.REWARD: 0.0}}, 1.0)["s2t"] is None  # S2T neither applied nor monitored
 
 
 def test_update_effect_across_seeds_is_mean_and_range_of_the_runs():
-    rows = [{**qs.summarise("justrl", _effect_steps(0.0, [value], [3]), 1.0), "seed": seed}
+    rows = [{**report.summarise("justrl", _effect_steps(0.0, [value], [3]), 1.0), "seed": seed}
             for seed, value in enumerate((1.0, 4.0, -2.0))]
-    by_method = qs.update_effect_by_method(rows)
+    by_method = report.update_effect_by_method(rows)
     assert by_method["justrl"]["silenced"] == {"mean": 1.0, "low": -2.0, "high": 4.0, "runs": 3, "tokens": 9}
     assert by_method["justrl"]["kept_candidates"]["mean"] is None
-    assert "| justrl | monitored | 1.000 [-2.000, 4.000] (3 seeds, 9 tokens) | - |" in qs.update_effect_markdown(by_method)
+    assert "| justrl | monitored | 1.000 [-2.000, 4.000] (3 seeds, 9 tokens) | - |" in report.update_effect_markdown(by_method)
 
 
 def _learning_row(method, before, after, rewards, reward_se=0.05):
@@ -173,53 +175,53 @@ def _learning_row(method, before, after, rewards, reward_se=0.05):
 
 def test_half_change_se_is_the_standard_error_of_the_difference_of_means():
     first, second = [0.0, 1.0, 2.0], [1.0, 3.0]  # sample variances 1 and 2
-    assert qs.half_change_se(first, second) == pytest.approx((1 / 3 + 2 / 2) ** 0.5)
-    assert qs.half_change_se([1.0], second) is None  # one step: no spread to measure
-    rewards = {s: {qs.REWARD: r} for s, r in enumerate([-1.0, 0.0, 1.0, 1.0], start=1)}
-    assert qs.summarise("justrl", rewards, None)["reward_change_se"] == pytest.approx((0.5 / 2 + 0.0) ** 0.5)
+    assert report.half_change_se(first, second) == pytest.approx((1 / 3 + 2 / 2) ** 0.5)
+    assert report.half_change_se([1.0], second) is None  # one step: no spread to measure
+    rewards = {s: {report.REWARD: r} for s, r in enumerate([-1.0, 0.0, 1.0, 1.0], start=1)}
+    assert report.summarise("justrl", rewards, None)["reward_change_se"] == pytest.approx((0.5 / 2 + 0.0) ** 0.5)
 
 
 def test_the_summary_says_first_whether_the_baselines_learned_beyond_noise():
     # validation on 64 samples at 0.4: standard error of a change sqrt(2 * 0.4 * 0.6 / 64) = 0.0866
     rising = [_learning_row(m, 0.4, 0.6, (-0.5, -0.2)) for m in ("grpo", "entropy20", "justrl")]
-    check = qs.learning_check(rising + [_learning_row("stapo", 0.4, 0.3, (-0.5, -0.6))], val_samples=64)
+    check = report.learning_check(rising + [_learning_row("stapo", 0.4, 0.3, (-0.5, -0.6))], val_samples=64)
     assert check["learned"] and set(check["methods"]) == {"grpo", "entropy20", "justrl"}  # STAPO is not judged
     assert check["methods"]["grpo"]["val_change_se"] == pytest.approx((2 * 0.4 * 0.6 / 64) ** 0.5)
-    assert qs.learning_markdown(check).startswith(
+    assert report.learning_markdown(check).startswith(
         "**The baselines learned**: grpo: validation accuracy 0.400 -> 0.600 (standard error 0.09), training "
         "reward -0.500 (first half of the steps) -> -0.200 (second half) (standard error 0.05)")
     # justrl: both rise, but the accuracy by 0.1 < 2 x 0.0866: within noise
     within = rising[:2] + [_learning_row("justrl", 0.4, 0.5, (-0.5, -0.2))]
-    check = qs.learning_check(within, val_samples=64)
+    check = report.learning_check(within, val_samples=64)
     assert not check["learned"] and check["methods"]["justrl"]["rose"] and not check["methods"]["justrl"]["learned"]
-    assert qs.learning_markdown(check).startswith(
+    assert report.learning_markdown(check).startswith(
         "**Not every baseline visibly learned with these settings** (justrl: validation accuracy and training "
         "reward did not both rise beyond their noise; justrl rose, but within it)")
     flat = rising[:2] + [_learning_row("justrl", 0.4, 0.7, (-0.3, -0.3))]  # the reward did not rise
-    check = qs.learning_check(flat, val_samples=64)
-    assert not check["methods"]["justrl"]["rose"] and "rose, but within it" not in qs.learning_markdown(check)
+    check = report.learning_check(flat, val_samples=64)
+    assert not check["methods"]["justrl"]["rose"] and "rose, but within it" not in report.learning_markdown(check)
     # over seeds: means of the changes, standard errors divided by sqrt(seeds)
     two_seeds = [_learning_row("grpo", 0.4, 0.6, (-0.5, -0.2), 0.1), _learning_row("grpo", 0.4, 0.6, (-0.5, -0.2), 0.1)]
-    got = qs.learning_check(two_seeds, val_samples=64)["methods"]["grpo"]
+    got = report.learning_check(two_seeds, val_samples=64)["methods"]["grpo"]
     assert got["reward_change_se"] == pytest.approx(0.1 / 2 ** 0.5)
     assert got["val_change_se"] == pytest.approx((2 * 0.4 * 0.6 / 64) ** 0.5 / 2 ** 0.5)
     down = [_learning_row("grpo", 0.4, 0.6, (-0.5, -0.2)), _learning_row("grpo", 0.4, 0.0, (-0.5, -0.6))]
-    assert not qs.learning_check(down, val_samples=64)["methods"]["grpo"]["rose"]  # means over seeds: 0.4 -> 0.3
-    assert not qs.learning_check(rising)["learned"]  # no validation size: no noise to judge against
-    assert qs.learning_markdown(qs.learning_check([_learning_row("stapo", 0.4, 0.5, (0, 1))])) == ""
+    assert not report.learning_check(down, val_samples=64)["methods"]["grpo"]["rose"]  # means over seeds: 0.4 -> 0.3
+    assert not report.learning_check(rising)["learned"]  # no validation size: no noise to judge against
+    assert report.learning_markdown(report.learning_check([_learning_row("stapo", 0.4, 0.5, (0, 1))])) == ""
 
 
 def test_the_learning_lines_state_the_noise_rule(tmp_path):
     # standard error of an accuracy p on k samples: sqrt(p (1 - p) / k); 0.4 on 64: 0.0612
-    assert qs.validation_noise(0.4, 64) == pytest.approx((0.4 * 0.6 / 64) ** 0.5)
-    assert qs.validation_noise(0.0, 64) == 0.0
-    text = qs.learning_markdown(qs.learning_check([_learning_row("justrl", 0.4, 0.7, (-0.5, -0.2))], val_samples=64))
+    assert report.validation_noise(0.4, 64) == pytest.approx((0.4 * 0.6 / 64) ** 0.5)
+    assert report.validation_noise(0.0, 64) == 0.0
+    text = report.learning_markdown(report.learning_check([_learning_row("justrl", 0.4, 0.7, (-0.5, -0.2))], val_samples=64))
     assert text.startswith("**The baselines learned**") and "rose by more than two standard errors" in text
     # the samples of one validation: held-out problems x samples per problem
     root = tmp_path / "assets"
     root.mkdir()
     pd.DataFrame({"x": range(5)}).to_parquet(asset_paths(root).val)
-    assert qs.validation_samples(root, {qs.VAL_N: 3}) == 15
+    assert qs.validation_samples(root, {qsettings.VAL_N: 3}) == 15
 
 
 def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets, tmp_path, monkeypatch):
@@ -235,7 +237,7 @@ def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets
         before = "trainer.val_before_train=false" not in kwargs["extra"]
         calls.append((method, kwargs["seed"], before))
         lines = [{"step": 0, "data": {"val-core/x/acc/mean@1": 0.25 + kwargs["seed"]}}] if before else []
-        lines.append({"step": 1, "data": {qs.REWARD: 0.5, "val-core/x/acc/mean@1": 0.75}})
+        lines.append({"step": 1, "data": {report.REWARD: 0.5, "val-core/x/acc/mean@1": 0.75}})
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
         return CPURun(method, 0, 1.0, run_dir, run_dir / "metrics.jsonl", run_dir / "x.log")
 
