@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from verl.utils import tensordict_utils as tu
 
 from stapo_core.rules import S2T, RuleResult, get_rule
 
@@ -225,8 +226,6 @@ def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device
 def _count_remaining_sequences(data, kept: torch.Tensor, group) -> None:
     """Set verl's ``global_batch_size`` (the seq-mean denominator) to the number of sequences of the
     mini-batch, over every rank, that keep at least one token."""
-    from verl.utils import tensordict_utils as tu
-
     if tu.get(data, "global_batch_size", None) is None:
         return
     count = (kept.sum(-1) > 0).sum().double()
