@@ -75,9 +75,11 @@ RUN_FILE_ENV_NAMES = ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORB
 RUN_METRICS_FILE = "metrics.jsonl"
 RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 #: never uploaded with the job's working directory (gitignore patterns; a leading ``/`` anchors a name at
-#: the project's root, so ``recipe/stapo/data/`` is shipped while the top-level ``data/`` is not)
+#: the project's root, so ``recipe/stapo/data/`` is shipped while the top-level ``data/`` is not); the
+#: tiny CPU assets the repository ships serve CPU runs only, never a cluster job
 WORKING_DIR_EXCLUDES = ("/.git", "/.venv", "/data", "/results", "/checkpoints", "/assets", "/wandb", "/outputs",
-                        "/runs", "__pycache__", ".pytest_cache", "*.egg-info", "*.parquet", "*.safetensors")
+                        "/runs", "/recipe/stapo/cpu/shipped_assets", "__pycache__", ".pytest_cache", "*.egg-info",
+                        "*.parquet", "*.safetensors")
 
 
 def ensure_patch_module_env(environ: Optional[dict] = None) -> None:
