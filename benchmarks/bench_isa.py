@@ -36,11 +36,8 @@ from pathlib import Path
 
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
 from recipe.stapo.cpu.assets import SHIPPED_DIR
-from recipe.stapo.cpu.reproducibility import isa_settings
+from recipe.stapo.cpu.reproducibility import isa_settings, seeded_metrics
 
-#: metrics measuring wall-clock time or memory, which no setting fixes
-WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
-WALL_CLOCK_NAMES = ("actor/token_dump/seconds", "actor/s2t/current_forward_s", "actor/s2t/dlogp_seconds")
 #: the environment an AVX2-only machine amounts to (every library capped at AVX2)
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 #: an environment asking for AVX-512 (what the pin must override)
@@ -52,15 +49,8 @@ SETTINGS = (("pinned", "avx2", {}), ("pinned, inherited avx512", "avx2", AVX512)
 
 
 def numeric(steps: dict[int, dict]) -> dict[str, float]:
-    """``"<step>:<metric>"`` -> value for every numeric metric that is not a wall-clock measurement."""
-    out = {}
-    for step, data in steps.items():
-        for key, value in data.items():
-            if key.startswith(WALL_CLOCK_PREFIXES) or key in WALL_CLOCK_NAMES or "/perf/" in key:
-                continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[f"{step}:{key}"] = value
-    return out
+    """``"<step>:<metric>"`` -> value of :func:`recipe.stapo.cpu.reproducibility.seeded_metrics` (JSON keys)."""
+    return {f"{step}:{key}": value for (step, key), value in seeded_metrics(steps).items()}
 
 
 def differences(a: dict[str, float], b: dict[str, float]) -> list[str]:

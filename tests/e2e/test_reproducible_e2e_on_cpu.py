@@ -18,14 +18,12 @@ import pytest
 import torch
 
 from recipe.stapo.cpu import read_metrics
+from recipe.stapo.cpu.reproducibility import seeded_metrics
 from tests.helpers.shared_runs import run as shared_run
 
 pytestmark = pytest.mark.slow
 
 STEPS = 2
-#: metrics measuring wall-clock time or memory, which no seed fixes
-WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
-WALL_CLOCK_NAMES = ("actor/token_dump/seconds", "actor/s2t/current_forward_s", "actor/s2t/dlogp_seconds")
 #: a process keeping a core busy during the second run
 BUSY_LOOP = "import os\nos.nice(19)\nwhile True: pass"
 S2T_KEYS = ("actor/s2t/candidates", "actor/s2t/silenced", "actor/s2t/silenced_frac")
@@ -47,24 +45,12 @@ def two_runs(shared_runs, tmp_path_factory):
     return runs
 
 
-def _numeric(steps: dict[int, dict]) -> dict[tuple[int, str], float]:
-    """(step, metric) -> value for every numeric metric that is not a wall-clock measurement."""
-    out = {}
-    for step, data in steps.items():
-        for key, value in data.items():
-            if key.startswith(WALL_CLOCK_PREFIXES) or key in WALL_CLOCK_NAMES or "/perf/" in key:
-                continue
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                out[(step, key)] = value
-    return out
-
-
 def _same(a: float, b: float) -> bool:
     return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def test_per_step_metrics_are_identical(two_runs):
-    first, second = (_numeric(read_metrics(run.metrics)) for run in two_runs)
+    first, second = (seeded_metrics(read_metrics(run.metrics)) for run in two_runs)
     assert {s for s, _ in first} == set(range(1, STEPS + 1))
     assert set(first) == set(second)
     # the comparison covers what a comparison of methods reads: reward, entropy, loss, S2T counts

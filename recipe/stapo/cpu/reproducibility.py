@@ -30,6 +30,24 @@ from typing import Any, Optional, Sequence
 from .isa import DEFAULT_ISA, isa_env
 from .trainer import DEFAULT_THREADS, thread_env
 
+#: metrics measuring wall-clock time or memory, which no seed fixes
+WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
+WALL_CLOCK_NAMES = ("actor/token_dump/seconds", "actor/s2t/current_forward_s", "actor/s2t/dlogp_seconds")
+
+
+def seeded_metrics(steps: dict[int, dict]) -> dict[tuple[int, str], float]:
+    """``(step, metric) -> value`` for every numeric metric of a run that is not a wall-clock or memory
+    measurement: what the same seed, assets, versions and pins must repeat bit for bit."""
+    out = {}
+    for step, data in steps.items():
+        for key, value in data.items():
+            if key.startswith(WALL_CLOCK_PREFIXES) or key in WALL_CLOCK_NAMES or "/perf/" in key:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[(step, key)] = value
+    return out
+
+
 #: the distributions whose versions a summary records (distribution name on PyPI)
 LIBRARIES = ("torch", "verl", "transformers", "ray", "numpy")
 MANIFEST = "manifest.json"
