@@ -19,12 +19,15 @@ import math
 import time
 
 import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import no_padding_2_padding
 
 from stapo_core.balance import ForwardPlan, Item, plan_forward
 from stapo_core.distributed import exchange_objects, gather_objects, group_rank, world_size
 
 from stapo_core.rules import S2T, get_rule
 
+from .config import TokenSelectionLossConfig
 from .layout import to_padded
 from .token_selection import UNSELECTED_MASK_FIELD, CurrentStatistics
 
@@ -95,9 +98,6 @@ def forward_metric_prefix(cfg) -> str:
 def _forward_every_sequence(worker, data) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_prob, entropy)`` padded ``(batch, max_response_len)``: one inference pass over a
     shallow copy of the whole mini-batch."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
-
     view = data.copy()
     engine_config = worker.engine_config
     micro = engine_config.infer_micro_batch_size_per_gpu or len(data)
@@ -173,9 +173,6 @@ def forward_positive_advantage(worker, data, *, group=None, device=None, prefix=
 def _forward_plan(worker, data, plan: ForwardPlan, rank: int, group, device) -> list:
     """Run this rank's micro-batches of ``plan``; returns, from every rank, the ``(row, log_prob,
     entropy)`` of this rank's rows (1-D response tensors)."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
-
     world = world_size(group)
     view = data.exclude(*(k for k in NOT_FORWARDED_FIELDS if k in data.keys()))
     outgoing = []
@@ -205,8 +202,6 @@ def _forward_plan(worker, data, plan: ForwardPlan, rank: int, group, device) -> 
 
 def statistic_only_entropy(actor_config) -> bool:
     """True when the update's entropy serves only S2T's current statistics (no entropy bonus)."""
-    from .config import TokenSelectionLossConfig
-
     policy_loss = getattr(actor_config, "policy_loss", None)
     return (
         isinstance(policy_loss, TokenSelectionLossConfig)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from verl.utils import tensordict_utils as tu
+
 #: attribute of a worker object holding its :class:`MiniBatchCounter`
 COUNTER_ATTR = "_stapo_mini_batches"
 
@@ -52,8 +54,6 @@ class MiniBatchCounter:
 
 def position_of(worker, data) -> MiniBatchPosition:
     """The position of mini-batch ``data`` (verl's TensorDict) entering ``worker``'s ``train_batch``."""
-    from verl.utils import tensordict_utils as tu
-
     counter = getattr(worker, COUNTER_ATTR, None)
     if counter is None:
         counter = MiniBatchCounter()

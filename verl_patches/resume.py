@@ -26,6 +26,7 @@ checkpoint). Two things of verl's would lose or keep too much across launches:
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import sys
@@ -110,8 +111,6 @@ def claim_metrics_file(path: str | os.PathLike) -> int:
         MetricsFileBusy: naming the file and the other writer's pid, when another process (or
             another open logger of this one) holds it.
     """
-    import fcntl
-
     lock = writer_lock_path(path)
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import no_padding_2_padding
 
 from stapo_core.rules import S2T
 
@@ -116,9 +118,6 @@ def response_log_probs(worker, sub) -> torch.Tensor:
     under the worker's current policy: one no-grad pass through verl's inference path
     (``TrainingWorker.infer_batch``, no entropy, no loss), on a shallow copy so that nothing verl
     adds to the batch leaks between the two forwards."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
-
     view = sub.copy()
     engine_config = worker.engine_config
     micro = engine_config.infer_micro_batch_size_per_gpu or len(view)
@@ -134,8 +133,6 @@ def response_log_probs(worker, sub) -> torch.Tensor:
 def _sub_batch(data, rows: list):
     """The rows ``rows`` of ``data`` as a TensorDict of their own (verl's row selection, which keeps
     jagged tensors jagged), with verl's per-sequence token counts for its throughput estimate."""
-    from verl.utils import tensordict_utils as tu
-
     sub = tu.index_select_tensor_dict(data, rows)
     if "input_ids" in sub and sub["input_ids"].is_nested:
         tu.assign_non_tensor(sub, global_token_num=sub["input_ids"].offsets().diff().tolist())

@@ -76,11 +76,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from verl.utils import tensordict_utils as tu
 
-from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
-
+from stapo_core import DEFAULT_Q, DEFAULT_TAU_P, s2t_mask
 from stapo_core.token_records import write_step
+
+from ..config import TokenSelectionLossConfig
+from ..layout import to_padded
 from ..mini_batch_position import MiniBatchPosition
+from ..token_selection import ROLLOUT_ENTROPY_FIELD
 from .scoring import SampledResponse, build_records, select_responses, target_log_probs, token_stats
 from .settings import settings_from_env
 
@@ -92,8 +96,6 @@ METRIC_PREFIX = "token_dump/"
 
 
 def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    from ..layout import to_padded
-
     return to_padded(t, width)[:, :width]
 
 
@@ -109,8 +111,6 @@ def _response_lengths(data, width: int) -> list[int]:
 
 
 def _scalar_setting(data, key: str, default):
-    from verl.utils import tensordict_utils as tu
-
     value = tu.get(data, key, default)
     if isinstance(value, torch.Tensor):
         if value.numel() == 0:
@@ -157,8 +157,6 @@ def _response_logits(engine, input_ids: torch.Tensor, position_ids: torch.Tensor
 
 def _loss_settings(cfg) -> tuple[float, float, str, bool]:
     """``(tau_p, q, strategy, s2t_in_loss)`` of the dump for the policy-loss config ``cfg``."""
-    from ..config import TokenSelectionLossConfig
-
     tau_p = float(getattr(cfg, "tau_p", DEFAULT_TAU_P))
     q = float(getattr(cfg, "q", DEFAULT_Q))
     is_s2t = isinstance(cfg, TokenSelectionLossConfig) and cfg.applies_s2t
@@ -169,8 +167,6 @@ def _loss_settings(cfg) -> tuple[float, float, str, bool]:
 def _uids_and_indices(data, batch: int, step: int, rank: int) -> tuple[list, list]:
     """Group uid per row (verl's ``uid`` field, else ``s<step>r<rank>i<row>``) and each row's ordinal
     among the rows of this rank with the same uid."""
-    from verl.utils import tensordict_utils as tu
-
     uids = tu.get(data, "uid", None)
     uids = [str(u) for u in uids] if uids is not None and len(uids) == batch else [
         f"s{step}r{rank}i{i}" for i in range(batch)]
@@ -387,9 +383,6 @@ class MiniBatchFields:
 
 def _host_fields(data, response_mask: Optional[torch.Tensor]) -> MiniBatchFields:
     """The :class:`MiniBatchFields` of ``data`` (``response_mask``: the mask before the fold)."""
-    from ..layout import to_padded
-    from ..token_selection import ROLLOUT_ENTROPY_FIELD
-
     current = data["response_mask"]
     original = current if response_mask is None else response_mask
     width = int(to_padded(original).shape[1])
@@ -442,8 +435,6 @@ def _entropy_threshold(fields: MiniBatchFields, sampled: list, picked: list, gro
                        strategy: str) -> tuple[Optional[float], str, Optional[torch.Tensor]]:
     """``(tau_h, source, keep)``: S2T's threshold (None when undefined) and keep mask ``(B, R)``
     (``mini_batch`` source) or ``(k, R)`` over the sampled rows (``sampled`` source)."""
-    from stapo_core import s2t_mask
-
     if fields.rollout_entropy is not None and fields.old_log_prob is not None:
         source = "mini_batch"
         log_prob, entropy, adv, mask = fields.old_log_prob, fields.rollout_entropy, fields.advantages, fields.mask
