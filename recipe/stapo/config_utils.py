@@ -129,9 +129,9 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
 def validate(config: DictConfig) -> None:
     """verl's own validation (as in ``verl.trainer.main_ppo.main``): instantiates the actor config
     dataclass, so S2T settings are checked here, in the driver, before any worker starts."""
-    # hydra: as in compose; verl loads only after ensure_patch_module_env set VERL_USE_EXTERNAL_MODULES
-    from hydra.errors import InstantiationException
+    from hydra.errors import InstantiationException  # hydra only here: as in compose
 
+    # verl loads only after ensure_patch_module_env set VERL_USE_EXTERNAL_MODULES
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
