@@ -4,11 +4,9 @@ S2T's current-policy statistics are needed only for the sequences that can hold 
 positive advantage). Which sequences those are differs from rank to rank, so each rank's own share
 can be far from the mean; :func:`plan_forward` moves them:
 
-1. :func:`assign_by_tokens`: longest sequence first, each to the rank with the fewest tokens so far
-   (a tie keeps a sequence on the rank that holds it, then takes the lowest rank); when that leaves
-   the busiest rank no lighter than each rank forwarding its own sequences, nothing moves;
-2. :func:`split_micro_batches`: each rank's share in micro-batches of at most ``max_rows``
-   sequences or ``max_tokens`` tokens (first fit, longest first);
+1. :func:`assign_by_tokens` spreads the sequences over the ranks by tokens; when that leaves the
+   busiest rank no lighter than each rank forwarding its own sequences, nothing moves;
+2. :func:`split_micro_batches` cuts each rank's share into micro-batches;
 3. every rank is padded to the same number of micro-batches with a copy of the shortest sequence:
    a sharded model gathers its parameters collectively in every forward, so every rank must run
    the same number of them.
@@ -52,7 +50,7 @@ class ForwardPlan:
         return len(self.micro_batches[0]) if self.micro_batches else 0
 
     def rank_tokens(self) -> list[int]:
-        """Tokens each rank forwards, padding included."""
+        """Padding included."""
         return [sum(item.tokens for mb in rank for item in mb) for rank in self.micro_batches]
 
 
@@ -110,18 +108,9 @@ def _busiest(shares: list[list[Item]]) -> int:
 
 def plan_forward(items: Sequence[Item], world: int, *, max_rows: Optional[int] = None,
                  max_tokens: Optional[int] = None) -> ForwardPlan:
-    """The micro-batches each of ``world`` ranks forwards so that every item is forwarded once, the
-    ranks' token loads are balanced, and every rank runs the same number of micro-batches.
-
-    Args:
-        items: the sequences to forward (their owners in ``[0, world)``, ``tokens >= 1``).
-        world: number of ranks.
-        max_rows / max_tokens: micro-batch limit (sequences, or tokens: the dynamic batch size's
-            budget); at most one of them.
-
-    Returns:
-        :class:`ForwardPlan`; without items, no micro-batch on any rank.
-    """
+    """Every item forwarded once, the ranks' token loads balanced, the same number of micro-batches
+    on every rank. ``items``: owners in ``[0, world)``, ``tokens >= 1``. ``max_rows`` / ``max_tokens``
+    (at most one): the micro-batch limit in sequences, or in tokens (the dynamic batch size's budget)."""
     world = _check_positive_int("world", world)
     if max_rows is not None and max_tokens is not None:
         raise ValueError("plan_forward: give max_rows or max_tokens, not both")

@@ -44,15 +44,8 @@ def check_token_tensors(func: str, mask, mask_name: str = "response_mask", **ten
 
 
 def token_advantages(func: str, advantages, mask: torch.Tensor, mask_name: str = "response_mask") -> torch.Tensor:
-    """Advantages per token: ``(batch, resp_len)`` like ``mask`` (a 2-D tensor, already checked).
-
-    A ``(batch,)`` tensor (one advantage per response) is broadcast along the tokens (an expanded
-    view, no copy); a ``(batch, resp_len)`` one is returned as is. Dtype unchanged.
-
-    Raises:
-        ValueError: ``advantages`` is not a tensor, has another shape, or lives on another device
-            than ``mask`` (the message names ``func``, ``advantages`` and ``mask_name``).
-    """
+    """Advantages per token, ``(batch, resp_len)`` like the (already checked) ``mask``: a ``(batch,)``
+    tensor, one advantage per response, becomes an expanded view (no copy); dtype unchanged."""
     if not isinstance(advantages, torch.Tensor):
         raise ValueError(f"{func}: advantages must be a tensor, got {type(advantages).__name__}")
     batch, resp_len = mask.shape

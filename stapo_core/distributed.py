@@ -27,26 +27,18 @@ import torch.distributed as dist
 
 
 def world_size(group) -> int:
-    """Number of ranks of ``group`` (a process group, or ``None`` for a single process)."""
+    """1 for ``group=None`` (a single process)."""
     return 1 if group is None else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    """This process's rank within ``group`` (0 for a single process)."""
+    """0 for ``group=None`` (a single process)."""
     return 0 if group is None else dist.get_rank(group)
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    """Every rank's small count vector, in rank order.
-
-    Args:
-        counts: ``(j,)`` int64 (any integer or float dtype works) on this rank's device.
-        group: the process group.
-
-    Returns:
-        ``(world, j)`` tensor of ``counts``' dtype and device; row ``r`` is rank ``r``'s vector.
-        Stays on the device: the caller decides when to read it on the host.
-    """
+    """``(world, j)``: row ``r`` is rank ``r``'s ``counts`` (``(j,)``, any numeric dtype), on the
+    device: the caller decides when to read it on the host."""
     counts = counts.reshape(-1).contiguous()
     rows = [torch.empty_like(counts) for _ in range(world_size(group))]
     dist.all_gather(rows, counts, group=group)
@@ -54,19 +46,9 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
 
 
 def pack_valid(values: torch.Tensor, valid: torch.Tensor, width: int, fill: float) -> torch.Tensor:
-    """The entries of ``values`` where ``valid`` holds, in flat order, padded to ``width``.
-
-    Args:
-        values: any shape, floating dtype.
-        valid: bool, same shape as ``values``.
-        width: buffer length (python int); must be >= the number of valid entries, which are
-            otherwise truncated.
-        fill: padding value.
-
-    Returns:
-        ``(width,)`` tensor of ``values``' dtype: the valid entries (stable, row-major order), then
-        ``fill``. Sync-free: a stable argsort of the validity flags replaces boolean indexing.
-    """
+    """``(width,)``, ``values``' dtype: the entries where ``valid`` (bool, ``values``' shape) holds,
+    in row-major order, then ``fill``. Valid entries past ``width`` are truncated. Sync-free: a
+    stable argsort of the validity flags replaces boolean indexing."""
     flat = torch.where(valid, values, torch.full_like(values, fill)).reshape(-1)
     invalid_first_key = (~valid).reshape(-1).to(torch.uint8)  # 0 for valid entries, sorted first
     order = torch.argsort(invalid_first_key, stable=True)[:width]
@@ -77,19 +59,9 @@ def pack_valid(values: torch.Tensor, valid: torch.Tensor, width: int, fill: floa
 
 
 def gather_padded(values: torch.Tensor, valid: torch.Tensor, width: int, group, *, fill: float) -> torch.Tensor:
-    """All-gather every rank's valid entries into one ``(world, width)`` buffer.
-
-    Args:
-        values: any shape, floating dtype (same dtype on every rank).
-        valid: bool, same shape as ``values``.
-        width: the maximum number of valid entries over the ranks (python int, the same on every
-            rank; from :func:`exchange_counts`).
-        group: the process group.
-        fill: padding value (``+inf`` when the caller sorts ascending, ``-inf`` descending).
-
-    Returns:
-        ``(world, width)`` tensor; row ``r`` is :func:`pack_valid` of rank ``r``.
-    """
+    """``(world, width)``: row ``r`` is :func:`pack_valid` of rank ``r``. ``width``: the largest
+    valid count over the ranks (the same python int on every rank, from :func:`exchange_counts`);
+    ``fill``: ``+inf`` when the caller sorts ascending, ``-inf`` descending."""
     local = pack_valid(values, valid, width, fill)
     rows = [torch.empty_like(local) for _ in range(world_size(group))]
     dist.all_gather(rows, local, group=group)
@@ -97,7 +69,7 @@ def gather_padded(values: torch.Tensor, valid: torch.Tensor, width: int, group, 
 
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
-    """``t`` summed over the ranks of ``group`` (returned unchanged when ``group`` is None)."""
+    """A summed copy (``t`` itself when ``group`` is None)."""
     if group is not None:
         t = t.clone()
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
@@ -105,7 +77,6 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_objects(obj, group) -> list:
-    """Every rank's picklable ``obj``, in rank order (``[obj]`` for a single process)."""
     if group is None:
         return [obj]
     out = [None] * world_size(group)

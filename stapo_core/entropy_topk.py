@@ -1,9 +1,7 @@
 """20-Entropy's token selection: keep the ``ratio`` highest-entropy response tokens (``entropy_topk``).
 
 Wang et al. 2025 ("Beyond the 80/20 rule"): only the top 20% highest-entropy tokens carry the
-policy gradient. Pooled over a batch and, with ``group``, over every data-parallel rank, with
-deterministic tie-breaking, so the choice equals the one a single process makes on the ranks'
-batches concatenated.
+policy gradient.
 """
 
 from __future__ import annotations
@@ -39,7 +37,7 @@ def top_count(num_tokens: int, ratio: float, rounding: str = "ceil") -> int:
 
 
 def _host_token_counts(mask: torch.Tensor, entropy: torch.Tensor, group) -> list:
-    """``[[tokens, nonfinite_entropy] per rank]`` on the host (one sync; one all-gather with group)."""
+    """``[[tokens, nonfinite_entropy] per rank]`` on the host (one sync)."""
     counts = torch.stack([mask.sum(), (mask & ~torch.isfinite(entropy)).sum()])
     if group is None:
         return [counts.tolist()]

@@ -1,7 +1,6 @@
 """Small file helpers shared by every layer: atomic writes, hashes, JSON Lines (no torch, no verl).
 
-The actor-side token dump writes with them, so they live at the bottom of the import graph; data
-preparation, evaluation, the metrics reader and the reports use the same functions.
+They live at the bottom of the import graph because the actor-side token dump writes with them.
 """
 
 from __future__ import annotations
@@ -52,11 +51,8 @@ def sha256_file(path: str | os.PathLike, chunk_bytes: int = 1 << 20) -> str:
 
 
 def atomic_write(path: str | os.PathLike, write_fn: Callable[[str], None]) -> Path:
-    """Write ``path`` via ``write_fn(tmp_path)`` on a temp file in the same folder, then rename.
-
-    A crash or an exception inside ``write_fn`` leaves ``path`` as it was (absent or old) and
-    removes the temp file.
-    """
+    """Write ``path`` via ``write_fn(tmp_path)`` on a temp file in the same folder, then rename: a
+    crash or an exception inside ``write_fn`` leaves ``path`` as it was (absent or old)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -89,12 +85,8 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
 
 
 def append_lines(path: str | os.PathLike, lines: Sequence[str]) -> None:
-    """Append ``lines`` to a text file, each followed by a newline, and make them durable.
-
-    One ``write`` of all lines, then flush and fsync, so a crash leaves at most the last line
-    partly written. Creates the parent folders and the file. ``lines`` must not contain newlines
-    (one record per line).
-    """
+    """Append ``lines`` (no newlines inside: one record per line) to a text file in one write,
+    then fsync, so a crash leaves at most the last line partly written."""
     if not lines:
         return
     path = Path(path)

@@ -5,14 +5,8 @@ mini-batch fold, the loss wrapper, the current-policy forward, the token dump), 
 the preflight and the memory model ask the table, never a rule's name: adding a rule is a mask
 function, one :func:`register_rule` call, a method YAML and its tests.
 
-The rules shipped here:
-
-* ``s2t`` (STAPO): silence candidates (``A > 0``, ``p < tau_p``) whose entropy is below the
-  ``q``-quantile of the candidates' entropies (:func:`stapo_core.s2t_mask`);
-* ``entropy_topk`` (20-Entropy): keep the ``entropy_top_ratio`` highest-entropy tokens
-  (:func:`stapo_core.entropy_topk_mask`).
-
-``token_selection: none`` (every token keeps its gradient) is not a rule: it selects nothing.
+Shipped: ``s2t`` (STAPO, :func:`stapo_core.s2t_mask`) and ``entropy_topk`` (20-Entropy,
+:func:`stapo_core.entropy_topk_mask`). ``token_selection: none`` selects nothing and is not a rule.
 """
 
 from __future__ import annotations
@@ -80,7 +74,6 @@ RULES: dict[str, SelectionRule] = {}
 
 
 def register_rule(rule: SelectionRule) -> SelectionRule:
-    """Add ``rule`` to the table (a name or metric prefix already taken is refused)."""
     if rule.name == NO_SELECTION or rule.name in RULES:
         raise ValueError(f"register_rule: token_selection {rule.name!r} is taken")
     if not rule.metric_prefix.endswith("/") or any(r.metric_prefix == rule.metric_prefix for r in RULES.values()):
@@ -95,12 +88,11 @@ def unregister_rule(name: str) -> None:
 
 
 def token_selections() -> tuple[str, ...]:
-    """Every valid ``token_selection`` value: ``none`` and the registered rules."""
+    """Every valid ``token_selection`` value."""
     return (NO_SELECTION, *RULES)
 
 
 def get_rule(name: str) -> SelectionRule:
-    """The rule named ``name``; a ``KeyError`` listing the registered ones otherwise."""
     try:
         return RULES[name]
     except KeyError:

@@ -113,10 +113,7 @@ def quantile_sorted_padded(sorted_values: torch.Tensor, count: torch.Tensor, q: 
 
 def _pooled_quantile(entropy: torch.Tensor, candidate: torch.Tensor, q: float, group) -> torch.Tensor:
     """``quantile(H over the candidates of every rank, q)``: 0-dim float32, NaN with no candidates.
-
-    Single process: sync-free. With ``group``: one host read of the per-rank counts (the buffer
-    width), then one all-gather of ``+inf``-padded candidate entropies.
-    """
+    With ``group``: one host read of the per-rank counts, then one all-gather."""
     count = candidate.sum()
     if group is None:
         pooled = torch.where(candidate, entropy, torch.full_like(entropy, math.inf)).reshape(-1)
@@ -136,11 +133,8 @@ def _pooled_quantile(entropy: torch.Tensor, candidate: torch.Tensor, q: float, g
 
 
 def _random_draw(shape, device, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """U(0,1) float32 draws of ``shape`` on ``device``, from ``generator`` (global RNG if None).
-
-    Drawn on the generator's own device; a generator on another device than the tokens costs a
-    copy, so pass one created on the tokens' device (``torch.Generator(device=...)``).
-    """
+    """U(0,1) float32 draws of ``shape`` on ``device``, drawn on ``generator``'s device (global RNG if
+    None): a generator on another device than the tokens costs a copy."""
     gen_device = generator.device if generator is not None else device
     u = torch.rand(shape, generator=generator, dtype=torch.float32, device=gen_device)
     return u.to(device)
@@ -179,7 +173,7 @@ def _stats_vector(mask, log_prob, entropy, advantages, candidate, silenced) -> t
 
 
 def _stats_dict(values: list) -> dict:
-    """Host-side stats from ``_STAT_SUMS`` values followed by ``tau_h``."""
+    """``values``: ``_STAT_SUMS`` then ``tau_h``, on the host."""
     v = dict(zip(_STAT_SUMS + ("tau_h",), values))
     raise_if_nonfinite("s2t_mask", {k: v["nonfinite_" + k] for k in ("log_prob", "entropy", "advantages")})
     candidates, silenced, tokens = int(v["candidates"]), int(v["silenced"]), int(v["tokens"])
@@ -238,11 +232,9 @@ def s2t_mask(
       its own generator, so give ranks differently seeded generators;
     * ``full``: every candidate (tau_h NaN).
 
-    Quantiles use ``torch.quantile``'s linear interpolation over the candidates pooled over the
-    batch and, with ``group``, over every rank (variable counts, possibly none): every rank gets
-    the same tau_h and the mask one process holding the concatenated batch would compute.
-    Without candidates nothing is silenced and tau_h is NaN. Probabilities and entropies are
-    computed in float32 whatever the input dtype; inputs are detached.
+    The quantile (``torch.quantile``'s linear interpolation) pools the candidates of every rank of
+    ``group``: every rank gets the same tau_h and the mask one process holding the concatenated
+    batch would compute. Without candidates nothing is silenced. Computed in float32, detached.
 
     Args:
         log_prob: ``(batch, resp_len)`` float log pi(y_t), any float dtype.

@@ -1,12 +1,10 @@
 """`TokenSelectionLossConfig`: verl's policy-loss settings plus which tokens carry gradient.
 
-Named by ``_target_`` in the recipe YAML (``actor_rollout_ref.actor.policy_loss``), so verl turns it
-into this dataclass in the driver and again in every worker. Every field is validated at
-construction: a typo or a bad value fails in the driver, before any worker starts, with a message
-naming the key. The S2T defaults are :mod:`stapo_core`'s constants (the paper's values), and every
-decision about where the selection statistics come from is a property of this class, so the
-actor hook, the loss wrapper, the trainers' patches and the driver ask the same question the same
-way.
+Named by ``_target_`` in the recipe YAML (``actor_rollout_ref.actor.policy_loss``), so verl builds
+it in the driver and again in every worker: a bad value fails in the driver, before any worker
+starts, naming the key. Every decision about where the selection statistics come from is a
+property here, so the actor hook, the loss wrapper, the trainers' patches and the driver ask it the
+same way.
 
 Token selection is independent of the loss: ``token_selection`` picks the tokens, ``loss_mode`` (any
 policy loss verl registers: vanilla, gspo, cispo, clip_cov, ...) computes the loss over them.
@@ -46,54 +44,36 @@ LOCAL_NORMALISING_LOSS_MODES = ("geo_mean", "sapo")
 
 @dataclass
 class TokenSelectionLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus the token selection of STAPO (S2T) and 20-Entropy.
+    """verl's ``PolicyLossConfig`` plus the token selection of STAPO (S2T) and 20-Entropy (the keys'
+    table: docs/method.md).
 
     Args:
         loss_mode: any policy loss registered with verl (``vanilla`` for JustRL/STAPO/20-Entropy).
-        token_selection: ``none``, or a rule of :data:`stapo_core.rules.RULES`: ``s2t`` (STAPO),
-            ``entropy_topk`` (20-Entropy).
-        tau_p: S2T: candidates have ``p < tau_p`` (paper: 0.002).
-        q: S2T: entropy quantile of the candidate set (paper: 0.75).
-        strategy: S2T: which candidates are silenced: ``low_entropy`` (STAPO), ``high_entropy``,
-            ``random`` or ``full`` (the paper's ablations).
+        token_selection: ``none``, or a rule of :data:`stapo_core.rules.RULES`.
+        tau_p, q, strategy: S2T's candidate threshold ``p < tau_p`` (paper: 0.002), the entropy
+            quantile of the candidates (paper: 0.75), and which candidates are silenced
+            (``low_entropy``: STAPO; ``high_entropy``, ``random``, ``full``: the paper's ablations).
         entropy_top_ratio: 20-Entropy: the fraction of highest-entropy response tokens kept.
-        stats_from: where ``p`` and ``H`` come from. ``rollout``: the old-policy log-probs and
-            entropies the trainer computes once per step (no extra forward). ``current``: the
-            policy being updated (the paper's Algorithm 1): with ``scope=mini_batch``, one no-grad
-            forward of each mini-batch after the first; with ``scope=micro_batch``, the update's own
-            forward (needs ``actor.calculate_entropy=true``, which the driver sets).
-        scope: what the quantile (or the top-entropy rank) is pooled over. ``mini_batch``: the whole
-            PPO mini-batch, all micro-batches and data-parallel ranks; the mask is folded into the
-            mini-batch before verl counts its tokens. ``micro_batch``: the current micro-batch of
-            every data-parallel rank, inside the loss (20-Entropy's reference code). ``None``:
-            ``mini_batch``.
-        current_forward: S2T with ``stats_from=current`` at the mini-batch scope: which sequences the
-            no-grad forward covers. ``positive_advantage``: those with a positive advantage (the only
-            ones that can hold a candidate: the silenced set and ``tau_h`` are those of a full
-            forward), moved between data-parallel ranks to balance their tokens. ``full``: every
-            sequence of the mini-batch. 20-Entropy needs every token's entropy: always ``full``.
-        entropy_topk_reading: 20-Entropy's reading. ``pooled``: the top ``entropy_top_ratio`` of the
-            response tokens pooled as ``stats_from`` and ``scope`` say. ``authors_code``: exactly as
-            the authors' code (docs/method.md): per data-parallel rank and micro-batch, from the
-            update's own forward, the mean over the selected tokens of each micro-batch weighted by
-            its share of the mini-batch's sequences; ``stats_from`` and ``scope`` are not read.
-        sequence_ratio: losses with a sequence-level ratio (``gspo``, ``geo_mean``). ``kept_tokens``:
-            the ratio is taken over the tokens the selection keeps (the selection only shrinks the
-            mask). ``all_tokens``: over every response token, the silenced ones carrying no gradient.
-        seed: seed of the generator of S2T's ``random`` strategy.
-        s2t_monitor: compute and log S2T's selection (``actor/s2t/*``, with ``tau_p``, ``q``,
-            ``strategy`` and ``stats_from``, pooled over the mini-batch) without applying it, in a
-            run whose ``token_selection`` is not ``s2t``: what STAPO would silence in this run.
-            ``actor/s2t/applied`` says which (1: S2T is the run's selection, 0: monitored only).
-            With ``stats_from=rollout`` it needs no forward; with ``current``, one no-grad forward
-            of each mini-batch after the first (as STAPO). No effect when ``token_selection=s2t``.
-        update_effect_responses: responses per data-parallel rank and mini-batch whose log-probs
-            are measured just before and just after the mini-batch's update (two no-grad forwards
-            of only those responses through verl's inference pass): the responses holding tokens
-            S2T silences (or, monitoring, would silence) first, then those holding candidates it
-            keeps. Logs ``actor/s2t/dlogp_{silenced,kept_candidates,all}`` per step
-            (:mod:`verl_patches.update_effect`). 0: off. Needs S2T's selection before the update
-            (``token_selection=s2t`` at the mini-batch scope, or ``s2t_monitor``).
+        stats_from: ``p`` and ``H`` of the old (rollout) policy, computed once per step, or of the
+            ``current`` policy (the paper's Algorithm 1): with ``scope=mini_batch`` one no-grad forward
+            of each mini-batch after the first; with ``micro_batch`` the update's own forward (the
+            driver sets ``actor.calculate_entropy=true`` for it).
+        scope: what the statistic is pooled over: the whole PPO mini-batch over every data-parallel
+            rank (``mini_batch``, the default: the mask is folded in before verl counts the mini-batch's
+            tokens), or one micro-batch of every rank, inside the loss (``micro_batch``).
+        current_forward: which sequences that no-grad forward covers: ``positive_advantage`` (the only
+            ones that can hold an S2T candidate, so the silenced set and ``tau_h`` are a full
+            forward's; spread over the ranks by tokens) or ``full`` (always, for 20-Entropy).
+        entropy_topk_reading: ``pooled`` as ``stats_from``/``scope`` say, or ``authors_code``: per rank
+            and micro-batch from the update's forward, weighted by sequence share (the authors' code).
+        sequence_ratio: for ``gspo``/``geo_mean``: the sequence ratio over the ``kept_tokens`` or over
+            ``all_tokens`` (silenced ones carrying no gradient).
+        seed: seed of S2T's ``random`` strategy.
+        s2t_monitor: compute and log (``actor/s2t/*``, ``actor/s2t/applied`` 0) what S2T would silence in
+            a run whose ``token_selection`` is not ``s2t``, without applying it.
+        update_effect_responses: responses per rank and mini-batch whose log-probs are measured just
+            before and after the update (:mod:`verl_patches.update_effect`); 0: off. Needs S2T's
+            selection before the update (``s2t`` at the mini-batch scope, or ``s2t_monitor``).
     """
 
     loss_mode: str = "vanilla"
@@ -168,7 +148,7 @@ class TokenSelectionLossConfig(PolicyLossConfig):
 
     @property
     def selects_tokens(self) -> bool:
-        """True when some response tokens may lose their gradient."""
+        """Some response tokens may lose their gradient."""
         return self.token_selection != NO_SELECTION
 
     @property
@@ -178,19 +158,15 @@ class TokenSelectionLossConfig(PolicyLossConfig):
 
     @property
     def resolved_scope(self) -> str:
-        """``scope`` with ``None`` resolved: ``micro_batch`` for the authors' code reading of
-        20-Entropy, else ``mini_batch``."""
         return "micro_batch" if self.authors_code_reading else (self.scope or "mini_batch")
 
     @property
     def statistics_source(self) -> str:
-        """Where ``p`` and ``H`` come from: ``stats_from``, or ``current`` for the authors' code
-        reading of 20-Entropy (the update's own forward)."""
+        """Where ``p`` and ``H`` come from (the authors' code reading: the update's own forward)."""
         return "current" if self.authors_code_reading else self.stats_from
 
     @property
     def pools_over_ranks(self) -> bool:
-        """The statistic is pooled over the data-parallel ranks (every reading but the authors' code)."""
         return not self.authors_code_reading
 
     @property
@@ -231,14 +207,11 @@ class TokenSelectionLossConfig(PolicyLossConfig):
 
     @property
     def sequence_ratio_over_all_tokens(self) -> bool:
-        """A sequence-level ratio (gspo, geo_mean) is taken over every response token, the silenced
-        ones carrying no gradient."""
         return (self.selects_tokens and self.sequence_ratio == "all_tokens"
                 and self.loss_mode in SEQUENCE_RATIO_LOSS_MODES)
 
     @property
     def applies_s2t(self) -> bool:
-        """S2T is the run's token selection (STAPO)."""
         return self.token_selection == S2T.name
 
     @property
@@ -259,5 +232,4 @@ class TokenSelectionLossConfig(PolicyLossConfig):
 
     @property
     def measures_update_effect(self) -> bool:
-        """The log-probs of the tokens S2T singles out are measured across each update."""
         return self.update_effect_responses > 0

@@ -19,12 +19,14 @@ import math
 import time
 
 import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import no_padding_2_padding
 
 from stapo_core.balance import ForwardPlan, Item, plan_forward
 from stapo_core.distributed import exchange_objects, gather_objects, group_rank, world_size
-
 from stapo_core.rules import S2T, get_rule
 
+from .config import TokenSelectionLossConfig
 from .layout import to_padded
 from .token_selection import UNSELECTED_MASK_FIELD, CurrentStatistics
 
@@ -37,7 +39,7 @@ NOT_FORWARDED_FIELDS = ("old_log_probs", "ref_log_prob", "advantages", "returns"
 
 
 def sequence_tokens(data) -> list[int]:
-    """Tokens (prompt + response) of each sequence of ``data``: what its forward processes."""
+    """Prompt + response tokens of each sequence."""
     ids = data.get("input_ids", None)
     if ids is not None and ids.is_nested:
         return ids.offsets().diff().tolist()
@@ -62,15 +64,11 @@ def micro_batch_limit(engine_config) -> dict:
 
 
 def current_policy_statistics(worker, data, cfg=None, *, group=None, device=None) -> CurrentStatistics:
-    """The current policy's statistics of this rank's part of the mini-batch ``data``, from no-grad
-    forwards through verl's own inference path (``TrainingWorker.infer_batch``, the pass that
-    computes the old log-probs) on copies of the sequences, so that nothing verl adds leaks into
-    the update. ``current_forward=full`` (and 20-Entropy) forwards every sequence on its own rank,
-    in one call with the pass's micro-batch and token-budget settings; S2T's default forwards the
-    positive-advantage sequences only, balanced over the ranks of the data-parallel ``group``
-    (:func:`forward_positive_advantage`; ``device``: where the group's collectives run). ``cfg``: the
-    worker's ``TokenSelectionLossConfig`` (None: every sequence). Adds the metric
-    ``current_forward_s``: this rank's wall time of the forward, exchanges included."""
+    """The current policy's statistics of this rank's part of the mini-batch, from no-grad forwards
+    through ``TrainingWorker.infer_batch`` (the old-log-prob pass) on copies of the sequences, so
+    that nothing verl adds leaks into the update: every sequence on its own rank, or only the
+    positive-advantage ones (:func:`forward_positive_advantage`; ``device``: where ``group``'s
+    collectives run). ``current_forward_s``: this rank's wall time, exchanges included."""
     prefix = forward_metric_prefix(cfg)
     start = time.perf_counter()
     if cfg is not None and cfg.forwards_positive_advantage_only:
@@ -95,9 +93,6 @@ def forward_metric_prefix(cfg) -> str:
 def _forward_every_sequence(worker, data) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log_prob, entropy)`` padded ``(batch, max_response_len)``: one inference pass over a
     shallow copy of the whole mini-batch."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
-
     view = data.copy()
     engine_config = worker.engine_config
     micro = engine_config.infer_micro_batch_size_per_gpu or len(data)
@@ -129,19 +124,11 @@ def positive_advantage_rows(data) -> torch.Tensor:
 
 
 def forward_positive_advantage(worker, data, *, group=None, device=None, prefix=S2T.metric_prefix) -> CurrentStatistics:
-    """The current policy's statistics of the positive-advantage sequences of the mini-batch.
-
-    1. every rank learns which sequences of every rank have a positive advantage and their token
-       counts (one all-gather of small lists);
-    2. :func:`stapo_core.balance.plan_forward` spreads them over the ranks by tokens, in micro-batches
-       within the inference pass's limit, every rank running the same number of micro-batches;
-    3. the sequences go to the rank that forwards them, one ``infer_batch`` call per micro-batch;
-    4. their response log-probs and entropies go back to the rank that holds them.
-
-    Returns NaN statistics on the other rows (no made-up values: they are never read), and the metrics
-    ``current_forward_tokens_frac`` (tokens forwarded, padding micro-batches included, over the
-    mini-batch's tokens, all ranks) and ``current_forward_slowest_rank_frac`` (the most tokens one rank
-    forwards, over the most tokens one rank holds: the slowest rank's work against a full forward's).
+    """The current policy's statistics of the positive-advantage sequences of the mini-batch, spread
+    over the ranks by tokens (:func:`stapo_core.balance.plan_forward`) and sent back to the rank that
+    holds them; NaN on the other rows (never read). Metrics: ``current_forward_tokens_frac`` (tokens
+    forwarded, padding included, over the mini-batch's, all ranks) and
+    ``current_forward_slowest_rank_frac`` (the most tokens one rank forwards over the most one holds).
     """
     response_mask = to_padded(data["response_mask"])
     batch, width = response_mask.shape
@@ -173,9 +160,6 @@ def forward_positive_advantage(worker, data, *, group=None, device=None, prefix=
 def _forward_plan(worker, data, plan: ForwardPlan, rank: int, group, device) -> list:
     """Run this rank's micro-batches of ``plan``; returns, from every rank, the ``(row, log_prob,
     entropy)`` of this rank's rows (1-D response tensors)."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
-
     world = world_size(group)
     view = data.exclude(*(k for k in NOT_FORWARDED_FIELDS if k in data.keys()))
     outgoing = []
@@ -205,8 +189,6 @@ def _forward_plan(worker, data, plan: ForwardPlan, rank: int, group, device) -> 
 
 def statistic_only_entropy(actor_config) -> bool:
     """True when the update's entropy serves only S2T's current statistics (no entropy bonus)."""
-    from .config import TokenSelectionLossConfig
-
     policy_loss = getattr(actor_config, "policy_loss", None)
     return (
         isinstance(policy_loss, TokenSelectionLossConfig)

@@ -10,7 +10,7 @@ import torch
 
 
 def to_padded(t: torch.Tensor, width: Optional[int] = None) -> torch.Tensor:
-    """``(batch, resp_len)`` view of a padded tensor or a jagged nested tensor (zero padding)."""
+    """``(batch, resp_len)``, zero-padded to at least ``width`` when ``t`` is jagged."""
     if not t.is_nested:
         return t
     padded = t.to_padded_tensor(0.0)

@@ -19,6 +19,9 @@ from __future__ import annotations
 import functools
 import threading
 
+import torch
+import torch.distributed as dist
+
 #: what each line starts with (memory_calibration matches it)
 PREFIX = "[stapo] memory peak:"
 
@@ -26,14 +29,10 @@ _depth = threading.local()
 
 
 def _device():
-    import torch
-
     return torch.cuda if torch.cuda.is_available() else None
 
 
 def _is_rank_zero() -> bool:
-    import torch.distributed as dist
-
     return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
 
 

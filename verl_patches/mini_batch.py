@@ -22,8 +22,8 @@ runs :func:`before_update` before verl's ``train_batch`` and :func:`after_update
 6. the metrics of 2-5 join the ones verl returns for the mini-batch.
 
 This module is imported when its patch is applied, which can be inside ``import verl`` itself
-(``VERL_USE_EXTERNAL_MODULES``); the modules of 2-5 import verl's worker code, so they are imported
-at the first mini-batch.
+(``VERL_USE_EXTERNAL_MODULES``), after the patch's target (verl's engine workers) is imported: the
+verl modules the recipe's modules 2-5 use are loaded by then.
 """
 
 from __future__ import annotations
@@ -32,7 +32,16 @@ import functools
 from dataclasses import dataclass
 from typing import Optional
 
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.utils.device import get_device_id
+
+from . import update_effect
+from .config import TokenSelectionLossConfig
+from .current_stats import current_policy_statistics
 from .mini_batch_position import MiniBatchPosition, position_of
+from .mini_batch_selection import apply_selection, select_mini_batch
+from .token_dump import hook as token_dump, settings as token_dump_settings
 
 
 def policy_loss_config(worker):
@@ -49,8 +58,6 @@ def engine_device(engine):
     if module is not None:
         for param in module.parameters():
             return param.device
-    from verl.utils.device import get_device_id
-
     return get_device_id()
 
 
@@ -73,14 +80,6 @@ def _statistics_forward(cfg, position: MiniBatchPosition) -> bool:
 def before_update(worker, data) -> tuple[dict, Optional[PendingUpdate]]:
     """Everything the recipe does to one mini-batch before verl trains on it; returns its metrics
     and what :func:`after_update` needs (None for a batch the recipe does not handle)."""
-    from tensordict import TensorDict
-
-    from . import update_effect
-    from .config import TokenSelectionLossConfig
-    from .current_stats import current_policy_statistics
-    from .mini_batch_selection import apply_selection, select_mini_batch
-    from .token_dump import hook as token_dump, settings as token_dump_settings
-
     if not isinstance(data, TensorDict):
         return {}, None
     position = position_of(worker, data)
@@ -109,9 +108,6 @@ def before_update(worker, data) -> tuple[dict, Optional[PendingUpdate]]:
 def after_update(worker, pending: Optional[PendingUpdate]) -> dict:
     """Everything the recipe does to one mini-batch after verl trained on it; returns its metrics:
     the update effect (the step's, on its last mini-batch) and the token dump's."""
-    from . import update_effect
-    from .token_dump import hook as token_dump
-
     if pending is None:
         return {}
     metrics: dict = {}
@@ -129,8 +125,6 @@ def after_update(worker, pending: Optional[PendingUpdate]) -> dict:
 def wrap_train_batch(train_batch):
     """``TrainingWorker.train_batch`` running :func:`before_update` first and :func:`after_update`
     last, and returning their metrics with verl's."""
-    from verl.utils import tensordict_utils as tu
-
     @functools.wraps(train_batch)  # keeps verl's dispatch attributes
     def wrapped(self, data, *args, **kwargs):
         metrics, pending = before_update(self, data)

@@ -1,15 +1,14 @@
 """A PPO mini-batch's position in its update step, counted per worker.
 
 verl's ``TrainingWorker.train_mini_batch`` calls ``train_batch`` once per mini-batch and flags the
-step's last one with ``update_lr_scheduler=True``. :func:`position_of` turns that flag into a
-:class:`MiniBatchPosition`, counted on the worker object itself, once per mini-batch, by
-:mod:`verl_patches.mini_batch`, which hands it to everything that needs it (S2T's choice of
-statistics, the token dump, the update effect's per-step sums).
+step's last one with ``update_lr_scheduler=True``: the only step boundary a worker sees.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from verl.utils import tensordict_utils as tu
 
 #: attribute of a worker object holding its :class:`MiniBatchCounter`
 COUNTER_ATTR = "_stapo_mini_batches"
@@ -42,7 +41,6 @@ class MiniBatchCounter:
         self._step, self._next_index = 0, 0
 
     def observe(self, is_last: bool) -> MiniBatchPosition:
-        """The position of the mini-batch entering now (``is_last``: verl's flag on it)."""
         if self._next_index == 0:
             self._step += 1
         position = MiniBatchPosition(self._step, self._next_index, bool(is_last))
@@ -51,9 +49,7 @@ class MiniBatchCounter:
 
 
 def position_of(worker, data) -> MiniBatchPosition:
-    """The position of mini-batch ``data`` (verl's TensorDict) entering ``worker``'s ``train_batch``."""
-    from verl.utils import tensordict_utils as tu
-
+    """Counted on the worker object itself: a second model worker in the process cannot shift it."""
     counter = getattr(worker, COUNTER_ATTR, None)
     if counter is None:
         counter = MiniBatchCounter()

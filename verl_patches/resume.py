@@ -8,24 +8,23 @@ checkpoint). Two things of verl's would lose or keep too much across launches:
   the first step a process logs, ``s``, drops the records the earlier launch wrote after ``s``
   (steps it trained past its last checkpoint, which the relaunch trains again); a step logged again
   (the validation a relaunch runs at its resume step, or two calls for one step) is merged into
-  that step's record, the new values winning. The file is rewritten atomically only in the first
-  case; otherwise records are appended. A line that is not a step record (one cut by a killed
+  that step's record, the new values winning. A line that is not a step record (one cut by a killed
   process, a garbage line anywhere) is moved to ``<file>.unreadable`` with a warning naming its
   line; the records after it are kept. One process writes a file at a time: a second logger of the
   same file (another launch into the same folder) stops at its start, naming the file and the
-  writer's pid (a lock file ``.<name>.writer`` beside it).
+  writer's pid.
 - verl's checkpoint manager prunes (``trainer.max_actor_ckpt_to_keep``) only the checkpoints its
   own process saved, so those of earlier launches are never removed.
   :func:`wrap_checkpoint_save` counts them: before a manager's first save, the
   ``global_step_<k>/<role>`` folders of earlier launches with ``k`` below the step being saved join
-  its list, oldest first, and verl's own pruning then keeps the newest ones. Pruning removes a
-  ``global_step_<k>/<role>`` folder, as verl does; anything beside it in ``global_step_<k>`` (the
-  data-loader state, the Hugging Face copy ``run_scripts/eval.sh`` writes to
-  ``global_step_<k>/merged_hf``) stays.
+  its list, oldest first, and verl's own pruning then keeps the newest ones. Pruning removes only
+  ``global_step_<k>/<role>``, as verl does: the data-loader state and the Hugging Face copy
+  ``run_scripts/eval.sh`` writes to ``global_step_<k>/merged_hf`` stay.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import sys
@@ -81,19 +80,17 @@ def scan_step_lines(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], l
 
 
 def read_step_lines(path: str | os.PathLike) -> list[tuple[int, bytes]]:
-    """``(step, line)`` of each record of a metrics file, in file order (``[]`` if it is absent);
-    unreadable lines are left out (:func:`scan_step_lines` lists them)."""
+    """The records of :func:`scan_step_lines`."""
     return scan_step_lines(path)[0]
 
 
 def unreadable_lines_path(path: str | os.PathLike) -> Path:
-    """Where :class:`ResumableFileLog` moves the unreadable lines of ``path``: ``<path>.unreadable``."""
     path = Path(path)
     return path.with_name(path.name + ".unreadable")
 
 
 def writer_lock_path(path: str | os.PathLike) -> Path:
-    """The lock file a writer of ``path`` holds: ``.<name>.writer`` beside it (holds the writer's pid)."""
+    """The lock file a writer of ``path`` holds (it holds the writer's pid)."""
     path = Path(path)
     return path.with_name(f".{path.name}.writer")
 
@@ -103,15 +100,9 @@ class MetricsFileBusy(RuntimeError):
 
 
 def claim_metrics_file(path: str | os.PathLike) -> int:
-    """Take the one-writer lock of ``path`` (:func:`writer_lock_path`) and return its open file
-    descriptor (closing it releases the lock; so does the process's end, however it ends).
-
-    Raises:
-        MetricsFileBusy: naming the file and the other writer's pid, when another process (or
-            another open logger of this one) holds it.
-    """
-    import fcntl
-
+    """Take the one-writer lock of ``path``; returns its file descriptor (closing it releases the
+    lock; so does the process's end, however it ends). ``MetricsFileBusy`` when another process (or
+    another open logger of this one) holds it."""
     lock = writer_lock_path(path)
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -131,11 +122,9 @@ def claim_metrics_file(path: str | os.PathLike) -> int:
 
 
 class ResumableFileLog:
-    """A metrics file of ``{"step": s, "data": {...}}`` lines in which every step appears once.
-
-    Opening keeps the file as it is (nothing is lost if the process dies before its first step).
-    :meth:`log` follows the rules of the module docstring.
-    """
+    """A metrics file of ``{"step": s, "data": {...}}`` lines in which every step appears once (the
+    module docstring's rules). Opening keeps the file as it is: nothing is lost if the process dies
+    before its first step."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

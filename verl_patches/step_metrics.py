@@ -16,11 +16,7 @@ ENTROPY_QUANTILES = (0.5, 0.8, 0.95)
 
 
 def masked_quantiles(values: torch.Tensor, mask: torch.Tensor, qs=ENTROPY_QUANTILES) -> list[float]:
-    """``torch.quantile(values[mask != 0], q)`` for each ``q`` (NaN when the mask is empty).
-
-    Args:
-        values, mask: same shape (any), values floating.
-    """
+    """``torch.quantile(values[mask != 0], q)`` for each ``q`` (NaN when the mask is empty)."""
     selected = values.float()[mask != 0]
     ordered = selected.sort().values
     count = torch.tensor(ordered.numel())
@@ -28,6 +24,5 @@ def masked_quantiles(values: torch.Tensor, mask: torch.Tensor, qs=ENTROPY_QUANTI
 
 
 def entropy_quantile_metrics(entropy: torch.Tensor, response_mask: torch.Tensor) -> dict[str, float]:
-    """``{"actor/entropy_p50": ..., "actor/entropy_p80": ..., "actor/entropy_p95": ...}``."""
     values = masked_quantiles(entropy, response_mask)
     return {f"actor/entropy_p{round(q * 100)}": v for q, v in zip(ENTROPY_QUANTILES, values)}

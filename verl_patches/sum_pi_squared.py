@@ -31,15 +31,7 @@ def _sum_pi_squared_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sum_pi_squared_chunked(logits: torch.Tensor, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
-    """``sum_n softmax(logits)_n^2`` over the last dimension.
-
-    Args:
-        logits: ``(..., vocab)`` in any floating dtype.
-        chunk_rows: positions computed at once.
-
-    Returns:
-        float32 tensor of shape ``logits.shape[:-1]``.
-    """
+    """``sum_n softmax(logits)_n^2``: ``(..., vocab)`` logits of any float dtype -> float32 ``(...)``."""
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     flat = logits.reshape(-1, logits.shape[-1])

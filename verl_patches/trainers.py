@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import functools
 
+import transfer_queue as tq
+from verl.utils.config import omega_conf_to_dataclass
+from verl.workers.utils.padding import response_from_nested
+
+from .config import TokenSelectionLossConfig
 from .step_metrics import entropy_quantile_metrics
 from .layout import to_padded
 from .token_selection import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD
@@ -25,10 +30,6 @@ from .token_selection import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD
 def needs_rollout_entropy(config) -> bool:
     """The driver's question to the policy-loss settings (it holds them as a DictConfig): does the
     actor need the rollout-time entropy in its batch? Only the recipe's token selection does."""
-    from verl.utils.config import omega_conf_to_dataclass
-
-    from .config import TokenSelectionLossConfig
-
     settings = omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)
     return isinstance(settings, TokenSelectionLossConfig) and settings.needs_rollout_entropy
 
@@ -74,10 +75,6 @@ def wrap_v1_old_log_prob(compute_old_log_prob):
     """``PPOTrainer._compute_old_log_prob`` adding the step's entropy quantiles to ``metrics`` and
     honouring ``actor.calculate_sum_pi_squared``: asks the worker for it and stores it per response
     token, as ``old_log_probs``. One read of the queue serves both."""
-    import transfer_queue as tq
-
-    from verl.workers.utils.padding import response_from_nested
-
     @functools.wraps(compute_old_log_prob)
     def wrapped(self, batch, metrics):
         wanted = self.config.actor_rollout_ref.actor.get("calculate_sum_pi_squared", False)

@@ -20,7 +20,7 @@ def has_value_head_model() -> bool:
             return True
     except ImportError:
         return False
-    import trl
+    import trl  # optional dependency (the trl extra); found above, imported only here
 
     return hasattr(trl, "AutoModelForCausalLMWithValueHead")
 

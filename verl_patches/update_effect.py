@@ -1,28 +1,15 @@
 """What each update does to the tokens S2T singles out: their log-probability just before and just
 after the mini-batch's update (``update_effect_responses > 0``).
 
-For every PPO mini-batch, with S2T's sets known before the update
-(:mod:`verl_patches.mini_batch_selection`: applied by STAPO, or monitored in any other run):
-
-1. :func:`choose_rows` picks up to ``update_effect_responses`` responses of this rank: those
-   holding a silenced (or would-be-silenced) token first, then those holding a candidate S2T keeps;
-   every rank then forwards the same number of responses (FSDP forwards are collective: a rank with
-   fewer repeats its first one and discards it);
-2. :func:`measure_before`: one no-grad forward of only those responses through verl's own inference
-   pass (``TrainingWorker.infer_batch``, its micro-batch and token-budget settings, the rollout
-   temperature), before verl's ``train_batch``;
-3. :func:`measure_after`: the same forward of the same sub-batch after the update, so the
-   difference ``dlogp = log pi_after(y_t) - log pi_before(y_t)`` of every response token is the
-   update's effect alone (same weights but one optimizer step, same code path, same batch);
-4. the sums are pooled over the step's mini-batches and, on the step's last one, over the
-   data-parallel group (:func:`step_metrics`).
-
-Metrics, once per step (after verl adds ``actor/``): ``s2t/dlogp_silenced`` (mean over the tokens
-S2T silenced, or would silence), ``s2t/dlogp_kept_candidates`` (the candidates it keeps),
-``s2t/dlogp_all`` (every response token of the measured responses: positive-advantage responses
-holding a candidate), each with its token count ``s2t/dlogp_<set>_tokens`` (a mean over no token is
-omitted); ``s2t/dlogp_responses`` (responses measured, all ranks) and ``s2t/dlogp_seconds`` (this
-step's wall time of the measurement per rank, mean over ranks).
+For every PPO mini-batch with S2T's sets known before the update (applied by STAPO, or monitored
+in any other run), up to ``update_effect_responses`` responses of each rank (:func:`choose_rows`)
+get one no-grad forward through verl's own inference pass (``TrainingWorker.infer_batch``, the
+rollout temperature) before verl's ``train_batch`` and the same forward after it, so
+``dlogp = log pi_after(y_t) - log pi_before(y_t)`` is the update's effect alone (same code path,
+same batch, one optimizer step apart). Every rank forwards the same number of responses (FSDP
+forwards are collective: a rank with fewer repeats its first one and discards it). The sums are
+pooled over the step's mini-batches and the data-parallel group into the step's
+``s2t/dlogp_{silenced,kept_candidates,all}`` means (docs/metrics.md).
 
 Cost: two forwards of at most ``update_effect_responses`` responses per rank and mini-batch and
 nothing else: no gradient, no optimizer state, the peak memory of verl's inference pass on that
@@ -37,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+from verl.utils import tensordict_utils as tu
+from verl.workers.utils.padding import no_padding_2_padding
 
 from stapo_core.rules import S2T
 
@@ -63,10 +52,9 @@ def choose_rows(sets: S2TSets, limit: int) -> list[int]:
 class Measurement:
     """One mini-batch's measurement between its two forwards.
 
-    rows: this rank's measured rows of the mini-batch (the sub-batch's first ``len(rows)`` rows;
-    the rest repeat one row so that every rank forwards the same count). sub: the sub-batch.
-    masks: set name -> bool ``(len(rows), width)`` on the host. before: ``(len(rows), width)``
-    float32 log-probs before the update. seconds: wall time so far.
+    rows: this rank's measured rows (the sub-batch's first ``len(rows)`` rows; the rest are
+    repeats). masks: set name -> bool ``(len(rows), width)`` on the host. before: float32
+    ``(len(rows), width)`` log-probs before the update.
     """
 
     rows: list
@@ -78,8 +66,7 @@ class Measurement:
 
 @dataclass
 class StepTotals:
-    """Running sums of one worker's current step: per set, the sum of dlogp (float64) and the token
-    count; the responses measured and the seconds spent."""
+    """Running sums of one worker's current step (dlogp sums in float64)."""
 
     sums: dict = field(default_factory=lambda: {name: 0.0 for name in SETS})
     counts: dict = field(default_factory=lambda: {name: 0 for name in SETS})
@@ -116,9 +103,6 @@ def response_log_probs(worker, sub) -> torch.Tensor:
     under the worker's current policy: one no-grad pass through verl's inference path
     (``TrainingWorker.infer_batch``, no entropy, no loss), on a shallow copy so that nothing verl
     adds to the batch leaks between the two forwards."""
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import no_padding_2_padding
-
     view = sub.copy()
     engine_config = worker.engine_config
     micro = engine_config.infer_micro_batch_size_per_gpu or len(view)
@@ -132,10 +116,8 @@ def response_log_probs(worker, sub) -> torch.Tensor:
 
 
 def _sub_batch(data, rows: list):
-    """The rows ``rows`` of ``data`` as a TensorDict of their own (verl's row selection, which keeps
-    jagged tensors jagged), with verl's per-sequence token counts for its throughput estimate."""
-    from verl.utils import tensordict_utils as tu
-
+    """``rows`` of ``data`` by verl's row selection (jagged tensors stay jagged), with the per-sequence
+    token counts verl's throughput estimate reads."""
     sub = tu.index_select_tensor_dict(data, rows)
     if "input_ids" in sub and sub["input_ids"].is_nested:
         tu.assign_non_tensor(sub, global_token_num=sub["input_ids"].offsets().diff().tolist())
@@ -164,7 +146,6 @@ def measure_before(worker, data, sets: S2TSets, limit: int, *, group=None, devic
 
 
 def measure_after(worker, measurement: Optional[Measurement]) -> None:
-    """Forward the measured sub-batch again after the update and add the changes to the step's sums."""
     if measurement is None:
         return
     start = time.perf_counter()

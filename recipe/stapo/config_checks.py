@@ -12,6 +12,7 @@ Importing this module imports no verl.
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import dataclass
@@ -184,8 +185,6 @@ def _check_logger(config: DictConfig, found: list) -> None:
         return
     unknown = [n for n in names if n not in supported and n != "tracking"]
     if unknown:
-        import difflib
-
         hints = [f"{n} -> {close[0]}" for n in unknown if (close := difflib.get_close_matches(n, supported, n=1))]
         found.append(("trainer.logger", f"{', '.join(map(repr, unknown))} is not one of verl's loggers (verl "
                              "asserts it when the trainer starts, after Ray)",
@@ -197,6 +196,7 @@ def _check_metrics_writer(config: DictConfig, found: list) -> None:
     """The run's metrics file (``VERL_FILE_LOGGER_PATH`` the driver passes to the workers) has no
     writer now: another launch of the same run still training would lose records to this one (the
     logger itself refuses a second writer too, but only after Ray has started)."""
+    # importing verl_patches applies the patches, which imports verl: only after VERL_USE_EXTERNAL_MODULES is set
     from verl_patches.resume import MetricsFileBusy, claim_metrics_file, writer_lock_path
 
     path = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH", default=None)
@@ -215,7 +215,7 @@ def _check_metrics_writer(config: DictConfig, found: list) -> None:
 
 def supported_loggers() -> list[str]:
     """verl's tracking backends (``verl.utils.tracking.Tracking.supported_backend``)."""
-    from verl.utils.tracking import Tracking
+    from verl.utils.tracking import Tracking  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
 
     return list(Tracking.supported_backend)
 

@@ -21,15 +21,18 @@ Importing this module imports no verl (``VERL_USE_EXTERNAL_MODULES`` must be set
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import sys
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
+from recipe.stapo.config_checks import check_environment
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
-from recipe.stapo.preflight import PreflightError, summary
+from recipe.stapo.preflight import PreflightError, Problem, summary
 from recipe.stapo.preflight import check as preflight_check
 from recipe.stapo.methods import METHODS
 
@@ -101,6 +104,8 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     Raises ``ValueError`` naming the group for an unknown ``method=`` or ``model=``, and with
     Hydra's message for an override it refuses (a key that does not exist, bad syntax).
     """
+    # hydra (a second to import) loads only when a config is composed: jobs and the quickstart import this
+    # module for helpers that need none
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import MissingConfigException
@@ -109,7 +114,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         for group, valid in (("method", METHODS), ("model", MODELS)):
             if override.startswith(group + "=") and override.split("=", 1)[1] not in valid:
                 raise ValueError(f"unknown {group} {override.split('=', 1)[1]!r}: expected one of {list(valid)}")
-    from hydra.errors import ConfigCompositionException, OverrideParseException
+    from hydra.errors import ConfigCompositionException, OverrideParseException  # as above: hydra only here
 
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
@@ -124,8 +129,9 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
 def validate(config: DictConfig) -> None:
     """verl's own validation (as in ``verl.trainer.main_ppo.main``): instantiates the actor config
     dataclass, so S2T settings are checked here, in the driver, before any worker starts."""
-    from hydra.errors import InstantiationException
+    from hydra.errors import InstantiationException  # hydra only here: as in compose
 
+    # verl loads only after ensure_patch_module_env set VERL_USE_EXTERNAL_MODULES
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import validate_config
 
@@ -311,9 +317,6 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     naming the key or path and the fix), before Ray starts. ``environ`` (default ``os.environ``) tells
     the preflight whether it runs for ``LAUNCH=submit``.
     """
-    from recipe.stapo.config_checks import check_environment
-    from recipe.stapo.preflight import Problem
-
     bad_environment = check_environment()  # the variables the YAML interpolates, before resolving them
     if bad_environment:
         raise PreflightError([Problem(*finding) for finding in bad_environment])
@@ -369,9 +372,6 @@ def job_runtime_env(environ: Mapping[str, str]) -> dict:
 def _main(argv: Sequence[str]) -> int:
     """``python -m recipe.stapo.config_utils runtime-env``: print :func:`job_runtime_env` as JSON, and on
     stderr a warning naming the secrets it carries in plain text."""
-    import json
-    import sys
-
     if list(argv) != ["runtime-env"]:
         print("usage: python -m recipe.stapo.config_utils runtime-env", file=sys.stderr)
         return 2
@@ -386,6 +386,4 @@ def _main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     raise SystemExit(_main(sys.argv[1:]))

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from recipe.stapo.plots import check_out_dir
 from stapo_core.fileio import atomic_write_text
 from stapo_core.token_records import QUADRANTS, read_dump
 
@@ -388,8 +389,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.top < 1:
         parser.error(f"--top must be a positive integer, got {args.top}")
     try:
-        from recipe.stapo.plots import check_out_dir
-
         check_out_dir(args.out if args.out is not None else args.run_dir / "inspect")  # before any reading
         paths = write_report(args.run_dir, args.out, top=args.top, seed=args.seed)
     except NoRecordsError as exc:

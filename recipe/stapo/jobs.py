@@ -69,7 +69,7 @@ def next_submission_id(jobs: Iterable[tuple[str, str]], base: str) -> str:
 
 def cluster_jobs(address: str) -> list[tuple[str, str]]:
     """``(submission_id, status)`` of every job the cluster at ``address`` (its dashboard) knows."""
-    from ray.job_submission import JobSubmissionClient
+    from ray.job_submission import JobSubmissionClient  # ray loads only when a cluster is asked, not for --help
 
     client = JobSubmissionClient(address)
     return [(job.submission_id, str(job.status)) for job in client.list_jobs() if job.submission_id]

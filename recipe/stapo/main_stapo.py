@@ -28,10 +28,11 @@ CHECK_FLAG = "--check"
 
 def run(config, check: bool = False) -> None:
     """Prepare ``config`` in the driver, then train with verl's trainer (``check``: stop before Ray)."""
+    # verl (seconds to import) loads only when a run starts, not for --help
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.utils.device import auto_set_device
 
-    from verl_patches.cpu.vllm_cpu import run_scratch
+    from verl_patches.cpu.vllm_cpu import run_scratch  # importing verl_patches applies the patches: after the env is set
 
     auto_set_device(config)
     prepare(config)
@@ -43,7 +44,7 @@ def run(config, check: bool = False) -> None:
         if config.trainer.use_v1:
             run_ppo(config, task_runner_class=TaskRunnerV1)
         else:
-            from verl.trainer.main_ppo_v0 import TaskRunner
+            from verl.trainer.main_ppo_v0 import TaskRunner  # only the legacy trainer needs it
 
             run_ppo(config, task_runner_class=TaskRunner)
 

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Mapping, Optional
 
+from omegaconf import OmegaConf
+
 from recipe.stapo.policy_loss import settings_of
 
 GIB = 1024**3
@@ -458,8 +460,6 @@ _KL_KEYS = ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward")
 def settings_from_config(config) -> Settings:
     """:class:`Settings` of a composed recipe config (an OmegaConf config whose numbers the preflight
     has checked); the token selection's decisions come from its policy-loss dataclass."""
-    from omegaconf import OmegaConf
-
     pick = lambda key, default=None: OmegaConf.select(config, key, default=default)  # noqa: E731
     world = int(pick("trainer.nnodes")) * int(pick("trainer.n_gpus_per_node"))
     longest = int(pick("data.max_prompt_length")) + int(pick("data.max_response_length"))

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
+from tqdm import tqdm
+
 from stapo_core.fileio import atomic_write, check_output_folder
 
 from .methods import methods
@@ -270,10 +272,10 @@ def draw_panel(ax, panel: Panel, lines: Mapping[str, Series], marks: Optional[Ma
 
 def _pyplot():
     """``matplotlib.pyplot`` on the non-interactive Agg backend (no display needed)."""
-    import matplotlib
+    import matplotlib  # matplotlib (seconds to import) loads only when a figure is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     return plt
 
@@ -542,7 +544,7 @@ def update_effect_figure(effects: Mapping[str, Sequence[Mapping[str, Effect]]]):
     seeds = sorted({len(runs) for runs in effects.values()})
     ax.set_title("What each update does to the tokens S2T singles out\n(markers: mean over "
                  f"{'/'.join(map(str, seeds))} seed(s), whiskers: min..max, dots: seeds)", fontsize=9)
-    from matplotlib.lines import Line2D
+    from matplotlib.lines import Line2D  # matplotlib only when a figure is drawn (see _pyplot)
 
     shapes = [Line2D([], [], linestyle="none", marker=markers[name], color="black",
                      markerfacecolor="white" if name == "all" else "black", label=label)
@@ -593,8 +595,6 @@ def _labelled(run_dirs: Mapping[str, Path] | Sequence[Path]) -> dict[str, Path]:
 
 def load_runs(run_dirs: Mapping[str, Path] | Sequence[Path], progress: bool = True) -> dict[str, dict[str, Series]]:
     """``{label: metrics}``: labels from a mapping, else each run folder's name (file stem for a file)."""
-    from tqdm import tqdm
-
     labelled = _labelled(run_dirs)
     if not labelled:
         raise ValueError("no runs to plot")

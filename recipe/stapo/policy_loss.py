@@ -29,6 +29,7 @@ def settings_of(config: DictConfig):
 @functools.lru_cache(maxsize=16)
 def _build(block: str):
     """One dataclass per distinct block (its resolved YAML): built once however often it is asked."""
+    # importing this module imports no verl: config_utils imports it before VERL_USE_EXTERNAL_MODULES is set
     from verl.utils.config import omega_conf_to_dataclass
 
     try:

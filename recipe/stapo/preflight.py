@@ -39,6 +39,7 @@ from typing import Callable, Mapping, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from recipe.stapo import memory_model
+from recipe.stapo.config_checks import check_values
 from recipe.stapo.methods import methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
 from stapo_core.rules import NO_SELECTION, RULES
@@ -273,6 +274,7 @@ def token_selection(config: DictConfig) -> str:
 
 def check_names(config: DictConfig, found: list[Problem]) -> None:
     """Policy loss, token-selection settings, advantage estimator, reward function."""
+    # verl loads only after VERL_USE_EXTERNAL_MODULES is set (importing this module imports no verl)
     import verl_patches  # noqa: F401  (the patches every worker runs with)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
@@ -284,7 +286,7 @@ def check_names(config: DictConfig, found: list[Problem]) -> None:
         settings_of(config)
     except ValueError as e:
         found.append(Problem(POLICY_LOSS, str(e), "use the values docs/method.md lists for these keys"))
-    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator  # verl: as above
 
     estimator = str(_pick(config, "algorithm.adv_estimator", "grpo"))
     known = sorted(set(ADV_ESTIMATOR_REGISTRY) | {e.value for e in AdvantageEstimator})
@@ -333,7 +335,7 @@ def check_reward_function(config: DictConfig, found: list[Problem]) -> None:
     if not path:
         return
     key = "reward.custom_reward_function"
-    from verl.utils.import_utils import load_module
+    from verl.utils.import_utils import load_module  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
 
     try:
         module = load_module(str(path))
@@ -435,7 +437,7 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
     if not p.is_file():
         found.append(Problem(key, f"{path} is not a file", "point it to a parquet file"))
         return
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # pyarrow (half a second to import) only when a data file is checked
 
     try:
         meta = pq.read_metadata(p)
@@ -450,7 +452,7 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
     source_key = str(_pick(config, "data.reward_fn_key", "data_source"))
     missing = [c for c in (prompt_key, source_key, REWARD_MODEL_COLUMN) if c not in schema.names]
     if not missing:
-        import pyarrow as pa
+        import pyarrow as pa  # as pyarrow.parquet above
 
         reward = schema.field(REWARD_MODEL_COLUMN).type
         if not pa.types.is_struct(reward) or reward.get_field_index(GROUND_TRUTH_FIELD) < 0:
@@ -530,6 +532,7 @@ def check_token_dump(config: DictConfig, found: list[Problem]) -> None:
     """The token dump's settings, read as every actor will read them (only when the dump is on)."""
     env_vars = _pick(config, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
     env = {str(k): "" if v is None else str(v) for k, v in dict(env_vars).items()}
+    # importing verl_patches applies the patches, which imports verl: only after VERL_USE_EXTERNAL_MODULES is set
     from verl_patches.token_dump import settings as dump
 
     if not env.get(dump.DIR_ENV):
@@ -622,8 +625,6 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
         report.notes.append("LAUNCH=submit: paths this machine cannot see are left to the job's driver, which runs "
                             "the same checks on the head node before Ray starts")
     numbers_ok = check_numbers(config, found)
-    from recipe.stapo.config_checks import check_values
-
     found += [Problem(*finding) for finding in check_values(config)]  # types and ranges verl checks after Ray
     check_names(config, found)
     check_identity(config, found)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import resource
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -204,7 +205,7 @@ class QuickstartOptions:
 def validation_samples(assets: Path, settings: dict) -> int:
     """Samples per validation of the STAPO run's composed ``settings``: the held-out problems of
     ``assets`` times the samples per problem (``val_kwargs.n``)."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # pyarrow (half a second to import) only when the file is read, not for --help
 
     return pq.read_metadata(asset_paths(assets).val).num_rows * int(settings[VAL_N])
 
@@ -273,8 +274,6 @@ def _finished(run_dir: Path, settings: dict) -> Optional[dict]:
 def _children_cpu_seconds() -> float:
     """User + system CPU seconds of this process's finished descendants (the trainer's driver and,
     reaped through it, Ray and its workers): a run's cost independent of the machine's load."""
-    import resource
-
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 

@@ -8,9 +8,11 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
+from recipe.stapo.inspect import QUADRANT_LABELS, quadrant_table, write_report
 from recipe.stapo.methods import methods
 from recipe.stapo.plots import DLOGP_SETS, update_effect_of_run
 from stapo_core.rules import S2T
+from stapo_core.token_records import read_dump
 
 REWARD = "critic/score/mean"
 ENTROPY = "actor/entropy"
@@ -218,9 +220,6 @@ def quadrant_markdown(stapo_dirs: list[Path]) -> str:
     """The inspector's four-quadrant table (:func:`recipe.stapo.inspect.quadrant_table`) over the
     token dumps of all ``stapo_dirs`` together (every step of every seed); also writes each run's
     ``inspect/report.md``."""
-    from recipe.stapo.inspect import QUADRANT_LABELS, quadrant_table, write_report
-    from stapo_core.token_records import read_dump
-
     responses, tokens = [], []
     for run_dir in stapo_dirs:
         dump = read_dump(run_dir, progress=False)

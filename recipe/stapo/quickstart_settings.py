@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
+from recipe.stapo.config_utils import compose
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
 ACTOR = "actor_rollout_ref.actor"
@@ -46,8 +49,6 @@ SCALE_KEYS = {
 
 
 def config_value(config, key: str):
-    from omegaconf import OmegaConf
-
     value = OmegaConf.select(config, key, default=None)
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
@@ -55,8 +56,6 @@ def config_value(config, key: str):
 def paper_settings() -> dict:
     """The paper's value of every checked key: :data:`PAPER_S2T` and the reward function of the
     recipe's paper-scale config (``method=stapo`` with no other override)."""
-    from recipe.stapo.config_utils import compose
-
     paper = compose(["method=stapo"])
     return {**PAPER_S2T, **{key: config_value(paper, key) for key in REWARD_KEYS}}
 
@@ -64,8 +63,6 @@ def paper_settings() -> dict:
 def run_settings(method: str, overrides: list[str]) -> dict:
     """The checked and the scale settings of the config ``main_stapo method=<method> <overrides>``
     runs with (composed by Hydra exactly as the trainer composes it)."""
-    from recipe.stapo.config_utils import compose
-
     config = compose([f"method={method}", *overrides])
     return {key: config_value(config, key) for key in [*PAPER_S2T, *REWARD_KEYS, *SCALE_KEYS]}
 
@@ -79,8 +76,6 @@ def s2t_differences(settings: dict, paper: dict) -> list[str]:
 def settings_markdown(settings: dict) -> str:
     """The summary's settings section: the checked S2T settings (all the paper's) and the scale
     settings next to the recipe's paper-scale values."""
-    from recipe.stapo.config_utils import compose
-
     paper = compose(["method=stapo"])
     lines = ["## STAPO settings (checked: equal to the paper's)\n", "| setting | value |", "|---|---|"]
     lines += [f"| `{key}` | {settings[key]} |" for key in [*PAPER_S2T, *REWARD_KEYS]]

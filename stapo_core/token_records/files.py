@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from tqdm import tqdm
+
 from ..fileio import atomic_write_text, iter_jsonl
 from .schema import Record, RecordError, validate_record
 
@@ -28,7 +30,6 @@ _ENABLE_HINT = "run training with the token dump on: the override recipe.token_d
 
 
 def step_file(run_dir: str | os.PathLike, step: int) -> Path:
-    """``RUN_DIR/s2t_tokens/step_{step:06d}.jsonl``."""
     return Path(run_dir) / TOKEN_DUMP_DIR / STEP_FILE_PATTERN.format(step=step)
 
 
@@ -45,11 +46,8 @@ def _encode(path: Path, records: Iterable[Record]) -> str:
 
 
 def write_step(run_dir: str | os.PathLike, step: int, records: Iterable[Record]) -> Path:
-    """Write ``records`` as the step's file (:func:`step_file`), replacing it atomically.
-
-    The records are validated first; a bad record raises ValueError and leaves any existing step
-    file as it was (a resumed run rewrites the steps it trains again).
-    """
+    """Write ``records`` as the step's file, replacing it atomically (a resumed run rewrites the
+    steps it trains again); a bad record raises ValueError and leaves the file as it was."""
     path = step_file(run_dir, step)
     return atomic_write_text(path, _encode(path, records))
 
@@ -90,8 +88,6 @@ def read_dump(run_dir: str | os.PathLike, progress: bool = True) -> Dump:
         FileNotFoundError: no dump. ValueError: an unreadable line or a bad record (names the file
             and line).
     """
-    from tqdm import tqdm
-
     tokens: list = []
     responses: list = []
     skipped: list = []

@@ -3,8 +3,7 @@
 A token is *low probability* when ``prob < tau_p`` and *low entropy* when ``entropy < split``, with
 ``split`` = :func:`entropy_split` (S2T's ``tau_h``, or the response's median entropy when there is
 none). Each quadrant counts its tokens and sums their closed-form logit-gradient norms per unit
-weight and, when measured, the changes of their log-probabilities across the update that followed;
-:func:`response_record` stores them in a response's dump record.
+weight and, when measured, the changes of their log-probabilities across the update that followed.
 """
 
 from __future__ import annotations
@@ -36,8 +35,6 @@ def entropy_split(entropy, mask, tau_h: Optional[float]) -> Optional[float]:
 
 def quadrant_counts(prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optional[float], dlogp=None) -> dict:
     """Token counts and gradient-norm sums of the four probability x entropy quadrants.
-
-    Low probability: ``prob < tau_p``; low entropy: ``entropy < entropy_split(entropy, mask, tau_h)``.
 
     Args:
         prob, entropy, grad_norm: same-shape float arrays (numpy or torch, any shape, e.g. ``(T,)``
@@ -81,12 +78,8 @@ def quadrant_counts(prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optiona
 def response_record(*, step: int, method: str, uid: str, response_index: int, advantage: float,
                     prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optional[float],
                     dlogp=None) -> ResponseRecord:
-    """The ``kind = "response"`` record of one response from its per-token ``(T,)`` arrays.
-
-    ``n_tokens`` = number of mask tokens; quadrants over all of them (:func:`quadrant_counts`);
-    a non-finite ``tau_h`` (e.g. S2T's NaN without candidates) is stored as null; ``dlogp`` (the
-    tokens' log-probability changes across the update, optional) gives each quadrant's ``dlogp_sum``.
-    """
+    """The ``kind = "response"`` record of one response from its per-token ``(T,)`` arrays; a
+    non-finite ``tau_h`` (S2T's NaN without candidates) is stored as null."""
     tau_h = float(tau_h) if tau_h is not None and math.isfinite(tau_h) else None
     rec = {
         "kind": "response", "step": int(step), "method": method, "uid": str(uid),

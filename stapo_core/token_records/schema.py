@@ -179,7 +179,7 @@ _TOKEN_FIELDS = {
 
 #: fields of a response record besides the common ones. tau_p / tau_h are the thresholds of its
 #: step (tau_h null when S2T had none); quadrants maps each of QUADRANTS to
-#: ``{"count", "grad_norm_sum"}`` over the response's tokens; entropy_split is the entropy threshold
+#: ``{"count", "grad_norm_sum", "dlogp_sum"}`` over the response's tokens; entropy_split is the entropy threshold
 #: the quadrants used (tau_h, else the response's median entropy; null when neither exists, and
 #: null when absent on read)
 _RESPONSE_FIELDS = {
@@ -228,7 +228,6 @@ def validate_response_record(rec: Mapping) -> ResponseRecord:
 
 
 def validate_record(rec: Any) -> dict:
-    """Dispatch on ``rec["kind"]`` ("token" or "response"); RecordError otherwise."""
     if not isinstance(rec, Mapping):
         raise RecordError(f"a record must be a JSON object, got {type(rec).__name__}")
     kind = rec.get("kind")

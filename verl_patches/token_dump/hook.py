@@ -1,26 +1,10 @@
 """The actor-side hook of the token dump: the candidate tokens of a few sampled responses per step.
 
-Off by default; switched on and configured by :mod:`verl_patches.token_dump.settings`
-(``recipe.token_dump.dir=<run folder>``), for any method (baselines too, so their spurious tokens
-can be inspected).
-
-What is written, once per training step, to ``<dir>/s2t_tokens/step_XXXXXX.jsonl``
-(:func:`stapo_core.token_records.step_file`, records of :mod:`stapo_core.token_records`; data-parallel
-rank 0 writes the records of every rank, so the folder only needs to exist on its node; a step
-file is replaced atomically, so a resumed run rewrites the steps it trains again):
-
-* one ``response`` record per sampled response: advantage, token count, ``tau_p`` / ``tau_h`` and
-  the four probability x entropy quadrants over its response tokens
-  (:func:`stapo_core.token_records.response_record`, so the numbers come from one place);
-* one ``token`` record per *candidate* token (inside the response mask, advantage > 0,
-  ``p < tau_p``): token text, position in the response, ``context`` tokens of context each side
-  (decoded with the model's tokenizer), p, entropy, advantage, the closed-form logit-gradient norm
-  ``sqrt(1 - 2 p + sum p^2)`` (:func:`stapo_core.logit_grad_norm`), the policy's top-5 alternatives
-  with probabilities and ``silenced`` (carried no gradient in this update);
-* ``dlogp`` in every token record, and ``dlogp_sum`` in every quadrant of a response record: the
-  change of the token's log-probability across the update of the mini-batch it came from (the
-  same forward before and after verl's update of that mini-batch), so the inspector shows what the
-  update did to each quadrant.
+Off by default; switched on by :mod:`verl_patches.token_dump.settings`
+(``recipe.token_dump.dir=<run folder>``), for any method (baselines too). Once per training step,
+data-parallel rank 0 writes the records of every rank (:mod:`stapo_core.token_records`: one
+``response`` record per sampled response, one ``token`` record per candidate token; docs/inspect.md)
+to ``<dir>/s2t_tokens/step_XXXXXX.jsonl``, so the folder only needs to exist on its node.
 
 Where the numbers come from:
 
@@ -32,39 +16,32 @@ Where the numbers come from:
   between these p and ``exp(old_log_probs)`` is logged as ``token_dump/max_prob_diff``.
 * ``tau_p``: the policy loss's ``tau_p`` (S2T methods), else the paper's 0.002. ``q``: the loss's
   ``q``, else 0.75.
-* ``tau_h``: S2T's entropy threshold of the mini-batch: the one the mini-batch's S2T selection
-  (applied, or monitored) computed on the rollout statistics when it has the dump's strategy, else
-  computed with :func:`stapo_core.s2t_mask` on the same inputs (``old_log_probs``, the rollout
-  ``entropy`` field, ``advantages``, the original response mask, pooled over the data-parallel
-  group): the fold's ``s2t/tau_h`` of that mini-batch (the logged ``actor/s2t/tau_h`` is the mean over the step's
-  mini-batches). Strategy: the loss's own when it is ``low_entropy`` / ``high_entropy``, else
-  ``low_entropy`` (baselines, ``random``, ``full``: what STAPO would have used). When the
-  mini-batch holds no rollout ``entropy`` (legacy trainer, non-S2T methods), it is computed the
-  same way over the sampled responses of every rank with the dump's own p and H
-  (``tau_h_source = "sampled"`` in the response records, else ``"mini_batch"``).
+* ``tau_h``: S2T's entropy threshold of the mini-batch on the rollout statistics, pooled over the
+  data-parallel group (the fold's ``s2t/tau_h`` of that mini-batch; ``actor/s2t/tau_h`` is the mean
+  over the step's): the mini-batch selection's own when it used the dump's strategy, else
+  :func:`stapo_core.s2t_mask` on the same inputs. Strategy: the loss's own when it is
+  ``low_entropy`` / ``high_entropy``, else ``low_entropy`` (what STAPO would have used). Without a
+  rollout ``entropy`` (legacy trainer, non-S2T methods) it is computed over the sampled responses
+  of every rank with the dump's own p and H (``tau_h_source = "sampled"``, else ``"mini_batch"``).
 * ``silenced``: from the mask the update used (original response mask 1, folded mask 0: exact for
   STAPO and 20-Entropy with ``scope=mini_batch``; never for the baselines). With S2T inside the
   loss (``scope=micro_batch``) the mask is not visible here, so the ``s2t_mask`` recomputation
   over the mini-batch stands in for it (``silenced_from = "s2t_recomputed"``, approximate: the
   loss pools per micro-batch); otherwise ``silenced_from = "update_mask"``.
 
-Sampling (seeded by step and data-parallel rank, :func:`select_responses`): up to ``K`` responses
-per rank; a quarter of them (``K // 4``) from responses with advantage <= 0 when there are any
-(they have no candidates but fill the quadrant table), the rest from positive-advantage ones, each
-pool topped up from the other when short. Every rank runs the same number of forwards (FSDP
-forwards are collective): a rank with fewer responses repeats its first one and discards it.
+Sampling: :func:`select_responses`, seeded by step and rank; the responses with advantage <= 0 it
+mixes in have no candidates but fill the quadrant table. Every rank runs the same number of
+forwards (FSDP forwards are collective): a rank with fewer responses repeats its first one and
+discards it.
 
 Step number: the actor's lr-scheduler count + 1 (one scheduler step per training step, restored
-with checkpoints), else the worker's own step count. Which mini-batch is a step's first is decided
-once, where mini-batches enter the actor (:class:`verl_patches.mini_batch_position.MiniBatchPosition`).
+with checkpoints), else the worker's own step count.
 
 Two phases around verl's update of the step's first mini-batch: :func:`score_mini_batch` before it
 (the forward above, ``tau_h``, ``silenced``), :func:`finish_mini_batch` after it (the same forward
 again, for ``dlogp``; then the records are built and the step file written).
 
-Returned metrics (logged as ``actor/token_dump/...``): ``seconds`` (this rank's wall time of the
-dump, both phases), ``records`` (written for the step, all ranks), ``responses`` (sampled, all
-ranks), ``max_prob_diff``. Non-first mini-batches return nothing and cost nothing.
+Non-first mini-batches return no metric and cost nothing.
 """
 
 from __future__ import annotations
@@ -76,11 +53,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from verl.utils import tensordict_utils as tu
 
-from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
-
+from stapo_core import DEFAULT_Q, DEFAULT_TAU_P, s2t_mask
 from stapo_core.token_records import write_step
+
+from ..config import TokenSelectionLossConfig
+from ..layout import to_padded
 from ..mini_batch_position import MiniBatchPosition
+from ..token_selection import ROLLOUT_ENTROPY_FIELD
 from .scoring import SampledResponse, build_records, select_responses, target_log_probs, token_stats
 from .settings import settings_from_env
 
@@ -92,8 +73,6 @@ METRIC_PREFIX = "token_dump/"
 
 
 def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    from ..layout import to_padded
-
     return to_padded(t, width)[:, :width]
 
 
@@ -109,8 +88,6 @@ def _response_lengths(data, width: int) -> list[int]:
 
 
 def _scalar_setting(data, key: str, default):
-    from verl.utils import tensordict_utils as tu
-
     value = tu.get(data, key, default)
     if isinstance(value, torch.Tensor):
         if value.numel() == 0:
@@ -136,12 +113,9 @@ def _autocast(engine, device: torch.device):
 @torch.no_grad()
 def _response_logits(engine, input_ids: torch.Tensor, position_ids: torch.Tensor, n_resp: int,
                      device: torch.device) -> torch.Tensor:
-    """``(n_resp, V)`` logits predicting the last ``n_resp`` tokens of one unpadded sequence.
-
-    One forward of the engine's (FSDP) module with a batch of one and no padding
-    (``attention_mask=None``, as verl's remove-padding path), under the engine's autocast, keeping
-    only ``n_resp + 1`` positions of logits.
-    """
+    """``(n_resp, V)`` logits predicting the last ``n_resp`` tokens of one unpadded sequence: a batch
+    of one without padding (``attention_mask=None``, as verl's remove-padding path), under the
+    engine's autocast."""
     ids = input_ids.to(device).reshape(1, -1)
     pos = position_ids.to(device)
     pos = pos.reshape(1, -1) if pos.dim() == 1 else pos.unsqueeze(1)  # (4, L) mrope -> (4, 1, L)
@@ -157,8 +131,6 @@ def _response_logits(engine, input_ids: torch.Tensor, position_ids: torch.Tensor
 
 def _loss_settings(cfg) -> tuple[float, float, str, bool]:
     """``(tau_p, q, strategy, s2t_in_loss)`` of the dump for the policy-loss config ``cfg``."""
-    from ..config import TokenSelectionLossConfig
-
     tau_p = float(getattr(cfg, "tau_p", DEFAULT_TAU_P))
     q = float(getattr(cfg, "q", DEFAULT_Q))
     is_s2t = isinstance(cfg, TokenSelectionLossConfig) and cfg.applies_s2t
@@ -169,8 +141,6 @@ def _loss_settings(cfg) -> tuple[float, float, str, bool]:
 def _uids_and_indices(data, batch: int, step: int, rank: int) -> tuple[list, list]:
     """Group uid per row (verl's ``uid`` field, else ``s<step>r<rank>i<row>``) and each row's ordinal
     among the rows of this rank with the same uid."""
-    from verl.utils import tensordict_utils as tu
-
     uids = tu.get(data, "uid", None)
     uids = [str(u) for u in uids] if uids is not None and len(uids) == batch else [
         f"s{step}r{rank}i{i}" for i in range(batch)]
@@ -228,8 +198,7 @@ class _Decoder:
 
 
 def _step_number(worker, position: MiniBatchPosition) -> int:
-    """1-based training step: the actor's lr-scheduler count + 1 (restored with checkpoints), else
-    the worker's own step count."""
+    """1-based (module docstring, "Step number")."""
     scheduler = getattr(getattr(worker, "engine", None), "lr_scheduler", None)
     last = getattr(scheduler, "last_epoch", None)
     return int(last) + 1 if isinstance(last, int) and last >= 0 else position.step
@@ -246,8 +215,7 @@ def _check_supported(worker) -> None:
 
 @dataclass
 class PendingDump:
-    """A step's dump between its two phases (:func:`score_mini_batch`, :func:`finish_mini_batch`):
-    the sampled responses scored before the update and everything their records need."""
+    """A step's dump between :func:`score_mini_batch` and :func:`finish_mini_batch`."""
 
     settings: object
     step: int
@@ -266,26 +234,14 @@ class PendingDump:
 
 def score_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg,
                      position: MiniBatchPosition, s2t=None) -> Optional[PendingDump]:
-    """Phase 1 of the dump (a step's first mini-batch only), before verl's update: sample a few
-    responses of this mini-batch and score them under the policy about to be updated.
+    """Phase 1 of the dump, before verl's update, on every data-parallel rank: sample a few responses
+    of the mini-batch and score them under the policy about to be updated. None (nothing to finish)
+    except on a step's first mini-batch of the actor.
 
-    Called by :mod:`verl_patches.mini_batch` before verl's ``TrainingWorker.train_batch`` on every
-    data-parallel rank, after the S2T / 20-Entropy mask was folded into ``data["response_mask"]``.
-
-    Args:
-        worker: verl's ``TrainingWorker`` (``engine.module``, ``engine.get_data_parallel_group()``,
-            ``model_config.tokenizer``).
-        data: the rank's mini-batch TensorDict (jagged or padded per-token fields).
-        response_mask: the response mask before the fold (None: ``data["response_mask"]``).
-        cfg: the policy-loss config (``tau_p`` / ``q`` / ``strategy`` when it has them).
-        position: the mini-batch's position in its step (:func:`verl_patches.mini_batch_position.position_of`).
-        s2t: S2T's sets of this mini-batch when the run applies or monitors S2T
-            (:class:`verl_patches.mini_batch_selection.S2TSets`): their ``tau_h`` is the dump's when
-            they were computed with the dump's strategy, so it is not computed again.
-
-    Returns:
-        What :func:`finish_mini_batch` needs after the update, or None (not a step's first
-        mini-batch, or a critic's worker): nothing to finish.
+    ``data``: the rank's mini-batch TensorDict, the selection already folded into its
+    ``response_mask``; ``response_mask``: the mask before the fold (None: the same). ``s2t``: S2T's
+    sets of the mini-batch when the run applies or monitors S2T; their ``tau_h`` is reused when
+    they were computed with the dump's strategy.
     """
     if getattr(getattr(worker, "config", None), "model_type", "language_model") != "language_model":
         return None  # a critic's TrainingWorker
@@ -327,13 +283,8 @@ def score_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg,
 
 def finish_mini_batch(worker, pending: PendingDump) -> dict:
     """Phase 2 of the dump, after verl's update of the same mini-batch: score the same responses
-    again (the change of each token's log-probability across the update, ``dlogp``), then build
-    the records and write the step file.
-
-    Returns:
-        ``{"token_dump/seconds", "token_dump/records", "token_dump/responses",
-        "token_dump/max_prob_diff"}`` (floats); seconds: both phases, this rank.
-    """
+    again (``dlogp``), then build the records and write the step file. Metrics: ``seconds`` (both
+    phases, this rank), ``records`` and ``responses`` (all ranks), ``max_prob_diff``."""
     start = time.perf_counter()
     group, fields = pending.group, pending.fields
     for j in range(pending.n_forward):
@@ -386,10 +337,6 @@ class MiniBatchFields:
 
 
 def _host_fields(data, response_mask: Optional[torch.Tensor]) -> MiniBatchFields:
-    """The :class:`MiniBatchFields` of ``data`` (``response_mask``: the mask before the fold)."""
-    from ..layout import to_padded
-    from ..token_selection import ROLLOUT_ENTROPY_FIELD
-
     current = data["response_mask"]
     original = current if response_mask is None else response_mask
     width = int(to_padded(original).shape[1])
@@ -410,7 +357,6 @@ def _host_fields(data, response_mask: Optional[torch.Tensor]) -> MiniBatchFields
 
 
 def _score_row(engine, device, fields: MiniBatchFields, row: int, temperature: float) -> SampledResponse:
-    """Forward one row and wrap its response positions' statistics."""
     n = int(fields.lengths[row])
     seq = fields.input_ids[row]
     if n < 1 or n >= seq.shape[-1]:
@@ -430,8 +376,7 @@ def _score_row(engine, device, fields: MiniBatchFields, row: int, temperature: f
 
 
 def _row_log_probs(engine, device, fields: MiniBatchFields, row: int, temperature: float) -> torch.Tensor:
-    """``(R,)`` float32 log-probs of one row's response tokens under the engine's current weights:
-    the forward of :func:`_score_row`, only the sampled tokens' log-probs kept."""
+    """``(R,)`` float32 log-probs of one row's response tokens under the engine's current weights."""
     n = int(fields.lengths[row])
     seq = fields.input_ids[row]
     logits = _response_logits(engine, seq, fields.position_ids[row], n, device)
@@ -442,8 +387,6 @@ def _entropy_threshold(fields: MiniBatchFields, sampled: list, picked: list, gro
                        strategy: str) -> tuple[Optional[float], str, Optional[torch.Tensor]]:
     """``(tau_h, source, keep)``: S2T's threshold (None when undefined) and keep mask ``(B, R)``
     (``mini_batch`` source) or ``(k, R)`` over the sampled rows (``sampled`` source)."""
-    from stapo_core import s2t_mask
-
     if fields.rollout_entropy is not None and fields.old_log_prob is not None:
         source = "mini_batch"
         log_prob, entropy, adv, mask = fields.old_log_prob, fields.rollout_entropy, fields.advantages, fields.mask
@@ -463,7 +406,7 @@ def _entropy_threshold(fields: MiniBatchFields, sampled: list, picked: list, gro
 
 
 def _stat(resp: SampledResponse, name: str) -> torch.Tensor:
-    """A per-position ``(R,)`` tensor of ``resp``: a :func:`token_stats` entry or a field."""
+    """``(R,)``: a :func:`token_stats` entry or a field of ``resp``."""
     return resp.stats[name] if name in resp.stats else getattr(resp, name)
 
 

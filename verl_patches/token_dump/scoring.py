@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 import torch
 
-from stapo_core import token_records as td
+from stapo_core import entropy_from_logits, logit_grad_norm, token_records as td
 
 TOP_K = 5
 #: response positions whose float32 softmax is materialised at once (151,936 x 1024 x 4 B = 0.6 GB)
@@ -57,8 +57,6 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float 
         ``log_prob``, ``prob``, ``entropy`` (nats), ``grad_norm`` (sqrt(1 - 2 p + sum p^2)): ``(T,)``
         float32; ``top_prob`` ``(T, k)`` float32 (descending) and ``top_ids`` ``(T, k)`` int64.
     """
-    from stapo_core import entropy_from_logits, logit_grad_norm
-
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
         raise ValueError(f"token_stats: logits (T, V) and targets (T,) expected, got {tuple(logits.shape)} "
                          f"and {tuple(targets.shape)}")

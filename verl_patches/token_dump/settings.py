@@ -37,7 +37,6 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("", "0", "false", "no", "off")
 
 
 def enabled() -> bool:
-    """True when ``STAPO_TOKEN_DUMP_DIR`` is set and non-empty."""
     return bool(os.environ.get(DIR_ENV, ""))
 
 
@@ -67,11 +66,7 @@ def _int_setting(env: Mapping[str, str], name: str, key: str, default: int, mini
 
 
 def settings_from_env(env: Optional[Mapping[str, str]] = None) -> DumpSettings:
-    """The dump's settings from the environment (default ``os.environ``).
-
-    Raises:
-        ValueError: the dump is off, or a malformed value (names the config key and the variable).
-    """
+    """ValueError when the dump is off, or for a malformed value (naming the config key and the variable)."""
     env = os.environ if env is None else env
     run_dir = env.get(DIR_ENV, "")
     if not run_dir:

@@ -38,6 +38,7 @@ Output schema (one row per problem; what verl's RLHFDataset reads)::
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import math
@@ -167,7 +168,7 @@ def iter_local_rows(path: Path) -> Iterator[tuple[int, Any]]:
         raise FileNotFoundError(f"source file not found: {path}")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
-        import pandas as pd
+        import pandas as pd  # pandas (a second to import) only for a file to read, not for --help
 
         try:
             frame = pd.read_parquet(path)
@@ -215,7 +216,7 @@ def iter_local_rows(path: Path) -> Iterator[tuple[int, Any]]:
 
 def iter_hf_rows(spec: SourceSpec, hf_id: str) -> Iterator[tuple[int, Any]]:
     """Yield ``(row_number_1_based, row)`` from a Hugging Face dataset (needs the hub)."""
-    import datasets
+    import datasets  # datasets (seconds to import) only for a Hugging Face source
 
     dataset = datasets.load_dataset(hf_id, name=spec.hf_config, split=spec.split)
     yield from enumerate(dataset, start=1)
@@ -447,7 +448,7 @@ def prepare_dataset(
             manifest, ``out_path`` inside a file.
         FileNotFoundError: a local source that does not exist.
     """
-    import pandas as pd
+    import pandas as pd  # pandas (a second to import) only when a dataset is written, not for --help
 
     check_out_dir(out_path.parent)
     if manifest_dir is not None:
@@ -512,8 +513,6 @@ LOCK_NAME = ".prepare.lock"
 @contextmanager
 def _folder_lock(out_dir: Path) -> Iterator[None]:
     """Hold the output folder's lock (:data:`LOCK_NAME`; waits for another preparation's write)."""
-    import fcntl
-
     with open(Path(out_dir) / LOCK_NAME, "a+b") as handle:
         fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
         try:
