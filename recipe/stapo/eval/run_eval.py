@@ -600,11 +600,16 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
         saved = saved_samples(_store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
                               block.bench, block.decoding, config.seed)
         records[block.decoding, block.bench] = collect_records(block.problems, block.n_samples, saved)
-    if verifier is None and plan.verifier_name == "compass":  # built only now: the policy's GPU memory is free
+    built = verifier is None and plan.verifier_name == "compass"
+    if built:  # built only now: the policy's GPU memory is free
         kwargs = {} if config.backend == "hf" else {"gpu_memory_utilization": config.gpu_memory_utilization}
         verifier = build_verifier("compass", config.verifier_model, plan.prompt, config.backend,
                                   get_protocol(config.grading_protocol), config.verifier_dtype, **kwargs)
-    summary = summarise(config, plan.blocks, records, verifier, out)
+    try:
+        summary = summarise(config, plan.blocks, records, verifier, out)
+    finally:
+        if built:  # its vLLM engine processes end here, not whenever the verifier is collected
+            verifier.close()
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "summary.md", summary_markdown(summary))
     return summary
