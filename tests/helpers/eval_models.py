@@ -1,9 +1,12 @@
 """Shared pieces of the evaluation tests: tiny local models (a random policy, judges that always answer
-one letter), benchmark folders built from the fixtures, and a scripted generation backend."""
+one letter; heads of 32, the smallest vLLM's CPU attention takes), benchmark folders built from the
+fixtures, a scripted generation backend, and what a vLLM engine leaves behind (its processes, its
+shared-memory segments)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -42,7 +45,7 @@ def _config(tokenizer, positions: int, tied: bool):
 
     return Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=positions,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=positions,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied,
     )
 
@@ -147,3 +150,42 @@ def scripted_config(bench_dir, out, **overrides):
     )
     values.update(overrides)
     return EvalConfig(**values)
+
+
+def engine_processes(pid: int) -> list:
+    """The live vLLM engine processes (``VLLM::EngineCore``, ``VLLM::Worker``...) among the descendants
+    of process ``pid``, as psutil processes."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and " ".join(child.cmdline()).startswith("VLLM::"):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def mapped_segments(pids) -> set[str]:
+    """Names of the ``/dev/shm`` segments the processes ``pids`` have mapped (vLLM's message queues)."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        names.update(line.split("/dev/shm/", 1)[1].split(" ")[0] for line in maps.splitlines() if "/dev/shm/" in line)
+    return names
+
+
+def leaked_segments(before: set[str]) -> list[str]:
+    """``/dev/shm`` entries made since ``before`` that no live process has mapped: what a run left
+    behind (segments of other programs running meanwhile are mapped by them)."""
+    new = set(os.listdir("/dev/shm")) - before
+    if not new:
+        return []
+    import psutil
+
+    mapped = mapped_segments(psutil.pids())
+    return sorted(n for n in new if n not in mapped and Path("/dev/shm", n).exists())
