@@ -1,6 +1,6 @@
 """Shared pieces of the evaluation tests: tiny local models (a random policy, judges that always answer
 one letter; heads of 32, the smallest vLLM's CPU attention takes), benchmark folders built from the
-fixtures, a scripted generation backend, and what a vLLM engine leaves behind (its processes, its
+fixtures, a scripted generation backend, and what a vLLM engine uses (its processes, its
 shared-memory segments)."""
 
 from __future__ import annotations
@@ -179,13 +179,38 @@ def mapped_segments(pids) -> set[str]:
     return names
 
 
-def leaked_segments(before: set[str]) -> list[str]:
-    """``/dev/shm`` entries made since ``before`` that no live process has mapped: what a run left
-    behind (segments of other programs running meanwhile are mapped by them)."""
-    new = set(os.listdir("/dev/shm")) - before
-    if not new:
-        return []
-    import psutil
+class SessionSegments:
+    """Collects the ``/dev/shm`` segments the processes of session ``sid`` map, sampled every
+    ``interval_s`` seconds in a thread from :meth:`start` to :meth:`stop` (what a run used, told
+    apart from the segments of other programs running meanwhile)."""
 
-    mapped = mapped_segments(psutil.pids())
-    return sorted(n for n in new if n not in mapped and Path("/dev/shm", n).exists())
+    def __init__(self, sid: int, interval_s: float = 0.5):
+        import threading
+
+        self.sid, self.interval_s, self.seen = sid, interval_s, set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _members(self) -> list[int]:
+        members = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    if os.getsid(int(name)) == self.sid:
+                        members.append(int(name))
+                except OSError:
+                    continue
+        return members
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.interval_s):
+            self.seen |= mapped_segments(self._members())
+
+    def start(self) -> "SessionSegments":
+        self._thread.start()
+        return self
+
+    def stop(self) -> set[str]:
+        self._done.set()
+        self._thread.join()
+        return self.seen

