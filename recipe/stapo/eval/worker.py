@@ -30,19 +30,23 @@ def run_plan(plan_path: str | Path) -> int:
     by_block: dict[tuple[str, str], list[tuple[str, int]]] = {}
     for decoding, bench, problem_id, sample in plan["items"]:
         by_block.setdefault((decoding, bench), []).append((problem_id, sample))
-    for (decoding, bench), wanted in by_block.items():
-        catalog = {p.problem_id: p for p in load_problems(Path(config.benchmarks_dir) / f"{bench}.parquet")}
-        missing = [pid for pid, _ in wanted if pid not in catalog]
-        if missing:
-            raise ValueError(f"{plan_path}: problem {missing[0]!r} of {bench} is not in {config.benchmarks_dir}")
-        temperature, top_p = DECODINGS[decoding]
-        if backend is None:
-            backend = factory()
-        made += len(generate_items(
-            backend, [(catalog[pid], s) for pid, s in wanted], SamplingConfig(temperature, top_p, config.max_new_tokens),
-            JsonlStore(folder / "generations" / f"{bench}__{decoding}.jsonl"), bench, decoding, config.seed,
-            config.batch_size,
-        ))
+    try:
+        for (decoding, bench), wanted in by_block.items():
+            catalog = {p.problem_id: p for p in load_problems(Path(config.benchmarks_dir) / f"{bench}.parquet")}
+            missing = [pid for pid, _ in wanted if pid not in catalog]
+            if missing:
+                raise ValueError(f"{plan_path}: problem {missing[0]!r} of {bench} is not in {config.benchmarks_dir}")
+            temperature, top_p = DECODINGS[decoding]
+            if backend is None:
+                backend = factory()
+            made += len(generate_items(
+                backend, [(catalog[pid], s) for pid, s in wanted], SamplingConfig(temperature, top_p, config.max_new_tokens),
+                JsonlStore(folder / "generations" / f"{bench}__{decoding}.jsonl"), bench, decoding, config.seed,
+                config.batch_size,
+            ))
+    finally:
+        if backend is not None:  # a vLLM engine's processes end with the worker's work
+            backend.close()
     return made
 
 

