@@ -112,12 +112,6 @@ def test_readme_layout_table_matches_the_tree():
     assert tracked <= {n.split("/")[0] for n in listed}, sorted(tracked - {n.split("/")[0] for n in listed})
 
 
-#: modules whose function-level imports do not all say why yet (each entry must still hold one such
-#: import: the list can only shrink)
-NOT_YET_ANNOTATED = ("verl_patches/cpu/", "verl_patches/install.py", "verl_patches/registry.py", "recipe/stapo/cpu/",
-                     "recipe/stapo/eval/", "recipe/stapo/reward/")
-
-
 def _comments(line: str) -> list[str]:
     """The comment of a source line (a trailing one too), ``noqa``/``type:`` markers left out."""
     code, sep, comment = line.partition("#")
@@ -152,8 +146,7 @@ def unexplained_local_imports(path: Path) -> list[int]:
 
 
 def _checked_sources() -> list[Path]:
-    return [p for layer in ("stapo_core", "stapo_trl", "verl_patches", "recipe") for p in sources(layer)
-            if not str(p.relative_to(REPO)).startswith(NOT_YET_ANNOTATED)]
+    return [p for layer in ("stapo_core", "stapo_trl", "verl_patches", "recipe") for p in sources(layer)]
 
 
 def test_every_function_level_import_says_why():
@@ -166,15 +159,10 @@ def test_every_function_level_import_says_why():
 
 def test_unexplained_imports_are_found(tmp_path):
     """The check above sees an unexplained import (a ``noqa`` is no reason), a trailing reason, and a
-    reason above a block of imports; every module it does not check yet still needs it."""
+    reason above a block of imports."""
     probe = tmp_path / "probe.py"
     probe.write_text("def f():\n    import json\n\n"
                      "def g():\n    import json  # why\n\n"
                      "def h():\n    # why, for both\n    import json\n    from os import path\n\n"
                      "def k():\n    import json  # noqa: F401\n")
     assert unexplained_local_imports(probe) == [2, 13]
-    def files(entry: str) -> list[Path]:
-        return list(REPO.glob(entry + "**/*.py" if entry.endswith("/") else entry))
-
-    not_yet = [entry for entry in NOT_YET_ANNOTATED if not any(unexplained_local_imports(p) for p in files(entry))]
-    assert not not_yet, f"now annotated, drop them from NOT_YET_ANNOTATED: {not_yet}"

@@ -11,6 +11,8 @@ wires it.
 
 from __future__ import annotations
 
+from .cpu.selection import cpu_selected
+from .env_file import load_secrets_file
 from .registry import Patch, apply, apply_on_import, check_verl_version
 
 _ENGINE_WORKERS = "verl.workers.engine_workers"
@@ -369,13 +371,11 @@ def install() -> list[str]:
     selects the CPU path (after fixing the thread count), then the recipe's. Returns the names of the
     patches this call applied."""
     check_verl_version()
-    from .cpu.selection import cpu_selected
-    from .env_file import load_secrets_file
-
     load_secrets_file()
 
     applied = []
     if cpu_selected():
+        # torch (platform.py) only on the CPU path, after the thread count is known
         from .cpu.platform import pin_threads
 
         pin_threads()

@@ -24,6 +24,7 @@ import importlib.abc
 import os
 import sys
 import warnings
+from importlib.metadata import PackageNotFoundError, version
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -209,8 +210,6 @@ def check_verl_version(installed: Optional[str] = None, environ: Optional[Mappin
     where every patch's ``relies_on`` must be checked.
     """
     if installed is None:
-        from importlib.metadata import PackageNotFoundError, version
-
         try:
             installed = version("verl")
         except PackageNotFoundError:

@@ -14,6 +14,8 @@ import functools
 import os
 from typing import Any, Callable
 
+import zmq
+
 #: environment variable: seconds the trainer waits for each answer of the rollout server's receiver
 TIMEOUT_ENV = "STAPO_WEIGHT_SYNC_TIMEOUT_S"
 #: default wait: far above one bucket's load time (seconds at 2 GB), far below a silent hang
@@ -44,8 +46,6 @@ def wrap_init_socket(original: Callable[[Any], None]) -> Callable[[Any], None]:
 
     @functools.wraps(original)
     def _init_socket(self) -> None:
-        import zmq
-
         original(self)
         ms = int(timeout_s() * 1000)
         self.socket.setsockopt(zmq.RCVTIMEO, ms)
@@ -61,8 +61,6 @@ def wrap_async_send_weights(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     async def async_send_weights(self, weights) -> None:
-        import zmq
-
         try:
             return await original(self, weights)
         except zmq.Again as exc:

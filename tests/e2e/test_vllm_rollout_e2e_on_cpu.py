@@ -6,12 +6,14 @@ step through shared memory, vLLM's sampler and log-probs; docs/cpu.md). Runs of 
 once, on one xdist worker):
 
 - STAPO, verl's TransferQueue trainer, 2 steps with a checkpoint at step 2, then resumed to step 3;
+- the same 2 steps again in another folder: same seed, same numbers (``cpu_rollout/vllm.yaml`` turns on
+  full determinism: a seed per sample and a fixed batch order);
 - GRPO and 20-Entropy on the TransferQueue trainer, JustRL on the legacy trainer, 2 steps each;
 - a run whose vLLM engine has one layer fewer than the trainer's model, so that the first weight sync
   fails on the vLLM side: the run must end with the weight sync's error within a bounded time.
 
 After every run nothing of vLLM's is left: no /dev/shm segment that no process maps, and the run's
-folder for vLLM's socket files is gone. Cost: ~6-8 minutes on 2 cores.
+folder for vLLM's socket files is gone. Cost: ~10 minutes on 2 cores (7 runs).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
+from recipe.stapo.cpu.reproducibility import seeded_metrics
 from tests.e2e.test_trainer_e2e_on_cpu import check_training_happened
 
 pytestmark = pytest.mark.slow
@@ -67,6 +70,7 @@ def runs(assets, tmp_path_factory):
     base = tmp_path_factory.mktemp("vllm_runs")
     out = {"stapo": vllm_run(assets, base / "stapo", "stapo", steps=2, save_freq=2)}
     out["stapo"].steps = read_metrics(out["stapo"].metrics) if out["stapo"].ok else {}  # before the relaunch adds to it
+    out["stapo_again"] = vllm_run(assets, base / "stapo_again", "stapo", steps=2, save_freq=2)
     out["stapo_resumed"] = vllm_run(assets, base / "stapo", "stapo", steps=3, save_freq=2, resume=True)
     for method, use_v1 in METHODS:
         out[method] = vllm_run(assets, base / method, method, steps=2, use_v1=use_v1)
@@ -97,16 +101,17 @@ def test_every_method_trains_on_vllm_rollouts(runs, method):
 
 
 def test_stapo_silences_tokens_of_vllm_samples_and_resumes(runs):
-    """STAPO's S2T on the tokens vLLM sampled (step 1's rollout on the weights synced at start, step 2
+    """STAPO's S2T on the tokens vLLM sampled (step 1's rollout on the weights synced at start, steps 2
     and 3 after updates); the relaunch continues from the step-2 checkpoint."""
     assert runs["stapo"].ok, runs["stapo"].tail()
     first = runs["stapo"].steps
     check_training_happened(first, {1, 2})
     steps = _metrics(runs["stapo_resumed"])
-    # one record per step, steps 1-2 the first launch's (vLLM's sampling is not seeded per request:
-    # a relaunch that trained them again would have logged other numbers)
+    # one record per step, steps 1-2 the first launch's; the relaunch trained step 3 only
     assert set(steps) == {1, 2, 3} and all(steps[s] == first[s] for s in (1, 2))
-    assert "global_step_2" in runs["stapo_resumed"].log.read_text(errors="replace")  # verl's resume message
+    relaunch_log = runs["stapo_resumed"].log.read_text(errors="replace")
+    assert "global_step_2" in relaunch_log  # verl's resume message names the checkpoint
+    assert set(re.findall(r"step:(\d+) - ", relaunch_log)) == {"3"}
     gaps = {s: d["training/rollout_probs_diff_max"] for s, d in steps.items()}
     assert max(gaps.values()) < MAX_PROB_DIFF, gaps
     # the update moved the policy (ppo_kl > 0 at a later mini-batch) and the next rollout still matches
@@ -119,6 +124,16 @@ def test_stapo_silences_tokens_of_vllm_samples_and_resumes(runs):
     assert max(d["actor/s2t/tokens"] for d in steps.values()) > 0
 
 
+def test_same_seed_same_numbers_with_vllm(runs):
+    """Two runs with the same seed log the same value for every metric but the wall-clock ones (vLLM's
+    CPU forward is batch-invariant and every sample has its own seed: docs/cpu.md)."""
+    assert runs["stapo"].ok and runs["stapo_again"].ok, runs["stapo_again"].tail()
+    first, again = seeded_metrics(runs["stapo"].steps), seeded_metrics(_metrics(runs["stapo_again"]))
+    assert len(first) > 100 and {step for step, _ in first} == {1, 2}
+    differ = {key: (first[key], again.get(key)) for key in first if again.get(key) != first[key]}
+    assert not differ, differ
+
+
 def test_a_failed_weight_sync_ends_the_run_with_its_reason(runs):
     run = runs["failed_sync"]
     log = run.log.read_text(errors="replace")
@@ -127,7 +142,7 @@ def test_a_failed_weight_sync_ends_the_run_with_its_reason(runs):
     assert run.wall_s < RUN_TIMEOUT_S
 
 
-@pytest.mark.parametrize("name", ["stapo", "stapo_resumed", *[m for m, _ in METHODS], "failed_sync"])
+@pytest.mark.parametrize("name", ["stapo", "stapo_resumed", "stapo_again", *[m for m, _ in METHODS], "failed_sync"])
 def test_nothing_of_vllm_is_left_behind(runs, name):
     run = runs[name]
     assert run.scratch, f"{run}: the driver did not name vLLM's socket folder"

@@ -86,8 +86,10 @@ class HFRolloutServer:
     """
 
     def __init__(self, config: Any, model_config: Any, replica_rank: int = 0, **_: Any) -> None:
+        # transformers and verl's config helpers load in the rollout server's process only
         from transformers import AutoModelForCausalLM, GenerationConfig
 
+        # verl's config helpers: in the rollout server's process only
         from verl.utils.config import omega_conf_to_dataclass
 
         self.config = omega_conf_to_dataclass(config)
@@ -180,6 +182,7 @@ class HFRolloutServer:
         ``self.deterministic``, one forward per request: a batched forward's float results (and so
         the log-probs and, rarely, a drawn token) can depend on the batch's size and padding,
         which depend on which requests happened to arrive within one collection window."""
+        # the sampler and verl's rollout types load in the rollout server's process only
         from verl_patches.cpu.sampling import sample_batch
         from verl.workers.rollout.replica import TokenOutput
 
@@ -266,12 +269,14 @@ class HFRolloutServer:
 
 
 def _replica_class() -> type:
+    # verl's rollout modules load when verl builds the replica, not inside `import verl` (patch registration)
     from verl.workers.rollout.replica import RolloutMode, RolloutReplica
 
     class HFReplica(RolloutReplica):
         """One HF rollout server per replica (hybrid mode: colocated with the trainer workers)."""
 
         async def launch_servers(self) -> None:
+            # ray: in the replica's process, when it launches its server
             import ray
 
             if self.rollout_mode != RolloutMode.HYBRID:
@@ -302,6 +307,7 @@ _REPLICA_CLASS: Optional[type] = None
 
 
 def _adapter_class() -> type:
+    # verl's rollout modules load when verl builds the adapter, not inside `import verl` (patch registration)
     from verl.workers.rollout.base import BaseRollout
 
     class HFServerAdapter(BaseRollout):
@@ -315,6 +321,7 @@ def _adapter_class() -> type:
             self.server_handle = None
 
         def _server(self):
+            # ray: in the adapter's process, when it looks up its server
             import ray
 
             if self.server_handle is None:
@@ -363,6 +370,7 @@ def __getattr__(name: str) -> Any:
 
 def register() -> None:
     """Register the HF rollout in verl's two rollout registries (idempotent)."""
+    # verl's rollout registries load when the patch is applied, not when the patch table is read
     from verl.workers.rollout.base import _ROLLOUT_REGISTRY
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 
@@ -372,6 +380,7 @@ def register() -> None:
 
 def is_registered() -> bool:
     """True when both of verl's rollout registries hold the HF rollout."""
+    # verl's rollout registries load when the patch is applied, not when the patch table is read
     from verl.workers.rollout.base import _ROLLOUT_REGISTRY
     from verl.workers.rollout.replica import RolloutReplicaRegistry
 

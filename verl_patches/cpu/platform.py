@@ -20,6 +20,7 @@ import types
 from contextlib import contextmanager
 from typing import Any, Optional
 
+import psutil
 import torch
 
 logger = logging.getLogger(__name__)
@@ -31,8 +32,6 @@ THREADS_ENV = "STAPO_CPU_THREADS"
 
 def _host_memory() -> tuple[int, int]:
     """(available, total) host memory in bytes (what ``mem_get_info`` reports on CPU)."""
-    import psutil
-
     mem = psutil.virtual_memory()
     return int(mem.available), int(mem.total)
 
@@ -98,6 +97,7 @@ def platform_class() -> type:
 
 @functools.lru_cache(maxsize=1)
 def _platform_class() -> type:
+    # verl's platform module loads when the patch is applied (inside `import verl`), not at this module's import
     from verl.plugin.platform import PlatformBase
 
     class PlatformCPU(PlatformBase):
@@ -181,6 +181,7 @@ def _platform_class() -> type:
 
 def register() -> None:
     """Register :class:`PlatformCPU` as ``cpu`` in verl's ``PlatformRegistry`` (idempotent)."""
+    # verl's platform module loads when the patch is applied (inside `import verl`), not at this module's import
     from verl.plugin.platform import PlatformRegistry
 
     if not is_registered():
@@ -189,6 +190,7 @@ def register() -> None:
 
 def is_registered() -> bool:
     """True when verl's ``PlatformRegistry`` holds :class:`PlatformCPU` as ``cpu``."""
+    # verl's platform module loads when the patch is applied (inside `import verl`), not at this module's import
     from verl.plugin.platform import PlatformRegistry
 
     return PlatformRegistry.get(PLATFORM_NAME) is platform_class()
@@ -231,6 +233,7 @@ def unpinned_offload_applies() -> bool:
     """The FSDP2 offload policy needs unpinning: no CUDA, and torch has the policy class."""
     if torch.cuda.is_available():
         return False
+    # verl's FSDP engine loads only where it is used (probing it pulls in the engine stack)
     from verl.workers.engine.fsdp import transformer_impl
 
     return transformer_impl.CPUOffloadPolicy is not None

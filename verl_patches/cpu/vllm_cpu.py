@@ -19,9 +19,11 @@ import os
 import shutil
 import tempfile
 import uuid
-from importlib.metadata import PackageNotFoundError
+from importlib.metadata import PackageNotFoundError, distribution  # not version(): a patch wraps it
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
+
+from omegaconf import open_dict
 
 from .ordering import request_seed
 from .selection import cpu_selected
@@ -34,8 +36,6 @@ VLLM_DISTRIBUTION = "vllm"
 
 def cpu_build_only() -> bool:
     """True where vLLM's CPU build is installed and no ``vllm`` distribution is."""
-    from importlib.metadata import distribution  # not version(): the patch wraps it
-
     def installed(name: str) -> bool:
         try:
             distribution(name)
@@ -206,8 +206,6 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
     if not cpu_selected() or rollout != "vllm":
         yield None
         return
-    from omegaconf import open_dict
-
     shm_before = set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
     folder = Path(tempfile.mkdtemp(prefix="stapo-vllm-"))
     print(f"[stapo] vLLM's socket files: {folder} (removed when the run ends)", flush=True)

@@ -58,6 +58,7 @@ from pathlib import Path
 
 from stapo_core.fileio import sha256_file
 
+from .isa import isa_env
 from .tiny_config import AssetConfig
 from .tiny_model import make_model, sample_stats, warm_up, warmup_pairs
 from .tiny_task import make_pairs, make_problem, write_parquet
@@ -137,6 +138,7 @@ def verify_assets(out_dir: str | os.PathLike, cfg: AssetConfig = AssetConfig()) 
 def _build_into(tmp: Path, cfg: AssetConfig) -> dict:
     """Build every asset into ``tmp`` (task split, tokenizer, warmed-up model, parquet files);
     returns the manifest."""
+    # torch (seconds) only when assets are built, not for --help or a check of the manifest
     import torch
 
     t0 = time.time()
@@ -225,8 +227,6 @@ def main(argv: list[str] | None = None, cfg: AssetConfig = AssetConfig()) -> int
 def _exec_pinned() -> None:
     """Restart this command with the math libraries held to AVX2 unless they already are (the
     settings are read when torch loads, so they cannot be changed in a running process)."""
-    from .isa import isa_env
-
     pin = isa_env()
     if any(os.environ.get(key) != value for key, value in pin.items()):
         os.execve(sys.executable, [sys.executable, "-m", "recipe.stapo.cpu.assets", *sys.argv[1:]],

@@ -19,6 +19,7 @@ from .tiny_tokenizer import SPECIAL_TOKENS, encode_chat
 
 def make_model(cfg: AssetConfig, tokenizer):
     """A random-init tiny ``Qwen3ForCausalLM`` (fixed seed, float32, eager attention)."""
+    # torch and transformers (seconds) only when the assets are built
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -69,10 +70,13 @@ def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg:
                  seed: int) -> SampleStats:
     """Sample one response per question (temperature 1.0, ``cfg.max_new_tokens``) and count
     successes and rare tokens (p < ``cfg.tau_p``)."""
+    # torch only when the assets are built; the sampler shared with the HF rollout
     import math
 
+    # torch only when the assets are built
     import torch
 
+    # imported where used: it loads torch
     from verl_patches.cpu.sampling import sample_batch
 
     was_training = model.training
@@ -119,6 +123,7 @@ def noisy_response(ids: list[int], noise_rate: float, vocab: int, n_special: int
 
 def _sft_batch(examples: list[tuple[list[int], list[int]]], pad_id: int):
     """Right-padded (input_ids, labels) with labels = -100 on prompt and padding. Shapes (B, L) int64."""
+    # torch only when the assets are built
     import torch
 
     width = max(len(p) + len(r) for p, r in examples)
@@ -135,6 +140,7 @@ def response_loss(model, ids, labels):
     """Next-token cross-entropy over the labelled (response) positions only; the same value as
     ``model(input_ids=ids, labels=labels).loss`` without computing the vocabulary softmax at prompt
     and padding positions. ids, labels: (B, L) int64, labels -100 where not trained."""
+    # torch only when the assets are built
     import torch.nn.functional as F
 
     hidden = model.model(input_ids=ids).last_hidden_state[:, :-1]
@@ -155,6 +161,7 @@ def warm_up(model, tokenizer, cfg: AssetConfig, sft_pairs, val_pairs) -> tuple[i
     Each step draws ``cfg.warmup_batch_size`` problems of ``sft_pairs`` with a fresh phrasing of
     their response (:func:`make_response`) and noise tokens (:func:`noisy_response`).
     Returns (steps done, final success rate, success rate after each chunk)."""
+    # torch only when the assets are built; tqdm for its progress bar
     import torch
     from tqdm import tqdm
 

@@ -113,6 +113,7 @@ def _rows(pairs: list[tuple[int, int]], split: str) -> list[dict]:
 
 def write_parquet(pairs: list[tuple[int, int]], split: str, path: Path) -> None:
     """Write one split in verl's RL parquet format."""
+    # pandas (a second) only when a split is written
     import pandas as pd
 
     pd.DataFrame(_rows(pairs, split)).to_parquet(path, index=False)
@@ -121,6 +122,7 @@ def write_parquet(pairs: list[tuple[int, int]], split: str, path: Path) -> None:
 def is_correct(text: str, truth: str) -> bool:
     """The training reward's verdict: verl's DAPO rule with ``strict_box_verify`` (the last
     ``\\boxed{}`` within the response's final 100 characters equals ``truth`` exactly)."""
+    # verl's scorer (seconds) only when a response is scored
     from verl.utils.reward_score.math_dapo import compute_score
 
     return compute_score(text, truth, strict_box_verify=True)["score"] > 0

@@ -57,6 +57,7 @@ def tokenizer_corpus(cfg: AssetConfig, pairs: list[tuple[int, int]]) -> list[str
 def train_tokenizer(cfg: AssetConfig, corpus: list[str]):
     """Byte-level BPE (digits split individually) trained on ``corpus``; returns a
     ``PreTrainedTokenizerFast`` with the chat template, eos and pad set."""
+    # tokenizers and transformers (seconds) only when the tokenizer is trained
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 

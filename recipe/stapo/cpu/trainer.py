@@ -12,7 +12,9 @@ The verl-side shims (platform, HF rollout) are :mod:`verl_patches.cpu`; docs/cpu
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -231,9 +233,6 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     paths); it never raises on a failed or timed-out run (return code -9), so callers can report
     the log.
     """
-    import subprocess
-    import time
-
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     log = Path(log_file) if log_file else run_dir / (Path(metrics_file).stem + ".log")

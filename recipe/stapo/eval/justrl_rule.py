@@ -32,6 +32,8 @@ import logging
 import re
 from typing import Any, Optional
 
+from recipe.stapo.reward.guard import get_runner
+
 logger = logging.getLogger(__name__)
 
 RULE = "justrl"
@@ -63,6 +65,7 @@ def boxed_answer(text: str) -> Optional[str]:
 
 def mathd_equal(pred: str, gold: str) -> bool:
     """Equal after the MATH (Hendrycks) answer normalisation."""
+    # verl (seconds) loads on the first answer graded, not when the rule module is imported
     from verl.utils.reward_score.prime_math.math_normalize import normalize_answer
 
     return normalize_answer(gold) == normalize_answer(pred)
@@ -73,6 +76,7 @@ def sympy_normalize(expr: str) -> str:
     ``\\text{}``, dollar and percent signs, words for 10^6/9/12, listed units and degree marks, one
     pair of enclosing braces, ``,\\!`` separators; integral floats become integers; LaTeX is turned
     into text; spaces and leftover braces are deleted; lower case; integers canonical."""
+    # verl (seconds) loads on the first answer graded, not when the rule module is imported
     from verl.utils.reward_score.prime_math import (
         _inject_implicit_mixed_number,
         _is_float,
@@ -111,6 +115,7 @@ def sympy_normalize(expr: str) -> str:
 
 def sympy_equal(pred: str, gold: str) -> bool:
     """The sympy stage (see the module docstring); runs in a guard helper process."""
+    # verl (seconds) loads on the first answer graded, not when the rule module is imported
     from verl.utils.reward_score.prime_math import _is_frac, _str_is_int, are_equal_under_sympy, split_tuple
 
     simplify_equal = getattr(are_equal_under_sympy, "__wrapped__", are_equal_under_sympy)  # the guard bounds the time
@@ -149,8 +154,6 @@ def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float) -> tu
     Raises only :class:`~recipe.stapo.reward.guard.RewardConfigError` (an invalid
     ``STAPO_REWARD_WORKERS``).
     """
-    from recipe.stapo.reward.guard import get_runner
-
     text = solution_str if isinstance(solution_str, str) else str(solution_str)
     gold = "" if ground_truth is None else str(ground_truth)
     if not gold:

@@ -22,6 +22,7 @@ them runs.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import shutil
@@ -53,8 +54,6 @@ class OutputLock:
 
     @staticmethod
     def _flock(fd: int) -> bool:
-        import fcntl
-
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True

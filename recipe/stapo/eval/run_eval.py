@@ -43,6 +43,7 @@ import importlib.util
 import json
 import re
 import sys
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -75,6 +76,7 @@ from recipe.stapo.eval.verifier import (
     build_verifier,
     load_verifier_prompt,
 )
+from recipe.stapo.reward.answers import ground_truth_text
 from stapo_core.fileio import atomic_write_json, atomic_write_text, check_output_folder, sha256_file
 
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_SPECS)
@@ -166,9 +168,7 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
         ValueError: a needed column or a row's field is missing, or two rows share a problem id
             (names file and rows).
     """
-    import pandas as pd
-
-    from recipe.stapo.reward.answers import ground_truth_text
+    import pandas as pd  # pandas (a second) only when a benchmark file is read
 
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; run `python -m recipe.stapo.data.prepare bench --out-dir {path.parent}`")
@@ -261,8 +261,6 @@ def model_folder_problem(path: Path) -> Optional[str]:
     header says (a copy or save cut off), a shard index naming a missing file, a ``*.bin`` file
     that is not a complete zip archive, or no tokenizer file (:data:`TOKENIZER_FILES`). Reads only
     the headers (milliseconds, whatever the model's size)."""
-    import zipfile
-
     try:
         config = json.loads((path / "config.json").read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -45,6 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from stapo_core.fileio import atomic_write_text
+
 COLUMNS = ("AIME24", "AIME25", "AMC23", "MATH500", "Minerva", "Olympiad")
 AVG = "Avg"
 BENCH_TO_COLUMN = {
@@ -718,8 +720,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         rows = load_inputs(args.inputs, args.allow_partial, args.allow_mixed_protocol, args.grading)
         text = report(rows, args.format, args.stapo_method)
         if args.out:
-            from stapo_core.fileio import atomic_write_text
-
             try:
                 atomic_write_text(args.out, text)
             except OSError as exc:

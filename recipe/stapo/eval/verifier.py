@@ -28,13 +28,15 @@ import argparse
 import ast
 import string
 import sys
+import urllib.request
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from recipe.stapo.eval.backends import GenerationBackend, render_chat
+from recipe.stapo.eval.backends import GenerationBackend, LazyBackend, build_backend, render_chat
 from recipe.stapo.eval.generate import text_sha256
+from stapo_core.fileio import atomic_write_text
 from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, GradingProtocol, compass_judgement
 
 DEFAULT_COMPASS_MODEL = "opencompass/CompassVerifier-3B"
@@ -314,8 +316,6 @@ def build_verifier(
     if name == "compass":
         if prompt is None:
             raise ValueError(f"--verifier compass needs a prompt: {FETCH_HINT}")
-        from recipe.stapo.eval.backends import LazyBackend, build_backend
-
         model = model or DEFAULT_COMPASS_MODEL
         load = lambda: build_backend(backend, model, dtype=dtype, **backend_kwargs)  # noqa: E731
         return CompassVerifier(LazyBackend(load), prompt, model, protocol=protocol, dtype=dtype)
@@ -331,11 +331,7 @@ def fetch_prompt(out: str | Path, source: Optional[str] = None) -> VerifierPromp
     Raises:
         ValueError: its ``CV_PROMPT`` is not the official text (nothing is written).
     """
-    from stapo_core.fileio import atomic_write_text
-
     if source is None:
-        import urllib.request
-
         with urllib.request.urlopen(OFFICIAL_URL, timeout=60) as response:  # noqa: S310 (fixed https URL)
             text = response.read().decode("utf-8")
     else:

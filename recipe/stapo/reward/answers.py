@@ -289,6 +289,7 @@ def normalize_answer(answer: str) -> str:
     Returns:
         The normalised string (may be empty).
     """
+    # verl (seconds) loads on the first answer normalized, not when the reward module is imported
     from verl.utils.reward_score.math_dapo import normalize_final_answer
 
     final = without_invisible(answer).replace(_SPACED_COMMA, "").replace(_BARE_COMMA, "")
@@ -341,6 +342,7 @@ def symbolic_equal(pred: str, gold: str, norm_pred: str, norm_gold: str, inner_t
     ``inner_timeout_s`` works; the guard adds the hard limit. The normalised forms are passed in
     (computed by the caller) so that a helper never imports verl. Returns False on any parse error.
     """
+    # math_verify (sympy, seconds) loads on the first lenient check
     from math_verify import parse, verify
 
     main_thread = threading.current_thread() is threading.main_thread()

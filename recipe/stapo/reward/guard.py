@@ -19,6 +19,7 @@ import queue
 import subprocess
 import sys
 import threading
+from multiprocessing.connection import Connection
 from typing import Any, Callable, Mapping, Optional
 
 WORKERS_ENV = "STAPO_REWARD_WORKERS"
@@ -64,8 +65,6 @@ def _guard_worker_main(read_fd: int, write_fd: int, warm_up: str = "") -> None:
     """Loop of a helper process: run ``warm_up`` (a ``"module:function"`` name, called without
     arguments; its errors are ignored), report ready, then receive ``(fn, args)`` and send
     ``("ok"|"err", value)`` until the parent closes the pipe."""
-    from multiprocessing.connection import Connection
-
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # its own timeouts are expected here
     inbox, outbox = Connection(read_fd, writable=False), Connection(write_fd, readable=False)
     if warm_up:
@@ -102,8 +101,6 @@ class _GuardWorker:
     and the parent's ends of its two pipes."""
 
     def __init__(self, startup_timeout_s: float, warm_up: str = ""):
-        from multiprocessing.connection import Connection
-
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         env = dict(os.environ)

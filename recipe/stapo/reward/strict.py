@@ -53,6 +53,7 @@ def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_
         ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None}``: verl's result; ``pred``
         is the content of the box verl found. Never raises.
     """
+    # verl (seconds) loads on the first score, in the reward worker, not when the module is imported
     from verl.utils.reward_score.math_dapo import compute_score as verl_math_dapo_score
 
     text = solution_str if isinstance(solution_str, str) else str(solution_str)

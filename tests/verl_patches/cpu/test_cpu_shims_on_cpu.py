@@ -315,9 +315,18 @@ def test_cpu_env_and_overrides_fix_threads_and_determinism(tmp_path):
         cpu_env(base={}, threads=0)
     (tmp_path / "assets").mkdir()
     (tmp_path / "assets" / "manifest.json").write_text("{}")
-    overrides = cpu_overrides(tmp_path / "assets", tmp_path / "run")
-    for key in ("actor_rollout_ref.rollout", "actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config"):
-        assert f"{key}.full_determinism=true" in overrides
+    from recipe.stapo.config_utils import compose
+
+    for rollout in ("hf", "vllm"):  # each CPU rollout's config (cpu_rollout/<name>.yaml) as Hydra composes it
+        config = compose(["method=stapo", *cpu_overrides(tmp_path / "assets", tmp_path / "run", rollout=rollout)])
+        arr = config.actor_rollout_ref
+        assert arr.rollout.name == rollout
+        assert arr.rollout.full_determinism and arr.actor.fsdp_config.full_determinism and arr.ref.fsdp_config.full_determinism
+        if rollout == "vllm":  # what vLLM's CPU build needs (docs/cpu.md)
+            assert (arr.rollout.dtype, arr.rollout.enforce_eager, arr.rollout.enable_sleep_mode,
+                    arr.rollout.free_cache_engine, arr.rollout.load_format) == ("float32", True, False, False, "dummy")
+    with pytest.raises(ValueError, match="rollout='sglang' is not one of"):
+        cpu_overrides(tmp_path / "assets", tmp_path / "run", rollout="sglang")
 
 
 ISA_KEYS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
@@ -384,7 +393,7 @@ def test_cpu_overrides_validation(tmp_path):
     with pytest.raises(ValueError, match="mini_batch_prompts"):
         cpu_overrides(tmp_path / "assets", tmp_path / "run", prompts=3, mini_batch_prompts=2)
     overrides = cpu_overrides(tmp_path / "assets", tmp_path / "run", use_v1=False, resume=True, extra=["x=1"])
-    assert "actor_rollout_ref.rollout.name=hf" in overrides and "trainer.use_v1=false" in overrides
+    assert "+cpu_rollout=hf" in overrides and "trainer.use_v1=false" in overrides
     assert "trainer.resume_mode=auto" in overrides and overrides[-1] == "x=1"
     with pytest.raises(ValueError, match="unknown method"):
         trainer_command("ppo", overrides)
