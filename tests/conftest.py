@@ -14,6 +14,11 @@ from pathlib import Path
 
 import pytest
 
+# vLLM (its CPU build, installed by the CPU requirements) picks its platform once per process, when
+# first asked: every test process runs it on the CPU, whichever test imports it first (the CPU path's
+# runs get the same from recipe.stapo.cpu.cpu_env)
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
 
 def unit_of_work(nodeid: str) -> str:
     """The xdist unit a test belongs to: ``shared_runs`` or its module's path."""

@@ -16,7 +16,7 @@ import pytest
 
 from omegaconf import OmegaConf
 
-from recipe.stapo.config_utils import compose
+from recipe.stapo.config_utils import FORWARDED_ENV_NAMES, FORWARDED_ENV_PREFIXES, compose
 from tests.helpers.paths import REPO
 
 COMMON = REPO / "run_scripts" / "common.sh"
@@ -25,7 +25,10 @@ SECRET = "wandb-secret-0123456789abcdef"
 
 
 def _env(**extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAPO_", "WANDB_", "HF_", "LAUNCH", "CKPT_DIR"))}
+    """The test process's environment without what a launch would forward (those come from each test)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("WANDB_", "HF_", "LAUNCH", "CKPT_DIR", *FORWARDED_ENV_PREFIXES))
+           and (k not in FORWARDED_ENV_NAMES or k == "VERL_USE_EXTERNAL_MODULES")}
     env.update(extra)
     return env
 
