@@ -123,3 +123,48 @@ def iter_jsonl(path: str | os.PathLike):
                 return
             raise ValueError(f"{path}: line {number} is not valid JSON: {exc.msg} (column {exc.colno})") from None
         yield number, obj
+
+
+# -- shared memory a killed process left -----------------------------------------------------------
+SHM_DIR = "/dev/shm"
+#: the names Python's multiprocessing gives its shared memory and its named semaphores
+SEGMENT_PREFIXES = ("psm_", "sem.mp-")
+
+
+def shm_segments() -> set[str]:
+    """The names in /dev/shm now (empty where there is none)."""
+    return set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
+
+
+def remove_orphaned_shm_segments(before: set[str]) -> list[str]:
+    """Remove this user's multiprocessing segments in /dev/shm that are not in ``before`` and that no
+    process maps: what a killed process left (a segment in use is mapped by every process using it,
+    and only this user's processes can map this user's segments). Returns the removed names."""
+    if not os.path.isdir(SHM_DIR):
+        return []
+    candidates = {}
+    for name in set(os.listdir(SHM_DIR)) - before:
+        path = os.path.join(SHM_DIR, name)
+        try:
+            if name.startswith(SEGMENT_PREFIXES) and os.stat(path).st_uid == os.getuid():
+                candidates[name] = path
+        except FileNotFoundError:
+            continue
+    if not candidates:
+        return []
+    mapped = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                mapped.update(line.rsplit(SHM_DIR + "/", 1)[1].split()[0] for line in maps if SHM_DIR + "/" in line)
+        except OSError:  # ended meanwhile, or another user's
+            continue
+    removed = []
+    for name, path in sorted(candidates.items()):
+        if name not in mapped:
+            try:
+                os.unlink(path)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed

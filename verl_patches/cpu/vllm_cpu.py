@@ -25,6 +25,8 @@ from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import open_dict
 
+from stapo_core.fileio import remove_orphaned_shm_segments, shm_segments
+
 from .ordering import request_seed
 from .selection import cpu_selected
 from .vllm_plugin import RPC_BASE_PATH_ENV
@@ -155,43 +157,6 @@ def wrap_file_store_init_method(original: Callable[[], str]) -> Callable[[], str
     return get_file_store_init_method
 
 
-SHM_DIR = "/dev/shm"
-#: the names Python's multiprocessing gives its shared memory and its named semaphores
-SEGMENT_PREFIXES = ("psm_", "sem.mp-")
-
-
-def remove_orphaned_segments(before: set[str]) -> list[str]:
-    """Remove this user's multiprocessing segments in /dev/shm that are not in ``before`` and that no
-    process maps: what a killed process left (a segment in use is mapped by every process using it,
-    and only this user's processes can map this user's segments). Returns the removed names."""
-    if not os.path.isdir(SHM_DIR):
-        return []
-    candidates = {}
-    for name in set(os.listdir(SHM_DIR)) - before:
-        path = os.path.join(SHM_DIR, name)
-        try:
-            if name.startswith(SEGMENT_PREFIXES) and os.stat(path).st_uid == os.getuid():
-                candidates[name] = path
-        except FileNotFoundError:
-            continue
-    if not candidates:
-        return []
-    mapped = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/maps") as maps:
-                mapped.update(line.rsplit(SHM_DIR + "/", 1)[1].split()[0] for line in maps if SHM_DIR + "/" in line)
-        except OSError:  # ended meanwhile, or another user's
-            continue
-    removed = []
-    for name, path in sorted(candidates.items()):
-        if name not in mapped:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-                removed.append(name)
-    return removed
-
-
 @contextlib.contextmanager
 def run_scratch(config: Any) -> Iterator[Optional[Path]]:
     """For a run of verl's vLLM rollout on the CPU path: a fresh folder for vLLM's socket files and
@@ -199,14 +164,14 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
     config's runtime environment, and created on their node by :mod:`.vllm_plugin`), removed when the
     run ends, however it ends (on the driver's node: a multi-node CPU cluster keeps the empty folder
     on the others); then the shared-memory segments the run's killed processes left on this node
-    (:func:`remove_orphaned_segments`). Yields the folder, or
+    (:func:`stapo_core.fileio.remove_orphaned_shm_segments`). Yields the folder, or
     None (and does nothing) for another run. The folder is short (a Unix socket path has at most
     107 bytes)."""
     rollout = config.actor_rollout_ref.rollout.name
     if not cpu_selected() or rollout != "vllm":
         yield None
         return
-    shm_before = set(os.listdir(SHM_DIR)) if os.path.isdir(SHM_DIR) else set()
+    shm_before = shm_segments()
     folder = Path(tempfile.mkdtemp(prefix="stapo-vllm-"))
     print(f"[stapo] vLLM's socket files: {folder} (removed when the run ends)", flush=True)
     previous = os.environ.get(RPC_BASE_PATH_ENV)
@@ -217,7 +182,7 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
         yield folder
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        remove_orphaned_segments(shm_before)
+        remove_orphaned_shm_segments(shm_before)
         if previous is None:
             os.environ.pop(RPC_BASE_PATH_ENV, None)
         else:

@@ -20,6 +20,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
+import psutil
+
+from stapo_core.fileio import remove_orphaned_shm_segments, shm_segments
+
 logger = logging.getLogger(__name__)
 
 CPU_VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -248,6 +252,8 @@ class VLLMBackend(GenerationBackend):
         dtype: Optional[str] = None,
         **llm_kwargs: Any,
     ):
+        # what the engine adds (its processes, their /dev/shm segments), for close()
+        self._shm_before, children_before = shm_segments(), {p.pid for p in psutil.Process().children(recursive=True)}
         on_cpu = vllm_on_cpu()
         if on_cpu:
             for key, value in CPU_VLLM_ENV.items():
@@ -272,6 +278,7 @@ class VLLMBackend(GenerationBackend):
             dtype=dtype,
             **llm_kwargs,
         )
+        self._engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
         self.tokenizer = self.llm.get_tokenizer()
 
     def _token_prompts(self, prompts: Sequence[str]) -> list[dict]:
@@ -322,6 +329,13 @@ class VLLMBackend(GenerationBackend):
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+        del llm, core
+        # the engine's processes end (a worker may outlive the engine core by a moment), then the
+        # segments they created and nobody maps any more go (a killed process never unlinks its own)
+        psutil.wait_procs(self.__dict__.pop("_engine_processes", []), timeout=30)
+        gc.collect()
+        if getattr(self, "_shm_before", None) is not None:
+            remove_orphaned_shm_segments(self._shm_before)
 
 
 class LazyBackend(GenerationBackend):

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
+from stapo_core.fileio import remove_orphaned_shm_segments
 from tests.helpers.paths import REPO
 from verl_patches.cpu import vllm_cpu
 
@@ -134,7 +135,8 @@ def test_other_runs_get_no_socket_folder(monkeypatch, platform, rollout):
 
 
 def test_only_new_unmapped_segments_of_this_user_are_removed():
-    """A killed process's leftovers go; a segment that existed before, one still mapped, and a file
+    """What the driver's socket folder's cleanup and the eval's vLLM backend run after their engines
+    (stapo_core.fileio.remove_orphaned_shm_segments): a killed process's leftovers go; a segment that existed before, one still mapped, and a file
     that is not a multiprocessing segment stay."""
     mapped = shared_memory.SharedMemory(create=True, size=64)  # in use (mapped by this process)
     older = shared_memory.SharedMemory(create=True, size=64)
@@ -145,7 +147,7 @@ def test_only_new_unmapped_segments_of_this_user_are_removed():
     other = "/dev/shm/stapo-test-not-a-segment"
     open(other, "w").close()
     try:
-        removed = vllm_cpu.remove_orphaned_segments(before)
+        removed = remove_orphaned_shm_segments(before)
         assert removed == [orphan.name]
         assert not os.path.exists(f"/dev/shm/{orphan.name}")
         assert all(os.path.exists(f"/dev/shm/{s.name}") for s in (mapped, older)) and os.path.exists(other)
