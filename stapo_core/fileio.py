@@ -127,8 +127,9 @@ def iter_jsonl(path: str | os.PathLike):
 
 # -- shared memory a killed process left -----------------------------------------------------------
 SHM_DIR = "/dev/shm"
-#: the names Python's multiprocessing gives its shared memory and its named semaphores
-SEGMENT_PREFIXES = ("psm_", "sem.mp-")
+#: the names Python's multiprocessing gives its shared memory (its named semaphores, ``sem.mp-*``, are
+#: left alone: glibc maps a semaphore under a temporary name, so whether one is in use cannot be told)
+SEGMENT_PREFIXES = ("psm_",)
 
 
 def shm_segments() -> set[str]:

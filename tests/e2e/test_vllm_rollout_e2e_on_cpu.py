@@ -44,8 +44,10 @@ SCRATCH_LINE = re.compile(r"\[stapo\] vLLM's socket files: (\S+)")
 
 
 def unmapped_shm_segments() -> set[str]:
-    """Names in /dev/shm that no live process has mapped (what a finished run must not leave)."""
-    names = set(os.listdir("/dev/shm"))
+    """Shared-memory segments (``psm_*``) in /dev/shm that no live process has mapped (what a finished
+    run must not leave). Named semaphores (``sem.mp-*``, 32 bytes) are not checked: glibc maps one under
+    a temporary name, so a live one and a leftover look the same."""
+    names = {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
     mapped = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:

@@ -144,7 +144,7 @@ def test_only_new_unmapped_segments_of_this_user_are_removed():
     before = set(os.listdir("/dev/shm"))
     orphan = shared_memory.SharedMemory(create=True, size=64)
     orphan.close()  # unmapped, never unlinked: what a killed creator leaves
-    other = "/dev/shm/stapo-test-not-a-segment"
+    other = "/dev/shm/sem.mp-stapo-test"  # a named semaphore: never judged (its mapping has another name)
     open(other, "w").close()
     try:
         removed = remove_orphaned_shm_segments(before)
