@@ -117,9 +117,9 @@ def wrap_server_generate(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # -- what a vLLM run leaves on the machine ------------------------------------------------------
-# vLLM's engine processes are killed, not shut down, when the Ray cluster ends, so nothing they would
-# remove at shutdown is removed: their shared-memory ring buffers (/dev/shm/psm_*, 160-240 MiB each),
-# their ZeroMQ socket files and their torch file store (both in the temp folder).
+# vLLM's engine processes are killed, not shut down, when the Ray cluster ends, so what they remove at
+# shutdown stays unless removed here: their shared-memory ring buffers (/dev/shm/psm_*, 160-240 MiB
+# each), their ZeroMQ socket files and their torch file store (both in the temp folder).
 
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from recipe.stapo.config_utils import METHODS
+from recipe.stapo.eval.backends import CPU_VLLM_ENV
 from recipe.stapo.metrics import METRICS_FILE, read_metrics
 
 from .assets import asset_paths
@@ -27,12 +28,9 @@ from .isa import DEFAULT_ISA, isa_env
 REPO_ROOT = Path(__file__).resolve().parents[3]
 #: modules every verl process imports (the recipe's patches, then the CPU shims)
 EXTERNAL_MODULES = ("verl_patches", "verl_patches.cpu")
-#: what selects the CPU path in every process (see verl_patches.cpu), and vLLM's CPU settings
-#: (read only by processes that start vLLM): its CPU platform (without it vLLM may pick CUDA or
-#: AVX-512 kernels), a 1 GiB KV cache (default: 70% of host memory), no pinning of its OpenMP
-#: threads to cores (other runs share them)
-CPU_ENV_VARS = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda",
-                "VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+#: what selects the CPU path in every process (see verl_patches.cpu), and vLLM's CPU settings (read
+#: only by processes that start vLLM; the eval's vLLM backend sets the same ones)
+CPU_ENV_VARS = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", **CPU_VLLM_ENV}
 #: the CPU rollouts: config group ``cpu_rollout`` (recipe/stapo/config/cpu_rollout/<name>.yaml)
 CPU_ROLLOUTS = ("hf", "vllm")
 #: FSDP mixed-precision policy computing in float32 (verl's default computes in bfloat16)
