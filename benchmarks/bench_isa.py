@@ -8,7 +8,8 @@ Runs the same CPU training run (verl's real trainer, the shipped tiny assets, ``
 seed 0) under four settings and compares their metrics files (every logged number but the
 wall-clock and memory ones):
 
-- ``pinned``: the CPU path as shipped (``isa_env``: ATen, MKL and oneDNN held to AVX2);
+- ``pinned``: the CPU path as shipped (``isa_env``: ATen, MKL and oneDNN held to AVX2, and vLLM's
+  own kernels through the ``cpu_vllm_isa_pin`` patch);
 - ``pinned, inherited avx512``: the same with AVX-512 asked for in the environment it starts from
   (the pin must win in every process, Ray's workers included);
 - ``native``: no pin; on an AVX-512 machine each library takes its AVX-512 kernels;
@@ -17,7 +18,8 @@ wall-clock and memory ones):
 
 On an AVX-512 machine, ``pinned`` equal to ``pinned, inherited avx512`` shows that the pin wins in
 every process whatever the environment asks for; ``native`` differing from it shows that the pin
-is needed; ``native, avx2-only`` shows what ``MKL_CBWR`` alone changes. The speed cost: the ratio of the mean step time
+is needed; ``native, avx2-only`` shows what ``MKL_CBWR`` alone changes. Each setting also reports which
+of vLLM's kernel libraries (``vllm/_C*.so``) the run's processes loaded. The speed cost: the ratio of the mean step time
 (``timing_s/step``) of ``pinned`` to ``native`` (noisy on a shared machine), and of the time of the
 tiny model's forward and backward pass (one thread, a batch of 16 x 120 tokens) in a fresh process
 under each setting, alternated ``--kernel-repeats`` times (the median of each), printed in the same run.
@@ -37,6 +39,7 @@ from pathlib import Path
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
 from recipe.stapo.cpu.assets import SHIPPED_DIR
 from recipe.stapo.cpu.reproducibility import isa_settings, seeded_metrics
+from verl_patches.cpu.vllm_cpu import vllm_kernels_by_process
 
 #: the environment an AVX2-only machine amounts to (every library capped at AVX2)
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -65,9 +68,16 @@ def run_setting(name: str, isa: str, start_env: dict[str, str], args: argparse.N
     for key in ISA_KEYS:
         os.environ.pop(key, None)
     os.environ.update(start_env)
+    run_dir = (Path(args.out) / name.replace(", ", "_").replace(" ", "_")).resolve()
+    kernels: set[str] = set()
+
+    def note_kernels(step: int, metrics: dict) -> None:  # while the run's processes live
+        for found in vllm_kernels_by_process(str(run_dir)).values():
+            kernels.update(found)
+
     try:
-        run = run_cpu_trainer(args.method, SHIPPED_DIR, Path(args.out) / name.replace(", ", "_").replace(" ", "_"),
-                              steps=args.steps, isa=isa, timeout=args.timeout)
+        run = run_cpu_trainer(args.method, SHIPPED_DIR, run_dir, steps=args.steps, isa=isa, timeout=args.timeout,
+                              on_step=note_kernels)
     finally:
         for key, value in saved.items():
             if value is None:
@@ -78,7 +88,7 @@ def run_setting(name: str, isa: str, start_env: dict[str, str], args: argparse.N
         raise SystemExit(f"[bench_isa] {name}: the run failed ({run}); log tail:\n{run.tail()}")
     steps = read_metrics(run.metrics)
     step_s = [data["timing_s/step"] for data in steps.values() if "timing_s/step" in data]
-    return {"name": name, "isa": isa, "start_env": start_env, "wall_s": run.wall_s,
+    return {"name": name, "isa": isa, "start_env": start_env, "wall_s": run.wall_s, "vllm_kernels": sorted(kernels),
             "step_s": sum(step_s) / len(step_s) if step_s else float("nan"), "metrics": numeric(steps)}
 
 
@@ -125,12 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     base = rows[0]
     print(f"[bench_isa] machine: {isa_settings()['cpu_vector_flags']}; {args.method}, {args.steps} steps, seed 0, "
           f"{len(base['metrics'])} metrics compared")
-    print("| setting | metrics differing from `pinned` | mean step (s) |\n|---|---|---|")
+    print("| setting | metrics differing from `pinned` | vLLM's kernels | mean step (s) |\n|---|---|---|---|")
     for row in rows:
         diff = differences(base["metrics"], row["metrics"])
         row["differing"] = diff
         example = f" (e.g. {diff[0]}: {base['metrics'].get(diff[0])} vs {row['metrics'].get(diff[0])})" if diff else ""
-        print(f"| {row['name']} | {len(diff)}{example} | {row['step_s']:.2f} |")
+        kernels = ", ".join(row["vllm_kernels"]) or "-"
+        print(f"| {row['name']} | {len(diff)}{example} | {kernels} | {row['step_s']:.2f} |")
     native = next(r for r in rows if r["name"] == "native")
     print(f"[bench_isa] speed: a pinned step takes {base['step_s'] / native['step_s']:.2f}x a native one")
     if args.kernel_repeats > 0:

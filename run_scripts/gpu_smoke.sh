@@ -20,7 +20,7 @@
 #   PYTHON [python3]       interpreter with requirements.txt installed
 #   SMOKE_DEVICE [gpu]     cpu: the same script without a GPU: the tiny model in ASSETS [the shipped
 #                          set, recipe/stapo/cpu/shipped_assets; another folder is built], verl's real
-#                          trainer on CPU with an HF rollout, HF evaluation
+#                          trainer on CPU with verl's vLLM rollout on vLLM's CPU build, HF evaluation
 #                          (the project's tests run this mode)
 #   STAPO_DRY_RUN=1        print the training commands only
 # It stops at the first failure and names the log to read.

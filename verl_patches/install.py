@@ -56,17 +56,6 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="verl pins only when an accelerator is present",
     ),
     Patch(
-        name="cpu_hf_rollout",
-        target="verl.workers.rollout.replica:RolloutReplicaRegistry",
-        register="verl_patches.cpu.hf_rollout:register",
-        registered="verl_patches.cpu.hf_rollout:is_registered",
-        scope="cpu",
-        changes="registers rollout 'hf': a transformers sampler as a Ray server replica + its trainer-side adapter",
-        why="verl 0.9 has only vLLM / SGLang / TensorRT-LLM rollouts, none of which runs without a GPU",
-        relies_on="RolloutReplicaRegistry.register(name, loader) and _ROLLOUT_REGISTRY[(name, 'async')] = class path",
-        drop_when="verl ships a CPU-capable rollout",
-    ),
-    Patch(
         name="cpu_sample_priority",
         target="verl.experimental.agent_loop.agent_loop:AgentLoopWorker._run_agent_loop",
         wrapper="verl_patches.cpu.ordering:wrap_run_agent_loop",
@@ -143,6 +132,21 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="vLLM's linear layers calling dispatch_cpu_unquantized_gemm through the module attribute "
                   "(imported inside process_weights_after_loading), which re-creates the packed copy",
         drop_when="vLLM's CPU backend supports in-place weight reloading",
+    ),
+    Patch(
+        name="cpu_vllm_isa_pin",
+        target="torch.cpu:get_capabilities",
+        wrapper="verl_patches.cpu.vllm_cpu:wrap_get_capabilities",
+        applies="verl_patches.cpu.vllm_cpu:isa_pinned",
+        scope="cpu",
+        changes="under the recipe's AVX2 pin (ATEN_CPU_CAPABILITY=avx2) torch.cpu.get_capabilities() reports no "
+                "AVX-512 or AMX flag, so vLLM loads its _C_AVX2 kernels and AVX2 attention code",
+        why="vLLM picks its compiled kernels by the CPU's flags, which the environment variables pinning torch's "
+            "libraries do not reach: an AVX-512 machine would sample with other kernels than an AVX2-only one",
+        relies_on="vLLM's import_kernels and attention backend asking torch.cpu._is_avx512_supported() & co., "
+                  "which read the module-level get_capabilities; vLLM's processes applying the table (import of "
+                  "verl, or the vllm.general_plugins entry point) before vLLM first loads its kernels",
+        drop_when="vLLM lets an environment variable choose its CPU kernels' instruction set",
     ),
     Patch(
         name="cpu_vllm_no_batch_invariant_kernels",

@@ -573,7 +573,7 @@ def check_memory(config: DictConfig, found: list[Problem], notes: list[str]) -> 
         notes.append("GPU memory not checked (recipe.memory_check=off)")
         return None
     if str(_pick(config, "trainer.device", "cuda")) == "cpu" or _pick(config, f"{ROLLOUT}.name") not in ("vllm", "sglang"):
-        notes.append("GPU memory not estimated: the CPU path (trainer.device=cpu or an HF rollout)")
+        notes.append("GPU memory not estimated: the CPU path (trainer.device=cpu) or a rollout other than vLLM/SGLang")
         return None
     shape = model_shape(config, notes)
     if shape is None:

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Optional
 
 from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
-from recipe.stapo.cpu.trainer import CPU_ROLLOUTS
+from recipe.stapo.cpu.trainer import CPU_ROLLOUT
 from recipe.stapo.cpu.assets import SHIPPED_DIR, AssetConfig, asset_paths, build_assets, is_built, verify_assets
 from recipe.stapo.plots import plot_bands, plot_runs, plot_update_effect
 from recipe.stapo.quickstart_report import (APPLIED, DLOGP_SILENCED, ENTROPY, REWARD, SILENCED, STEP_TIME, fmt,
@@ -123,7 +123,6 @@ class QuickstartOptions:
     overrides: tuple[str, ...]
     timeout: float
     force: bool
-    rollout: str = "hf"
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -189,7 +188,7 @@ class QuickstartOptions:
                    mini_batch=default_mini_batch(args.prompts) if args.mini_batch is None else args.mini_batch,
                    n=args.n, lr=args.lr, response_length=args.response_length, prompt_length=args.prompt_length,
                    seeds=tuple(args.seed + k for k in range(max(args.seeds, 0))),
-                   test_freq=args.test_freq, trainer=args.trainer, rollout=args.rollout, overrides=tuple(args.override),
+                   test_freq=args.test_freq, trainer=args.trainer, overrides=tuple(args.override),
                    timeout=args.timeout, force=args.force)
 
     @property
@@ -214,7 +213,7 @@ def _settings(opts: QuickstartOptions, seed: int, validate_before: bool = True) 
     """What a finished run records and a later invocation compares before reusing it."""
     return {"steps": opts.steps, "prompts": opts.prompts, "mini_batch": opts.mini_batch, "n": opts.n, "seed": seed,
             "lr": opts.lr, "response_length": opts.response_length, "prompt_length": opts.prompt_length,
-            "use_v1": opts.trainer == "v1", "rollout": opts.rollout, "assets": str(opts.assets), "validate": True,
+            "use_v1": opts.trainer == "v1", "rollout": CPU_ROLLOUT, "assets": str(opts.assets), "validate": True,
             "validate_before": validate_before, "test_freq": opts.test_freq or 0, "token_dump": True,
             "update_effect_responses": opts.mini_batch * opts.n, "overrides": list(opts.overrides)}
 
@@ -250,7 +249,7 @@ def run_kwargs(opts: QuickstartOptions, seed: int) -> dict:
     """Keyword arguments of :func:`recipe.stapo.cpu.cpu_overrides` for one run."""
     return dict(steps=opts.steps, prompts=opts.prompts, n=opts.n, mini_batch_prompts=opts.mini_batch,
                 response_length=opts.response_length, prompt_length=opts.prompt_length, lr=opts.lr, seed=seed,
-                use_v1=opts.trainer == "v1", rollout=opts.rollout, validate=True)
+                use_v1=opts.trainer == "v1", validate=True)
 
 
 def check_stapo_settings(opts: QuickstartOptions, assets: Path) -> tuple[dict, list[str]]:
@@ -347,9 +346,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--test-freq", type=int, default=None,
                         help="validate every N steps too (default: only before training and after the last step)")
     parser.add_argument("--trainer", choices=("v1", "legacy"), default="v1", help="verl trainer (default v1)")
-    parser.add_argument("--rollout", choices=CPU_ROLLOUTS, default="hf",
-                        help="hf: the recipe's transformers rollout, same seed same numbers (default); vllm: verl's "
-                             "vLLM server rollout on vLLM's CPU build, as the GPU runs sample (not bit-reproducible)")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--override", action="append", default=[],
                         help="extra Hydra override for every run (repeatable); refused if it changes STAPO's "

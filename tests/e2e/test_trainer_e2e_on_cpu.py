@@ -18,8 +18,10 @@ from recipe.stapo.cpu import read_metrics
 
 pytestmark = pytest.mark.slow
 
-#: rollout (HF, float32) vs trainer (FSDP2, float32) token probabilities: equal up to float noise
-MAX_PROB_DIFF = 1e-3
+#: vLLM's float32 CPU kernels vs the trainer's (FSDP2, float32): the largest token-probability gap
+#: between the rollout's log-probs and the trainer's recomputation of them, after updates (measured
+#: 5e-6 to 8e-6; a rollout on stale weights is off by the update's change, ~1e-3 here)
+MAX_PROB_DIFF = 5e-5
 #: (method, shared run)
 PLAN = [("grpo", "grpo_v1"), ("entropy20", "entropy20_v1"), ("stapo", "stapo_v1"), ("justrl", "justrl_legacy"),
         ("stapo", "stapo_gspo_legacy")]
@@ -38,7 +40,7 @@ def check_training_happened(steps: dict[int, dict], expected_steps: set[int]) ->
     for step, data in steps.items():
         assert data["training/global_step"] == step
         assert -1.0 <= data["critic/score/mean"] <= 1.0
-        # the rollout sampled from exactly the trainer's weights (pushed to the HF server each step)
+        # the rollout sampled from exactly the trainer's weights (synced to vLLM each step)
         assert data["training/rollout_probs_diff_max"] < MAX_PROB_DIFF, (step, data["training/rollout_probs_diff_max"])
         assert math.isfinite(data["actor/pg_loss"])
 

@@ -223,7 +223,7 @@ def _clean_env() -> dict[str, str]:
 def _overrides(assets: Path, launch: Path, *extra: str) -> list[str]:
     # 2 prompts x 4 responses per step, one update: 4 sequences per rank (the least that still trains)
     overrides = cpu_overrides(assets, launch / "unused", steps=2, prompts=2, mini_batch_prompts=2, response_length=96,
-                              save_freq=1, resume=True, rollout="vllm", extra=[
+                              save_freq=1, resume=True, extra=[
         # a driver joining a running cluster may not size it
         "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null",
         "ray_kwargs.ray_init.include_dashboard=null",

@@ -1,5 +1,5 @@
 """``run_scripts/gpu_smoke.sh`` in its CPU mode, end to end, and what it hands on: verl's real trainer
-(tiny model, HF rollout) trains STAPO one step with a checkpoint and the wandb logger (offline);
+(tiny model, verl's vLLM rollout on vLLM's CPU build) trains STAPO one step with a checkpoint and the wandb logger (offline);
 ``eval.sh`` converts the verl checkpoint with verl's own model merger and evaluates 2 problems with the
 HF backend; a second run resumes from the checkpoint folder and continues the same wandb run (slow: two
 trainer runs in all, ~2-4 min on 2 cores; every slow test reads what they left).

@@ -6,8 +6,8 @@ Selected by the environment, never by import alone::
     VERL_USE_EXTERNAL_MODULES=verl_patches     # makes every verl process import the patches
     VERL_ENGINE_DEVICE=cuda                    # engine class lookup only (FSDP engine)
 
-plus ``actor_rollout_ref.rollout.name=hf`` in the config (``recipe.stapo.cpu.cpu_env`` and
-``recipe.stapo.cpu.cpu_overrides`` build both). The changes to verl are the ``scope: cpu`` entries
+plus verl's vLLM rollout on vLLM's CPU build (config ``cpu_rollout/vllm.yaml``;
+``recipe.stapo.cpu.cpu_env`` and ``recipe.stapo.cpu.cpu_overrides`` build both). The changes to verl are the ``scope: cpu`` entries
 of the recipe's patch table (:mod:`verl_patches.install`), applied by ``import verl_patches`` when
 ``VERL_PLATFORM=cpu``, after :func:`verl_patches.cpu.platform.pin_threads` fixed torch's thread
 count (``STAPO_CPU_THREADS``). When the CPU path is not selected nothing is registered or patched.
@@ -15,7 +15,8 @@ The code they run:
 
 - :mod:`.platform`: the ``cpu`` platform (device cpu, gloo, no-op device calls), the gloo backend
   string, unpinned FSDP2 offload, the thread count;
-- :mod:`.hf_rollout` and :mod:`.sampling`: the ``hf`` rollout (server replica + trainer adapter);
+- :mod:`.vllm_cpu` and :mod:`.vllm_plugin`: verl's vLLM rollout on vLLM's CPU build (weight sync,
+  per-sample seeds, vLLM's AVX2 kernels under the instruction-set pin, what its processes leave);
 - :mod:`.ordering`: under ``rollout.full_determinism``, per-sample request ids and a fixed batch
   order in verl's TransferQueue trainer (docs/reproducibility.md).
 """

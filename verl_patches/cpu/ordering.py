@@ -34,7 +34,7 @@ FULL_DETERMINISM_ENV = "VERL_FULL_DETERMINISM"
 
 def request_seed(seed: int, step: Any, prompt_ids, which: Any) -> int:
     """A sample's own sampling seed, from (the rollout's seed, the step, the prompt's token ids, which
-    sample): a sha256 digest, in [0, 2**63). Used by both CPU rollouts under full determinism."""
+    sample): a sha256 digest, in [0, 2**63). The CPU rollout's per-request seed under full determinism."""
     digest = hashlib.sha256(repr((seed, step, tuple(prompt_ids), which)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 

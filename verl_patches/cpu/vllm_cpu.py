@@ -9,6 +9,10 @@ The changes below are applied through the patch table (:mod:`verl_patches.instal
   GEMM kernel once the checkpoint is loaded and drop ``layer.weight``. verl's weight sync writes each
   step's new weights through ``model.load_weights`` into ``layer.weight`` (then calls
   ``process_weights_after_loading``, which repacks again), so the weight must stay.
+- :func:`wrap_get_capabilities`: vLLM picks its compiled kernels (``vllm._C``, ``_C_AVX512`` or
+  ``_C_AVX2``; the attention's vector code) by the CPU's flags, which the recipe's pin of torch's
+  libraries (``ATEN_CPU_CAPABILITY=avx2``) does not reach; under the pin vLLM sees a CPU without
+  AVX-512 and AMX and takes its AVX2 kernels, as on an AVX2-only machine.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import tempfile
 import uuid
 from importlib.metadata import PackageNotFoundError, distribution  # not version(): a patch wraps it
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from types import MappingProxyType
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 from omegaconf import open_dict
 
@@ -70,13 +75,67 @@ def wrap_metadata_version(original: Callable[[str], str]) -> Callable[[str], str
 
 def wrap_dispatch_cpu_unquantized_gemm(original: Callable[..., None]) -> Callable[..., None]:
     """vLLM's CPU GEMM dispatch with ``remove_weight=False``: the packed copy serves the forward,
-    ``layer.weight`` stays for the next weight sync (one more copy of the linear weights in memory)."""
+    ``layer.weight`` stays for the next weight sync (one more copy of the linear weights in memory).
+    vLLM's packed oneDNN product is batch-invariant on a CPU (a row's result does not depend on the
+    rows beside it), which torch's ``F.linear`` is not (``benchmarks/bench_vllm_determinism.py``)."""
 
     @functools.wraps(original)
     def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
         return original(layer, remove_weight=False)
 
     return dispatch_cpu_unquantized_gemm
+
+
+# -- the instruction-set pin, for vLLM's own kernels -------------------------------------------------
+#: torch's setting of its own kernels' instruction set; ``avx2`` is the recipe's pin (recipe/stapo/cpu/isa.py)
+ATEN_CPU_CAPABILITY_ENV = "ATEN_CPU_CAPABILITY"
+#: CPU flags (``torch.cpu.get_capabilities()`` keys) above AVX2 by which vLLM picks kernels
+ABOVE_AVX2 = ("avx512", "amx")
+
+
+def isa_pinned() -> bool:
+    """True where the process runs under the recipe's AVX2 pin (``ATEN_CPU_CAPABILITY=avx2``)."""
+    return os.environ.get(ATEN_CPU_CAPABILITY_ENV, "").lower() == "avx2"
+
+
+def wrap_get_capabilities(original: Callable[[], Mapping[str, Any]]) -> Callable[[], Mapping[str, Any]]:
+    """``torch.cpu.get_capabilities`` reporting every AVX-512 and AMX flag as absent, so that vLLM's
+    ``torch.cpu._is_avx512_supported()`` & co. answer as on an AVX2-only CPU: vLLM then loads its
+    ``_C_AVX2`` kernels and AVX2 attention code. Applied only under the pin (:func:`isa_pinned`)."""
+
+    @functools.wraps(original)
+    def get_capabilities() -> Mapping[str, Any]:
+        flags = dict(original())
+        for key, value in flags.items():
+            if key.startswith(ABOVE_AVX2) and isinstance(value, bool):
+                flags[key] = False
+        return MappingProxyType(flags)
+
+    return get_capabilities
+
+
+def loaded_vllm_kernels(pid: str = "self") -> set[str]:
+    """File names of vLLM's compiled kernel libraries (``vllm/_C*.so``) mapped by process ``pid``."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return {Path(line.split()[-1]).name for line in maps
+                if "/vllm/_C" in line and line.rstrip().endswith(".so")}
+
+
+def vllm_kernels_by_process(marker: str) -> dict[int, set[str]]:
+    """:func:`loaded_vllm_kernels` of every process whose environment contains ``marker`` (a run's
+    metrics path, say) and that loaded any; processes that end or are not ours to read are skipped."""
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if marker.encode() not in environ.read():
+                    continue
+            kernels = loaded_vllm_kernels(pid)
+        except OSError:
+            continue
+        if kernels:
+            found[int(pid)] = kernels
+    return found
 
 
 # -- same seed, same samples -----------------------------------------------------------------------
@@ -103,7 +162,7 @@ def wrap_server_init(original: Callable[..., None]) -> Callable[..., None]:
 def wrap_server_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     """``vLLMHttpServer.generate`` giving each request, under ``rollout.full_determinism``, a seed of
     its own: :func:`~verl_patches.cpu.ordering.request_seed` of (the rollout seed + replica rank, the
-    step, the prompt, verl's per-sample request id ``det-<index>``), as the HF rollout does. verl's
+    step, the prompt, verl's per-sample request id ``det-<index>``). verl's
     own seeds every request with one number, so the n samples of a prompt would be identical."""
 
     @functools.wraps(original)

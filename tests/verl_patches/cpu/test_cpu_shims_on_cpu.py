@@ -1,4 +1,4 @@
-"""The CPU shims (verl_patches.cpu): inert unless selected; platform, patches and HF rollout server.
+"""The CPU shims (verl_patches.cpu): inert unless selected; platform and patches; the run helpers.
 
 Process-global state (verl's platform singleton, registries, torch patches) is checked in fresh
 interpreters (subprocess), so these tests neither depend on nor disturb the rest of the suite.
@@ -6,14 +6,12 @@ interpreters (subprocess), so these tests neither depend on nor disturb the rest
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import platform
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -75,7 +73,7 @@ def test_importing_verl_patches_without_selection_changes_nothing(baseline):
     assert probed["cpu_loaded"] and not probed["cpu_active"]
     for key in ("platforms", "platform_class", "device", "rollouts", "replicas"):
         assert probed[key] == baseline[key], key
-    assert "cpu" not in probed["platforms"] and "hf" not in probed["rollouts"] and "hf" not in probed["replicas"]
+    assert "cpu" not in probed["platforms"]
     assert not probed["init_pg_patched"] and not probed["offload_patched"]
 
 
@@ -84,7 +82,7 @@ def test_selecting_cpu_activates_every_shim():
     probed = _probe("import verl_patches.cpu", VERL_PLATFORM="cpu")
     assert probed["cpu_active"]
     assert "cpu" in probed["platforms"] and probed["platform_class"] == "PlatformCPU" and probed["device"] == "cpu"
-    assert "hf" in probed["rollouts"] and "hf" in probed["replicas"]
+    assert "vllm" in probed["replicas"]  # verl's own; the CPU path adds no rollout of its own
     assert probed["init_pg_patched"] and probed["offload_patched"]
 
 
@@ -157,139 +155,6 @@ def test_patched_init_process_group_accepts_verl_backend(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# HF rollout server (used in-process, without Ray)
-# ------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    """A random tiny Qwen3 + tokenizer (no warm-up: fast)."""
-    from recipe.stapo.cpu.assets import AssetConfig, make_model, make_pairs, make_problem, train_tokenizer
-
-    cfg = AssetConfig(n_train=32, n_val=8)
-    train, val = make_pairs(cfg)
-    tok = train_tokenizer(cfg, [t for a, b in train + val for t in make_problem(a, b)[:2]])
-    out = tmp_path_factory.mktemp("tiny_model")
-    make_model(cfg, tok).save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
-def _server(model_dir: Path, response_length: int = 8, full_determinism: bool = False):
-    from omegaconf import OmegaConf
-
-    from verl_patches.cpu.hf_rollout import HFRolloutServer
-
-    config = OmegaConf.create({"_target_": "verl.workers.config.RolloutConfig", "name": "hf", "prompt_length": 64,
-                               "response_length": response_length, "seed": 3, "full_determinism": full_determinism})
-    return HFRolloutServer(config=config, model_config={"path": str(model_dir)}, replica_rank=0)
-
-
-def _reference_log_probs(model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """log softmax of one full forward pass over prompt+response (how the trainer computes them)."""
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
-
-
-@pytest.mark.slow
-def test_server_generate_batches_concurrent_requests_and_logprobs_match(tiny_model_dir):
-    server = _server(tiny_model_dir)
-    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
-
-    async def go():
-        return await asyncio.gather(*[server.generate(prompt_ids=p, sampling_params={"temperature": 1.0, "top_p": 1.0,
-                                                                                    "top_k": -1, "logprobs": True},
-                                                      request_id=str(i)) for i, p in enumerate(prompts)])
-
-    outputs = asyncio.run(go())
-    assert server.batches == 1  # the three concurrent requests were sampled together
-    for prompt, out in zip(prompts, outputs):
-        assert 1 <= len(out.token_ids) <= 8 and len(out.log_probs) == len(out.token_ids)
-        ref = _reference_log_probs(server.model, prompt, out.token_ids)
-        torch.testing.assert_close(torch.tensor(out.log_probs), ref, atol=1e-4, rtol=1e-4)
-
-
-@pytest.mark.slow
-def test_server_rollouts_do_not_depend_on_request_order(tiny_model_dir):
-    """Two servers with the same seed, the same requests arriving in different orders and batches
-    (n = 3 samples of one prompt plus another prompt): the same responses per prompt."""
-    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
-    requests = [[5, 6, 7]] * 3 + [[8, 9]]
-
-    async def go(server, order):
-        outs = await asyncio.gather(*[server.generate(prompt_ids=requests[i], sampling_params=dict(params),
-                                                      request_id=str(i)) for i in order])
-        by_prompt = {}
-        for i, out in zip(order, outs):
-            by_prompt.setdefault(tuple(requests[i]), []).append(tuple(out.token_ids))
-        return {k: sorted(v) for k, v in by_prompt.items()}
-
-    first = asyncio.run(go(_server(tiny_model_dir), [0, 1, 2, 3]))
-    second_server = _server(tiny_model_dir)
-    second = asyncio.run(go(second_server, [3, 2]))
-    second_rest = asyncio.run(go(second_server, [1, 0]))
-    second[(5, 6, 7)] = sorted(second[(5, 6, 7)] + second_rest[(5, 6, 7)])
-    assert second == first
-
-
-@pytest.mark.slow
-def test_deterministic_server_output_depends_only_on_the_request_id(tiny_model_dir):
-    """rollout.full_determinism: verl sends one stable request id per sample ("det-<index>"). Two
-    servers with the same seed, the same requests arriving in different orders and batches: each
-    request id gets bit-identical tokens and log-probs; the samples of one prompt differ."""
-    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1}
-    requests = {f"det-{i}": p for i, p in enumerate([[5, 6, 7]] * 3 + [[8, 9, 10, 11, 12, 13]])}
-
-    async def go(server, ids):
-        outs = await asyncio.gather(*[server.generate(prompt_ids=requests[i], sampling_params=dict(params),
-                                                      request_id=i) for i in ids])
-        return {i: (tuple(out.token_ids), tuple(out.log_probs)) for i, out in zip(ids, outs)}
-
-    first = asyncio.run(go(_server(tiny_model_dir, full_determinism=True), list(requests)))
-    second_server = _server(tiny_model_dir, full_determinism=True)
-    second = asyncio.run(go(second_server, ["det-3", "det-1"]))
-    second.update(asyncio.run(go(second_server, ["det-2", "det-0"])))
-    assert second == first  # tuples of floats: equal bit for bit
-    seeds = {second_server._request_seed(requests[i], i) for i in requests}
-    assert len(seeds) == len(requests)
-    assert len({first[i][0] for i in ("det-0", "det-1", "det-2")}) > 1
-
-
-@pytest.mark.slow
-def test_server_greedy_is_argmax_and_weights_update(tiny_model_dir):
-    server = _server(tiny_model_dir, response_length=4)
-    params = {"temperature": 0, "top_p": 1.0, "top_k": -1}
-    out = asyncio.run(server.generate(prompt_ids=[5, 6, 7], sampling_params=dict(params), request_id="g"))
-    ids = [5, 6, 7]
-    for token in out.token_ids:
-        with torch.no_grad():
-            assert token == int(server.model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
-        ids.append(token)
-
-    new_state = {k: torch.randn_like(v) for k, v in server.model.state_dict().items() if k != "lm_head.weight"}
-    loaded = asyncio.run(server.update_weights(new_state, global_steps=7))
-    assert loaded == len(new_state) and server.global_steps == 7
-    name = "model.layers.0.mlp.up_proj.weight"
-    torch.testing.assert_close(asyncio.run(server.get_weight(name)), new_state[name])
-    with pytest.raises(ValueError, match="unknown parameter names"):
-        asyncio.run(server.update_weights({"not.a.param": torch.zeros(1)}))
-    partial = dict(new_state)
-    partial.pop(name)
-    with pytest.raises(ValueError, match="parameters not sent"):
-        asyncio.run(server.update_weights(partial))
-
-
-def test_sampling_key_and_max_tokens_rules():
-    from verl_patches.cpu.hf_rollout import sampling_key
-
-    assert sampling_key({"temperature": 0}) == (1.0, 1.0, 1)
-    assert sampling_key({"temperature": 0.7, "top_p": 0.9, "top_k": 20}) == (0.7, 0.9, 20)
-    assert sampling_key({}) == (1.0, 1.0, -1)
-
-
-# ------------------------------------------------------------------------------------------------
 # the run configuration helpers (recipe.stapo.cpu)
 # ------------------------------------------------------------------------------------------------
 
@@ -317,16 +182,14 @@ def test_cpu_env_and_overrides_fix_threads_and_determinism(tmp_path):
     (tmp_path / "assets" / "manifest.json").write_text("{}")
     from recipe.stapo.config_utils import compose
 
-    for rollout in ("hf", "vllm"):  # each CPU rollout's config (cpu_rollout/<name>.yaml) as Hydra composes it
-        config = compose(["method=stapo", *cpu_overrides(tmp_path / "assets", tmp_path / "run", rollout=rollout)])
-        arr = config.actor_rollout_ref
-        assert arr.rollout.name == rollout
-        assert arr.rollout.full_determinism and arr.actor.fsdp_config.full_determinism and arr.ref.fsdp_config.full_determinism
-        if rollout == "vllm":  # what vLLM's CPU build needs (docs/cpu.md)
-            assert (arr.rollout.dtype, arr.rollout.enforce_eager, arr.rollout.enable_sleep_mode,
-                    arr.rollout.free_cache_engine, arr.rollout.load_format) == ("float32", True, False, False, "dummy")
-    with pytest.raises(ValueError, match="rollout='sglang' is not one of"):
-        cpu_overrides(tmp_path / "assets", tmp_path / "run", rollout="sglang")
+    # the CPU rollout's config (cpu_rollout/vllm.yaml) as Hydra composes it
+    config = compose(["method=stapo", *cpu_overrides(tmp_path / "assets", tmp_path / "run")])
+    arr = config.actor_rollout_ref
+    assert arr.rollout.name == "vllm"
+    assert arr.rollout.full_determinism and arr.actor.fsdp_config.full_determinism and arr.ref.fsdp_config.full_determinism
+    # what vLLM's CPU build needs (docs/cpu.md)
+    assert (arr.rollout.dtype, arr.rollout.enforce_eager, arr.rollout.enable_sleep_mode,
+            arr.rollout.free_cache_engine, arr.rollout.load_format) == ("float32", True, False, False, "dummy")
 
 
 ISA_KEYS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA")
@@ -393,7 +256,7 @@ def test_cpu_overrides_validation(tmp_path):
     with pytest.raises(ValueError, match="mini_batch_prompts"):
         cpu_overrides(tmp_path / "assets", tmp_path / "run", prompts=3, mini_batch_prompts=2)
     overrides = cpu_overrides(tmp_path / "assets", tmp_path / "run", use_v1=False, resume=True, extra=["x=1"])
-    assert "+cpu_rollout=hf" in overrides and "trainer.use_v1=false" in overrides
+    assert "+cpu_rollout=vllm" in overrides and "trainer.use_v1=false" in overrides
     assert "trainer.resume_mode=auto" in overrides and overrides[-1] == "x=1"
     with pytest.raises(ValueError, match="unknown method"):
         trainer_command("ppo", overrides)

@@ -76,6 +76,54 @@ def test_vllms_cpu_gemm_keeps_the_weight_verls_sync_writes_into():
     assert result["vllm"]["max_err"] < 1e-4 and result["patched"]["max_err"] < 1e-4, result
 
 
+def test_the_isa_pin_hides_the_flags_above_avx2_only():
+    flags = {"avx2": True, "avx512_f": True, "avx512_bf16": True, "amx_tile": True, "avx_vnni": True,
+             "architecture": "x86_64"}
+    seen = vllm_cpu.wrap_get_capabilities(lambda: flags)()
+    assert dict(seen) == {**flags, "avx512_f": False, "avx512_bf16": False, "amx_tile": False}
+    assert flags["avx512_f"]  # the original answer is not changed
+
+
+@pytest.mark.parametrize("value,pinned", [("avx2", True), ("AVX2", True), ("avx512", False), (None, False)])
+def test_the_isa_pin_follows_atens_capability(monkeypatch, value, pinned):
+    if value is None:
+        monkeypatch.delenv(vllm_cpu.ATEN_CPU_CAPABILITY_ENV, raising=False)
+    else:
+        monkeypatch.setenv(vllm_cpu.ATEN_CPU_CAPABILITY_ENV, value)
+    assert vllm_cpu.isa_pinned() is pinned
+
+
+KERNELS = textwrap.dedent("""
+    import json, torch
+    real = dict(torch.cpu.get_capabilities())  # before the patch table
+    import verl_patches  # applies it (VERL_PLATFORM=cpu)
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+    from verl_patches.cpu.vllm_cpu import loaded_vllm_kernels
+    current_platform.import_kernels()
+    print(json.dumps({"real": {k: real.get(k, False) for k in ("avx512_f", "avx512_bf16")},
+                      "kernels": sorted(loaded_vllm_kernels()), "attention": _get_attn_isa(torch.float32, 128, 64)}))
+""")
+
+
+@pytest.mark.parametrize("aten", ["avx2", ""])
+def test_vllm_loads_its_avx2_kernels_under_the_pin_and_the_cpus_own_otherwise(aten):
+    """In a fresh process on the CPU path: under the pin vLLM loads ``_C_AVX2`` only, whatever the CPU;
+    without it the library vLLM's own rule picks for this CPU's flags (read before the patch table)."""
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "VERL_PLATFORM": "cpu", "ATEN_CPU_CAPABILITY": aten,
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", KERNELS], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if aten == "avx2" or not result["real"]["avx512_f"]:
+        expected = "_C_AVX2.abi3.so"
+    else:
+        expected = "_C.abi3.so" if result["real"]["avx512_bf16"] else "_C_AVX512.abi3.so"
+    assert result["kernels"] == [expected], result
+    assert result["attention"] == "vec", result
+
+
 def test_the_ring_buffer_name_goes_once_readers_mapped_it():
     """The writer unlinks the name after its readers subscribed; the mapping keeps working, and the
     buffer's own cleanup does not unlink a second time."""
@@ -125,7 +173,7 @@ def test_a_vllm_run_on_cpu_gets_a_socket_folder_removed_at_its_end(monkeypatch):
     assert not folder.exists() and vllm_cpu.RPC_BASE_PATH_ENV not in os.environ
 
 
-@pytest.mark.parametrize("platform,rollout", [("cpu", "hf"), ("", "vllm")])
+@pytest.mark.parametrize("platform,rollout", [("cpu", "sglang"), ("", "vllm")])
 def test_other_runs_get_no_socket_folder(monkeypatch, platform, rollout):
     monkeypatch.setenv("VERL_PLATFORM", platform)
     config = _config(rollout)

@@ -1,13 +1,11 @@
 """Batched ancestral sampling with a Hugging Face causal LM, returning per-token log-probs.
 
-Pure PyTorch + transformers (no verl import), shared by the HF rollout server
-(:mod:`verl_patches.cpu.hf_rollout`) and the tiny-asset warm-up check (:mod:`recipe.stapo.cpu.assets`).
+Pure PyTorch + transformers (no verl import): the tiny assets' check of how often the warmed-up
+model succeeds and samples rare tokens (:mod:`recipe.stapo.cpu.tiny_model`).
 
 The log-prob returned for each sampled token is ``log_softmax(logits / temperature)[token]``: the
 same quantity verl's actor computes for ``old_log_prob`` (it divides the logits by the rollout
-temperature), so rollout and trainer log-probs agree up to floating-point noise. top-k / top-p only
-restrict which tokens can be drawn; they do not renormalise the reported log-prob (as vLLM's raw
-log-probs).
+temperature).
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ class Sample:
     stop_reason: str
 
 
-def _validate(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float, top_p: float) -> None:
+def _validate(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float) -> None:
     if len(prompts) == 0:
         raise ValueError("sample_batch: `prompts` is empty")
     if any(len(p) == 0 for p in prompts):
@@ -41,9 +39,7 @@ def _validate(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature
     if max_new_tokens < 1:
         raise ValueError(f"sample_batch: `max_new_tokens` must be >= 1, got {max_new_tokens}")
     if not temperature > 0:
-        raise ValueError(f"sample_batch: `temperature` must be > 0 (greedy: use top_k=1), got {temperature}")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"sample_batch: `top_p` must be in (0, 1], got {top_p}")
+        raise ValueError(f"sample_batch: `temperature` must be > 0, got {temperature}")
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,20 +53,6 @@ def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tens
     return ids, mask
 
 
-def _restrict(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Set logits outside the top-k / nucleus top-p set to -inf. logits: (B, V) float32."""
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p  # keep the token that crosses p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
-
-
 @torch.no_grad()
 def sample_batch(
     model: torch.nn.Module,
@@ -80,9 +62,7 @@ def sample_batch(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     temperature: float = 1.0,
-    top_p: float = 1.0,
-    top_k: int = -1,
-    generator: Optional[torch.Generator | Sequence[torch.Generator]] = None,
+    generator: Optional[torch.Generator] = None,
 ) -> list[Sample]:
     """Sample one continuation per prompt (KV-cached, left-padded batch).
 
@@ -93,16 +73,12 @@ def sample_batch(
         eos_token_ids: ids that end a response (kept as its last token).
         pad_token_id: id used for left padding (masked out by the attention mask).
         temperature: > 0; logits are divided by it before softmax.
-        top_p, top_k: nucleus / top-k restriction of the drawable set (top_k <= 0: off).
-        generator: torch.Generator for reproducible draws, or one generator per prompt (then each
-            prompt's draws do not depend on which other prompts share the batch).
+        generator: torch.Generator for reproducible draws.
 
     Returns:
         B :class:`Sample` s, in prompt order.
     """
-    _validate(prompts, max_new_tokens, temperature, top_p)
-    if isinstance(generator, Sequence) and len(generator) != len(prompts):
-        raise ValueError(f"sample_batch: {len(generator)} generators for {len(prompts)} prompts")
+    _validate(prompts, max_new_tokens, temperature)
     input_ids, attention_mask = _left_pad(prompts, pad_token_id)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long)
@@ -117,11 +93,8 @@ def sample_batch(
         past = out.past_key_values
         logits = out.logits[:, -1, :].float() / temperature
         log_probs = torch.log_softmax(logits, dim=-1)
-        probs = torch.softmax(_restrict(logits, top_k, top_p), dim=-1)
-        if isinstance(generator, Sequence):
-            nxt = torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator)])
-        else:
-            nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        probs = torch.softmax(logits, dim=-1)
+        nxt = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         nxt = torch.where(done, torch.full_like(nxt, pad_token_id), nxt)
         tokens.append(nxt)
         logps.append(log_probs.gather(-1, nxt.unsqueeze(-1)).squeeze(-1))
