@@ -39,7 +39,7 @@ from pathlib import Path
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
 from recipe.stapo.cpu.assets import SHIPPED_DIR
 from recipe.stapo.cpu.reproducibility import isa_settings, seeded_metrics
-from verl_patches.cpu.vllm_cpu import vllm_kernels_by_process
+from verl_patches.cpu.vllm_cpu import run_vllm_kernels
 
 #: the environment an AVX2-only machine amounts to (every library capped at AVX2)
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -72,8 +72,7 @@ def run_setting(name: str, isa: str, start_env: dict[str, str], args: argparse.N
     kernels: set[str] = set()
 
     def note_kernels(step: int, metrics: dict) -> None:  # while the run's processes live
-        for found in vllm_kernels_by_process(str(run_dir)).values():
-            kernels.update(found)
+        kernels.update(run_vllm_kernels(str(run_dir)))
 
     try:
         run = run_cpu_trainer(args.method, SHIPPED_DIR, run_dir, steps=args.steps, isa=isa, timeout=args.timeout,

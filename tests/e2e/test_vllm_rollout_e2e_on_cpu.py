@@ -25,7 +25,7 @@ import pytest
 
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
 from tests.e2e.test_trainer_e2e_on_cpu import MAX_PROB_DIFF, check_training_happened
-from verl_patches.cpu.vllm_cpu import vllm_kernels_by_process
+from verl_patches.cpu.vllm_cpu import run_vllm_kernels
 
 pytestmark = pytest.mark.slow
 
@@ -55,8 +55,7 @@ def vllm_run(assets, run_dir: Path, method: str, **kwargs):
     kernels: set[str] = set()
 
     def note_kernels(step: int, metrics: dict) -> None:  # while the run's processes live
-        for found in vllm_kernels_by_process(str(Path(run_dir).resolve())).values():
-            kernels.update(found)
+        kernels.update(run_vllm_kernels(str(Path(run_dir).resolve())))
 
     run = run_cpu_trainer(method, assets, run_dir, timeout=RUN_TIMEOUT_S, on_step=note_kernels, **kwargs)
     run.vllm_kernels = kernels

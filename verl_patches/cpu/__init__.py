@@ -7,10 +7,10 @@ Selected by the environment, never by import alone::
     VERL_ENGINE_DEVICE=cuda                    # engine class lookup only (FSDP engine)
 
 plus verl's vLLM rollout on vLLM's CPU build (config ``cpu_rollout/vllm.yaml``;
-``recipe.stapo.cpu.cpu_env`` and ``recipe.stapo.cpu.cpu_overrides`` build both). The changes to verl are the ``scope: cpu`` entries
-of the recipe's patch table (:mod:`verl_patches.install`), applied by ``import verl_patches`` when
-``VERL_PLATFORM=cpu``, after :func:`verl_patches.cpu.platform.pin_threads` fixed torch's thread
-count (``STAPO_CPU_THREADS``). When the CPU path is not selected nothing is registered or patched.
+``recipe.stapo.cpu.cpu_env`` and ``recipe.stapo.cpu.cpu_overrides`` build both). The changes to
+verl and vLLM are the ``scope: cpu`` entries of the recipe's patch table (:mod:`verl_patches.install`),
+applied by ``import verl_patches`` when ``VERL_PLATFORM=cpu``, after
+:func:`verl_patches.cpu.platform.pin_threads` fixed torch's thread count (``STAPO_CPU_THREADS``). When the CPU path is not selected nothing is registered or patched.
 The code they run:
 
 - :mod:`.platform`: the ``cpu`` platform (device cpu, gloo, no-op device calls), the gloo backend

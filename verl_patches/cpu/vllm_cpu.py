@@ -121,20 +121,17 @@ def loaded_vllm_kernels(pid: str = "self") -> set[str]:
                 if "/vllm/_C" in line and line.rstrip().endswith(".so")}
 
 
-def vllm_kernels_by_process(marker: str) -> dict[int, set[str]]:
+def run_vllm_kernels(marker: str) -> set[str]:
     """:func:`loaded_vllm_kernels` of every process whose environment contains ``marker`` (a run's
-    metrics path, say) and that loaded any; processes that end or are not ours to read are skipped."""
-    found = {}
+    folder, say), together; processes that end or are not ours to read are skipped."""
+    found: set[str] = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as environ:
-                if marker.encode() not in environ.read():
-                    continue
-            kernels = loaded_vllm_kernels(pid)
+                if marker.encode() in environ.read():
+                    found |= loaded_vllm_kernels(pid)
         except OSError:
             continue
-        if kernels:
-            found[int(pid)] = kernels
     return found
 
 

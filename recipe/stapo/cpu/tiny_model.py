@@ -9,6 +9,7 @@ mixed outcomes, and S2T sees tokens with p < ``tau_p``.
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -70,9 +71,6 @@ def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg:
                  seed: int) -> SampleStats:
     """Sample one response per question (temperature 1.0, ``cfg.max_new_tokens``) and count
     successes and rare tokens (p < ``cfg.tau_p``)."""
-    # torch only when the assets are built
-    import math
-
     # torch only when the assets are built
     import torch
 
