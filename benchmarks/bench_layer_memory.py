@@ -1,4 +1,4 @@
-"""Two of the memory model's terms measured on CPU (``recipe/stapo/memory_model.py``, docs/memory.md).
+"""Two of the memory model's terms measured on CPU (``recipe/stapo/memory/model.py``, docs/memory.md).
 
     python -m benchmarks.bench_layer_memory layer          # a Qwen3-8B decoder layer at 1/8 width
     python -m benchmarks.bench_layer_memory layer --scale 4 --tokens 1024,2048
@@ -38,7 +38,7 @@ import tempfile
 import torch
 
 from benchmarks.bench_logits_memory import _mmap_large_allocations, peak_extra_bytes
-from recipe.stapo import memory_model as mm
+from recipe.stapo.memory import model as mm
 
 QWEN3_8B = mm.BUILTIN_SHAPES["qwen3-8b"]
 

@@ -1,5 +1,5 @@
 """Peak memory of the logits-side computations of verl's log-prob pass, measured against the memory
-model's numbers (``recipe/stapo/memory_model.py``).
+model's numbers (``recipe/stapo/memory/model.py``).
 
     python -m benchmarks.bench_logits_memory                       # CPU: 4096 tokens x 151,936 vocabulary
     python -m benchmarks.bench_logits_memory --tokens 2048 --json rows.json
@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from recipe.stapo import memory_model as mm
+from recipe.stapo.memory import model as mm
 
 MIB = 1024**2
 CASES = ("logits", "sum_pi_squared_verl", "sum_pi_squared_chunked", "entropy_chunked", "log_probs")

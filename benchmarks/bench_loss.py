@@ -270,7 +270,7 @@ def make_batch(inputs: LossInputs, mode: Mode):
 def actor_config(mode_name: str):
     """The actor config (verl dataclass) the recipe composes for ``mode_name``."""
     import verl_patches  # noqa: F401  (installs the patches, registers the losses)
-    from recipe.stapo.config_utils import compose
+    from recipe.stapo.driver import compose
     from verl.utils.config import omega_conf_to_dataclass
 
     cfg = compose([*MODES[mode_name].overrides, "model=qwen3_1_7b"])

@@ -23,7 +23,7 @@
 # Relative paths (variables and overrides) are taken from the directory you launch from.
 # Submit mode returns once the job is accepted and prints its submission id on stdout (how to follow and
 # stop it on stderr); it refuses a second job of the same run while one is pending or running (exit 3).
-# It forwards only an allow-list of variables (recipe/stapo/config_utils.py: STAPO_*, NCCL_*, GLOO_*,
+# It forwards only an allow-list of variables (recipe/stapo/driver.py: STAPO_*, NCCL_*, GLOO_*,
 # VLLM_*, CUDA_*, PyTorch's allocator, WANDB_*/HF_* ones); they never enter the Hydra config.
 set -euo pipefail
 if [ $# -lt 2 ]; then
@@ -103,7 +103,7 @@ if [ "${LAUNCH:-local}" = submit ]; then
   runtime_env=$(mktemp "${TMPDIR:-/tmp}/stapo_runtime_env.XXXXXX.json")
   chmod 600 "$runtime_env"
   trap 'rm -f "$runtime_env"' EXIT
-  "$python" -m recipe.stapo.config_utils runtime-env > "$runtime_env"
+  "$python" -m recipe.stapo.driver runtime-env > "$runtime_env"
   if [ "${STAPO_DRY_RUN:-0}" != "0" ]; then
     id=$("$python" -m recipe.stapo.jobs next-id --offline --project "$project" --experiment "$experiment")
   else

@@ -6,7 +6,7 @@
 #   MODEL=/models/Qwen3-1.7B-Base LENGTHS=paper bash run_scripts/gpu_smoke.sh
 # Every run goes through the driver's preflight (docs/preflight.md): GPU_MEM_GB [79.1, an 80 GB card as CUDA
 # reports it] sizes its memory check; after each run the estimate and the measured peaks go to
-# OUT/memory_calibration.txt (python -m recipe.stapo.memory_calibration, docs/memory.md).
+# OUT/memory_calibration.txt (python -m recipe.stapo.memory.calibration, docs/memory.md).
 # Environment (defaults in brackets):
 #   MODEL                  local Hugging Face folder of the model (GPU mode; required)
 #   GPUS [1]               GPUs of this node to use
@@ -120,7 +120,7 @@ for m in "${methods[@]}"; do
   fi
   [ -d "$run_dir/checkpoints/global_step_$steps" ] || { echo "[smoke] $m: no checkpoint global_step_$steps in $run_dir/checkpoints" >&2; exit 1; }
   if [ "$device" = gpu ]; then   # the memory model's estimate next to the measured peaks (docs/memory.md)
-    "$python" -m recipe.stapo.memory_calibration "$run_dir" | tee -a "$out/memory_calibration.txt" >&2 || true
+    "$python" -m recipe.stapo.memory.calibration "$run_dir" | tee -a "$out/memory_calibration.txt" >&2 || true
   fi
 done
 

@@ -26,7 +26,7 @@ from stapo_core.balance import ForwardPlan, Item, plan_forward
 from stapo_core.distributed import exchange_objects, gather_objects, group_rank, world_size
 from stapo_core.rules import S2T, get_rule
 
-from .config import TokenSelectionLossConfig
+from .policy_loss_config import TokenSelectionLossConfig
 from .layout import to_padded
 from .token_selection import UNSELECTED_MASK_FIELD, CurrentStatistics
 

@@ -295,7 +295,7 @@ PATCHES: tuple[Patch, ...] = (
         changes="on CUDA, resets PyTorch's peak memory before a forward pass (log-prob; reference on a "
                 "forward-only engine) and logs the peak after it on rank 0 ('[stapo] memory peak: ...')",
         why="verl's perf/max_memory_* never reset, so they give one peak for all passes; the memory model "
-            "is calibrated pass by pass (python -m recipe.stapo.memory_calibration)",
+            "is calibrated pass by pass (python -m recipe.stapo.memory.calibration)",
         relies_on="compute_log_prob and compute_ref_log_prob calling TrainingWorker.infer_batch once per pass",
         drop_when="verl logs a peak per pass",
     ),
@@ -409,7 +409,7 @@ def table(patches=PATCHES) -> str:
         "unless `STAPO_ALLOW_VERL_VERSION` names it), then applies each change below once "
         "(`verl_patches/registry.py`). Changes with scope `cpu` are applied only when `VERL_PLATFORM=cpu` "
         "selects the CPU path (docs/cpu.md). The recipe's policy-loss settings reach the workers as a "
-        "config class of their own (`verl_patches.config.TokenSelectionLossConfig`, named by `_target_` "
+        "config class of their own (`verl_patches.policy_loss_config.TokenSelectionLossConfig`, named by `_target_` "
         "in the YAML), which verl instantiates in every process. Both of verl's trainers work: the "
         "TransferQueue trainer (`trainer.use_v1=true`, verl's default) and the legacy one.",
         "",

@@ -40,7 +40,7 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils import losses as verl_losses
 from verl.workers.utils.padding import no_padding_2_padding
 
-from .config import KEY_PREFIX, TokenSelectionLossConfig
+from .policy_loss_config import KEY_PREFIX, TokenSelectionLossConfig
 from .layout import add_per_row, multiply_like, to_padded
 from .token_selection import ROLLOUT_ENTROPY_FIELD, SEQ_MEAN_MODES, UNSELECTED_MASK_FIELD, rollout_agreement, select_tokens
 

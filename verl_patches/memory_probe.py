@@ -1,5 +1,5 @@
 """The measured GPU memory peak of each training-side pass, logged next to nothing else: one line per
-pass on data-parallel rank 0, which ``python -m recipe.stapo.memory_calibration`` reads back from the
+pass on data-parallel rank 0, which ``python -m recipe.stapo.memory.calibration`` reads back from the
 driver's log and sets beside the memory model's estimate (docs/memory.md, "Calibrating on a GPU").
 
 verl's own ``perf/max_memory_*`` metrics are PyTorch's allocator peaks since the process started
@@ -22,7 +22,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-#: what each line starts with (memory_calibration matches it)
+#: what each line starts with (recipe.stapo.memory.calibration matches it)
 PREFIX = "[stapo] memory peak:"
 
 _depth = threading.local()

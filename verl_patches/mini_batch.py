@@ -37,7 +37,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.device import get_device_id
 
 from . import update_effect
-from .config import TokenSelectionLossConfig
+from .policy_loss_config import TokenSelectionLossConfig
 from .current_stats import current_policy_statistics
 from .mini_batch_position import MiniBatchPosition, position_of
 from .mini_batch_selection import apply_selection, select_mini_batch

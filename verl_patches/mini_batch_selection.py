@@ -33,7 +33,7 @@ from verl.utils import tensordict_utils as tu
 
 from stapo_core.rules import S2T, RuleResult, get_rule
 
-from .config import TokenSelectionLossConfig
+from .policy_loss_config import TokenSelectionLossConfig
 from .layout import multiply_like, to_padded
 from .token_selection import (
     ROLLOUT_ENTROPY_FIELD,

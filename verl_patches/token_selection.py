@@ -19,7 +19,7 @@ import torch
 
 from stapo_core.rules import RuleResult, finite_stats, get_rule
 
-from .config import TokenSelectionLossConfig
+from .policy_loss_config import TokenSelectionLossConfig
 
 #: the batch field that carries the rollout-time (old-policy) entropy to the actor (verl's own name
 #: in the TransferQueue trainer; the legacy trainer's copy gets the same name)

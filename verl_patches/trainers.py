@@ -21,7 +21,7 @@ import transfer_queue as tq
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils.padding import response_from_nested
 
-from .config import TokenSelectionLossConfig
+from .policy_loss_config import TokenSelectionLossConfig
 from .step_metrics import entropy_quantile_metrics
 from .layout import to_padded
 from .token_selection import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD

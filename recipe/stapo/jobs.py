@@ -1,6 +1,6 @@
 """Submission ids of ``LAUNCH=submit`` (``run_scripts/common.sh``): one run, one id, one job at a time.
 
-A run (project + experiment) has a fixed id, :func:`recipe.stapo.config_utils.wandb_run_id`: the
+A run (project + experiment) has a fixed id, :func:`recipe.stapo.driver.wandb_run_id`: the
 wandb run id, and the Ray submission id of its first job. Ray never reuses a submission id (a
 finished job keeps its id), so a relaunch, the way a run resumes, is submitted as ``<id>-2``,
 ``<id>-3``... While any job of the run is pending or running, a new one is refused: two jobs would
@@ -22,7 +22,7 @@ import re
 import sys
 from typing import Iterable, Optional, Sequence
 
-from recipe.stapo.config_utils import wandb_run_id
+from recipe.stapo.driver import wandb_run_id
 
 #: exit status of ``next-id`` when a job of the run is still pending or running
 RUNNING_EXIT = 3

@@ -3,7 +3,7 @@
 A thin Hydra entry over verl's own ``run_ppo`` (like verl-recipe's DAPO): the config is
 ``config/stapo_trainer.yaml`` (verl's ``ppo_trainer`` plus the paper's shared settings), the
 ``method`` and ``model`` groups select the rest, and every key stays overridable. What the driver
-does to the config before verl gets it is :func:`recipe.stapo.config_utils.prepare`.
+does to the config before verl gets it is :func:`recipe.stapo.driver.prepare`.
 
 Check a config without starting Ray (seconds): add ``--check`` or set ``STAPO_DRY_RUN=1``; the
 command then runs the preflight on the whole composed config (docs/preflight.md: paths, names,
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 
-from recipe.stapo.config_utils import (CONFIG_DIR, CONFIG_NAME, PreflightError, describe, ensure_patch_module_env,
+from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, PreflightError, describe, ensure_patch_module_env,
                                        prepare)
 
 ensure_patch_module_env()  # before verl is imported: local Ray workers inherit it

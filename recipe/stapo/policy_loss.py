@@ -1,5 +1,5 @@
 """The policy-loss settings of a composed config, built once: the dataclass verl builds in every
-worker (``verl_patches.config.TokenSelectionLossConfig``), whose properties say which selection
+worker (``verl_patches.policy_loss_config.TokenSelectionLossConfig``), whose properties say which selection
 runs where, which extra forwards and entropies a run needs. The driver's config handling, the
 preflight and the memory model all read these decisions from it."""
 
@@ -29,7 +29,7 @@ def settings_of(config: DictConfig):
 @functools.lru_cache(maxsize=16)
 def _build(block: str):
     """One dataclass per distinct block (its resolved YAML): built once however often it is asked."""
-    # importing this module imports no verl: config_utils imports it before VERL_USE_EXTERNAL_MODULES is set
+    # importing this module imports no verl: the driver (recipe.stapo.driver) imports it before VERL_USE_EXTERNAL_MODULES is set
     from verl.utils.config import omega_conf_to_dataclass
 
     try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P
 
 ACTOR = "actor_rollout_ref.actor"

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from recipe.stapo import memory_model as mm
+from recipe.stapo.memory import model as mm
 from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow

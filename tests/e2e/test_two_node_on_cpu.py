@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.stapo.config_utils import wandb_run_id
+from recipe.stapo.driver import wandb_run_id
 from recipe.stapo.cpu import cpu_env, cpu_overrides
 from tests.helpers.paths import REPO
 

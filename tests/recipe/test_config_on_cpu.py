@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from recipe.stapo.config_utils import METHODS, MODELS, compose, prepare, validate
+from recipe.stapo.driver import METHODS, MODELS, compose, prepare, validate
 from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
 from verl.utils.config import omega_conf_to_dataclass
 from tests.helpers.cluster_files import fake_cluster
@@ -207,7 +207,7 @@ def test_models_select_qwen3_base_checkpoints(model):
 def test_ray_env_vars_reach_ray_resolved_and_as_strings():
     """verl hands ray_kwargs to ray.init without resolving interpolations, and Ray accepts only
     string env vars: the entry point resolves and stringifies them first."""
-    from recipe.stapo.config_utils import stringify_ray_env_vars
+    from recipe.stapo.driver import stringify_ray_env_vars
 
     cfg = compose(["method=stapo", "recipe.token_dump.dir=/runs/x", "recipe.token_dump.responses=8"])
     stringify_ray_env_vars(cfg)

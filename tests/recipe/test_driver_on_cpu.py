@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from recipe.stapo.config_utils import (CALCULATE_ENTROPY, compose, ensure_loss_statistics, forwarded_env,
+from recipe.stapo.driver import (CALCULATE_ENTROPY, compose, ensure_loss_statistics, forwarded_env,
                                        job_runtime_env, prepare)
 from tests.helpers.cluster_files import QWEN3_CONFIGS, use_fake_cluster, write_dataset, write_model
 
@@ -161,7 +161,7 @@ def test_submitted_job_carries_exactly_the_allowed_variables():
 
 
 def _run_env(overrides, environ):
-    from recipe.stapo.config_utils import ensure_wandb_resume
+    from recipe.stapo.driver import ensure_wandb_resume
 
     cfg = compose(overrides)
     return ensure_wandb_resume(cfg, environ), cfg

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from verl.utils.config import omega_conf_to_dataclass
 
 AUTHORS_SP, AUTHORS_BUDGET = 8, 22528

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.stapo.config_utils import wandb_run_id
+from recipe.stapo.driver import wandb_run_id
 from recipe.stapo.jobs import JobRunning, launch_number, next_submission_id, run_submission_id
 
 BASE = run_submission_id("stapo", "qwen3_8b_stapo")

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from recipe.stapo import methods as methods_module
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from recipe.stapo.methods import METHOD_DIR, TOKEN_SELECTION_KEY, methods
 from stapo_core.rules import token_selections
 

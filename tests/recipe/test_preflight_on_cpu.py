@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from recipe.stapo.config_utils import compose, describe, prepare
+from recipe.stapo.driver import compose, describe, prepare
 from recipe.stapo.preflight import PreflightError, probe_writable
 from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, use_fake_cluster, write_dataset, write_model
 from tests.helpers.paths import REPO
@@ -405,7 +405,7 @@ def test_check_command_refuses_hostile_values_before_ray(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------
-# values verl would only trip over after Ray starts (recipe.stapo.config_checks)
+# values verl would only trip over after Ray starts (recipe.stapo.preflight.values)
 # ------------------------------------------------------------------------------------------------
 
 

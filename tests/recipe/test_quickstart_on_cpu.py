@@ -13,7 +13,7 @@ import pytest
 from recipe.stapo import quickstart as qs
 from recipe.stapo import quickstart_report as report
 from recipe.stapo import quickstart_settings as qsettings
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from recipe.stapo.cpu.assets import asset_paths
 from stapo_core import fileio
 from stapo_core.s2t import DEFAULT_Q, DEFAULT_TAU_P

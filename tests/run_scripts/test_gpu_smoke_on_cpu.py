@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.stapo.config_utils import METHODS, PreflightError, compose, prepare
+from recipe.stapo.driver import METHODS, PreflightError, compose, prepare
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
 from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, write_model
 from tests.helpers.paths import REPO

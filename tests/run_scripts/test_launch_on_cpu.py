@@ -16,7 +16,7 @@ import pytest
 
 from omegaconf import OmegaConf
 
-from recipe.stapo.config_utils import FORWARDED_ENV_NAMES, FORWARDED_ENV_PREFIXES, compose
+from recipe.stapo.driver import FORWARDED_ENV_NAMES, FORWARDED_ENV_PREFIXES, compose
 from tests.helpers.paths import REPO
 
 COMMON = REPO / "run_scripts" / "common.sh"
@@ -54,7 +54,7 @@ def _submit_dry_run(tmp_path, **env):
 
 
 def test_submit_mode_submits_a_detached_job_named_after_the_run(tmp_path):
-    from recipe.stapo.config_utils import wandb_run_id
+    from recipe.stapo.driver import wandb_run_id
 
     proc, head, entry, _ = _submit_dry_run(tmp_path, RAY_API_SERVER_ADDRESS="http://head:8265", STAPO_DATA_DIR="rel/data",
                                            CKPT_DIR="ck")
@@ -220,7 +220,7 @@ def test_throughput_settings_fit_the_longest_sequence(model):
 def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
     """GPU mode of run_scripts/gpu_smoke.sh (dry run): one command per method, each a valid verl config
     on one node with the local model, short lengths and a checkpoint at the last step."""
-    from recipe.stapo.config_utils import METHODS, validate
+    from recipe.stapo.driver import METHODS, validate
 
     model = tmp_path / "Qwen3-1.7B-Base"
     model.mkdir()
@@ -248,7 +248,7 @@ def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
 def test_relative_overrides_are_taken_from_the_launch_directory_not_the_drivers(tmp_path, monkeypatch):
     """In submit mode the driver runs in Ray's copy of the project; STAPO_LAUNCH_DIR (exported by
     common.sh) is where the user launched."""
-    from recipe.stapo.config_utils import RAY_ENV_VARS, resolve_paths
+    from recipe.stapo.driver import RAY_ENV_VARS, resolve_paths
 
     launch, driver = tmp_path / "launch", tmp_path / "ray_working_dir"
     launch.mkdir(), driver.mkdir()
@@ -273,7 +273,7 @@ def test_relative_overrides_are_taken_from_the_launch_directory_not_the_drivers(
 
 
 def test_run_file_locations_set_by_the_user_are_kept_and_made_absolute(tmp_path, monkeypatch):
-    from recipe.stapo.config_utils import RAY_ENV_VARS, resolve_paths
+    from recipe.stapo.driver import RAY_ENV_VARS, resolve_paths
 
     monkeypatch.setenv("STAPO_LAUNCH_DIR", str(tmp_path))
     monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", "logs")
@@ -291,7 +291,7 @@ def _uploaded(root: Path) -> set[str]:
     .gitignore included, as ``ray job submit --working-dir``)."""
     from ray._private.runtime_env.packaging import _dir_travel, _get_excludes
 
-    from recipe.stapo.config_utils import WORKING_DIR_EXCLUDES
+    from recipe.stapo.driver import WORKING_DIR_EXCLUDES
 
     found = set()
     _dir_travel(root, [_get_excludes(root, list(WORKING_DIR_EXCLUDES))],

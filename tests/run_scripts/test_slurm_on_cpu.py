@@ -10,7 +10,7 @@ import shlex
 import subprocess
 import sys
 
-from recipe.stapo.config_utils import compose, validate
+from recipe.stapo.driver import compose, validate
 from tests.helpers.paths import REPO
 
 SBATCH = REPO / "run_scripts" / "slurm" / "stapo.sbatch"

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import verl_patches  # noqa: F401  (installs the patches)
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from stapo_core import s2t_mask
 from tests.helpers.dist_utils import run_on_ranks
 from tests.helpers.verl_batch import PROMPT_LEN, flat_model_output, micro_batch, right_padded_mask

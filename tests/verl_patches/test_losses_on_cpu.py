@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import verl_patches  # noqa: F401  (installs the patches)
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from stapo_core import s2t_mask, entropy_topk_mask
 from tests.helpers.reference_loss import clipped_policy_loss
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
@@ -384,7 +384,7 @@ def test_authors_code_reading_is_one_switch_and_refuses_other_settings():
     # only the S2T monitor (on in every method's YAML) reads the rollout statistics
     assert policy.monitors_s2t and policy.needs_rollout_entropy
     assert not dataclasses.replace(policy, s2t_monitor=False).needs_rollout_entropy
-    from verl_patches.config import TokenSelectionLossConfig
+    from verl_patches.policy_loss_config import TokenSelectionLossConfig
 
     with pytest.raises(ValueError, match="entropy_topk_reading='authors_code'.*token_selection=s2t"):
         TokenSelectionLossConfig(token_selection="s2t", entropy_topk_reading="authors_code")
@@ -408,7 +408,7 @@ def test_every_registered_loss_has_a_stated_ratio_level():
     """docs/method.md states, for every loss verl registers, whether its ratio is per token or per
     sequence; the sequence-level ones are those ``sequence_ratio`` switches."""
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
-    from verl_patches.config import SEQUENCE_RATIO_LOSS_MODES
+    from verl_patches.policy_loss_config import SEQUENCE_RATIO_LOSS_MODES
     from verl_patches.losses import RATIO_LEVEL
 
     assert set(RATIO_LEVEL) == set(POLICY_LOSS_REGISTRY)
@@ -520,7 +520,7 @@ def test_token_level_losses_keep_each_kept_tokens_own_loss(loss_mode):
 
 
 def test_sequence_ratio_all_tokens_needs_a_sequence_level_loss():
-    from verl_patches.config import TokenSelectionLossConfig
+    from verl_patches.policy_loss_config import TokenSelectionLossConfig
 
     with pytest.raises(ValueError, match="sequence_ratio='all_tokens'.*loss_mode=vanilla"):
         TokenSelectionLossConfig(token_selection="s2t", sequence_ratio="all_tokens")

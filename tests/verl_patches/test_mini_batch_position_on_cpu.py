@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import torch
 
 import verl_patches  # noqa: F401  (installs the patches)
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from stapo_core import s2t_mask
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass

@@ -18,7 +18,7 @@ from stapo_core.rules import RULES, RuleResult, SelectionRule, get_rule, registe
 from tests.helpers.verl_batch import micro_batch
 from tests.verl_patches.test_token_selection_on_cpu import actor_config, batch, reference, verl_loss
 from verl.utils import tensordict_utils as tu
-from verl_patches.config import TokenSelectionLossConfig
+from verl_patches.policy_loss_config import TokenSelectionLossConfig
 from verl_patches.current_stats import forward_metric_prefix
 from verl_patches.losses import ppo_loss_with_token_selection
 from verl_patches.mini_batch_selection import fold_into_mini_batch

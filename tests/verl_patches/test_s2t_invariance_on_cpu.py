@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import verl_patches  # noqa: F401
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from verl.utils.config import omega_conf_to_dataclass
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl_patches.losses import ppo_loss_with_token_selection

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import verl_patches  # noqa: F401  (installs the patches)
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from stapo_core import s2t_mask
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers import engine_workers
-from verl_patches.config import TokenSelectionLossConfig
+from verl_patches.policy_loss_config import TokenSelectionLossConfig
 from verl_patches.mini_batch import wrap_train_batch
 from verl_patches.trainers import needs_rollout_entropy
 

@@ -16,14 +16,14 @@ import torch
 import importlib
 
 import verl_patches  # noqa: F401  (installs the patches)
-from recipe.stapo.config_utils import compose, validate
+from recipe.stapo.driver import compose, validate
 from stapo_core import s2t_mask, entropy_topk_mask
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers import engine_workers
 from verl.workers.utils import losses as verl_losses
-from verl_patches.config import LOCAL_NORMALISING_LOSS_MODES
+from verl_patches.policy_loss_config import LOCAL_NORMALISING_LOSS_MODES
 from verl_patches.losses import ppo_loss_with_token_selection
 from verl_patches.mini_batch_selection import fold_into_mini_batch
 

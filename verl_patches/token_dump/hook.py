@@ -58,7 +58,7 @@ from verl.utils import tensordict_utils as tu
 from stapo_core import DEFAULT_Q, DEFAULT_TAU_P, s2t_mask
 from stapo_core.token_records import write_step
 
-from ..config import TokenSelectionLossConfig
+from ..policy_loss_config import TokenSelectionLossConfig
 from ..layout import to_padded
 from ..mini_batch_position import MiniBatchPosition
 from ..token_selection import ROLLOUT_ENTROPY_FIELD

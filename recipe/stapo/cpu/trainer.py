@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from recipe.stapo.config_utils import METHODS
+from recipe.stapo.driver import METHODS
 from recipe.stapo.eval.backends import CPU_VLLM_ENV
 from recipe.stapo.metrics import METRICS_FILE, read_metrics
 

@@ -11,7 +11,7 @@ import pytest
 from verl.trainer.ppo.reward import get_custom_reward_fn
 from verl.utils.reward_score.math_dapo import compute_score as verl_math_dapo_score
 
-from recipe.stapo.config_utils import compose
+from recipe.stapo.driver import compose
 from recipe.stapo.eval import grade
 from recipe.stapo.reward import compute_score, compute_score_lenient
 

@@ -180,7 +180,7 @@ def test_cpu_env_and_overrides_fix_threads_and_determinism(tmp_path):
         cpu_env(base={}, threads=0)
     (tmp_path / "assets").mkdir()
     (tmp_path / "assets" / "manifest.json").write_text("{}")
-    from recipe.stapo.config_utils import compose
+    from recipe.stapo.driver import compose
 
     # the CPU rollout's config (cpu_rollout/vllm.yaml) as Hydra composes it
     config = compose(["method=stapo", *cpu_overrides(tmp_path / "assets", tmp_path / "run")])

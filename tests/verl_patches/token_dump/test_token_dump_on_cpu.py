@@ -238,7 +238,7 @@ def _hook(model, cfg, last_epoch: int):
 
 
 def _stapo_cfg(**kw):
-    from verl_patches.config import TokenSelectionLossConfig
+    from verl_patches.policy_loss_config import TokenSelectionLossConfig
 
     return TokenSelectionLossConfig(token_selection="s2t", tau_p=TAU_P, **{"stats_from": "rollout", **kw})
 

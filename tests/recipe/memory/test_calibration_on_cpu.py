@@ -1,4 +1,4 @@
-"""The estimate next to a run's measured peaks (``recipe.stapo.memory_calibration``): the preflight's
+"""The estimate next to a run's measured peaks (``recipe.stapo.memory.calibration``): the preflight's
 table read back from a driver's log, verl's memory metrics from ``metrics.jsonl``."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from recipe.stapo import memory_calibration as mc
-from recipe.stapo import memory_model as mm
+from recipe.stapo.memory import calibration as mc
+from recipe.stapo.memory import model as mm
 
 
 def _run(tmp_path, metrics_rows):

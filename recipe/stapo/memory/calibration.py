@@ -1,8 +1,8 @@
 """The memory model's estimate next to what a run measured, for calibrating the model on the first
 GPU run (docs/memory.md, "Calibrating on a GPU").
 
-    python -m recipe.stapo.memory_calibration results/gpu_smoke/stapo [more run folders...]
-    python -m recipe.stapo.memory_calibration --log train.log --metrics metrics.jsonl
+    python -m recipe.stapo.memory.calibration results/gpu_smoke/stapo [more run folders...]
+    python -m recipe.stapo.memory.calibration --log train.log --metrics metrics.jsonl
 
 A run folder holds the driver's log (``train.log``: the preflight's memory table, one row per pass,
 and the workers' ``[stapo] memory peak: pass=...`` lines, :mod:`verl_patches.memory_probe`: PyTorch's
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from recipe.stapo import memory_model as mm
+from recipe.stapo.memory import model as mm
 
 #: a row of the preflight's memory table: pass, estimate, margin (GiB), share of the GPU
 ROW = re.compile(r"^\s*(?:\[stapo\]\s*)?([a-z_]+)\s+([0-9.]+) \+\s*([0-9.]+)\s+\d+%\s")
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         try:
             print(compare(log, metrics))
         except ValueError as e:
-            print(f"memory_calibration: {e}", file=sys.stderr)
+            print(f"recipe.stapo.memory.calibration: {e}", file=sys.stderr)
             status = 1
     return status
 

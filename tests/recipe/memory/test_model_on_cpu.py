@@ -1,4 +1,4 @@
-"""The GPU memory model (``recipe.stapo.memory_model``): parameter counts against the models
+"""The GPU memory model (``recipe.stapo.memory.model``): parameter counts against the models
 ``transformers`` builds, the passes' arithmetic, the budget it suggests, verl's own Qwen3-8B examples
 (known to run on 80 GB GPUs) and the paper's configs. Its logits-side numbers are checked against a
 measurement in tests/benchmarks/test_bench_logits_memory_on_cpu.py."""
@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from recipe.stapo import memory_model as mm
-from recipe.stapo.config_utils import compose
+from recipe.stapo.memory import model as mm
+from recipe.stapo.driver import compose
 from tests.helpers.cluster_files import QWEN3_CONFIGS
 from tests.helpers.paths import REPO
 

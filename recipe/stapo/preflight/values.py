@@ -1,11 +1,11 @@
-"""Type and range checks of config values whose bad value verl reports only after Ray has started
-(minutes in, often without the key's name), and of the environment variables the config reads.
+"""Single values: the type and range of config values whose bad value verl reports only after Ray
+has started (minutes in, often without the key's name), the logger list, a second writer of the
+run's metrics file, and the environment variables the recipe's YAML reads as numbers.
 
-:func:`check_values` returns one finding per bad value, ``(key, problem, fix, value)``, which the
-preflight (:mod:`recipe.stapo.preflight`) reports as its problems; :func:`check_environment` parses the environment variables the recipe's YAML
-interpolates (``GPU_MEM_GB``) once, before the config is resolved, so that a bad one is named
-instead of failing inside omegaconf. Each rule of :data:`VALUE_RULES` says what verl does with a
-bad value (read from verl 0.9.1's trainer, workers and config dataclasses).
+Each check of :data:`VALUE_CHECKS` says what verl does with a bad value (read from verl 0.9.1's
+trainer, workers and config dataclasses). :func:`check_environment` parses the environment variables
+(``GPU_MEM_GB``) once, before the config is resolved, so that a bad one is named instead of failing
+inside omegaconf.
 
 Importing this module imports no verl.
 """
@@ -20,20 +20,17 @@ from typing import Callable, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
+from .problem import ACTOR, ROLLOUT, Problem, is_int
+
 _ABSENT = object()
 
 
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _is_number(value) -> bool:
-    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
-class Rule:
+class ValueCheck:
     """A key, the test its value must pass, what that means (``what``: "a whole number >= 1", ...),
     what verl does otherwise (``why``) and the fix."""
 
@@ -46,7 +43,7 @@ class Rule:
 
 
 def _int_at_least(low: int) -> Callable[[object], bool]:
-    return lambda v: _is_int(v) and v >= low
+    return lambda v: is_int(v) and v >= low
 
 
 def _number_in(low: float, high: float, low_open: bool, high_open: bool) -> Callable[[object], bool]:
@@ -72,70 +69,70 @@ _FRACTION = _number_in(0.0, 1.0, True, False)
 _NON_NEGATIVE = _number_in(0.0, math.inf, False, True)
 _POSITIVE = _number_in(0.0, math.inf, True, True)
 
-VALUE_RULES: tuple[Rule, ...] = (
+VALUE_CHECKS: tuple[ValueCheck, ...] = (
     # the optimiser (verl's FSDP engine builds it in every worker)
-    Rule(f"{ACTOR}.optim.lr", _NON_NEGATIVE, "a number >= 0",
+    ValueCheck(f"{ACTOR}.optim.lr", _NON_NEGATIVE, "a number >= 0",
          "the workers' optimiser fails with a TypeError minutes after Ray starts", "the paper: 1e-6"),
-    Rule(f"{ACTOR}.optim.weight_decay", _NON_NEGATIVE, "a number >= 0",
+    ValueCheck(f"{ACTOR}.optim.weight_decay", _NON_NEGATIVE, "a number >= 0",
          "the workers' optimiser refuses it after Ray starts", "the paper: 0.1"),
-    Rule(f"{ACTOR}.optim.lr_warmup_steps", _int_at_least(-1), "a whole number >= -1 (-1: use lr_warmup_steps_ratio)",
+    ValueCheck(f"{ACTOR}.optim.lr_warmup_steps", _int_at_least(-1), "a whole number >= -1 (-1: use lr_warmup_steps_ratio)",
          "the workers' scheduler fails after Ray starts", "the paper: 10", optional=True),
-    Rule(f"{ACTOR}.optim.lr_warmup_steps_ratio", _number_in(0.0, 1.0, False, False), "a number in [0, 1]",
+    ValueCheck(f"{ACTOR}.optim.lr_warmup_steps_ratio", _number_in(0.0, 1.0, False, False), "a number in [0, 1]",
          "the workers' scheduler fails after Ray starts", "e.g. 0.0"),
-    Rule(f"{ACTOR}.optim.clip_grad", _POSITIVE, "a number > 0",
+    ValueCheck(f"{ACTOR}.optim.clip_grad", _POSITIVE, "a number > 0",
          "gradient clipping fails in the workers after Ray starts", "the paper: 1.0"),
-    Rule(f"{ACTOR}.optim.lr_scheduler_type", _one_of("constant", "cosine"), "'constant' or 'cosine'",
+    ValueCheck(f"{ACTOR}.optim.lr_scheduler_type", _one_of("constant", "cosine"), "'constant' or 'cosine'",
          "verl's FSDP engine refuses it when the workers start", "the paper: constant"),
     # the update
-    Rule(f"{ACTOR}.ppo_epochs", _int_at_least(1), "a whole number >= 1",
+    ValueCheck(f"{ACTOR}.ppo_epochs", _int_at_least(1), "a whole number >= 1",
          "with no update the trainer fails at the end of the first step (KeyError: 'actor/mfu')", "the paper: 1"),
-    Rule(f"{ACTOR}.clip_ratio_low", _number_in(0.0, 1.0, False, True), "a number in [0, 1)",
+    ValueCheck(f"{ACTOR}.clip_ratio_low", _number_in(0.0, 1.0, False, True), "a number in [0, 1)",
          "the ratio's lower clip bound 1 - clip_ratio_low must stay above 0, or the clip never acts",
          "the paper: 0.2 (bounds [0.8, 1.28])", optional=True),
-    Rule(f"{ACTOR}.clip_ratio_high", _NON_NEGATIVE, "a number >= 0",
+    ValueCheck(f"{ACTOR}.clip_ratio_high", _NON_NEGATIVE, "a number >= 0",
          "the ratio's upper clip bound 1 + clip_ratio_high would fall below 1 and clip every improving token",
          "the paper: 0.28", optional=True),
-    Rule(f"{ACTOR}.clip_ratio", _NON_NEGATIVE, "a number >= 0",
+    ValueCheck(f"{ACTOR}.clip_ratio", _NON_NEGATIVE, "a number >= 0",
          "the clip bounds would be wrong in every update", "verl's default: 0.2"),
-    Rule(f"{ACTOR}.clip_ratio_c", _number_in(1.0, math.inf, True, True), "a number > 1",
+    ValueCheck(f"{ACTOR}.clip_ratio_c", _number_in(1.0, math.inf, True, True), "a number > 1",
          "verl's policy loss asserts it in the first update, after the first rollout", "the paper's runs: 10.0"),
-    Rule(f"{ACTOR}.entropy_coeff", _is_number, "a number", "the loss fails in the first update", "the paper: 0"),
-    Rule(f"{ACTOR}.kl_loss_coef", _NON_NEGATIVE, "a number >= 0", "the loss fails in the first update", "e.g. 0.001"),
+    ValueCheck(f"{ACTOR}.entropy_coeff", _is_number, "a number", "the loss fails in the first update", "the paper: 0"),
+    ValueCheck(f"{ACTOR}.kl_loss_coef", _NON_NEGATIVE, "a number >= 0", "the loss fails in the first update", "e.g. 0.001"),
     # sampling
-    Rule(f"{ROLLOUT}.temperature", _POSITIVE, "a number > 0",
+    ValueCheck(f"{ROLLOUT}.temperature", _POSITIVE, "a number > 0",
          "the log-probabilities divide by it (0 gives infinities) or vLLM refuses it after Ray starts", "the paper: 1.0"),
-    Rule(f"{ROLLOUT}.top_p", _FRACTION, "a number in (0, 1]", "vLLM refuses it when the rollout starts, after Ray",
+    ValueCheck(f"{ROLLOUT}.top_p", _FRACTION, "a number in (0, 1]", "vLLM refuses it when the rollout starts, after Ray",
          "the paper: 1.0"),
-    Rule(f"{ROLLOUT}.top_k", _int_at_least(-1), "a whole number >= -1 (-1: off)",
+    ValueCheck(f"{ROLLOUT}.top_k", _int_at_least(-1), "a whole number >= -1 (-1: off)",
          "vLLM refuses it when the rollout starts, after Ray", "-1"),
-    Rule(f"{ROLLOUT}.gpu_memory_utilization", _FRACTION, "a number in (0, 1]",
+    ValueCheck(f"{ROLLOUT}.gpu_memory_utilization", _FRACTION, "a number in (0, 1]",
          "vLLM refuses it when its engine starts, after Ray (a fraction of each GPU's memory)", "e.g. 0.6"),
-    Rule(f"{ROLLOUT}.val_kwargs.n", _int_at_least(1), "a whole number >= 1",
+    ValueCheck(f"{ROLLOUT}.val_kwargs.n", _int_at_least(1), "a whole number >= 1",
          "validation fails at its first batch, after Ray starts", "the paper: 32"),
-    Rule(f"{ROLLOUT}.val_kwargs.top_p", _FRACTION, "a number in (0, 1]", "vLLM refuses it at the first validation",
+    ValueCheck(f"{ROLLOUT}.val_kwargs.top_p", _FRACTION, "a number in (0, 1]", "vLLM refuses it at the first validation",
          "the paper: 0.9"),
-    Rule(f"{ROLLOUT}.val_kwargs.temperature", _NON_NEGATIVE, "a number >= 0",
+    ValueCheck(f"{ROLLOUT}.val_kwargs.temperature", _NON_NEGATIVE, "a number >= 0",
          "vLLM refuses it at the first validation", "the paper: 0.7"),
-    Rule(f"{ROLLOUT}.val_kwargs.top_k", _int_at_least(-1), "a whole number >= -1 (-1: off)",
+    ValueCheck(f"{ROLLOUT}.val_kwargs.top_k", _int_at_least(-1), "a whole number >= -1 (-1: off)",
          "vLLM refuses it at the first validation", "-1"),
-    Rule(f"{ROLLOUT}.val_kwargs.do_sample", _is_bool, "true or false", "validation reads it as a truth value",
+    ValueCheck(f"{ROLLOUT}.val_kwargs.do_sample", _is_bool, "true or false", "validation reads it as a truth value",
          "the paper: true"),
     # the trainer loop
-    Rule("trainer.total_training_steps", _int_at_least(1), "a whole number >= 1 (or null: total_epochs decides)",
+    ValueCheck("trainer.total_training_steps", _int_at_least(1), "a whole number >= 1 (or null: total_epochs decides)",
          "the trainer fails computing its schedule, after Ray starts", "the paper: 3000", optional=True),
-    Rule("trainer.total_epochs", _int_at_least(1), "a whole number >= 1",
+    ValueCheck("trainer.total_epochs", _int_at_least(1), "a whole number >= 1",
          "the trainer fails computing its schedule, after Ray starts", "e.g. 1000"),
-    Rule("trainer.test_freq", _int_at_least(-1), "a whole number (-1 or 0: never validate)",
+    ValueCheck("trainer.test_freq", _int_at_least(-1), "a whole number (-1 or 0: never validate)",
          "the trainer compares it with the step after the first step, after Ray starts", "the paper: 20"),
-    Rule("trainer.save_freq", _int_at_least(-1), "a whole number (-1 or 0: never save)",
+    ValueCheck("trainer.save_freq", _int_at_least(-1), "a whole number (-1 or 0: never save)",
          "the trainer compares it with the step after the first step, after Ray starts", "the paper: 100"),
-    Rule("trainer.resume_mode", _one_of("auto", "disable", "resume_path"), "one of auto, disable, resume_path",
+    ValueCheck("trainer.resume_mode", _one_of("auto", "disable", "resume_path"), "one of auto, disable, resume_path",
          "the trainer ignores or refuses an unknown mode when it loads checkpoints, after Ray starts", "auto"),
-    Rule("trainer.val_before_train", _is_bool, "true or false", "the trainer reads it as a truth value", "true"),
-    Rule("trainer.max_actor_ckpt_to_keep", _int_at_least(1), "a whole number >= 1 (or null: keep all)",
+    ValueCheck("trainer.val_before_train", _is_bool, "true or false", "the trainer reads it as a truth value", "true"),
+    ValueCheck("trainer.max_actor_ckpt_to_keep", _int_at_least(1), "a whole number >= 1 (or null: keep all)",
          "checkpoint pruning fails at the first save", "the recipe: 3", optional=True),
-    Rule("data.shuffle", _is_bool, "true or false", "the data loader reads it as a truth value", "true"),
-    Rule("data.truncation", _one_of("error", "left", "right", "middle"), "one of error, left, right, middle",
+    ValueCheck("data.shuffle", _is_bool, "true or false", "the data loader reads it as a truth value", "true"),
+    ValueCheck("data.truncation", _one_of("error", "left", "right", "middle"), "one of error, left, right, middle",
          "the dataset refuses it at its first long prompt", "the recipe: error"),
 )
 
@@ -146,32 +143,28 @@ def _shown(value) -> object:
     return value
 
 
-Finding = tuple
-"""``(key, problem, fix)`` or ``(key, problem, fix, value)``: the fields of a preflight ``Problem``."""
-
-
-def check_values(config: DictConfig) -> list[Finding]:
-    """One finding per value of :data:`VALUE_RULES` that fails its test, plus the logger list
+def check_values(config: DictConfig) -> list[Problem]:
+    """One problem per value of :data:`VALUE_CHECKS` that fails its test, plus the logger list
     (verl's backends) and ``recipe.gpu_mem_gb`` given as true/false. A key the config does not have
     is not checked (verl then uses its default)."""
-    found: list[Finding] = []
-    for rule in VALUE_RULES:
-        value = OmegaConf.select(config, rule.key, default=_ABSENT)
-        if value is _ABSENT or (value is None and rule.optional):
+    found: list[Problem] = []
+    for value_check in VALUE_CHECKS:
+        value = OmegaConf.select(config, value_check.key, default=_ABSENT)
+        if value is _ABSENT or (value is None and value_check.optional):
             continue
-        if not rule.test(value):
-            found.append((rule.key, f"must be {rule.what} ({rule.why})", f"set {rule.key} to {rule.what}; "
-                          f"{rule.fix}", _shown(value)))
+        if not value_check.test(value):
+            found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
+                                 f"set {value_check.key} to {value_check.what}; {value_check.fix}", _shown(value)))
     _check_logger(config, found)
     _check_metrics_writer(config, found)
     gpu_mem = OmegaConf.select(config, "recipe.gpu_mem_gb", default=None)
     if isinstance(gpu_mem, bool):
-        found.append(("recipe.gpu_mem_gb", "the target GPU's memory in GB must be a number, not true/false",
+        found.append(Problem("recipe.gpu_mem_gb", "the target GPU's memory in GB must be a number, not true/false",
                       "set GPU_MEM_GB (or recipe.gpu_mem_gb) to a number of GiB, e.g. 80", gpu_mem))
     return found
 
 
-def _check_logger(config: DictConfig, found: list) -> None:
+def _check_logger(config: DictConfig, found: list[Problem]) -> None:
     """``trainer.logger``: a name or a list of names of verl's tracking backends (verl asserts it when
     the trainer builds its tracker, after Ray starts)."""
     value = OmegaConf.select(config, "trainer.logger", default=_ABSENT)
@@ -180,19 +173,19 @@ def _check_logger(config: DictConfig, found: list) -> None:
     names = [value] if isinstance(value, str) else list(value) if isinstance(value, ListConfig) else None
     supported = supported_loggers()
     if names is None or not all(isinstance(n, str) for n in names):
-        found.append(("trainer.logger", "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
+        found.append(Problem("trainer.logger", "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
                              f"(verl's loggers: {', '.join(supported)})", _shown(value)))
         return
     unknown = [n for n in names if n not in supported and n != "tracking"]
     if unknown:
         hints = [f"{n} -> {close[0]}" for n in unknown if (close := difflib.get_close_matches(n, supported, n=1))]
-        found.append(("trainer.logger", f"{', '.join(map(repr, unknown))} is not one of verl's loggers (verl "
+        found.append(Problem("trainer.logger", f"{', '.join(map(repr, unknown))} is not one of verl's loggers (verl "
                              "asserts it when the trainer starts, after Ray)",
                              (f"did you mean {'; '.join(hints)}? " if hints else "")
                              + f"verl's loggers: {', '.join(supported)}", _shown(value)))
 
 
-def _check_metrics_writer(config: DictConfig, found: list) -> None:
+def _check_metrics_writer(config: DictConfig, found: list[Problem]) -> None:
     """The run's metrics file (``VERL_FILE_LOGGER_PATH`` the driver passes to the workers) has no
     writer now: another launch of the same run still training would lose records to this one (the
     logger itself refuses a second writer too, but only after Ray has started)."""
@@ -207,7 +200,7 @@ def _check_metrics_writer(config: DictConfig, found: list) -> None:
     try:
         os.close(claim_metrics_file(path))
     except MetricsFileBusy as e:
-        found.append(("trainer.default_local_dir", str(e), "wait for the other launch to end (or stop it), or "
+        found.append(Problem("trainer.default_local_dir", str(e), "wait for the other launch to end (or stop it), or "
                       "give this run another trainer.default_local_dir (CKPT_DIR) or experiment name", path))
     except OSError:
         return  # a lock file this process cannot open: left to the logger, which names it
@@ -251,14 +244,14 @@ def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = N
     return value
 
 
-def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Finding]:
-    """A finding for each variable of :data:`NUMBER_ENV` that is set
+def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
+    """A problem for each variable of :data:`NUMBER_ENV` that is set
     to something other than a positive number (checked before the config is resolved: omegaconf
     would fail on it with a long traceback that does not name the variable, or read ``true`` as 1)."""
-    found: list[Finding] = []
+    found: list[Problem] = []
     for name in NUMBER_ENV:
         try:
             positive_number_from_env(name, environ)
         except ValueError as e:
-            found.append((name, str(e), f"export {name}={NUMBER_ENV[name][1]} (or unset it)"))
+            found.append(Problem(name, str(e), f"export {name}={NUMBER_ENV[name][1]} (or unset it)"))
     return found

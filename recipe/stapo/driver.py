@@ -30,11 +30,10 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from recipe.stapo.config_checks import check_environment
-from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
-from recipe.stapo.preflight import PreflightError, Problem, summary
-from recipe.stapo.preflight import check as preflight_check
 from recipe.stapo.methods import METHODS
+from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
+from recipe.stapo.preflight import PreflightError, check_environment, summary
+from recipe.stapo.preflight import check as preflight_check
 
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
@@ -319,7 +318,7 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     """
     bad_environment = check_environment()  # the variables the YAML interpolates, before resolving them
     if bad_environment:
-        raise PreflightError([Problem(*finding) for finding in bad_environment])
+        raise PreflightError(bad_environment)
     ensure_loss_statistics(config, log=log)
     resolve_paths(config, cwd=cwd, log=log)
     ensure_wandb_resume(config)
@@ -370,10 +369,10 @@ def job_runtime_env(environ: Mapping[str, str]) -> dict:
 
 
 def _main(argv: Sequence[str]) -> int:
-    """``python -m recipe.stapo.config_utils runtime-env``: print :func:`job_runtime_env` as JSON, and on
+    """``python -m recipe.stapo.driver runtime-env``: print :func:`job_runtime_env` as JSON, and on
     stderr a warning naming the secrets it carries in plain text."""
     if list(argv) != ["runtime-env"]:
-        print("usage: python -m recipe.stapo.config_utils runtime-env", file=sys.stderr)
+        print("usage: python -m recipe.stapo.driver runtime-env", file=sys.stderr)
         return 2
     runtime_env = job_runtime_env(os.environ)
     shown = visible_secrets(runtime_env["env_vars"])

@@ -1,0 +1,121 @@
+"""Names and identity: the policy loss is registered, the token-selection settings are valid, the
+advantage estimator exists, the reward function resolves in its module, sequence parallelism is not
+combined with the recipe's current-policy forwards, and a method's run selects the method's tokens
+(``method=stapo``: S2T) unless the experiment name says what it runs instead."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+
+from omegaconf import DictConfig
+
+from recipe.stapo.methods import methods
+from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
+
+from .problem import ACTOR, Problem, is_int, pick
+
+
+def token_selection(config: DictConfig) -> str:
+    """The token selection a config runs (``none`` without the recipe's policy-loss config)."""
+    policy_loss = pick(config, POLICY_LOSS)
+    if policy_loss is None or not str(policy_loss.get("_target_", "")).endswith("TokenSelectionLossConfig"):
+        return "none"
+    return str(policy_loss.get("token_selection", "none"))
+
+
+def check_names(config: DictConfig, found: list[Problem]) -> None:
+    """Policy loss, token-selection settings, advantage estimator, reward function."""
+    # verl loads only after VERL_USE_EXTERNAL_MODULES is set (importing this module imports no verl)
+    import verl_patches  # noqa: F401  (the patches every worker runs with)
+    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+
+    mode = pick(config, f"{POLICY_LOSS}.loss_mode", "vanilla")
+    if mode not in POLICY_LOSS_REGISTRY:
+        found.append(Problem(f"{POLICY_LOSS}.loss_mode", "not a registered policy loss",
+                             f"use one of {sorted(POLICY_LOSS_REGISTRY)}", mode))
+    try:
+        settings_of(config)
+    except ValueError as e:
+        found.append(Problem(POLICY_LOSS, str(e), "use the values docs/method.md lists for these keys"))
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator  # verl: as above
+
+    estimator = str(pick(config, "algorithm.adv_estimator", "grpo"))
+    known = sorted(set(ADV_ESTIMATOR_REGISTRY) | {e.value for e in AdvantageEstimator})
+    if estimator not in known:
+        found.append(Problem("algorithm.adv_estimator", "not one of verl's advantage estimators",
+                             f"use one of {known}", estimator))
+    check_reward_function(config, found)
+    check_sequence_parallel(config, found)
+
+
+def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:
+    """Ulysses sequence parallelism with a current-policy forward of the recipe's: verl's
+    ``TrainingWorker.infer_batch`` returns its output to one rank of each sequence-parallel group
+    only, and the loss's own statistics would be one rank's slice, so the recipe refuses it here
+    rather than on some ranks hours in."""
+    sp = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1)
+    if not (is_int(sp) and sp > 1):
+        return
+    try:
+        cfg = settings_of(config)
+    except ValueError:  # check_names reports an invalid policy-loss config
+        return
+    if cfg is None:
+        return
+    uses = []
+    if cfg.selects_tokens and cfg.statistics_source == "current":
+        uses.append(f"{cfg.token_selection} from the current policy (stats_from=current"
+                    + (", entropy_topk_reading=authors_code" if cfg.authors_code_reading else "") + ")")
+    if cfg.monitor_forwards_current_policy:
+        uses.append("the S2T monitor with stats_from=current")
+    if cfg.measures_update_effect:
+        uses.append(f"update_effect_responses={cfg.update_effect_responses}")
+    if uses:
+        found.append(Problem(
+            f"{ACTOR}.ulysses_sequence_parallel_size",
+            f"sequence parallelism is not supported with {', '.join(uses)}: the recipe's current-policy forwards "
+            "need every rank's full output",
+            f"set {ACTOR}.ulysses_sequence_parallel_size=1 (and a token budget that holds the longest sequence), "
+            f"or {POLICY_LOSS}.stats_from=rollout (and update_effect_responses=0)", sp))
+
+
+def check_reward_function(config: DictConfig, found: list[Problem]) -> None:
+    """The reward function resolves in its module, as verl's reward loop will load it."""
+    path = pick(config, "reward.custom_reward_function.path")
+    name = pick(config, "reward.custom_reward_function.name")
+    if not path:
+        return
+    key = "reward.custom_reward_function"
+    from verl.utils.import_utils import load_module  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
+
+    try:
+        module = load_module(str(path))
+    except Exception as e:  # noqa: BLE001  (anything the import raises is the problem to report)
+        found.append(Problem(f"{key}.path", f"cannot be imported ({type(e).__name__}: {e})",
+                             "point it to an importable module (pkg://package.module) or an existing .py file", path))
+        return
+    fn = getattr(module, str(name), None) if name else None
+    if callable(fn):
+        return
+    candidates = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
+    close = difflib.get_close_matches(str(name), candidates, n=1)
+    hint = f"did you mean {key}.name={close[0]}? " if close else ""
+    found.append(Problem(f"{key}.name", f"not a function of {path}",
+                         f"{hint}functions there: {', '.join(candidates) or 'none'}", name))
+
+
+def check_identity(config: DictConfig, found: list[Problem]) -> None:
+    """A method's run selects that method's tokens, or its experiment name says what it runs instead."""
+    method = str(pick(config, "recipe.method", ""))
+    expected = methods()[method].token_selection if method in methods() else None
+    actual = token_selection(config)
+    name = str(pick(config, "trainer.experiment_name", ""))
+    if expected is None or actual == expected or actual.lower() in name.lower():
+        return
+    found.append(Problem(
+        f"{POLICY_LOSS}.token_selection",
+        f"method={method} selects {expected!r}, and the experiment name {name!r} does not say "
+        f"otherwise: the run would be filed as {method} without {method}'s token selection",
+        f"drop the override, or name the run after what it runs: trainer.experiment_name={name}_{actual} "
+        f"(EXPERIMENT in the run scripts)", actual))

@@ -1,0 +1,198 @@
+"""Paths: data files are parquet with the columns the run reads; the model folder has a config, a
+tokenizer and weights; the checkpoint folder (and the token dump's) can be created and written (a
+probe file, removed with any folder made for it); the token dump's settings. With ``LAUNCH=submit``
+a path the launching machine cannot see is a note, not a refusal (the job's driver checks it on the
+head node)."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig, ListConfig
+
+from .problem import Problem, pick
+
+#: columns every row of a data file needs (beside ``data.prompt_key`` and ``data.reward_fn_key``)
+REWARD_MODEL_COLUMN, GROUND_TRUTH_FIELD = "reward_model", "ground_truth"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+#: folders the run writes to (the checkpoint folder always; the others when set)
+OUTPUT_DIR_KEYS = ("trainer.default_local_dir", "recipe.token_dump.dir", "trainer.validation_data_dir",
+                   "trainer.rollout_data_dir")
+
+
+def _paths(value) -> list[str]:
+    if value is None or value == "":
+        return []
+    if isinstance(value, (ListConfig, list, tuple)):
+        return [str(v) for v in value]
+    return [str(value)]
+
+
+def probe_writable(path: Path) -> Optional[str]:
+    """None when ``path`` can be created (if missing) and a file written in it; else the reason.
+    Writes and removes one probe file, and removes every folder it had to create."""
+    missing, existing = [], path
+    while not existing.exists():
+        missing.append(existing)
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} exists and is not a folder"
+    created = []
+    try:
+        for folder in reversed(missing):
+            folder.mkdir()
+            created.append(folder)
+        probe = path / f".stapo_preflight_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+        probe.write_bytes(b"preflight")
+        probe.unlink()
+    except OSError as e:
+        return f"{e.strerror or e} ({e.filename or path})"
+    finally:
+        for folder in reversed(created):
+            try:
+                folder.rmdir()
+            except OSError:
+                pass
+    return None
+
+
+def _existing_local(key: str, path: str, fix: str, found: list[Problem], notes: list[str], submit: bool) -> Optional[Path]:
+    """``path`` as a ``Path`` when it is local and exists here; otherwise None, with a note (a remote
+    path; with ``LAUNCH=submit``, a path not visible on this machine) or a problem (it does not exist)."""
+    if "://" in path:
+        notes.append(f"{key}: {path} is remote, not checked here")
+        return None
+    p = Path(path)
+    if p.exists():
+        return p
+    if submit:
+        notes.append(f"{key}: {path} is not visible here (LAUNCH=submit): the job's driver checks it on the head node")
+    else:
+        found.append(Problem(key, f"{path} does not exist", fix))
+    return None
+
+
+def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], notes: list[str], submit: bool) -> None:
+    prepare_cmd = ("python -m recipe.stapo.data.prepare " + ("train" if key == "data.train_files" else "bench")
+                   + " --out-dir <folder>, then set STAPO_DATA_DIR=<folder> (or " + key + ")")
+    p = _existing_local(key, path, prepare_cmd, found, notes, submit)
+    if p is None:
+        return
+    if not p.is_file():
+        found.append(Problem(key, f"{path} is not a file", "point it to a parquet file"))
+        return
+    import pyarrow.parquet as pq  # pyarrow (half a second to import) only when a data file is checked
+
+    try:
+        meta = pq.read_metadata(p)
+        schema = meta.schema.to_arrow_schema()
+    except Exception as e:  # noqa: BLE001
+        found.append(Problem(key, f"{path} is not a parquet file ({type(e).__name__}: {e})", prepare_cmd))
+        return
+    if meta.num_rows == 0:  # before the columns: a file without rows may have none either
+        found.append(Problem(key, f"{path} has no rows", prepare_cmd))
+        return
+    prompt_key = str(pick(config, "data.prompt_key", "prompt"))
+    source_key = str(pick(config, "data.reward_fn_key", "data_source"))
+    missing = [c for c in (prompt_key, source_key, REWARD_MODEL_COLUMN) if c not in schema.names]
+    if not missing:
+        import pyarrow as pa  # as pyarrow.parquet above
+
+        reward = schema.field(REWARD_MODEL_COLUMN).type
+        if not pa.types.is_struct(reward) or reward.get_field_index(GROUND_TRUTH_FIELD) < 0:
+            missing.append(f"{REWARD_MODEL_COLUMN}.{GROUND_TRUTH_FIELD}")
+    if missing:
+        found.append(Problem(key, f"{path} has no column {', '.join(missing)} (it has {', '.join(schema.names)}); "
+                             f"the run reads {prompt_key}, {source_key} and {REWARD_MODEL_COLUMN}.{GROUND_TRUTH_FIELD}",
+                             prepare_cmd))
+
+
+def _model_folder(config: DictConfig, found: list[Problem], notes: list[str], submit: bool) -> None:
+    key = "actor_rollout_ref.model.path"
+    path = str(pick(config, key, "") or "")
+    download = (f"download it (hf download Qwen/<model> --local-dir <folder>) and set STAPO_MODEL_DIR "
+                f"(or {key}) to the folder holding it")
+    if not path:
+        found.append(Problem(key, "is empty", download))
+        return
+    if "://" not in path and not path.startswith("/"):  # the driver made every local path absolute: a hub id
+        return                                          # (logged by resolve_paths)
+    folder = _existing_local(key, path, download, found, notes, submit)
+    if folder is None:
+        return
+    if not folder.is_dir() or not any(folder.iterdir()):
+        found.append(Problem(key, f"{path} is {'empty' if folder.is_dir() else 'not a folder'}", download))
+        return
+    try:
+        config_json = json.loads((folder / "config.json").read_text())
+        if not isinstance(config_json, dict) or "model_type" not in config_json:
+            raise ValueError("no model_type")
+    except (OSError, ValueError) as e:
+        found.append(Problem(key, f"{path} has no readable Hugging Face config.json ({e})", download))
+    tokenizer = Path(str(pick(config, "actor_rollout_ref.model.tokenizer_path", "") or path))
+    if not any((tokenizer / f).is_file() for f in TOKENIZER_FILES):
+        found.append(Problem("actor_rollout_ref.model.tokenizer_path" if tokenizer != folder else key,
+                             f"{tokenizer} has no tokenizer ({' / '.join(TOKENIZER_FILES)})", download))
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_PATTERNS):
+        found.append(Problem(key, f"{path} has no weights ({' / '.join(WEIGHT_PATTERNS[:2])})", download))
+
+
+def check_paths(config: DictConfig, found: list[Problem], notes: list[str], submit: bool = False) -> None:
+    """Data files, the model folder, the folders the run writes to, a checkpoint to resume from."""
+    for key in ("data.train_files", "data.val_files"):
+        paths = _paths(pick(config, key))
+        if not paths:
+            found.append(Problem(key, "is empty", "set it to the parquet file(s) of recipe.stapo.data.prepare"))
+        for path in paths:
+            _data_file(config, key, path, found, notes, submit)
+    _model_folder(config, found, notes, submit)
+    for key in OUTPUT_DIR_KEYS:
+        value = pick(config, key)
+        if not value:
+            if key == "trainer.default_local_dir":
+                found.append(Problem(key, "is empty", "set CKPT_DIR (or trainer.default_local_dir)"))
+            continue
+        path = str(value)
+        if "://" in path:
+            notes.append(f"{key}: {path} is remote, not checked here")
+            continue
+        if submit and not Path(path).exists():
+            notes.append(f"{key}: {path} is not visible here (LAUNCH=submit): the job's driver probes it on the head node")
+            continue
+        reason = probe_writable(Path(path))
+        if reason:
+            found.append(Problem(key, f"{path} cannot be created or written: {reason}",
+                                 "choose a folder this user can write, on storage every node sees"
+                                 + (" (CKPT_DIR in the run scripts)" if key == "trainer.default_local_dir" else "")))
+    if pick(config, "trainer.resume_mode") == "resume_path":
+        resume = str(pick(config, "trainer.resume_from_path", "") or "")
+        if not resume or not (Path(resume).is_dir() or (submit or "://" in resume)):
+            found.append(Problem("trainer.resume_from_path", f"{resume!r} is not a checkpoint folder "
+                                 "(trainer.resume_mode=resume_path)", "point it to a global_step_<k> folder, or use "
+                                 "trainer.resume_mode=auto"))
+
+
+def check_token_dump(config: DictConfig, found: list[Problem]) -> None:
+    """The token dump's settings, read as every actor will read them (only when the dump is on)."""
+    env_vars = pick(config, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
+    env = {str(k): "" if v is None else str(v) for k, v in dict(env_vars).items()}
+    # importing verl_patches applies the patches, which imports verl: only after VERL_USE_EXTERNAL_MODULES is set
+    from verl_patches.token_dump import settings as dump
+
+    if not env.get(dump.DIR_ENV):
+        return
+    for variable, key, fix in ((dump.RESPONSES_ENV, "recipe.token_dump.responses", "a whole number >= 1 (default 4)"),
+                               (dump.CONTEXT_ENV, "recipe.token_dump.context", "a whole number >= 0 (default 16)"),
+                               (dump.IDS_ENV, "recipe.token_dump.ids", "true or false")):
+        only = {dump.DIR_ENV: env[dump.DIR_ENV], variable: env.get(variable, "")}
+        try:
+            dump.settings_from_env(only)
+        except ValueError as e:
+            found.append(Problem(key, str(e), f"set {key} to {fix}"))

@@ -1,0 +1,94 @@
+"""The preflight as a whole: :func:`check` runs every kind of check on a resolved config and reports
+all problems at once; :func:`summary` says what a config runs."""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Mapping, Optional
+
+from omegaconf import DictConfig
+
+from stapo_core.rules import NO_SELECTION, RULES
+
+from .memory import check_memory
+from .names import POLICY_LOSS, check_identity, check_names, token_selection
+from .numbers import check_numbers, uses_reference
+from .paths import check_paths, check_token_dump
+from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, pick
+from .values import check_values
+
+#: the launcher's environment variable naming submit mode (run_scripts/common.sh)
+LAUNCH_ENV = "LAUNCH"
+
+
+def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, problems: Optional[list[Problem]] = None,
+          log: Callable[[str], None] = print) -> Report:
+    """Run every check on a resolved config; raise :class:`PreflightError` listing every problem
+    (``problems``: ones the caller found before), else return the :class:`Report` (also logged)."""
+    environ = os.environ if environ is None else environ
+    submit = environ.get(LAUNCH_ENV, "") == "submit"
+    found = list(problems or [])
+    report = Report()
+    if submit:
+        report.notes.append("LAUNCH=submit: paths this machine cannot see are left to the job's driver, which runs "
+                            "the same checks on the head node before Ray starts")
+    numbers_ok = check_numbers(config, found)
+    found += check_values(config)  # types and ranges verl checks after Ray
+    check_names(config, found)
+    check_identity(config, found)
+    check_paths(config, found, report.notes, submit)
+    check_token_dump(config, found)
+    if numbers_ok:
+        report.memory_table = check_memory(config, found, report.notes)
+    if found:
+        raise PreflightError(found)
+    log(report.text())
+    return report
+
+
+def summary(config: DictConfig) -> str:
+    """What a config runs, in ``key = value`` lines: the method and its token selection, the reward,
+    paths, the GPUs and how each step's batch splits over them, lengths and token budgets."""
+    _get = lambda key: pick(config, key)  # noqa: E731
+    lines = [("recipe.method", _get("recipe.method")), ("recipe.model", _get("recipe.model")),
+             (f"{POLICY_LOSS}.loss_mode", _get(f"{POLICY_LOSS}.loss_mode") or "vanilla"),
+             (f"{POLICY_LOSS}.token_selection", token_selection(config))]
+    selection = token_selection(config)
+    if selection in RULES:
+        lines += [(f"{POLICY_LOSS}.{k}", _get(f"{POLICY_LOSS}.{k}")) for k in RULES[selection].fields]
+    if selection != NO_SELECTION:
+        lines += [(f"{POLICY_LOSS}.stats_from", _get(f"{POLICY_LOSS}.stats_from")),
+                  (f"{POLICY_LOSS}.scope", _get(f"{POLICY_LOSS}.scope") or "mini_batch")]
+    lines += [("reward.custom_reward_function", f"{_get('reward.custom_reward_function.path')}:"
+               f"{_get('reward.custom_reward_function.name')}"),
+              ("algorithm.adv_estimator", _get("algorithm.adv_estimator"))]
+    lines += [(k, _get(k)) for k in ("actor_rollout_ref.model.path", "data.train_files", "data.val_files",
+                                     "trainer.default_local_dir")]
+    nnodes, gpus = _get("trainer.nnodes"), _get("trainer.n_gpus_per_node")
+    lines += [("trainer.nnodes", nnodes), ("trainer.n_gpus_per_node", gpus)]
+    try:
+        world = int(nnodes) * int(gpus)
+        n, batch, mini = int(_get(f"{ROLLOUT}.n")), int(_get("data.train_batch_size")), int(_get(f"{ACTOR}.ppo_mini_batch_size"))
+        sp = int(_get(f"{ACTOR}.ulysses_sequence_parallel_size") or 1)
+        lines += [("GPUs", world), (f"{ROLLOUT}.n", n),
+                  ("data.train_batch_size", f"{batch} prompts = {batch * n} sequences per step"),
+                  (f"{ACTOR}.ppo_mini_batch_size", f"{mini} prompts = {mini * n} sequences per update, "
+                   f"{batch // mini} updates per step, {mini * n // max(1, world // sp)} sequences per "
+                   f"data-parallel rank")]
+    except (TypeError, ValueError, ZeroDivisionError):
+        pass
+    prompt, response = _get("data.max_prompt_length"), _get("data.max_response_length")
+    lines.append(("data.max_prompt_length + data.max_response_length", f"{prompt} + {response}"))
+    if _get(f"{ACTOR}.use_dynamic_bsz"):
+        budgets = [f"update {_get(f'{ACTOR}.ppo_max_token_len_per_gpu')}",
+                   f"log-prob {_get(f'{ROLLOUT}.log_prob_max_token_len_per_gpu')}"]
+        if uses_reference(config):
+            budgets.append(f"reference {_get(f'{REF}.log_prob_max_token_len_per_gpu')}")
+        lines.append(("token budgets per GPU", ", ".join(budgets)
+                      + f" (sequence parallel {_get(f'{ACTOR}.ulysses_sequence_parallel_size')})"))
+    else:
+        lines.append((f"{ACTOR}.ppo_micro_batch_size_per_gpu", _get(f"{ACTOR}.ppo_micro_batch_size_per_gpu")))
+    lines += [(k, _get(k)) for k in ("actor_rollout_ref.rollout.gpu_memory_utilization", "recipe.gpu_mem_gb",
+                                     "trainer.logger", "trainer.project_name", "trainer.experiment_name",
+                                     "trainer.max_actor_ckpt_to_keep")]
+    return "\n".join(f"  {key} = {value}" for key, value in lines)
