@@ -8,7 +8,7 @@ Imports ``stapo_core``, torch, TRL, transformers and accelerate only (never the 
 Installed with the ``trl`` extra: ``pip install -e .[trl]``.
 """
 
-from .policy_loss_config import STAPOConfig
+from .config import STAPOConfig
 from .selection import s2t_window
 from .trainer import STAPOTrainer
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from trl import GRPOTrainer
 
-from .policy_loss_config import STAPOConfig
+from .config import STAPOConfig
 from .selection import s2t_window
 
 #: the statistics logged each optimizer step, as ``s2t/<name>`` (the verl recipe's ``actor/s2t/<name>``)
