@@ -16,6 +16,7 @@ from stapo_core import s2t_mask
 from tests.helpers.reference_loss import clipped_policy_loss
 from stapo_trl import STAPOConfig, STAPOTrainer
 from stapo_trl.config import LOSS_TYPES
+from stapo_trl.selection import random_strategy_seed
 from stapo_trl.trainer import S2T_METRICS, loss_mask
 from tests.helpers.trl_tiny import digit_reward, prompts_dataset, tiny_model, tiny_tokenizer, trainer_settings
 
@@ -27,12 +28,12 @@ def offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def make_trainer(tmp_path, trainer_cls=STAPOTrainer, config_cls=STAPOConfig, seed=0, **overrides):
+def make_trainer(tmp_path, trainer_cls=STAPOTrainer, config_cls=STAPOConfig, model_seed=0, **overrides):
     from trl import GRPOTrainer  # noqa: F401  (TRL is the trl extra)
 
     tokenizer = tiny_tokenizer()
     args = config_cls(**trainer_settings(tmp_path / "out", **overrides))
-    return trainer_cls(model=tiny_model(tokenizer, seed=seed), reward_funcs=digit_reward, args=args,
+    return trainer_cls(model=tiny_model(tokenizer, seed=model_seed), reward_funcs=digit_reward, args=args,
                        train_dataset=prompts_dataset(), processing_class=tokenizer)
 
 
@@ -130,10 +131,14 @@ class KeepRecorder(STAPOTrainer):
 
 def token_losses(trainer, loss_type, lp, old, adv, keep):
     """TRL's per-token loss of ``loss_type`` written from its formulas (``delta`` and ``beta`` off):
-    ``(batch, completion_len)``, from the current and old log-probs, the advantages ``(batch, 1)``
-    and (for vespo's sequence weight) the keep mask."""
+    ``(batch, completion_len)`` (``(batch, 1)`` with sequence-level ratios), from the current and old
+    log-probs, the advantages ``(batch, 1)`` and the keep mask (the sequence ratio's and vespo's
+    sequence weight's tokens)."""
     args = trainer.args
-    ratio = torch.exp(lp - old)
+    log_ratio = lp - old
+    if args.importance_sampling_level == "sequence":  # the mean log-ratio over the kept tokens
+        log_ratio = ((log_ratio * keep).sum(-1) / keep.sum(-1).clamp(min=1.0))[:, None]
+    ratio = torch.exp(log_ratio)
     if loss_type == "cispo":
         return -torch.clamp(ratio, max=trainer.epsilon_high) * adv * lp
     if loss_type == "sapo":
@@ -149,30 +154,48 @@ def token_losses(trainer, loss_type, lp, old, adv, keep):
     return -torch.minimum(ratio * adv, clipped * adv)
 
 
-def expected_micro_loss(trainer, loss_type, loss_mat, keep, generation_tokens, step_tokens, step_kept):
+def expected_micro_loss(trainer, loss_type, loss_mat, keep, entropy, generation_tokens, step_tokens, step_kept):
     """One micro-batch's loss over the kept tokens in TRL's convention (docs/trl.md), one process."""
     ga, spg = trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation
     kept_sum = (loss_mat * keep).sum()
     if loss_type in ("dapo", "cispo", "vespo"):  # the kept tokens of the step, as TRL averages over steps
-        return kept_sum / (step_kept * (generation_tokens * ga / spg) / step_tokens)
-    if loss_type == "bnpo":
-        return kept_sum / keep.sum().clamp(min=1) / ga
-    if loss_type in ("grpo", "sapo"):
-        return ((loss_mat * keep).sum(-1) / keep.sum(-1).clamp(min=1)).mean() / ga
-    if loss_type == "dr_grpo":
-        return kept_sum / (keep.shape[0] * trainer.args.max_completion_length) / ga
-    assert loss_type == "luspo"
-    return (loss_mat * keep).sum(-1).mean() / ga
+        loss = kept_sum / (step_kept * (generation_tokens * ga / spg) / step_tokens)
+    elif loss_type == "bnpo":
+        loss = kept_sum / keep.sum().clamp(min=1) / ga
+    elif loss_type in ("grpo", "sapo"):
+        loss = ((loss_mat * keep).sum(-1) / keep.sum(-1).clamp(min=1)).mean() / ga
+    elif loss_type == "dr_grpo":
+        loss = kept_sum / (keep.shape[0] * trainer.args.max_completion_length) / ga
+    else:
+        assert loss_type == "luspo"
+        loss = (loss_mat * keep).sum(-1).mean() / ga
+    bonus = (entropy * keep).sum() / keep.sum().clamp(min=1) / ga  # the entropy bonus: mean over the kept tokens
+    return loss - trainer.args.entropy_coef * bonus
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_each_loss_type_averages_over_the_kept_tokens_in_trls_convention(tmp_path, loss_type):
+LOSS_CASES = [pytest.param(loss, {}, id=loss) for loss in LOSS_TYPES] + [
+    pytest.param("grpo", {"importance_sampling_level": "sequence"}, id="grpo-sequence-ratio"),
+    pytest.param("luspo", {"importance_sampling_level": "sequence"}, id="luspo-sequence-ratio"),
+    pytest.param("dapo", {"entropy_coef": 0.01}, id="dapo-entropy-bonus"),
+]
+
+
+@pytest.mark.parametrize("loss_type, overrides", LOSS_CASES)
+def test_each_loss_type_averages_over_the_kept_tokens_in_trls_convention(tmp_path, loss_type, overrides):
     """Two optimizer steps from one generation (steps_per_generation=4, gradient_accumulation_steps=2),
-    S2T silencing in each: every micro-batch's loss is TRL's per-token loss aggregated over the kept
-    tokens as docs/trl.md states for its loss type."""
+    S2T silencing in each, ratios moved off 1: every micro-batch's loss is TRL's per-token loss
+    aggregated over the kept tokens as docs/trl.md states for its loss type, the sequence-level ratio,
+    vespo's sequence weight, the entropy bonus and the logged entropy over the kept tokens."""
     trainer = make_trainer(tmp_path, KeepRecorder, tau_p=0.2, loss_type=loss_type, epsilon_high=0.28,
-                           steps_per_generation=4)
-    inputs, losses = record_step(trainer, steps=2)
+                           steps_per_generation=4, **overrides)
+    offsets = torch.tensor([-0.4, -0.1, 0.0, 0.15, 0.4])  # log r per position
+
+    def vary_ratios(buffered):
+        for micro in buffered:
+            lp, _ = reference(trainer, [micro])[0]
+            micro["old_per_token_logps"] = lp - offsets[torch.arange(lp.shape[1]) % len(offsets)]
+
+    inputs, losses = record_step(trainer, steps=2, edit=vary_ratios)
     assert all(torch.equal(m["num_items_in_batch"], inputs[0]["num_items_in_batch"]) for m in inputs)
     generation_tokens = sum(int(loss_mask(m).sum()) for m in inputs)
     assert int(inputs[0]["num_items_in_batch"]) == generation_tokens
@@ -182,14 +205,24 @@ def test_each_loss_type_averages_over_the_kept_tokens_in_trls_convention(tmp_pat
     step_tokens = [sum(int(loss_mask(m).sum()) for m in inputs[2 * s: 2 * s + 2]) for s in range(2)]
     assert step_tokens != [per_step, per_step], "the steps differ in size, so the convention matters"
     stats = reference(trainer, inputs)
+    over_all_tokens = []  # the loss a sequence weight over every token would give
     for k, (micro, loss) in enumerate(zip(inputs, losses)):
         step = k // 2
         keep = loss_mask(micro).float() * trainer._recorded_keeps[k]
-        lp = stats[k][0]
-        loss_mat = token_losses(trainer, loss_type, lp, micro["old_per_token_logps"], micro["advantages"][:, None], keep)
-        expected = expected_micro_loss(trainer, loss_type, loss_mat, keep, generation_tokens, step_tokens[step],
-                                       step_tokens[step] - silenced[step])
+        lp, entropy = stats[k]
+        old, adv = micro["old_per_token_logps"], micro["advantages"][:, None]
+        loss_mat = token_losses(trainer, loss_type, lp, old, adv, keep)
+        expected = expected_micro_loss(trainer, loss_type, loss_mat, keep, entropy, generation_tokens,
+                                       step_tokens[step], step_tokens[step] - silenced[step])
         assert loss.item() == pytest.approx(expected.item(), rel=1e-5, abs=1e-7), (k, loss_type)
+        everywhere = token_losses(trainer, loss_type, lp, old, adv, loss_mask(micro).float())
+        over_all_tokens.append((loss.item(), expected_micro_loss(
+            trainer, loss_type, everywhere, keep, entropy, generation_tokens, step_tokens[step],
+            step_tokens[step] - silenced[step]).item()))
+        kept_entropy = (entropy * keep).sum() / keep.sum()
+        assert trainer._metrics["train"]["entropy"][k] == pytest.approx(kept_entropy.item(), rel=1e-5)
+    if overrides.get("importance_sampling_level") == "sequence" or loss_type == "vespo":
+        assert any(a != pytest.approx(b, rel=1e-4) for a, b in over_all_tokens)
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
@@ -325,17 +358,21 @@ def test_positive_advantage_forward_selects_as_the_full_forward(tmp_path):
 def test_trls_delta_is_verls_dual_clip(tmp_path, delta):
     """TRL's two-sided clip delta=10 (coef_1 clamped at delta before the PPO min) gives the loss and
     gradient of verl's dual clip clip_ratio_c=10 (the reference surrogate, which tests/verl_patches
-    check against verl's vanilla loss), ratios from 0.05 to 20 under both signs of the advantage;
-    without delta, TRL's loss is the surrogate without dual clip."""
+    check against verl's vanilla loss), ratios from e^-25 to e^25 under both signs of the advantage
+    (verl clamps the log-ratio to [-20, 20], TRL does not: below 2.1e-9 x |A| per token); without
+    delta, TRL's loss is the surrogate without dual clip."""
     from trl import GRPOConfig, GRPOTrainer
 
     trainer = make_trainer(tmp_path, GRPOTrainer, GRPOConfig, delta=delta, epsilon=0.2, epsilon_high=0.28)
-    offsets = torch.tensor([-3.0, -0.5, -0.1, 0.0, 0.1, 0.5, 3.0])  # log r: r from 0.05 to 20
+    offsets = torch.tensor([-25.0, -3.0, -0.5, -0.1, 0.0, 0.1, 0.5, 3.0, 25.0])  # log r, beyond verl's +-20 clamp
+    if delta is None:  # without a dual clip an unclamped e^25 is TRL's loss: compare inside verl's clamp
+        offsets = offsets[1:-1]
 
     def set_ratios(buffered):
         for micro in buffered:
             lp, _ = reference(trainer, [micro])[0]
-            micro["old_per_token_logps"] = lp - offsets[torch.arange(lp.shape[1]) % len(offsets)]
+            rows, cols = torch.arange(lp.shape[0])[:, None], torch.arange(lp.shape[1])[None, :]
+            micro["old_per_token_logps"] = lp - offsets[(rows + cols) % len(offsets)]
             micro["advantages"] = torch.tensor([1.0, -1.0]).repeat(lp.shape[0] // 2)
 
     inputs, losses = record_step(trainer, backward=True, edit=set_ratios)
@@ -347,6 +384,7 @@ def test_trls_delta_is_verls_dual_clip(tmp_path, delta):
     mask = torch.cat([loss_mask(m) for m in inputs]).float()
     ratio = torch.exp(lp.detach() - old)
     assert bool(((ratio > 10) & (adv[:, None] < 0) & (mask > 0)).any())  # the dual clip has tokens to act on
+    assert delta is None or bool((((lp.detach() - old).abs() > 20) & (mask > 0)).any())  # beyond verl's clamp
     ref, _ = clipped_policy_loss(lp, old, adv, mask, clip_low=0.2, clip_high=0.28, clip_c=delta)
     other, _ = clipped_policy_loss(lp.detach(), old, adv, mask, clip_low=0.2, clip_high=0.28,
                                    clip_c=None if delta else 10.0)
@@ -357,3 +395,18 @@ def test_trls_delta_is_verls_dual_clip(tmp_path, delta):
     for name, p in trainer.model.named_parameters():
         if name in grads:
             torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_random_strategy_draws_from_this_process_generator(tmp_path):
+    """strategy="random": the process's own generator, seeded seed x 1,000,003 + process index (the
+    verl recipe's per-rank seed): the same seed draws the same silenced set; process 1's generator
+    (the same batch) another."""
+    keeps = []
+    for run, process in enumerate((0, 0, 1)):
+        trainer = make_trainer(tmp_path / str(run), seed=2, tau_p=0.2, strategy="random", q=0.5)
+        assert trainer._s2t_generator.initial_seed() == 2 * 1_000_003 == random_strategy_seed(2, 0)
+        trainer._s2t_generator.manual_seed(random_strategy_seed(2, process))  # as process `process` seeds it
+        record_step(trainer)
+        keeps.append(torch.cat([trainer._s2t_keeps[k][0] for k in range(2)]))
+        assert trainer._metrics["train"]["s2t/silenced"][0] > 0
+    assert torch.equal(keeps[0], keeps[1]) and not torch.equal(keeps[0], keeps[2])
