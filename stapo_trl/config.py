@@ -72,9 +72,9 @@ VALUE_RULES = (
     ValueRule("repetition_penalty", lambda v: is_number(v) and v > 0, "a number > 0",
               "ValueError from generate() at the first generation"),
     ValueRule("sapo_temperature_pos", lambda v: is_number(v) and v > 0, "a number > 0",
-              "0 makes sapo's gradient NaN"),
+              "0 makes sapo's gradient NaN, a negative one inverts its gate"),
     ValueRule("sapo_temperature_neg", lambda v: is_number(v) and v > 0, "a number > 0",
-              "0 makes sapo's gradient NaN"),
+              "0 makes sapo's gradient NaN, a negative one inverts its gate"),
 )
 
 

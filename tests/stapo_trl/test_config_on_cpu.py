@@ -3,6 +3,7 @@ fails on later (each named with its value and the allowed values). No trainer.""
 
 from __future__ import annotations
 
+import math
 import re
 
 import pytest
@@ -51,8 +52,7 @@ BAD_VALUES = [
 def test_config_refuses_values_trl_fails_on_later_naming_field_value_and_allowed(tmp_path, name, value):
     from trl import GRPOConfig
 
-    if name not in ("gradient_accumulation_steps", "per_device_train_batch_size"):
-        make(tmp_path / "trl", GRPOConfig, **{name: value})  # TRL takes it (and fails, or trains wrong, later)
+    make(tmp_path / "trl", GRPOConfig, **{name: value})  # TRL takes it (and fails, or trains wrong, later)
     (rule,) = [r for r in VALUE_RULES if r.field == name]
     with pytest.raises(ValueError) as error:
         make(tmp_path, **{name: value})
@@ -93,3 +93,54 @@ def test_config_defaults_are_the_papers(tmp_path):
     args = make(tmp_path)
     assert (args.tau_p, args.q, args.strategy, args.current_forward) == (0.002, 0.75, "low_entropy",
                                                                          "positive_advantage")
+
+
+def _raises(outcome):
+    return isinstance(outcome, Exception)
+
+
+def _logged(outcome):
+    return [h for h in outcome.state.log_history if "loss" in h] if not _raises(outcome) else None
+
+
+#: what TRL 1.16's GRPOTrainer does with each bad value (docs/trl.md's table), one step on the tiny model
+LATE = [
+    ("loss_type", "bogus", {}, _raises),
+    ("importance_sampling_level", "seq", {}, _raises),
+    ("scale_rewards", "std", {}, _raises),
+    ("multi_objective_aggregation", "sum", {}, _raises),
+    ("num_iterations", 0, {}, lambda o: _logged(o) == []),  # no step at all
+    ("num_iterations", -1, {}, _raises),
+    ("max_completion_length", 0, {}, _raises),
+    ("max_completion_length", True, {}, lambda o: _logged(o)[0]["completions/max_length"] == 1),
+    ("steps_per_generation", 0, {}, _raises),
+    ("generation_batch_size", 0, {}, _raises),
+    ("gradient_accumulation_steps", 0, {}, _raises),
+    ("per_device_train_batch_size", 0, {}, _raises),
+    ("temperature", 0.0, {}, _raises),
+    ("repetition_penalty", 0.0, {}, _raises),
+    ("top_p", 0.0, {}, lambda o: (_logged(o)[0]["loss"], _logged(o)[0]["grad_norm"]) == (0.0, 0.0)),
+    ("top_k", -1, {}, _raises),
+    ("min_p", 2.0, {}, _raises),
+    ("sapo_temperature_pos", 0.0, {"loss_type": "sapo"}, lambda o: math.isnan(_logged(o)[0]["grad_norm"])),
+    ("loss_type", "dr_grpo", {"max_completion_length": None}, _raises),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore")
+@pytest.mark.parametrize("name, value, extra, late", LATE, ids=[f"{n}={v!r}" for n, v, _, _ in LATE])
+def test_trl_fails_later_or_trains_wrong_with_each_refused_value(tmp_path, name, value, extra, late):
+    from trl import GRPOConfig, GRPOTrainer
+
+    from tests.helpers.trl_tiny import digit_reward, prompts_dataset, tiny_model, tiny_tokenizer, trainer_settings
+
+    args = GRPOConfig(**trainer_settings(tmp_path, max_steps=1, **{name: value, **extra}))  # accepted
+    try:
+        tokenizer = tiny_tokenizer()
+        outcome = GRPOTrainer(model=tiny_model(tokenizer), reward_funcs=digit_reward, args=args,
+                              train_dataset=prompts_dataset(), processing_class=tokenizer)
+        outcome.train()
+    except Exception as error:  # noqa: BLE001  (any late failure is the point)
+        outcome = error
+    assert late(outcome), outcome

@@ -41,6 +41,19 @@ def test_the_cpu_example_runs_as_written(assets, tmp_path):
     assert (tmp_path / "results" / "stapo-tiny").is_dir()
 
 
+def test_without_bf16_false_a_machine_without_gpu_refuses_the_config(tmp_path):
+    """Why the CPU example sets bf16=False: TRL's default bf16=True, refused without a GPU."""
+    import torch
+
+    from stapo_trl import STAPOConfig
+
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is a CPU-only machine's; this one has a GPU")
+    with pytest.raises(ValueError, match="Your setup doesn't support bf16/gpu"):
+        STAPOConfig(output_dir=str(tmp_path))
+    assert STAPOConfig(output_dir=str(tmp_path), bf16=False).bf16 is False
+
+
 def test_the_paper_scale_example_has_the_papers_settings(tmp_path):
     from stapo_trl import STAPOConfig
 

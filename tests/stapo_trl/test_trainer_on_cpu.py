@@ -410,3 +410,14 @@ def test_random_strategy_draws_from_this_process_generator(tmp_path):
         keeps.append(torch.cat([trainer._s2t_keeps[k][0] for k in range(2)]))
         assert trainer._metrics["train"]["s2t/silenced"][0] > 0
     assert torch.equal(keeps[0], keeps[1]) and not torch.equal(keeps[0], keeps[2])
+
+
+def test_rows_the_statistics_forward_covers(tmp_path):
+    """The positive-advantage completions; all of them for a multimodal batch (its image tensors
+    are not indexed by completion) or with current_forward="full"; none with tau_p=0."""
+    batch = {"completion_mask": torch.tensor([[1, 1], [1, 0], [1, 1]]), "advantages": torch.tensor([0.5, -0.5, 0.0])}
+    trainer = make_trainer(tmp_path / "a", tau_p=0.2)
+    assert trainer._s2t_rows(batch).tolist() == [True, False, False]
+    assert trainer._s2t_rows(dict(batch, token_type_ids=torch.zeros(3, 4))).tolist() == [True, True, True]
+    assert make_trainer(tmp_path / "b", tau_p=0.2, current_forward="full")._s2t_rows(batch).tolist() == [True] * 3
+    assert make_trainer(tmp_path / "c", tau_p=0.0)._s2t_rows(batch).tolist() == [False] * 3
