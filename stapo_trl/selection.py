@@ -1,4 +1,6 @@
-"""S2T over the micro-batches of one optimizer step, from :func:`stapo_core.s2t_mask`.
+"""S2T over the micro-batches of one optimizer step, from :func:`stapo_core.s2t_mask`, and the
+pure pieces of STAPOTrainer's loss: which completions need statistics, and the kept-token count
+TRL's token-normalised losses divide by.
 
 TRL splits the batch of one optimizer step into gradient-accumulation micro-batches (and over the
 processes). The paper's ``tau_h`` is a statistic of that whole batch, so the micro-batches of a
@@ -15,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from stapo_core import s2t_mask
+from stapo_core.checks import token_advantages
 from stapo_core.distributed import all_reduce_sum
 
 
@@ -77,4 +80,47 @@ def s2t_window(
     return list(result.keep.split(sizes)), result.stats
 
 
-__all__ = ["s2t_window"]
+def random_strategy_seed(seed: int, process_index: int) -> int:
+    """The seed of process ``process_index``'s generator for ``strategy="random"``: each process draws
+    for its own candidates from its own generator, seeded apart as the verl recipe seeds each rank
+    (``seed x 1,000,003 + rank``), so two processes (or two seeds) never share draws."""
+    return seed * 1_000_003 + process_index
+
+
+def positive_advantage_rows(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """bool ``(batch,)``: the completions with a positive advantage at some token of ``mask``, the
+    only ones that can hold an S2T candidate (``A > 0``).
+
+    Args:
+        advantages: ``(batch,)`` or ``(batch, completion_len)`` float.
+        mask: ``(batch, completion_len)``, nonzero marks the tokens the loss uses.
+    """
+    return ((token_advantages("positive_advantage_rows", advantages, mask, "mask") > 0) & (mask != 0)).any(-1)
+
+
+def kept_items(num_items_in_batch: torch.Tensor, kept: int, tokens: int) -> torch.Tensor:
+    """TRL's ``num_items_in_batch`` for the loss over the kept tokens: ``N x kept / tokens``.
+
+    TRL's ``dapo``, ``cispo`` and ``vespo`` divide each optimizer step's loss sum by
+    ``N x GA / SPG``, ``N`` (``num_items_in_batch``) the loss tokens of the whole generation over
+    every process: the generation's mean tokens per optimizer step. Scaling ``N`` by the step's
+    kept fraction makes the divisor ``kept x (N x GA / SPG) / tokens``: the step's kept tokens
+    when the generation is one optimizer step (``SPG = GA``, TRL's default), where the loss is
+    the paper's ``J_STAPO = sum(M L) / sum(M)``.
+
+    Args:
+        num_items_in_batch: 0-dim integer tensor, TRL's count ``N``.
+        kept, tokens: the optimizer step's kept and loss tokens over every process (``kept <= tokens``).
+
+    Returns:
+        ``num_items_in_batch`` itself when ``kept == tokens``; else a 0-dim tensor on its device,
+        of its dtype when the value is a whole number, float32 otherwise.
+    """
+    if kept == tokens:
+        return num_items_in_batch
+    value = float(num_items_in_batch) * kept / max(tokens, 1)
+    dtype = num_items_in_batch.dtype if value.is_integer() else torch.float32
+    return torch.tensor(value, dtype=dtype, device=num_items_in_batch.device)
+
+
+__all__ = ["kept_items", "positive_advantage_rows", "random_strategy_seed", "s2t_window"]

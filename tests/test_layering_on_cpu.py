@@ -18,7 +18,7 @@ ALLOWED = {
     "stapo_core": set(),
     "verl_patches": {"stapo_core"},
     "recipe": {"stapo_core", "verl_patches"},
-    "benchmarks": {"stapo_core", "verl_patches", "recipe"},
+    "benchmarks": {"stapo_core", "verl_patches", "recipe", "stapo_trl"},  # on top of both sides
     "stapo_trl": {"stapo_core"},
 }
 FORBIDDEN_THIRD_PARTY = {

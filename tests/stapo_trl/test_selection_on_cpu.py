@@ -1,4 +1,5 @@
-"""stapo_trl's S2T over one optimizer step (``s2t_window``) and ``STAPOConfig``'s checks: no trainer."""
+"""stapo_trl's pure pieces: S2T over one optimizer step (``s2t_window``), the rows the statistics forward
+needs, the kept-token count of the token-normalised losses, the random strategy's seeds. No trainer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 
 from stapo_core import s2t_mask
-from stapo_trl import STAPOConfig, s2t_window
+from stapo_trl import s2t_window
+from stapo_trl.selection import kept_items, positive_advantage_rows, random_strategy_seed
 from tests.helpers.dist_utils import run_on_ranks
 
 
@@ -92,24 +94,39 @@ def test_pooled_quantile_equal_on_one_and_two_processes(tmp_path):
     assert all(torch.equal(k, pk) for k, pk in zip(results[1]["keeps"], keeps[2:]))
 
 
-@pytest.mark.parametrize(
-    "overrides, message",
-    [
-        ({"tau_p": -0.1}, "tau_p=-0.1 is invalid"),
-        ({"tau_p": 1.0}, "tau_p=1.0 is invalid"),
-        ({"q": 0.0}, "q=0.0 is invalid"),
-        ({"strategy": "lowest"}, "strategy='lowest' is invalid"),
-        ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=0.2"),
-        ({"steps_per_generation": 3}, "steps_per_generation=3 is not a multiple of gradient_accumulation_steps=2"),
-    ],
-)
-def test_config_refuses_bad_settings_naming_the_key(tmp_path, overrides, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        STAPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
-                    gradient_accumulation_steps=2, report_to="none", **overrides)
+def test_positive_advantage_rows_are_those_with_a_positive_advantage_inside_the_mask():
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]])
+    assert positive_advantage_rows(torch.tensor([0.5, -1.0, 2.0, 0.0]), mask).tolist() == [True, False, False, False]
+    per_token = torch.tensor([[-1.0, 0.3, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [-1.0, -1.0, 0.1]])
+    assert positive_advantage_rows(per_token, mask).tolist() == [True, False, False, True]  # row 2: outside the mask
 
 
-def test_config_defaults_are_the_papers(tmp_path):
-    args = STAPOConfig(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=4, num_generations=4,
-                       report_to="none")
-    assert (args.tau_p, args.q, args.strategy) == (0.002, 0.75, "low_entropy")
+def test_rows_without_a_positive_advantage_hold_no_candidate():
+    """Zero statistics on the rows the forward skips change no S2T decision (log p = 0 is p = 1)."""
+    batches = micro_batches(6, sizes=(6, 6), length=8)
+    keeps, stats = window(batches, tau_p=0.05, q=0.75)
+    zeroed = []
+    for lp, ent, adv, mask in batches:
+        rows = positive_advantage_rows(adv, mask)
+        zeroed.append((torch.where(rows[:, None], lp, 0.0), torch.where(rows[:, None], ent, 0.0), adv, mask))
+    keeps_z, stats_z = window(zeroed, tau_p=0.05, q=0.75)
+    assert stats["silenced"] > 0 and not all(bool(positive_advantage_rows(b[2], b[3]).all()) for b in batches)
+    assert all(torch.equal(a, b) for a, b in zip(keeps, keeps_z))
+    assert all(v == stats_z[k] or (math.isnan(v) and math.isnan(stats_z[k])) for k, v in stats.items())
+
+
+def test_kept_items_scale_trls_count_by_the_kept_fraction():
+    n = torch.tensor(120)
+    assert kept_items(n, 40, 40) is n  # nothing silenced: TRL's own tensor
+    assert kept_items(n, 30, 40).dtype == torch.int64 and int(kept_items(n, 30, 40)) == 90
+    odd = kept_items(n, 7, 50)
+    assert odd.dtype == torch.float32 and odd.item() == pytest.approx(16.8)
+    assert kept_items(n, 7, 9).item() == pytest.approx(120 * 7 / 9)
+    assert int(kept_items(n, 0, 40)) == 0  # every token silenced: TRL clamps the divisor to 1, the loss is 0
+    assert int(kept_items(torch.tensor(40), 33, 40)) == 33  # one optimizer step per generation: sum(M)
+
+
+def test_random_strategy_seeds_differ_by_process_and_by_seed():
+    seeds = {random_strategy_seed(seed, rank) for seed in range(4) for rank in range(64)}
+    assert len(seeds) == 4 * 64
+    assert random_strategy_seed(3, 5) == 3 * 1_000_003 + 5  # the verl recipe's per-rank seed
