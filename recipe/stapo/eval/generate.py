@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
+from recipe.stapo.data.prepare import PROMPT_FORMS, PROMPT_SUFFIX, prompt_form
 from recipe.stapo.eval.backends import GenerationBackend, SamplingConfig
 from stapo_core.fileio import append_lines
 
@@ -269,10 +270,14 @@ def saved_samples(
                 f"this folder was generated from other data. {NEW_OUT_HINT}"
             )
         if problem.prompt_sha256 != record["prompt_sha256"]:
+            form = saved_prompt_form(problem, record["prompt_sha256"])
+            why = ("this folder was generated from other data" if form is None else
+                   f"its saved samples were generated from the same problem in the prompt form {form!r} "
+                   f"({PROMPT_FORMS[form]!r} between problem and instruction), the data now has "
+                   f"{prompt_form(problem.question)!r}: samples of two prompt forms are never mixed in one folder")
             raise ResumeMismatch(
                 f"{where}: problem {problem.problem_id!r} (row {problem.index} of {data_label}) has another prompt "
-                f"than the one its saved samples were generated for: this folder was generated from other data. "
-                f"{NEW_OUT_HINT}"
+                f"than the one its saved samples were generated for: {why}. {NEW_OUT_HINT}"
             )
         expected = sample_seed(base_seed, benchmark, decoding, problem.problem_id, sample)
         if record["seed"] != expected:
@@ -283,6 +288,21 @@ def saved_samples(
             )
         saved[problem.problem_id, sample] = record
     return saved
+
+
+def saved_prompt_form(problem: Problem, saved_sha256: str) -> Optional[str]:
+    """The prompt form (:data:`recipe.stapo.data.prepare.PROMPT_FORMS`) in which ``problem``'s
+    prompt hashes to ``saved_sha256``, when that is not its form now; None otherwise."""
+    now = prompt_form(problem.question)
+    if now not in PROMPT_FORMS:
+        return None
+    bare = problem.question[: -len(PROMPT_FORMS[now] + PROMPT_SUFFIX)]
+    for name, joiner in PROMPT_FORMS.items():
+        messages = [dict(m, content=bare + joiner + PROMPT_SUFFIX) if m["content"] == problem.question else dict(m)
+                    for m in problem.messages]
+        if name != now and messages_sha256(messages) == saved_sha256:
+            return name
+    return None
 
 
 def pending_items(problems: Sequence[Problem], n_samples: int, saved: dict[tuple[str, int], Any]) -> list[tuple[Problem, int]]:

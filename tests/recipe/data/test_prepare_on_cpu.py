@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from recipe.stapo.data import prepare
-from recipe.stapo.data.prepare import PROMPT_JOINER, PROMPT_SUFFIX, main
+from recipe.stapo.data.prepare import PROMPT_SUFFIX, main
 from recipe.stapo.reward import MAX_GROUND_TRUTH_CHARS
 
 FIXTURES = Path(prepare.__file__).parent / "fixtures"
@@ -31,7 +31,7 @@ def test_train_from_dapo_format_jsonl(tmp_path):
     first = frame.iloc[0]
     raw = source[0]["prompt"][0]["content"]
     problem = raw[len(prepare.DAPO_PREFIX) : -len(prepare.DAPO_SUFFIX)]
-    assert list(first["prompt"]) == [{"role": "user", "content": problem + PROMPT_JOINER + PROMPT_SUFFIX}]
+    assert list(first["prompt"]) == [{"role": "user", "content": problem + "\n\n" + PROMPT_SUFFIX}]
     assert "Answer:" not in first["prompt"][0]["content"]
     assert first["prompt"][0]["content"].endswith("put your final answer within \\boxed{}.")
     assert first["data_source"] == "math_dapo" and first["ability"] == "math"
@@ -41,6 +41,34 @@ def test_train_from_dapo_format_jsonl(tmp_path):
     assert manifest["rows"] == len(frame) and manifest["duplicates_removed"] == 1
     assert manifest["output_sha256"] == _sha(tmp_path / "train.parquet")
     assert manifest["source_sha256"] == _sha(FIXTURES / "dapo_sample.jsonl")
+
+
+# JustRL's evals/gen_vllm.py (the evaluation Table 2 follows), copied as it is written there
+JUSTRL_EVAL_TEMPLATE = """{problem} Please reason step by step, and put your final answer within \\boxed{{}}."""
+
+
+def test_benchmark_prompts_are_justrls_evaluation_template_and_training_prompts_keep_the_blank_line(tmp_path):
+    """JustRL evaluates with ``problem + " " + instruction`` and trains on ``problem + "\\n\\n" +
+    instruction``: the benchmark rows hold the first, the training rows the second, and the manifest
+    names each dataset's form."""
+    assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "aime24",
+                 "--source", f"aime24={FIXTURES / 'bench_sample.jsonl'}"]) == 0
+    assert main(["train", "--out-dir", str(tmp_path), "--source", str(FIXTURES / "dapo_sample.jsonl")]) == 0
+    bench = pd.read_parquet(tmp_path / "aime24.parquet")
+    source = {r["id"]: r for r in _jsonl("bench_sample.jsonl")}
+    for prompt, extra in zip(bench["prompt"], bench["extra_info"]):
+        problem = source[extra["id"]]["problem"].strip()  # JustRL strips the stored problem too
+        assert list(prompt) == [{"role": "user", "content": JUSTRL_EVAL_TEMPLATE.format(problem=problem)}]
+    train = pd.read_parquet(tmp_path / "train.parquet")
+    raw = _jsonl("dapo_sample.jsonl")[0]["prompt"][0]["content"]
+    problem = raw[len(prepare.DAPO_PREFIX) : -len(prepare.DAPO_SUFFIX)]
+    assert train.iloc[0]["prompt"][0]["content"] == (
+        problem + "\n\nPlease reason step by step, and put your final answer within \\boxed{}.")
+    datasets = json.loads((tmp_path / "manifest.json").read_text())["datasets"]
+    assert (datasets["aime24"]["prompt_form"], datasets["train"]["prompt_form"]) == ("justrl-eval", "train")
+    assert prepare.prompt_form(bench.iloc[0]["prompt"][0]["content"]) == "justrl-eval"
+    assert prepare.prompt_form(train.iloc[0]["prompt"][0]["content"]) == "train"
+    assert prepare.prompt_form("What is 2?") == "custom"
 
 
 def test_bench_from_parquet_and_jsonl_manifest_merges(tmp_path):
@@ -208,7 +236,7 @@ def test_non_text_problems_are_named_invalid_rows(tmp_path, capsys):
     assert _bench(tmp_path, source, "--drop-invalid") == 0
     frame = pd.read_parquet(tmp_path / "out" / "amc23.parquet")
     assert [e["id"] for e in frame["extra_info"]] == ["g1"]
-    assert [p[0]["content"] for p in frame["prompt"]] == [GOOD["problem"] + PROMPT_JOINER + PROMPT_SUFFIX]
+    assert [p[0]["content"] for p in frame["prompt"]] == [GOOD["problem"] + " " + PROMPT_SUFFIX]
     entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["datasets"]["amc23"]
     assert entry["dropped_invalid"] == 4 and entry["rows"] == 1 and entry["source_rows"] == 5
 
@@ -225,7 +253,7 @@ def test_empty_parquet_problem_cell_is_an_invalid_row_not_nan(tmp_path, capsys):
                   {"id": "q2", "question": "What is 4 + 4?", "problem": None, "answer": "8"}]).to_parquet(both)
     assert _bench(tmp_path, both) == 0
     frame = pd.read_parquet(tmp_path / "out" / "amc23.parquet")
-    assert [p[0]["content"].split(PROMPT_JOINER)[0] for p in frame["prompt"]] == ["What is 3 + 3?", "What is 4 + 4?"]
+    assert [p[0]["content"].split(" " + PROMPT_SUFFIX)[0] for p in frame["prompt"]] == ["What is 3 + 3?", "What is 4 + 4?"]
 
 
 def test_non_utf8_jsonl_line_is_a_named_invalid_row(tmp_path, capsys):

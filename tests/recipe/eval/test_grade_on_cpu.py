@@ -105,7 +105,7 @@ def test_verifier_gets_the_whole_response_in_compassverifiers_format(bench, judg
     assert judge.backend.prompts == expected
     # the judge answers "A" to everything: every rule failure becomes correct
     block = summary["decodings"]["train"]["benchmarks"]["aime24"]
-    assert block["mean_at_n"] == pytest.approx(100.0) and block["rule_mean_at_n"] < 100.0
+    assert block["mean_at_n"] == pytest.approx(100.0) and block["grader_mean_at_n"] < 100.0
     assert block["verifier_judged"] == block["verifier_accepted"] == len(failures)
     cached = _verdicts(tmp_path / "out")
     assert {(r["judgement"], r["output"], r["response_chars_dropped"]) for r in cached} == {("A", "A", 0)}
@@ -126,7 +126,7 @@ def test_the_configured_compass_verifier_runs_the_same_path(bench, judges, tmp_p
     )
     assert configured == by_hand
     block = configured["decodings"]["train"]["benchmarks"]["aime24"]
-    assert block["mean_at_n"] == block["rule_mean_at_n"]  # "B" accepts nothing
+    assert block["mean_at_n"] == block["grader_mean_at_n"]  # "B" accepts nothing
     assert configured["grading"]["label"] == "rule+verifier"
     assert configured["grading"]["verifier"]["model"] == str(judges["B"])
     assert _verdicts(tmp_path / "a") == _verdicts(tmp_path / "b")
@@ -162,7 +162,7 @@ def test_another_verifier_model_judges_again(bench, judges, tmp_path):
     summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=second)
     assert len(second.backend.prompts) == failures  # nothing reused from judge A
     block = summary["decodings"]["train"]["benchmarks"]["aime24"]
-    assert block["mean_at_n"] == block["rule_mean_at_n"]  # judge B's verdicts, not A's
+    assert block["mean_at_n"] == block["grader_mean_at_n"]  # judge B's verdicts, not A's
     assert summary["grading"]["verifier"]["model"] == str(judges["B"])
     assert _judged(bench, out, _compass(judges["A"], prompt_file)) == 0  # A's verdicts are still cached
     assert _judged(bench, out, _compass(judges["B"], prompt_file)) == 0
@@ -214,12 +214,12 @@ def test_another_verifier_object_judges_again_and_the_summary_names_it(bench, tm
     summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=reject)
     assert reject.seen == len(_rule_failures(bench))
     block = summary["decodings"]["train"]["benchmarks"]["aime24"]
-    assert block["mean_at_n"] == block["rule_mean_at_n"]
+    assert block["mean_at_n"] == block["grader_mean_at_n"]
     assert summary["verifier"] == "reject-all" and summary["grading"]["verifier"]["name"] == "reject-all"
 
 
-@pytest.mark.parametrize("protocol, function", [("justrl", "justrl_grade_solution"), ("compassverifier", "grade_solution")])
-def test_rule_grades_are_cached_and_keyed_by_the_rule(bench, tmp_path, monkeypatch, protocol, function):
+@pytest.mark.parametrize("protocol, function", [("justrl", "justrl_grade_answer"), ("compassverifier", "lenient_grade_answer")])
+def test_grades_are_cached_and_keyed_by_the_grader(bench, tmp_path, monkeypatch, protocol, function):
     calls = []
     real = getattr(grade, function)
     monkeypatch.setattr(grade, function, lambda *a: calls.append(a) or real(*a))
@@ -232,14 +232,14 @@ def test_rule_grades_are_cached_and_keyed_by_the_rule(bench, tmp_path, monkeypat
     assert calls == []  # every grade cached
     # another time limit per answer: graded again
     timed = run_evaluation(config(reward_timeout_s=2.0), lambda: ScriptedBackend(answers(bench)))
-    assert len(calls) == 30 and timed["grading"]["rule"]["timeout_s"] == 2.0
+    assert len(calls) == 30 and timed["grading"]["grader"]["timeout_s"] == 2.0
     calls.clear()
     # another version of the rule's code: graded again
-    monkeypatch.setattr(grade, "_rule_source_sha256", lambda rule: "0" * 64)
+    monkeypatch.setattr(grade, "_grader_source_sha256", lambda grader: "0" * 64)
     again = run_evaluation(config(), lambda: ScriptedBackend(answers(bench)))
-    assert len(calls) == 30 and again["grading"]["rule"]["code_sha256"] == "0" * 64
+    assert len(calls) == 30 and again["grading"]["grader"]["code_sha256"] == "0" * 64
     assert again["decodings"] == first["decodings"]
-    assert first["grading"]["rule"]["rule"] == PROTOCOLS[protocol].rule
+    assert first["grading"]["grader"]["grader"] == PROTOCOLS[protocol].grader
 
 
 def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypatch):
@@ -254,8 +254,8 @@ def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypa
     lines[index] = json.dumps(record)
     path.write_text("\n".join(lines) + "\n")
     calls = []
-    real = grade.justrl_grade_solution  # the default protocol's rule
-    monkeypatch.setattr(grade, "justrl_grade_solution", lambda *a: calls.append(a) or real(*a))
+    real = grade.justrl_grade_answer  # the default protocol's rule
+    monkeypatch.setattr(grade, "justrl_grade_answer", lambda *a: calls.append(a) or real(*a))
     judge = RejectAll()
     summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=judge)
     assert [a[0] for a in calls] == [record["response"]]  # only the edited sample is graded again
@@ -264,7 +264,7 @@ def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypa
     assert summary["decodings"]["train"]["benchmarks"]["aime24"]["verifier_judged"] == expected
 
 
-def test_rule_identity_hashes_the_rule_code(tmp_path, monkeypatch):
+def test_grader_identity_hashes_the_grader_code(tmp_path, monkeypatch):
     import hashlib
 
     import recipe.stapo.reward as reward
@@ -272,7 +272,7 @@ def test_rule_identity_hashes_the_rule_code(tmp_path, monkeypatch):
     digest = hashlib.sha256()
     for path in sorted(Path(reward.__file__).parent.glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    identity = grade.rule_identity(5.0)
+    identity = grade.grader_identity(5.0)
     assert identity["code_sha256"] == digest.hexdigest() and identity["timeout_s"] == 5.0
 
 

@@ -247,7 +247,7 @@ def _run_summary(scale, method, value, grading=None, n=None, max_new_tokens=2048
     temps = temps or {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}
     decodings = {}
     for decoding, (t, p) in temps.items():
-        benches = {b: {"mean_at_n": value, "rule_mean_at_n": value - 5.0, "n_samples": n[b], "problems": 30,
+        benches = {b: {"mean_at_n": value, "grader_mean_at_n": value - 5.0, "n_samples": n[b], "problems": 30,
                        "limit": None, "data_sha256": "ab" * 32} for b in NAMES}
         decodings[decoding] = {"temperature": t, "top_p": p, "benchmarks": benches, "complete": True}
     return {"scale": scale, "method": method, "max_new_tokens": max_new_tokens, "limit": None,
@@ -300,7 +300,7 @@ def test_rows_of_one_protocol_pass(tmp_path):
     rows = load_inputs(paths)
     assert not any(r.protocol_issues for r in rows)
     assert headline(rows, "train")[0] == pytest.approx(100 * 5 / 45)
-    assert "Grading: justrl protocol: JustRL's rule only (no verifier)" in tables.report(rows)
+    assert "Grading: justrl protocol: JustRL's grader only (no verifier)" in tables.report(rows)
 
 
 def test_rule_only_rows_are_never_mixed_with_verified_ones(tmp_path):
@@ -316,7 +316,7 @@ def test_rule_only_rows_are_never_mixed_with_verified_ones(tmp_path):
     rows = load_inputs(paths, grading="rule-only")
     assert [r.value("train", "AIME24") for r in rows] == [35.0, 45.0, 40.0]
     report = tables.report(rows)
-    assert "Grading: rule-only: JustRL's rule, no verifier (not the paper's grading)" in report
+    assert "Grading: rule-only: JustRL's grader, no verifier (not the paper's grading)" in report
     assert headline(rows, "train")[0] == pytest.approx(100 * 5 / 40)
 
 
@@ -350,7 +350,7 @@ def test_a_value_outside_0_100_is_refused(tmp_path, value, message):
 def test_fractions_instead_of_percentages_are_refused(tmp_path):
     paths = [_write(tmp_path, "justrl", _run_summary("8B", "JustRL", 0.40)),
              _write(tmp_path, "stapo", _run_summary("8B", "STAPO", 50.0))]
-    with pytest.raises(ValueError, match=r"justrl\.json: 8B JustRL: every value is <= 1: fractions"):
+    with pytest.raises(ValueError, match=r"justrl\.json: 8B JustRL: every nonzero value is <= 1: fractions"):
         load_inputs(paths)
 
 

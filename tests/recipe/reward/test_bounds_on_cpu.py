@@ -34,8 +34,8 @@ def _strict(response, truth):
 
 
 def _eval_rule(response, truth):
-    graded = grade.grade_rule({(0, 0): {"response": response}}, [SimpleNamespace(index=0, ground_truth=truth)], timeout_s=2.0)
-    correct = graded[(0, 0)].rule_correct
+    graded = grade.grade_answers({(0, 0): {"response": response}}, [SimpleNamespace(index=0, ground_truth=truth)], timeout_s=2.0)
+    correct = graded[(0, 0)].grader_correct
     return {"score": 1.0 if correct else -1.0, "acc": correct}
 
 
