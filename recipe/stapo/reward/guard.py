@@ -217,6 +217,14 @@ class TimeLimitedRunner:
         """Process ids of the idle helpers (the busy ones are in calls)."""
         return sorted(worker.process.pid for worker in list(self._idle.queue))
 
+    def close(self) -> None:
+        """End the idle helpers (a later call starts new ones)."""
+        while True:
+            try:
+                self._idle.get_nowait().kill()
+            except queue.Empty:
+                return
+
 
 _RUNNERS: dict[str, TimeLimitedRunner] = {}
 _RUNNERS_LOCK = threading.Lock()

@@ -370,3 +370,34 @@ def test_a_benchmark_file_without_rows_is_named_as_empty(tmp_path):
     for name in ("aime24", "amc23"):
         with pytest.raises(ValueError, match=rf"{name}\.parquet: no problems \(0 rows\)"):
             run_eval.load_problems(bench / f"{name}.parquet")
+
+
+# ----------------------------------------------------------------------------------------------
+# the prompt form: samples generated from the old evaluation prompt are never mixed with new ones
+# ----------------------------------------------------------------------------------------------
+def _bench_of_form(root, form):
+    source = root / "source.jsonl"
+    root.mkdir(parents=True)
+    source.write_text("".join(json.dumps(r) + "\n" for r in _fixture_rows()))
+    prepare.prepare_dataset(prepare.BENCHMARK_SPECS["aime24"], root / "aime24.parquet", str(source), form=form)
+    return root
+
+
+def test_samples_of_the_old_prompt_form_are_refused_not_mixed_into_a_new_evaluation(tmp_path):
+    """A folder evaluated on benchmark data prepared with the old form (problem + "\\n\\n" +
+    instruction), resumed on data prepared now (JustRL's problem + " " + instruction): refused before
+    anything is generated or graded, naming the form; a new folder evaluates the new form."""
+    old, new = _bench_of_form(tmp_path / "old", "train"), _bench_of_form(tmp_path / "new", "justrl-eval")
+    out = tmp_path / "out"
+    first = run_evaluation(_scripted_config(old, out), lambda: ScriptedBackend(_answers(old)))
+    assert first["prompt_form"] == "train"
+    saved = _file_bytes(out)
+    backend = CountingScripted(_answers(new))
+    with pytest.raises(ValueError, match=r"problem 'b\d' .* prompt form 'train' .* the data now has 'justrl-eval': "
+                                         r"samples of two prompt forms are never mixed"):
+        run_evaluation(_scripted_config(new, out), lambda: backend)
+    assert backend.calls == 0 and _file_bytes(out) == saved
+    fresh = run_evaluation(_scripted_config(new, tmp_path / "fresh"), lambda: ScriptedBackend(_answers(new)))
+    assert fresh["prompt_form"] == "justrl-eval"
+    assert fresh["decodings"]["train"]["benchmarks"]["aime24"]["prompt_form"] == "justrl-eval"
+    assert "Prompt form: justrl-eval" in (tmp_path / "fresh" / "summary.md").read_text()

@@ -505,3 +505,68 @@ def test_gpu_memory_utilization_outside_0_1_is_refused(bench, tmp_path, value):
     config = scripted_config(bench, tmp_path / "out", gpu_memory_utilization=value)
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization .* in \(0, 1\]"):
         config.validate()
+
+
+# ----------------------------------------------------------------------------------------------
+# an answer whose check could not run: ungraded, retried, counted, never a silent "wrong"
+# ----------------------------------------------------------------------------------------------
+def _flaky_grader(monkeypatch, status_of):
+    """The default protocol's grader, except that the check of a wrong answer under the time limit
+    ``t`` gets the status ``status_of(t)`` (None: it runs); returns the limits of those checks."""
+    from recipe.stapo.reward.lenient import Graded
+
+    real, limits = grade.justrl_grade_answer, []
+
+    def flaky(response, truth, timeout_s):
+        graded = real(response, truth, timeout_s)
+        if graded.correct is False:
+            limits.append(timeout_s)
+            if status_of(timeout_s) is not None:
+                return Graded(None, graded.pred, status_of(timeout_s))
+        return graded
+
+    monkeypatch.setattr(grade, "justrl_grade_answer", flaky)
+    return limits
+
+
+def test_an_ungraded_answer_is_retried_counted_not_cached_and_keeps_the_run_unfinished(bench, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    failures = len(_rule_failures(bench))
+    limits = _flaky_grader(monkeypatch, lambda limit: "unavailable")  # no helper process ever starts
+    summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    block = summary["decodings"]["train"]["benchmarks"]["aime24"]
+    assert block["ungraded"] == failures and block["timed_out"] == 0
+    assert summary["decodings"]["train"]["ungraded"] == failures
+    assert sorted(limits) == [5.0] * failures + [10.0] * failures + [20.0] * failures  # retried with 2x, 4x the limit
+    assert f"Not finished: {failures} answers are ungraded" in (out / "summary.md").read_text()
+    cached = [r for _, r in JsonlStore(out / "grades" / "aime24__train.jsonl").read()]
+    assert len(cached) == 30 - failures and all(r["grader_correct"] for r in cached)  # no ungraded one cached
+    from recipe.stapo.eval import tables
+
+    issues = tables.row_from_summary(dict(summary, scale="8B", method="STAPO"), "s.json").issues["train"]
+    assert f"AIME24 (1.0/1.0): {failures} answers ungraded (their check could not run; rerun eval.sh on its " \
+           "folder to grade them)" in issues
+    # the next run grades them (the helpers start now) and finishes the block
+    monkeypatch.undo()
+    again = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    block = again["decodings"]["train"]["benchmarks"]["aime24"]
+    assert block["ungraded"] == 0 and "Not finished" not in (out / "summary.md").read_text()
+    issues = tables.row_from_summary(dict(again, scale="8B", method="STAPO"), "s.json").issues["train"]
+    assert not [i for i in issues if "ungraded" in i]
+    assert block["grader_mean_at_n"] == summary["decodings"]["train"]["benchmarks"]["aime24"]["grader_mean_at_n"]
+
+
+def test_a_check_past_its_limit_on_every_try_is_wrong_and_counted_once_that_passes_is_graded(bench, tmp_path,
+                                                                                          monkeypatch):
+    failures = len(_rule_failures(bench))
+    limits = _flaky_grader(monkeypatch, lambda limit: "timeout")
+    summary = run_evaluation(scripted_config(bench, tmp_path / "a"), lambda: ScriptedBackend(answers(bench)))
+    block = summary["decodings"]["train"]["benchmarks"]["aime24"]
+    assert (block["ungraded"], block["timed_out"]) == (0, failures)
+    assert sorted(limits) == [5.0] * failures + [10.0] * failures + [20.0] * failures
+    monkeypatch.undo()
+    limits = _flaky_grader(monkeypatch, lambda limit: "timeout" if limit == 5.0 else None)  # slow once
+    summary = run_evaluation(scripted_config(bench, tmp_path / "b"), lambda: ScriptedBackend(answers(bench)))
+    block = summary["decodings"]["train"]["benchmarks"]["aime24"]
+    assert (block["ungraded"], block["timed_out"]) == (0, 0)
+    assert sorted(limits) == [5.0] * failures + [10.0] * failures

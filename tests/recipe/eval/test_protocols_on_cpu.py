@@ -167,3 +167,73 @@ def test_unicode_digits_and_spaces_as_each_grader_reads_them(response, truth, ju
     assert justrl_grader.grade_solution(response, truth, 5.0)[0] is justrl
     assert lenient_grade(response, truth, 5.0)[0] is lenient
     assert (compute_score("x", response, truth)["score"] == 1.0) is strict
+
+
+# ----------------------------------------------------------------------------------------------
+# the graders' helper processes: one set per grader, started once per process and kept
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture()
+def fresh_runners(monkeypatch):
+    """No grader helpers yet in this process (as at the start of a run); the ones the test starts end
+    with it."""
+    from recipe.stapo.reward import guard
+
+    monkeypatch.setattr(guard, "_RUNNERS", {})
+    yield guard
+    for runner in guard._RUNNERS.values():
+        runner.close()
+
+
+def test_each_grader_keeps_its_own_helpers_warmed_up_for_it(fresh_runners):
+    """The suite's churn: the lenient grader graded first (its helpers import only math_verify), then
+    JustRL's sympy stage imported verl inside its 5 s limit in those helpers; on a slow machine that
+    ran past the limit, the helper was killed, a new one (warmed for the lenient grader again) started,
+    and ``\\boxed{5.0}`` against ``5`` was scored wrong. Each grader now has its own helpers, warmed up
+    with its own imports before any call, and they stay."""
+    from recipe.stapo.reward import lenient
+    from tests.helpers.process_probe import imported
+
+    guard = fresh_runners
+    assert lenient_grade("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True  # the lenient grader first
+    assert justrl_grader.grade_solution("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True
+    justrl_runner, lenient_runner = guard.get_runner(justrl_grader.WARM_UP), guard.get_runner(lenient._WARM_UP)
+    assert justrl_runner is not lenient_runner and justrl_runner.warm_up == justrl_grader.WARM_UP
+    # JustRL's helper imported verl and sympy in its warm-up, before it took a call; the lenient one never
+    assert justrl_runner.call(imported, (("verl", "sympy"),), 30.0) == ("ok", ["sympy", "verl"])
+    assert lenient_runner.call(imported, (("verl", "torch"),), 30.0) == ("ok", [])
+    pids = (justrl_runner.helper_pids(), lenient_runner.helper_pids())
+    assert all(pids)
+    for response, truth in (("\\boxed{5.0}", "5"), ("\\boxed{x^2+2x+1}", "(x+1)^2"), ("\\boxed{0.5}", "\\frac{1}{2}")):
+        assert justrl_grader.grade_solution(response, truth, 5.0)[0] is True
+        assert lenient_grade(response, truth, 5.0)[0] is True
+    assert (justrl_runner.helper_pids(), lenient_runner.helper_pids()) == pids  # the same helpers, never restarted
+
+
+def test_a_helper_killed_while_idle_is_replaced_and_the_answer_graded(fresh_runners):
+    import os
+    import signal
+
+    assert justrl_grader.grade_solution("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True
+    runner = fresh_runners.get_runner(justrl_grader.WARM_UP)
+    [pid] = runner.helper_pids()
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert justrl_grader.grade_solution("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True
+    assert runner.helper_pids() != [pid]
+
+
+@pytest.mark.parametrize("grader", ["justrl", "lenient"])
+def test_an_answer_whose_check_cannot_run_is_ungraded_never_wrong(fresh_runners, grader):
+    """No helper can start (here: a start limit no interpreter meets): the answer is ungraded, and
+    the training reward scores it -1 and says so."""
+    from recipe.stapo.reward import TimeLimitedRunner, compute_score_lenient, lenient
+
+    warm_up = justrl_grader.WARM_UP if grader == "justrl" else lenient._WARM_UP
+    fresh_runners._RUNNERS[warm_up] = TimeLimitedRunner(max_workers=1, startup_timeout_s=0.001, warm_up=warm_up)
+    grade_answer = justrl_grader.grade_answer if grader == "justrl" else lenient.grade_answer
+    graded = grade_answer("\\boxed{x^2+2x+1}", "(x+1)^2", 5.0)
+    assert (graded.correct, graded.status) == (None, "unavailable")
+    assert grade_answer("\\boxed{7}", "7", 5.0).correct is True  # equal strings need no helper
+    if grader == "lenient":
+        assert compute_score_lenient("x", "\\boxed{x^2+2x+1}", "(x+1)^2") == {
+            "score": -1.0, "acc": False, "pred": "x^2+2x+1", "ungraded": True}

@@ -490,3 +490,39 @@ def test_rows_of_another_grading_protocol_are_never_mixed(tmp_path, grading):
     (tmp_path / "same").mkdir()
     same = _eight_b_rows(tmp_path / "same", _run_summary("8B", "GRPO", 45.0, grading=grading_info(None, 5.0, "justrl")))
     assert len(load_inputs(same, grading=grading)) == 3
+
+
+def test_a_score_of_zero_is_not_taken_for_fractions(tmp_path):
+    """A model that solves nothing scores 0 in percent and in fractions alike: its row is a row."""
+    zero = _run_summary("8B", "GRPO", 0.0)
+    paths = [_write(tmp_path, "grpo", zero), _write(tmp_path, "stapo", _run_summary("8B", "STAPO", 50.0))]
+    rows = load_inputs(paths)
+    assert rows[0].value("train", "AIME24") == 0.0 and not rows[0].issues
+    text = PAPER.read_text().replace("| 6.88 (10.83) |", "| 0.00 (0.00) |", 1)  # one printed zero among percentages
+    table = tmp_path / "t.md"
+    table.write_text(text)
+    assert not [r for r in load_inputs([str(table)]) if r.issues]
+    printed_zeros = "| model | method | " + " | ".join(COLUMNS) + " | Avg |\n|---|---|" + "---|" * 7 + "\n" + \
+        "| 1.7B | GRPO | " + " | ".join(["0 (0)"] * 7) + " |\n"
+    table.write_text(printed_zeros)
+    assert not load_inputs([str(table)])[0].issues
+    # fractions are still fractions: a nonzero row at most 1 (0.83% is not 8 of 960 samples here: 30 x 4)
+    fractions = _run_summary("8B", "JustRL", 0.0)
+    fractions["decodings"]["train"]["benchmarks"]["aime24"]["mean_at_n"] = 0.55
+    with pytest.raises(ValueError, match=r"every nonzero value is <= 1: fractions"):
+        load_inputs([_write(tmp_path, "justrl", fractions)])
+
+
+@pytest.mark.parametrize("form, shown", [
+    ("train", "prompt form is train, the table's is justrl-eval"),
+    (None, "prompt form is unrecorded (a summary from before prompt forms were recorded), the table's is justrl-eval"),
+])
+def test_a_row_of_another_prompt_form_is_refused(tmp_path, form, shown):
+    rows = [_run_summary("8B", m, v) for m, v in (("JustRL", 40.0), ("STAPO", 50.0), ("GRPO", 45.0))]
+    for row in rows[:2]:
+        row["prompt_form"] = "justrl-eval"
+    if form is not None:
+        rows[2]["prompt_form"] = form
+    paths = [_write(tmp_path, r["method"].lower(), r) for r in rows]
+    with pytest.raises(ValueError, match=r"grpo\.json: 8B GRPO: " + re.escape(shown)):
+        load_inputs(paths)
