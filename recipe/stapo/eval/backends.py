@@ -259,6 +259,10 @@ class VLLMBackend(GenerationBackend):
             for key, value in CPU_VLLM_ENV.items():
                 os.environ.setdefault(key, value)
             llm_kwargs.setdefault("enforce_eager", True)
+            # a prompt prefilled in chunks discards the chunk's sampled token and rewinds the request's
+            # seeded generator, which a CPU generator cannot do ("CPU Generator does not use offset"):
+            # every prompt is prefilled whole
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         if dtype is None:
             dtype = "float32" if on_cpu else "bfloat16"
         elif dtype == "auto":

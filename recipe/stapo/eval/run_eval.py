@@ -52,7 +52,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from recipe.stapo.data.prepare import BENCHMARK_SPECS, MANIFEST_NAME, PROMPT_FORMS, prompt_form
 from recipe.stapo.eval import parallel
-from recipe.stapo.eval.backends import GenerationBackend, LazyBackend, SamplingConfig, build_backend
+from recipe.stapo.eval.backends import GenerationBackend, LazyBackend, SamplingConfig, build_backend, render_chat
 from recipe.stapo.eval.generate import (
     JsonlStore,
     Problem,
@@ -338,6 +338,75 @@ def _safetensors_problem(path: Path) -> Optional[str]:
     return None
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+"""Keys of a model's ``config.json`` (or its ``text_config``) that bound its context, as vLLM
+derives ``max_model_len``: the smallest present, times a RoPE scaling factor."""
+
+
+def model_context(path: Path) -> Optional[tuple[int, str]]:
+    """``(tokens, what)`` of a local model folder's context (prompt + completion), as vLLM derives
+    it from ``config.json`` (:data:`CONTEXT_KEYS`; a ``rope_scaling`` ``factor`` multiplies it, of
+    ``original_max_position_embeddings`` for YaRN), or None when the folder does not say."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    found = [(text[k], k) for k in CONTEXT_KEYS if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)]
+    if not found:
+        return None
+    tokens, key = min(found)
+    what = f"{key} in {path / 'config.json'}"
+    rope = text.get("rope_scaling") if isinstance(text.get("rope_scaling"), dict) else {}
+    factor, kind = rope.get("factor"), rope.get("rope_type", rope.get("type"))
+    if isinstance(factor, (int, float)) and factor > 1 and kind not in (None, "default", "su", "longrope", "llama3", "mrope"):
+        base = rope.get("original_max_position_embeddings", tokens) if kind == "yarn" else tokens
+        tokens, what = int(base * factor), f"{what} with its rope_scaling factor {factor:g}"
+    return tokens, what
+
+
+def check_context(config: "EvalConfig", blocks: Sequence["_Block"], pending: dict[tuple[str, str], int]) -> None:
+    """Refuse a ``--max-new-tokens`` the model's context cannot hold after the longest prompt still
+    to generate (vLLM would stop each such response at the context without a word; transformers
+    would run past the positions the model was built for). Reads only the model's ``config.json``
+    and tokenizer; a hub id or a folder whose config names no context is not checked.
+
+    Raises:
+        ValueError: naming the context, where it comes from, the longest prompt and the value.
+    """
+    path = Path(config.model).expanduser()
+    context = model_context(path) if path.is_dir() else None
+    if context is None:
+        return
+    tokens, what = context
+    if config.max_new_tokens >= tokens:
+        raise ValueError(
+            f"--max-new-tokens {config.max_new_tokens}: the model's context is {tokens} tokens ({what}), prompt and "
+            f"response together; vLLM would silently stop every response at the context. Pass a --max-new-tokens "
+            f"below {tokens} minus the longest prompt, or evaluate a model with a longer context; nothing was written"
+        )
+    from transformers import AutoTokenizer  # only when samples are left to generate: seconds to import
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    longest = (0, "", "")
+    for block in blocks:
+        if not pending.get((block.decoding, block.bench)):
+            continue
+        for problem in block.problems:
+            length = len(tokenizer(render_chat(tokenizer, problem.messages), add_special_tokens=False)["input_ids"])
+            longest = max(longest, (length, block.bench, problem.problem_id))
+    length, bench, problem_id = longest
+    if length + config.max_new_tokens > tokens:
+        raise ValueError(
+            f"--max-new-tokens {config.max_new_tokens}: the model's context is {tokens} tokens ({what}) and the longest "
+            f"prompt ({bench} problem {problem_id!r}) has {length}, so at most {tokens - length} new tokens fit; vLLM "
+            f"would silently stop longer responses at the context. Pass --max-new-tokens {tokens - length} or less; "
+            "nothing was written"
+        )
+
+
 def data_fingerprint(benchmarks_dir: Path, catalogs: dict[str, list[Problem]]) -> dict:
     """What ``run_config.json`` records about the benchmark data.
 
@@ -487,6 +556,7 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
                 "pass the --benchmarks-dir the folder was made with"
             ) from None
     blocks, pending = [], 0
+    missing_by_block: dict[tuple[str, str], int] = {}
     for decoding in DECODINGS:
         for bench in catalogs:
             if (decoding, bench) not in wanted:
@@ -506,9 +576,11 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
                     f"--benchmarks {bench} to complete it"
                 )
             pending += missing
+            missing_by_block[decoding, bench] = missing
             blocks.append(_Block(decoding, bench, n, limit, problems, current))
     if pending and not injected_backend:
         check_model_source(config.model)
+        check_context(config, blocks, missing_by_block)
     needs_vllm = (pending and not injected_backend) or (verifier is None and config.verifier_name() == "compass")
     if config.backend == "vllm" and needs_vllm and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm needs vllm, which is not installed (GPU machines: pip install -r "

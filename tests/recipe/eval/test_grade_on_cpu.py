@@ -570,3 +570,40 @@ def test_a_check_past_its_limit_on_every_try_is_wrong_and_counted_once_that_pass
     block = summary["decodings"]["train"]["benchmarks"]["aime24"]
     assert (block["ungraded"], block["timed_out"]) == (0, 0)
     assert sorted(limits) == [5.0] * failures + [10.0] * failures
+
+
+# ----------------------------------------------------------------------------------------------
+# --max-new-tokens beyond the model's context: refused before generation (vLLM would cap it silently)
+# ----------------------------------------------------------------------------------------------
+def _tiny_config(assets, out, max_new_tokens):
+    return run_eval.EvalConfig(model=str(assets / "model"), benchmarks_dir=str(assets), out=str(out), benchmarks=("val",),
+                               n_samples={"val": 1}, decodings=("justrl",), max_new_tokens=max_new_tokens, backend="hf",
+                               verifier="none")
+
+
+def test_max_new_tokens_beyond_the_models_context_is_refused_before_anything_is_written(assets, tmp_path):
+    """The shipped tiny model's context is 256 tokens (max_position_embeddings)."""
+    context = json.loads((assets / "model" / "config.json").read_text())["max_position_embeddings"]
+    assert context == 256
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"--max-new-tokens 256: the model's context is 256 tokens \(max_position_embeddings "
+                                         r"in .*config\.json\), prompt and response together"):
+        run_evaluation(_tiny_config(assets, out, 256))
+    with pytest.raises(ValueError, match=r"--max-new-tokens 250: .* the longest prompt \(val problem '\d+'\) has (\d+), so at "
+                                         r"most \d+ new tokens fit; .* Pass --max-new-tokens \d+ or less") as refused:
+        run_evaluation(_tiny_config(assets, out, 250))
+    fits = int(re.search(r"at most (\d+) new tokens fit", str(refused.value)).group(1))
+    assert not out.exists()
+    plan = run_eval.plan_run(_tiny_config(assets, out, fits))  # the largest value that fits passes
+    assert plan.pending == 64 and not out.exists()
+    with pytest.raises(ValueError, match=rf"--max-new-tokens {fits + 1}: "):
+        run_eval.plan_run(_tiny_config(assets, out, fits + 1))
+
+
+def test_a_yarn_scaled_context_is_the_scaled_one(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "max_position_embeddings": 40960, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 32768}}))
+    assert run_eval.model_context(tmp_path)[0] == 131072
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
+    assert run_eval.model_context(tmp_path) == (32768, f"max_position_embeddings in {tmp_path / 'config.json'}")

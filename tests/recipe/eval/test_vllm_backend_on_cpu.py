@@ -179,7 +179,7 @@ def test_eval_sh_with_vllm_writes_the_records_the_hf_backend_writes(model_dir, t
     prompt.write_text(f"CV_PROMPT = {TEMPLATE!r}\n")
     args = ["--benchmarks", "aime24", "--n-samples", "aime24=2", "--limit", "2", "--max-new-tokens", "8",
             "--seed", "7", "--verifier-model", str(judge)]
-    env = {**os.environ, "MODEL": str(model_dir), "OUT": str(tmp_path / "vllm"), "BENCH_DIR": str(bench),
+    env = {**os.environ, "MODEL": str(model_dir), "OUT": str(tmp_path / "vllm"), "STAPO_DATA_DIR": str(bench),
            "PYTHON": sys.executable, "BACKEND": "vllm", "VERIFIER": "compass", "VERIFIER_PROMPT": str(prompt),
            "DECODING": "train"}
     proc = subprocess.Popen(["bash", str(EVAL), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
