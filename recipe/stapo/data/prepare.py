@@ -99,7 +99,7 @@ class SourceSpec:
     strip_prefix: str = ""
     strip_suffix: str = ""
     dedupe: bool = False  # drop exact repeats of (problem, answer): DAPO-Math-17k ships ~100x copies
-    expected_rows: Optional[int] = None
+    expected_rows: Optional[int] = None  # rows of the default source (a preparation notes another count)
 
 
 TRAIN_SPEC = SourceSpec(
@@ -131,7 +131,7 @@ BENCHMARK_SPECS: dict[str, SourceSpec] = {
             ("question", "problem"),
             ("final_answer", "answer"),
             ("id",),
-            expected_rows=674,
+            expected_rows=675,
         ),
     )
 }
@@ -527,7 +527,8 @@ def prepare_dataset(
             if os.path.exists(tmp):
                 os.remove(tmp)
     if spec.expected_rows is not None and len(records) != spec.expected_rows:
-        print(f"[prepare] note: {spec.name} has {len(records)} rows, the paper's has {spec.expected_rows}", file=sys.stderr)
+        print(f"[prepare] note: {spec.name} has {len(records)} rows, its default source has {spec.expected_rows} "
+              "(docs/eval.md)", file=sys.stderr)
     return result
 
 

@@ -460,3 +460,29 @@ def test_benchmarks_naming_nothing_is_an_error(tmp_path, capsys, names):
     assert main(["bench", "--out-dir", str(tmp_path / "out"), "--benchmarks", names]) == 2
     assert f"error: --benchmarks {names!r} names no benchmark" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_each_benchmark_has_one_size_everywhere():
+    """The size of each benchmark's default source (``expected_rows``; a preparation notes another
+    count) is the one docs/eval.md and docs/method.md state, and the one the evaluation's sample
+    count (docs/eval.md, "Expected time") is made of."""
+    import re
+
+    from recipe.stapo.eval.run_eval import DEFAULT_N_SAMPLES
+    from tests.helpers.paths import REPO
+
+    sizes = {name: spec.expected_rows for name, spec in prepare.BENCHMARK_SPECS.items()}
+    eval_md = (REPO / "docs" / "eval.md").read_text()
+    method_md = (REPO / "docs" / "method.md").read_text()
+    for name, size in sizes.items():
+        row = next(line for line in eval_md.splitlines() if line.startswith(f"| {name} | "))
+        assert row.rstrip().endswith(f"| {size} |"), row
+    labels = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
+              "olympiadbench": "OlympiadBench"}
+    protocol = method_md[method_md.index("## Evaluation protocol"):]
+    for name, label in labels.items():
+        assert re.search(rf"{label} \({sizes[name]}[;)\s]", protocol), (label, sizes[name])
+    per_decoding = sum(sizes[n] * DEFAULT_N_SAMPLES[n] for n in sizes)
+    assert f"One checkpoint is {per_decoding:,} samples per decoding setting" in eval_md.replace("\n", " ")
+    for name, label in labels.items():
+        assert f"{label} {sizes[name]} x {DEFAULT_N_SAMPLES[name]}" in eval_md.replace("\n", " ")
