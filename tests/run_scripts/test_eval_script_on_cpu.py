@@ -161,14 +161,6 @@ def test_a_failing_merger_leaves_no_partial_folder(tmp_path, bench):
 # ----------------------------------------------------------------------------------------------
 # one evaluation path: the run scripts' data folder; what eval.sh announces is what it uses
 # ----------------------------------------------------------------------------------------------
-def _fake_python(tmp_path: Path) -> Path:
-    """An interpreter stand-in that prints its argv (one per line) and exits."""
-    fake = tmp_path / "fakepython"
-    fake.write_text('#!/usr/bin/env bash\nfor a in "$@"; do echo "$a"; done\n')
-    fake.chmod(0o755)
-    return fake
-
-
 def _argv_of(tmp_path, *args, **env):
     full = {k: v for k, v in os.environ.items() if k not in ("OUT", "STAPO_DATA_DIR", "BENCH_DIR", "PRESET")}
     full.update({"MODEL": "Qwen/Qwen3-8B", "PYTHON": str(_fake_python(tmp_path)), **env})
@@ -215,3 +207,21 @@ def test_the_cpu_preset_evaluates_the_shipped_tiny_model_on_its_held_out_problem
     assert argv[argv.index("--benchmarks") + 1] == "val" and argv[-2:] == ["--n-samples", "2"]  # the user's last
     proc, _ = _argv_of(tmp_path, PRESET="gpu")
     assert proc.returncode == 2 and "PRESET=gpu: unknown preset" in proc.stderr
+
+
+def test_a_converted_copy_cut_off_is_refused_naming_the_folder_to_remove(tmp_path, bench, assets):
+    """A merged_hf whose weights end early (a conversion into another filesystem killed in its final
+    move, a copy cut off): eval.sh reuses a converted copy, so run_eval's model check refuses it,
+    before anything is written, naming the folder to remove for eval.sh to convert again."""
+    import shutil
+
+    step = tmp_path / "ck" / "run" / "global_step_5"
+    (step / "actor").mkdir(parents=True)
+    merged = Path(shutil.copytree(Path(assets) / "model", step / "merged_hf"))
+    weights = merged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    proc = _run(tmp_path, str(step), tmp_path / "out", bench)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{weights}: " in proc.stderr and "cut off while being written or copied?" in proc.stderr
+    assert f"remove {merged} and rerun eval.sh on the checkpoint: it converts it again" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

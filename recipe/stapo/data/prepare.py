@@ -21,7 +21,8 @@ before any work (a corrupt one is an error naming it, and nothing is written); e
 written to a temp file, recorded in the manifest (with the temp file named as pending), renamed
 into place, and the pending mark dropped, so an error at any point leaves the parquet file and its
 manifest entry as they were, and a kill between the two steps is finished by the next preparation
-(the pending file is renamed into place, stale temp files removed). Writing holds the folder's
+(the pending file is renamed into place); every preparation removes the temp files a killed one
+left (a parquet file's or the manifest's own, whatever dataset it was preparing). Writing holds the folder's
 lock (``OUT/.prepare.lock``) and reads the manifest under it, so overlapping preparations into one
 folder take turns and the manifest keeps every dataset written. ``--out-dir`` must be a folder
 (or not exist yet).
@@ -492,8 +493,7 @@ def prepare_dataset(
         # under the folder's lock: another preparation into this folder waits here, and the
         # manifest is read now, so an entry it wrote meanwhile is kept
         previous = read_manifest(manifest_dir, _locked=True) if manifest_dir is not None else None
-        for stale in out_path.parent.glob(f".{out_path.name}.*.tmp"):  # left by a killed preparation
-            stale.unlink(missing_ok=True)
+        remove_stale_temps(out_path.parent)
         fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
         os.close(fd)
         try:
@@ -572,6 +572,17 @@ def read_manifest(out_dir: Path, _locked: bool = False) -> Optional[dict]:
     return manifest
 
 
+def remove_stale_temps(out_dir: Path) -> list[Path]:
+    """Remove the temp files a killed preparation left in ``out_dir`` (a parquet file's, before its
+    rename; the manifest's, before its own rename) and return them. Called with the folder's lock
+    held and after :func:`read_manifest` finished any pending rename, so no temp file there belongs
+    to a running preparation or holds the only copy of a recorded dataset."""
+    stale = sorted(out_dir.glob(".*.parquet.*.tmp")) + sorted(out_dir.glob(f".{MANIFEST_NAME}.*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def _finish_pending(out_dir: Path, manifest: dict) -> dict:
     """Complete the pending renames of ``manifest`` (see :func:`read_manifest`); the lock is held."""
     pending = manifest.pop("pending") or {}
@@ -588,8 +599,7 @@ def _finish_pending(out_dir: Path, manifest: dict) -> dict:
             del manifest["datasets"][name]
             print(f"[prepare] warning: {out_dir / MANIFEST_NAME}: the entry of {name} did not match {final} and its "
                   "pending copy is gone; entry removed, rerun the preparation of that dataset", file=sys.stderr)
-    for stale in out_dir.glob(".*.parquet.*.tmp"):
-        stale.unlink(missing_ok=True)
+    remove_stale_temps(out_dir)
     atomic_write_json(out_dir / MANIFEST_NAME, manifest)
     return manifest
 

@@ -274,8 +274,9 @@ def check_model_source(model: str, what: str = "--model") -> None:
         )
     problem = model_folder_problem(path)
     if problem:
-        raise ValueError(f"{what} {model}: {problem}; redo the copy or conversion (eval.sh converts a verl checkpoint "
-                         "into global_step_N/merged_hf); nothing was written")
+        raise ValueError(f"{what} {model}: {problem}; redo the copy, or, for the copy run_scripts/eval.sh converts a verl "
+                         f"checkpoint into (global_step_N/merged_hf), remove {path} and rerun eval.sh on the checkpoint: "
+                         "it converts it again; nothing was written")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -486,3 +486,69 @@ def test_each_benchmark_has_one_size_everywhere():
     assert f"One checkpoint is {per_decoding:,} samples per decoding setting" in eval_md.replace("\n", " ")
     for name, label in labels.items():
         assert f"{label} {sizes[name]} x {DEFAULT_N_SAMPLES[name]}" in eval_md.replace("\n", " ")
+
+
+_KILL_AT_MANIFEST_RENAME = """
+import os, signal, sys
+import stapo_core.fileio as fileio
+from recipe.stapo.data import prepare
+real_replace = os.replace
+def kill_at_rename(src, dst):
+    if str(dst).endswith("manifest.json"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst)
+fileio.os.replace = kill_at_rename
+sys.exit(prepare.main(sys.argv[1:]))
+"""
+
+
+def test_a_kill_between_the_manifests_update_and_its_rename_leaves_nothing_behind(tmp_path):
+    """Killed after writing the manifest's temp file, before renaming it: the folder keeps the old
+    manifest and parquet file (consistent), and the next preparation, of any dataset, removes both
+    temp files the kill left (the manifest's and the half-prepared parquet file's)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    small = _write_jsonl(tmp_path / "small.jsonl", [GOOD])
+    big = _write_jsonl(tmp_path / "big.jsonl", [dict(GOOD, id=f"g{i}", problem=f"What is {i} + 2?") for i in range(50)])
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={small}"]) == 0
+    before = {p.name: p.read_bytes() for p in (out / "aime24.parquet", out / "manifest.json")}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    killed = subprocess.run([sys.executable, "-c", _KILL_AT_MANIFEST_RENAME, "bench", "--out-dir", str(out),
+                             "--benchmarks", "aime24", "--source", f"aime24={big}"], env=env, capture_output=True, timeout=300)
+    assert killed.returncode == -9
+    assert {p.name: p.read_bytes() for p in (out / "aime24.parquet", out / "manifest.json")} == before
+    assert list(out.glob(".manifest.json.*.tmp")) and list(out.glob(".aime24.parquet.*.tmp"))
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "amc23", "--source", f"amc23={small}"]) == 0
+    assert not list(out.glob(".*.tmp"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["datasets"]) == {"aime24", "amc23"} and manifest["datasets"]["aime24"]["rows"] == 1
+    assert manifest["datasets"]["aime24"]["output_sha256"] == _sha(out / "aime24.parquet")
+
+
+_PREPARE = "import sys; from recipe.stapo.data.prepare import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_two_concurrent_preparations_into_one_folder_keep_every_dataset(tmp_path):
+    """Two processes preparing into one folder at the same moment (one benchmark in common): each
+    writes under the folder's lock, the manifest lists every dataset with the hash of the file on
+    disk, no temp file stays."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    source = FIXTURES / "bench_sample.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    runs = [subprocess.Popen([sys.executable, "-c", _PREPARE, "bench", "--out-dir", str(out), "--benchmarks",
+                              f"{name},amc23", "--source", f"{name}={source}", "--source", f"amc23={source}"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for name in ("aime24", "math500")]
+    for run in runs:
+        assert run.wait(timeout=300) == 0, run.stderr.read()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["datasets"]) == {"aime24", "math500", "amc23"} and "pending" not in manifest
+    for name, entry in manifest["datasets"].items():
+        assert entry["output_sha256"] == _sha(out / f"{name}.parquet")
+    assert not list(out.glob(".*.tmp"))
