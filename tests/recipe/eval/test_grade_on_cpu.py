@@ -98,8 +98,8 @@ def test_verifier_gets_the_whole_response_in_compassverifiers_format(bench, judg
         problem, response = problems[index], records[index, sample]["response"]
         assert len(response) > 5000
         user = problem.messages[-1]["content"]
-        assert user.endswith("\n\nPlease reason step by step, and put your final answer within \\boxed{}.")
-        question = "" if protocol == "justrl" else user[: user.rindex("\n\nPlease reason step by step")]
+        assert user.endswith(" Please reason step by step, and put your final answer within \\boxed{}.")  # JustRL's eval form
+        question = "" if protocol == "justrl" else user[: user.rindex(" Please reason step by step")]
         content = TEMPLATE.format(question=question, gold_answer=problem.ground_truth, llm_response=response)
         expected.append(render_chat(judge.backend.tokenizer, [{"role": "user", "content": content}]))
     assert judge.backend.prompts == expected
