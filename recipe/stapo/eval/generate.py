@@ -413,30 +413,31 @@ def merge_parts(
 
 
 class ResultCache:
-    """Per-sample grading results (rule grades, verifier verdicts) on disk, each record carrying
+    """Per-sample grading results (answer grades, verifier verdicts) on disk, each record carrying
     the identity of everything that decided it.
 
     On disk a :class:`JsonlStore` of ``{"problem_index", "sample", ...result}`` records, each also
     carrying ``problem_id``, ``prompt_sha256``, ``answer_sha256`` (the reference answer),
-    ``response_sha256`` (the graded response) and ``grader_sha256`` (hash of the grader's
-    identity: for the verifier its model, prompt text, input, decoding and answer parser; for the
-    rule the rule's code and settings). A result is reused only when all of them match now,
+    ``response_sha256`` (the graded response) and ``decided_by_sha256`` (hash of the identity of
+    what decided it: for the verifier its model, prompt text, input, decoding and answer parser; for
+    the answer grader its code and settings). A result is reused only when all of them match now,
     whatever the problem's row is; any other result in the file is ignored, so a change of the
-    grader, the reference answer or the response grades that sample again (results of several
-    graders live side by side in one file).
+    grader or verifier, the reference answer or the response grades that sample again (results of
+    several graders live side by side in one file).
 
     Args:
         store: the cache file.
         problems: the problems graded in this run.
         records: their generation records, keyed by ``(problem.index, sample)``.
-        grader: the grader's identity (a JSON-serialisable dict).
+        decided_by: the identity of the answer grader or verifier (a JSON-serialisable dict).
     """
 
-    def __init__(self, store: JsonlStore, problems: Sequence[Problem], records: dict[tuple[int, int], dict], grader: dict):
+    def __init__(self, store: JsonlStore, problems: Sequence[Problem], records: dict[tuple[int, int], dict],
+                 decided_by: dict):
         self.store, self.records = store, records
         self.by_index = {p.index: p for p in problems}
         self.by_id = {p.problem_id: p for p in problems}
-        self.grader_sha256 = json_sha256(grader)
+        self.decided_by_sha256 = json_sha256(decided_by)
 
     def identity(self, index: int, sample: int) -> dict:
         """Identity fields of the result on sample ``sample`` of the problem at row ``index``."""
@@ -446,7 +447,7 @@ class ResultCache:
             "prompt_sha256": problem.prompt_sha256,
             "answer_sha256": text_sha256(problem.ground_truth),
             "response_sha256": text_sha256(self.records[index, sample]["response"]),
-            "grader_sha256": self.grader_sha256,
+            "decided_by_sha256": self.decided_by_sha256,
         }
 
     def load(self) -> dict[tuple[int, int], dict]:

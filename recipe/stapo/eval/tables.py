@@ -276,7 +276,7 @@ def grading_of(summary: dict, grading: str = "as-run") -> tuple[str, str]:
 
 def grading_protocol_of(summary: dict) -> str:
     """The grading protocol a summary records (``justrl``, ``compassverifier``), or ``unnamed`` for
-    a summary written before protocols were named (lenient rule, the policy's whole user message)."""
+    a summary written before protocols were named (lenient grader, the policy's whole user message)."""
     record = summary.get("grading") if isinstance(summary.get("grading"), dict) else {}
     return str(record.get("protocol") or "unnamed")
 
@@ -516,7 +516,7 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
         listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {'; '.join(r.protocol_issues)}" for r in mixed)
         raise ValueError(
             f"rows with another protocol refused: {listed}. Rows of one table share N per benchmark, decoding, "
-            "max_new_tokens and grading (a changed rule or verifier: rerun eval.sh on the older folders to regrade, "
+            "max_new_tokens, prompt form and grading (a changed answer grader or verifier: rerun eval.sh on the older folders to regrade, "
             "generations and cached verdicts are reused); pass --allow-mixed-protocol to show such rows marked "
             "and left out of the headline"
         )
