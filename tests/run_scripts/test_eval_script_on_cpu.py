@@ -15,7 +15,7 @@ EVAL = REPO / "run_scripts" / "eval.sh"
 
 
 def _run(cwd, model, out, bench, **env):
-    full = {**os.environ, "MODEL": model, "OUT": str(out), "BENCH_DIR": str(bench), "PYTHON": sys.executable,
+    full = {**os.environ, "MODEL": model, "OUT": str(out), "STAPO_DATA_DIR": str(bench), "PYTHON": sys.executable,
             "BACKEND": "hf", "VERIFIER": "none", **env}
     return subprocess.run(["bash", str(EVAL), "--benchmarks", "aime24", "--decoding", "train"], cwd=cwd, env=full,
                           capture_output=True, text=True, timeout=300)
@@ -156,3 +156,72 @@ def test_a_failing_merger_leaves_no_partial_folder(tmp_path, bench):
     assert proc.returncode == 2, proc.stderr
     assert "merger exploded" in proc.stderr and "verl's model merger failed" in proc.stderr
     assert not _written(tmp_path, tmp_path / "out", step / "merged_hf", step / "merged_hf.partial")
+
+
+# ----------------------------------------------------------------------------------------------
+# one evaluation path: the run scripts' data folder; what eval.sh announces is what it uses
+# ----------------------------------------------------------------------------------------------
+def _argv_of(tmp_path, *args, **env):
+    full = {k: v for k, v in os.environ.items() if k not in ("OUT", "STAPO_DATA_DIR", "BENCH_DIR", "PRESET")}
+    full.update({"MODEL": "Qwen/Qwen3-8B", "PYTHON": str(_fake_python(tmp_path)), **env})
+    proc = subprocess.run(["bash", str(EVAL), *args], cwd=tmp_path, env=full, capture_output=True, text=True, timeout=60)
+    return proc, proc.stdout.splitlines()
+
+
+def _value(argv, flag):
+    assert argv.count(flag) == 1, argv  # passed once: what run_eval uses is what eval.sh announced
+    return argv[argv.index(flag) + 1]
+
+
+def test_the_benchmarks_come_from_the_run_scripts_data_folder(tmp_path):
+    proc, argv = _argv_of(tmp_path, STAPO_DATA_DIR="shared/data")
+    assert proc.returncode == 0, proc.stderr
+    assert _value(argv, "--benchmarks-dir") == str(tmp_path / "shared" / "data")
+    proc, argv = _argv_of(tmp_path)  # unset: the run scripts' default
+    assert _value(argv, "--benchmarks-dir") == str(REPO / "data" / "stapo")
+    proc, _ = _argv_of(tmp_path, BENCH_DIR="bench")
+    assert proc.returncode == 2
+    assert "BENCH_DIR is not read: eval.sh reads the benchmarks from STAPO_DATA_DIR" in proc.stderr
+    assert "set STAPO_DATA_DIR=bench" in proc.stderr
+
+
+@pytest.mark.parametrize("args", [["--out", "elsewhere"], ["--out=elsewhere"]])
+def test_an_out_argument_is_the_folder_announced_and_used(tmp_path, args):
+    proc, argv = _argv_of(tmp_path, *args, "--limit", "2", OUT="ignored")
+    assert proc.returncode == 0, proc.stderr
+    assert _value(argv, "--out") == str(tmp_path / "elsewhere")
+    assert f"-> {tmp_path / 'elsewhere'}" in proc.stderr and "ignored" not in proc.stderr
+    assert argv[-2:] == ["--limit", "2"]  # the other extra arguments pass through
+    proc, argv = _argv_of(tmp_path, "--benchmarks-dir", "mine")
+    assert _value(argv, "--benchmarks-dir") == str(tmp_path / "mine") and f"on {tmp_path / 'mine'}" in proc.stderr
+
+
+def test_the_cpu_preset_evaluates_the_shipped_tiny_model_on_its_held_out_problems(tmp_path):
+    proc, argv = _argv_of(tmp_path, "--n-samples", "2", MODEL="", PRESET="cpu")
+    assert proc.returncode == 0, proc.stderr
+    shipped = REPO / "recipe" / "stapo" / "cpu" / "shipped_assets"
+    assert _value(argv, "--model") == str(shipped / "model")
+    assert _value(argv, "--benchmarks-dir") == str(shipped)
+    assert (_value(argv, "--decoding"), _value(argv, "--verifier")) == ("justrl", "none")
+    assert _value(argv, "--out") == str(REPO / "results" / "eval" / "cpu_shipped_assets_model")
+    assert argv[argv.index("--benchmarks") + 1] == "val" and argv[-2:] == ["--n-samples", "2"]  # the user's last
+    proc, _ = _argv_of(tmp_path, PRESET="gpu")
+    assert proc.returncode == 2 and "PRESET=gpu: unknown preset" in proc.stderr
+
+
+def test_a_converted_copy_cut_off_is_refused_naming_the_folder_to_remove(tmp_path, bench, assets):
+    """A merged_hf whose weights end early (a conversion into another filesystem killed in its final
+    move, a copy cut off): eval.sh reuses a converted copy, so run_eval's model check refuses it,
+    before anything is written, naming the folder to remove for eval.sh to convert again."""
+    import shutil
+
+    step = tmp_path / "ck" / "run" / "global_step_5"
+    (step / "actor").mkdir(parents=True)
+    merged = Path(shutil.copytree(Path(assets) / "model", step / "merged_hf"))
+    weights = merged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    proc = _run(tmp_path, str(step), tmp_path / "out", bench)
+    assert proc.returncode == 2, proc.stderr
+    assert f"{weights}: " in proc.stderr and "cut off while being written or copied?" in proc.stderr
+    assert f"remove {merged} and rerun eval.sh on the checkpoint: it converts it again" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

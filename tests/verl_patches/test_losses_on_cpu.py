@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import re
+
 import pytest
 import torch
 
@@ -553,7 +555,8 @@ def test_geo_mean_leaves_a_fully_silenced_sequence_out_of_the_mean():
     assert torch.all(lp.grad[0] == 0)
 
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm", "token-sum")
+"""Every ``loss_agg_mode`` verl 0.9.1's actor config accepts (its ``valid_loss_agg_modes``)."""
 
 
 def agg_scale(mode, mask, keep):
@@ -565,8 +568,8 @@ def agg_scale(mode, mask, keep):
         return torch.full((B, R), float(mask.sum() / keep.sum()))
     if mode == "seq-mean-token-mean":  # each sequence's own tokens, then the sequences that keep one
         return (mask.sum(-1) * B / (keep.sum(-1).clamp(min=1) * kept_rows))[:, None].expand(B, R)
-    if mode == "seq-mean-token-sum":  # the sequences that keep a token
-        return torch.full((B, R), float(B / kept_rows))
+    if mode in ("seq-mean-token-sum", "seq-mean-token-sum-norm"):  # the sequences that keep a token (-norm:
+        return torch.full((B, R), float(B / kept_rows))              # the same, over a constant horizon)
     return torch.ones(B, R)  # token-sum: no denominator
 
 
@@ -588,6 +591,25 @@ def test_each_composed_loss_under_each_aggregation_mode(loss_mode, extra, mode):
     _, grad = selected_loss(config, mask, old, log_prob, adv, entropy, "mini_batch")
     assert torch.all(grad[silenced] == 0)
     torch.testing.assert_close(grad[keep > 0], (full_grad * agg_scale(mode, mask, keep))[keep > 0])
+
+
+def test_the_per_mode_table_of_the_docs_lists_every_mode_verl_accepts():
+    """docs/method.md's table "Per aggregation mode" has a row for every loss_agg_mode verl's actor
+    config accepts, and none other; the test above checks each row."""
+    import inspect
+
+    from verl.workers.config import actor
+
+    from tests.helpers.paths import REPO
+
+    source = inspect.getsource(actor)
+    listed = source[source.index("valid_loss_agg_modes = [") : source.index("]", source.index("valid_loss_agg_modes = ["))]
+    assert set(re.findall(r'"([a-z-]+)"', listed)) == set(AGG_MODES)
+    method = (REPO / "docs" / "method.md").read_text()
+    table = method[method.index("**Per aggregation mode.**") :].split("\n\n")[1]
+    rows = {line.split("|")[1].strip().split(" ")[0].strip("`") for line in table.splitlines()[2:]  # below the header
+            if not line.startswith("| any")}
+    assert rows == set(AGG_MODES)
 
 
 @pytest.mark.parametrize("sequence_ratio", ["kept_tokens", "all_tokens"])

@@ -21,7 +21,8 @@ before any work (a corrupt one is an error naming it, and nothing is written); e
 written to a temp file, recorded in the manifest (with the temp file named as pending), renamed
 into place, and the pending mark dropped, so an error at any point leaves the parquet file and its
 manifest entry as they were, and a kill between the two steps is finished by the next preparation
-(the pending file is renamed into place, stale temp files removed). Writing holds the folder's
+(the pending file is renamed into place); every preparation removes the temp files a killed one
+left (a parquet file's or the manifest's own, whatever dataset it was preparing). Writing holds the folder's
 lock (``OUT/.prepare.lock``) and reads the manifest under it, so overlapping preparations into one
 folder take turns and the manifest keeps every dataset written. ``--out-dir`` must be a folder
 (or not exist yet).
@@ -29,10 +30,15 @@ folder take turns and the manifest keeps every dataset written. ``--out-dir`` mu
 Output schema (one row per problem; what verl's RLHFDataset reads)::
 
     data_source: str                      "math_dapo" for training, the benchmark name otherwise
-    prompt:      [{"role": "user", "content": problem + PROMPT_JOINER + PROMPT_SUFFIX}]
+    prompt:      [{"role": "user", "content": problem + joiner + PROMPT_SUFFIX}]
     ability:     "math"
     reward_model: {"style": "rule", "ground_truth": answer}
     extra_info:  {"index": int (row in this file), "id": str (source id), "split": str}
+
+The joiner is the prompt form of the data's use, each as its reference writes it: training rows
+join the problem and the instruction with ``"\n\n"`` (:data:`TRAIN_PROMPT_JOINER`, JustRL's training
+data), benchmark rows with one space (:data:`EVAL_PROMPT_JOINER`, JustRL's ``evals/gen_vllm.py``,
+the evaluation the paper's Table 2 follows). The manifest records each dataset's ``prompt_form``.
 """
 
 from __future__ import annotations
@@ -57,7 +63,13 @@ from recipe.stapo.reward.answers import ground_truth_conversion, ground_truth_pr
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
 """Instruction appended to every problem (the paper's and JustRL's prompt)."""
-PROMPT_JOINER = "\n\n"
+TRAIN_PROMPT_JOINER = "\n\n"
+"""Between problem and instruction in training rows (JustRL's training data)."""
+EVAL_PROMPT_JOINER = " "
+"""Between problem and instruction in benchmark rows: JustRL's evaluation (``evals/gen_vllm.py``,
+``PROMPT_TEMPLATE = "{problem} Please reason step by step, ..."``), which Table 2 follows."""
+PROMPT_FORMS = {"justrl-eval": EVAL_PROMPT_JOINER, "train": TRAIN_PROMPT_JOINER}
+"""The two prompt forms by name (recorded in the manifest and in every evaluation summary)."""
 MANIFEST_NAME = "manifest.json"
 TRAIN_DATA_SOURCE = "math_dapo"
 
@@ -88,7 +100,7 @@ class SourceSpec:
     strip_prefix: str = ""
     strip_suffix: str = ""
     dedupe: bool = False  # drop exact repeats of (problem, answer): DAPO-Math-17k ships ~100x copies
-    expected_rows: Optional[int] = None
+    expected_rows: Optional[int] = None  # rows of the default source (a preparation notes another count)
 
 
 TRAIN_SPEC = SourceSpec(
@@ -120,7 +132,7 @@ BENCHMARK_SPECS: dict[str, SourceSpec] = {
             ("question", "problem"),
             ("final_answer", "answer"),
             ("id",),
-            expected_rows=674,
+            expected_rows=675,
         ),
     )
 }
@@ -141,6 +153,7 @@ class PrepareResult:
     dropped_invalid: int = 0
     duplicates_removed: int = 0
     invalid_examples: list[str] = field(default_factory=list)
+    prompt_form: str = "justrl-eval"
 
     def manifest_entry(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "name"}
@@ -398,11 +411,20 @@ def collect_records(
     return records, source_rows, duplicates, invalid
 
 
-def build_row(record: _Record, index: int, data_source: str, split: str) -> dict:
-    """One verl row (see the module docstring for the schema)."""
+def prompt_form(user_message: str) -> str:
+    """The prompt form of a user message: ``justrl-eval`` or ``train`` (:data:`PROMPT_FORMS`) when it
+    is a problem followed by that form's joiner and :data:`PROMPT_SUFFIX`, else ``custom``."""
+    for name, joiner in PROMPT_FORMS.items():
+        if user_message.endswith(joiner + PROMPT_SUFFIX) and len(user_message) > len(joiner + PROMPT_SUFFIX):
+            return name
+    return "custom"
+
+
+def build_row(record: _Record, index: int, data_source: str, split: str, form: str = "justrl-eval") -> dict:
+    """One verl row (see the module docstring for the schema) with the prompt form ``form``."""
     return {
         "data_source": data_source,
-        "prompt": [{"role": "user", "content": record.problem + PROMPT_JOINER + PROMPT_SUFFIX}],
+        "prompt": [{"role": "user", "content": record.problem + PROMPT_FORMS[form] + PROMPT_SUFFIX}],
         "ability": "math",
         "reward_model": {"style": "rule", "ground_truth": record.answer},
         "extra_info": {"index": index, "id": record.source_id, "split": split},
@@ -428,6 +450,7 @@ def prepare_dataset(
     data_source: Optional[str] = None,
     split: str = "test",
     manifest_dir: Optional[Path] = None,
+    form: str = "justrl-eval",
 ) -> PrepareResult:
     """Read, validate and write one dataset atomically to ``out_path`` (parquet).
 
@@ -438,6 +461,8 @@ def prepare_dataset(
         drop_invalid: drop bad rows (counted) instead of raising.
         data_source: value of the ``data_source`` column (default ``spec.name``).
         split: value of ``extra_info.split``.
+        form: the prompt form (:data:`PROMPT_FORMS`): ``justrl-eval`` for benchmarks, ``train`` for
+            the training set.
         manifest_dir: if given, the result is also recorded in ``manifest_dir/manifest.json``, and the
             two files stay consistent: the manifest is read (and must be valid) before anything is
             written; the parquet is written to a temp file, the manifest updated, then the temp file
@@ -462,14 +487,13 @@ def prepare_dataset(
         label = f"hf:{source}[{spec.split}]"
         rows, source_hash = _rows_sha256(iter_hf_rows(spec, source))
     records, source_rows, duplicates, invalid = collect_records(spec, rows, label, drop_invalid)
-    table = [build_row(r, i, data_source or spec.name, split) for i, r in enumerate(records)]
+    table = [build_row(r, i, data_source or spec.name, split, form) for i, r in enumerate(records)]
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with _folder_lock(out_path.parent):
         # under the folder's lock: another preparation into this folder waits here, and the
         # manifest is read now, so an entry it wrote meanwhile is kept
         previous = read_manifest(manifest_dir, _locked=True) if manifest_dir is not None else None
-        for stale in out_path.parent.glob(f".{out_path.name}.*.tmp"):  # left by a killed preparation
-            stale.unlink(missing_ok=True)
+        remove_stale_temps(out_path.parent)
         fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
         os.close(fd)
         try:
@@ -485,6 +509,7 @@ def prepare_dataset(
                 dropped_invalid=len(invalid),
                 duplicates_removed=duplicates,
                 invalid_examples=invalid[:20],
+                prompt_form=form,
             )
             if manifest_dir is not None:
                 # the entry names its temp file as pending: a kill before the rename below is
@@ -502,7 +527,8 @@ def prepare_dataset(
             if os.path.exists(tmp):
                 os.remove(tmp)
     if spec.expected_rows is not None and len(records) != spec.expected_rows:
-        print(f"[prepare] note: {spec.name} has {len(records)} rows, the paper's has {spec.expected_rows}", file=sys.stderr)
+        print(f"[prepare] note: {spec.name} has {len(records)} rows, its default source has {spec.expected_rows} "
+              "(docs/eval.md)", file=sys.stderr)
     return result
 
 
@@ -546,6 +572,17 @@ def read_manifest(out_dir: Path, _locked: bool = False) -> Optional[dict]:
     return manifest
 
 
+def remove_stale_temps(out_dir: Path) -> list[Path]:
+    """Remove the temp files a killed preparation left in ``out_dir`` (a parquet file's, before its
+    rename; the manifest's, before its own rename) and return them. Called with the folder's lock
+    held and after :func:`read_manifest` finished any pending rename, so no temp file there belongs
+    to a running preparation or holds the only copy of a recorded dataset."""
+    stale = sorted(out_dir.glob(".*.parquet.*.tmp")) + sorted(out_dir.glob(f".{MANIFEST_NAME}.*.tmp"))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
+
+
 def _finish_pending(out_dir: Path, manifest: dict) -> dict:
     """Complete the pending renames of ``manifest`` (see :func:`read_manifest`); the lock is held."""
     pending = manifest.pop("pending") or {}
@@ -562,8 +599,7 @@ def _finish_pending(out_dir: Path, manifest: dict) -> dict:
             del manifest["datasets"][name]
             print(f"[prepare] warning: {out_dir / MANIFEST_NAME}: the entry of {name} did not match {final} and its "
                   "pending copy is gone; entry removed, rerun the preparation of that dataset", file=sys.stderr)
-    for stale in out_dir.glob(".*.parquet.*.tmp"):
-        stale.unlink(missing_ok=True)
+    remove_stale_temps(out_dir)
     atomic_write_json(out_dir / MANIFEST_NAME, manifest)
     return manifest
 
@@ -646,7 +682,8 @@ def run_train(args: argparse.Namespace) -> list[PrepareResult]:
     check_out_dir(out_dir)
     read_manifest(out_dir)  # a corrupt manifest fails before any source is read
     result = prepare_dataset(
-        spec, out_dir / "train.parquet", args.source, args.drop_invalid, TRAIN_DATA_SOURCE, "train", manifest_dir=out_dir
+        spec, out_dir / "train.parquet", args.source, args.drop_invalid, TRAIN_DATA_SOURCE, "train", manifest_dir=out_dir,
+        form="train",
     )
     return [result]
 

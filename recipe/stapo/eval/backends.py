@@ -259,6 +259,10 @@ class VLLMBackend(GenerationBackend):
             for key, value in CPU_VLLM_ENV.items():
                 os.environ.setdefault(key, value)
             llm_kwargs.setdefault("enforce_eager", True)
+            # a prompt prefilled in chunks discards the chunk's sampled token and rewinds the request's
+            # seeded generator, which a CPU generator cannot do ("CPU Generator does not use offset"):
+            # every prompt is prefilled whole
+            llm_kwargs.setdefault("enable_chunked_prefill", False)
         if dtype is None:
             dtype = "float32" if on_cpu else "bfloat16"
         elif dtype == "auto":
@@ -278,7 +282,8 @@ class VLLMBackend(GenerationBackend):
             dtype=dtype,
             **llm_kwargs,
         )
-        self._engine_processes = [p for p in psutil.Process().children(recursive=True) if p.pid not in children_before]
+        self._engine_processes = [p for p in psutil.Process().children(recursive=True)
+                                  if p.pid not in children_before and not _is_resource_tracker(p)]
         self.tokenizer = self.llm.get_tokenizer()
 
     def _token_prompts(self, prompts: Sequence[str]) -> list[dict]:
@@ -336,6 +341,15 @@ class VLLMBackend(GenerationBackend):
         gc.collect()
         if getattr(self, "_shm_before", None) is not None:
             remove_orphaned_shm_segments(self._shm_before)
+
+
+def _is_resource_tracker(process: psutil.Process) -> bool:
+    """Whether ``process`` is Python's multiprocessing resource tracker (vLLM starts one on first use;
+    it lives as long as this process, so waiting for it to end would only wait out the timeout)."""
+    try:
+        return "multiprocessing.resource_tracker" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
 
 
 class LazyBackend(GenerationBackend):

@@ -39,6 +39,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
+from recipe.stapo.data.prepare import PROMPT_FORMS, PROMPT_SUFFIX, prompt_form
 from recipe.stapo.eval.backends import GenerationBackend, SamplingConfig
 from stapo_core.fileio import append_lines
 
@@ -269,10 +270,14 @@ def saved_samples(
                 f"this folder was generated from other data. {NEW_OUT_HINT}"
             )
         if problem.prompt_sha256 != record["prompt_sha256"]:
+            form = saved_prompt_form(problem, record["prompt_sha256"])
+            why = ("this folder was generated from other data" if form is None else
+                   f"its saved samples were generated from the same problem in the prompt form {form!r} "
+                   f"({PROMPT_FORMS[form]!r} between problem and instruction), the data now has "
+                   f"{prompt_form(problem.question)!r}: samples of two prompt forms are never mixed in one folder")
             raise ResumeMismatch(
                 f"{where}: problem {problem.problem_id!r} (row {problem.index} of {data_label}) has another prompt "
-                f"than the one its saved samples were generated for: this folder was generated from other data. "
-                f"{NEW_OUT_HINT}"
+                f"than the one its saved samples were generated for: {why}. {NEW_OUT_HINT}"
             )
         expected = sample_seed(base_seed, benchmark, decoding, problem.problem_id, sample)
         if record["seed"] != expected:
@@ -283,6 +288,21 @@ def saved_samples(
             )
         saved[problem.problem_id, sample] = record
     return saved
+
+
+def saved_prompt_form(problem: Problem, saved_sha256: str) -> Optional[str]:
+    """The prompt form (:data:`recipe.stapo.data.prepare.PROMPT_FORMS`) in which ``problem``'s
+    prompt hashes to ``saved_sha256``, when that is not its form now; None otherwise."""
+    now = prompt_form(problem.question)
+    if now not in PROMPT_FORMS:
+        return None
+    bare = problem.question[: -len(PROMPT_FORMS[now] + PROMPT_SUFFIX)]
+    for name, joiner in PROMPT_FORMS.items():
+        messages = [dict(m, content=bare + joiner + PROMPT_SUFFIX) if m["content"] == problem.question else dict(m)
+                    for m in problem.messages]
+        if name != now and messages_sha256(messages) == saved_sha256:
+            return name
+    return None
 
 
 def pending_items(problems: Sequence[Problem], n_samples: int, saved: dict[tuple[str, int], Any]) -> list[tuple[Problem, int]]:
@@ -393,30 +413,31 @@ def merge_parts(
 
 
 class ResultCache:
-    """Per-sample grading results (rule grades, verifier verdicts) on disk, each record carrying
+    """Per-sample grading results (answer grades, verifier verdicts) on disk, each record carrying
     the identity of everything that decided it.
 
     On disk a :class:`JsonlStore` of ``{"problem_index", "sample", ...result}`` records, each also
     carrying ``problem_id``, ``prompt_sha256``, ``answer_sha256`` (the reference answer),
-    ``response_sha256`` (the graded response) and ``grader_sha256`` (hash of the grader's
-    identity: for the verifier its model, prompt text, input, decoding and answer parser; for the
-    rule the rule's code and settings). A result is reused only when all of them match now,
+    ``response_sha256`` (the graded response) and ``decided_by_sha256`` (hash of the identity of
+    what decided it: for the verifier its model, prompt text, input, decoding and answer parser; for
+    the answer grader its code and settings). A result is reused only when all of them match now,
     whatever the problem's row is; any other result in the file is ignored, so a change of the
-    grader, the reference answer or the response grades that sample again (results of several
-    graders live side by side in one file).
+    grader or verifier, the reference answer or the response grades that sample again (results of
+    several graders live side by side in one file).
 
     Args:
         store: the cache file.
         problems: the problems graded in this run.
         records: their generation records, keyed by ``(problem.index, sample)``.
-        grader: the grader's identity (a JSON-serialisable dict).
+        decided_by: the identity of the answer grader or verifier (a JSON-serialisable dict).
     """
 
-    def __init__(self, store: JsonlStore, problems: Sequence[Problem], records: dict[tuple[int, int], dict], grader: dict):
+    def __init__(self, store: JsonlStore, problems: Sequence[Problem], records: dict[tuple[int, int], dict],
+                 decided_by: dict):
         self.store, self.records = store, records
         self.by_index = {p.index: p for p in problems}
         self.by_id = {p.problem_id: p for p in problems}
-        self.grader_sha256 = json_sha256(grader)
+        self.decided_by_sha256 = json_sha256(decided_by)
 
     def identity(self, index: int, sample: int) -> dict:
         """Identity fields of the result on sample ``sample`` of the problem at row ``index``."""
@@ -426,7 +447,7 @@ class ResultCache:
             "prompt_sha256": problem.prompt_sha256,
             "answer_sha256": text_sha256(problem.ground_truth),
             "response_sha256": text_sha256(self.records[index, sample]["response"]),
-            "grader_sha256": self.grader_sha256,
+            "decided_by_sha256": self.decided_by_sha256,
         }
 
     def load(self) -> dict[tuple[int, int], dict]:

@@ -1,16 +1,22 @@
 """Grading of generated samples and the mean@N metric.
 
-Stage 1 is the grading protocol's rule (:mod:`recipe.stapo.eval.protocols`): JustRL's
-(:func:`recipe.stapo.eval.justrl_rule.grade_solution`: last ``\\boxed{}`` anywhere, mathd or
-sympy equality) or the lenient rule (:func:`recipe.stapo.reward.lenient.grade_solution`: last
+Stage 1 is the grading protocol's rule-based answer grader (:mod:`recipe.stapo.eval.protocols`):
+JustRL's (:func:`recipe.stapo.eval.justrl_grader.grade_answer`: last ``\\boxed{}`` anywhere, mathd
+or sympy equality) or the lenient one (:func:`recipe.stapo.reward.lenient.grade_answer`: last
 ``\\boxed{}`` in the final 300 characters, normalised string or ``math_verify`` equality), each
 with a hard time limit per answer and deliberately not the strict training reward: evaluation asks
 whether the answer is right, not whether it is written exactly like the ground truth. Stage 2, when
-a verifier is given, re-checks only the stage-1 failures (the paper's grading).
+a verifier is given, re-checks only the samples stage 1 did not find correct (the paper's grading).
+
+An answer whose symbolic check could not run to its end (past its limit, no helper process, a
+helper that died) is *ungraded*, never wrong: :func:`grade_answers` retries it at once with
+:data:`RETRY_LIMIT_FACTORS` times the limit; one that ran past the limit on every try is graded
+wrong as ``timed_out`` (counted in the summary); one whose check never ran stays ungraded, is not
+cached (the next run retries it) and is counted (``ungraded``), and its block is not complete.
 
 Both stages cache their results on disk (:class:`~recipe.stapo.eval.generate.ResultCache`), each
-result keyed by the sample (problem, reference answer, response) and by the identity of its
-grader: :func:`rule_identity` (the rule's code and settings) for stage 1, the verifier's
+result keyed by the sample (problem, reference answer, response) and by the identity of what
+decided it: :func:`grader_identity` (the grader's code and settings) for stage 1, the verifier's
 ``identity()`` (model, prompt text, input, decoding, parser) for stage 2. A change of any of them
 grades again; an interrupted grading resumes.
 """
@@ -26,12 +32,12 @@ from typing import Optional, Sequence
 
 from tqdm import tqdm
 
-import recipe.stapo.eval.justrl_rule as justrl_rule
+import recipe.stapo.eval.justrl_grader as justrl_grader
 import recipe.stapo.reward as reward
 from recipe.stapo.eval.generate import Problem, ResultCache
+from recipe.stapo.eval.justrl_grader import grade_answer as justrl_grade_answer
 from recipe.stapo.eval.verifier import AnswerVerifier, Verdict, VerifyItem
-from recipe.stapo.eval.justrl_rule import grade_solution as justrl_grade_solution
-from recipe.stapo.reward.lenient import DEFAULT_TIMEOUT_S, grade_solution
+from recipe.stapo.reward.lenient import DEFAULT_TIMEOUT_S, Graded, grade_answer as lenient_grade_answer
 
 
 @dataclass(frozen=True)
@@ -40,89 +46,128 @@ class GradedSample:
 
     Attributes:
         problem_index, sample: the sample's key.
-        pred: extracted answer (None: no box in the final 300 characters).
-        rule_correct: stage-1 verdict.
+        pred: extracted answer (None: no box where the grader looks).
+        grader_correct: stage-1 verdict; None when the answer is ungraded (its check never ran).
         verifier_correct: stage-2 verdict (None when not re-checked).
+        status: ``ok``, ``timed_out`` (graded wrong: the check ran past its limit on every try) or
+            ``ungraded``.
     """
 
     problem_index: int
     sample: int
     pred: Optional[str]
-    rule_correct: bool
+    grader_correct: Optional[bool]
     verifier_correct: Optional[bool] = None
+    status: str = "ok"
 
     @property
     def correct(self) -> bool:
-        return self.rule_correct or bool(self.verifier_correct)
+        return bool(self.grader_correct) or bool(self.verifier_correct)
+
+    @property
+    def ungraded(self) -> bool:
+        """Its correctness is unknown: the grader could not check it and no verifier accepted it."""
+        return self.grader_correct is None and not self.verifier_correct
 
 
-RULES = ("lenient", "justrl")
-"""The stage-1 rules (:mod:`recipe.stapo.eval.protocols` says which protocol uses which)."""
+GRADERS = ("lenient", "justrl")
+"""The stage-1 answer graders (:mod:`recipe.stapo.eval.protocols` says which protocol uses which)."""
+RETRY_LIMIT_FACTORS = (2.0, 4.0)
+"""An ungraded answer is retried, at once, with these multiples of the per-answer limit."""
 
 
-def _check_rule(rule: str) -> None:
-    if rule not in RULES:
-        raise ValueError(f"unknown grading rule {rule!r}; known {list(RULES)}")
+def _check_grader(grader: str) -> None:
+    if grader not in GRADERS:
+        raise ValueError(f"unknown answer grader {grader!r}; known {list(GRADERS)}")
 
 
 @lru_cache(maxsize=2)
-def _rule_source_sha256(rule: str = "lenient") -> str:
+def _grader_source_sha256(grader: str = "lenient") -> str:
     digest = hashlib.sha256()
-    paths = [Path(justrl_rule.__file__)] if rule == "justrl" else sorted(Path(reward.__file__).parent.glob("*.py"))
+    paths = ([Path(justrl_grader.__file__)] if grader == "justrl" else []) + sorted(Path(reward.__file__).parent.glob("*.py"))
     for path in paths:
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()
 
 
-def rule_identity(timeout_s: float = DEFAULT_TIMEOUT_S, rule: str = "lenient") -> dict:
-    """What decides a stage-1 grade: the rule, its code (``lenient``: sha256 of every module of
-    ``recipe.stapo.reward``; ``justrl``: of :mod:`recipe.stapo.eval.justrl_rule`), the versions of
-    ``math_verify`` and verl (whose graders both rules use), and the per-answer time limit."""
+def grader_identity(timeout_s: float = DEFAULT_TIMEOUT_S, grader: str = "lenient") -> dict:
+    """What decides a stage-1 grade: the grader, its code (``lenient``: sha256 of every module of
+    ``recipe.stapo.reward``; ``justrl``: of :mod:`recipe.stapo.eval.justrl_grader` and those, whose
+    helpers it uses), the versions of ``math_verify`` and verl (whose graders both use), the
+    per-answer time limit and the retries of an ungraded answer."""
     def _version(name: str) -> Optional[str]:
         try:
             return version(name)
         except PackageNotFoundError:
             return None
 
-    _check_rule(rule)
+    _check_grader(grader)
     return {
-        "rule": rule,
-        "code_sha256": _rule_source_sha256(rule),
+        "grader": grader,
+        "code_sha256": _grader_source_sha256(grader),
         "math_verify": _version("math-verify"),
         "verl": _version("verl"),
         "timeout_s": float(timeout_s),
+        "retry_limit_factors": list(RETRY_LIMIT_FACTORS),
     }
 
 
-def grade_rule(
+def _grade_function(grader: str):
+    return lenient_grade_answer if grader == "lenient" else justrl_grade_answer
+
+
+def grade_answers(
     records: dict[tuple[int, int], dict],
     problems: Sequence[Problem],
     timeout_s: float = DEFAULT_TIMEOUT_S,
     desc: str = "grade",
     cache: Optional[ResultCache] = None,
-    rule: str = "lenient",
+    grader: str = "lenient",
 ) -> dict[tuple[int, int], GradedSample]:
     """Stage-1 grades of every record (keys ``(problem_index, sample)``).
 
+    An ungraded answer (:class:`~recipe.stapo.reward.lenient.Graded` ``correct=None``) is retried
+    after the others with each limit of :data:`RETRY_LIMIT_FACTORS`; see the module docstring for
+    what happens when it stays ungraded.
+
     Args:
-        cache: cached grades of this rule (its grader identity must be :func:`rule_identity` of
-            ``timeout_s`` and ``rule``); new grades are appended to it.
-        rule: ``lenient`` or ``justrl`` (:data:`RULES`).
+        cache: cached grades of this grader (its identity must be :func:`grader_identity` of
+            ``timeout_s`` and ``grader``); new grades are appended to it (ungraded ones never).
+        grader: ``lenient`` or ``justrl`` (:data:`GRADERS`).
     """
-    _check_rule(rule)
-    grade_one = grade_solution if rule == "lenient" else justrl_grade_solution
+    _check_grader(grader)
+    grade_one = _grade_function(grader)
     truth = {p.index: p.ground_truth for p in problems}
     cached = cache.load() if cache is not None else {}
-    graded = {key: GradedSample(key[0], key[1], r.get("pred"), bool(r["rule_correct"])) for key, r in cached.items()}
+    graded = {key: GradedSample(key[0], key[1], r.get("pred"), bool(r["grader_correct"]), status=r.get("status", "ok"))
+              for key, r in cached.items()}
     todo = [key for key in sorted(records) if key not in graded]
-    fresh = []
-    for key in tqdm(todo, desc=desc, unit="sample", leave=False):
-        correct, pred = grade_one(records[key]["response"], truth[key[0]], timeout_s)
-        graded[key] = GradedSample(key[0], key[1], pred, correct)
-        fresh.append({"problem_index": key[0], "sample": key[1], "rule_correct": bool(correct), "pred": pred})
+    fresh: list[dict] = []
+
+    def keep(key: tuple[int, int], result: Graded, last_try: bool) -> bool:
+        """Record a grade; False when the answer stays ungraded for now."""
+        if result.correct is None and not (last_try and result.status == "timeout"):
+            graded[key] = GradedSample(key[0], key[1], result.pred, None, status="ungraded")
+            return False
+        status = "ok" if result.correct is not None else "timed_out"
+        graded[key] = GradedSample(key[0], key[1], result.pred, bool(result.correct), status=status)
+        fresh.append({"problem_index": key[0], "sample": key[1], "grader_correct": bool(result.correct),
+                      "pred": result.pred, "status": status})
         if cache is not None and len(fresh) >= 1024:
             cache.append(fresh)
-            fresh = []
+            fresh.clear()
+        return True
+
+    retry = []
+    for key in tqdm(todo, desc=desc, unit="sample"):
+        if not keep(key, grade_one(records[key]["response"], truth[key[0]], timeout_s), False):
+            retry.append(key)
+    for round_number, factor in enumerate(RETRY_LIMIT_FACTORS, start=1):
+        if not retry:
+            break
+        last = round_number == len(RETRY_LIMIT_FACTORS)
+        retry = [key for key in tqdm(retry, desc=f"{desc} (retry x{factor:g} limit)", unit="sample")
+                 if not keep(key, grade_one(records[key]["response"], truth[key[0]], timeout_s * factor), last)]
     if cache is not None:
         cache.append(fresh)
     return {key: graded[key] for key in sorted(records)}
@@ -140,15 +185,15 @@ def apply_verifier(
     cache: ResultCache,
     batch_size: int = 512,
 ) -> tuple[dict[tuple[int, int], GradedSample], int]:
-    """Re-check stage-1 failures with ``verifier`` (cached in ``cache``, whose grader identity must
-    be ``verifier.identity()``).
+    """Re-check the samples stage 1 did not find correct (wrong or ungraded) with ``verifier``
+    (cached in ``cache``, whose identity must be ``verifier.identity()``).
 
     Returns:
         ``(new grades, number of samples judged now)``.
     """
     by_index = {p.index: p for p in problems}
     judged = {key: bool(r["verifier_correct"]) for key, r in cache.load().items()}
-    todo = [key for key, g in sorted(graded.items()) if not g.rule_correct and key not in judged]
+    todo = [key for key, g in sorted(graded.items()) if not g.grader_correct and key not in judged]
     for start in tqdm(range(0, len(todo), batch_size), desc="verifier", unit="batch", leave=False):
         keys = todo[start : start + batch_size]
         items = [
@@ -166,14 +211,16 @@ def apply_verifier(
         cache.append(rows)
         judged.update((k, v.correct) for k, v in zip(keys, verdicts))
     grades = {
-        key: g if g.rule_correct else GradedSample(g.problem_index, g.sample, g.pred, False, judged.get(key))
+        key: g if g.grader_correct else GradedSample(g.problem_index, g.sample, g.pred, g.grader_correct, judged.get(key),
+                                                     g.status)
         for key, g in graded.items()
     }
     return grades, len(todo)
 
 
 def mean_at_n(graded: dict[tuple[int, int], GradedSample], problems: Sequence[Problem], n_samples: int, use_verifier: bool = True) -> float:
-    """mean@N in percent: per-problem mean accuracy over its N samples, averaged over problems.
+    """mean@N in percent: per-problem mean accuracy over its N samples, averaged over problems (an
+    ungraded sample counts as not correct here; the summary counts them beside it).
 
     Raises:
         ValueError: a (problem, sample) among the first ``n_samples`` has no grade.
@@ -187,6 +234,6 @@ def mean_at_n(graded: dict[tuple[int, int], GradedSample], problems: Sequence[Pr
             grade = graded.get((problem.index, sample))
             if grade is None:
                 raise ValueError(f"mean_at_n: problem {problem.index} sample {sample} is not graded")
-            hits += grade.correct if use_verifier else grade.rule_correct
+            hits += grade.correct if use_verifier else bool(grade.grader_correct)
         total += hits / n_samples
     return 100.0 * total / len(problems)

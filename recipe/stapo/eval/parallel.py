@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -210,6 +211,8 @@ def run_workers(launches: Sequence[WorkerLaunch], plans: Sequence[dict], lock: O
         procs.append((launch, log, subprocess.Popen(
             launch.argv, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent, pass_fds=pass_fds,
         )))
+    watch_progress([proc for _, _, proc in procs], [launch.folder for launch in launches],
+                   sum(len(plan["items"]) for plan in plans))
     failed = []
     for launch, log, proc in procs:
         code = proc.wait()
@@ -220,6 +223,41 @@ def run_workers(launches: Sequence[WorkerLaunch], plans: Sequence[dict], lock: O
         raise WorkerFailed(
             "; ".join(failed) + ". The samples every worker finished are kept: rerun the same command to resume"
         )
+
+
+class _LineCounter:
+    """Counts the lines appended to the part files under a folder since it was made (reads only the
+    new bytes of each file at every look)."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.read, self.lines = Path(folder), {}, 0
+
+    def count(self) -> int:
+        for path in sorted((self.folder / "generations").glob("*.jsonl")):
+            try:
+                with open(path, "rb") as handle:
+                    handle.seek(self.read.get(path, 0))
+                    chunk = handle.read()
+            except OSError:  # merged and removed meanwhile
+                continue
+            self.read[path] = self.read.get(path, 0) + len(chunk)
+            self.lines += chunk.count(b"\n")
+        return self.lines
+
+
+def watch_progress(procs: Sequence[subprocess.Popen], folders: Sequence[Path], total: int, poll_s: float = 2.0) -> None:
+    """A progress bar on this process's console for the samples the workers write into their part
+    files (each worker's own bar goes to its log), until every worker has exited."""
+    from tqdm import tqdm  # the bar only where workers run
+
+    counters = [_LineCounter(folder) for folder in folders]
+    with tqdm(total=total, desc=f"generate ({len(procs)} worker{'s' if len(procs) > 1 else ''})", unit="sample") as bar:
+        while True:
+            running = any(proc.poll() is None for proc in procs)
+            bar.update(min(total, sum(c.count() for c in counters)) - bar.n)
+            if not running:
+                return
+            time.sleep(poll_s)
 
 
 def deal(items: Sequence, workers: int) -> list[list]:

@@ -1,16 +1,18 @@
 """The two named grading protocols of the evaluation (docs/eval.md, "Grading protocols").
 
-A protocol fixes what decides a grade besides the verifier model and its prompt: the rule that
-grades every sample first, what the verifier is shown as the question, and how its output is read.
+A protocol fixes what decides a grade besides the verifier model and its prompt: the rule-based
+answer grader that grades every sample first, what the verifier is shown as the question, and how
+its output is read.
 
 - ``justrl``: how JustRL's ``evals/grade.py`` grades, the protocol the STAPO paper says its tables
-  follow, and the default: JustRL's rule (:mod:`recipe.stapo.eval.justrl_rule`), an empty question
-  (JustRL's jsonl inputs carry none, so ``{question}`` is filled with ""), and only an output that is
-  exactly ``A`` once surrounding whitespace is stripped counts as correct.
-- ``compassverifier``: CompassVerifier's README usage: the lenient rule
+  follow, and the default: JustRL's grader (:mod:`recipe.stapo.eval.justrl_grader`), an empty
+  question (JustRL's jsonl inputs carry none, so ``{question}`` is filled with ""), and only an
+  output that is exactly ``A`` once surrounding whitespace is stripped counts as correct.
+- ``compassverifier``: CompassVerifier's README usage: the lenient grader
   (:mod:`recipe.stapo.reward.lenient`) first, the bare problem as the question (the benchmark's
-  problem without the policy's "Please reason step by step..." instruction), and the README's
-  ``process_judgment`` parsing (:func:`compass_judgement`).
+  problem without the policy's "Please reason step by step..." instruction), and the verdict read
+  as the README's ``process_judgment`` reads a boxed or bare letter, and otherwise where the
+  prompts' output format puts it (:func:`compass_judgement`).
 
 Both feed the official ``CV_PROMPT`` through the verifier's chat template, greedy, at most 2048 new
 tokens, load the verifier in its checkpoint's own dtype, and show the whole response.
@@ -21,25 +23,46 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from recipe.stapo.data.prepare import PROMPT_SUFFIX
+from recipe.stapo.data.prepare import EVAL_PROMPT_JOINER, PROMPT_SUFFIX, TRAIN_PROMPT_JOINER
+
+
+VERDICT_WORDS = {"CORRECT": "A", "INCORRECT": "B", "INVALID": "C", "INCOMPLETE": "C", "REPETITIVE": "C", "REFUSAL": "C"}
+"""The labels CompassVerifier's prompts name beside each letter (``CV_PROMPT``: "A: CORRECT",
+"B: INCORRECT", "C: INVALID"; ``CV_COT_PROMPT``: C is INCOMPLETE, REPETITIVE or REFUSAL)."""
+_WORDS = "|".join(sorted(VERDICT_WORDS, key=len, reverse=True))
+_LEADING_LETTER = re.compile(r"\W*([A-C])(?=\s*(?:$|\n|[^\w\s]|(?:" + _WORDS + r")\b))")
+_LEADING_WORD = re.compile(r"\W*(" + _WORDS + r")\b")
+_LONE_LETTER = re.compile(r"(?<![A-Za-z0-9\\])([A-C])(?![A-Za-z0-9])")
 
 
 def compass_judgement(text: str) -> str:
-    """CompassVerifier's label in a verifier output, parsed as its authors do: the last
-    ``\\boxed{A|B|C}``; else the whole output when it is exactly "A", "B" or "C"; else, in the part
-    after the last "Final Judgment:", the last ``(X)``-style letter, else the last capital A, B or C
-    anywhere in it; else "" (unreadable). Note that the last rule reads a bare "CORRECT" as "C"."""
+    """CompassVerifier's label ("A", "B", "C", or "" when none can be read) in a verifier output.
+
+    As the authors' ``process_judgment`` (README, ``src/cv_eval.ipynb``): the last
+    ``\\boxed{A|B|C}``; else the output itself when it is exactly "A", "B" or "C" (here also with
+    whitespace around it). Otherwise, in the part after the last "Final Judgment:" (the whole output
+    when there is none), where the prompts' output format puts the verdict (``CV_COT_PROMPT``:
+    ``Final Judgment: \\boxed{A/B/C} - <CORRECT/INCORRECT/...>``; ``CV_PROMPT``: the letter alone,
+    or "CORRECT, INCORRECT, or INVALID"): the letter that part starts with (``A``, ``(A)``, ``**A**``,
+    ``A - CORRECT``), else the label word it starts with (:data:`VERDICT_WORDS`), else the one
+    letter A-C standing alone in it when there is exactly one; else "". The README's code takes the
+    last ``(X)`` or the last capital A-C of that part instead, so a letter in an explanation after the
+    verdict, or the C of "CORRECT", flips it (``A - CORRECT`` reads as C there); here it is read as
+    written, and a part naming two letters without a leading verdict is unreadable."""
     boxed = re.findall(r"boxed{([A-C])}", text)
     if boxed:
         return boxed[-1]
-    if text in ("A", "B", "C"):
-        return text
-    tail = text.split("Final Judgment:")[-1]
-    for pattern in (r"\(([A-C])\)*", r"([A-C])"):
-        found = re.findall(pattern, tail)
-        if found:
-            return found[-1]
-    return ""
+    if text.strip() in ("A", "B", "C"):
+        return text.strip()
+    part = text.split("Final Judgment:")[-1]
+    leading = _LEADING_LETTER.match(part)
+    if leading:
+        return leading.group(1)
+    word = _LEADING_WORD.match(part)
+    if word:
+        return VERDICT_WORDS[word.group(1)]
+    letters = set(_LONE_LETTER.findall(part))
+    return letters.pop() if len(letters) == 1 else ""
 
 
 @dataclass(frozen=True)
@@ -48,14 +71,14 @@ class GradingProtocol:
 
     Attributes:
         name: ``justrl`` or ``compassverifier``.
-        rule: the first-stage rule (``justrl`` or ``lenient``).
+        grader: the first-stage answer grader (``justrl`` or ``lenient``).
         question: what the verifier's ``{question}`` is: ``empty`` or ``problem`` (the bare problem).
-        parser: how a verifier output is read: ``exact-A`` or ``compassverifier-readme``.
+        parser: how a verifier output is read: ``exact-A`` or ``compassverifier-format``.
         reference: where the protocol comes from.
     """
 
     name: str
-    rule: str
+    grader: str
     question: str
     parser: str
     reference: str
@@ -73,13 +96,13 @@ class GradingProtocol:
         return compass_judgement(output)
 
     def identity(self) -> dict:
-        return {"protocol": self.name, "rule": self.rule, "question": self.question, "parser": self.parser}
+        return {"protocol": self.name, "grader": self.grader, "question": self.question, "parser": self.parser}
 
 
 PROTOCOLS = {
     "justrl": GradingProtocol("justrl", "justrl", "empty", "exact-A", "thunlp/JustRL evals/grade.py"),
     "compassverifier": GradingProtocol(
-        "compassverifier", "lenient", "problem", "compassverifier-readme", "open-compass/CompassVerifier README"
+        "compassverifier", "lenient", "problem", "compassverifier-format", "open-compass/CompassVerifier README"
     ),
 }
 DEFAULT_PROTOCOL = "justrl"
@@ -98,8 +121,11 @@ def get_protocol(name: str) -> GradingProtocol:
 
 
 def bare_problem(user_message: str) -> str:
-    """The problem of a policy prompt: ``user_message`` without the trailing ``"\\n\\n" +``
-    :data:`~recipe.stapo.data.prepare.PROMPT_SUFFIX` that data preparation appends (unchanged when
-    it has none)."""
-    suffix = "\n\n" + PROMPT_SUFFIX
-    return user_message[: -len(suffix)] if user_message.endswith(suffix) else user_message
+    """The problem of a policy prompt: ``user_message`` without the instruction
+    :data:`~recipe.stapo.data.prepare.PROMPT_SUFFIX` that data preparation appends, joined by either
+    prompt form's joiner (:data:`~recipe.stapo.data.prepare.EVAL_PROMPT_JOINER`,
+    :data:`~recipe.stapo.data.prepare.TRAIN_PROMPT_JOINER`); unchanged when it has none."""
+    for joiner in (EVAL_PROMPT_JOINER, TRAIN_PROMPT_JOINER):
+        if user_message.endswith(joiner + PROMPT_SUFFIX):
+            return user_message[: -len(joiner + PROMPT_SUFFIX)]
+    return user_message

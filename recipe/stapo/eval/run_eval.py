@@ -11,8 +11,8 @@ CLI::
 
 ``DIR`` holds ``<benchmark>.parquet`` files written by ``python -m recipe.stapo.data.prepare bench``.
 Outputs under ``OUT``: ``generations/<bench>__<decoding>.jsonl`` (one line per sample, appended
-and flushed as generated), ``grades/`` and ``verifier/`` (rule grades and verifier verdicts, each
-keyed by the sample and its grader), ``run_config.json``, ``summary.json`` and ``summary.md``.
+and flushed as generated), ``grades/`` and ``verifier/`` (answer grades and verifier verdicts, each
+keyed by the sample and what decided it), ``run_config.json``, ``summary.json`` and ``summary.md``.
 
 A run first checks everything it can without writing (the output folder, ``run_config.json``,
 every saved sample against the data, the model path when something is left to generate, the
@@ -22,12 +22,14 @@ refused (``run_config.json`` names the key that differs). Saved samples are matc
 problem id and prompt hash, not by row. ``summary.json`` covers every benchmark and decoding
 evaluated in ``OUT`` by any invocation, all graded with this invocation's grading.
 
-Grading (``--verifier``): ``compass`` is the paper's (a rule, then CompassVerifier-3B with its
-official prompt on the rule failures); ``none`` is rule-only; ``auto`` (default) is ``compass``
-for a full run and ``none`` for a ``--limit`` smoke test (which no table accepts).
-``--grading-protocol`` (:mod:`recipe.stapo.eval.protocols`): ``justrl`` (default, as the paper's
-tables were graded: JustRL's rule, an empty question, only an output "A" counts) or
-``compassverifier`` (the lenient rule, the bare problem, CompassVerifier's README parser).
+Grading (``--verifier``): ``compass`` is the paper's (a rule-based answer grader, then
+CompassVerifier-3B with its official prompt on what the grader did not find correct); ``none`` is
+rule-only; ``auto`` (default) is ``compass`` for a full run and ``none`` for a ``--limit`` smoke
+test (which no table accepts). ``--grading-protocol`` (:mod:`recipe.stapo.eval.protocols`):
+``justrl`` (default, as the paper's tables were graded: JustRL's grader, an empty question, only an
+output "A" counts) or ``compassverifier`` (the lenient grader, the bare problem, CompassVerifier's
+verdict format). An answer whose check could not run is counted as ``ungraded`` (retried on every
+run; a block with one is not complete).
 ``--verifier-dtype`` (default ``auto``: the verifier checkpoint's own dtype).
 
 ``--data-parallel-size`` (default ``auto``: one vLLM replica per ``--tensor-parallel-size``
@@ -48,9 +50,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from recipe.stapo.data.prepare import BENCHMARK_SPECS, MANIFEST_NAME
+from recipe.stapo.data.prepare import BENCHMARK_SPECS, MANIFEST_NAME, PROMPT_FORMS, prompt_form
 from recipe.stapo.eval import parallel
-from recipe.stapo.eval.backends import GenerationBackend, LazyBackend, SamplingConfig, build_backend
+from recipe.stapo.eval.backends import GenerationBackend, LazyBackend, SamplingConfig, build_backend, render_chat
 from recipe.stapo.eval.generate import (
     JsonlStore,
     Problem,
@@ -64,7 +66,7 @@ from recipe.stapo.eval.generate import (
     problems_sha256,
     saved_samples,
 )
-from recipe.stapo.eval.grade import apply_verifier, grade_rule, mean_at_n, rule_identity
+from recipe.stapo.eval.grade import apply_verifier, grade_answers, grader_identity, mean_at_n
 from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, get_protocol
 from recipe.stapo.eval.verifier import (
     DEFAULT_COMPASS_MODEL,
@@ -82,6 +84,10 @@ from stapo_core.fileio import atomic_write_json, atomic_write_text, check_output
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_SPECS)
 """Benchmark names in the paper's column order."""
 DEFAULT_N_SAMPLES = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4}
+OTHER_N_SAMPLES = 4
+"""N of a benchmark outside the paper's six (any ``<name>.parquet`` in verl's format in the
+benchmarks folder, e.g. the tiny task's ``val``), unless ``--n-samples`` names it."""
+_BENCH_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
 DECODINGS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}
 """Decoding settings: name -> (temperature, top_p). "train" = 1.0/1.0, "justrl" = 0.7/0.9."""
 DEFAULT_MAX_NEW_TOKENS = 20480
@@ -102,6 +108,10 @@ class EvalConfig:
     decodings: tuple[str, ...] = ("train", "justrl")
     benchmarks: tuple[str, ...] = BENCHMARKS
     n_samples: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_N_SAMPLES))
+
+    def n_of(self, bench: str) -> int:
+        """N of ``bench`` (:data:`OTHER_N_SAMPLES` for one outside the paper's six, unless given)."""
+        return self.n_samples.get(bench, OTHER_N_SAMPLES)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     seed: int = 0
     backend: str = "vllm"
@@ -126,11 +136,12 @@ class EvalConfig:
         bad = [d for d in self.decodings if d not in DECODINGS]
         if bad or not self.decodings:
             raise ValueError(f"--decoding: unknown {bad or 'empty'}; known {list(DECODINGS)} or 'both'")
-        bad = [b for b in self.benchmarks if b not in BENCHMARK_SPECS]
+        bad = [b for b in self.benchmarks if not _BENCH_NAME.match(b)]
         if bad or not self.benchmarks:
-            raise ValueError(f"--benchmarks: unknown {bad or 'empty'}; known {list(BENCHMARK_SPECS)}")
+            raise ValueError(f"--benchmarks: {bad or 'empty'} is not a benchmark name (the paper's: {','.join(BENCHMARK_SPECS)}; "
+                             "any other is the file <name>.parquet of --benchmarks-dir)")
         for name in self.benchmarks:
-            if self.n_samples.get(name, 0) < 1:
+            if self.n_samples.get(name, OTHER_N_SAMPLES) < 1:
                 raise ValueError(f"--n-samples: {name} needs a count >= 1, got {self.n_samples.get(name)}")
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("--max-new-tokens and --batch-size must be >= 1")
@@ -160,6 +171,19 @@ class EvalConfig:
         return parallel.visible_gpus()
 
 
+def benchmark_order(names) -> list[str]:
+    """``names`` with the paper's six first, in Table 2's column order, then any others sorted."""
+    return [b for b in BENCHMARKS if b in names] + sorted(b for b in names if b not in BENCHMARKS)
+
+
+def block_prompt_form(problems: Sequence[Problem]) -> str:
+    """The prompt form of a benchmark's problems (:func:`recipe.stapo.data.prepare.prompt_form`:
+    ``justrl-eval``, JustRL's evaluation prompt and Table 2's, ``train``, or ``custom``), or
+    ``mixed`` when its problems do not share one."""
+    forms = {prompt_form(p.question) for p in problems}
+    return forms.pop() if len(forms) == 1 else "mixed"
+
+
 def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
     """Problems of one prepared benchmark parquet (verl schema, see recipe.stapo.data.prepare).
 
@@ -171,7 +195,10 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
     import pandas as pd  # pandas (a second) only when a benchmark file is read
 
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; run `python -m recipe.stapo.data.prepare bench --out-dir {path.parent}`")
+        how = (f"run `python -m recipe.stapo.data.prepare bench --out-dir {path.parent}`" if path.stem in BENCHMARK_SPECS
+               else f"a benchmark outside the paper's six ({', '.join(BENCHMARK_SPECS)}) is read from <benchmarks-dir>/<name>.parquet "
+                    "in verl's format")
+        raise FileNotFoundError(f"{path} not found; {how}")
     frame = pd.read_parquet(path)
     if len(frame) == 0:
         raise ValueError(f"{path}: no problems (0 rows); re-prepare the data with "
@@ -247,8 +274,9 @@ def check_model_source(model: str, what: str = "--model") -> None:
         )
     problem = model_folder_problem(path)
     if problem:
-        raise ValueError(f"{what} {model}: {problem}; redo the copy or conversion (eval.sh converts a verl checkpoint "
-                         "into global_step_N/merged_hf); nothing was written")
+        raise ValueError(f"{what} {model}: {problem}; redo the copy, or, for the copy run_scripts/eval.sh converts a verl "
+                         f"checkpoint into (global_step_N/merged_hf), remove {path} and rerun eval.sh on the checkpoint: "
+                         "it converts it again; nothing was written")
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -309,6 +337,75 @@ def _safetensors_problem(path: Path) -> Optional[str]:
     if needed > size:
         return f"{size} bytes, but its tensors need {needed} (cut off while being written or copied?)"
     return None
+
+
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+"""Keys of a model's ``config.json`` (or its ``text_config``) that bound its context, as vLLM
+derives ``max_model_len``: the smallest present, times a RoPE scaling factor."""
+
+
+def model_context(path: Path) -> Optional[tuple[int, str]]:
+    """``(tokens, what)`` of a local model folder's context (prompt + completion), as vLLM derives
+    it from ``config.json`` (:data:`CONTEXT_KEYS`; a ``rope_scaling`` ``factor`` multiplies it, of
+    ``original_max_position_embeddings`` for YaRN), or None when the folder does not say."""
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    found = [(text[k], k) for k in CONTEXT_KEYS if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)]
+    if not found:
+        return None
+    tokens, key = min(found)
+    what = f"{key} in {path / 'config.json'}"
+    rope = text.get("rope_scaling") if isinstance(text.get("rope_scaling"), dict) else {}
+    factor, kind = rope.get("factor"), rope.get("rope_type", rope.get("type"))
+    if isinstance(factor, (int, float)) and factor > 1 and kind not in (None, "default", "su", "longrope", "llama3", "mrope"):
+        base = rope.get("original_max_position_embeddings", tokens) if kind == "yarn" else tokens
+        tokens, what = int(base * factor), f"{what} with its rope_scaling factor {factor:g}"
+    return tokens, what
+
+
+def check_context(config: "EvalConfig", blocks: Sequence["_Block"], pending: dict[tuple[str, str], int]) -> None:
+    """Refuse a ``--max-new-tokens`` the model's context cannot hold after the longest prompt still
+    to generate (vLLM would stop each such response at the context without a word; transformers
+    would run past the positions the model was built for). Reads only the model's ``config.json``
+    and tokenizer; a hub id or a folder whose config names no context is not checked.
+
+    Raises:
+        ValueError: naming the context, where it comes from, the longest prompt and the value.
+    """
+    path = Path(config.model).expanduser()
+    context = model_context(path) if path.is_dir() else None
+    if context is None:
+        return
+    tokens, what = context
+    if config.max_new_tokens >= tokens:
+        raise ValueError(
+            f"--max-new-tokens {config.max_new_tokens}: the model's context is {tokens} tokens ({what}), prompt and "
+            f"response together; vLLM would silently stop every response at the context. Pass a --max-new-tokens "
+            f"below {tokens} minus the longest prompt, or evaluate a model with a longer context; nothing was written"
+        )
+    from transformers import AutoTokenizer  # only when samples are left to generate: seconds to import
+
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    longest = (0, "", "")
+    for block in blocks:
+        if not pending.get((block.decoding, block.bench)):
+            continue
+        for problem in block.problems:
+            length = len(tokenizer(render_chat(tokenizer, problem.messages), add_special_tokens=False)["input_ids"])
+            longest = max(longest, (length, block.bench, problem.problem_id))
+    length, bench, problem_id = longest
+    if length + config.max_new_tokens > tokens:
+        raise ValueError(
+            f"--max-new-tokens {config.max_new_tokens}: the model's context is {tokens} tokens ({what}) and the longest "
+            f"prompt ({bench} problem {problem_id!r}) has {length}, so at most {tokens - length} new tokens fit; vLLM "
+            f"would silently stop longer responses at the context. Pass --max-new-tokens {tokens - length} or less; "
+            "nothing was written"
+        )
 
 
 def data_fingerprint(benchmarks_dir: Path, catalogs: dict[str, list[Problem]]) -> dict:
@@ -443,13 +540,13 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
                     f"{out / 'run_config.json'}: evaluated.{decoding}.{bench} = {entry!r} is not "
                     "{\"n_samples\": N, \"limit\": K or null}; restore the file or use a new --out"
                 )
-            if decoding in DECODINGS and bench in BENCHMARK_SPECS:
+            if decoding in DECODINGS and _BENCH_NAME.match(str(bench)):
                 wanted[decoding, bench] = (n, limit, False)
     for decoding in config.decodings:
         for bench in config.benchmarks:
-            wanted[decoding, bench] = (config.n_samples[bench], config.limit, True)
+            wanted[decoding, bench] = (config.n_of(bench), config.limit, True)
     catalogs = {}
-    for bench in sorted({b for _, b in wanted}, key=BENCHMARKS.index):
+    for bench in benchmark_order({b for _, b in wanted}):
         try:
             catalogs[bench] = load_problems(data_dir / f"{bench}.parquet")
         except FileNotFoundError as exc:
@@ -460,8 +557,9 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
                 "pass the --benchmarks-dir the folder was made with"
             ) from None
     blocks, pending = [], 0
+    missing_by_block: dict[tuple[str, str], int] = {}
     for decoding in DECODINGS:
-        for bench in BENCHMARKS:
+        for bench in catalogs:
             if (decoding, bench) not in wanted:
                 continue
             n, limit, current = wanted[decoding, bench]
@@ -479,9 +577,11 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
                     f"--benchmarks {bench} to complete it"
                 )
             pending += missing
+            missing_by_block[decoding, bench] = missing
             blocks.append(_Block(decoding, bench, n, limit, problems, current))
     if pending and not injected_backend:
         check_model_source(config.model)
+        check_context(config, blocks, missing_by_block)
     needs_vllm = (pending and not injected_backend) or (verifier is None and config.verifier_name() == "compass")
     if config.backend == "vllm" and needs_vllm and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm needs vllm, which is not installed (GPU machines: pip install -r "
@@ -520,7 +620,8 @@ def run_evaluation(
     Args:
         config: run settings.
         backend_factory: builds the generation backend (default: from the config).
-        verifier: an LLM verifier for rule failures (default: from ``config.verifier``).
+        verifier: an LLM verifier for what the answer grader did not find correct (default: from
+            ``config.verifier``).
         after_batch: hook called after each written generation batch (in-process generation).
     """
     plan = plan_run(config, verifier, backend_factory is not None)
@@ -616,7 +717,8 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
 
 def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float, protocol: str = DEFAULT_PROTOCOL) -> dict:
     """The ``grading`` block of a summary: the protocol's name, label (``rule-only`` or
-    ``rule+verifier``), the rule's identity, the verifier's identity and a description, and
+    ``rule+verifier``: rule-based grading alone or followed by a verifier), the answer grader's
+    identity, the verifier's identity and a description, and
     ``key``, a hash of both identities (rows of one table must share it).
 
     Raises:
@@ -626,13 +728,13 @@ def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float, protocol:
     if isinstance(verifier, CompassVerifier) and verifier.protocol.name != chosen.name:
         raise ValueError(f"the verifier is fed by the {verifier.protocol.name!r} protocol but the run grades "
                          f"with --grading-protocol {chosen.name}; build it with that protocol")
-    rule = rule_identity(timeout_s, chosen.rule)
+    grader = grader_identity(timeout_s, chosen.grader)
     identity = verifier.identity() if verifier is not None else None
-    rule_text = "JustRL's rule" if chosen.rule == "justrl" else f"{chosen.rule} rule"
+    grader_text = "JustRL's grader" if chosen.grader == "justrl" else f"{chosen.grader} grader"
     if verifier is None:
-        label, text = "rule-only", f"{rule_text} only (no verifier)"
+        label, text = "rule-only", f"{grader_text} only (no verifier)"
     else:
-        label, text = "rule+verifier", f"{rule_text}, then {verifier.describe()} on the rule failures"
+        label, text = "rule+verifier", f"{grader_text}, then {verifier.describe()} on what it did not find correct"
     text = f"{chosen.name} protocol: {text}"
     paper = (
         isinstance(verifier, CompassVerifier)
@@ -645,10 +747,10 @@ def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float, protocol:
         "label": label,
         "description": text,
         "paper": paper,
-        "rule": rule,
+        "grader": grader,
         "verifier": identity,
-        "key": json_sha256({"rule": rule, "verifier": identity}),
-        "rule_key": json_sha256({"rule": rule, "verifier": None}),
+        "key": json_sha256({"grader": grader, "verifier": identity}),
+        "grader_key": json_sha256({"grader": grader, "verifier": None}),
     }
 
 
@@ -666,6 +768,7 @@ def summarise(config: EvalConfig, blocks: Sequence[_Block], records: dict, verif
         "seed": config.seed,
         "backend": config.backend,
         "limit": min(limits) if limits else None,
+        "prompt_form": _shared({block_prompt_form(b.problems) for b in blocks}),
         "decodings": {},
     }
     for decoding in DECODINGS:
@@ -676,18 +779,19 @@ def summarise(config: EvalConfig, blocks: Sequence[_Block], records: dict, verif
         benches = {}
         for block in mine:
             recs, probs, n = records[decoding, block.bench], block.problems, block.n_samples
-            rule_cache = ResultCache(_store(out, "grades", block.bench, decoding), probs, recs, grading["rule"])
-            graded = grade_rule(recs, probs, config.reward_timeout_s, desc=f"grade {block.bench}/{decoding}", cache=rule_cache,
-                                rule=grading["rule"]["rule"])
+            grader_cache = ResultCache(_store(out, "grades", block.bench, decoding), probs, recs, grading["grader"])
+            graded = grade_answers(recs, probs, config.reward_timeout_s, desc=f"grade {block.bench}/{decoding}",
+                                   cache=grader_cache, grader=grading["grader"]["grader"])
             judged_now = 0
             if verifier is not None:
                 cache = ResultCache(_store(out, "verifier", block.bench, decoding), probs, recs, grading["verifier"])
                 graded, judged_now = apply_verifier(graded, recs, probs, verifier, cache)
             used = [recs[p.index, s] for p in probs for s in range(n)]
-            failures = [g for g in graded.values() if not g.rule_correct]
+            failures = [g for g in graded.values() if not g.grader_correct]
+            used_grades = [graded[p.index, s] for p in probs for s in range(n)]
             benches[block.bench] = {
                 "mean_at_n": mean_at_n(graded, probs, n),
-                "rule_mean_at_n": mean_at_n(graded, probs, n, use_verifier=False),
+                "grader_mean_at_n": mean_at_n(graded, probs, n, use_verifier=False),
                 "n_samples": n,
                 "problems": len(probs),
                 "limit": block.limit,
@@ -696,7 +800,13 @@ def summarise(config: EvalConfig, blocks: Sequence[_Block], records: dict, verif
                 "mean_response_tokens": sum(r["num_tokens"] for r in used) / len(used),
                 "verifier_judged": len(failures) if verifier is not None else 0,
                 "verifier_accepted": sum(bool(g.verifier_correct) for g in failures),
+                "ungraded": sum(g.ungraded for g in used_grades),
+                "timed_out": sum(g.status == "timed_out" for g in used_grades),
+                "prompt_form": block_prompt_form(probs),
             }
+            if benches[block.bench]["ungraded"]:
+                print(f"[eval] {block.bench}/{decoding}: {benches[block.bench]['ungraded']} answers are ungraded (their "
+                      "check could not run); rerun the same command to grade them", file=sys.stderr)
             if judged_now:
                 print(f"[eval] {block.bench}/{decoding}: the verifier judged {judged_now} samples", file=sys.stderr)
         summary["decodings"][decoding] = {
@@ -704,27 +814,37 @@ def summarise(config: EvalConfig, blocks: Sequence[_Block], records: dict, verif
             "top_p": top_p,
             "benchmarks": benches,
             "avg": sum(b["mean_at_n"] for b in benches.values()) / len(benches),
-            "rule_avg": sum(b["rule_mean_at_n"] for b in benches.values()) / len(benches),
-            "complete": set(benches) == set(BENCHMARKS) and all(b["limit"] is None for b in benches.values()),
+            "grader_avg": sum(b["grader_mean_at_n"] for b in benches.values()) / len(benches),
+            "ungraded": sum(b["ungraded"] for b in benches.values()),
+            "complete": set(BENCHMARKS) <= set(benches) and all(b["limit"] is None and not b["ungraded"]
+                                                                for b in benches.values()),
         }
     return summary
+
+
+def _shared(values: set) -> str:
+    return values.pop() if len(values) == 1 else "mixed"
 
 
 def summary_markdown(summary: dict) -> str:
     """Markdown table of a summary: one row per decoding setting, mean@N in percent, under a line
     naming the grading (and rule-only rows when a verifier was used)."""
-    benches = [b for b in BENCHMARKS if any(b in d["benchmarks"] for d in summary["decodings"].values())]
+    benches = benchmark_order({b for d in summary["decodings"].values() for b in d["benchmarks"]})
     grading = summary.get("grading") or {}
     head = "| decoding | grading | " + " | ".join(benches) + " | Avg |"
-    lines = [f"# {summary['model']}", "", f"Grading: {grading.get('description', summary.get('verifier'))}", "", head,
-             "|" + "---|" * (len(benches) + 3)]
+    lines = [f"# {summary['model']}", "", f"Grading: {grading.get('description', summary.get('verifier'))}",
+             f"Prompt form: {summary.get('prompt_form', 'unrecorded')}", "", head, "|" + "---|" * (len(benches) + 3)]
     label = grading.get("label", "")
     for name, dec in summary["decodings"].items():
         cells = [f"{dec['benchmarks'][b]['mean_at_n']:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
         lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | {label} | " + " | ".join(cells) + f" | {dec['avg']:.2f} |")
         if label == "rule+verifier":
-            cells = [f"{dec['benchmarks'][b]['rule_mean_at_n']:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
-            lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | rule-only | " + " | ".join(cells) + f" | {dec['rule_avg']:.2f} |")
+            cells = [f"{dec['benchmarks'][b]['grader_mean_at_n']:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
+            lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | rule-only | " + " | ".join(cells) + f" | {dec['grader_avg']:.2f} |")
+    ungraded = sum(dec.get("ungraded", 0) for dec in summary["decodings"].values())
+    if ungraded:
+        lines += ["", f"**Not finished: {ungraded} answers are ungraded** (their check could not run); rerun the same "
+                      "command to grade them."]
     return "\n".join(lines) + "\n"
 
 
@@ -741,8 +861,8 @@ def parse_n_samples(text: Optional[str], benchmarks: Sequence[str]) -> dict[str,
             return {b: int(text) for b in benchmarks}
         for pair in text.split(","):
             name, _, value = pair.partition("=")
-            if name.strip() not in DEFAULT_N_SAMPLES:
-                raise ValueError(f"unknown benchmark {name.strip()!r}")
+            if not _BENCH_NAME.match(name.strip()):
+                raise ValueError(f"{name.strip()!r} is not a benchmark name")
             counts[name.strip()] = int(value)
     except ValueError as exc:
         raise ValueError(f"--n-samples {text!r}: {exc}") from exc
@@ -757,7 +877,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decoding", default="both", choices=["both", *DECODINGS])
     parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     parser.add_argument("--verifier", default="auto", choices=list(VERIFIERS),
-                        help="compass: the paper's grading (rule, then CompassVerifier on rule failures); none: rule-only; "
+                        help="compass: the paper's grading (rule-based grader, then CompassVerifier on its failures); none: rule-only; "
                              "auto (default): compass, or none with --limit")
     parser.add_argument("--verifier-model", default=None, help=f"verifier checkpoint (default {DEFAULT_COMPASS_MODEL})")
     parser.add_argument("--verifier-prompt-file", default=None,
@@ -765,8 +885,8 @@ def build_parser() -> argparse.ArgumentParser:
                              f"(default <benchmarks-dir>/{DEFAULT_PROMPT_LOCATION.as_posix()})")
     parser.add_argument("--verifier-prompt-name", default=DEFAULT_PROMPT_NAME, help="the template's name in a .py prompt file")
     parser.add_argument("--grading-protocol", default=DEFAULT_PROTOCOL, choices=sorted(PROTOCOLS),
-                        help="justrl (default, the paper's: JustRL's rule, empty question, only 'A' counts) or "
-                             "compassverifier (lenient rule, the bare problem, the README's parser)")
+                        help="justrl (default, the paper's: JustRL's grader, empty question, only 'A' counts) or "
+                             "compassverifier (lenient grader, the bare problem, CompassVerifier's verdict format)")
     parser.add_argument("--verifier-dtype", default="auto",
                         help="dtype the verifier is loaded in (default auto: its checkpoint's own)")
     parser.add_argument("--benchmarks", default=",".join(BENCHMARKS))

@@ -18,16 +18,19 @@ differs from the mean of their six cells.
 
 Rows of one table share one protocol (:func:`protocol_of`): per benchmark the N of mean@N and
 the problems (count and content hash), the temperature/top-p of each decoding setting,
-``max_new_tokens`` and the grading (rule-only, or the rule plus a verifier; rule code, verifier
-model and prompt). A row that differs is refused naming the row and the field; with
+``max_new_tokens``, the prompt form (JustRL's evaluation prompt, or another) and the grading
+(rule-only, or the rule-based answer grader plus a verifier; grader code, verifier model and
+prompt). A row that differs is refused naming the row and the field; with
 ``--allow-mixed-protocol`` it is shown marked with a double dagger, never bolded, and left out of
 the headline. Rule-only and verified rows are never mixed: ``--grading rule-only`` builds the
-table from the rule-only mean@N every summary also carries. Every value must be a percentage in
-[0, 100], and a row whose every value is at most 1 is taken for fractions.
+table from the rule-only mean@N (``grader_mean_at_n``) every summary also carries. Every value
+must be a percentage in [0, 100]; a row whose nonzero values are all at most 1 is taken for
+fractions (a row of zeros is a score of 0).
 
 A Table 2 row needs all six benchmarks under both decoding settings, as finite numbers, from a
-full run. An input that is partial -- a smoke-test summary (``limit`` set, or ``complete: false``),
-a benchmark or decoding setting missing, a value that is NaN, infinite or not a number -- is
+full run with every answer graded. An input that is partial -- a smoke-test summary (``limit``
+set, or ``complete: false``), a benchmark or decoding setting missing, a value that is NaN,
+infinite or not a number, answers left ungraded (their check could not run) -- is
 refused with an error naming the file, the row and what is wrong. With ``--allow-partial`` such a
 row is shown marked with a dagger (its unusable cells as "-"), never bolded, and left out of the
 headline of the decoding settings it is partial in; every headline line names the rows (and the
@@ -64,6 +67,7 @@ GRADINGS = ("as-run", "rule-only")
 """``as-run``: each summary's mean@N under the grading it was run with (rows must share it);
 ``rule-only``: the rule-only mean@N of every summary."""
 PRINTED = "a printed table (protocol not recorded)"
+UNRECORDED_FORM = "unrecorded (a summary from before prompt forms were recorded)"
 _CELL = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?|-|–)\s*(?:\(\s*([-+]?\d+(?:\.\d+)?|-|–)\s*\))?\s*$")
 
 
@@ -176,13 +180,29 @@ def _percent_issue(value: float) -> Optional[str]:
     return None if 0.0 <= value <= 100.0 else "is not a percentage in [0, 100]"
 
 
-def _fraction_issue(row: Row) -> dict[str, list[str]]:
-    """An issue for every decoding setting when all of the row's values are at most 1: mean@N
-    fractions in [0, 1] instead of percentages (no model of these tables scores <= 1% on MATH500)."""
+def _whole_samples(value: float, total: Optional[int]) -> bool:
+    """Whether ``value`` percent of ``total`` samples is a whole number of samples."""
+    if not total:
+        return False
+    hits = value * total / 100.0
+    return abs(hits - round(hits)) <= 1e-6 * max(1.0, hits)
+
+
+def _fraction_issue(row: Row, samples: Optional[dict[tuple[str, str], int]] = None) -> dict[str, list[str]]:
+    """An issue for every decoding setting when the row has values in (0, 1] and none above 1:
+    mean@N fractions in [0, 1] instead of percentages (no model of these tables scores <= 1% on
+    MATH500). Zeros are no evidence either way (a model that solves nothing scores 0 in both
+    units), nor is a cell of a run summary that is a whole number of correct samples out of
+    ``samples[(decoding, column)]``."""
     values = [v for block in row.values.values() for v in block.values()]
     if not values or max(values) > 1.0:
         return {}
-    return {d: ["every value is <= 1: fractions, not percentages? Table 2 takes mean@N in percent"] for d in DECODING_ORDER}
+    evidence = [v for d, block in row.values.items() for c, v in block.items()
+                if v > 0.0 and c != AVG and not _whole_samples(v, (samples or {}).get((d, c)))]
+    if not evidence:
+        return {}
+    return {d: ["every nonzero value is <= 1: fractions, not percentages? Table 2 takes mean@N in percent"]
+            for d in DECODING_ORDER}
 
 
 def _lone_fraction_issues(row: Row, samples: Optional[dict[tuple[str, str], int]] = None) -> dict[str, list[str]]:
@@ -198,11 +218,8 @@ def _lone_fraction_issues(row: Row, samples: Optional[dict[tuple[str, str], int]
         for column, value in block.items():
             if column == AVG or not 0.0 < value <= 1.0:
                 continue
-            total = (samples or {}).get((decoding, column))
-            if total:
-                hits = value * total / 100.0
-                if abs(hits - round(hits)) <= 1e-6 * max(1.0, hits):
-                    continue
+            if _whole_samples(value, (samples or {}).get((decoding, column))):
+                continue
             issues.setdefault(decoding, []).append(
                 f"{column} ({_label(decoding)}) = {value:g} is <= 1 among percentages: a fraction, not a percentage? "
                 "Table 2 takes mean@N in percent")
@@ -237,7 +254,8 @@ def grading_of(summary: dict, grading: str = "as-run") -> tuple[str, str]:
     """``(key, description)`` of the grading of a summary's values under ``grading``.
 
     ``as-run``: the grading the summary was made with (``grading.key`` of run_eval's summary;
-    ``rule-only`` or ``rule+verifier``); ``rule-only``: its rule alone (``grading.rule_key``).
+    ``rule-only`` or ``rule+verifier``); ``rule-only``: its answer grader alone
+    (``grading.grader_key``).
     A summary without a grading record gets a key naming only its ``verifier`` field.
     """
     record = summary.get("grading") if isinstance(summary.get("grading"), dict) else None
@@ -247,27 +265,33 @@ def grading_of(summary: dict, grading: str = "as-run") -> tuple[str, str]:
             return "rule-only (unrecorded rule)", "rule-only (lenient rule; summary without a grading record)"
         return f"rule+verifier {verifier} (unrecorded)", f"lenient rule, then the {verifier} verifier (unrecorded)"
     if grading == "rule-only":
-        rule = (record.get("rule") or {}).get("rule", "lenient") if isinstance(record.get("rule"), dict) else "lenient"
-        rule = "JustRL's rule" if rule == "justrl" else f"{rule} rule"
-        return f"rule-only {record.get('rule_key', '?')[:12]}", f"rule-only: {rule}, no verifier (not the paper's grading)"
+        grader = record.get("grader") if isinstance(record.get("grader"), dict) else {}
+        name = grader.get("grader", "an unrecorded grader")
+        name = "JustRL's grader" if name == "justrl" else f"{name} grader"
+        return (f"rule-only {str(record.get('grader_key', 'unrecorded'))[:12]}",
+                f"rule-only: {name}, no verifier (not the paper's grading)")
     label = record.get("label", "?")
     return f"{label} {record.get('key', '?')[:12]}", str(record.get("description", label))
 
 
 def grading_protocol_of(summary: dict) -> str:
     """The grading protocol a summary records (``justrl``, ``compassverifier``), or ``unnamed`` for
-    a summary written before protocols were named (lenient rule, the policy's whole user message)."""
+    a summary written before protocols were named (lenient grader, the policy's whole user message)."""
     record = summary.get("grading") if isinstance(summary.get("grading"), dict) else {}
     return str(record.get("protocol") or "unnamed")
 
 
 def protocol_of(summary: dict, grading: str = "as-run") -> dict[str, object]:
     """The protocol fields of a summary, each compared across the rows of a table: ``protocol``
-    (recorded, against a printed table's unrecorded one), ``max_new_tokens``, ``grading``, ``decoding <label>`` (temperature/top-p), ``N (<column>)``,
-    ``problems (<column>)`` (count and content hash; under the first decoding that has it)."""
+    (recorded, against a printed table's unrecorded one), ``max_new_tokens``, ``prompt form``
+    (``justrl-eval``; ``unrecorded`` for a summary written before the form was recorded, whose
+    prompts joined problem and instruction with a blank line), ``grading``, ``decoding <label>``
+    (temperature/top-p), ``N (<column>)``, ``problems (<column>)`` (count and content hash; under
+    the first decoding that has it)."""
     protocol: dict[str, object] = {
         "protocol": "recorded in a run summary",
         "max_new_tokens": summary.get("max_new_tokens"),
+        "prompt form": summary.get("prompt_form", UNRECORDED_FORM),
         "grading": grading_of(summary, grading)[0],
         "grading protocol": grading_protocol_of(summary),
     }
@@ -294,7 +318,7 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
     number of correct samples (a fraction).
 
     Args:
-        grading: ``as-run`` (``mean_at_n``) or ``rule-only`` (``rule_mean_at_n``).
+        grading: ``as-run`` (``mean_at_n``) or ``rule-only`` (``grader_mean_at_n``).
     Raises:
         ValueError: no scale/method label (pass ``SCALE:METHOD=path``), no decodings, or no
             rule-only values for ``grading="rule-only"``.
@@ -313,7 +337,7 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
             where = f"decodings.{decoding}" + ("" if not isinstance(block, dict) else ".benchmarks")
             raise ValueError(f"{source}: {where} is {json.dumps(what)[:40]} ({type(what).__name__}), not an object; "
                              "not a summary written by recipe.stapo.eval.run_eval (rerun the evaluation or fix the file)")
-    key = "rule_mean_at_n" if grading == "rule-only" else "mean_at_n"
+    key = "grader_mean_at_n" if grading == "rule-only" else "mean_at_n"
     row = Row(scale=str(scale).strip(), method=str(method).strip(), source=source, protocol=protocol_of(summary, grading),
               grading=grading_of(summary, grading)[1])
     issues: dict[str, list[str]] = {d: [] for d in DECODING_ORDER}
@@ -331,12 +355,18 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
                 samples[(decoding, column)] = counts[0] * counts[1]
             if not isinstance(result, dict) or key not in result:
                 if grading == "rule-only":
-                    raise ValueError(f"{source}: {bench} ({_label(decoding)}) has no rule_mean_at_n; rerun the evaluation")
+                    raise ValueError(f"{source}: {bench} ({_label(decoding)}) has no grader_mean_at_n (a summary from an "
+                                     "older version); rerun eval.sh on its folder (generations are reused)")
                 value = None
             else:
                 value = result[key]
             if isinstance(result, dict) and result.get("limit") is not None and limit is None:
                 limit = result["limit"]
+            ungraded = result.get("ungraded") if isinstance(result, dict) else None
+            if isinstance(ungraded, int) and not isinstance(ungraded, bool) and ungraded > 0:
+                issues.setdefault(decoding, []).append(
+                    f"{column} ({_label(decoding)}): {ungraded} answers ungraded (their check could not run; rerun "
+                    "eval.sh on its folder to grade them)")
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 issues.setdefault(decoding, []).append(f"{column} ({_label(decoding)}) is not a number")
             elif not math.isfinite(value):
@@ -350,7 +380,8 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
         if all(c in values for c in COLUMNS):
             values[AVG] = sum(values[c] for c in COLUMNS) / len(COLUMNS)
         row.values[decoding] = values
-    found_issues = _merge_issues(_missing_issues(row, unusable), _fraction_issue(row), _lone_fraction_issues(row, samples))
+    found_issues = _merge_issues(_missing_issues(row, unusable), _fraction_issue(row, samples),
+                                 _lone_fraction_issues(row, samples))
     for decoding, found in found_issues.items():
         issues[decoding] += found
     for decoding in DECODING_ORDER:
@@ -485,7 +516,7 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
         listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {'; '.join(r.protocol_issues)}" for r in mixed)
         raise ValueError(
             f"rows with another protocol refused: {listed}. Rows of one table share N per benchmark, decoding, "
-            "max_new_tokens and grading (a changed rule or verifier: rerun eval.sh on the older folders to regrade, "
+            "max_new_tokens, prompt form and grading (a changed answer grader or verifier: rerun eval.sh on the older folders to regrade, "
             "generations and cached verdicts are reused); pass --allow-mixed-protocol to show such rows marked "
             "and left out of the headline"
         )

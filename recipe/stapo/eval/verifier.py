@@ -1,14 +1,14 @@
-"""LLM answer verifiers that re-check the rule-based grader's failures (docs/eval.md).
+"""LLM answer verifiers that re-check what the rule-based answer grader did not find correct (docs/eval.md).
 
-The paper grades rule first and has CompassVerifier-3B re-check the rule-based failures.
+The paper grades rule-based first and has CompassVerifier-3B re-check the rule-based failures.
 :class:`AnswerVerifier` is the interface (any model or service can plug in);
 :class:`CompassVerifier` runs CompassVerifier the way its authors do (the README and
 ``src/cv_eval.ipynb`` of open-compass/CompassVerifier): their prompt template filled by
 ``str.format`` with the question, the reference answer and the model's WHOLE response, sent as
 one user message through the verifier's chat template, greedy decoding with at most 2048 new
-tokens, and their answer parsing (:func:`compass_judgement`: a boxed letter, else the output
-itself when it is exactly A, B or C, else the last ``(X)`` or last capital A/B/C after "Final
-Judgment:"); only "A" counts as correct (B incorrect, C invalid).
+tokens, and their answer parsing for a boxed letter or an output that is exactly A, B or C
+(:func:`~recipe.stapo.eval.protocols.compass_judgement`, which reads any other output where the
+prompts' format puts the verdict); only "A" counts as correct (B incorrect, C invalid).
 
 The prompt is read from a file (:func:`load_verifier_prompt`): CompassVerifier's own
 ``src/prompts.py`` (its ``CV_PROMPT`` is read without running the file) or any text template.
@@ -213,7 +213,7 @@ class CompassVerifier(AnswerVerifier):
     """CompassVerifier (or any judge model answering A/B/C) on a generation backend, fed as a
     grading protocol says (:mod:`recipe.stapo.eval.protocols`): its ``{question}`` (empty for
     ``justrl``, the bare problem for ``compassverifier``) and its parser (an output exactly "A",
-    or the README's :func:`compass_judgement`).
+    or :func:`~recipe.stapo.eval.protocols.compass_judgement`).
 
     Neither reference truncates: the whole response is shown. Only a prompt longer than the
     backend's context (known for vLLM and transformers; CompassVerifier-3B's is 32,768 tokens, which
@@ -332,8 +332,17 @@ def fetch_prompt(out: str | Path, source: Optional[str] = None) -> VerifierPromp
         ValueError: its ``CV_PROMPT`` is not the official text (nothing is written).
     """
     if source is None:
-        with urllib.request.urlopen(OFFICIAL_URL, timeout=60) as response:  # noqa: S310 (fixed https URL)
-            text = response.read().decode("utf-8")
+        try:
+            with urllib.request.urlopen(OFFICIAL_URL, timeout=60) as response:  # noqa: S310 (fixed https URL)
+                text = response.read().decode("utf-8")
+        except OSError as exc:  # urllib's URLError and socket timeouts are OSErrors
+            raise ValueError(
+                f"cannot download {OFFICIAL_URL} ({getattr(exc, 'reason', exc)}); nothing written. Without internet "
+                f"on this machine: download that file on one that has it, copy it here and run `python -m "
+                f"recipe.stapo.eval.verifier fetch-prompt --source FILE --out {out}` (it checks the file's hash "
+                "and writes it), or grade rule-only with --verifier none (VERIFIER=none in eval.sh; not the "
+                "paper's grading)"
+            ) from None
     else:
         text = Path(source).read_text(encoding="utf-8")
     out = Path(out)

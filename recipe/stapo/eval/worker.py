@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -50,10 +51,18 @@ def run_plan(plan_path: str | Path) -> int:
     return made
 
 
+def _exit_on_sigterm(signum: int, _frame) -> None:
+    """SIGTERM (the main process died: the parent-death signal :mod:`recipe.stapo.eval.parallel`
+    sets) unwinds the worker like an error, so :func:`run_plan` closes its backend: a vLLM engine's
+    processes end with it instead of running on, orphaned."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.eval.worker", description="one data-parallel evaluation worker")
     parser.add_argument("--plan", required=True, help="the plan.json the main process wrote")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     made = run_plan(args.plan)
     print(f"[eval] worker done: {made} samples", file=sys.stderr)
     return 0

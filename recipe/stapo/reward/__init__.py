@@ -3,7 +3,7 @@
 - :mod:`~recipe.stapo.reward.strict`: ``compute_score``, the training reward (JustRL's: verl's
   ``math_dapo`` with strict box verification). The recipe's YAML names it.
 - :mod:`~recipe.stapo.reward.lenient`: ``compute_score_lenient`` / ``grade_solution``, normalised or
-  symbolic equality, time-bounded; the evaluation's rule-based grader, and a training option.
+  symbolic equality, time-bounded; one of the evaluation's rule-based graders, and a training option.
 - :mod:`~recipe.stapo.reward.answers`: ground-truth validation, answer extraction, normalisation.
 - :mod:`~recipe.stapo.reward.guard`: the process guard (hard wall-clock limit from any thread).
 
@@ -22,12 +22,21 @@ from recipe.stapo.reward.answers import (
     normalize_answer,
     symbolic_equal,
 )
-from recipe.stapo.reward.guard import WORKERS_ENV, RewardConfigError, TimeLimitedRunner, get_runner, workers_from_env
+from recipe.stapo.reward.guard import (
+    UNGRADED_STATUSES,
+    WORKERS_ENV,
+    RewardConfigError,
+    TimeLimitedRunner,
+    get_runner,
+    workers_from_env,
+)
 from recipe.stapo.reward.lenient import (
     DEFAULT_TIMEOUT_S,
     TAIL_CHARS,
+    Graded,
     answers_equivalent,
     compute_score_lenient,
+    grade_answer,
     grade_solution,
 )
 from recipe.stapo.reward.strict import CORRECT_SCORE, WRONG_SCORE, compute_score
@@ -35,16 +44,19 @@ from recipe.stapo.reward.strict import CORRECT_SCORE, WRONG_SCORE, compute_score
 __all__ = [
     "CORRECT_SCORE",
     "DEFAULT_TIMEOUT_S",
+    "Graded",
     "MAX_GROUND_TRUTH_CHARS",
     "TAIL_CHARS",
     "WORKERS_ENV",
     "WRONG_SCORE",
     "RewardConfigError",
     "TimeLimitedRunner",
+    "UNGRADED_STATUSES",
     "answers_equivalent",
     "compute_score",
     "compute_score_lenient",
     "get_runner",
+    "grade_answer",
     "grade_solution",
     "ground_truth_conversion",
     "ground_truth_problem",

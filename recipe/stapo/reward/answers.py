@@ -62,6 +62,29 @@ def without_invisible(text: str) -> str:
     return "".join(char for char in text if unicodedata.category(char) != "Cf")
 
 
+def plain_digits_and_spaces(text: str) -> str:
+    """``text`` with every decimal digit written in ASCII (Unicode category Nd: full-width ``５``,
+    Arabic-Indic ``٥``, Devanagari ``५``... -> ``5``), every full-width ASCII form in ASCII (``，``
+    -> ``,``, ``（`` -> ``(``), and every space separator (Unicode category Zs: no-break space
+    U+00A0, thin space U+2009, narrow no-break space U+202F, ideographic space...) as a plain
+    space, so that ``1\u00a0000`` reads as ``1 000`` and, once verl's normalisation drops the
+    spaces, as ``1000``. Other characters (superscripts such as ``²``, letters, symbols) stay as they
+    are. Linear in ``len(text)``."""
+    if text.isascii():
+        return text
+    out = []
+    for char in text:
+        if "\uff01" <= char <= "\uff5e":
+            out.append(chr(ord(char) - 0xFEE0))
+        elif unicodedata.category(char) == "Zs":
+            out.append(" ")
+        elif unicodedata.category(char) == "Nd":
+            out.append(str(unicodedata.decimal(char)))
+        else:
+            out.append(char)
+    return "".join(out)
+
+
 # ----------------------------------------------------------------------------------------------
 # ground truth
 # ----------------------------------------------------------------------------------------------
@@ -262,7 +285,8 @@ def normalize_answer(answer: str) -> str:
     """verl's DAPO / Minerva normalisation of a final answer, plus LaTeX-spelling folding and
     list-aware commas.
 
-    Steps: remove invisible format characters (:func:`without_invisible`); fold display variants
+    Steps: remove invisible format characters (:func:`without_invisible`); write digits, full-width
+    forms and space separators in ASCII (:func:`plain_digits_and_spaces`); fold display variants
     (``\\dfrac``/``\\tfrac`` -> ``\\frac``, ``\\left``/``\\right``, ``\\,``, degree and percent
     signs, ``\\varnothing`` and ``∅`` -> ``\\emptyset``); verl's own
     ``verl.utils.reward_score.math_dapo.normalize_final_answer`` (right-hand side of ``=``, units and
@@ -292,7 +316,7 @@ def normalize_answer(answer: str) -> str:
     # verl (seconds) loads on the first answer normalized, not when the reward module is imported
     from verl.utils.reward_score.math_dapo import normalize_final_answer
 
-    final = without_invisible(answer).replace(_SPACED_COMMA, "").replace(_BARE_COMMA, "")
+    final = plain_digits_and_spaces(without_invisible(answer)).replace(_SPACED_COMMA, "").replace(_BARE_COMMA, "")
     for before, after in _LATEX_SPELLINGS:
         final = final.replace(before, after)
     final = final.replace("{,}", "")  # verl's rule for LaTeX's thousands separator, before commas are hidden

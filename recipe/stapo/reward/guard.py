@@ -26,6 +26,12 @@ WORKERS_ENV = "STAPO_REWARD_WORKERS"
 """Environment variable: how many helper processes one process may run (default min(4, CPUs))."""
 
 
+UNGRADED_STATUSES = ("timeout", "unavailable", "died")
+"""Statuses of :meth:`TimeLimitedRunner.call` under which the function's answer is unknown: it ran
+past its limit, no helper could be started, or the helper died during the call. A grader turns
+them into "ungraded", never into a verdict."""
+
+
 class RewardConfigError(ValueError):
     """A setting of the rewards (an environment variable) is invalid: raised, never scored as -1."""
 
@@ -154,24 +160,29 @@ class TimeLimitedRunner:
         self._startup_timeout_s = startup_timeout_s
         self._warm_up = warm_up
 
+    @property
+    def warm_up(self) -> str:
+        """The ``"module:function"`` every helper of this runner runs before it takes calls."""
+        return self._warm_up
+
     def call(self, fn: Callable[..., Any] | str, args: tuple, timeout_s: float) -> tuple[str, Any]:
         """Run ``fn(*args)`` in a helper; ``fn`` is a picklable function or ``"module:function"``.
 
         Returns:
-            ``("ok", result)``, ``("err", message)`` when ``fn`` raised, ``("timeout", None)`` when it
-            ran past ``timeout_s`` (its helper is killed), or ``("unavailable", message)`` when no
-            helper process could be started.
+            ``("ok", result)``, ``("err", message)`` when ``fn`` raised (or could not be sent),
+            ``("timeout", None)`` when it ran past ``timeout_s`` (its helper is killed),
+            ``("unavailable", message)`` when no helper process could be started, or ``("died",
+            message)`` when the helper ended during the call (killed from outside, out of memory).
         """
         with self._slots:
-            try:
-                worker = self._idle.get_nowait()
-            except queue.Empty:
-                try:
-                    worker = _GuardWorker(self._startup_timeout_s, self._warm_up)
-                except Exception as exc:  # noqa: BLE001 - reported as a status, never raised
-                    return "unavailable", f"{type(exc).__name__}: {exc}"
+            worker = self._take_worker()
+            if isinstance(worker, str):
+                return "unavailable", worker
             try:
                 worker.outbox.send((fn, args))
+            except OSError as exc:  # its pipe is closed: the helper ended while idle
+                worker.kill()
+                return "died", f"{type(exc).__name__}: {exc}"
             except Exception as exc:  # noqa: BLE001 - e.g. an unpicklable function
                 worker.kill()
                 return "err", f"cannot send the call: {type(exc).__name__}: {exc}"
@@ -180,26 +191,58 @@ class TimeLimitedRunner:
                     worker.kill()
                     return "timeout", None
                 status, value = worker.inbox.recv()
-            except (EOFError, OSError, BrokenPipeError) as exc:
+            except (EOFError, OSError) as exc:
                 worker.kill()
-                return "err", f"worker died: {type(exc).__name__}: {exc}"
+                return "died", f"{type(exc).__name__}: {exc}"
             self._idle.put(worker)
             return status, value
 
+    def _take_worker(self) -> "_GuardWorker | str":
+        """An idle helper that is still alive (helpers that ended while idle are dropped), else a
+        new one; the reason as a string when none can be started."""
+        while True:
+            try:
+                worker = self._idle.get_nowait()
+            except queue.Empty:
+                break
+            if worker.process.poll() is None:
+                return worker
+            worker.kill()
+        try:
+            return _GuardWorker(self._startup_timeout_s, self._warm_up)
+        except Exception as exc:  # noqa: BLE001 - reported as a status, never raised
+            return f"{type(exc).__name__}: {exc}"
 
-_RUNNER: Optional[TimeLimitedRunner] = None
-_RUNNER_LOCK = threading.Lock()
+    def helper_pids(self) -> list[int]:
+        """Process ids of the idle helpers (the busy ones are in calls)."""
+        return sorted(worker.process.pid for worker in list(self._idle.queue))
+
+    def close(self) -> None:
+        """End the idle helpers (a later call starts new ones)."""
+        while True:
+            try:
+                self._idle.get_nowait().kill()
+            except queue.Empty:
+                return
+
+
+_RUNNERS: dict[str, TimeLimitedRunner] = {}
+_RUNNERS_LOCK = threading.Lock()
 
 
 def get_runner(warm_up: str = "") -> TimeLimitedRunner:
-    """The process-wide runner, created by the first call (with its ``warm_up``, see
-    :class:`TimeLimitedRunner`); :data:`WORKERS_ENV` sets its size (:func:`workers_from_env`).
+    """The process-wide runner of the helpers warmed up by ``warm_up`` (see
+    :class:`TimeLimitedRunner`), created by the first call with that ``warm_up`` and kept for the
+    life of the process: each grader has its own helpers, started once, so a call never pays for
+    another grader's imports (JustRL's grader needs verl's, the lenient one only ``math_verify``'s)
+    and a helper killed at its limit is replaced by one warmed up for the same grader.
+    :data:`WORKERS_ENV` sets the size of each (:func:`workers_from_env`).
 
     Raises:
         RewardConfigError: when :data:`WORKERS_ENV` is invalid.
     """
-    global _RUNNER
-    with _RUNNER_LOCK:
-        if _RUNNER is None:
-            _RUNNER = TimeLimitedRunner(max_workers=workers_from_env(), warm_up=warm_up)
-        return _RUNNER
+    with _RUNNERS_LOCK:
+        runner = _RUNNERS.get(warm_up)
+        if runner is None:
+            runner = _RUNNERS[warm_up] = TimeLimitedRunner(max_workers=workers_from_env(), warm_up=warm_up)
+        return runner

@@ -18,14 +18,16 @@ characters and a ground truth longer than ``MAX_GROUND_TRUTH_CHARS`` never match
 done in the caller's thread (extraction, normalisation of both answers, string comparison) is on
 at most ``TAIL_CHARS + MAX_GROUND_TRUTH_CHARS`` characters (tens of milliseconds at worst); the
 symbolic stage, the only one without such a bound, runs in a guard helper process that is killed
-after ``timeout_s`` seconds (:mod:`recipe.stapo.reward.guard`). A killed or failed check counts
-the answer as wrong.
+after ``timeout_s`` seconds (:mod:`recipe.stapo.reward.guard`). A check that could not run to its
+end (past its limit, no helper, a helper that died) leaves the answer *ungraded*
+(:class:`Graded` ``correct=None``), never silently wrong: the evaluation retries it and counts what
+stays ungraded; the training reward scores it -1 and reports it (``ungraded`` in its dict).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 from recipe.stapo.reward.answers import (
     ground_truth_text,
@@ -34,7 +36,7 @@ from recipe.stapo.reward.answers import (
     normalize_answer,
     symbolic_equal,
 )
-from recipe.stapo.reward.guard import RewardConfigError, get_runner
+from recipe.stapo.reward.guard import UNGRADED_STATUSES, RewardConfigError, get_runner
 from recipe.stapo.reward.strict import CORRECT_SCORE, WRONG_SCORE
 
 logger = logging.getLogger(__name__)
@@ -49,46 +51,70 @@ symbolic_check: Callable[..., bool] = symbolic_equal
 """The function the guard runs for the symbolic stage (module attribute so tests can substitute
 it); called as ``symbolic_check(pred, gold, norm_pred, norm_gold, inner_timeout_s)``."""
 
-_UNAVAILABLE_WARNED = False
 _WARM_UP = "recipe.stapo.reward.answers:warm_up_symbolic"
 
 
-def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool:
-    """True when ``pred`` and ``gold`` are equal after normalisation or symbolically.
+class Graded(NamedTuple):
+    """A grader's reading of one response.
+
+    Attributes:
+        correct: True / False, or None when the answer is *ungraded*: its check could not run to
+            its end (``status`` says why).
+        pred: the extracted answer (None: no box where the grader looks).
+        status: ``ok`` (graded), or a :data:`~recipe.stapo.reward.guard.UNGRADED_STATUSES` value:
+            ``timeout`` (the symbolic check ran past its limit), ``unavailable`` (no helper process
+            could start), ``died`` (the helper ended during the check).
+    """
+
+    correct: Optional[bool]
+    pred: Optional[str]
+    status: str = "ok"
+
+
+def check_symbolic(runner_warm_up: str, fn: Any, args: tuple, timeout_s: float, who: str) -> tuple[Optional[bool], str]:
+    """Run a grader's symbolic stage ``fn(*args)`` in the guard helpers warmed up by
+    ``runner_warm_up``; ``(verdict, status)``: ``(bool, "ok")``, ``(False, "ok")`` when ``fn`` raised
+    (the check ran and did not show the answers equal; logged), or ``(None, status)`` when it could
+    not run to its end (:data:`~recipe.stapo.reward.guard.UNGRADED_STATUSES`)."""
+    status, value = get_runner(runner_warm_up).call(fn, args, timeout_s)
+    if status == "ok":
+        return bool(value), "ok"
+    if status in UNGRADED_STATUSES:
+        if status != "timeout":
+            logger.warning("%s: the symbolic check could not run (%s: %s); the answer is ungraded", who, status, value)
+        return None, status
+    logger.warning("%s: symbolic check failed (%s); the answers are not shown equal", who, value)
+    return False, "ok"
+
+
+def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Graded:
+    """Whether ``pred`` and ``gold`` are equal after normalisation or symbolically.
 
     Args:
         pred: an extracted answer (short: callers take it from a response tail).
         gold: a ground truth string of at most ``MAX_GROUND_TRUTH_CHARS`` characters.
         timeout_s: hard limit of the symbolic stage.
+    Returns:
+        :class:`Graded` (``pred`` as given); ``correct`` None when the symbolic check could not run.
     Raises only :class:`~recipe.stapo.reward.guard.RewardConfigError` (an invalid
     ``STAPO_REWARD_WORKERS``); never runs longer than about ``timeout_s`` (plus a one-off helper
     start).
     """
     norm_pred, norm_gold = normalize_answer(pred), normalize_answer(gold)
     if not norm_pred or not norm_gold:
-        return False
+        return Graded(False, pred)
     if norm_pred == norm_gold:
-        return True
+        return Graded(True, pred)
     if interval_set_mismatch(norm_pred, norm_gold):  # math_verify alone counts (1,2) equal to {1,2}
-        return False
+        return Graded(False, pred)
     inner = max(1, int(timeout_s / 3))
-    status, value = get_runner(_WARM_UP).call(symbolic_check, (pred, gold, norm_pred, norm_gold, inner), timeout_s)
-    if status == "err":
-        logger.warning("reward: symbolic check failed (%s); counting the answer as wrong", value)
-    if status == "unavailable":
-        _warn_unavailable(value)
-    return status == "ok" and bool(value)
+    verdict, status = check_symbolic(_WARM_UP, symbolic_check, (pred, gold, norm_pred, norm_gold, inner), timeout_s,
+                                     "lenient grader")
+    return Graded(verdict, pred, status)
 
 
-def _warn_unavailable(message: str) -> None:
-    global _UNAVAILABLE_WARNED
-    if not _UNAVAILABLE_WARNED:
-        logger.warning("reward: symbolic check disabled, no guard worker could start (%s)", message)
-        _UNAVAILABLE_WARNED = True
-
-
-def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[bool, Optional[str]]:
-    """Grade one response with the lenient rule.
+def grade_answer(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> Graded:
+    """Grade one response with the lenient grader.
 
     Args:
         solution_str: the decoded response (non-strings are converted with ``str``).
@@ -96,15 +122,21 @@ def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float = DEFA
             an unusable one, e.g. None or empty, is never matched).
         timeout_s: hard limit of the symbolic stage.
     Returns:
-        ``(correct, pred)``: ``pred`` is the last box content in the final ``TAIL_CHARS``
-        characters, or None when there is none.
+        :class:`Graded`: ``pred`` is the last box content in the final ``TAIL_CHARS`` characters,
+        or None when there is none.
     """
     text = solution_str if isinstance(solution_str, str) else str(solution_str)
     pred = last_boxed_content(text[-TAIL_CHARS:])
     gold = ground_truth_text(ground_truth)
     if pred is None or gold is None:
-        return False, pred
-    return answers_equivalent(pred, gold, timeout_s), pred
+        return Graded(False, pred)
+    return answers_equivalent(pred, gold, timeout_s)
+
+
+def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Optional[bool], Optional[str]]:
+    """``(correct, pred)`` of :func:`grade_answer` (``correct`` None: ungraded)."""
+    graded = grade_answer(solution_str, ground_truth, timeout_s)
+    return graded.correct, graded.pred
 
 
 def compute_score_lenient(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> dict:
@@ -120,16 +152,20 @@ def compute_score_lenient(data_source: Any, solution_str: Any, ground_truth: Any
         **kwargs: ``timeout_s`` (float, default ``DEFAULT_TIMEOUT_S``; settable through
             ``reward.custom_reward_function.reward_kwargs``); anything else verl passes is ignored.
     Returns:
-        ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None}``.
+        ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None, "ungraded": bool}``:
+        ``ungraded`` when the symbolic check could not run (scored -1; verl keeps the key as
+        ``reward_extra_info``, so the count per step and per validation is logged).
     Raises:
         RewardConfigError: ``STAPO_REWARD_WORKERS`` is invalid (never for any response or ground truth).
     """
     timeout_s = float(kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
     try:
-        correct, pred = grade_solution(solution_str, ground_truth, timeout_s)
+        graded = grade_answer(solution_str, ground_truth, timeout_s)
     except RewardConfigError:
         raise  # a misconfigured process must stop, not score every answer -1
     except Exception as exc:  # noqa: BLE001 - a reward must never crash a worker because of an answer
         logger.warning("reward: grading failed (%s: %s); scoring -1", type(exc).__name__, exc)
-        correct, pred = False, None
-    return {"score": CORRECT_SCORE if correct else WRONG_SCORE, "acc": bool(correct), "pred": pred}
+        graded = Graded(False, None)
+    correct = graded.correct is True
+    return {"score": CORRECT_SCORE if correct else WRONG_SCORE, "acc": correct, "pred": graded.pred,
+            "ungraded": graded.correct is None}

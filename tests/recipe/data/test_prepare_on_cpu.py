@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from recipe.stapo.data import prepare
-from recipe.stapo.data.prepare import PROMPT_JOINER, PROMPT_SUFFIX, main
+from recipe.stapo.data.prepare import PROMPT_SUFFIX, main
 from recipe.stapo.reward import MAX_GROUND_TRUTH_CHARS
 
 FIXTURES = Path(prepare.__file__).parent / "fixtures"
@@ -31,7 +31,7 @@ def test_train_from_dapo_format_jsonl(tmp_path):
     first = frame.iloc[0]
     raw = source[0]["prompt"][0]["content"]
     problem = raw[len(prepare.DAPO_PREFIX) : -len(prepare.DAPO_SUFFIX)]
-    assert list(first["prompt"]) == [{"role": "user", "content": problem + PROMPT_JOINER + PROMPT_SUFFIX}]
+    assert list(first["prompt"]) == [{"role": "user", "content": problem + "\n\n" + PROMPT_SUFFIX}]
     assert "Answer:" not in first["prompt"][0]["content"]
     assert first["prompt"][0]["content"].endswith("put your final answer within \\boxed{}.")
     assert first["data_source"] == "math_dapo" and first["ability"] == "math"
@@ -41,6 +41,34 @@ def test_train_from_dapo_format_jsonl(tmp_path):
     assert manifest["rows"] == len(frame) and manifest["duplicates_removed"] == 1
     assert manifest["output_sha256"] == _sha(tmp_path / "train.parquet")
     assert manifest["source_sha256"] == _sha(FIXTURES / "dapo_sample.jsonl")
+
+
+# JustRL's evals/gen_vllm.py (the evaluation Table 2 follows), copied as it is written there
+JUSTRL_EVAL_TEMPLATE = """{problem} Please reason step by step, and put your final answer within \\boxed{{}}."""
+
+
+def test_benchmark_prompts_are_justrls_evaluation_template_and_training_prompts_keep_the_blank_line(tmp_path):
+    """JustRL evaluates with ``problem + " " + instruction`` and trains on ``problem + "\\n\\n" +
+    instruction``: the benchmark rows hold the first, the training rows the second, and the manifest
+    names each dataset's form."""
+    assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "aime24",
+                 "--source", f"aime24={FIXTURES / 'bench_sample.jsonl'}"]) == 0
+    assert main(["train", "--out-dir", str(tmp_path), "--source", str(FIXTURES / "dapo_sample.jsonl")]) == 0
+    bench = pd.read_parquet(tmp_path / "aime24.parquet")
+    source = {r["id"]: r for r in _jsonl("bench_sample.jsonl")}
+    for prompt, extra in zip(bench["prompt"], bench["extra_info"]):
+        problem = source[extra["id"]]["problem"].strip()  # JustRL strips the stored problem too
+        assert list(prompt) == [{"role": "user", "content": JUSTRL_EVAL_TEMPLATE.format(problem=problem)}]
+    train = pd.read_parquet(tmp_path / "train.parquet")
+    raw = _jsonl("dapo_sample.jsonl")[0]["prompt"][0]["content"]
+    problem = raw[len(prepare.DAPO_PREFIX) : -len(prepare.DAPO_SUFFIX)]
+    assert train.iloc[0]["prompt"][0]["content"] == (
+        problem + "\n\nPlease reason step by step, and put your final answer within \\boxed{}.")
+    datasets = json.loads((tmp_path / "manifest.json").read_text())["datasets"]
+    assert (datasets["aime24"]["prompt_form"], datasets["train"]["prompt_form"]) == ("justrl-eval", "train")
+    assert prepare.prompt_form(bench.iloc[0]["prompt"][0]["content"]) == "justrl-eval"
+    assert prepare.prompt_form(train.iloc[0]["prompt"][0]["content"]) == "train"
+    assert prepare.prompt_form("What is 2?") == "custom"
 
 
 def test_bench_from_parquet_and_jsonl_manifest_merges(tmp_path):
@@ -208,7 +236,7 @@ def test_non_text_problems_are_named_invalid_rows(tmp_path, capsys):
     assert _bench(tmp_path, source, "--drop-invalid") == 0
     frame = pd.read_parquet(tmp_path / "out" / "amc23.parquet")
     assert [e["id"] for e in frame["extra_info"]] == ["g1"]
-    assert [p[0]["content"] for p in frame["prompt"]] == [GOOD["problem"] + PROMPT_JOINER + PROMPT_SUFFIX]
+    assert [p[0]["content"] for p in frame["prompt"]] == [GOOD["problem"] + " " + PROMPT_SUFFIX]
     entry = json.loads((tmp_path / "out" / "manifest.json").read_text())["datasets"]["amc23"]
     assert entry["dropped_invalid"] == 4 and entry["rows"] == 1 and entry["source_rows"] == 5
 
@@ -225,7 +253,7 @@ def test_empty_parquet_problem_cell_is_an_invalid_row_not_nan(tmp_path, capsys):
                   {"id": "q2", "question": "What is 4 + 4?", "problem": None, "answer": "8"}]).to_parquet(both)
     assert _bench(tmp_path, both) == 0
     frame = pd.read_parquet(tmp_path / "out" / "amc23.parquet")
-    assert [p[0]["content"].split(PROMPT_JOINER)[0] for p in frame["prompt"]] == ["What is 3 + 3?", "What is 4 + 4?"]
+    assert [p[0]["content"].split(" " + PROMPT_SUFFIX)[0] for p in frame["prompt"]] == ["What is 3 + 3?", "What is 4 + 4?"]
 
 
 def test_non_utf8_jsonl_line_is_a_named_invalid_row(tmp_path, capsys):
@@ -432,3 +460,95 @@ def test_benchmarks_naming_nothing_is_an_error(tmp_path, capsys, names):
     assert main(["bench", "--out-dir", str(tmp_path / "out"), "--benchmarks", names]) == 2
     assert f"error: --benchmarks {names!r} names no benchmark" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_each_benchmark_has_one_size_everywhere():
+    """The size of each benchmark's default source (``expected_rows``; a preparation notes another
+    count) is the one docs/eval.md and docs/method.md state, and the one the evaluation's sample
+    count (docs/eval.md, "Expected time") is made of."""
+    import re
+
+    from recipe.stapo.eval.run_eval import DEFAULT_N_SAMPLES
+    from tests.helpers.paths import REPO
+
+    sizes = {name: spec.expected_rows for name, spec in prepare.BENCHMARK_SPECS.items()}
+    eval_md = (REPO / "docs" / "eval.md").read_text()
+    method_md = (REPO / "docs" / "method.md").read_text()
+    for name, size in sizes.items():
+        row = next(line for line in eval_md.splitlines() if line.startswith(f"| {name} | "))
+        assert row.rstrip().endswith(f"| {size} |"), row
+    labels = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
+              "olympiadbench": "OlympiadBench"}
+    protocol = method_md[method_md.index("## Evaluation protocol"):]
+    for name, label in labels.items():
+        assert re.search(rf"{label} \({sizes[name]}[;)\s]", protocol), (label, sizes[name])
+    per_decoding = sum(sizes[n] * DEFAULT_N_SAMPLES[n] for n in sizes)
+    assert f"One checkpoint is {per_decoding:,} samples per decoding setting" in eval_md.replace("\n", " ")
+    for name, label in labels.items():
+        assert f"{label} {sizes[name]} x {DEFAULT_N_SAMPLES[name]}" in eval_md.replace("\n", " ")
+
+
+_KILL_AT_MANIFEST_RENAME = """
+import os, signal, sys
+import stapo_core.fileio as fileio
+from recipe.stapo.data import prepare
+real_replace = os.replace
+def kill_at_rename(src, dst):
+    if str(dst).endswith("manifest.json"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_replace(src, dst)
+fileio.os.replace = kill_at_rename
+sys.exit(prepare.main(sys.argv[1:]))
+"""
+
+
+def test_a_kill_between_the_manifests_update_and_its_rename_leaves_nothing_behind(tmp_path):
+    """Killed after writing the manifest's temp file, before renaming it: the folder keeps the old
+    manifest and parquet file (consistent), and the next preparation, of any dataset, removes both
+    temp files the kill left (the manifest's and the half-prepared parquet file's)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    small = _write_jsonl(tmp_path / "small.jsonl", [GOOD])
+    big = _write_jsonl(tmp_path / "big.jsonl", [dict(GOOD, id=f"g{i}", problem=f"What is {i} + 2?") for i in range(50)])
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={small}"]) == 0
+    before = {p.name: p.read_bytes() for p in (out / "aime24.parquet", out / "manifest.json")}
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    killed = subprocess.run([sys.executable, "-c", _KILL_AT_MANIFEST_RENAME, "bench", "--out-dir", str(out),
+                             "--benchmarks", "aime24", "--source", f"aime24={big}"], env=env, capture_output=True, timeout=300)
+    assert killed.returncode == -9
+    assert {p.name: p.read_bytes() for p in (out / "aime24.parquet", out / "manifest.json")} == before
+    assert list(out.glob(".manifest.json.*.tmp")) and list(out.glob(".aime24.parquet.*.tmp"))
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "amc23", "--source", f"amc23={small}"]) == 0
+    assert not list(out.glob(".*.tmp"))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["datasets"]) == {"aime24", "amc23"} and manifest["datasets"]["aime24"]["rows"] == 1
+    assert manifest["datasets"]["aime24"]["output_sha256"] == _sha(out / "aime24.parquet")
+
+
+_PREPARE = "import sys; from recipe.stapo.data.prepare import main; sys.exit(main(sys.argv[1:]))"
+
+
+def test_two_concurrent_preparations_into_one_folder_keep_every_dataset(tmp_path):
+    """Two processes preparing into one folder at the same moment (one benchmark in common): each
+    writes under the folder's lock, the manifest lists every dataset with the hash of the file on
+    disk, no temp file stays."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    source = FIXTURES / "bench_sample.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    runs = [subprocess.Popen([sys.executable, "-c", _PREPARE, "bench", "--out-dir", str(out), "--benchmarks",
+                              f"{name},amc23", "--source", f"{name}={source}", "--source", f"amc23={source}"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE) for name in ("aime24", "math500")]
+    for run in runs:
+        assert run.wait(timeout=300) == 0, run.stderr.read()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["datasets"]) == {"aime24", "math500", "amc23"} and "pending" not in manifest
+    for name, entry in manifest["datasets"].items():
+        assert entry["output_sha256"] == _sha(out / f"{name}.parquet")
+    assert not list(out.glob(".*.tmp"))

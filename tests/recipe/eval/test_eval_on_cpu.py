@@ -132,7 +132,7 @@ def test_mean_at_n_and_verifier_on_scripted_samples(assets, tmp_path):
         for bench, n in (("aime24", 6), ("math500", 3)):
             expected, probs = _scripted_expectation(assets, bench, decoding, n)
             got = block["benchmarks"][bench]
-            assert got["rule_mean_at_n"] == pytest.approx(expected, abs=1e-9)
+            assert got["grader_mean_at_n"] == pytest.approx(expected, abs=1e-9)
             assert got["mean_at_n"] == pytest.approx(100.0)  # the verifier accepts every rule failure
             failures += round((100.0 - expected) / 100.0 * len(probs) * n)
         assert block["avg"] == pytest.approx(100.0)
@@ -154,13 +154,15 @@ def test_bad_settings_are_named(assets, tmp_path):
     with pytest.raises(ValueError, match="--decoding"):
         _config(assets, tmp_path, decodings=("greedy",)).validate()
     with pytest.raises(ValueError, match="--benchmarks"):
-        _config(assets, tmp_path, benchmarks=("gsm8k",)).validate()
+        _config(assets, tmp_path, benchmarks=("../gsm8k",)).validate()
     with pytest.raises(ValueError, match="math500"):
         _config(assets, tmp_path, n_samples={"aime24": 1, "math500": 0}).validate()
     with pytest.raises(FileNotFoundError, match="prepare bench"):
-        run_eval.load_problems(tmp_path / "missing.parquet")
+        run_eval.load_problems(tmp_path / "aime24.parquet")
+    with pytest.raises(FileNotFoundError, match=r"outside the paper's six .* <benchmarks-dir>/<name>\.parquet"):
+        run_eval.load_problems(tmp_path / "gsm8k.parquet")
     with pytest.raises(ValueError, match="--n-samples"):
-        run_eval.parse_n_samples("aime99=3", ["aime24"])
+        run_eval.parse_n_samples("aime 99=3", ["aime24"])
     assert run_eval.parse_n_samples("5", ["aime24"]) == {"aime24": 5}
     with pytest.raises(ValueError, match="temperature"):
         SamplingConfig(0.0, 1.0, 10)
@@ -181,14 +183,15 @@ def test_jsonl_store_repairs_only_the_last_line(tmp_path):
 
 
 def test_compass_judgement_follows_the_authors_parsing():
-    # reference: the rules of CompassVerifier's README, applied by hand to each output
+    # reference: the rules of CompassVerifier's README for boxed and bare letters, the prompts'
+    # output format for the rest (docs/eval.md), applied by hand to each output
     cases = {
         "A": "A", "B": "B", "C": "C",                       # the whole output is the letter
         "\\boxed{A} - CORRECT": "A",                        # a boxed letter wins
         "Analysis... \\boxed{B} then \\boxed{A}": "A",      # the last boxed letter
         "Final Judgment: (B)": "B",                          # a (X) letter after "Final Judgment:"
-        "A\n": "A",                                          # not exactly a letter: last capital A-C
-        "CORRECT": "C",                                      # the authors' parser reads the word's C
+        "A\n": "A",                                          # the letter with whitespace around it
+        "CORRECT": "A",                                      # CV_PROMPT's label word (the README reads its C)
         "correct": "", "": "", "maybe": "",                 # nothing readable
     }
     for text, label in cases.items():
@@ -219,7 +222,7 @@ def test_resume_on_reordered_data_matches_samples_by_problem_not_row(tmp_path):
     # the closed form (ScriptedBackend is right exactly when seed % 3 == 0; seeds follow the problem id)
     problems = run_eval.load_problems(reverse / "aime24.parquet")
     expected = 100.0 * sum(sum(sample_seed(7, "aime24", "train", p.problem_id, s) % 3 == 0 for s in range(6)) / 6 for p in problems) / len(problems)
-    assert resumed["decodings"]["train"]["benchmarks"]["aime24"]["rule_mean_at_n"] == pytest.approx(expected, abs=1e-9)
+    assert resumed["decodings"]["train"]["benchmarks"]["aime24"]["grader_mean_at_n"] == pytest.approx(expected, abs=1e-9)
 
 
 @pytest.mark.parametrize("change", ["edited_prompt", "other_problem"])
@@ -367,3 +370,34 @@ def test_a_benchmark_file_without_rows_is_named_as_empty(tmp_path):
     for name in ("aime24", "amc23"):
         with pytest.raises(ValueError, match=rf"{name}\.parquet: no problems \(0 rows\)"):
             run_eval.load_problems(bench / f"{name}.parquet")
+
+
+# ----------------------------------------------------------------------------------------------
+# the prompt form: samples generated from the old evaluation prompt are never mixed with new ones
+# ----------------------------------------------------------------------------------------------
+def _bench_of_form(root, form):
+    source = root / "source.jsonl"
+    root.mkdir(parents=True)
+    source.write_text("".join(json.dumps(r) + "\n" for r in _fixture_rows()))
+    prepare.prepare_dataset(prepare.BENCHMARK_SPECS["aime24"], root / "aime24.parquet", str(source), form=form)
+    return root
+
+
+def test_samples_of_the_old_prompt_form_are_refused_not_mixed_into_a_new_evaluation(tmp_path):
+    """A folder evaluated on benchmark data prepared with the old form (problem + "\\n\\n" +
+    instruction), resumed on data prepared now (JustRL's problem + " " + instruction): refused before
+    anything is generated or graded, naming the form; a new folder evaluates the new form."""
+    old, new = _bench_of_form(tmp_path / "old", "train"), _bench_of_form(tmp_path / "new", "justrl-eval")
+    out = tmp_path / "out"
+    first = run_evaluation(_scripted_config(old, out), lambda: ScriptedBackend(_answers(old)))
+    assert first["prompt_form"] == "train"
+    saved = _file_bytes(out)
+    backend = CountingScripted(_answers(new))
+    with pytest.raises(ValueError, match=r"problem 'b\d' .* prompt form 'train' .* the data now has 'justrl-eval': "
+                                         r"samples of two prompt forms are never mixed"):
+        run_evaluation(_scripted_config(new, out), lambda: backend)
+    assert backend.calls == 0 and _file_bytes(out) == saved
+    fresh = run_evaluation(_scripted_config(new, tmp_path / "fresh"), lambda: ScriptedBackend(_answers(new)))
+    assert fresh["prompt_form"] == "justrl-eval"
+    assert fresh["decodings"]["train"]["benchmarks"]["aime24"]["prompt_form"] == "justrl-eval"
+    assert "Prompt form: justrl-eval" in (tmp_path / "fresh" / "summary.md").read_text()

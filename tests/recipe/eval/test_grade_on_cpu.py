@@ -98,14 +98,14 @@ def test_verifier_gets_the_whole_response_in_compassverifiers_format(bench, judg
         problem, response = problems[index], records[index, sample]["response"]
         assert len(response) > 5000
         user = problem.messages[-1]["content"]
-        assert user.endswith("\n\nPlease reason step by step, and put your final answer within \\boxed{}.")
-        question = "" if protocol == "justrl" else user[: user.rindex("\n\nPlease reason step by step")]
+        assert user.endswith(" Please reason step by step, and put your final answer within \\boxed{}.")  # JustRL's eval form
+        question = "" if protocol == "justrl" else user[: user.rindex(" Please reason step by step")]
         content = TEMPLATE.format(question=question, gold_answer=problem.ground_truth, llm_response=response)
         expected.append(render_chat(judge.backend.tokenizer, [{"role": "user", "content": content}]))
     assert judge.backend.prompts == expected
     # the judge answers "A" to everything: every rule failure becomes correct
     block = summary["decodings"]["train"]["benchmarks"]["aime24"]
-    assert block["mean_at_n"] == pytest.approx(100.0) and block["rule_mean_at_n"] < 100.0
+    assert block["mean_at_n"] == pytest.approx(100.0) and block["grader_mean_at_n"] < 100.0
     assert block["verifier_judged"] == block["verifier_accepted"] == len(failures)
     cached = _verdicts(tmp_path / "out")
     assert {(r["judgement"], r["output"], r["response_chars_dropped"]) for r in cached} == {("A", "A", 0)}
@@ -126,7 +126,7 @@ def test_the_configured_compass_verifier_runs_the_same_path(bench, judges, tmp_p
     )
     assert configured == by_hand
     block = configured["decodings"]["train"]["benchmarks"]["aime24"]
-    assert block["mean_at_n"] == block["rule_mean_at_n"]  # "B" accepts nothing
+    assert block["mean_at_n"] == block["grader_mean_at_n"]  # "B" accepts nothing
     assert configured["grading"]["label"] == "rule+verifier"
     assert configured["grading"]["verifier"]["model"] == str(judges["B"])
     assert _verdicts(tmp_path / "a") == _verdicts(tmp_path / "b")
@@ -162,7 +162,7 @@ def test_another_verifier_model_judges_again(bench, judges, tmp_path):
     summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=second)
     assert len(second.backend.prompts) == failures  # nothing reused from judge A
     block = summary["decodings"]["train"]["benchmarks"]["aime24"]
-    assert block["mean_at_n"] == block["rule_mean_at_n"]  # judge B's verdicts, not A's
+    assert block["mean_at_n"] == block["grader_mean_at_n"]  # judge B's verdicts, not A's
     assert summary["grading"]["verifier"]["model"] == str(judges["B"])
     assert _judged(bench, out, _compass(judges["A"], prompt_file)) == 0  # A's verdicts are still cached
     assert _judged(bench, out, _compass(judges["B"], prompt_file)) == 0
@@ -214,12 +214,12 @@ def test_another_verifier_object_judges_again_and_the_summary_names_it(bench, tm
     summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=reject)
     assert reject.seen == len(_rule_failures(bench))
     block = summary["decodings"]["train"]["benchmarks"]["aime24"]
-    assert block["mean_at_n"] == block["rule_mean_at_n"]
+    assert block["mean_at_n"] == block["grader_mean_at_n"]
     assert summary["verifier"] == "reject-all" and summary["grading"]["verifier"]["name"] == "reject-all"
 
 
-@pytest.mark.parametrize("protocol, function", [("justrl", "justrl_grade_solution"), ("compassverifier", "grade_solution")])
-def test_rule_grades_are_cached_and_keyed_by_the_rule(bench, tmp_path, monkeypatch, protocol, function):
+@pytest.mark.parametrize("protocol, function", [("justrl", "justrl_grade_answer"), ("compassverifier", "lenient_grade_answer")])
+def test_grades_are_cached_and_keyed_by_the_grader(bench, tmp_path, monkeypatch, protocol, function):
     calls = []
     real = getattr(grade, function)
     monkeypatch.setattr(grade, function, lambda *a: calls.append(a) or real(*a))
@@ -232,14 +232,14 @@ def test_rule_grades_are_cached_and_keyed_by_the_rule(bench, tmp_path, monkeypat
     assert calls == []  # every grade cached
     # another time limit per answer: graded again
     timed = run_evaluation(config(reward_timeout_s=2.0), lambda: ScriptedBackend(answers(bench)))
-    assert len(calls) == 30 and timed["grading"]["rule"]["timeout_s"] == 2.0
+    assert len(calls) == 30 and timed["grading"]["grader"]["timeout_s"] == 2.0
     calls.clear()
     # another version of the rule's code: graded again
-    monkeypatch.setattr(grade, "_rule_source_sha256", lambda rule: "0" * 64)
+    monkeypatch.setattr(grade, "_grader_source_sha256", lambda grader: "0" * 64)
     again = run_evaluation(config(), lambda: ScriptedBackend(answers(bench)))
-    assert len(calls) == 30 and again["grading"]["rule"]["code_sha256"] == "0" * 64
+    assert len(calls) == 30 and again["grading"]["grader"]["code_sha256"] == "0" * 64
     assert again["decodings"] == first["decodings"]
-    assert first["grading"]["rule"]["rule"] == PROTOCOLS[protocol].rule
+    assert first["grading"]["grader"]["grader"] == PROTOCOLS[protocol].grader
 
 
 def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypatch):
@@ -254,8 +254,8 @@ def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypa
     lines[index] = json.dumps(record)
     path.write_text("\n".join(lines) + "\n")
     calls = []
-    real = grade.justrl_grade_solution  # the default protocol's rule
-    monkeypatch.setattr(grade, "justrl_grade_solution", lambda *a: calls.append(a) or real(*a))
+    real = grade.justrl_grade_answer  # the default protocol's rule
+    monkeypatch.setattr(grade, "justrl_grade_answer", lambda *a: calls.append(a) or real(*a))
     judge = RejectAll()
     summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)), verifier=judge)
     assert [a[0] for a in calls] == [record["response"]]  # only the edited sample is graded again
@@ -264,7 +264,7 @@ def test_an_edited_response_is_graded_and_judged_again(bench, tmp_path, monkeypa
     assert summary["decodings"]["train"]["benchmarks"]["aime24"]["verifier_judged"] == expected
 
 
-def test_rule_identity_hashes_the_rule_code(tmp_path, monkeypatch):
+def test_grader_identity_hashes_the_grader_code(tmp_path, monkeypatch):
     import hashlib
 
     import recipe.stapo.reward as reward
@@ -272,7 +272,7 @@ def test_rule_identity_hashes_the_rule_code(tmp_path, monkeypatch):
     digest = hashlib.sha256()
     for path in sorted(Path(reward.__file__).parent.glob("*.py")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    identity = grade.rule_identity(5.0)
+    identity = grade.grader_identity(5.0)
     assert identity["code_sha256"] == digest.hexdigest() and identity["timeout_s"] == 5.0
 
 
@@ -505,3 +505,105 @@ def test_gpu_memory_utilization_outside_0_1_is_refused(bench, tmp_path, value):
     config = scripted_config(bench, tmp_path / "out", gpu_memory_utilization=value)
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization .* in \(0, 1\]"):
         config.validate()
+
+
+# ----------------------------------------------------------------------------------------------
+# an answer whose check could not run: ungraded, retried, counted, never a silent "wrong"
+# ----------------------------------------------------------------------------------------------
+def _flaky_grader(monkeypatch, status_of):
+    """The default protocol's grader, except that the check of a wrong answer under the time limit
+    ``t`` gets the status ``status_of(t)`` (None: it runs); returns the limits of those checks."""
+    from recipe.stapo.reward.lenient import Graded
+
+    real, limits = grade.justrl_grade_answer, []
+
+    def flaky(response, truth, timeout_s):
+        graded = real(response, truth, timeout_s)
+        if graded.correct is False:
+            limits.append(timeout_s)
+            if status_of(timeout_s) is not None:
+                return Graded(None, graded.pred, status_of(timeout_s))
+        return graded
+
+    monkeypatch.setattr(grade, "justrl_grade_answer", flaky)
+    return limits
+
+
+def test_an_ungraded_answer_is_retried_counted_not_cached_and_keeps_the_run_unfinished(bench, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    failures = len(_rule_failures(bench))
+    limits = _flaky_grader(monkeypatch, lambda limit: "unavailable")  # no helper process ever starts
+    summary = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    block = summary["decodings"]["train"]["benchmarks"]["aime24"]
+    assert block["ungraded"] == failures and block["timed_out"] == 0
+    assert summary["decodings"]["train"]["ungraded"] == failures
+    assert sorted(limits) == [5.0] * failures + [10.0] * failures + [20.0] * failures  # retried with 2x, 4x the limit
+    assert f"Not finished: {failures} answers are ungraded" in (out / "summary.md").read_text()
+    cached = [r for _, r in JsonlStore(out / "grades" / "aime24__train.jsonl").read()]
+    assert len(cached) == 30 - failures and all(r["grader_correct"] for r in cached)  # no ungraded one cached
+    from recipe.stapo.eval import tables
+
+    issues = tables.row_from_summary(dict(summary, scale="8B", method="STAPO"), "s.json").issues["train"]
+    assert f"AIME24 (1.0/1.0): {failures} answers ungraded (their check could not run; rerun eval.sh on its " \
+           "folder to grade them)" in issues
+    # the next run grades them (the helpers start now) and finishes the block
+    monkeypatch.undo()
+    again = run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    block = again["decodings"]["train"]["benchmarks"]["aime24"]
+    assert block["ungraded"] == 0 and "Not finished" not in (out / "summary.md").read_text()
+    issues = tables.row_from_summary(dict(again, scale="8B", method="STAPO"), "s.json").issues["train"]
+    assert not [i for i in issues if "ungraded" in i]
+    assert block["grader_mean_at_n"] == summary["decodings"]["train"]["benchmarks"]["aime24"]["grader_mean_at_n"]
+
+
+def test_a_check_past_its_limit_on_every_try_is_wrong_and_counted_once_that_passes_is_graded(bench, tmp_path,
+                                                                                          monkeypatch):
+    failures = len(_rule_failures(bench))
+    limits = _flaky_grader(monkeypatch, lambda limit: "timeout")
+    summary = run_evaluation(scripted_config(bench, tmp_path / "a"), lambda: ScriptedBackend(answers(bench)))
+    block = summary["decodings"]["train"]["benchmarks"]["aime24"]
+    assert (block["ungraded"], block["timed_out"]) == (0, failures)
+    assert sorted(limits) == [5.0] * failures + [10.0] * failures + [20.0] * failures
+    monkeypatch.undo()
+    limits = _flaky_grader(monkeypatch, lambda limit: "timeout" if limit == 5.0 else None)  # slow once
+    summary = run_evaluation(scripted_config(bench, tmp_path / "b"), lambda: ScriptedBackend(answers(bench)))
+    block = summary["decodings"]["train"]["benchmarks"]["aime24"]
+    assert (block["ungraded"], block["timed_out"]) == (0, 0)
+    assert sorted(limits) == [5.0] * failures + [10.0] * failures
+
+
+# ----------------------------------------------------------------------------------------------
+# --max-new-tokens beyond the model's context: refused before generation (vLLM would cap it silently)
+# ----------------------------------------------------------------------------------------------
+def _tiny_config(assets, out, max_new_tokens):
+    return run_eval.EvalConfig(model=str(assets / "model"), benchmarks_dir=str(assets), out=str(out), benchmarks=("val",),
+                               n_samples={"val": 1}, decodings=("justrl",), max_new_tokens=max_new_tokens, backend="hf",
+                               verifier="none")
+
+
+def test_max_new_tokens_beyond_the_models_context_is_refused_before_anything_is_written(assets, tmp_path):
+    """The shipped tiny model's context is 256 tokens (max_position_embeddings)."""
+    context = json.loads((assets / "model" / "config.json").read_text())["max_position_embeddings"]
+    assert context == 256
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"--max-new-tokens 256: the model's context is 256 tokens \(max_position_embeddings "
+                                         r"in .*config\.json\), prompt and response together"):
+        run_evaluation(_tiny_config(assets, out, 256))
+    with pytest.raises(ValueError, match=r"--max-new-tokens 250: .* the longest prompt \(val problem '\d+'\) has (\d+), so at "
+                                         r"most \d+ new tokens fit; .* Pass --max-new-tokens \d+ or less") as refused:
+        run_evaluation(_tiny_config(assets, out, 250))
+    fits = int(re.search(r"at most (\d+) new tokens fit", str(refused.value)).group(1))
+    assert not out.exists()
+    plan = run_eval.plan_run(_tiny_config(assets, out, fits))  # the largest value that fits passes
+    assert plan.pending == 64 and not out.exists()
+    with pytest.raises(ValueError, match=rf"--max-new-tokens {fits + 1}: "):
+        run_eval.plan_run(_tiny_config(assets, out, fits + 1))
+
+
+def test_a_yarn_scaled_context_is_the_scaled_one(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({
+        "max_position_embeddings": 40960, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                                           "original_max_position_embeddings": 32768}}))
+    assert run_eval.model_context(tmp_path)[0] == 131072
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
+    assert run_eval.model_context(tmp_path) == (32768, f"max_position_embeddings in {tmp_path / 'config.json'}")

@@ -247,7 +247,7 @@ def _run_summary(scale, method, value, grading=None, n=None, max_new_tokens=2048
     temps = temps or {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}
     decodings = {}
     for decoding, (t, p) in temps.items():
-        benches = {b: {"mean_at_n": value, "rule_mean_at_n": value - 5.0, "n_samples": n[b], "problems": 30,
+        benches = {b: {"mean_at_n": value, "grader_mean_at_n": value - 5.0, "n_samples": n[b], "problems": 30,
                        "limit": None, "data_sha256": "ab" * 32} for b in NAMES}
         decodings[decoding] = {"temperature": t, "top_p": p, "benchmarks": benches, "complete": True}
     return {"scale": scale, "method": method, "max_new_tokens": max_new_tokens, "limit": None,
@@ -300,7 +300,7 @@ def test_rows_of_one_protocol_pass(tmp_path):
     rows = load_inputs(paths)
     assert not any(r.protocol_issues for r in rows)
     assert headline(rows, "train")[0] == pytest.approx(100 * 5 / 45)
-    assert "Grading: justrl protocol: JustRL's rule only (no verifier)" in tables.report(rows)
+    assert "Grading: justrl protocol: JustRL's grader only (no verifier)" in tables.report(rows)
 
 
 def test_rule_only_rows_are_never_mixed_with_verified_ones(tmp_path):
@@ -316,7 +316,7 @@ def test_rule_only_rows_are_never_mixed_with_verified_ones(tmp_path):
     rows = load_inputs(paths, grading="rule-only")
     assert [r.value("train", "AIME24") for r in rows] == [35.0, 45.0, 40.0]
     report = tables.report(rows)
-    assert "Grading: rule-only: JustRL's rule, no verifier (not the paper's grading)" in report
+    assert "Grading: rule-only: JustRL's grader, no verifier (not the paper's grading)" in report
     assert headline(rows, "train")[0] == pytest.approx(100 * 5 / 40)
 
 
@@ -350,7 +350,7 @@ def test_a_value_outside_0_100_is_refused(tmp_path, value, message):
 def test_fractions_instead_of_percentages_are_refused(tmp_path):
     paths = [_write(tmp_path, "justrl", _run_summary("8B", "JustRL", 0.40)),
              _write(tmp_path, "stapo", _run_summary("8B", "STAPO", 50.0))]
-    with pytest.raises(ValueError, match=r"justrl\.json: 8B JustRL: every value is <= 1: fractions"):
+    with pytest.raises(ValueError, match=r"justrl\.json: 8B JustRL: every nonzero value is <= 1: fractions"):
         load_inputs(paths)
 
 
@@ -490,3 +490,39 @@ def test_rows_of_another_grading_protocol_are_never_mixed(tmp_path, grading):
     (tmp_path / "same").mkdir()
     same = _eight_b_rows(tmp_path / "same", _run_summary("8B", "GRPO", 45.0, grading=grading_info(None, 5.0, "justrl")))
     assert len(load_inputs(same, grading=grading)) == 3
+
+
+def test_a_score_of_zero_is_not_taken_for_fractions(tmp_path):
+    """A model that solves nothing scores 0 in percent and in fractions alike: its row is a row."""
+    zero = _run_summary("8B", "GRPO", 0.0)
+    paths = [_write(tmp_path, "grpo", zero), _write(tmp_path, "stapo", _run_summary("8B", "STAPO", 50.0))]
+    rows = load_inputs(paths)
+    assert rows[0].value("train", "AIME24") == 0.0 and not rows[0].issues
+    text = PAPER.read_text().replace("| 6.88 (10.83) |", "| 0.00 (0.00) |", 1)  # one printed zero among percentages
+    table = tmp_path / "t.md"
+    table.write_text(text)
+    assert not [r for r in load_inputs([str(table)]) if r.issues]
+    printed_zeros = "| model | method | " + " | ".join(COLUMNS) + " | Avg |\n|---|---|" + "---|" * 7 + "\n" + \
+        "| 1.7B | GRPO | " + " | ".join(["0 (0)"] * 7) + " |\n"
+    table.write_text(printed_zeros)
+    assert not load_inputs([str(table)])[0].issues
+    # fractions are still fractions: a nonzero row at most 1 (0.83% is not 8 of 960 samples here: 30 x 4)
+    fractions = _run_summary("8B", "JustRL", 0.0)
+    fractions["decodings"]["train"]["benchmarks"]["aime24"]["mean_at_n"] = 0.55
+    with pytest.raises(ValueError, match=r"every nonzero value is <= 1: fractions"):
+        load_inputs([_write(tmp_path, "justrl", fractions)])
+
+
+@pytest.mark.parametrize("form, shown", [
+    ("train", "prompt form is train, the table's is justrl-eval"),
+    (None, "prompt form is unrecorded (a summary from before prompt forms were recorded), the table's is justrl-eval"),
+])
+def test_a_row_of_another_prompt_form_is_refused(tmp_path, form, shown):
+    rows = [_run_summary("8B", m, v) for m, v in (("JustRL", 40.0), ("STAPO", 50.0), ("GRPO", 45.0))]
+    for row in rows[:2]:
+        row["prompt_form"] = "justrl-eval"
+    if form is not None:
+        rows[2]["prompt_form"] = form
+    paths = [_write(tmp_path, r["method"].lower(), r) for r in rows]
+    with pytest.raises(ValueError, match=r"grpo\.json: 8B GRPO: " + re.escape(shown)):
+        load_inputs(paths)

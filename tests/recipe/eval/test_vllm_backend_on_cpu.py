@@ -179,7 +179,7 @@ def test_eval_sh_with_vllm_writes_the_records_the_hf_backend_writes(model_dir, t
     prompt.write_text(f"CV_PROMPT = {TEMPLATE!r}\n")
     args = ["--benchmarks", "aime24", "--n-samples", "aime24=2", "--limit", "2", "--max-new-tokens", "8",
             "--seed", "7", "--verifier-model", str(judge)]
-    env = {**os.environ, "MODEL": str(model_dir), "OUT": str(tmp_path / "vllm"), "BENCH_DIR": str(bench),
+    env = {**os.environ, "MODEL": str(model_dir), "OUT": str(tmp_path / "vllm"), "STAPO_DATA_DIR": str(bench),
            "PYTHON": sys.executable, "BACKEND": "vllm", "VERIFIER": "compass", "VERIFIER_PROMPT": str(prompt),
            "DECODING": "train"}
     proc = subprocess.Popen(["bash", str(EVAL), *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -213,12 +213,54 @@ def test_eval_sh_with_vllm_writes_the_records_the_hf_backend_writes(model_dir, t
     assert {row[2:] for row in judged(vllm_run)} == {("A", "A", True)}
 
 
+def _part_lines(out: Path) -> int:
+    return sum(path.read_bytes().count(b"\n") for path in out.glob("workers/rank*/generations/*.jsonl"))
+
+
+def test_kill_9_of_a_vllm_evaluation_leaves_nothing_running_and_resumes(tmp_path):
+    """``PRESET=cpu`` (vLLM's CPU build, batches of 64) killed with SIGKILL once its worker has saved a
+    batch: the worker (its parent-death signal) and its engine processes end, no /dev/shm segment
+    the run used stays, and the same command resumes, generating only what was missing."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "STAPO_DATA_DIR", "BENCH_DIR")}
+    env.update(PRESET="cpu", OUT=str(out), PYTHON=sys.executable)
+    proc = subprocess.Popen(["bash", str(EVAL)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    watch = SessionSegments(proc.pid).start()
+    deadline = time.monotonic() + 600
+    while _part_lines(out) < 64 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None and _part_lines(out) < 256, "the run ended before it could be killed"
+    os.kill(proc.pid, signal.SIGKILL)  # eval.sh exec'd run_eval: this is the main process
+    proc.wait(timeout=60)
+    assert not _outliving(proc.pid), "the worker or its engine outlived the killed evaluation"
+    used = watch.stop()
+    assert any(name.startswith("psm_") for name in used), used
+    assert not [name for name in used if Path("/dev/shm", name).exists()], "the killed evaluation left /dev/shm segments"
+    saved = _part_lines(out)
+    assert 64 <= saved < 256
+    again = subprocess.run(["bash", str(EVAL)], env=env, capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-4000:]
+    plan = json.loads((out / "workers" / "rank0" / "plan.json").read_text())
+    assert len(plan["items"]) == 256 - saved  # only the missing samples were generated
+    records = [json.loads(line) for line in (out / "generations" / "val__justrl.jsonl").read_text().splitlines()]
+    assert len(records) == len({(r["problem_id"], r["sample"]) for r in records}) == 256
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["decodings"]["justrl"]["benchmarks"]["val"]["ungraded"] == 0
+
+
 def test_close_ends_the_engine_processes_and_removes_their_shared_memory(vllm_backend):
     """Runs last in this module: it closes the module's engine."""
     processes = engine_processes(os.getpid())
     segments = mapped_segments([os.getpid(), *(p.pid for p in processes)])
     assert processes, "the engine runs in child processes"
     assert segments, "vLLM's message queues are /dev/shm segments"
+    # close() waits for the engine's processes, not for the resource tracker, which outlives it
+    waited = [" ".join(p.cmdline()) for p in vllm_backend._engine_processes]
+    assert waited and not [c for c in waited if "resource_tracker" in c], waited
     vllm_backend.close()
     for process in processes:
         process.wait(timeout=30)  # ended (and reaped when it is this process's child)

@@ -2,7 +2,7 @@
 and a missing or empty ground truth never matches.
 
 Paths: the configured training reward (``compute_score``), the lenient option
-(``compute_score_lenient`` / ``grade_solution``) and the evaluation's rule stage (``grade_rule``).
+(``compute_score_lenient`` / ``grade_solution``) and the evaluation's answer grading (``grade_answers``).
 Each call runs in a non-main thread (where verl's reward managers call rewards, and where
 signal-based timeouts cannot work) and must return before a deadline.
 """
@@ -33,13 +33,13 @@ def _strict(response, truth):
     return reward.compute_score("x", response, truth)
 
 
-def _eval_rule(response, truth):
-    graded = grade.grade_rule({(0, 0): {"response": response}}, [SimpleNamespace(index=0, ground_truth=truth)], timeout_s=2.0)
-    correct = graded[(0, 0)].rule_correct
+def _eval_grader(response, truth):
+    graded = grade.grade_answers({(0, 0): {"response": response}}, [SimpleNamespace(index=0, ground_truth=truth)], timeout_s=2.0)
+    correct = graded[(0, 0)].grader_correct
     return {"score": 1.0 if correct else -1.0, "acc": correct}
 
 
-PATHS = {"strict": _strict, "lenient": _lenient, "eval_rule": _eval_rule}
+PATHS = {"strict": _strict, "lenient": _lenient, "eval_grader": _eval_grader}
 
 
 def _bounded(fn, *args, deadline_s=DEADLINE_S):
@@ -81,7 +81,7 @@ def test_pathological_200k_ground_truth_returns_quickly_with_a_defined_score(pat
     assert elapsed < DEADLINE_S
 
 
-@pytest.mark.parametrize("path", ["lenient", "eval_rule"])
+@pytest.mark.parametrize("path", ["lenient", "eval_grader"])
 def test_longest_allowed_ground_truth_normalises_within_a_bound(path, monkeypatch):
     """The bound is on the work, not the clock: verl's normalisation (quadratic in its input) is
     handed at most MAX_GROUND_TRUTH_CHARS characters per call, whatever the machine's load."""

@@ -57,7 +57,7 @@ CASES = [
     ("\\boxed{\\frac{\\frac{1}{2}}{\\frac{3}{4}}}", "\\frac{2}{3}", 1.0),  # nested braces
     ("\\fbox{9}", "9", 1.0),
     ("", "3", -1.0),
-    ("数学 \\boxed{５}", "5", -1.0),  # full-width digit is not 5
+    ("数学 \\boxed{５}", "5", 1.0),  # a full-width digit is the digit (as JustRL's grader reads it)
     ("émoji 🙂 \\boxed{5}", "5", 1.0),
     # lower-case e-notation is a number, not Euler's number (math_verify alone: wrong)
     ("\\boxed{1e6}", "1000000", 1.0),
@@ -84,7 +84,7 @@ def test_reward_table(response, truth, expected):
     result = compute_score_lenient("aime24", response, truth)
     assert result["score"] == expected
     assert result["acc"] is (expected == 1.0)
-    assert set(result) == {"score", "acc", "pred"}
+    assert set(result) == {"score", "acc", "pred", "ungraded"} and result["ungraded"] is False
 
 
 def test_pred_is_last_box_in_tail():
@@ -155,8 +155,8 @@ def _slow_true(*_args):
 
 
 def test_guard_kills_a_hanging_check_within_the_limit_from_a_thread(monkeypatch):
-    runner = TimeLimitedRunner(max_workers=1)
-    monkeypatch.setattr(guard, "_RUNNER", runner)
+    runner = TimeLimitedRunner(max_workers=1, warm_up=lenient._WARM_UP)
+    monkeypatch.setitem(guard._RUNNERS, lenient._WARM_UP, runner)
     assert runner.call(_slow_true, (), 10.0) == ("ok", True)  # warm worker: startup excluded below
     monkeypatch.setattr(lenient, "symbolic_check", _hang)
     results = {}
@@ -200,7 +200,7 @@ def test_signature_matches_verl_reward_manager_call():
         data_source="math_dapo", solution_str="\\boxed{3}", ground_truth="3", extra_info={"index": 0},
         reward_router_address="ignored:0", reward_model_tokenizer=None,
     )
-    assert result == {"score": 1.0, "acc": True, "pred": "3"}
+    assert result == {"score": 1.0, "acc": True, "pred": "3", "ungraded": False}
 
 
 def test_works_when_loaded_by_file_path_like_verl():
@@ -329,7 +329,7 @@ def test_valid_workers_grade_in_a_fresh_process():
 
 
 def test_workers_made_invalid_after_import_raise_instead_of_scoring(monkeypatch):
-    monkeypatch.setattr(guard, "_RUNNER", None)  # the runner is created (and the variable read) on first use
+    monkeypatch.setattr(guard, "_RUNNERS", {})  # a runner is created (and the variable read) on first use
     monkeypatch.setenv(guard.WORKERS_ENV, "abc")
     with pytest.raises(RewardConfigError, match="STAPO_REWARD_WORKERS='abc'"):
         compute_score_lenient("x", "\\boxed{x+1}", "1+x")

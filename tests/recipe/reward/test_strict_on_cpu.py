@@ -83,11 +83,11 @@ def test_the_table_separates_the_two_rewards():
     assert sum(s != l for _, _, s, l in TABLE) >= 10 and sum(s == l for _, _, s, l in TABLE) >= 10
 
 
-def test_evaluation_grades_with_the_lenient_rule_not_the_strict_one():
-    problems = [SimpleNamespace(index=i, ground_truth=truth) for i, (_, truth, _, _) in enumerate(TABLE)]  # what grade_rule reads
+def test_the_lenient_answer_grader_of_the_evaluation_is_not_the_strict_reward():
+    problems = [SimpleNamespace(index=i, ground_truth=truth) for i, (_, truth, _, _) in enumerate(TABLE)]  # what grade_answers reads
     records = {(i, 0): {"response": response} for i, (response, _, _, _) in enumerate(TABLE)}
-    graded = grade.grade_rule(records, problems)
-    assert [graded[(i, 0)].rule_correct for i in range(len(TABLE))] == [l == 1.0 for _, _, _, l in TABLE]
+    graded = grade.grade_answers(records, problems)
+    assert [graded[(i, 0)].grader_correct for i in range(len(TABLE))] == [l == 1.0 for _, _, _, l in TABLE]
 
 
 def test_training_reward_ignores_the_extra_keywords_verl_passes():

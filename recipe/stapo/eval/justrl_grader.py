@@ -1,4 +1,4 @@
-"""JustRL's rule-based grader, the first stage of the ``justrl`` grading protocol (docs/eval.md).
+"""JustRL's rule-based answer grader, the first stage of the ``justrl`` grading protocol (docs/eval.md).
 
 JustRL's evaluation grades a response with ``grade_answer_verl`` (its ``evals/utils.py``), the
 DeepScaleR / PRIME math check that verl also ships (``verl.utils.reward_score.prime_math``):
@@ -15,29 +15,28 @@ DeepScaleR / PRIME math check that verl also ships (``verl.utils.reward_score.pr
 
 The pieces come from verl's copy (``math_normalize.normalize_answer`` for mathd, ``prime_math``'s
 helpers for sympy); the sympy normalisation follows JustRL's version of it, which also deletes
-spaces and leftover braces and does not strip "liter" as a unit. The sympy stage runs in the
-reward guard's helper process under a hard time limit (a sympy call can hang; JustRL's has no
-limit): a check that runs past it counts the answer as wrong.
+spaces and leftover braces and does not strip "liter" as a unit. The sympy stage runs in guard
+helper processes of its own (:func:`~recipe.stapo.reward.guard.get_runner` with :data:`WARM_UP`:
+started once per process, verl and sympy imported before any call) under a hard time limit (a
+sympy call can hang; JustRL's has no limit): a check that cannot run to its end leaves the answer
+ungraded (:class:`~recipe.stapo.reward.lenient.Graded`), never wrong.
 
-This rule differs from the lenient rule (:mod:`recipe.stapo.reward.lenient`): the box may be
+This grader differs from the lenient one (:mod:`recipe.stapo.reward.lenient`): the box may be
 anywhere in the response (not only in its last 300 characters), ``math_verify`` is not used, an
 integer ground truth never matches a non-integer spelling unless the normalisations make them equal
 (``\\frac{10}{2}`` is not ``5``), and fewer units are stripped (``5 kg`` is not ``5``); so the two
-rules send different samples to the verifier (``tests/recipe/eval/test_protocols_on_cpu.py``).
+graders send different samples to the verifier (``tests/recipe/eval/test_protocols_on_cpu.py``).
 """
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any, Optional
 
-from recipe.stapo.reward.guard import get_runner
+from recipe.stapo.reward.lenient import Graded, check_symbolic
 
-logger = logging.getLogger(__name__)
-
-RULE = "justrl"
-"""Name of this rule in grading identities and summaries."""
+GRADER = "justrl"
+"""Name of this grader in grading identities and summaries."""
 
 _UNITS = (
     "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month",
@@ -65,7 +64,7 @@ def boxed_answer(text: str) -> Optional[str]:
 
 def mathd_equal(pred: str, gold: str) -> bool:
     """Equal after the MATH (Hendrycks) answer normalisation."""
-    # verl (seconds) loads on the first answer graded, not when the rule module is imported
+    # verl (seconds) loads on the first answer graded, not when the grader module is imported
     from verl.utils.reward_score.prime_math.math_normalize import normalize_answer
 
     return normalize_answer(gold) == normalize_answer(pred)
@@ -76,7 +75,7 @@ def sympy_normalize(expr: str) -> str:
     ``\\text{}``, dollar and percent signs, words for 10^6/9/12, listed units and degree marks, one
     pair of enclosing braces, ``,\\!`` separators; integral floats become integers; LaTeX is turned
     into text; spaces and leftover braces are deleted; lower case; integers canonical."""
-    # verl (seconds) loads on the first answer graded, not when the rule module is imported
+    # verl (seconds) loads on the first answer graded, not when the grader module is imported
     from verl.utils.reward_score.prime_math import (
         _inject_implicit_mixed_number,
         _is_float,
@@ -115,7 +114,7 @@ def sympy_normalize(expr: str) -> str:
 
 def sympy_equal(pred: str, gold: str) -> bool:
     """The sympy stage (see the module docstring); runs in a guard helper process."""
-    # verl (seconds) loads on the first answer graded, not when the rule module is imported
+    # verl (seconds) loads on the first answer graded, not when the grader module is imported
     from verl.utils.reward_score.prime_math import _is_frac, _str_is_int, are_equal_under_sympy, split_tuple
 
     simplify_equal = getattr(are_equal_under_sympy, "__wrapped__", are_equal_under_sympy)  # the guard bounds the time
@@ -146,26 +145,35 @@ def warm_up() -> None:
     sympy_equal("\\frac{1}{2}", "0.5")
 
 
-def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float) -> tuple[bool, Optional[str]]:
-    """Grade one response with JustRL's rule.
+WARM_UP = f"{__name__}:warm_up"
+"""The warm-up of this grader's guard helpers (their runner is keyed by it)."""
+
+
+def grade_answer(solution_str: Any, ground_truth: Any, timeout_s: float) -> Graded:
+    """Grade one response with JustRL's grader.
 
     Returns:
-        ``(correct, pred)``: ``pred`` is the last box's content, or None when there is none.
+        :class:`~recipe.stapo.reward.lenient.Graded`: ``pred`` is the last box's content, or None
+        when there is none; ``correct`` None when the sympy stage could not run to its end.
     Raises only :class:`~recipe.stapo.reward.guard.RewardConfigError` (an invalid
     ``STAPO_REWARD_WORKERS``).
     """
     text = solution_str if isinstance(solution_str, str) else str(solution_str)
     gold = "" if ground_truth is None else str(ground_truth)
     if not gold:
-        return False, boxed_answer(text)
+        return Graded(False, boxed_answer(text))
     if "\\boxed" in gold:
         gold = boxed_answer(gold)
     pred = boxed_answer(text)
     if pred is None or gold is None:
-        return False, pred
+        return Graded(False, pred)
     if mathd_equal(pred, gold):
-        return True, pred
-    status, value = get_runner(f"{__name__}:warm_up").call(sympy_equal, (pred, gold), timeout_s)
-    if status == "err":
-        logger.warning("justrl rule: sympy check failed (%s); counting the answer as wrong", value)
-    return status == "ok" and bool(value), pred
+        return Graded(True, pred)
+    verdict, status = check_symbolic(WARM_UP, sympy_equal, (pred, gold), timeout_s, "justrl grader")
+    return Graded(verdict, pred, status)
+
+
+def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float) -> tuple[Optional[bool], Optional[str]]:
+    """``(correct, pred)`` of :func:`grade_answer` (``correct`` None: ungraded)."""
+    graded = grade_answer(solution_str, ground_truth, timeout_s)
+    return graded.correct, graded.pred
