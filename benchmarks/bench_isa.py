@@ -39,7 +39,6 @@ from pathlib import Path
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
 from recipe.stapo.cpu.assets import SHIPPED_DIR
 from recipe.stapo.cpu.reproducibility import isa_settings, seeded_metrics
-from verl_patches.cpu.vllm_cpu import run_vllm_kernels
 
 #: the environment an AVX2-only machine amounts to (every library capped at AVX2)
 AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
@@ -72,6 +71,9 @@ def run_setting(name: str, isa: str, start_env: dict[str, str], args: argparse.N
     kernels: set[str] = set()
 
     def note_kernels(step: int, metrics: dict) -> None:  # while the run's processes live
+        # verl_patches' CPU module loads verl (seconds): only when a run is measured, not for --help
+        from verl_patches.cpu.vllm_cpu import run_vllm_kernels
+
         kernels.update(run_vllm_kernels(str(run_dir)))
 
     try:

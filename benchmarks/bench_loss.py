@@ -524,9 +524,14 @@ def verdict(mode: Mode, ratio_time: float, peaks: dict[str, float]) -> str:
     return f"MISS ({', '.join(missed)})" if missed else "PASS"
 
 
+#: the verdict of a --quick run: too few rounds on tiny shapes to hold a mode to its target
+QUICK_VERDICT = "not judged (--quick)"
+
+
 def build_rows(modes: Sequence[Mode], shape: tuple[int, int], tokens: int, times: dict[str, list[float]],
-               peaks: dict[str, float]) -> list[Row]:
-    """Table rows of one shape: medians, paired time ratios, memory ratios, verdicts."""
+               peaks: dict[str, float], judge: bool = True) -> list[Row]:
+    """Table rows of one shape: medians, paired time ratios, memory ratios, verdicts (``judge``
+    False: :data:`QUICK_VERDICT` for every mode with a target)."""
     base = times["vanilla"]
     rows = []
     for mode in modes:
@@ -535,7 +540,8 @@ def build_rows(modes: Sequence[Mode], shape: tuple[int, int], tokens: int, times
         ratio_mem = _mem_ratio(peak, peaks["vanilla"]) if "vanilla" in peaks and mode.name in peaks else math.nan
         rows.append(Row(mode.name, f"{shape[0]}x{shape[1]}", tokens, statistics.median(times[mode.name]) * 1e3,
                         ratio_time, peak, ratio_mem, mode.target.describe() if mode.target else mode.role,
-                        verdict(mode, ratio_time, peaks), [t * 1e3 for t in times[mode.name]]))
+                        verdict(mode, ratio_time, peaks) if judge or mode.target is None else QUICK_VERDICT,
+                        [t * 1e3 for t in times[mode.name]]))
     return rows
 
 
@@ -644,7 +650,7 @@ def benchmark_shape(args: argparse.Namespace, shape: tuple[int, int]) -> tuple[l
                                 else peak_memory_subprocess(args, mode.name, shape))
     alone = time_s2t_alone(inputs, args.repeats, args.device)
     alone["vanilla_ms"] = statistics.median(times["vanilla"]) * 1e3
-    return build_rows(args.mode_list, shape, inputs.tokens, times, peaks), alone
+    return build_rows(args.mode_list, shape, inputs.tokens, times, peaks, judge=not args.quick), alone
 
 
 def run(args: argparse.Namespace) -> None:

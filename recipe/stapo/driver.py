@@ -371,8 +371,12 @@ def job_runtime_env(environ: Mapping[str, str]) -> dict:
 def _main(argv: Sequence[str]) -> int:
     """``python -m recipe.stapo.driver runtime-env``: print :func:`job_runtime_env` as JSON, and on
     stderr a warning naming the secrets it carries in plain text."""
+    usage = "usage: python -m recipe.stapo.driver runtime-env   (the Ray job runtime env of LAUNCH=submit, as JSON)"
+    if list(argv) in (["--help"], ["-h"]):
+        print(usage)
+        return 0
     if list(argv) != ["runtime-env"]:
-        print("usage: python -m recipe.stapo.driver runtime-env", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     runtime_env = job_runtime_env(os.environ)
     shown = visible_secrets(runtime_env["env_vars"])

@@ -16,14 +16,35 @@ from __future__ import annotations
 import os
 import sys
 
-from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, PreflightError, describe, ensure_patch_module_env,
-                                       prepare)
+from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, MODELS, PreflightError, describe, ensure_patch_module_env,
+                                 prepare)
+from recipe.stapo.methods import METHODS
 
 ensure_patch_module_env()  # before verl is imported: local Ray workers inherit it
 
 import hydra  # noqa: E402
 
 CHECK_FLAG = "--check"
+HELP_FLAGS = ("--help", "-h")
+
+
+def usage() -> str:
+    """The command's short help: what it takes, the methods and models, where every key is documented
+    (Hydra's own ``--help`` would compose and print the whole config, over a thousand lines)."""
+    return f"""usage: python -m recipe.stapo.main_stapo method=<method> model=<model> [key=value ...] [--check]
+
+Trains with verl's PPO trainer under the paper's settings (recipe/stapo/config/stapo_trainer.yaml,
+which starts from verl's ppo_trainer); every key stays a Hydra override.
+
+  method=   {', '.join(METHODS)}   (recipe/stapo/config/method/)
+  model=    {', '.join(MODELS)}   (recipe/stapo/config/model/)
+  --check   run every check that can be made before Ray starts, print what would run, and stop
+            (the same as STAPO_DRY_RUN=check; docs/preflight.md)
+  --cfg job print the whole composed config and stop (Hydra); --hydra-help: Hydra's own options
+
+The recipe's keys (actor_rollout_ref.actor.policy_loss.*): docs/method.md; metrics: docs/metrics.md;
+launching on a cluster: docs/cluster.md; the run scripts run_scripts/qwen3_*_*.sh are these overrides.
+"""
 
 
 def run(config, check: bool = False) -> None:
@@ -58,6 +79,9 @@ def check_requested(argv: list[str], environ=os.environ) -> bool:
 
 
 def main() -> None:
+    if any(flag in sys.argv[1:] for flag in HELP_FLAGS):
+        print(usage(), end="")
+        return
     check = check_requested(sys.argv)
 
     @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)

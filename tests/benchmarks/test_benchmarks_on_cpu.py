@@ -51,8 +51,8 @@ def test_bench_loss_quick_prints_every_mode_and_shape(capsys, tmp_path):
             assert float(ratio_time) == 1.0 and float(ratio_mem) == 1.0
         if bench_loss.MODES[mode].target is None:
             assert verdict == "-"
-        else:
-            assert re.fullmatch(r"PASS|MISS \((time|mem|time, mem)\)", verdict), verdict
+        else:  # a --quick run is too small to hold a mode to its target
+            assert verdict == bench_loss.QUICK_VERDICT, verdict
     assert "d=16" in text and "S2T alone" in text
     assert out_json.is_file() and len(out_json.read_text()) > 0
 

@@ -234,5 +234,6 @@ def _exec_pinned() -> None:
 
 
 if __name__ == "__main__":
-    _exec_pinned()
+    if not {"-h", "--help"} & set(sys.argv[1:]):  # the help computes nothing: no restart under the pin
+        _exec_pinned()
     sys.exit(main())
