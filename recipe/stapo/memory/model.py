@@ -1088,7 +1088,7 @@ def table(est: Estimate, gpu_bytes: float) -> str:
     width = max(len(p.name) for p in est.passes)
     for p in est.passes:
         share = p.total / gpu_bytes
-        tokens = f" at {p.tokens} tokens" if p.tokens is not None else ""
+        tokens = f" at {p.tokens} tokens, {p.bytes_per_token / 1024:.0f} KiB/token" if p.tokens is not None else ""
         top = sorted(p.components.items(), key=lambda kv: -kv[1])[:4]
         lines.append(f"  {p.name:<{width}}  {gib(p.total):>6} +{gib(margin_bytes(p)):>4}  {share:5.0%}  "
                      f"{verdict(p, gpu_bytes):<12}{tokens} ({p.phase}): "
@@ -1104,3 +1104,74 @@ def table(est: Estimate, gpu_bytes: float) -> str:
                      f"and its runtime ({gib(floor)} GiB at tensor parallel size {st.rollout_tp}): "
                      + ("ok" if share >= floor else "TOO SMALL"))
     return "\n".join(lines)
+
+
+#: the code each component follows (verl 0.9.1, transformers, flash-attn 2.8, PyTorch's FSDP1 and
+#: AdamW; paths under site-packages), written out term by term in docs/memory.md
+COMPONENT_SOURCES = {
+    "parameters (fp32, sharded)": "verl/workers/engine/fsdp/transformer_impl.py:262 and fsdp.yaml model_dtype=fp32: "
+                                  "float32 master weights, FULL_SHARD over every GPU (fsdp_size=-1)",
+    "optimizer (AdamW, fp32, sharded)": "verl/workers/config/optimizer.py:298 build_optimizer: torch AdamW, two "
+                                        "float32 moments per sharded parameter",
+    "gradients (fp32, sharded)": "torch/distributed/fsdp/_runtime_utils.py:848 the reduce-scattered float32 shard; "
+                                 "verl/workers/engine/fsdp/transformer_impl.py:1139 zeroed when train mode exits",
+    "unsharded gradients (no_sync)": "verl/workers/engine/fsdp/transformer_impl.py:702 "
+                                     "use_no_sync_for_gradient_accumulation: FSDP's no_sync keeps them",
+    "reference root unit (unsharded)": "verl/workers/engine/fsdp/transformer_impl.py:1117 the root resharded only "
+                                       "when fsdp_size > 1; FSDP1 keeps a root unsharded after its forward",
+    "actor root unit (unsharded since the log-prob pass)": "verl/workers/engine/fsdp/transformer_impl.py:1117 (the "
+                                                           "same for the actor's eval mode)",
+    "gathered parameters": "FSDP1 FULL_SHARD, mixed precision bf16: the root unit for the whole pass, the running "
+                           "and the prefetched layer",
+    "vLLM (gpu_memory_utilization)": "vLLM's requested memory = gpu_memory_utilization x total; "
+                                     "verl/workers/engine_workers.py:823 resumes its KV cache each step",
+    "overhead": "CUDA contexts, NCCL, vLLM's residue asleep, the allocator's rounding (measured: "
+                "python -m recipe.stapo.memory.calibration)",
+    "layer working set (no grad)": "transformers/models/qwen3/modeling_qwen3.py:82 (MLP) and :392 (inputs_embeds "
+                                   "kept by the model's forward)",
+    "final hidden states": "transformers/models/qwen3/modeling_qwen3.py:505 the LM head's input",
+    "logits": "transformers/models/qwen3/modeling_qwen3.py:505 lm_head in bf16 (autocast); kept by "
+              "verl/workers/engine/fsdp/transformer_impl.py:1549 forward_step's output",
+    "log-probs, entropy, outputs": "flash_attn/ops/triton/cross_entropy.py losses, lse, z_losses; the entropy and sum "
+                                   "of squares per token",
+    "log-probs, outputs": "flash_attn/ops/triton/cross_entropy.py losses, lse, z_losses",
+    "temperature-scaled logits": "verl/workers/engine/fsdp/transformer_impl.py:98 logits / temperature, beside the "
+                                 "model's output",
+    "entropy chunk": "verl/utils/torch_functional.py:248 a chunk's float32 copy, softmax and product",
+    "sum_pi^2 chunk": "verl_patches/sum_pi_squared.py (replacing verl/utils/torch_functional.py's unchunked "
+                      "formula): a chunk's float32 copy, its double, logsumexp's temporary",
+    "checkpointed layer inputs": "verl/workers/engine/fsdp/transformer_impl.py:336 gradient_checkpointing_enable("
+                                 "use_reentrant=False): each layer's input kept",
+    "last layer's forward (checkpointed)": "transformers/models/qwen3/modeling_qwen3.py:82 the MLP's tensors, "
+                                           "nothing saved under checkpointing",
+    "final norm (saved, output)": "transformers/models/qwen3/modeling_qwen3.py:59 Qwen3RMSNorm: float32 copy, "
+                                  "normalised tensor; its output is the LM head's saved input",
+    "logits (+ gradient in place)": "verl/utils/torch_functional.py:129 cross_entropy_loss(inplace_backward=True): "
+                                    "flash-attn saves the logits and writes their gradient into them",
+    "logits gradient (not in place)": "verl/workers/engine/fsdp/transformer_impl.py:1427 inplace_backward=False with "
+                                      "the entropy: flash-attn's torch.empty_like(logits)",
+    "gradient of the temperature's division": "autograd's DivBackward: a new tensor beside the logits' gradient",
+    "entropy (with grad)": "verl/utils/torch_functional.py:248 every chunk's float32 copy and softmax kept for the "
+                           "backward (an entropy bonus)",
+    "entropy chunk (no grad)": "verl_patches/current_stats.py wrap_set_loss_fn: the update's entropy under no_grad, "
+                               "one chunk at a time",
+    "logits gradient": "flash-attn's cross entropy backward, then the LM head's backward reads it",
+    "gradient of the LM head input": "the LM head's backward: the gradient of its input",
+    "LM head weight gradient (unsharded)": "FSDP1 flat parameter: the root unit's view gradients wait for its "
+                                           "reduction at the end of the backward",
+    "final norm's backward (float32)": "transformers/models/qwen3/modeling_qwen3.py:59 differentiated: its float32 "
+                                       "copy and five float32 temporaries",
+    "layer recompute + backward": "transformers/models/qwen3/modeling_qwen3.py:294 recomputed; saved tensors of its "
+                                  "norms, flash-attn (transformers/modeling_flash_attention_utils.py:511) and MLP; "
+                                  "flash-attn's mha_varlen_bwd dq_accum, softmax_d, dk/dv expanded",
+    "gradient flowing into the embedding": "the embedding's backward: the gradient of its output",
+    "embedding weight gradient (unsharded)": "the embedding's dense weight gradient, beside the LM head's (untied)",
+    "this layer's gradient (unsharded)": "FSDP1 flat parameter: the unit's view gradients until its reduction",
+    "gradient flowing down": "the gradient of a layer's input",
+    "layer gradient: unsharded, float32 copy, shard": "torch/distributed/fsdp/_runtime_utils.py:764 cast to float32 "
+                                                      "while the bf16 gradient is referenced, :848 reduce-scatter",
+    "root unit gradient: unsharded, float32 copy, shard": "torch/distributed/fsdp/_runtime_utils.py:764 and :848, "
+                                                          "for the root unit at the end of the backward",
+    "AdamW foreach temporary (fp32, sharded)": "torch/optim/adam.py:762 torch._foreach_sqrt(exp_avg_sq): one "
+                                               "float32 copy of the moments",
+}

@@ -1,16 +1,17 @@
 """The preflight's memory verdict for every paper run on common cards, as one table (docs/memory.md,
 "Verdicts on common cards").
 
-    python -m recipe.stapo.memory.verdicts                          # print the table
-    python -m recipe.stapo.memory.verdicts --write docs/memory.md   # replace the table in the document
-    python -m recipe.stapo.memory.verdicts --check docs/memory.md   # exit 1 when the document's differs
+    python -m recipe.stapo.memory.verdicts                          # print the table and the written count
+    python -m recipe.stapo.memory.verdicts --write docs/memory.md   # replace both in the document
+    python -m recipe.stapo.memory.verdicts --check docs/memory.md   # exit 1 when the document's differ
 
 Each cell is one run: a method and model config as its run script composes it (``method=<m>
 model=<model>``), on 1 or 8 nodes of 8 GPUs, with ``recipe.gpu_mem_gb`` set to the card's memory as
 CUDA reports it. The whole preflight runs on it (``LAUNCH=submit``: data and model folders this machine
 cannot see are left out, the paper models' built-in shapes are used); the cell gives the estimated peak
 (GiB, and its pass), and, when the preflight refuses the run, the changes its refusal names: the first
-set that makes every pass fit and with which the whole preflight passes.
+set that makes every pass fit and with which the whole preflight passes. Beside it, the count of one
+paper run written out term by term (:func:`terms`), with the code each component follows.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ SHORT = {f"{mm.ROLLOUT}.gpu_memory_utilization": "util",
          "trainer.nnodes": "nodes",
          "trainer.n_gpus_per_node": "gpus/node"}
 BEGIN, END = "<!-- verdicts: python -m recipe.stapo.memory.verdicts --write docs/memory.md -->", "<!-- verdicts end -->"
+#: the run whose count docs/memory.md writes out term by term
+TERMS_RUN = ("stapo", "qwen3_8b", 8, 79.1)
+TERMS_BEGIN = ("<!-- terms: python -m recipe.stapo.memory.verdicts --write docs/memory.md "
+               f"(method={TERMS_RUN[0]} model={TERMS_RUN[1]}, {TERMS_RUN[2]} nodes, {TERMS_RUN[3]} GiB) -->")
+TERMS_END = "<!-- terms end -->"
 SUBMIT = {"LAUNCH": "submit"}
 
 
@@ -147,13 +153,31 @@ def markdown(table: dict[tuple[str, str, int, str], Cell]) -> str:
     return "\n".join(lines)
 
 
-def replace_in(document: str, table: str) -> str:
-    """``document`` with the text between :data:`BEGIN` and :data:`END` replaced by ``table``."""
-    if BEGIN not in document or END not in document:
-        raise ValueError(f"the document has no verdict table: no {BEGIN!r} ... {END!r}")
-    head, rest = document.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    return f"{head}{BEGIN}\n{table}\n{END}{tail}"
+def terms(method: str, model: str, nnodes: int, gpu_gib: float) -> str:
+    """The count of one run written out: each pass at its peak moment, component by component, with the
+    code it follows, and the update's every moment."""
+    with tempfile.TemporaryDirectory() as tmp:
+        config = run_config(method, model, nnodes, gpu_gib, tmp)
+    shape = mm.builtin_shape(model_path(config))
+    est = mm.estimate(shape, mm.settings_from_config(config), gpu_gib * mm.GIB)
+    lines = [f"| pass (moment) | component | GiB | follows |", "|---|---|---|---|"]
+    for p in est.passes:
+        head = f"`{p.name}` ({p.phase}{f', {p.tokens} tokens' if p.tokens else ''}): {p.total / mm.GIB:.1f}"
+        for i, (name, size) in enumerate(sorted(p.components.items(), key=lambda kv: -kv[1])):
+            lines.append(f"| {head if i == 0 else ''} | {name} | {size / mm.GIB:.2f} | {mm.COMPONENT_SOURCES[name]} |")
+        if len(p.phases) > 1:
+            moments = ", ".join(f"{k} {v / mm.GIB:.1f}" for k, v in p.phases.items())
+            lines.append(f"| | every moment | | {moments} |")
+    return "\n".join(lines)
+
+
+def replace_in(document: str, table: str, begin: str = BEGIN, end: str = END) -> str:
+    """``document`` with the text between ``begin`` and ``end`` replaced by ``table``."""
+    if begin not in document or end not in document:
+        raise ValueError(f"the document has no such table: no {begin!r} ... {end!r}")
+    head, rest = document.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    return f"{head}{begin}\n{table}\n{end}{tail}"
 
 
 def main(argv=None) -> int:
@@ -163,17 +187,22 @@ def main(argv=None) -> int:
     group.add_argument("--check", metavar="DOC", help="exit 1 when this document's table differs")
     args = p.parse_args(argv)
     table = markdown(cells())
+    written = terms(*TERMS_RUN)
+
+    def updated(document: str) -> str:
+        return replace_in(replace_in(document, table), written, TERMS_BEGIN, TERMS_END)
+
     if args.write:
         path = Path(args.write)
-        path.write_text(replace_in(path.read_text(), table))
+        path.write_text(updated(path.read_text()))
     elif args.check:
         path = Path(args.check)
-        if replace_in(path.read_text(), table) != path.read_text():
-            print(f"{path}: the verdict table differs from the model's; regenerate it with "
+        if updated(path.read_text()) != path.read_text():
+            print(f"{path}: the verdict table or the written count differs from the model's; regenerate them with "
                   f"python -m recipe.stapo.memory.verdicts --write {path}", file=sys.stderr)
             return 1
     else:
-        print(table)
+        print(table + "\n\n" + written)
     return 0
 
 

@@ -31,15 +31,22 @@ def model_path(config: DictConfig) -> str:
     return str(pick(config, "actor_rollout_ref.model.hf_config_path", "") or pick(config, "actor_rollout_ref.model.path", ""))
 
 
+#: the key under which :func:`_config_json` reports a file that is not a JSON object
+UNUSABLE = "__unusable__"
+
+
 def _config_json(path: str) -> tuple[Optional[dict], str]:
-    """(the parsed ``<path>/config.json``, its path), or (None, why not) when it cannot be read here."""
+    """(the parsed ``<path>/config.json``, its path), (None, why not) when it cannot be read here, or
+    ({UNUSABLE: why}, its path) when it is read but is not a JSON object."""
     file = Path(path) / "config.json"
     try:
         data = json.loads(file.read_text())
     except OSError as e:
         return None, f"{file}: {e.strerror or e}"
     except ValueError as e:
-        return {"__not_json__": str(e)}, str(file)
+        return {UNUSABLE: f"not JSON ({e})"}, str(file)
+    if not isinstance(data, dict):
+        return {UNUSABLE: "not a JSON object"}, str(file)
     return data, str(file)
 
 
@@ -101,8 +108,8 @@ def _shape(config: DictConfig, raw: Optional[dict], source: str, found: list[Pro
         if shape is None:
             notes.append(f"GPU memory not estimated: no readable config.json ({source}) and no built-in shape for {path}")
         return shape
-    if "__not_json__" in raw:
-        found.append(Problem(source, f"not JSON ({raw['__not_json__']})", "use the model's own config.json"))
+    if UNUSABLE in raw:
+        found.append(Problem(source, raw[UNUSABLE], "use the model's own config.json"))
         return None
     try:
         return memory_model.shape_from_hf_config(raw, source=source)
@@ -169,7 +176,7 @@ def check_memory(config: DictConfig, found: list[Problem], notes: list[str],
     refusal names the changes that make every pass fit, verified; without it (the preflight re-run
     for a candidate), none."""
     raw, source = _config_json(model_path(config))
-    check_context(config, raw if raw is not None and "__not_json__" not in raw else None, source, found)
+    check_context(config, raw if raw is not None and UNUSABLE not in raw else None, source, found)
     mode = pick(config, "recipe.memory_check", "refuse")
     if mode == "off":
         notes.append("GPU memory not checked (recipe.memory_check=off)")
