@@ -487,3 +487,26 @@ def test_the_one_node_settings_each_run_script_names_fit(script):
     assert mm.problems(est, GPU80) == [], mm.table(est, GPU80)
     if overrides:
         assert mm.problems(_estimate(model, method, nnodes=1), GPU80) != []
+
+
+def test_every_component_names_the_code_it_follows():
+    """docs/memory.md writes each pass out with the code each component follows: every component any
+    pass can have is in COMPONENT_SOURCES (a new term must say where it comes from)."""
+    shape = mm.BUILTIN_SHAPES["qwen3-8b"]
+    variants = [dict(), dict(update_entropy=True), dict(update_entropy=True, update_entropy_grad=True),
+                dict(unit_temperature=False), dict(no_sync_gradients=True), dict(ref_tokens=49152,
+                                                                              reference_root_resident=True),
+                dict(update_effect_tokens=16384), dict(param_offload=True, optimizer_offload=True)]
+    seen = set()
+    for variant in variants:
+        for tokens in (1024, 32768):
+            est = mm.estimate(shape, _settings(update_tokens=tokens, **variant), GPU80)
+            for p in est.passes:
+                seen |= set(p.components)
+            for name, terms in mm.update_activation_phases(shape, est.settings).items():
+                seen |= {t[0] for t in terms}
+    small = replace(shape, vocab_size=1000, tie_word_embeddings=True)
+    for p in mm.estimate(small, _settings(), GPU80).passes:
+        seen |= set(p.components)
+    assert seen <= set(mm.COMPONENT_SOURCES), seen - set(mm.COMPONENT_SOURCES)
+    assert all(source.strip() for source in mm.COMPONENT_SOURCES.values())

@@ -15,6 +15,7 @@ from recipe.stapo.memory import model as mm
 from recipe.stapo.preflight import PreflightError
 from recipe.stapo.preflight import memory as preflight_memory
 from tests.helpers.cluster_files import QWEN3_CONFIGS, use_fake_cluster, write_model
+from tests.helpers.paths import REPO
 
 ACTOR, ROLLOUT = "actor_rollout_ref.actor", "actor_rollout_ref.rollout"
 PL = f"{ACTOR}.policy_loss"
@@ -112,13 +113,46 @@ def test_a_config_without_max_position_embeddings_is_refused(cluster):
     assert any(p.key == f"{path}/config.json: max_position_embeddings" for p in err.problems), str(err)
 
 
-def test_justrls_validation_length_fits_the_base_models_context(cluster):
-    """1024 + 31744 = 32768 = Qwen3-Base's max_position_embeddings: JustRL's validation length is the
-    longest the context allows (docs/method.md, "Validation length")."""
-    run(cluster, "data.max_response_length=31744", f"{ACTOR}.ppo_max_token_len_per_gpu=32768",
-        f"{ROLLOUT}.log_prob_max_token_len_per_gpu=65536", model="qwen3_1_7b")
+def test_verl_validates_with_the_rollouts_one_response_length():
+    """What the trainer YAML says of the validation length, read from verl 0.9.1's code: val_kwargs
+    has no length; the agent loop builds validation's sampling parameters from val_kwargs' temperature,
+    top-p and top-k only; the vLLM server gives a request without max_tokens the rollout's
+    response_length (data.max_response_length) and never more than max_model_len minus the prompt; the
+    single-turn agent loop cuts every response to response_length."""
+    import dataclasses
+    import inspect
+
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+    from verl.workers.config.rollout import SamplingConfig
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    assert {f.name for f in dataclasses.fields(SamplingConfig)} == {"_target_", "temperature", "top_k", "top_p",
+                                                                   "do_sample", "n"}
+    sampling = inspect.getsource(AgentLoopWorker.generate_sequences)
+    validation = sampling.split("if validate:", 1)[1].split("\n\n", 1)[0]
+    assert "val_kwargs.temperature" in validation and "max_tokens" not in sampling
+    server = inspect.getsource(vLLMHttpServer.generate)
+    assert "self.config.response_length" in server and "max_possible_tokens = self.config.max_model_len" in server
+    assert "response_ids[: self.response_length]" in inspect.getsource(SingleTurnAgentLoop.run)
+
+
+def test_the_override_that_gives_justrls_validation_length_passes_as_the_yaml_states(cluster):
+    """``data.max_response_length=31744``: 1024 + 31744 = 32,768, the Qwen3 base models' context, the
+    longest the context check lets through; as the trainer YAML states, 1.7B and 8B pass with nothing
+    else, 14B also needs an update budget of one sequence (and its update is then 37.7 GiB per GPU)."""
+    yaml = (REPO / "recipe" / "stapo" / "config" / "stapo_trainer.yaml").read_text()
+    assert "data.max_response_length=31744" in yaml
+    (budget,) = re.findall(r"(actor_rollout_ref\.actor\.ppo_max_token_len_per_gpu=\d+), its update ([0-9.]+) GiB", yaml)
+    for model in ("qwen3_1_7b", "qwen3_8b"):
+        run(cluster, "data.max_response_length=31744", model=model)
+    err = refused(cluster, "data.max_response_length=31744", model="qwen3_14b")
+    assert any(p.key == f"{ACTOR}.ppo_max_token_len_per_gpu" for p in err.problems)
+    logged = run(cluster, "data.max_response_length=31744", budget[0], model="qwen3_14b")
+    (update,) = [line for line in logged.splitlines() if line.startswith("  update ")]
+    assert update.split()[1] == budget[1] and " ok " in update
     err = refused(cluster, "data.max_response_length=31745", f"{ACTOR}.ppo_max_token_len_per_gpu=32769",
-                  f"{ROLLOUT}.log_prob_max_token_len_per_gpu=65536", model="qwen3_1_7b")
+                  model="qwen3_1_7b")
     assert any(p.key == "data.max_response_length" for p in err.problems)
 
 

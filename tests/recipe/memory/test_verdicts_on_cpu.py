@@ -7,6 +7,10 @@ pass the whole preflight and verl's validation on a stand-in for the cluster's s
 from __future__ import annotations
 
 import copy
+import os
+import re
+import subprocess
+import sys
 
 import pytest
 from omegaconf import OmegaConf, open_dict
@@ -45,10 +49,20 @@ def _estimate(config) -> tuple[mm.Estimate, float]:
     return mm.estimate(shape, mm.settings_from_config(config), gpu), gpu
 
 
-def test_the_documents_table_is_the_one_the_command_makes(table):
+def test_the_documents_tables_are_the_ones_the_command_makes(table, tmp_path):
+    """The command docs/memory.md shows, run as written on a copy of the document: it changes nothing
+    (the table of verdicts and the written count are current); the in-process table is the same."""
     document = DOC.read_text()
-    assert verdicts.replace_in(document, verdicts.markdown(table)) == document, \
-        "docs/memory.md's verdict table is stale: python -m recipe.stapo.memory.verdicts --write docs/memory.md"
+    (command,) = re.findall(r"^python -m recipe\.stapo\.memory\.verdicts --write docs/memory\.md$", document, re.M)
+    (tmp_path / "docs").mkdir()
+    copy_ = tmp_path / "docs" / "memory.md"
+    copy_.write_text(document)
+    proc = subprocess.run([sys.executable, *command.split()[1:]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=900, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert copy_.read_text() == document, \
+        "docs/memory.md's tables are stale: python -m recipe.stapo.memory.verdicts --write docs/memory.md"
+    assert verdicts.replace_in(document, verdicts.markdown(table)) == document
     assert len(table) == 12 * len(verdicts.CARDS) * len(verdicts.NODES)
 
 
