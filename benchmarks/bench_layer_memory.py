@@ -422,8 +422,10 @@ def counted_totals(est: mm.Estimate) -> dict[str, float]:
 
 
 def measure_accounting(scale: int, tokens: int, entropy: bool = False) -> dict:
-    """The update trace on real CPU tensors of the 8B's shape at 1/``scale`` width: the accounted peak
-    and the resident-set peak around the same call."""
+    """The update trace on real CPU tensors of the 8B's shape at 1/``scale`` width (4 layers): the
+    accounted peak and the resident-set peak around the same call, beside the model's update (the
+    largest of its moments) and what counting the logits with the recomputed layer's backward would
+    give (``summed_bytes``: the LM head's moment plus the layer's recompute term)."""
     _mmap_large_allocations()
     shape = replace(scaled_shape(scale), num_layers=4, vocab_size=QWEN3_8B.vocab_size // scale)
     model = build_model(shape, "cpu")
@@ -435,8 +437,13 @@ def measure_accounting(scale: int, tokens: int, entropy: bool = False) -> dict:
 
     resident = peak_extra_bytes(run, "cpu")
     accounted = max(result["live"].peaks.values())
+    settings = mm.Settings(world_size=8, gpu_memory_utilization=0.5, log_prob_tokens=tokens, update_tokens=tokens,
+                           update_entropy=entropy)
+    phases = {name: _terms_total(terms, tokens) for name, terms in mm.update_activation_phases(shape, settings).items()}
+    layer = tokens * mm.layer_backward_bytes_per_token(shape, mm.BF16)
     return {"scale": scale, "tokens": tokens, "accounted_bytes": accounted, "resident_bytes": resident,
-            "ratio": accounted / resident}
+            "ratio": accounted / resident, "model_bytes": max(phases.values()),
+            "summed_bytes": max(phases["LM head backward"], phases["logits backward"]) + layer}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,10 +17,11 @@ pass                what is on the GPU at its peak
 ``current``         (S2T's current-policy statistics) the actor's no-grad forward, with the entropy
 ``update_effect``   (``update_effect_responses``) the no-grad forward of the measured responses
 ``update``          parameters, gradients, optimizer state, the layer inputs kept by gradient checkpointing
-                    and the largest of four moments of a micro-batch (the phases): the end of the forward
-                    (logits, the entropy's chunk), the LM head's backward (logits and their gradient), the
-                    last layer's recomputed backward (the logits are freed by then), a layer's gradient
-                    reduce-scatter
+                    and the largest moment (phase) of a micro-batch: the last layer's first forward, the
+                    forward's end (logits, the entropy's chunk), the logits' backward (logits and their
+                    gradient when not in place), the LM head's backward, the final norm's backward (the
+                    logits are freed by then), the last layer's recomputed backward, the embedding's
+                    backward, a layer's gradient reduce-scatter
 ``update_end``      the root unit's gradient reduce-scatter at the end of the backward
 ``optimizer_step``  parameters, gradients, AdamW's moments and its foreach temporary
 ==================  ===================================================================================
