@@ -160,7 +160,7 @@ def terms(method: str, model: str, nnodes: int, gpu_gib: float) -> str:
         config = run_config(method, model, nnodes, gpu_gib, tmp)
     shape = mm.builtin_shape(model_path(config))
     est = mm.estimate(shape, mm.settings_from_config(config), gpu_gib * mm.GIB)
-    lines = [f"| pass (moment) | component | GiB | follows |", "|---|---|---|---|"]
+    lines = ["| pass (moment) | component | GiB | follows |", "|---|---|---|---|"]
     for p in est.passes:
         head = f"`{p.name}` ({p.phase}{f', {p.tokens} tokens' if p.tokens else ''}): {p.total / mm.GIB:.1f}"
         for i, (name, size) in enumerate(sorted(p.components.items(), key=lambda kv: -kv[1])):

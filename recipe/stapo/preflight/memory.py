@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recipe.stapo.memory import model as memory_model
 
-from .problem import ACTOR, ROLLOUT, Problem, is_int, pick
+from .problem import ROLLOUT, Problem, is_int, pick
 
 #: rollouts served by an engine whose context is the model's ``max_position_embeddings`` unless
 #: ``rollout.max_model_len`` says otherwise (verl's ``_validate_configs``)

@@ -57,7 +57,7 @@ def test_the_estimate_is_read_back_with_tokens_and_bytes_per_token(tmp_path):
 def test_each_term_is_set_beside_its_measurement(tmp_path):
     """Recorded lines: the update at two micro-batch sizes 25% apart (a slope), a log-prob pass, a
     current-policy forward inside the update, the rollout after a weight sync."""
-    est = _run(tmp_path, [
+    _run(tmp_path, [
         line("log_prob", 20.0 * GIB, 21.5 * GIB, 25.0 * GIB, 3.5 * GIB, 49000, 4),
         line("update", 17.0 * GIB, 18.0 * GIB, 22.0 * GIB, 4.0 * GIB, 24000, 10),
         line("current", 19.0 * GIB, 20.0 * GIB, 24.0 * GIB, 4.0 * GIB, 48000, 3),

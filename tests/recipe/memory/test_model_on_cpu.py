@@ -380,8 +380,8 @@ def test_vllm_share_must_hold_its_weights_and_one_sequence():
     assert not mm.vllm_share_fits(est, GPU40)
     (problem,) = [p for n, _, p in mm.problems(est, GPU40) if "vLLM's share" in p]
     assert "vLLM would refuse to start" in problem
-    plan, overrides = mm.settings_plan(shape, s, GPU40) or (None, None)
-    assert plan is None  # 29.5 GiB of weights beside the state: no utilisation fits both
+    # 29.5 GiB of weights beside the state: no utilisation fits both
+    assert mm.settings_plan(shape, s, GPU40) is None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -503,7 +503,7 @@ def test_every_component_names_the_code_it_follows():
             est = mm.estimate(shape, _settings(update_tokens=tokens, **variant), GPU80)
             for p in est.passes:
                 seen |= set(p.components)
-            for name, terms in mm.update_activation_phases(shape, est.settings).items():
+            for terms in mm.update_activation_phases(shape, est.settings).values():
                 seen |= {t[0] for t in terms}
     small = replace(shape, vocab_size=1000, tie_word_embeddings=True)
     for p in mm.estimate(small, _settings(), GPU80).passes:
