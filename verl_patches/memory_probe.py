@@ -1,17 +1,28 @@
-"""The measured GPU memory peak of each training-side pass, logged next to nothing else: one line per
-pass on data-parallel rank 0, which ``python -m recipe.stapo.memory.calibration`` reads back from the
-driver's log and sets beside the memory model's estimate (docs/memory.md, "Calibrating on a GPU").
+"""The measured GPU memory of each pass, one line per pass on rank 0, which
+``python -m recipe.stapo.memory.calibration`` reads back from the driver's log and sets beside the
+memory model's estimate, term by term (docs/memory.md, "Calibrating on a GPU").
 
 verl's own ``perf/max_memory_*`` metrics are PyTorch's allocator peaks since the process started
-(never reset), so they give one number for all passes. Here ``TrainingWorker.infer_batch`` (the
-actor's log-prob pass; a forward-only engine: the reference pass) and
-``TrainingWorker.train_mini_batch`` (the update, with the recipe's current-policy and update-effect
-forwards inside it) reset the peak before they run and log it after:
+(never reset), so they give one number for all passes. Here:
 
-    [stapo] memory peak: pass=log_prob allocated_gib=23.41 reserved_gib=25.02
+* ``TrainingWorker.infer_batch`` (the actor's log-prob pass; a forward-only engine: the reference
+  pass) and ``TrainingWorker.train_mini_batch`` (the update) reset the peak before they run and log it
+  after. A forward inside the update (the recipe's current-policy statistics: ``calculate_entropy``
+  set; the update effect's: not set) is logged as its own pass, ``current`` or ``update_effect``, with
+  its own peak; the update's line still covers the whole update (the larger of its own moments and
+  the nested pass's peak).
+* ``ActorRolloutRefWorker.update_weights`` (vLLM woken up with its weights and KV cache: the rollout's
+  footprint) logs the device-wide figure when it returns.
 
-A call nested in another (the recipe's forwards inside the update) neither resets nor logs, so the
-update's line covers the whole update. Only on CUDA; a reset and a print per pass, nothing else.
+Each line carries PyTorch's allocated and reserved peaks, the device-wide figure at the end of the
+pass (``torch.cuda.mem_get_info``: used = total - free, every process on the GPU), what lies outside
+this process's allocator then (device-wide minus this process's reserved memory: the CUDA contexts,
+NCCL, vLLM's share or its residue while asleep), the most tokens one micro-batch held on this GPU and
+the number of micro-batches:
+
+    [stapo] memory peak: pass=log_prob allocated_gib=23.41 reserved_gib=25.02 device_gib=31.20 outside_gib=6.18 tokens=48913 micro_batches=12
+
+Only on CUDA; nothing else changes.
 """
 
 from __future__ import annotations
@@ -21,11 +32,13 @@ import threading
 
 import torch
 import torch.distributed as dist
+from verl.utils import tensordict_utils as tu
 
 #: what each line starts with (recipe.stapo.memory.calibration matches it)
 PREFIX = "[stapo] memory peak:"
+GIB = 1024**3
 
-_depth = threading.local()
+_state = threading.local()
 
 
 def _device():
@@ -36,35 +49,117 @@ def _is_rank_zero() -> bool:
     return not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0
 
 
-def pass_name(worker, method: str) -> str:
-    """``update`` for the update; for a forward, ``reference`` on a forward-only engine, else ``log_prob``."""
+def pass_name(worker, method: str, data=None) -> str:
+    """``update`` for the update; for a forward, ``reference`` on a forward-only engine, else
+    ``current`` / ``update_effect`` inside the update (with / without the entropy), else ``log_prob``."""
     if method == "train_mini_batch":
         return "update"
     engine_config = getattr(getattr(worker, "engine", None), "engine_config", None)
-    return "reference" if getattr(engine_config, "forward_only", False) else "log_prob"
+    if getattr(engine_config, "forward_only", False):
+        return "reference"
+    if getattr(_state, "outer", None) == "update":
+        return "current" if _non_tensor(data, "calculate_entropy", False) else "update_effect"
+    return "log_prob"
 
 
-def line(name: str, allocated: float, reserved: float) -> str:
-    gib = 1024**3
-    return f"{PREFIX} pass={name} allocated_gib={allocated / gib:.2f} reserved_gib={reserved / gib:.2f}"
+def _non_tensor(data, key: str, default):
+    """A batch's non-tensor entry as verl reads it (``tu.get_non_tensor_data``), or ``default``."""
+    if data is None:
+        return default
+    if isinstance(data, dict):
+        return data.get(key, default)
+    return tu.get_non_tensor_data(data, key, default)
+
+
+def micro_batch_tokens(micro_batch) -> int:
+    """Tokens of one micro-batch on this GPU: packed (nested) input ids, else the attention mask's sum."""
+    ids = micro_batch.get("input_ids", None) if hasattr(micro_batch, "get") else None
+    if ids is not None and getattr(ids, "is_nested", False):
+        return int(ids.offsets()[-1])
+    mask = micro_batch.get("attention_mask", None) if hasattr(micro_batch, "get") else None
+    return int(mask.sum()) if mask is not None else 0
+
+
+def line(name: str, allocated: float, reserved: float, device: float = 0.0, outside: float = 0.0,
+         tokens: int = 0, micro_batches: int = 0) -> str:
+    return (f"{PREFIX} pass={name} allocated_gib={allocated / GIB:.2f} reserved_gib={reserved / GIB:.2f} "
+            f"device_gib={device / GIB:.2f} outside_gib={outside / GIB:.2f} tokens={tokens} "
+            f"micro_batches={micro_batches}")
+
+
+def _device_used(dev) -> float:
+    free, total = dev.mem_get_info()
+    return float(total - free)
+
+
+class _Counter:
+    """The largest micro-batch (tokens on this GPU) and the number of micro-batches of one pass, read
+    from the engine's ``forward_step`` while the pass runs (an attribute of the engine object, removed
+    after)."""
+
+    def __init__(self, engine):
+        self.engine, self.tokens, self.micro_batches = engine, 0, 0
+        self.had_own = engine is not None and "forward_step" in vars(engine)
+        self.original = getattr(engine, "forward_step", None)
+
+    def __enter__(self):
+        if self.original is not None:
+            original = self.original
+
+            def counted(micro_batch, *args, **kwargs):
+                self.micro_batches += 1
+                self.tokens = max(self.tokens, micro_batch_tokens(micro_batch))
+                return original(micro_batch, *args, **kwargs)
+
+            self.engine.forward_step = counted
+        return self
+
+    def __exit__(self, *exc):
+        if self.original is not None:
+            if self.had_own:
+                self.engine.forward_step = self.original
+            else:
+                del self.engine.forward_step
+        return False
 
 
 def _wrap(original, method: str, device=_device, log=print):
     @functools.wraps(original)
     def probed(self, *args, **kwargs):
         dev = device()
-        outer = getattr(_depth, "value", 0) == 0
-        if dev is None or not outer:
+        if dev is None:
             return original(self, *args, **kwargs)
-        _depth.value = 1
+        outer = getattr(_state, "outer", None)
+        if outer is not None and method == "train_mini_batch":
+            return original(self, *args, **kwargs)
+        name = pass_name(self, method, args[0] if args else kwargs.get("data"))
+        before = dev.max_memory_allocated(), dev.max_memory_reserved()
+        if outer is None:
+            _state.outer, _state.carried = name, (0.0, 0.0)
+        else:  # a pass inside the update: the update's peak so far is carried over its own reset
+            carried = getattr(_state, "carried", (0.0, 0.0))
+            _state.carried = (max(carried[0], before[0]), max(carried[1], before[1]))
+        dev.reset_peak_memory_stats()
         try:
-            dev.reset_peak_memory_stats()
-            out = original(self, *args, **kwargs)
+            with _Counter(getattr(self, "engine", None)) as counter:
+                out = original(self, *args, **kwargs)
+            allocated, reserved = dev.max_memory_allocated(), dev.max_memory_reserved()
+            if outer is not None:
+                carried = _state.carried
+                _state.carried = (max(carried[0], allocated), max(carried[1], reserved))
+            else:
+                carried = _state.carried
+                allocated, reserved = max(allocated, carried[0]), max(reserved, carried[1])
             if _is_rank_zero():
-                log(line(pass_name(self, method), dev.max_memory_allocated(), dev.max_memory_reserved()))
+                used = _device_used(dev)
+                log(line(name, allocated, reserved, used, used - dev.memory_reserved(), counter.tokens,
+                         counter.micro_batches))
             return out
         finally:
-            _depth.value = 0
+            if outer is None:
+                _state.outer = None
+            else:
+                dev.reset_peak_memory_stats()
 
     return probed
 
@@ -75,3 +170,19 @@ def wrap_infer_batch(original):
 
 def wrap_train_mini_batch(original):
     return _wrap(original, "train_mini_batch")
+
+
+def wrap_update_weights(original, device=_device, log=print):
+    """``ActorRolloutRefWorker.update_weights`` (a coroutine) that logs, when it returns, the device-wide
+    figure with vLLM awake (its weights and KV cache resumed): ``pass=rollout``."""
+
+    @functools.wraps(original)
+    async def probed(self, *args, **kwargs):
+        out = await original(self, *args, **kwargs)
+        dev = device()
+        if dev is not None and _is_rank_zero():
+            used = _device_used(dev)
+            log(line("rollout", dev.memory_allocated(), dev.memory_reserved(), used, used - dev.memory_reserved()))
+        return out
+
+    return probed

@@ -1,18 +1,24 @@
-"""The memory model's estimate next to what a run measured, for calibrating the model on the first
-GPU run (docs/memory.md, "Calibrating on a GPU").
+"""The memory model's estimate next to what a run measured, term by term, for calibrating the model
+on the first GPU run (docs/memory.md, "Calibrating on a GPU").
 
     python -m recipe.stapo.memory.calibration results/gpu_smoke/stapo [more run folders...]
-    python -m recipe.stapo.memory.calibration --log train.log --metrics metrics.jsonl
+    python -m recipe.stapo.memory.calibration --log train.log [--metrics metrics.jsonl]
 
-A run folder holds the driver's log (``train.log``: the preflight's memory table, one row per pass,
-and the workers' ``[stapo] memory peak: pass=...`` lines, :mod:`verl_patches.memory_probe`: PyTorch's
-allocator peak of each log-prob, reference and update pass on rank 0) and verl's file logger output
-(``metrics.jsonl``: verl's own ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb``,
-peaks since the process started, never reset: one number for all training passes). Each measured
-pass (its largest peak over the run) is set beside its estimate less the fixed overhead (CUDA
-contexts, NCCL buffers and vLLM's residue are outside PyTorch's allocator); verl's run-wide peak
-beside the largest training pass. The rollout is not compared: vLLM holds its share of the GPU by
-construction.
+A run folder holds the driver's log (``train.log``: the preflight's memory table, one row per pass
+with its tokens and bytes per token, and the workers' ``[stapo] memory peak: pass=...`` lines,
+:mod:`verl_patches.memory_probe`) and, optionally, verl's file logger output (``metrics.jsonl``:
+verl's run-wide ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb``). Each term of the
+model is set beside its measurement, with the error (estimate / measured - 1):
+
+* each training pass: the estimate less the fixed overhead, at the largest micro-batch the pass
+  measured (the estimate moved along its bytes per token from its budget), against PyTorch's
+  allocated peak;
+* bytes per token: where a pass was measured at token counts at least 10% apart, the slope of the
+  allocated peaks over the tokens (least squares);
+* the fixed overhead: the memory outside PyTorch's allocator while vLLM sleeps (CUDA contexts, NCCL,
+  vLLM's residue) plus the allocator's rounding (reserved - allocated), the largest over the passes;
+* vLLM's share: the memory outside the trainer's allocator with vLLM awake (the rollout's line,
+  after the weight sync) less that while it sleeps, against ``gpu_memory_utilization`` x the GPU.
 """
 
 from __future__ import annotations
@@ -21,23 +27,57 @@ import argparse
 import json
 import re
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from recipe.stapo.memory import model as mm
 
-#: a row of the preflight's memory table: pass, estimate, margin (GiB), share of the GPU
-ROW = re.compile(r"^\s*(?:\[stapo\]\s*)?([a-z_]+)\s+([0-9.]+) \+\s*([0-9.]+)\s+\d+%\s")
+#: a row of the preflight's memory table: pass, estimate, margin (GiB), share of the GPU, and for a
+#: token-dependent pass its tokens and bytes per token
+ROW = re.compile(r"^\s*(?:\[stapo\]\s*)?([a-z_]+)\s+([0-9.]+) \+\s*([0-9.]+)\s+\d+%\s+\S+(?: [A-Z ]+)?\s*"
+                 r"(?:at (\d+) tokens, (\d+) KiB/token)?")
+#: the rollout row's vLLM component
+VLLM = re.compile(r"vLLM \(gpu_memory_utilization\) ([0-9.]+)")
 #: the table's first line (carries the target GPU's capacity)
 HEAD = re.compile(r"GPU memory per GPU \(estimate, GiB; target ([0-9.]+) GiB")
 MEASURED_KEYS = ("max_memory_allocated_gb", "max_memory_reserved_gb")
 #: a worker's per-pass line (verl_patches.memory_probe), with Ray's prefix before it
-PROBE = re.compile(r"\[stapo\] memory peak: pass=([a-z_]+) allocated_gib=([0-9.]+) reserved_gib=([0-9.]+)")
-NOT_COMPARED = ("rollout",)
+PROBE = re.compile(r"\[stapo\] memory peak: pass=([a-z_]+) allocated_gib=([0-9.]+) reserved_gib=([0-9.]+)"
+                   r"(?: device_gib=([0-9.]+) outside_gib=(-?[0-9.]+) tokens=(\d+) micro_batches=(\d+))?")
+GIB = mm.GIB
+#: token counts this far apart (relative) let a slope be fitted
+SLOPE_SPREAD = 0.10
+#: passes the probe's update line covers beside the update itself (its backward's end, the optimizer step)
+WITHIN_UPDATE = ("update_end", "optimizer_step")
 
 
-def estimate_from_log(text: str) -> tuple[Optional[float], dict[str, float]]:
-    """(target GiB, {pass: estimated GiB}) of the last memory table in a driver's log."""
+@dataclass
+class Row:
+    """A pass's row of the preflight's table (GiB; ``tokens`` and ``kib_per_token`` for a
+    token-dependent pass; ``vllm``: vLLM's share, in the rollout's row)."""
+
+    name: str
+    gib: float
+    tokens: Optional[int] = None
+    kib_per_token: Optional[float] = None
+    vllm: Optional[float] = None
+
+
+@dataclass
+class Measured:
+    """One probe line (GiB; ``tokens``: the largest micro-batch on the GPU)."""
+
+    name: str
+    allocated: float
+    reserved: float
+    device: Optional[float] = None
+    outside: Optional[float] = None
+    tokens: int = 0
+
+
+def estimate_from_log(text: str) -> tuple[Optional[float], dict[str, Row]]:
+    """(target GiB, {pass: row}) of the last memory table in a driver's log."""
     target, rows, inside = None, {}, False
     for line in text.splitlines():
         head = HEAD.search(line)
@@ -47,19 +87,33 @@ def estimate_from_log(text: str) -> tuple[Optional[float], dict[str, float]]:
         if inside:
             row = ROW.match(line)
             if row:
-                rows[row.group(1)] = float(row.group(2))
-            elif "peak:" not in line:
+                vllm = VLLM.search(line)
+                rows[row.group(1)] = Row(row.group(1), float(row.group(2)),
+                                         int(row.group(4)) if row.group(4) else None,
+                                         float(row.group(5)) if row.group(5) else None,
+                                         float(vllm.group(1)) if vllm else None)
+            elif "peak:" not in line and "vLLM's share" not in line:
                 inside = False
     return target, rows
+
+
+def probe_lines(text: str) -> list[Measured]:
+    """Every probe line of a driver's log, in order."""
+    out = []
+    for m in PROBE.finditer(text):
+        device, outside, tokens = m.group(4), m.group(5), m.group(6)
+        out.append(Measured(m.group(1), float(m.group(2)), float(m.group(3)),
+                            float(device) if device else None, float(outside) if outside else None,
+                            int(tokens) if tokens else 0))
+    return out
 
 
 def measured_passes(text: str) -> dict[str, tuple[float, float]]:
     """{pass: (allocated GiB, reserved GiB)}, the largest of each pass's lines in a driver's log."""
     peaks: dict[str, tuple[float, float]] = {}
-    for m in PROBE.finditer(text):
-        name, allocated, reserved = m.group(1), float(m.group(2)), float(m.group(3))
-        old = peaks.get(name, (0.0, 0.0))
-        peaks[name] = (max(old[0], allocated), max(old[1], reserved))
+    for m in probe_lines(text):
+        old = peaks.get(m.name, (0.0, 0.0))
+        peaks[m.name] = (max(old[0], m.allocated), max(old[1], m.reserved))
     return peaks
 
 
@@ -82,57 +136,106 @@ def measured_from_metrics(path: Path) -> dict[str, float]:
     return peaks
 
 
-def compare(log: Path, metrics: Path) -> str:
-    """The estimate's passes and the measured peaks of one run, as text."""
+def slope(points: list[tuple[int, float]]) -> Optional[float]:
+    """Least-squares slope of ``(tokens, GiB)`` points (GiB per token), or None when the token counts
+    span less than :data:`SLOPE_SPREAD` of the largest."""
+    if len(points) < 2:
+        return None
+    xs = [float(x) for x, _ in points]
+    if max(xs) - min(xs) < SLOPE_SPREAD * max(xs):
+        return None
+    mean_x, mean_y = sum(xs) / len(xs), sum(y for _, y in points) / len(points)
+    var = sum((x - mean_x) ** 2 for x in xs)
+    return sum((x - mean_x) * (y - mean_y) for x, (_, y) in zip(xs, points)) / var
+
+
+def _error(estimate: float, measured: float) -> str:
+    return f"{estimate / measured - 1:+.0%}" if measured > 0 else "n/a"
+
+
+def compare(log: Path, metrics: Optional[Path] = None) -> str:
+    """The estimate's terms and the measured ones of one run, as text."""
     for path in (log, metrics):
-        if not path.is_file():
+        if path is not None and not path.is_file():
             raise ValueError(f"{path}: no such file")
     text = log.read_text(errors="replace")
     target, rows = estimate_from_log(text)
     if not rows:
         raise ValueError(f"{log}: no memory table of the preflight (a CPU run, or memory_check=off)")
-    measured = measured_from_metrics(metrics)
-    probed = measured_passes(text)
-    overhead = mm.OVERHEAD_BYTES / mm.GIB
-    lines = [f"{log.parent}: target {target} GiB; per pass: estimate, estimate less the {overhead:.1f} GiB overhead, "
-             "measured allocated / reserved peak (rank 0), reserved / estimate less overhead"]
-    for name, gib in rows.items():
-        row = f"  {name:<14} {gib:6.1f}"
-        if name in NOT_COMPARED:
-            row += "  (not compared: vLLM's share)"
-        elif name in probed:
-            allocated, reserved = probed[name]
-            row += f" {gib - overhead:6.1f}  measured {allocated:6.1f} / {reserved:6.1f}  {reserved / (gib - overhead):.2f}"
-        else:
-            row += f" {gib - overhead:6.1f}  not measured"
-        lines.append(row)
-    training = {k: v for k, v in rows.items() if k not in NOT_COMPARED}
-    if not measured:
-        lines.append(f"  measured: {metrics} has no {' / '.join(MEASURED_KEYS)}")
-        return "\n".join(lines)
-    name = max(training, key=training.get)
-    expected = training[name] - mm.OVERHEAD_BYTES / mm.GIB
-    for key in MEASURED_KEYS:
-        if key in measured:
-            lines.append(f"  verl's {key} (all passes): {measured[key]:.1f} GiB; estimate of the largest training "
-                         f"pass ({name}) less the overhead: {expected:.1f} GiB; measured / estimate "
-                         f"{measured[key] / expected:.2f}")
-    return "\n".join(lines)
+    lines = probe_lines(text)
+    overhead = mm.OVERHEAD_BYTES / GIB
+    out = [f"{log.parent}: target {target} GiB; each term: estimate, measured (rank 0, largest over the run), "
+           "estimate / measured - 1"]
+    by_pass: dict[str, list[Measured]] = {}
+    for m in lines:
+        by_pass.setdefault(m.name, []).append(m)
+    for name, row in rows.items():
+        if name == "rollout":
+            continue
+        if name in WITHIN_UPDATE:
+            out.append(f"  {name:<14} estimate {row.gib:6.1f} GiB: inside the update's line (its peak is the largest "
+                       "of the update's passes)")
+            continue
+        measured = by_pass.get(name)
+        if not measured:
+            out.append(f"  {name:<14} estimate {row.gib:6.1f} GiB: not measured")
+            continue
+        peak = max(measured, key=lambda m: m.allocated)
+        at = row.gib - overhead
+        where = ""
+        inside = [rows[n].gib for n in WITHIN_UPDATE if name == "update" and n in rows]
+        if inside and max(inside) > row.gib:  # the update's line peaks at its end or in the optimizer step
+            at, where = max(inside) - overhead, " (its end or the optimizer step)"
+        elif row.tokens and row.kib_per_token is not None and peak.tokens:
+            at -= row.kib_per_token * 1024 * (row.tokens - peak.tokens) / GIB
+            where = f" at {peak.tokens} tokens"
+        out.append(f"  {name:<14} estimate less the overhead{where} {at:6.1f} GiB, allocated {peak.allocated:6.1f}: "
+                   f"{_error(at, peak.allocated)}")
+        fitted = slope([(m.tokens, m.allocated) for m in measured if m.tokens])
+        if fitted is not None and row.kib_per_token is not None:
+            kib = fitted * GIB / 1024
+            out.append(f"  {'':<14} bytes per token: estimate {row.kib_per_token:.0f} KiB, measured {kib:.0f} KiB: "
+                       f"{_error(row.kib_per_token, kib)}")
+    asleep = [m for m in lines if m.name != "rollout" and m.outside is not None]
+    if asleep:
+        worst = max(asleep, key=lambda m: m.outside + m.reserved - m.allocated)
+        fixed = worst.outside + worst.reserved - worst.allocated
+        out.append(f"  overhead       estimate {overhead:.1f} GiB, measured {fixed:.1f} (outside PyTorch's allocator "
+                   f"{worst.outside:.1f} + its rounding {worst.reserved - worst.allocated:.1f}, pass {worst.name}): "
+                   f"{_error(overhead, fixed)}")
+    awake = [m for m in lines if m.name == "rollout" and m.outside is not None]
+    if awake and asleep and rows.get("rollout") and rows["rollout"].vllm is not None:
+        share = max(m.outside for m in awake) - min(m.outside for m in asleep)
+        out.append(f"  vLLM's share   estimate {rows['rollout'].vllm:.1f} GiB, measured {share:.1f} (outside the "
+                   f"trainer's allocator awake less asleep): {_error(rows['rollout'].vllm, share)}")
+    elif "rollout" in rows:
+        out.append("  vLLM's share   not measured (no rollout line: the probe logs it after each weight sync)")
+    if metrics is not None:
+        run_wide = measured_from_metrics(metrics)
+        if not run_wide:
+            out.append(f"  verl's run-wide peak: {metrics} has no {' / '.join(MEASURED_KEYS)}")
+        for key in MEASURED_KEYS:
+            if key in run_wide:
+                out.append(f"  verl's {key} (all passes): {run_wide[key]:.1f} GiB")
+    return "\n".join(out)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("runs", nargs="*", help="run folders holding train.log and metrics.jsonl")
+    p.add_argument("runs", nargs="*", help="run folders holding train.log (and metrics.jsonl)")
     p.add_argument("--log", help="a driver's log (instead of a run folder)")
-    p.add_argument("--metrics", help="its metrics.jsonl")
+    p.add_argument("--metrics", help="its metrics.jsonl (optional)")
     args = p.parse_args(argv)
-    pairs = [(Path(r) / "train.log", Path(r) / "metrics.jsonl") for r in args.runs]
-    if args.log or args.metrics:
-        if not (args.log and args.metrics):
-            p.error("--log and --metrics go together")
-        pairs.append((Path(args.log), Path(args.metrics)))
+    pairs = []
+    for run in args.runs:
+        metrics = Path(run) / "metrics.jsonl"
+        pairs.append((Path(run) / "train.log", metrics if metrics.is_file() else None))
+    if args.metrics and not args.log:
+        p.error("--metrics goes with --log")
+    if args.log:
+        pairs.append((Path(args.log), Path(args.metrics) if args.metrics else None))
     if not pairs:
-        p.error("name a run folder, or --log and --metrics")
+        p.error("name a run folder, or --log")
     status = 0
     for log, metrics in pairs:
         try:

@@ -1,28 +1,37 @@
 """GPU memory of one training step, pass by pass: an estimate from the model's shape and the run's
-settings (plain arithmetic, no GPU, no verl import). docs/memory.md states every assumption.
+settings (plain arithmetic, no GPU, no verl import). docs/memory.md writes out every term with the
+lines of verl 0.9.1, transformers, flash-attn and PyTorch it follows.
 
 A step of verl 0.9.1's FSDP actor with a colocated vLLM rollout runs these passes one after the
 other on every GPU, each on top of what stays resident between them:
 
-=================  ====================================================================================
-pass               what is on the GPU at its peak
-=================  ====================================================================================
-``rollout``        the actor's resident training state + vLLM at ``gpu_memory_utilization`` x GPU memory
-``log_prob``       resident state + one micro-batch's forward without grad at the log-prob token budget:
-                   activations, logits, log-probs, chunked entropy, the sum of squared probabilities
-``reference``      (GRPO with a KL loss) the same at the reference budget; its parameters live on the CPU,
-                   except its root unit, which FSDP1 leaves unsharded on the GPU from then on
-``current``        (S2T's current-policy statistics, applied or monitored) the actor's own no-grad forward
-``update_effect``  (``update_effect_responses``) the no-grad forward of the measured responses
-``update``         parameters, gradients and optimizer state, the layer inputs kept by gradient
-                   checkpointing, one layer's recomputed activations and gradients, logits and their gradient
-=================  ====================================================================================
+==================  ===================================================================================
+pass                what is on the GPU at its peak
+==================  ===================================================================================
+``rollout``         the actor's resident state + vLLM at ``gpu_memory_utilization`` x GPU memory
+``log_prob``        resident state + one micro-batch's no-grad forward at the log-prob token budget: the
+                    larger of a layer's working set and the logits with the entropy's or the sum of
+                    squared probabilities' chunk
+``reference``       (a KL loss) the same at the reference budget, no entropy; the actor's and the
+                    reference's FSDP1 root units stay unsharded on the GPU
+``current``         (S2T's current-policy statistics) the actor's no-grad forward, with the entropy
+``update_effect``   (``update_effect_responses``) the no-grad forward of the measured responses
+``update``          parameters, gradients, optimizer state, the layer inputs kept by gradient checkpointing
+                    and the largest moment (phase) of a micro-batch: the last layer's first forward, the
+                    forward's end (logits, the entropy's chunk), the logits' backward (logits and their
+                    gradient when not in place), the LM head's backward, the final norm's backward (the
+                    logits are freed by then), the last layer's recomputed backward, the embedding's
+                    backward, a layer's gradient reduce-scatter
+``update_end``      the root unit's gradient reduce-scatter at the end of the backward
+``optimizer_step``  parameters, gradients, AdamW's moments and its foreach temporary
+==================  ===================================================================================
 
 Every token-dependent term is per GPU: with remove-padding a micro-batch packs at most the token budget
 on each GPU (with Ulysses sequence parallelism of size ``sp`` a micro-batch holds ``budget x sp``
-tokens split over ``sp`` GPUs). :func:`estimate` gives each pass's components; :func:`problems` turns
-a pass that does not fit within :func:`margin_bytes` of the GPU's capacity into a message naming the
-changes that make it fit, each one re-estimated before it is suggested (:func:`fixes`).
+tokens split over ``sp`` GPUs). :func:`estimate` gives each pass's components at its peak phase;
+:func:`problems` names every pass that does not fit within :func:`margin_bytes` of the GPU's capacity;
+:func:`plans` proposes the changes that make every pass fit, each re-estimated (the preflight then
+runs each one through the whole preflight before it prints it).
 """
 
 from __future__ import annotations
@@ -47,7 +56,7 @@ FP32, BF16 = 4, 2
 OVERHEAD_BYTES = 4.5 * GIB
 #: the estimate's stated uncertainty, the margin a pass must leave below the GPU's capacity: the rest
 #: of the overhead's range, plus a share of everything the estimate computes beside vLLM's share (which
-#: vLLM enforces itself) and the overhead (docs/memory.md: the terms measured on CPU at reduced width)
+#: vLLM enforces itself) and the overhead
 MARGIN_FIXED_BYTES = 1.5 * GIB
 MARGIN_FRACTION = 0.10
 #: the chunk (rows of logits) of the recipe's sum of squared probabilities: a copy of
@@ -56,18 +65,20 @@ SUM_PI_SQUARED_CHUNK_ROWS = 2048
 #: the chunk of verl's ``entropy_from_logits_with_chunking``: a copy of its ``chunk_size`` default and of
 #: ``actor.entropy_from_logits_chunk_size``'s (a test ties them)
 ENTROPY_CHUNK_ROWS = 2048
-#: one recomputed decoder layer's backward (its saved tensors and their gradients, the attention's and
-#: the MLP's temporaries) in units of its saved set ``(2h + 3q + 3kv + 4I) x b`` bytes per token: 1.93
-#: measured on CPU for Qwen3-8B's layer at 1/8 width (benchmarks/bench_layer_memory.py), rounded up
-LAYER_BACKWARD_FACTOR = 1.95
+#: vLLM's share must hold, beside its weights and the KV cache of one longest sequence, the activations
+#: of its profiling run (``max_num_batched_tokens`` tokens) and its CUDA graphs: 1 GiB counted
+VLLM_RUNTIME_BYTES = 1.0 * GIB
+#: the lowest ``gpu_memory_utilization`` the advice proposes, in steps of 0.05
+UTILISATION_STEP = 0.05
 
 #: what CUDA reports as a card's total memory (GiB, ``torch.cuda.get_device_properties(0).total_memory``),
 #: the meaning of ``GPU_MEM_GB``; vLLM's ``gpu_memory_utilization`` is a share of the same number
 GPU_CAPACITY_GIB = {
+    "A100 40GB": 39.4,
+    "L40S / L40 / A40 48GB": 44.4,
     "A100 / A800 / H100 / H800 80GB": 79.1,
     "H20 96GB": 95.0,
     "H200 141GB": 139.8,
-    "A100 40GB": 39.4,
 }
 #: ``GPU_MEM_GB``'s default: an 80 GB card as CUDA reports it
 DEFAULT_GPU_MEM_GIB = 79.1
@@ -78,12 +89,29 @@ DEFAULT_GPU_MEM_GIB = 79.1
 # ------------------------------------------------------------------------------------------------
 
 
+class ShapeError(ValueError):
+    """A ``config.json`` field the estimate cannot use; ``field`` names it (``None``: the file itself)."""
+
+    def __init__(self, source: str, field: Optional[str], problem: str):
+        self.source, self.field, self.problem = source, field, problem
+        super().__init__(f"{source or 'config.json'}: " + (f"{field}: " if field else "") + problem)
+
+
+class NotEstimated(ValueError):
+    """A model the estimate does not cover (a Mixture-of-Experts model); ``field`` is what says so."""
+
+    def __init__(self, source: str, field: str, problem: str):
+        self.source, self.field, self.problem = source, field, problem
+        super().__init__(f"{source or 'config.json'}: {field}: {problem}")
+
+
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate needs from a decoder-only model's ``config.json``.
+    """What the estimate needs from a dense decoder-only model's ``config.json``.
 
     ``qk_norm``: per-head RMSNorm of queries and keys (Qwen3); ``qkv_bias``: biases on the query, key
-    and value projections (Qwen2); ``source``: where the numbers come from (a file or a built-in).
+    and value projections (Qwen2); ``max_position_embeddings``: the context vLLM serves by default
+    (None: not given); ``source``: where the numbers come from (a file or a built-in).
     """
 
     hidden_size: int
@@ -97,6 +125,7 @@ class ModelShape:
     qk_norm: bool = False
     qkv_bias: bool = False
     model_type: str = "qwen3"
+    max_position_embeddings: Optional[int] = None
     source: str = ""
 
     @property
@@ -130,36 +159,101 @@ class ModelShape:
         return self.num_layers * self.layer_params + self.embedding_params
 
 
+#: fields whose presence (with a positive value) makes a config a Mixture-of-Experts model
+MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
+              "moe_intermediate_size", "n_shared_experts")
+
+
+def _positive_int(cfg: Mapping, key: str, source: str, minimum: int = 1, required: bool = True) -> Optional[int]:
+    """``cfg[key]`` as a whole number >= ``minimum``; None when absent and not ``required``;
+    :class:`ShapeError` naming the field otherwise."""
+    if key not in cfg or cfg[key] is None:
+        if required:
+            raise ShapeError(source, key, "missing (the memory estimate needs it)")
+        return None
+    value = cfg[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ShapeError(source, key, f"{value!r} is not a whole number (transformers builds its layers from it)")
+    if value < minimum:
+        raise ShapeError(source, key, f"{value!r} must be at least {minimum}")
+    return value
+
+
+def _moe_params(cfg: Mapping, shape_fields: dict) -> Optional[int]:
+    """Parameters of a Mixture-of-Experts config with its experts (every layer sparse; a shared
+    expert when named), or None when the expert width is not given."""
+    experts = next((cfg.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+                    if isinstance(cfg.get(k), int) and cfg.get(k) > 0), None)
+    width = cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size") if cfg.get("num_local_experts") else None)
+    if not experts or not isinstance(width, int) or width <= 0:
+        return None
+    h = shape_fields["hidden_size"]
+    q, kv = shape_fields["num_heads"] * shape_fields["head_dim"], shape_fields["num_kv_heads"] * shape_fields["head_dim"]
+    shared = cfg.get("shared_expert_intermediate_size") or 0
+    layer = 2 * h * q + 2 * h * kv + h * experts + experts * 3 * h * width + 3 * h * int(shared) + 2 * h
+    heads = 1 if cfg.get("tie_word_embeddings") else 2
+    return shape_fields["num_layers"] * layer + heads * shape_fields["vocab_size"] * h + h
+
+
 def shape_from_hf_config(config: Mapping, source: str = "") -> ModelShape:
     """:class:`ModelShape` of a Hugging Face ``config.json`` (a nested ``text_config`` is used when
-    present). Raises ``ValueError`` naming the missing field."""
-    cfg = dict(config.get("text_config") or config)
-    missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                           "vocab_size") if not isinstance(cfg.get(k), int)]
-    if missing:
-        raise ValueError(f"{source or 'config.json'}: no integer {', '.join(missing)}")
-    heads = cfg["num_attention_heads"]
+    present), every field checked: whole numbers >= 1 (the vocabulary >= 2), key-value heads dividing
+    the attention heads, a head size given or dividing the width. :class:`ShapeError` names the first
+    field that is not; :class:`NotEstimated` a Mixture-of-Experts config (its experts are not modelled,
+    and a dense estimate of its width would be several times too low)."""
+    if not isinstance(config, Mapping):
+        raise ShapeError(source, None, "not a JSON object")
+    text = config.get("text_config")
+    cfg = dict(text) if isinstance(text, Mapping) else dict(config)
+    source = source or "config.json"
+    f = {"hidden_size": _positive_int(cfg, "hidden_size", source),
+         "num_layers": _positive_int(cfg, "num_hidden_layers", source),
+         "num_heads": _positive_int(cfg, "num_attention_heads", source),
+         "intermediate_size": _positive_int(cfg, "intermediate_size", source),
+         "vocab_size": _positive_int(cfg, "vocab_size", source, minimum=2)}
+    kv = _positive_int(cfg, "num_key_value_heads", source, required=False) or f["num_heads"]
+    if f["num_heads"] % kv:
+        raise ShapeError(source, "num_key_value_heads", f"{kv} does not divide num_attention_heads="
+                         f"{f['num_heads']} (grouped-query attention shares each key-value head among whole groups)")
+    head_dim = _positive_int(cfg, "head_dim", source, required=False)
+    if head_dim is None:
+        if f["hidden_size"] % f["num_heads"]:
+            raise ShapeError(source, "head_dim", f"missing, and hidden_size={f['hidden_size']} is not a multiple of "
+                             f"num_attention_heads={f['num_heads']}")
+        head_dim = f["hidden_size"] // f["num_heads"]
+    f.update(num_kv_heads=kv, head_dim=head_dim)
+    max_positions = _positive_int(cfg, "max_position_embeddings", source, required=False)
+    tied = cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    if not isinstance(tied, bool):
+        raise ShapeError(source, "tie_word_embeddings", f"{tied!r} is not true or false")
+    bias = cfg.get("attention_bias", False)
+    if not isinstance(bias, bool):
+        raise ShapeError(source, "attention_bias", f"{bias!r} is not true or false")
     model_type = str(cfg.get("model_type") or config.get("model_type") or "")
+    for key in MOE_FIELDS:
+        value = cfg.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            total = _moe_params(cfg, f)
+            size = f" (about {total / 1e9:.1f}B parameters with its experts)" if total else ""
+            raise NotEstimated(source, key, f"{value!r}: a Mixture-of-Experts model{size}; the memory model "
+                               "estimates dense decoders only, and estimating it as the dense model of the same "
+                               "width would count a fraction of its parameters")
+    if "moe" in model_type.lower():
+        raise NotEstimated(source, "model_type", f"{model_type!r}: a Mixture-of-Experts model; the memory model "
+                           "estimates dense decoders only")
     return ModelShape(
-        hidden_size=cfg["hidden_size"],
-        num_layers=cfg["num_hidden_layers"],
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        intermediate_size=cfg["intermediate_size"],
-        vocab_size=cfg["vocab_size"],
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        qk_norm=model_type.startswith("qwen3"),
-        qkv_bias=model_type.startswith("qwen2") or bool(cfg.get("attention_bias", False)),
-        model_type=model_type,
-        source=source,
+        hidden_size=f["hidden_size"], num_layers=f["num_layers"], num_heads=f["num_heads"], num_kv_heads=kv,
+        head_dim=head_dim, intermediate_size=f["intermediate_size"], vocab_size=f["vocab_size"],
+        tie_word_embeddings=tied, qk_norm=model_type.startswith("qwen3"),
+        qkv_bias=model_type.startswith("qwen2") or bias, model_type=model_type,
+        max_position_embeddings=max_positions, source=source,
     )
 
 
 def _qwen3(hidden, layers, heads, intermediate, tied, name) -> ModelShape:
     return ModelShape(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=8, head_dim=128,
                       intermediate_size=intermediate, vocab_size=151936, tie_word_embeddings=tied, qk_norm=True,
-                      model_type="qwen3", source=f"built-in {name} architecture")
+                      model_type="qwen3", max_position_embeddings=32768, source=f"built-in {name} architecture")
 
 
 #: the paper's models (their ``config.json``), for a model path the launching machine cannot read
@@ -177,15 +271,23 @@ def builtin_shape(model_path: str) -> Optional[ModelShape]:
     return BUILTIN_SHAPES.get(name)
 
 
+class Unreadable(ValueError):
+    """``config.json`` is missing or not JSON (a folder the launching machine may not see)."""
+
+
 def load_shape(model_path: str) -> ModelShape:
-    """The shape from ``<model_path>/config.json``; ``ValueError`` when it cannot be read."""
+    """The shape from ``<model_path>/config.json``: :class:`Unreadable` when the file cannot be read
+    or parsed; :class:`ShapeError` / :class:`NotEstimated` (naming the field) when it can but its
+    shape cannot be used."""
     path = Path(model_path) / "config.json"
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: {e}") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{path}: not a JSON object")
+        text = path.read_text()
+    except OSError as e:
+        raise Unreadable(f"{path}: {e.strerror or e}") from None
+    try:
+        config = json.loads(text)
+    except ValueError as e:
+        raise Unreadable(f"{path}: not JSON ({e})") from None
     return shape_from_hf_config(config, source=str(path))
 
 
@@ -201,7 +303,11 @@ class Settings:
     Token budgets are the tokens one micro-batch holds per GPU (dynamic batching: the budget itself;
     fixed micro-batches: micro-batch size x longest sequence). ``sum_pi_squared_chunk``: rows per chunk
     of the sum of squared probabilities (None: verl's own unchunked computation); ``entropy_chunk``:
-    rows per chunk of the entropy (None: unchunked).
+    rows per chunk of the entropy (None: unchunked). ``longest``: prompt + response tokens (0: not
+    known; then the budgets' floor and vLLM's share are not checked); ``sp``: the sequence parallel
+    size and ``sequence_parallel_allowed``: whether the recipe allows one above 1 (not with its
+    current-policy forwards); ``rollout_tp``: vLLM's tensor parallel size; ``dynamic_bsz``: budgets in
+    tokens (else micro-batches of sequences).
     """
 
     world_size: int
@@ -221,14 +327,21 @@ class Settings:
     unit_temperature: bool = True               # temperature 1: verl scales no logits copy
     overhead_bytes: float = OVERHEAD_BYTES
     reference_root_resident: bool = False       # FSDP1 reference whose root unit stays unsharded (fsdp_size <= 1)
+    actor_root_resident: bool = True            # FSDP1 actor whose root unit stays unsharded after a no-grad pass
     no_sync_gradients: bool = False             # use_no_sync_for_gradient_accumulation: unsharded gradients kept
     update_effect_tokens: Optional[int] = None  # None: no update-effect forward
+    longest: int = 0
+    sp: int = 1
+    sequence_parallel_allowed: bool = True
+    rollout_tp: int = 1
+    dynamic_bsz: bool = True
 
 
 @dataclass
 class Pass:
-    """One pass: its components (name -> bytes), the setting that lowers it most, and the part of
-    its total that grows with ``tokens`` (bytes per token), for the largest budget that fits."""
+    """One pass: its components (name -> bytes) at its peak phase, the setting that lowers it most,
+    the part of its total that grows with ``tokens`` (bytes per token), the phase at the peak and every
+    phase's total (name -> bytes)."""
 
     name: str
     components: dict[str, float]
@@ -236,6 +349,8 @@ class Pass:
     tokens: Optional[int] = None
     bytes_per_token: float = 0.0
     note: str = ""
+    phase: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def total(self) -> float:
@@ -254,7 +369,7 @@ class Estimate:
 
 
 # ------------------------------------------------------------------------------------------------
-# the logits side (the pieces checked against a measurement: benchmarks/bench_logits_memory.py)
+# the logits side (checked against a measurement: benchmarks/bench_logits_memory.py)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -289,29 +404,107 @@ def entropy_extra_bytes(tokens: int, vocab: int, chunk: Optional[int] = 2048) ->
     return 3.0 * FP32 * rows * vocab
 
 
+def entropy_with_grad_bytes(tokens: int, vocab: int, chunk: Optional[int] = 2048, backward: bool = False) -> float:
+    """What verl's chunked entropy with grad (an entropy bonus) holds: every chunk's float32 copy and
+    softmax, kept for the backward (``8 x tokens x vocab``), plus one chunk's float32 product while the
+    forward runs, two of its float32 gradients while the backward runs (eager; an upper bound under
+    ``torch.compile``)."""
+    rows = tokens if chunk is None else min(chunk, tokens)
+    return 2.0 * FP32 * tokens * vocab + (2 if backward else 1) * FP32 * rows * vocab
+
+
+# ------------------------------------------------------------------------------------------------
+# the activations, per token, as the model code allocates them (bytes; b: the compute dtype's)
+# ------------------------------------------------------------------------------------------------
+
+#: float32 temporaries of an RMSNorm's backward, each of its width: the gradient cast to float32, the
+#: two products' gradients, the mean's and the square's (``Qwen3RMSNorm.forward`` differentiated by
+#: autograd)
+NORM_BACKWARD_TEMPORARIES = 5
+
+
+def norm_saved_bytes(width: int, b: int) -> float:
+    """An RMSNorm with grad (``Qwen3RMSNorm.forward``) keeps the float32 copy of its input (read by
+    ``pow`` and the product with ``rsqrt``) and the normalised tensor in the input dtype (read by the
+    product with the weight): ``(4 + b) x width``."""
+    return (FP32 + b) * width
+
+
+def layer_inputs_bytes_per_token(shape: ModelShape, b: int) -> float:
+    """What gradient checkpointing keeps through the whole backward: each decoder layer's input
+    (``L x h x b``: the embedding's output and every layer's output but the last)."""
+    return shape.num_layers * shape.hidden_size * b
+
+
+def checkpoint_bytes_per_token(shape: ModelShape, b: int) -> float:
+    """The layer inputs and the final norm, outside the checkpointed layers, with its saved tensors
+    and its output (the LM head's saved input): what the update keeps from the end of its forward
+    until the final norm's backward."""
+    h = shape.hidden_size
+    return layer_inputs_bytes_per_token(shape, b) + norm_saved_bytes(h, b) + h * b
+
+
+def layer_saved_bytes_per_token(shape: ModelShape, b: int) -> tuple[float, float]:
+    """(attention's, MLP's) tensors one recomputed decoder layer keeps for its backward.
+
+    Attention: the input norm's saved tensors and its output (the input of the q/k/v projections);
+    with per-head q/k norms (Qwen3) theirs (their outputs only pass through the rotary embedding,
+    which keeps ``cos`` and ``sin``); flash-attn's saved queries and keys after the rotary embedding,
+    values, output (also ``o_proj``'s input) and its float32 log-sum-exp per head. MLP: the second
+    norm's tensors and output, the gate, its activation, the up projection and their product (the
+    inputs of ``act_fn``, of the product and of ``down_proj``)."""
+    h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
+    attention = norm_saved_bytes(h, b) + h * b
+    if shape.qk_norm:
+        attention += norm_saved_bytes(q, b) + norm_saved_bytes(kv, b)
+    attention += b * (q + 2 * kv) + b * q + FP32 * shape.num_heads
+    mlp = norm_saved_bytes(h, b) + h * b + 4 * b * i
+    return attention, mlp
+
+
+def layer_backward_bytes_per_token(shape: ModelShape, b: int) -> float:
+    """One recomputed layer's peak in its backward, per token: what it saved plus the gradients alive
+    at the largest of three moments. The MLP's backward (the peak for Qwen3): everything saved, the
+    gradient from above, the product's gradient and the first of its factors' gradients. The second
+    norm's backward (the MLP's tensors freed): the attention's tensors, the norm's float32 copy, the
+    gradient from above and :data:`NORM_BACKWARD_TEMPORARIES` float32 temporaries. The attention's:
+    its tensors, the incoming and output gradients and flash-attn's backward buffers (dq, dk, dv, the
+    float32 ``dq_accum`` and ``softmax_d`` and, with grouped-query attention, dk and dv for every head
+    before they are summed)."""
+    h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
+    attention, mlp = layer_saved_bytes_per_token(shape, b)
+    in_mlp = attention + mlp + h * b + 2 * b * i
+    in_norm = attention + FP32 * h + h * b + NORM_BACKWARD_TEMPORARIES * FP32 * h
+    flash_backward = b * (q + 2 * kv) + FP32 * q + FP32 * shape.num_heads
+    if shape.num_kv_heads != shape.num_heads:
+        flash_backward += 2 * b * q
+    in_attention = attention + h * b + b * q + flash_backward
+    return float(max(in_mlp, in_norm, in_attention))
+
+
+def layer_forward_bytes_per_token(shape: ModelShape, b: int) -> float:
+    """A decoder layer's tensors while it runs without keeping any (no grad, or the first forward of a
+    checkpointed layer), beside its input: the larger of the MLP's moment (the residual after the
+    attention, the norm's output, the activation, the up projection and their product) and the
+    attention's (the norm's output, a projection and the float32 copy and product of its per-head
+    norm, the key and value projections); the rotary embedding's ``cos`` and ``sin`` in both."""
+    h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
+    rotary = 2 * b * shape.head_dim
+    mlp = 2 * h * b + 3 * i * b
+    attention = h * b + (b + 2 * FP32) * q + 2 * kv * b
+    return float(max(mlp, attention) + rotary)
+
+
+def no_grad_layer_bytes_per_token(shape: ModelShape, b: int) -> float:
+    """A decoder layer without grad, per token: its working set (:func:`layer_forward_bytes_per_token`)
+    beside the layer's input and the embedding's output (``Qwen3Model.forward`` keeps
+    ``inputs_embeds`` until it returns)."""
+    return layer_forward_bytes_per_token(shape, b) + 2 * shape.hidden_size * b
+
+
 # ------------------------------------------------------------------------------------------------
 # the passes
 # ------------------------------------------------------------------------------------------------
-
-
-def _per_token_activation_bytes(shape: ModelShape, b: int) -> tuple[float, float, float]:
-    """(no-grad forward working set, what the update keeps through its backward, one layer's backward)
-    in bytes per token.
-
-    Without grad only one layer's tensors are alive at a time: the residual stream in and out, a norm
-    output and the MLP's gate, up and their product (``4h + 3I``). Gradient checkpointing keeps each
-    layer's input (``L x h``); the final norm (outside the checkpointed layers) keeps its input, its
-    output and the float32 copy of its input it normalises (``2h b + 4h``). The backward recomputes one
-    layer, whose saved set (two norm outputs, queries and keys before and after their norm, values,
-    attention output: ``2h + 3q + 3kv``; gate, up, activation and product: ``4I``) together with its
-    gradients and the attention's and MLP's temporaries peaks at :data:`LAYER_BACKWARD_FACTOR` times
-    that set (measured).
-    """
-    h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
-    no_grad = (4 * h + 3 * i) * b
-    checkpoints = shape.num_layers * h * b + 2 * h * b + FP32 * h
-    layer_backward = LAYER_BACKWARD_FACTOR * (2 * h + 3 * q + 3 * kv + 4 * i) * b
-    return no_grad, checkpoints, layer_backward
 
 
 def _resident(shape: ModelShape, s: Settings, *, rollout: bool = False, update: bool = False) -> dict[str, float]:
@@ -339,113 +532,229 @@ def reference_root_bytes(shape: ModelShape, s: Settings) -> float:
 
 
 def _gathered(shape: ModelShape, s: Settings) -> float:
-    """Unsharded compute-dtype parameters during a forward: FSDP's root unit (embeddings, LM head)
-    for the whole pass, plus two decoder layers (the one running and the one prefetched)."""
+    """Unsharded compute-dtype parameters during a forward or backward: FSDP's root unit (embeddings,
+    LM head, final norm) for the whole pass, plus two decoder layers (the one running and the one
+    prefetched)."""
     return s.compute_bytes * (shape.embedding_params + 2 * shape.layer_params)
 
 
-def _forward_pass(name: str, shape: ModelShape, s: Settings, tokens: int, setting: str, *, entropy: bool,
-                  sum_pi_squared: bool, resident: dict[str, float], note: str = "") -> Pass:
-    """A no-grad forward's peak: the larger of the layers' working set and the logits side (the layers'
-    tensors are freed before the LM head runs; the final hidden states stay for it)."""
+def _reduce_scatter_bytes(unit_params: int, s: Settings) -> float:
+    """An FSDP1 unit's gradient reduction: autograd concatenates the views' gradients into the flat
+    gradient (both alive: ``2 b`` per parameter), the post-backward hook casts it to float32 while the
+    bfloat16 one is still referenced (``b + 4``), then reduce-scatters into a new float32 shard."""
+    b = s.compute_bytes
+    return max(2 * b, b + FP32) * unit_params + FP32 * unit_params / s.world_size
+
+
+Terms = list[tuple[str, float, float]]
+
+
+def _phase(terms: Terms, tokens: int) -> tuple[dict[str, float], float]:
+    """Components (name -> bytes at ``tokens``) and bytes per token of a list of
+    ``(name, fixed bytes, bytes per token)``."""
+    components: dict[str, float] = {}
+    for name, fixed, per_token in terms:
+        components[name] = components.get(name, 0.0) + float(fixed) + float(per_token) * tokens
+    return components, float(sum(per_token for _, _, per_token in terms))
+
+
+def _chunk_term(name: str, total: float, tokens: int, chunk: Optional[int]) -> tuple[str, float, float]:
+    """A temporary bounded by its chunk (fixed bytes), or growing with the tokens when unchunked."""
+    return (name, total, 0.0) if chunk is not None else (name, 0.0, total / max(1, tokens))
+
+
+def forward_activation_phases(shape: ModelShape, s: Settings, tokens: int, *, entropy: bool,
+                              sum_pi_squared: bool) -> dict[str, Terms]:
+    """A no-grad micro-batch of ``tokens`` (verl's ``infer_batch``): what the model code allocates at
+    each of its moments, as ``(name, fixed bytes, bytes per token)``. ``layers``: one layer's working
+    set beside its input and the embedding's output; ``LM head``: the final hidden states and the
+    logits; ``logits``: the logits (``forward_step`` keeps the model's output until it returns, so a
+    temperature-scaled copy is a second tensor), the larger of the entropy's and the sum of squares'
+    chunk (computed one after the other; the final hidden states are freed when the model's forward
+    returns) and the per-token outputs (log-probs, entropy, sum of squares, the cross-entropy's
+    log-sum-exp)."""
     b, v, h = s.compute_bytes, shape.vocab_size, shape.hidden_size
-    no_grad, _, _ = _per_token_activation_bytes(shape, b)
-    logits = logits_bytes(tokens, v, b) * (1 if s.unit_temperature else 2)
-    temporaries = {"entropy": entropy_extra_bytes(tokens, v, s.entropy_chunk) if entropy else 0.0,
-                   "sum_pi^2": sum_pi_squared_extra_bytes(tokens, v, b, s.sum_pi_squared_chunk)
-                   if sum_pi_squared else 0.0}
-    which = max(temporaries, key=temporaries.get)  # computed one after the other
-    logits_side = {"final hidden states": float(h * b * tokens),
-                   "logits" + ("" if s.unit_temperature else " + temperature copy"): logits,
-                   "log-probs, outputs": 3.0 * FP32 * tokens}
-    if temporaries[which]:
-        logits_side[f"{which} temporaries"] = temporaries[which]
-    components = dict(resident)
-    components["gathered parameters"] = _gathered(shape, s)
-    if no_grad * tokens > sum(logits_side.values()):
-        components["activations (no grad)"] = no_grad * tokens
-        per_token = no_grad
-    else:
-        components.update(logits_side)
-        per_token = h * b + v * b * (1 if s.unit_temperature else 2) + 3 * FP32
-        if which == "sum_pi^2" and s.sum_pi_squared_chunk is None and sum_pi_squared:
-            per_token += temporaries[which] / tokens
-        if which == "entropy" and s.entropy_chunk is None and entropy:
-            per_token += temporaries[which] / tokens
-    components["overhead"] = float(s.overhead_bytes)
-    return Pass(name, components, setting, tokens, per_token, note)
+    logits = ("logits", 0.0, v * b)
+    temporaries = {"entropy chunk": (entropy_extra_bytes(tokens, v, s.entropy_chunk), s.entropy_chunk)
+                   if entropy else (0.0, None),
+                   "sum_pi^2 chunk": (sum_pi_squared_extra_bytes(tokens, v, b, s.sum_pi_squared_chunk),
+                                      s.sum_pi_squared_chunk) if sum_pi_squared else (0.0, None)}
+    which = max(temporaries, key=lambda k: temporaries[k][0])
+    side = [logits, ("log-probs, entropy, outputs", 0.0, 5 * FP32)]
+    if not s.unit_temperature:
+        side.append(("temperature-scaled logits", 0.0, v * b))
+    if temporaries[which][0]:
+        side.append(_chunk_term(which, temporaries[which][0], tokens, temporaries[which][1]))
+    return {"layers": [("layer working set (no grad)", 0.0, no_grad_layer_bytes_per_token(shape, b))],
+            "LM head": [("final hidden states", 0.0, h * b), logits],
+            "logits": side}
+
+
+def update_activation_phases(shape: ModelShape, s: Settings) -> dict[str, Terms]:
+    """An update micro-batch of ``s.update_tokens`` (verl's ``forward_step``, then ``loss.backward()``):
+    what the model code and autograd hold at each of its moments, as ``(name, fixed bytes, bytes per
+    token)``. The checkpointed layer inputs stay through all of them.
+
+    ``layer forward``: the last layer's first forward (checkpointed: it keeps nothing).
+    ``forward end``: the final norm's saved tensors, the logits (and a temperature-scaled copy), the
+    entropy's chunk when the update computes it without grad (the recipe's patch), or everything the
+    entropy with grad keeps.
+    ``logits backward``: flash-attn's cross entropy keeps the logits for its backward and, with
+    ``inplace_backward=True``, overwrites them with their gradient; with the entropy computed verl
+    passes ``inplace_backward=False`` and the gradient is a second ``T x V`` tensor (as is the
+    gradient of the temperature's division).
+    ``LM head backward``: the logits' gradient, the gradient of the LM head's input and its weight's
+    gradient (FSDP keeps it, and autograd a tied one, until the root unit's reduction at the end).
+    ``final norm backward``: the logits are freed by then (``forward_step`` returned without keeping
+    them, the cross entropy's saved tensors are released by its backward): the norm's float32 copy and
+    its backward's temporaries.
+    ``layer backward``: the last layer recomputed, its saved tensors and gradients
+    (:func:`layer_backward_bytes_per_token`).
+    ``embedding backward``: the embedding's gradient (a second vocabulary x hidden tensor when untied).
+    """
+    b, v, h, t = s.compute_bytes, shape.vocab_size, shape.hidden_size, s.update_tokens
+    inputs = ("checkpointed layer inputs", 0.0, layer_inputs_bytes_per_token(shape, b))
+    final_norm = ("final norm (saved, output)", 0.0, norm_saved_bytes(h, b) + h * b)
+    head_grad = ("LM head weight gradient (unsharded)", float(v * h * b), 0.0)
+    logits = ("logits", 0.0, v * b)
+    layer_forward = [inputs, ("last layer's forward (checkpointed)", 0.0, layer_forward_bytes_per_token(shape, b))]
+    forward_end = [inputs, final_norm, logits, ("log-probs, outputs", 0.0, 3 * FP32)]
+    if not s.unit_temperature:
+        forward_end.append(("temperature-scaled logits", 0.0, v * b))
+    logits_backward = [inputs, final_norm, logits if s.update_entropy or not s.unit_temperature
+                       else ("logits (+ gradient in place)", 0.0, v * b)]
+    if s.update_entropy or not s.unit_temperature:
+        logits_backward.append(("logits gradient (not in place)" if s.update_entropy
+                                else "gradient of the temperature's division", 0.0, v * b))
+    if s.update_entropy:
+        if s.update_entropy_grad:
+            forward_end.append(_chunk_term("entropy (with grad)", entropy_with_grad_bytes(t, v, s.entropy_chunk),
+                                           t, None))
+            logits_backward.append(_chunk_term("entropy (with grad)", entropy_with_grad_bytes(
+                t, v, s.entropy_chunk, backward=True), t, None))
+        else:
+            forward_end.append(_chunk_term("entropy chunk (no grad)", entropy_extra_bytes(t, v, s.entropy_chunk),
+                                           t, s.entropy_chunk))
+    head = [inputs, final_norm, ("logits gradient", 0.0, v * b), ("gradient of the LM head input", 0.0, h * b),
+            head_grad]
+    norm_backward = [inputs, ("final norm's backward (float32)", 0.0, (1 + NORM_BACKWARD_TEMPORARIES) * FP32 * h),
+                     head_grad]
+    layer = [inputs, ("layer recompute + backward", 0.0, layer_backward_bytes_per_token(shape, b)), head_grad]
+    embedding = [("gradient flowing into the embedding", 0.0, h * b), head_grad]
+    if not shape.tie_word_embeddings:
+        embedding.append(("embedding weight gradient (unsharded)", float(v * h * b), 0.0))
+    return {"layer forward": layer_forward, "forward end": forward_end, "logits backward": logits_backward,
+            "LM head backward": head, "final norm backward": norm_backward, "layer backward": layer,
+            "embedding backward": embedding}
+
+
+def _pass_from_phases(name: str, phases: dict[str, list[tuple[str, float, float]]], tokens: int,
+                      fixed: dict[str, float], setting: str, note: str = "",
+                      extra: Optional[dict[str, list[tuple[str, float, float]]]] = None) -> Pass:
+    """The pass at its largest phase: ``fixed`` components (resident state, gathered parameters,
+    overhead) plus the phase's; ``extra``: components some phases add beside the model code's (FSDP's
+    gradient buffers)."""
+    best = None
+    totals = {}
+    for phase, terms in phases.items():
+        components, per_token = _phase(terms + list((extra or {}).get(phase, [])), tokens)
+        total = sum(components.values())
+        totals[phase] = total + sum(fixed.values())
+        if best is None or total > best[0]:
+            best = (total, phase, components, per_token)
+    _, phase, components, per_token = best
+    merged = dict(fixed)
+    overhead = merged.pop("overhead", None)
+    merged.update(components)
+    if overhead is not None:
+        merged["overhead"] = overhead
+    return Pass(name, merged, setting, tokens, per_token, note, phase, totals)
+
+
+def _forward_pass(name: str, shape: ModelShape, s: Settings, tokens: int, setting: str, *, entropy: bool,
+                  sum_pi_squared: bool, fixed: dict[str, float], note: str = "") -> Pass:
+    phases = forward_activation_phases(shape, s, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared)
+    return _pass_from_phases(name, phases, tokens, fixed, setting, note)
+
+
+def vllm_floor_bytes(shape: ModelShape, s: Settings) -> float:
+    """What vLLM's share must hold on each GPU (vLLM refuses to start otherwise: no KV cache block for
+    a sequence of ``max_model_len``): its bfloat16 weights and the KV cache of one longest sequence,
+    both split over the tensor parallel size (key-value heads are replicated when fewer than it), and
+    :data:`VLLM_RUNTIME_BYTES`."""
+    tp = max(1, s.rollout_tp)
+    weights = BF16 * shape.params / tp
+    kv_heads = max(1, math.ceil(shape.num_kv_heads / tp))
+    kv_cache = 2 * shape.num_layers * kv_heads * shape.head_dim * BF16 * s.longest
+    return weights + kv_cache + VLLM_RUNTIME_BYTES
 
 
 def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
     """Every pass of one step (see the module docstring); ``gpu_bytes`` (what CUDA reports) sizes vLLM's share."""
-    b, v = s.compute_bytes, shape.vocab_size
+    b = s.compute_bytes
     passes = []
     rollout = _resident(shape, s, rollout=True)
     rollout["vLLM (gpu_memory_utilization)"] = s.gpu_memory_utilization * gpu_bytes
     rollout["overhead"] = float(s.overhead_bytes)
-    passes.append(Pass("rollout", rollout, "actor_rollout_ref.rollout.gpu_memory_utilization"))
+    passes.append(Pass("rollout", rollout, "actor_rollout_ref.rollout.gpu_memory_utilization", phase="generation"))
+
+    def forward_fixed(reference: bool = False) -> dict[str, float]:
+        fixed = _resident(shape, s)
+        if reference:
+            if s.actor_root_resident:
+                fixed["actor root unit (unsharded since the log-prob pass)"] = float(b * shape.embedding_params)
+            # the reference's own root is the gathered one of this pass
+            fixed.pop("reference root unit (unsharded)", None)
+        fixed["gathered parameters"] = _gathered(shape, s)
+        fixed["overhead"] = float(s.overhead_bytes)
+        return fixed
+
     log_prob_setting = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
     passes.append(_forward_pass("log_prob", shape, s, s.log_prob_tokens, log_prob_setting, entropy=True,
-                                sum_pi_squared=s.calculate_sum_pi_squared, resident=_resident(shape, s)))
+                                sum_pi_squared=s.calculate_sum_pi_squared, fixed=forward_fixed()))
     if s.ref_tokens is not None:
-        # the reference model is CPU-offloaded by verl (forward_only): its gathered units are here, and
-        # its root stays (counted in the resident state of every pass)
         passes.append(_forward_pass("reference", shape, s, s.ref_tokens,
                                     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", entropy=False,
-                                    sum_pi_squared=False, resident=_resident(shape, s)))
+                                    sum_pi_squared=False, fixed=forward_fixed(reference=True)))
     if s.current_tokens is not None:
         passes.append(_forward_pass("current", shape, s, s.current_tokens, log_prob_setting, entropy=True,
-                                    sum_pi_squared=False, resident=_resident(shape, s),
+                                    sum_pi_squared=False, fixed=forward_fixed(),
                                     note="S2T's current-policy statistics (verl's log-prob pass settings)"))
     if s.update_effect_tokens is not None:
         passes.append(_forward_pass("update_effect", shape, s, s.update_effect_tokens, log_prob_setting,
-                                    entropy=False, sum_pi_squared=False, resident=_resident(shape, s),
+                                    entropy=False, sum_pi_squared=False, fixed=forward_fixed(),
                                     note="the update effect's forward of the measured responses"))
-    # update: at the start of the backward (the token-dependent peak) ...
-    t = s.update_tokens
-    _, checkpoints, layer_backward = _per_token_activation_bytes(shape, b)
-    update = _resident(shape, s, update=True)
-    update["gathered parameters"] = _gathered(shape, s)
-    # FSDP's root unit (embeddings, LM head) gets one unsharded gradient at the LM head's backward,
-    # which lives until the embedding's backward ends the pass
-    update["root unit gradient (unsharded)"] = float(b * shape.embedding_params)
-    # each layer's backward leaves its unsharded gradient, cast to float32 for the reduce-scatter
-    update["layer gradients (unsharded + fp32 copy)"] = float((b + FP32) * shape.layer_params)
+    # the update: one micro-batch, at the largest of its moments
+    fixed = _resident(shape, s, update=True)
+    fixed["gathered parameters"] = _gathered(shape, s)
     if s.no_sync_gradients:
-        update["unsharded gradients (no_sync)"] = float(b * shape.params)
-    update["checkpointed layer inputs, final norm"] = checkpoints * t
-    update["layer recompute + backward"] = layer_backward * t
-    per_token = checkpoints + layer_backward + v * b
-    update["logits" if s.update_entropy else "logits (+ gradient in place)"] = logits_bytes(t, v, b)
-    if not s.unit_temperature:
-        update["temperature copy"] = logits_bytes(t, v, b)
-        per_token += v * b
-    if s.update_entropy:
-        # verl passes inplace_backward=False to the log-prob kernel when the entropy is computed: the
-        # logits' gradient is a new tensor beside the logits
-        update["logits gradient (not in place)"] = logits_bytes(t, v, b)
-        per_token += v * b
-        if s.update_entropy_grad:
-            # autograd keeps every chunk's float32 copy and softmax
-            update["entropy (with grad)"] = 2.0 * FP32 * t * v
-            per_token += 2 * FP32 * v
-        else:
-            update["entropy (no grad)"] = entropy_extra_bytes(t, v, s.entropy_chunk)
-            if s.entropy_chunk is None:
-                per_token += 3 * FP32 * v
-    update["overhead"] = float(s.overhead_bytes)
-    passes.append(Pass("update", update, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", t, per_token))
-    # ... and at its end: the activations are gone, the root unit's gradient is cast to float32 for
-    # the reduce-scatter over the world size (and each layer's, two at a time)
+        fixed["unsharded gradients (no_sync)"] = float(b * shape.params)
+    fixed["overhead"] = float(s.overhead_bytes)
+    inputs = ("checkpointed layer inputs", 0.0, layer_inputs_bytes_per_token(shape, b))
+    head_grad = ("LM head weight gradient (unsharded)", float(shape.vocab_size * shape.hidden_size * b), 0.0)
+    fsdp = {"layer backward": [("this layer's gradient (unsharded)", float(b * shape.layer_params), 0.0)]}
+    phases = update_activation_phases(shape, s)
+    phases["layer gradient reduce-scatter"] = [
+        inputs, ("gradient flowing down", 0.0, shape.hidden_size * b), head_grad,
+        ("layer gradient: unsharded, float32 copy, shard", _reduce_scatter_bytes(shape.layer_params, s), 0.0)]
+    passes.append(_pass_from_phases("update", phases, s.update_tokens, fixed,
+                                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", extra=fsdp))
+    # ... its end: the root unit's reduction (the embedding's gradient beside the LM head's)
     end = _resident(shape, s, update=True)
-    end["gathered parameters"] = _gathered(shape, s)
-    end["root unit gradient (unsharded)"] = float(b * shape.embedding_params)
-    end["float32 copies for the reduce-scatter"] = FP32 * (shape.embedding_params + 2 * shape.layer_params)
+    end["gathered parameters"] = float(b * shape.embedding_params)
+    end["root unit gradient: unsharded, float32 copy, shard"] = _reduce_scatter_bytes(shape.embedding_params, s)
+    end["gradient flowing into the embedding"] = float(shape.hidden_size * b * s.update_tokens)
     if s.no_sync_gradients:
         end["unsharded gradients (no_sync)"] = float(b * shape.params)
     end["overhead"] = float(s.overhead_bytes)
-    passes.append(Pass("update_end", end, "trainer.nnodes",
+    passes.append(Pass("update_end", end, "trainer.nnodes", phase="root unit reduce-scatter",
                        note="gradient reduction at the end of the backward: more GPUs shard the state further"))
+    # ... and the optimizer step: AdamW's foreach update allocates one float32 temporary per parameter
+    step = _resident(shape, s, update=True)
+    step["AdamW foreach temporary (fp32, sharded)"] = FP32 * shape.params / s.world_size
+    step["overhead"] = float(s.overhead_bytes)
+    passes.append(Pass("optimizer_step", step, "trainer.nnodes", phase="AdamW step",
+                       note="more GPUs shard the state further; optimizer_offload does not lower it"))
     return Estimate(shape, s, passes)
 
 
@@ -455,6 +764,7 @@ def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
 
 #: what makes verl build the reference model (a KL loss or a KL penalty in the reward)
 _KL_KEYS = ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward")
+ACTOR, ROLLOUT, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 
 
 def settings_from_config(config) -> Settings:
@@ -463,49 +773,62 @@ def settings_from_config(config) -> Settings:
     pick = lambda key, default=None: OmegaConf.select(config, key, default=default)  # noqa: E731
     world = int(pick("trainer.nnodes")) * int(pick("trainer.n_gpus_per_node"))
     longest = int(pick("data.max_prompt_length")) + int(pick("data.max_response_length"))
+    dynamic = bool(pick(f"{ACTOR}.use_dynamic_bsz", False))
 
     def tokens(dynamic_key: str, budget_key: str, micro_key: str) -> int:
         if pick(dynamic_key, False):
             return int(pick(budget_key))
         return int(pick(micro_key) or 1) * longest
 
-    actor, rollout, ref = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
-    log_prob = tokens(f"{rollout}.log_prob_use_dynamic_bsz", f"{rollout}.log_prob_max_token_len_per_gpu",
-                      f"{rollout}.log_prob_micro_batch_size_per_gpu")
+    log_prob = tokens(f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
+                      f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu")
     uses_ref = any(bool(pick(k, False)) for k in _KL_KEYS)
-    ref_tokens = tokens(f"{ref}.log_prob_use_dynamic_bsz", f"{ref}.log_prob_max_token_len_per_gpu",
-                        f"{ref}.log_prob_micro_batch_size_per_gpu") if uses_ref else None
+    ref_tokens = tokens(f"{REF}.log_prob_use_dynamic_bsz", f"{REF}.log_prob_max_token_len_per_gpu",
+                        f"{REF}.log_prob_micro_batch_size_per_gpu") if uses_ref else None
     loss = settings_of(config)
     current = loss is not None and (loss.forwards_current_policy or loss.monitor_forwards_current_policy)
     update_effect = None
     if loss is not None and loss.measures_update_effect:
         update_effect = min(log_prob, int(loss.update_effect_responses) * longest)
-    entropy_coeff = float(pick(f"{actor}.entropy_coeff", 0) or 0)
-    update_entropy = (bool(pick(f"{actor}.calculate_entropy", False)) or entropy_coeff != 0
+    # the cases the preflight refuses with sequence parallelism (recipe.stapo.preflight.names)
+    sp_allowed = loss is None or not ((loss.selects_tokens and loss.statistics_source == "current")
+                                      or loss.monitor_forwards_current_policy or loss.measures_update_effect)
+    entropy_coeff = float(pick(f"{ACTOR}.entropy_coeff", 0) or 0)
+    update_entropy = (bool(pick(f"{ACTOR}.calculate_entropy", False)) or entropy_coeff != 0
                       or (loss is not None and loss.needs_update_entropy))
-    mixed = pick(f"{actor}.fsdp_config.mixed_precision") or {}
+    mixed = pick(f"{ACTOR}.fsdp_config.mixed_precision") or {}
     param_dtype = str(mixed.get("param_dtype", "bf16")) if hasattr(mixed, "get") else "bf16"
-    ref_fsdp1 = str(pick(f"{ref}.strategy", "fsdp")) == "fsdp"
+
+    def root_resident(role: str) -> bool:
+        return (str(pick(f"{role}.strategy", "fsdp")) == "fsdp"
+                and int(pick(f"{role}.fsdp_config.fsdp_size", -1) or -1) <= 1)
+
     return Settings(
         world_size=world,
-        gpu_memory_utilization=float(pick(f"{rollout}.gpu_memory_utilization", 0.5)),
+        gpu_memory_utilization=float(pick(f"{ROLLOUT}.gpu_memory_utilization", 0.5)),
         log_prob_tokens=log_prob,
-        update_tokens=tokens(f"{actor}.use_dynamic_bsz", f"{actor}.ppo_max_token_len_per_gpu",
-                             f"{actor}.ppo_micro_batch_size_per_gpu"),
+        update_tokens=tokens(f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_gpu",
+                             f"{ACTOR}.ppo_micro_batch_size_per_gpu"),
         ref_tokens=ref_tokens,
         current_tokens=log_prob if current else None,
-        calculate_sum_pi_squared=bool(pick(f"{actor}.calculate_sum_pi_squared", False)),
-        entropy_chunk=int(pick(f"{actor}.entropy_from_logits_chunk_size", ENTROPY_CHUNK_ROWS))
-        if pick(f"{actor}.entropy_from_logits_with_chunking", False) else None,
+        calculate_sum_pi_squared=bool(pick(f"{ACTOR}.calculate_sum_pi_squared", False)),
+        entropy_chunk=int(pick(f"{ACTOR}.entropy_from_logits_chunk_size", ENTROPY_CHUNK_ROWS))
+        if pick(f"{ACTOR}.entropy_from_logits_with_chunking", False) else None,
         update_entropy=update_entropy,
         update_entropy_grad=entropy_coeff != 0,
         compute_bytes=FP32 if param_dtype in ("fp32", "float32") else BF16,
-        param_offload=bool(pick(f"{actor}.fsdp_config.param_offload", False)),
-        optimizer_offload=bool(pick(f"{actor}.fsdp_config.optimizer_offload", False)),
-        unit_temperature=float(pick(f"{rollout}.temperature", 1.0)) == 1.0,
-        reference_root_resident=ref_fsdp1 and int(pick(f"{ref}.fsdp_config.fsdp_size", -1) or -1) <= 1,
-        no_sync_gradients=bool(pick(f"{actor}.fsdp_config.use_no_sync_for_gradient_accumulation", False)),
+        param_offload=bool(pick(f"{ACTOR}.fsdp_config.param_offload", False)),
+        optimizer_offload=bool(pick(f"{ACTOR}.fsdp_config.optimizer_offload", False)),
+        unit_temperature=float(pick(f"{ROLLOUT}.temperature", 1.0)) == 1.0,
+        reference_root_resident=root_resident(REF),
+        actor_root_resident=root_resident(ACTOR),
+        no_sync_gradients=bool(pick(f"{ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation", False)),
         update_effect_tokens=update_effect,
+        longest=longest,
+        sp=int(pick(f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1),
+        sequence_parallel_allowed=sp_allowed,
+        rollout_tp=int(pick(f"{ROLLOUT}.tensor_model_parallel_size", 1) or 1),
+        dynamic_bsz=dynamic,
     )
 
 
@@ -538,107 +861,24 @@ def verdict(p: Pass, gpu_bytes: float) -> str:
     return "TIGHT" if p.total <= gpu_bytes else "DOES NOT FIT"
 
 
+def vllm_share_fits(est: Estimate, gpu_bytes: float) -> bool:
+    """vLLM's share holds its weights and one longest sequence (always true when ``longest`` is not known)."""
+    s = est.settings
+    return not s.longest or s.gpu_memory_utilization * gpu_bytes >= vllm_floor_bytes(est.shape, s)
+
+
+def all_fit(est: Estimate, gpu_bytes: float) -> bool:
+    return vllm_share_fits(est, gpu_bytes) and all(fits(p, gpu_bytes) for p in est.passes)
+
+
 def _pass_named(est: Estimate, name: str) -> Optional[Pass]:
     return next((p for p in est.passes if p.name == name), None)
 
 
-def _fits_with(est: Estimate, name: str, gpu_bytes: float, **changes) -> bool:
-    """``name``'s pass fits with its margin once ``changes`` are applied (the model re-run)."""
-    p = _pass_named(estimate(est.shape, replace(est.settings, **changes), gpu_bytes), name)
-    return p is not None and fits(p, gpu_bytes)
-
-
-#: the settings field each token-dependent pass's budget is
-_BUDGET_FIELDS = {"log_prob": ("log_prob_tokens", "current_tokens"), "current": ("log_prob_tokens", "current_tokens"),
-                  "reference": ("ref_tokens",), "update": ("update_tokens",), "update_effect": ("update_effect_tokens",)}
-
-
-def _budget_changes(est: Estimate, name: str, tokens: int) -> dict:
-    """The settings change that sets ``name``'s token budget (the log-prob budget also sizes the
-    current-policy forward, when there is one)."""
-    return {f: tokens for f in _BUDGET_FIELDS[name] if f == _BUDGET_FIELDS[name][0] or getattr(est.settings, f)}
-
-
-def largest_budget(est: Estimate, name: str, gpu_bytes: float, floor: int, multiple: int = 1024) -> Optional[int]:
-    """The largest token budget (a multiple of ``multiple``, at least ``floor``) at which ``name``'s pass
-    fits with its margin, the model re-run at each candidate; None when even ``floor`` does not fit."""
-    current = _pass_named(est, name).tokens
-    if not _fits_with(est, name, gpu_bytes, **_budget_changes(est, name, floor)):
-        return None
-    lo, hi = math.ceil(floor / multiple), max(math.ceil(floor / multiple), current // multiple)
-    while lo < hi:  # the pass grows with its tokens
-        mid = (lo + hi + 1) // 2
-        if _fits_with(est, name, gpu_bytes, **_budget_changes(est, name, mid * multiple)):
-            lo = mid
-        else:
-            hi = mid - 1
-    best = lo * multiple
-    return best if _fits_with(est, name, gpu_bytes, **_budget_changes(est, name, best)) else floor
-
-
-def _more_gpus(est: Estimate, name: str, gpu_bytes: float, gpus_per_node: int, max_gpus: int = 512) -> Optional[int]:
-    """The fewest GPUs above the current world size on which the pass fits: whole nodes of
-    ``gpus_per_node``, or up to a node of 8 when the world is smaller."""
-    worlds = sorted({n * gpus_per_node for n in range(1, max_gpus // gpus_per_node + 1)} | {2, 4, 8})
-    for world in worlds:
-        if world > est.settings.world_size and _fits_with(est, name, gpu_bytes, world_size=world):
-            return world
-    return None
-
-
-def fixes(est: Estimate, name: str, gpu_bytes: float, longest: int, sp: int = 1, gpus_per_node: int = 8) -> list[str]:
-    """Changes that make pass ``name`` fit with its margin, each re-estimated before it is named: a
-    lower budget or utilisation first; when only offload or more GPUs help, those (and the text says so)."""
-    s, p = est.settings, _pass_named(est, name)
-    out: list[str] = []
-    if s.no_sync_gradients and _fits_with(est, name, gpu_bytes, no_sync_gradients=False):
-        out.append("set actor_rollout_ref.actor.fsdp_config.use_no_sync_for_gradient_accumulation=false (it keeps "
-                   "every layer's unsharded gradient across micro-batches)")
-    if name == "rollout":
-        u = math.floor(round(s.gpu_memory_utilization * 20, 6)) / 20
-        while u >= 0.3 - 1e-9:
-            if u < s.gpu_memory_utilization and _fits_with(est, name, gpu_bytes, gpu_memory_utilization=u):
-                out.append(f"lower {p.setting} to at most {u:.2f}")
-                break
-            u = round(u - 0.05, 2)
-    elif name in _BUDGET_FIELDS:
-        floor = math.ceil(longest / sp)
-        budget = largest_budget(est, name, gpu_bytes, floor)
-        if budget is not None and budget < p.tokens:
-            out.append(f"lower {p.setting} to at most {budget} (it must stay >= {floor} = prompt + response"
-                       + (f" / sequence parallel size {sp})" if sp > 1 else ")"))
-        elif budget is None:
-            for bigger in (2, 4, 8):
-                if bigger <= sp or s.world_size % bigger:
-                    continue
-                at = largest_budget(est, name, gpu_bytes, math.ceil(longest / bigger))
-                if at is not None:
-                    out.append(f"set actor_rollout_ref.actor.ulysses_sequence_parallel_size={bigger} with "
-                               f"{p.setting} at most {at} (>= {math.ceil(longest / bigger)})")
-                    break
-    if out:
-        return out
-    helps = []
-    if not s.optimizer_offload and _fits_with(est, name, gpu_bytes, optimizer_offload=True):
-        helps.append("set actor_rollout_ref.actor.fsdp_config.optimizer_offload=true")
-    elif not (s.param_offload and s.optimizer_offload) and _fits_with(est, name, gpu_bytes, param_offload=True,
-                                                                      optimizer_offload=True):
-        helps.append("set actor_rollout_ref.actor.fsdp_config.param_offload=true and optimizer_offload=true")
-    world = _more_gpus(est, name, gpu_bytes, gpus_per_node)
-    if world is not None:
-        helps.append(f"use at least {world} GPUs (trainer.nnodes x trainer.n_gpus_per_node; NNODES and "
-                     "GPUS_PER_NODE in the run scripts) to shard the actor's state further")
-    if not helps:
-        return ["no single change fits this pass by the estimate: use more GPUs, offload, a smaller model or "
-                "shorter sequences"]
-    return ["only offload or more GPUs make it fit: " + " or ".join(helps)]
-
-
-def problems(est: Estimate, gpu_bytes: float, longest: int, sp: int = 1,
-             gpus_per_node: int = 8) -> list[tuple[str, str, str, str]]:
-    """``(pass, setting, problem, fix)`` for every pass whose estimated peak plus its margin exceeds
-    ``gpu_bytes``: the problem names the pass's largest components, the fix the changes that make it
-    fit (:func:`fixes`)."""
+def problems(est: Estimate, gpu_bytes: float) -> list[tuple[str, str, str]]:
+    """``(pass, setting, problem)`` for every pass whose estimated peak plus its margin exceeds
+    ``gpu_bytes`` (the problem names its peak phase and largest components), and for a vLLM share too
+    small for vLLM's weights and one longest sequence (pass ``rollout``)."""
     out = []
     for p in est.passes:
         if fits(p, gpu_bytes):
@@ -647,15 +887,201 @@ def problems(est: Estimate, gpu_bytes: float, longest: int, sp: int = 1,
         where = (f"more than the {gib(gpu_bytes)} GiB of the target GPU" if p.total > gpu_bytes else
                  f"within the {gib(gpu_bytes)} GiB of the target GPU but not with the estimate's margin of "
                  f"{gib(margin_bytes(p))} GiB")
-        problem = (f"needs about {gib(p.total)} GiB per GPU, {where} (largest: "
-                   + ", ".join(f"{k} {gib(v)}" for k, v in top) + ")")
-        fix = "; or ".join(fixes(est, p.name, gpu_bytes, longest, sp, gpus_per_node))
-        out.append((p.name, p.setting, problem, fix))
+        at = f" at {p.tokens} tokens" if p.tokens is not None else ""
+        out.append((p.name, p.setting, f"needs about {gib(p.total)} GiB per GPU{at} ({p.phase}), {where} "
+                    "(largest: " + ", ".join(f"{k} {gib(v)}" for k, v in top) + ")"))
+    if not vllm_share_fits(est, gpu_bytes):
+        s = est.settings
+        out.append(("rollout", f"{ROLLOUT}.gpu_memory_utilization",
+                    f"vLLM's share, {s.gpu_memory_utilization:g} x {gib(gpu_bytes)} GiB = "
+                    f"{gib(s.gpu_memory_utilization * gpu_bytes)} GiB, is less than its weights and one "
+                    f"{s.longest}-token sequence's KV cache need ({gib(vllm_floor_bytes(est.shape, s))} GiB with "
+                    f"tensor parallel size {s.rollout_tp}): vLLM would refuse to start"))
     return out
 
 
+# ------------------------------------------------------------------------------------------------
+# advice: changes that make every pass fit, each re-estimated
+# ------------------------------------------------------------------------------------------------
+
+#: a token budget the advice proposes is a multiple of this (or the floor itself)
+BUDGET_STEP = 1024
+_NO_SYNC_KEY = f"{ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation"
+
+
+@dataclass
+class Plan:
+    """Changes after which every pass fits by the estimate: ``overrides`` (config key -> value, as
+    Hydra overrides), ``kind`` (``settings``: budgets, utilisation, sequence parallelism; ``offload``;
+    ``gpus``) and the estimate with them."""
+
+    kind: str
+    overrides: dict[str, object]
+    estimate: Estimate
+
+    def text(self) -> str:
+        return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides.items())
+
+
+def _budget_knobs(s: Settings) -> list[tuple[str, tuple[str, ...], str]]:
+    """(settings field, passes it sizes, config key) of every token budget the run has."""
+    budget = lambda dynamic_key, micro_key: dynamic_key if s.dynamic_bsz else micro_key  # noqa: E731
+    knobs = [("update_tokens", ("update", "update_end"),
+              budget(f"{ACTOR}.ppo_max_token_len_per_gpu", f"{ACTOR}.ppo_micro_batch_size_per_gpu")),
+             ("log_prob_tokens", ("log_prob", "current", "update_effect"),
+              budget(f"{ROLLOUT}.log_prob_max_token_len_per_gpu", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"))]
+    if s.ref_tokens is not None:
+        knobs.append(("ref_tokens", ("reference",),
+                      budget(f"{REF}.log_prob_max_token_len_per_gpu", f"{REF}.log_prob_micro_batch_size_per_gpu")))
+    return knobs
+
+
+def _with_budget(s: Settings, knob: str, tokens: int) -> Settings:
+    if knob == "log_prob_tokens":
+        return replace(s, log_prob_tokens=tokens,
+                       current_tokens=tokens if s.current_tokens is not None else None,
+                       update_effect_tokens=min(tokens, s.update_effect_tokens)
+                       if s.update_effect_tokens is not None else None)
+    return replace(s, **{knob: tokens})
+
+
+def _fit(shape: ModelShape, s: Settings, gpu_bytes: float, names: tuple[str, ...]) -> bool:
+    est = estimate(shape, s, gpu_bytes)
+    return all(fits(p, gpu_bytes) for p in est.passes if p.name in names)
+
+
+def _budget_candidates(s: Settings, current: int, floor: int) -> list[int]:
+    """Budgets from ``floor`` up to ``current`` (multiples of :data:`BUDGET_STEP`, or of the longest
+    sequence without dynamic batching), ascending."""
+    if not s.dynamic_bsz:
+        step = max(1, s.longest)
+        return [k * step for k in range(1, max(1, current // step) + 1)]
+    first = math.ceil(floor / BUDGET_STEP) * BUDGET_STEP
+    return sorted({floor, *range(first, current + 1, BUDGET_STEP)})
+
+
+def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str, names: tuple[str, ...],
+                    floor: int) -> Optional[int]:
+    """The largest budget (at least ``floor``, at most the current one) at which ``names`` fit, the
+    model re-run at each candidate (the passes grow with their tokens); None when ``floor`` does not fit."""
+    current = getattr(s, knob)
+    candidates = [c for c in _budget_candidates(s, current, floor) if floor <= c <= current]
+    if not candidates or not _fit(shape, _with_budget(s, knob, candidates[0]), gpu_bytes, names):
+        return None
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _fit(shape, _with_budget(s, knob, candidates[mid]), gpu_bytes, names):
+            lo = mid
+        else:
+            hi = mid - 1
+    return candidates[lo]
+
+
+def _utilisation(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[float]:
+    """The largest ``gpu_memory_utilization`` (a multiple of :data:`UTILISATION_STEP`) with which the
+    rollout fits and vLLM's share holds its weights and one longest sequence; None when none does."""
+    for k in range(round(0.95 / UTILISATION_STEP), 0, -1):
+        u = round(k * UTILISATION_STEP, 2)
+        est = estimate(shape, replace(s, gpu_memory_utilization=u), gpu_bytes)
+        if fits(_pass_named(est, "rollout"), gpu_bytes) and vllm_share_fits(est, gpu_bytes):
+            return u
+    return None
+
+
+def _sequence_parallel_sizes(shape: ModelShape, s: Settings) -> list[int]:
+    """Sizes above the current one that verl accepts: dividing the GPUs and the attention heads, the
+    key-value heads dividing it or it dividing them."""
+    return [sp for sp in (2, 4, 8) if sp > s.sp and s.world_size % sp == 0 and shape.num_heads % sp == 0
+            and (shape.num_kv_heads % sp == 0 or sp % shape.num_kv_heads == 0)]
+
+
+def settings_plan(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[tuple[Settings, dict[str, object]]]:
+    """Settings and overrides that make every pass fit with the GPUs and offload of ``s``, changing only
+    what does not fit: deferred gradient sync off, the largest ``gpu_memory_utilization`` that fits, the
+    largest budget of each pass that does not fit (never below one longest sequence over the sequence
+    parallel size), a larger sequence parallel size only where the recipe allows one and no budget fits.
+    None when no such change fits (a token-independent part alone is too large)."""
+    est = estimate(shape, s, gpu_bytes)
+    failing = {p.name for p in est.passes if not fits(p, gpu_bytes)}
+    overrides: dict[str, object] = {}
+    if s.no_sync_gradients and failing & {"update", "update_end"}:
+        s = replace(s, no_sync_gradients=False)
+        overrides[_NO_SYNC_KEY] = False
+    if "rollout" in failing or not vllm_share_fits(est, gpu_bytes):
+        u = _utilisation(shape, s, gpu_bytes)
+        if u is None:
+            return None
+        s = replace(s, gpu_memory_utilization=u)
+        overrides[f"{ROLLOUT}.gpu_memory_utilization"] = u
+    if failing & {"update_end", "optimizer_step"} and not _fit(shape, s, gpu_bytes, ("update_end", "optimizer_step")):
+        return None
+    for sp in [s.sp] + (_sequence_parallel_sizes(shape, s) if s.sequence_parallel_allowed and s.longest else []):
+        trial, changes, ok = replace(s, sp=sp), {}, True
+        floor = math.ceil(s.longest / sp) if s.longest else 1
+        for knob, names, key in _budget_knobs(trial):
+            if _fit(shape, trial, gpu_bytes, names):
+                continue
+            budget = _largest_budget(shape, trial, gpu_bytes, knob, names, floor)
+            if budget is None:
+                ok = False
+                break
+            trial = _with_budget(trial, knob, budget)
+            changes[key] = budget if s.dynamic_bsz else budget // max(1, s.longest)
+        if ok and all_fit(estimate(shape, trial, gpu_bytes), gpu_bytes):
+            if sp != s.sp:
+                overrides[f"{ACTOR}.ulysses_sequence_parallel_size"] = sp
+                if s.ref_tokens is not None:
+                    overrides[f"{REF}.ulysses_sequence_parallel_size"] = sp
+            overrides.update(changes)
+            return trial, overrides
+    return None
+
+
+def _plan(kind: str, shape: ModelShape, s: Settings, gpu_bytes: float, overrides: dict) -> Optional[Plan]:
+    """``overrides`` alone when every pass fits with them, else with the settings changes
+    (:func:`settings_plan`) still needed; None when neither fits."""
+    est = estimate(shape, s, gpu_bytes)
+    if all_fit(est, gpu_bytes):
+        return Plan(kind, dict(overrides), est)
+    found = settings_plan(shape, s, gpu_bytes)
+    if found is None:
+        return None
+    return Plan(kind, {**overrides, **found[1]}, estimate(shape, found[0], gpu_bytes))
+
+
+def plans(shape: ModelShape, s: Settings, gpu_bytes: float, gpus_per_node: int = 8, max_gpus: int = 512):
+    """Candidate :class:`Plan` s for a run that does not fit, in the order the preflight tries them: the
+    settings alone (:func:`settings_plan`), then optimizer offload, parameter and optimizer offload, and
+    more GPUs (whole nodes of ``gpus_per_node``, or up to a node of 8 when the run uses fewer), each
+    alone when that fits, else with the settings changes it still needs. A generator: the preflight
+    verifies each through the whole preflight and keeps the first of each kind that passes."""
+    found = settings_plan(shape, s, gpu_bytes)
+    if found:
+        yield Plan("settings", found[1], estimate(shape, found[0], gpu_bytes))
+    for change in ({"optimizer_offload": True}, {"param_offload": True, "optimizer_offload": True}):
+        if all(getattr(s, k) for k in change):
+            continue
+        plan = _plan("offload", shape, replace(s, **change), gpu_bytes,
+                     {f"{ACTOR}.fsdp_config.{k}": v for k, v in change.items() if not getattr(s, k)})
+        if plan:
+            yield plan
+    nodes = s.world_size // gpus_per_node if gpus_per_node and s.world_size % gpus_per_node == 0 else None
+    worlds = []
+    if gpus_per_node < 8 and nodes == 1:
+        worlds += [(1, g) for g in (2, 4, 8) if g > gpus_per_node]
+    if nodes:
+        worlds += [(n, gpus_per_node) for n in range(nodes + 1, max_gpus // gpus_per_node + 1)]
+    for n, g in worlds:  # the fewest GPUs, as the run is or with the settings changes it still needs
+        plan = _plan("gpus", shape, replace(s, world_size=n * g), gpu_bytes,
+                     {"trainer.nnodes": n} if g == gpus_per_node else {"trainer.n_gpus_per_node": g})
+        if plan:
+            yield plan
+
+
 def table(est: Estimate, gpu_bytes: float) -> str:
-    """The estimate as text: one row per pass (its total, its margin, its largest components) and the verdict."""
+    """The estimate as text: one row per pass (its total, its margin, its peak phase and largest
+    components) and the verdict."""
     s = est.shape
     lines = [f"GPU memory per GPU (estimate, GiB; target {gib(gpu_bytes)} GiB as CUDA reports it; model "
              f"{s.params / 1e9:.2f}B params, {s.num_layers} layers, hidden {s.hidden_size}, vocab {s.vocab_size}; "
@@ -663,11 +1089,90 @@ def table(est: Estimate, gpu_bytes: float) -> str:
     width = max(len(p.name) for p in est.passes)
     for p in est.passes:
         share = p.total / gpu_bytes
-        tokens = f" at {p.tokens} tokens" if p.tokens is not None else ""
+        tokens = f" at {p.tokens} tokens, {p.bytes_per_token / 1024:.0f} KiB/token" if p.tokens is not None else ""
         top = sorted(p.components.items(), key=lambda kv: -kv[1])[:4]
         lines.append(f"  {p.name:<{width}}  {gib(p.total):>6} +{gib(margin_bytes(p)):>4}  {share:5.0%}  "
-                     f"{verdict(p, gpu_bytes):<12}{tokens}: " + ", ".join(f"{k} {gib(v)}" for k, v in top))
+                     f"{verdict(p, gpu_bytes):<12}{tokens} ({p.phase}): "
+                     + ", ".join(f"{k} {gib(v)}" for k, v in top))
     peak = est.peak
     lines.append(f"  peak: {peak.name}, {gib(peak.total)} GiB ({peak.total / gpu_bytes:.0%} of the GPU; a pass must "
                  "leave its margin, the second number, free)")
+    st = est.settings
+    if st.longest:
+        share = st.gpu_memory_utilization * gpu_bytes
+        floor = vllm_floor_bytes(est.shape, st)
+        lines.append(f"  vLLM's share {gib(share)} GiB holds its weights, one {st.longest}-token sequence's KV cache "
+                     f"and its runtime ({gib(floor)} GiB at tensor parallel size {st.rollout_tp}): "
+                     + ("ok" if share >= floor else "TOO SMALL"))
     return "\n".join(lines)
+
+
+#: the code each component follows (verl 0.9.1, transformers, flash-attn 2.8, PyTorch's FSDP1 and
+#: AdamW; paths under site-packages), written out term by term in docs/memory.md
+COMPONENT_SOURCES = {
+    "parameters (fp32, sharded)": "verl/workers/engine/fsdp/transformer_impl.py:262 and fsdp.yaml model_dtype=fp32: "
+                                  "float32 master weights, FULL_SHARD over every GPU (fsdp_size=-1)",
+    "optimizer (AdamW, fp32, sharded)": "verl/workers/config/optimizer.py:298 build_optimizer: torch AdamW, two "
+                                        "float32 moments per sharded parameter",
+    "gradients (fp32, sharded)": "torch/distributed/fsdp/_runtime_utils.py:848 the reduce-scattered float32 shard; "
+                                 "verl/workers/engine/fsdp/transformer_impl.py:1139 zeroed when train mode exits",
+    "unsharded gradients (no_sync)": "verl/workers/engine/fsdp/transformer_impl.py:702 "
+                                     "use_no_sync_for_gradient_accumulation: FSDP's no_sync keeps them",
+    "reference root unit (unsharded)": "verl/workers/engine/fsdp/transformer_impl.py:1117 the root resharded only "
+                                       "when fsdp_size > 1; FSDP1 keeps a root unsharded after its forward",
+    "actor root unit (unsharded since the log-prob pass)": "verl/workers/engine/fsdp/transformer_impl.py:1117 (the "
+                                                           "same for the actor's eval mode)",
+    "gathered parameters": "FSDP1 FULL_SHARD, mixed precision bf16: the root unit for the whole pass, the running "
+                           "and the prefetched layer",
+    "vLLM (gpu_memory_utilization)": "vLLM's requested memory = gpu_memory_utilization x total; "
+                                     "verl/workers/engine_workers.py:823 resumes its KV cache each step",
+    "overhead": "CUDA contexts, NCCL, vLLM's residue asleep, the allocator's rounding (measured: "
+                "python -m recipe.stapo.memory.calibration)",
+    "layer working set (no grad)": "transformers/models/qwen3/modeling_qwen3.py:82 (MLP) and :392 (inputs_embeds "
+                                   "kept by the model's forward)",
+    "final hidden states": "transformers/models/qwen3/modeling_qwen3.py:505 the LM head's input",
+    "logits": "transformers/models/qwen3/modeling_qwen3.py:505 lm_head in bf16 (autocast); kept by "
+              "verl/workers/engine/fsdp/transformer_impl.py:1549 forward_step's output",
+    "log-probs, entropy, outputs": "flash_attn/ops/triton/cross_entropy.py losses, lse, z_losses; the entropy and sum "
+                                   "of squares per token",
+    "log-probs, outputs": "flash_attn/ops/triton/cross_entropy.py losses, lse, z_losses",
+    "temperature-scaled logits": "verl/workers/engine/fsdp/transformer_impl.py:98 logits / temperature, beside the "
+                                 "model's output",
+    "entropy chunk": "verl/utils/torch_functional.py:248 a chunk's float32 copy, softmax and product",
+    "sum_pi^2 chunk": "verl_patches/sum_pi_squared.py (replacing verl/utils/torch_functional.py's unchunked "
+                      "formula): a chunk's float32 copy, its double, logsumexp's temporary",
+    "checkpointed layer inputs": "verl/workers/engine/fsdp/transformer_impl.py:336 gradient_checkpointing_enable("
+                                 "use_reentrant=False): each layer's input kept",
+    "last layer's forward (checkpointed)": "transformers/models/qwen3/modeling_qwen3.py:82 the MLP's tensors, "
+                                           "nothing saved under checkpointing",
+    "final norm (saved, output)": "transformers/models/qwen3/modeling_qwen3.py:59 Qwen3RMSNorm: float32 copy, "
+                                  "normalised tensor; its output is the LM head's saved input",
+    "logits (+ gradient in place)": "verl/utils/torch_functional.py:129 cross_entropy_loss(inplace_backward=True): "
+                                    "flash-attn saves the logits and writes their gradient into them",
+    "logits gradient (not in place)": "verl/workers/engine/fsdp/transformer_impl.py:1427 inplace_backward=False with "
+                                      "the entropy: flash-attn's torch.empty_like(logits)",
+    "gradient of the temperature's division": "autograd's DivBackward: a new tensor beside the logits' gradient",
+    "entropy (with grad)": "verl/utils/torch_functional.py:248 every chunk's float32 copy and softmax kept for the "
+                           "backward (an entropy bonus)",
+    "entropy chunk (no grad)": "verl_patches/current_stats.py wrap_set_loss_fn: the update's entropy under no_grad, "
+                               "one chunk at a time",
+    "logits gradient": "flash-attn's cross entropy backward, then the LM head's backward reads it",
+    "gradient of the LM head input": "the LM head's backward: the gradient of its input",
+    "LM head weight gradient (unsharded)": "FSDP1 flat parameter: the root unit's view gradients wait for its "
+                                           "reduction at the end of the backward",
+    "final norm's backward (float32)": "transformers/models/qwen3/modeling_qwen3.py:59 differentiated: its float32 "
+                                       "copy and five float32 temporaries",
+    "layer recompute + backward": "transformers/models/qwen3/modeling_qwen3.py:294 recomputed; saved tensors of its "
+                                  "norms, flash-attn (transformers/modeling_flash_attention_utils.py:511) and MLP; "
+                                  "flash-attn's mha_varlen_bwd dq_accum, softmax_d, dk/dv expanded",
+    "gradient flowing into the embedding": "the embedding's backward: the gradient of its output",
+    "embedding weight gradient (unsharded)": "the embedding's dense weight gradient, beside the LM head's (untied)",
+    "this layer's gradient (unsharded)": "FSDP1 flat parameter: the unit's view gradients until its reduction",
+    "gradient flowing down": "the gradient of a layer's input",
+    "layer gradient: unsharded, float32 copy, shard": "torch/distributed/fsdp/_runtime_utils.py:764 cast to float32 "
+                                                      "while the bf16 gradient is referenced, :848 reduce-scatter",
+    "root unit gradient: unsharded, float32 copy, shard": "torch/distributed/fsdp/_runtime_utils.py:764 and :848, "
+                                                          "for the root unit at the end of the backward",
+    "AdamW foreach temporary (fp32, sharded)": "torch/optim/adam.py:762 torch._foreach_sqrt(exp_avg_sq): one "
+                                               "float32 copy of the moments",
+}

@@ -15,8 +15,11 @@ real launch run the same checks, the latter also in a submitted job's own driver
 - paths: data files are parquet with the columns the run reads; the model folder has a config, a
   tokenizer and weights; the checkpoint folder (and the token dump's) can be created and written
   (a probe file, removed with any folder made for it); the token dump's settings;
-- GPU memory: :mod:`recipe.stapo.memory_model`'s estimate per pass, with its margin, against
-  ``recipe.gpu_mem_gb`` (``GPU_MEM_GB``: GiB as CUDA reports them, default 79.1 for an 80 GB card).
+- model and context: the model's ``config.json`` read whole (a bad shape field named, a
+  Mixture-of-Experts model refused as not estimated), prompt + response within the context vLLM serves;
+- GPU memory: :mod:`recipe.stapo.memory.model`'s estimate per pass, with its margin, against
+  ``recipe.gpu_mem_gb`` (``GPU_MEM_GB``: GiB as CUDA reports them, default 79.1 for an 80 GB card);
+  a refusal names changes that make every pass fit, each run through the whole preflight first.
 
 With ``LAUNCH=submit`` the launching machine may not see the cluster's storage: a path it cannot see
 is reported as a note, not refused (the job's driver checks it on the head node).

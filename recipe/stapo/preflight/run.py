@@ -22,9 +22,11 @@ LAUNCH_ENV = "LAUNCH"
 
 
 def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, problems: Optional[list[Problem]] = None,
-          log: Callable[[str], None] = print) -> Report:
+          log: Callable[[str], None] = print, advise: bool = True) -> Report:
     """Run every check on a resolved config; raise :class:`PreflightError` listing every problem
-    (``problems``: ones the caller found before), else return the :class:`Report` (also logged)."""
+    (``problems``: ones the caller found before), else return the :class:`Report` (also logged).
+    ``advise``: a memory refusal names changes that make every pass fit, each run through this whole
+    preflight first (``advise=False`` in those runs)."""
     environ = os.environ if environ is None else environ
     submit = environ.get(LAUNCH_ENV, "") == "submit"
     found = list(problems or [])
@@ -39,11 +41,21 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
     check_paths(config, found, report.notes, submit)
     check_token_dump(config, found)
     if numbers_ok:
-        report.memory_table = check_memory(config, found, report.notes)
+        recheck = (lambda changed: _problems_of(changed, environ)) if advise else None
+        report.memory_table = check_memory(config, found, report.notes, recheck)
     if found:
         raise PreflightError(found)
     log(report.text())
     return report
+
+
+def _problems_of(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """Every problem the whole preflight finds in ``config`` (none: it passes), without advice."""
+    try:
+        check(config, environ, log=lambda _: None, advise=False)
+    except PreflightError as e:
+        return e.problems
+    return []
 
 
 def summary(config: DictConfig) -> str:

@@ -1,76 +1,136 @@
-"""The estimate next to a run's measured peaks (``recipe.stapo.memory.calibration``): the preflight's
-table read back from a driver's log, verl's memory metrics from ``metrics.jsonl``."""
+"""The estimate next to a run's measurements, term by term (``recipe.stapo.memory.calibration``): the
+preflight's table read back from a driver's log, the memory probe's recorded lines (as the GPU run's
+workers print them, with Ray's prefix), verl's memory metrics from ``metrics.jsonl``."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
 from recipe.stapo.memory import calibration as mc
 from recipe.stapo.memory import model as mm
+from tests.helpers.paths import REPO
+from verl_patches.memory_probe import line
+
+GIB = mm.GIB
 
 
-def _run(tmp_path, metrics_rows):
+def _estimate() -> tuple[mm.Estimate, float]:
     shape = mm.BUILTIN_SHAPES["qwen3-1.7b"]
-    gpu = mm.DEFAULT_GPU_MEM_GIB * mm.GIB
+    gpu = mm.DEFAULT_GPU_MEM_GIB * GIB
     settings = mm.Settings(world_size=1, gpu_memory_utilization=0.5, log_prob_tokens=49152, update_tokens=32768,
-                           current_tokens=49152)
-    est = mm.estimate(shape, settings, gpu)
-    (tmp_path / "train.log").write_text("noise\n[stapo] preflight passed\n[stapo] " + mm.table(est, gpu)
-                                        + "\nStep 1 ...\n")
+                           current_tokens=49152, longest=16384)
+    return mm.estimate(shape, settings, gpu), gpu
+
+
+def _run(tmp_path, probe_lines=(), metrics_rows=()) -> mm.Estimate:
+    est, gpu = _estimate()
+    text = "noise\n[stapo] preflight passed\n[stapo] " + mm.table(est, gpu) + "\nStep 1 ...\n"
+    text += "".join(f"(WorkerDict pid=1) {x}\n" for x in probe_lines)
+    (tmp_path / "train.log").write_text(text)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics_rows))
     return est
 
 
-def test_the_estimate_is_read_back_from_the_log_and_set_beside_the_measured_peak(tmp_path):
-    est = _run(tmp_path, [{"step": 1, "data": {"actor/perf/max_memory_allocated_gb": 30.0,
-                                                "actor/perf/max_memory_reserved_gb": 33.0}},
-                          {"step": 2, "data": {"actor/perf/max_memory_allocated_gb": 31.5,
-                                                "actor/perf/max_memory_reserved_gb": 34.0}}])
+def _row(text: str, name: str) -> str:
+    (row,) = [r for r in text.splitlines() if r.strip().startswith(name + " ")]
+    return row
+
+
+def _pass(est: mm.Estimate, name: str) -> mm.Pass:
+    return next(p for p in est.passes if p.name == name)
+
+
+def test_the_estimate_is_read_back_with_tokens_and_bytes_per_token(tmp_path):
+    est = _run(tmp_path)
     target, rows = mc.estimate_from_log((tmp_path / "train.log").read_text())
     assert target == mm.DEFAULT_GPU_MEM_GIB
-    assert rows == {p.name: round(p.total / mm.GIB, 1) for p in est.passes}
+    assert {n: r.gib for n, r in rows.items()} == {p.name: round(p.total / GIB, 1) for p in est.passes}
+    update = _pass(est, "update")
+    assert rows["update"].tokens == 32768 and rows["update"].kib_per_token == round(update.bytes_per_token / 1024)
+    assert rows["rollout"].tokens is None and rows["rollout"].vllm == round(0.5 * mm.DEFAULT_GPU_MEM_GIB, 1)
+
+
+def test_each_term_is_set_beside_its_measurement(tmp_path):
+    """Recorded lines: the update at two micro-batch sizes 25% apart (a slope), a log-prob pass, a
+    current-policy forward inside the update, the rollout after a weight sync."""
+    _run(tmp_path, [
+        line("log_prob", 20.0 * GIB, 21.5 * GIB, 25.0 * GIB, 3.5 * GIB, 49000, 4),
+        line("update", 17.0 * GIB, 18.0 * GIB, 22.0 * GIB, 4.0 * GIB, 24000, 10),
+        line("current", 19.0 * GIB, 20.0 * GIB, 24.0 * GIB, 4.0 * GIB, 48000, 3),
+        line("update", 19.0 * GIB, 20.0 * GIB, 24.0 * GIB, 4.0 * GIB, 32000, 8),
+        line("rollout", 1.0 * GIB, 1.2 * GIB, 43.0 * GIB, 41.8 * GIB),
+    ])
+    text = mc.compare(tmp_path / "train.log")
+    overhead = mm.OVERHEAD_BYTES / GIB
+    _, rows = mc.estimate_from_log((tmp_path / "train.log").read_text())
+    # the update: the estimate less the overhead moved to the largest measured micro-batch (32,000 tokens)
+    update = rows["update"]
+    at = update.gib - overhead - update.kib_per_token * 1024 * (32768 - 32000) / GIB
+    assert f"estimate less the overhead at 32000 tokens {at:6.1f} GiB, allocated   19.0: {at / 19.0 - 1:+.0%}" \
+        in _row(text, "update")
+    # its bytes per token against the slope of the two measurements: 2 GiB over 8,000 tokens
+    measured_kib = 2.0 * GIB / 8000 / 1024
+    assert f"measured {measured_kib:.0f} KiB: {update.kib_per_token / measured_kib - 1:+.0%}" in text
+    # the current-policy forward, logged inside the update, is its own pass
+    assert "allocated   19.0" in _row(text, "current")
+    # the overhead: outside the allocator plus its rounding, the largest over the passes (4.0 + 1.0)
+    assert f"overhead       estimate {overhead:.1f} GiB, measured 5.0" in text
+    assert f"{overhead / 5.0 - 1:+.0%}" in _row(text, "overhead")
+    # vLLM's share: outside the trainer's allocator awake (41.8) less asleep (the least, 3.5)
+    assert f"vLLM's share   estimate {rows['rollout'].vllm:.1f} GiB, measured 38.3" in text
+    # the passes the update's line covers, and a pass without a line
+    assert "inside the update's line" in _row(text, "optimizer_step") and "inside" in _row(text, "update_end")
+    _run(tmp_path, [line("update", 17.0 * GIB, 18.0 * GIB, 22.0 * GIB, 4.0 * GIB, 24000, 10)])
+    assert _row(mc.compare(tmp_path / "train.log"), "log_prob").endswith("not measured")
+
+
+def test_lines_without_the_device_figures_and_without_metrics_are_read(tmp_path):
+    """A log of an earlier probe (peaks only) and no metrics file: what can be compared is."""
+    _run(tmp_path, ["[stapo] memory peak: pass=log_prob allocated_gib=20.00 reserved_gib=21.00"])
+    (tmp_path / "metrics.jsonl").unlink()
+    text = mc.compare(tmp_path / "train.log")
+    assert "allocated   20.0" in _row(text, "log_prob")
+    assert "vLLM's share   not measured" in text and "overhead       estimate" not in text
+    assert mc.main([str(tmp_path)]) == 0
+
+
+def test_verls_run_wide_peaks_are_reported_from_the_metrics(tmp_path):
+    _run(tmp_path, metrics_rows=[{"step": 1, "data": {"actor/perf/max_memory_allocated_gb": 30.0,
+                                                      "actor/perf/max_memory_reserved_gb": 33.0}},
+                                 {"step": 2, "data": {"actor/perf/max_memory_allocated_gb": 31.5,
+                                                      "actor/perf/max_memory_reserved_gb": 34.0}}])
     text = mc.compare(tmp_path / "train.log", tmp_path / "metrics.jsonl")
-    training = max((p for p in est.passes if p.name != "rollout"), key=lambda p: p.total)
-    expected = round(training.total / mm.GIB, 1) - mm.OVERHEAD_BYTES / mm.GIB
     assert "max_memory_allocated_gb (all passes): 31.5 GiB" in text and "max_memory_reserved_gb (all passes): 34.0 GiB" in text
-    assert f"({training.name}) less the overhead: {expected:.1f} GiB" in text
-    assert f"measured / estimate {31.5 / expected:.2f}" in text
 
 
 def test_bad_inputs_name_the_file(tmp_path):
-    _run(tmp_path, [])
+    _run(tmp_path)
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "data": {}}\nnot json\n')
     with pytest.raises(ValueError, match=r"metrics.jsonl:2: not a JSON line"):
         mc.compare(tmp_path / "train.log", tmp_path / "metrics.jsonl")
     (tmp_path / "train.log").write_text("[stapo] preflight passed\n")
     with pytest.raises(ValueError, match=r"train.log: no memory table"):
-        mc.compare(tmp_path / "train.log", tmp_path / "metrics.jsonl")
+        mc.compare(tmp_path / "train.log")
     assert mc.main([str(tmp_path / "missing")]) == 1
 
 
-def test_each_probed_pass_is_set_beside_its_estimate(tmp_path):
-    """The workers' per-pass lines (verl_patches.memory_probe, with Ray's prefix) are read back; each
-    pass's largest peak over the run is compared with its estimate less the overhead."""
-    est = _run(tmp_path, [])
-    from verl_patches.memory_probe import line
+def test_slope_needs_token_counts_apart():
+    assert mc.slope([(1000, 1.0), (1050, 2.0)]) is None
+    assert mc.slope([(1000, 1.0), (2000, 3.0), (3000, 5.0)]) == pytest.approx(2.0 / 1000)
 
-    gib = mm.GIB
-    probe = ["(WorkerDict pid=1) " + line("log_prob", 18.0 * gib, 20.0 * gib),
-             "(WorkerDict pid=1) " + line("log_prob", 19.0 * gib, 21.0 * gib),
-             "(WorkerDict pid=1) " + line("update", 40.0 * gib, 44.0 * gib)]
-    with open(tmp_path / "train.log", "a") as f:
-        f.write("\n".join(probe) + "\n")
-    assert mc.measured_passes((tmp_path / "train.log").read_text()) == {"log_prob": (19.0, 21.0), "update": (40.0, 44.0)}
-    text = mc.compare(tmp_path / "train.log", tmp_path / "metrics.jsonl")
-    overhead = mm.OVERHEAD_BYTES / mm.GIB
-    for name, allocated, reserved in (("log_prob", 19.0, 21.0), ("update", 40.0, 44.0)):
-        (row,) = [r for r in text.splitlines() if r.strip().startswith(name + " ")]
-        estimate = round(next(p for p in est.passes if p.name == name).total / mm.GIB, 1)
-        assert f"measured {allocated:6.1f} / {reserved:6.1f}" in row, row
-        assert row.endswith(f"{reserved / (estimate - overhead):.2f}"), row
-    (current,) = [r for r in text.splitlines() if r.strip().startswith("current ")]
-    assert current.endswith("not measured")
-    (rollout,) = [r for r in text.splitlines() if r.strip().startswith("rollout ")]
-    assert "not compared" in rollout
+
+def test_the_documented_command_runs_on_a_run_folder(tmp_path):
+    folder = tmp_path / "results" / "gpu_smoke" / "stapo"
+    folder.mkdir(parents=True)
+    _run(folder, [line("update", 17.0 * GIB, 18.0 * GIB, 22.0 * GIB, 4.0 * GIB, 32000, 8)])
+    command = next(c for c in (REPO / "docs" / "memory.md").read_text().splitlines()
+                   if c.startswith("python -m recipe.stapo.memory.calibration results/"))
+    argv = command.split("#")[0].split()
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "allocated   17.0" in _row(proc.stdout, "update")
