@@ -17,7 +17,6 @@ paper run written out term by term (:func:`terms`), with the code each component
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -122,20 +121,25 @@ def cell(config) -> Cell:
     return Cell(est.passes[0].total, training.name, training.total, not found, plans)
 
 
+def run_configs(workdir: str):
+    """``((model, method, nodes, card), config)`` for every run of the table. A run script's config is
+    composed once (composing costs a second); its node count and ``recipe.gpu_mem_gb`` are then set in
+    place, so each config is valid until the next one is taken (copy it to keep it)."""
+    for model in MODELS:
+        for method in methods():
+            config = run_config(method, model, NODES[0], CARDS[0][1], workdir)
+            for nodes in NODES:
+                for card, gib in CARDS:
+                    with open_dict(config):
+                        OmegaConf.update(config, "trainer.nnodes", nodes)
+                        OmegaConf.update(config, "recipe.gpu_mem_gb", gib)
+                    yield (model, method, nodes, card), config
+
+
 def cells(workdir: Optional[str] = None) -> dict[tuple[str, str, int, str], Cell]:
     """(model, method, nodes, card) -> :class:`Cell` for every run of the table."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = {}
-        for model in MODELS:
-            for method in methods():
-                for nodes in NODES:
-                    base = run_config(method, model, nodes, CARDS[0][1], workdir or tmp)
-                    for card, gib in CARDS:
-                        config = copy.deepcopy(base)
-                        with open_dict(config):
-                            OmegaConf.update(config, "recipe.gpu_mem_gb", gib)
-                        out[(model, method, nodes, card)] = cell(config)
-        return out
+        return {key: cell(config) for key, config in run_configs(workdir or tmp)}
 
 
 def markdown(table: dict[tuple[str, str, int, str], Cell]) -> str:
