@@ -11,7 +11,7 @@
 #   MODEL                  local Hugging Face folder of the model (GPU mode; required)
 #   GPUS [1]               GPUs of this node to use
 #   STAPO_DATA_DIR [data/stapo]  train.parquet and aime24.parquet (`python -m recipe.stapo.data.prepare`)
-#   METHODS [grpo entropy20 justrl stapo]   STEPS [2]
+#   METHODS [the paper's: recipe.stapo.methods.PAPER_METHODS]   STEPS [2]
 #   LENGTHS [short]        short: prompt / response 512 / 1024 tokens, 16 prompts x 4 responses (minutes);
 #                          paper: the paper's 1024 / 15360 tokens with the model config's token budgets,
 #                          8 prompts x 4 responses, 2 updates per step: the first 16k-token steps run on
@@ -33,7 +33,8 @@ abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$2" "$1" ;; esac
 out=$(abs "${OUT:-results/gpu_smoke}" "$([ -n "${OUT:-}" ] && echo "$launch_dir" || echo "$PWD")")
 steps=${STEPS:-2}
 [[ "$steps" =~ ^[0-9]+$ ]] && [ "$steps" -ge 1 ] || { echo "STEPS='$steps': expected a whole number >= 1 (training steps per method)" >&2; exit 2; }
-read -ra methods <<< "${METHODS:-grpo entropy20 justrl stapo}"
+[ -n "${METHODS:-}" ] || METHODS=$("$python" -c 'from recipe.stapo.methods import PAPER_METHODS; print(*PAPER_METHODS)')
+read -ra methods <<< "$METHODS"
 device=${SMOKE_DEVICE:-gpu}
 lengths=${LENGTHS:-short}
 case "$lengths" in

@@ -320,7 +320,7 @@ def _save(fig, path: Path) -> Path:
 # bands across seeds (study mode)
 # --------------------------------------------------------------------------------------------
 
-#: one colour per method (its table row's), the same in every panel and figure
+#: one colour per method (:mod:`recipe.stapo.methods`), the same in every panel and figure
 METHOD_COLORS = {m.name: m.color for m in methods().values()}
 _SPARE_COLORS = ("tab:gray", "tab:olive", "tab:cyan", "tab:pink", "tab:brown", "tab:purple")
 

@@ -54,9 +54,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
+from recipe.stapo.cpu import cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
 from recipe.stapo.cpu.trainer import CPU_ROLLOUT
 from recipe.stapo.cpu.assets import SHIPPED_DIR, AssetConfig, asset_paths, build_assets, is_built, verify_assets
+from recipe.stapo.methods import PAPER_METHODS, methods
 from recipe.stapo.plots import plot_bands, plot_runs, plot_update_effect
 from recipe.stapo.quickstart_report import (APPLIED, DLOGP_SILENCED, ENTROPY, REWARD, SILENCED, STEP_TIME, fmt,
                                             learning_check, learning_markdown, markdown_table, quadrant_markdown,
@@ -134,8 +135,8 @@ class QuickstartOptions:
     def problems(self) -> list[str]:
         """One message per option that cannot run (empty: all can)."""
         problems = []
-        choices = f"give a comma-separated subset of {','.join(METHODS)}"
-        unknown = [m for m in self.methods if m not in METHODS]
+        choices = f"give a comma-separated subset of {','.join(methods())}"
+        unknown = [m for m in self.methods if m not in methods()]
         if not self.methods:
             problems.append(f"--methods: none given; {choices}")
         if unknown:
@@ -346,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--test-freq", type=int, default=None,
                         help="validate every N steps too (default: only before training and after the last step)")
     parser.add_argument("--trainer", choices=("v1", "legacy"), default="v1", help="verl trainer (default v1)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(PAPER_METHODS),
+                        help=f"comma-separated methods to run (default: the paper's, {','.join(PAPER_METHODS)}; "
+                             f"any of {','.join(methods())})")
     parser.add_argument("--override", action="append", default=[],
                         help="extra Hydra override for every run (repeatable); refused if it changes STAPO's "
                              "paper settings")
@@ -399,7 +402,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     study, out = opts.study, opts.out
     by_seed = [{**r, "method": f"{r['method']} (seed {r['seed']})"}
-               for r in sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))]
+               for r in sorted(rows, key=lambda r: (list(methods()).index(r["method"]), r["seed"]))]
     table = markdown_table(by_seed if study else rows)
     finished = [r for r in rows if not r["error"]]
     stapo_dirs = [opts.run_dir("stapo", r["seed"]) for r in finished if r["method"] == "stapo"]

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.stapo.driver import METHODS, PreflightError, compose, prepare
+from recipe.stapo.driver import PreflightError, compose, prepare
+from recipe.stapo.methods import PAPER_METHODS
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
 from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, write_model
 from tests.helpers.paths import REPO
@@ -216,7 +217,7 @@ def test_paper_lengths_runs_pass_the_preflight_on_one_gpu(tmp_path, monkeypatch)
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
     configs = _prepared(commands, env["STAPO_DATA_DIR"], monkeypatch)
-    assert [c.recipe.method for c, _ in configs] == list(METHODS)
+    assert [c.recipe.method for c, _ in configs] == list(PAPER_METHODS)
     for config, logged in configs:
         assert (config.data.max_prompt_length, config.data.max_response_length) == (1024, 15360)
         assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (1, 1)

@@ -220,7 +220,8 @@ def test_throughput_settings_fit_the_longest_sequence(model):
 def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
     """GPU mode of run_scripts/gpu_smoke.sh (dry run): one command per method, each a valid verl config
     on one node with the local model, short lengths and a checkpoint at the last step."""
-    from recipe.stapo.driver import METHODS, validate
+    from recipe.stapo.driver import validate
+    from recipe.stapo.methods import PAPER_METHODS
 
     model = tmp_path / "Qwen3-1.7B-Base"
     model.mkdir()
@@ -229,7 +230,7 @@ def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
                 STAPO_DRY_RUN="1", OUT="smoke")
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
-    assert [_value(c, "method") for c in commands] == list(METHODS)
+    assert [_value(c, "method") for c in commands] == list(PAPER_METHODS)
     for argv in commands:
         cfg = compose(argv[3:])
         validate(cfg)
