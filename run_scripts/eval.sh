@@ -9,7 +9,8 @@
 #   completely written (no actor/huggingface/config.json, a rank's shard missing, or newer than the
 #   trainer's latest_checkpointed_iteration.txt) is refused before anything is written; so is a model
 #   path that does not exist (run_eval checks it before writing).
-# Env vars (defaults): PYTHON (python3: the interpreter with requirements.txt installed), BENCH_DIR
+# Env vars (defaults): PYTHON (the interpreter with requirements.txt installed: python3 when it has
+# them, else the project's .venv), BENCH_DIR
 # (data/stapo), OUT (results/eval/[SCALE_][METHOD_]<run>_step<N>, or the model folder's last two names),
 # DECODING (both), BACKEND (vllm), VERIFIER (auto: the paper's grading, CompassVerifier-3B on the rule
 # failures, for a full run; rule-only for a --limit smoke test; `none` or `compass` to choose),
@@ -24,7 +25,7 @@ launch_dir=$PWD
 cd "$(dirname "$0")/.."
 repo=$PWD
 : "${MODEL:?set MODEL to a checkpoint (HF folder, verl global_step_N folder) or hub id}"
-python=${PYTHON:-python3}
+source run_scripts/_python.sh   # sets python (PYTHON, else python3 or the project's .venv)
 
 # abs PATH BASE: PATH made absolute against BASE
 abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$2" "$1" ;; esac; }
