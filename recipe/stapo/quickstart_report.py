@@ -79,7 +79,7 @@ def markdown_table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | | | | |")
+            lines.append(f"| {r['method']} | {r['error']} | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['method']} | {r['steps']} | {fmt(r['final_reward'])} | {fmt(r['mean_reward'])} | "
                      f"{fmt(r['final_entropy'])} | {fmt(r['mean_entropy'])} | {r.get('s2t') or 'n/a'} | "
