@@ -1,11 +1,8 @@
-"""The recipe's methods, read from ``config/method/*.yaml``: a method is its YAML file.
-
-Each file names the method (``recipe.method``, the file's stem) and, when it selects tokens, its
-rule (``actor_rollout_ref.actor.policy_loss.token_selection``); ``method=<name>`` runs any of them.
-The paper's comparison is :data:`PAPER_METHODS`, the one list of it: the quickstart runs it by
-default, its learning check judges its baselines, and it is the order methods are listed and
-plotted in. A new file is a method at once, and joins a comparison only where it is named
-(``--methods`` of the quickstart, ``METHODS`` of ``run_scripts/gpu_smoke.sh``).
+"""The recipe's methods: a method is its ``config/method/<name>.yaml`` (``recipe.method: <name>``; its
+rule, if it selects tokens, at ``actor_rollout_ref.actor.policy_loss.token_selection``), run by
+``method=<name>``. The paper's comparison is :data:`PAPER_METHODS`, its one list: what the quickstart
+runs by default and judges the baselines of, and the order methods are listed and plotted in. A new
+file joins a comparison only where it is named (the quickstart's ``--methods``, gpu_smoke.sh's ``METHODS``).
 """
 
 from __future__ import annotations

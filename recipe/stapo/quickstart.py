@@ -375,8 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="validate every N steps too (default: only before training and after the last step)")
     parser.add_argument("--trainer", choices=("v1", "legacy"), default="v1", help="verl trainer (default v1)")
     parser.add_argument("--methods", default=",".join(PAPER_METHODS),
-                        help=f"comma-separated methods to run (default: the paper's, {','.join(PAPER_METHODS)}; "
-                             f"any of {','.join(methods())})")
+                        help=f"comma-separated subset of {','.join(methods())} (default: the paper's four)")
     parser.add_argument("--override", action="append", default=[],
                         help="extra Hydra override for every run (repeatable); refused if it changes STAPO's "
                              "paper settings")
