@@ -4,7 +4,7 @@
 
     python -m benchmarks.bench_e2e RUN_JUSTRL RUN_STAPO        # run folders (metrics.jsonl) or .jsonl files
     python -m benchmarks.bench_e2e --from-quickstart results/quickstart
-    python -m benchmarks.bench_e2e --run [--out results/bench_e2e] [--steps 6]   # train both on CPU first
+    python -m benchmarks.bench_e2e --run [--out results/bench_e2e] [--steps 6] [--timeout 1200]   # train both first
 
 Input: verl's file logger (``verl.utils.tracking.FileLogger``): one JSON object per line,
 ``{"step": s, "data": {metric: value, ...}}``, read with :func:`recipe.stapo.metrics.read_metrics`.
@@ -16,7 +16,8 @@ The phases are verl's ``timing_s/<name>`` metrics (``compute_timing_metrics`` in
 For each phase: the median over steps of each run's time, and the median over steps of the paired
 ratio ``t_STAPO(step) / t_JustRL(step)`` (same step number: same data, same seeds), skipping the
 first ``--warmup-steps`` steps (default 1: compilation, caches, allocator warm-up), with the
-number of steps ``n`` it rests on.
+number of steps ``n`` it rests on. A run the quickstart stopped at its limit (``--timeout``) is named
+with its logged steps, or, when it logged none, in the error.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from recipe.stapo.metrics import find_metrics_file, read_metrics
+from recipe.stapo.plots import stopped_message
 
 TIMING_PREFIX = "timing_s/"
 #: phases in the order of a step; others both runs log follow, sorted
@@ -49,11 +51,19 @@ class PhaseRow:
 
 
 def load_run(run: str | Path) -> dict[int, dict]:
-    """``{step: {metric: value}}`` of one run (ValueError naming the file and line on a bad line)."""
-    path = find_metrics_file(run)
-    steps = read_metrics(path)
+    """``{step: {metric: value}}`` of one run (ValueError naming the file and line on a bad line; for a
+    run the quickstart stopped at its limit before it logged a step, its message)."""
+    stopped = stopped_message(run)
+    try:
+        path = find_metrics_file(run)
+        steps = read_metrics(path)
+    except (FileNotFoundError, ValueError):
+        if stopped is None:
+            raise
+        steps = {}
     if not steps:
-        raise ValueError(f"{path}: no steps logged")
+        raise ValueError(f"{run}: {stopped}, before logging a step: nothing to compare" if stopped is not None
+                         else f"{path}: no steps logged")
     return steps
 
 
@@ -107,6 +117,10 @@ def report(baseline_run: str | Path, method_run: str | Path, warmup_steps: int =
     lines = [f"bench_e2e: {METHOD} {find_metrics_file(method_run)} vs {BASELINE} {find_metrics_file(baseline_run)}; "
              f"median over steps, step(s) {sorted(set(baseline) & set(method))[:warmup_steps]} skipped as warm-up; "
              "ratio = median of per-step ratios"]
+    for name, run in ((BASELINE, baseline_run), (METHOD, method_run)):
+        stopped = stopped_message(run)
+        if stopped is not None:
+            lines.append(f"note: {name}: {stopped}; only the steps it logged are compared")
     if set(baseline) != set(method):
         lines.append(f"note: the runs logged different steps ({BASELINE}: {len(baseline)}, {METHOD}: {len(method)}); "
                      "only the common steps are compared")
@@ -118,8 +132,9 @@ def report(baseline_run: str | Path, method_run: str | Path, warmup_steps: int =
 
 def run_both(out: Path, steps: int, extra: Sequence[str] = ()) -> Optional[Path]:
     """Train JustRL and STAPO on CPU with identical settings and seeds through the quickstart
-    (:mod:`recipe.stapo.quickstart`, reusing finished runs). Returns the quickstart folder, or
-    None (after printing how to do it by hand) when the CPU path is not available."""
+    (:mod:`recipe.stapo.quickstart`, reusing finished runs; ``extra``: its options). Returns the
+    quickstart folder, or None (after printing how to do it by hand) when the CPU path is not
+    available. RuntimeError when a run failed, naming a run stopped at its limit."""
     try:
         from recipe.stapo.quickstart import main as quickstart_main
     except ImportError as e:
@@ -129,7 +144,9 @@ def run_both(out: Path, steps: int, extra: Sequence[str] = ()) -> Optional[Path]
         return None
     code = quickstart_main(["--out", str(out), "--methods", f"{BASELINE},{METHOD}", "--steps", str(steps), *extra])
     if code != 0:
-        raise RuntimeError(f"the quickstart runs failed (exit {code}); see the logs under {out}")
+        stopped = [m for m in (stopped_message(out / BASELINE), stopped_message(out / METHOD)) if m is not None]
+        raise RuntimeError("; ".join(stopped) + " (--timeout of bench_e2e --run)" if stopped
+                           else f"the quickstart runs failed (exit {code}); see the logs under {out}")
     return out
 
 
@@ -140,6 +157,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--run", action="store_true", help="train both methods on CPU first (through the quickstart)")
     p.add_argument("--out", default="results/bench_e2e", help="--run: output folder (default results/bench_e2e)")
     p.add_argument("--steps", type=int, default=6, help="--run: training steps per method (default 6)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="--run: seconds each run may take (default: the quickstart's, 1200)")
     p.add_argument("--warmup-steps", type=int, default=1, help="first steps skipped (default 1)")
     args = p.parse_args(argv)
     sources = sum([bool(args.runs), args.from_quickstart is not None, args.run])
@@ -155,7 +174,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     if args.run:
-        folder = run_both(Path(args.out), args.steps)
+        try:
+            folder = run_both(Path(args.out), args.steps,
+                              [] if args.timeout is None else ["--timeout", str(args.timeout)])
+        except RuntimeError as e:
+            print(f"bench_e2e: {e}", file=sys.stderr)
+            return 1
         if folder is None:
             return 1
         runs = (folder / BASELINE, folder / METHOD)

@@ -14,11 +14,13 @@
 #                                       metrics.jsonl, tensorboard/; on a cluster, storage every node sees
 #   LOGGER [wandb]                      wandb | console | file | tensorboard (comma-separated)
 #   PROJECT [stapo]  EXPERIMENT [MODEL_METHOD]
-#   PYTHON [python3]                    interpreter with requirements.txt installed (every node: same path)
+#   PYTHON [python3 with the requirements, else the project's .venv]   interpreter with requirements.txt
+#                                       installed (every node: same path; run_scripts/_python.sh)
 #   RAY [ray]                           submit: Ray's command-line tool
 #   STAPO_SECRETS_FILE                  submit: a file only you can read (chmod 600) on storage every node
 #                                       sees, NAME=value lines; WANDB_API_KEY, HF_TOKEN stay out of the job
-#   STAPO_DRY_RUN=1                     print the exact command instead of running it
+#   STAPO_DRY_RUN=1                     print the exact command instead of running it (submit: and the
+#                                       job's runtime env, secret values masked)
 #   STAPO_DRY_RUN=check                 print it, then validate the composed config here (no Ray)
 # Relative paths (variables and overrides) are taken from the directory you launch from.
 # Submit mode returns once the job is accepted and prints its submission id on stdout (how to follow and
@@ -73,7 +75,7 @@ fi
 if [ -n "${CKPT_DIR:-}" ]; then ckpt="$(abs "$CKPT_DIR" "$launch_dir")"; else ckpt="$repo/checkpoints"; fi
 project=${PROJECT:-stapo}
 experiment=${EXPERIMENT:-${model}_${method}}
-python=${PYTHON:-python3}
+source run_scripts/_python.sh   # sets python (PYTHON, else python3 or the project's .venv)
 export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_patches}"
 
 train=(
@@ -125,9 +127,14 @@ fi
 
 if [ "${STAPO_DRY_RUN:-0}" != "0" ]; then
   printf '%q ' "${cmd[@]}"; echo
-  if [ "${LAUNCH:-local}" = submit ]; then
-    echo "[stapo] the job carries these variables (values not shown):" \
-         "$("$python" -c 'import json,sys; print(" ".join(json.load(open(sys.argv[1]))["env_vars"]))' "$runtime_env")" >&2
+  if [ "${LAUNCH:-local}" = submit ]; then   # the file the command names is deleted on exit: its content, here
+    echo "[stapo] $runtime_env (deleted when this script exits; a launch writes its own) holds the job's" \
+         "runtime env, secret values masked:" >&2
+    "$python" -c 'import json, sys
+from recipe.stapo.driver import SECRET_ENV_NAMES
+env = json.load(open(sys.argv[1]))
+env["env_vars"] = {k: "<secret, not shown>" if k in SECRET_ENV_NAMES else v for k, v in env["env_vars"].items()}
+print(json.dumps(env, indent=1))' "$runtime_env" >&2
   fi
   if [ "$STAPO_DRY_RUN" = check ]; then
     "$python" "${train[@]}" --check >&2

@@ -9,7 +9,8 @@
 #   completely written (no actor/huggingface/config.json, a rank's shard missing, or newer than the
 #   trainer's latest_checkpointed_iteration.txt) is refused before anything is written; so is a model
 #   path that does not exist (run_eval checks it before writing).
-# Env vars (defaults): PYTHON (python3: the interpreter with requirements.txt installed), STAPO_DATA_DIR
+# Env vars (defaults): PYTHON (the interpreter with requirements.txt installed: python3 when it has
+# them, else the project's .venv), STAPO_DATA_DIR
 # (data/stapo: the benchmarks' folder, the data folder of the run scripts), OUT
 # (results/eval/[SCALE_][METHOD_]<run>_step<N>, or the model folder's last two names), DECODING (both),
 # BACKEND (vllm), VERIFIER (auto: the paper's grading, CompassVerifier-3B on the grader's failures, for a
@@ -30,7 +31,7 @@ set -euo pipefail
 launch_dir=$PWD
 cd "$(dirname "$0")/.."
 repo=$PWD
-python=${PYTHON:-python3}
+source run_scripts/_python.sh   # sets python (PYTHON, else python3 or the project's .venv)
 if [ -n "${BENCH_DIR:-}" ]; then
   echo "error: BENCH_DIR is not read: eval.sh reads the benchmarks from STAPO_DATA_DIR, the data folder of the run" \
        "scripts (python -m recipe.stapo.data.prepare bench --out-dir \$STAPO_DATA_DIR); set STAPO_DATA_DIR=$BENCH_DIR" >&2

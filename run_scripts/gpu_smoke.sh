@@ -11,13 +11,13 @@
 #   MODEL                  local Hugging Face folder of the model (GPU mode; required)
 #   GPUS [1]               GPUs of this node to use
 #   STAPO_DATA_DIR [data/stapo]  train.parquet and aime24.parquet (`python -m recipe.stapo.data.prepare`)
-#   METHODS [grpo entropy20 justrl stapo]   STEPS [2]
+#   METHODS [the paper's: recipe.stapo.methods.PAPER_METHODS]   STEPS [2]
 #   LENGTHS [short]        short: prompt / response 512 / 1024 tokens, 16 prompts x 4 responses (minutes);
 #                          paper: the paper's 1024 / 15360 tokens with the model config's token budgets,
 #                          8 prompts x 4 responses, 2 updates per step: the first 16k-token steps run on
 #                          this node, not on the cluster (GPU mode only)
 #   OUT [results/gpu_smoke]  per-method run folders (metrics.jsonl, log, checkpoints) and eval/
-#   PYTHON [python3]       interpreter with requirements.txt installed
+#   PYTHON [python3 with the requirements, else the project's .venv]  interpreter with requirements.txt installed
 #   SMOKE_DEVICE [gpu]     cpu: the same script without a GPU: the tiny model in ASSETS [the shipped
 #                          set, recipe/stapo/cpu/shipped_assets; another folder is built], verl's real
 #                          trainer on CPU with verl's vLLM rollout on vLLM's CPU build, HF evaluation
@@ -28,12 +28,11 @@ set -euo pipefail
 launch_dir=$PWD
 cd "$(dirname "$0")/.."
 here=$PWD/run_scripts
-python=${PYTHON:-python3}
+source run_scripts/_python.sh   # sets python (PYTHON, else python3 or the project's .venv)
 abs() { case "$1" in /*) printf '%s' "$1" ;; *) printf '%s/%s' "$2" "$1" ;; esac; }
 out=$(abs "${OUT:-results/gpu_smoke}" "$([ -n "${OUT:-}" ] && echo "$launch_dir" || echo "$PWD")")
 steps=${STEPS:-2}
 [[ "$steps" =~ ^[0-9]+$ ]] && [ "$steps" -ge 1 ] || { echo "STEPS='$steps': expected a whole number >= 1 (training steps per method)" >&2; exit 2; }
-read -ra methods <<< "${METHODS:-grpo entropy20 justrl stapo}"
 device=${SMOKE_DEVICE:-gpu}
 lengths=${LENGTHS:-short}
 case "$lengths" in
@@ -43,7 +42,6 @@ esac
 if [ "$lengths" = paper ] && [ "$device" != gpu ]; then
   echo "LENGTHS=paper needs SMOKE_DEVICE=gpu (the tiny CPU model is trained on ~100-token sequences)" >&2; exit 2
 fi
-mkdir -p "$out"
 
 case "$device" in
   gpu)
@@ -68,12 +66,17 @@ for key, value in cpu_env().items():
         print(f"export {key}={shlex.quote(value)}")')
     eval "$exports"
     bench_dir=$out/bench
-    mkdir -p "$bench_dir"
-    cp "$assets/val.parquet" "$bench_dir/aime24.parquet"
     eval_backend=hf; eval_tokens=32
     ;;
   *) echo "SMOKE_DEVICE: unknown device '$device' (expected gpu or cpu)" >&2; exit 2 ;;
 esac
+[ -n "${METHODS:-}" ] || METHODS=$("$python" -c 'from recipe.stapo.methods import PAPER_METHODS; print(*PAPER_METHODS)')
+read -ra methods <<< "$METHODS"
+# every refusal is above: a refused or dry run leaves no folder behind
+if [ "${STAPO_DRY_RUN:-0}" = "0" ]; then
+  mkdir -p "$out"
+  if [ "$device" = cpu ]; then mkdir -p "$bench_dir" && cp "$assets/val.parquet" "$bench_dir/aime24.parquet"; fi
+fi
 
 # overrides RUN_DIR: this device's settings for one short run saving a checkpoint at its last step
 overrides() {
@@ -103,13 +106,13 @@ print("\n".join(cpu_overrides(sys.argv[1], sys.argv[2], steps=int(sys.argv[3]), 
 
 for m in "${methods[@]}"; do
   run_dir=$out/$m
-  mkdir -p "$run_dir"
   mapfile -t run_overrides < <(overrides "$run_dir")
   if [ "${STAPO_DRY_RUN:-0}" != "0" ]; then   # print each run's command (common.sh), nothing else
     NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python LAUNCH=local \
       bash "$here/common.sh" "$m" qwen3_1_7b "${run_overrides[@]}" "$@"
     continue
   fi
+  mkdir -p "$run_dir"
   echo "[smoke] $m: $steps step(s), log in $run_dir/train.log" >&2
   if ! VERL_FILE_LOGGER_PATH=$run_dir/metrics.jsonl STAPO_DATA_DIR=${data:-} LAUNCH=local \
        NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python \

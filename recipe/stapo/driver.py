@@ -30,7 +30,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from recipe.stapo.methods import METHODS
+from recipe.stapo.methods import METHODS, methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
 from recipe.stapo.preflight import PreflightError, check_environment, summary
 from recipe.stapo.preflight import check as preflight_check
@@ -110,7 +110,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     from hydra.errors import MissingConfigException
 
     for override in overrides:
-        for group, valid in (("method", METHODS), ("model", MODELS)):
+        for group, valid in (("method", tuple(methods())), ("model", MODELS)):
             if override.startswith(group + "=") and override.split("=", 1)[1] not in valid:
                 raise ValueError(f"unknown {group} {override.split('=', 1)[1]!r}: expected one of {list(valid)}")
     from hydra.errors import ConfigCompositionException, OverrideParseException  # as above: hydra only here

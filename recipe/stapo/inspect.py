@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from recipe.stapo.plots import check_out_dir
+from recipe.stapo.plots import check_out_dir, stopped_message
 from stapo_core.fileio import atomic_write_text
 from stapo_core.token_records import QUADRANTS, read_dump
 
@@ -388,15 +388,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.top < 1:
         parser.error(f"--top must be a positive integer, got {args.top}")
+    stopped = stopped_message(args.run_dir)  # a run the quickstart stopped at its limit: its dump ends there
     try:
         check_out_dir(args.out if args.out is not None else args.run_dir / "inspect")  # before any reading
         paths = write_report(args.run_dir, args.out, top=args.top, seed=args.seed)
-    except NoRecordsError as exc:
+    except (NoRecordsError, FileNotFoundError) as exc:  # no usable dump: a stopped run says why instead
+        if stopped is not None:
+            print(f"error: {args.run_dir}: no token dump to inspect: {stopped}, before the dump's first step",
+                  file=sys.stderr)
+            return 1
         print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as exc:  # FileNotFoundError included; an OSError's message names its file
+        return 1 if isinstance(exc, NoRecordsError) else 2
+    except (OSError, ValueError) as exc:  # an OSError's message names its file
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if stopped is not None:
+        print(f"note: {stopped}; the report covers the steps before the stop", file=sys.stderr)
     for path in paths:
         print(path)
     return 0

@@ -1,9 +1,8 @@
-"""The recipe's methods, read from ``config/method/*.yaml``: a method is its YAML file.
-
-Each file names the method (``recipe.method``, the file's stem), its row in the paper's results
-table (``recipe.table_row``: the order in which methods are listed, run and plotted) and, when it
-selects tokens, its rule (``actor_rollout_ref.actor.policy_loss.token_selection``). Adding a
-method is adding a file; nothing else lists them.
+"""The recipe's methods: a method is its ``config/method/<name>.yaml`` (``recipe.method: <name>``; its
+rule, if it selects tokens, at ``actor_rollout_ref.actor.policy_loss.token_selection``), run by
+``method=<name>``. The paper's comparison is :data:`PAPER_METHODS`, its one list: what the quickstart
+runs by default and judges the baselines of, and the order methods are listed and plotted in. A new
+file joins a comparison only where it is named (the quickstart's ``--methods``, gpu_smoke.sh's ``METHODS``).
 """
 
 from __future__ import annotations
@@ -16,39 +15,42 @@ from omegaconf import OmegaConf
 
 METHOD_DIR = Path(__file__).resolve().parent / "config" / "method"
 TOKEN_SELECTION_KEY = "actor_rollout_ref.actor.policy_loss.token_selection"
-#: one colour per table row, the same in every panel and figure (matplotlib's first four, then more)
-ROW_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink",
-              "tab:olive", "tab:cyan")
+#: the paper's methods, in the order of its results table (Table 2)
+PAPER_METHODS = ("grpo", "entropy20", "justrl", "stapo")
+#: one colour per method in :func:`methods`' order, the same in every panel and figure
+COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+          "tab:cyan")
 
 
 @dataclass(frozen=True)
 class Method:
-    """name: ``method=<name>``; table_row: its row in the results table (1-based); token_selection:
-    ``none`` or a rule of :data:`stapo_core.rules.RULES`."""
+    """name: ``method=<name>``; token_selection: ``none`` or a rule of :data:`stapo_core.rules.RULES`;
+    color: its colour in figures."""
 
     name: str
-    table_row: int
     token_selection: str
-
-    @property
-    def color(self) -> str:
-        return ROW_COLORS[(self.table_row - 1) % len(ROW_COLORS)]
+    color: str
 
 
 @functools.lru_cache(maxsize=None)
 def methods() -> dict[str, Method]:
-    """Every method, in table order (a file whose ``recipe.method`` is not its stem, or without a
-    ``recipe.table_row``, is refused naming the file)."""
-    found = []
+    """Every method: the paper's (:data:`PAPER_METHODS`) in its order, then the others by name. A file
+    whose ``recipe.method`` is not its stem is refused naming the file, and so is a missing paper method."""
+    found = {}
     for path in sorted(METHOD_DIR.glob("*.yaml")):
         config = OmegaConf.load(path)
-        name, row = OmegaConf.select(config, "recipe.method"), OmegaConf.select(config, "recipe.table_row")
-        if name != path.stem or not isinstance(row, int) or isinstance(row, bool):
-            raise ValueError(f"{path}: expected recipe.method: {path.stem} and an integer recipe.table_row, got "
-                             f"recipe.method={name!r}, recipe.table_row={row!r}")
-        found.append(Method(name, row, str(OmegaConf.select(config, TOKEN_SELECTION_KEY, default="none"))))
-    return {m.name: m for m in sorted(found, key=lambda m: (m.table_row, m.name))}
+        name = OmegaConf.select(config, "recipe.method")
+        if name != path.stem:
+            raise ValueError(f"{path}: expected recipe.method: {path.stem} (the file's name), got "
+                             f"recipe.method={name!r}")
+        found[name] = str(OmegaConf.select(config, TOKEN_SELECTION_KEY, default="none"))
+    missing = [m for m in PAPER_METHODS if m not in found]
+    if missing:
+        raise ValueError(f"{METHOD_DIR}: no {', '.join(f'{m}.yaml' for m in missing)}: the paper's methods "
+                         f"{', '.join(PAPER_METHODS)} each need their file")
+    order = [*PAPER_METHODS, *sorted(set(found) - set(PAPER_METHODS))]
+    return {name: Method(name, found[name], COLORS[i % len(COLORS)]) for i, name in enumerate(order)}
 
 
-#: the method names in table order
+#: every method name, paper's first (read when this module is imported)
 METHODS = tuple(methods())

@@ -17,12 +17,14 @@ and marked "not logged" in ``curves.png``. A non-finite value (a diverged step: 
 at that step, a mark stands there (x at the top of the panel for NaN or null, a triangle at the top
 for +inf, at the bottom for -inf; one legend entry per kind and run) and a note names the run,
 metric, steps and values (printed to stderr, and appended to ``notes``). The study figure does the
-same for each method's band.
+same for each method's band. A run the quickstart stopped at its limit (:data:`STOPPED_FILE`) is
+named in a note, or, when it logged no step, in the error.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -41,6 +43,18 @@ from .metrics import read_metrics as read_steps
 
 #: validation accuracy keys: val-core/<data_source>/<acc|reward>/mean@<N> (verl's ray_trainer)
 _VAL_MEAN_RE = re.compile(r"^val-core/(?P<source>.+)/(?P<var>[^/]+)/mean@(?P<n>\d+)$")
+#: written into a run folder by the quickstart when it stopped the run at its limit (``--timeout``)
+STOPPED_FILE = "stopped.json"
+
+
+def stopped_message(run: str | os.PathLike) -> Optional[str]:
+    """The quickstart's message about a run it stopped at its limit (``RUN_DIR/stopped.json``; ``run``:
+    the run folder or a file in it), or None for a run it did not stop."""
+    run = Path(run)
+    try:
+        return str(json.loads(((run.parent if run.is_file() else run) / STOPPED_FILE).read_text())["message"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 
@@ -320,7 +334,7 @@ def _save(fig, path: Path) -> Path:
 # bands across seeds (study mode)
 # --------------------------------------------------------------------------------------------
 
-#: one colour per method (its table row's), the same in every panel and figure
+#: one colour per method (:mod:`recipe.stapo.methods`), the same in every panel and figure
 METHOD_COLORS = {m.name: m.color for m in methods().values()}
 _SPARE_COLORS = ("tab:gray", "tab:olive", "tab:cyan", "tab:pink", "tab:brown", "tab:purple")
 
@@ -636,7 +650,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("--labels: labels must be distinct")
     runs = dict(zip(args.labels, args.runs)) if args.labels else args.runs
     try:
-        paths = plot_runs(runs, args.out)
+        labelled = _labelled(runs)
+        for label, run in labelled.items():
+            stopped = stopped_message(run)
+            if stopped is None:
+                continue
+            try:
+                logged = bool(read_steps(find_metrics_file(run)))
+            except (OSError, ValueError):
+                logged = False
+            if not logged:
+                raise ValueError(f"{run}: nothing to plot: {stopped}, before logging a step")
+            print(f"note: {label}: {stopped}; its curves end where it stopped", file=sys.stderr)
+        paths = plot_runs(labelled, args.out)
+        paths += plot_update_effect({label: [run] for label, run in labelled.items()}, args.out)
     except (OSError, ValueError) as exc:  # OSError's message names its file
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,7 +3,7 @@
 ::
 
     python -m recipe.stapo.quickstart [--out results/quickstart] [--assets FOLDER] [--steps 16]
-    python -m recipe.stapo.quickstart --out results/study --steps 20 --seeds 3     # study mode
+    bash run_scripts/quickstart.sh --out results/study --seeds 3 --test-freq 8       # the study (docs/miniature.md)
 
 Uses the tiny assets the repository ships (:mod:`recipe.stapo.cpu.assets`; ``--assets`` builds or
 reuses a set in another folder), then trains every method
@@ -40,7 +40,11 @@ quadrant table over all STAPO runs.
 Every option is checked before anything is built or trained (:class:`QuickstartOptions`): a bad
 one exits with status 2 and a message naming it and the fix. A method whose run folder already
 holds a finished run with the same settings is not rerun (``--force`` reruns everything); a failed
-method is reported in the summary and the others still run. Exit status 1 when any method failed.
+method is reported in the summary and the others still run. A run still going after ``--timeout``
+seconds (default 1200) is stopped and reported as stopped, with the limit to raise; its folder keeps
+what it wrote and a record of the stop (``stopped.json``), which ``python -m recipe.stapo.inspect``,
+``python -m recipe.stapo.plots`` and ``benchmarks/bench_e2e.py`` report. Exit status 1 when any
+method failed or was stopped.
 """
 
 from __future__ import annotations
@@ -54,10 +58,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from recipe.stapo.cpu import METHODS, cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
+from recipe.stapo.cpu import cpu_overrides, read_metrics, reproducibility, run_cpu_trainer
 from recipe.stapo.cpu.trainer import CPU_ROLLOUT
 from recipe.stapo.cpu.assets import SHIPPED_DIR, AssetConfig, asset_paths, build_assets, is_built, verify_assets
-from recipe.stapo.plots import plot_bands, plot_runs, plot_update_effect
+from recipe.stapo.methods import PAPER_METHODS, methods
+from recipe.stapo.plots import STOPPED_FILE, plot_bands, plot_runs, plot_update_effect
 from recipe.stapo.quickstart_report import (APPLIED, DLOGP_SILENCED, ENTROPY, REWARD, SILENCED, STEP_TIME, fmt,
                                             learning_check, learning_markdown, markdown_table, quadrant_markdown,
                                             summarise, update_effect_by_method, update_effect_markdown,
@@ -74,6 +79,9 @@ SETTINGS_FILE = "settings.json"
 
 #: the quickstart's scale (defaults of the CLI): the tiny model needs a much larger lr than an 8B one
 DEFAULT_STEPS, DEFAULT_PROMPTS, DEFAULT_N, DEFAULT_LR = 16, 4, 4, 1e-4
+#: seconds a run may take before it is stopped (its folder then holds plots.STOPPED_FILE, which the tools
+#: reading it report)
+DEFAULT_TIMEOUT = 1200
 #: the largest seed: verl's full-determinism setup seeds numpy with it, which takes [0, 2**32)
 MAX_SEED = 2**32 - 1
 
@@ -134,8 +142,8 @@ class QuickstartOptions:
     def problems(self) -> list[str]:
         """One message per option that cannot run (empty: all can)."""
         problems = []
-        choices = f"give a comma-separated subset of {','.join(METHODS)}"
-        unknown = [m for m in self.methods if m not in METHODS]
+        choices = f"give a comma-separated subset of {','.join(methods())}"
+        unknown = [m for m in self.methods if m not in methods()]
         if not self.methods:
             problems.append(f"--methods: none given; {choices}")
         if unknown:
@@ -169,7 +177,8 @@ class QuickstartOptions:
                 problems.append(f"--override {override!r} is not a Hydra override; give key=value, +key=value, "
                                 "++key=value or ~key")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
-            problems.append(f"--timeout must be a positive number of seconds, got {self.timeout}")
+            problems.append(f"--timeout must be a positive number of seconds, got {self.timeout} (the default is "
+                            f"{DEFAULT_TIMEOUT:g} per run)")
         out_problem = output_folder_problem("--out", self.out)
         if out_problem:
             problems.append(out_problem)
@@ -277,6 +286,17 @@ def _children_cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def record_stop(run_dir: Path, label: str, wall_s: float, timeout: float, logged: int, steps: int) -> str:
+    """Write ``run_dir``'s record of a run stopped at ``timeout`` seconds after logging ``logged`` of its
+    ``steps`` steps (:data:`recipe.stapo.plots.STOPPED_FILE`: its message, for the tools reading the
+    folder, and the numbers); returns the reason for the summary."""
+    reason = (f"stopped after {wall_s:.0f} s (the quickstart's limit per run, --timeout {timeout:g}) with {logged} "
+              f"of {steps} steps logged: raise --timeout")
+    (run_dir / STOPPED_FILE).write_text(json.dumps({"message": f"run {label} {reason}", "wall_s": wall_s,
+                                                    "timeout_s": timeout, "steps_logged": logged, "steps": steps}))
+    return reason
+
+
 def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartOptions, assets: Path,
                shared: Optional[tuple[str, dict]] = None) -> dict:
     """Train one method with one seed (or reuse its finished run); returns its summary row.
@@ -308,6 +328,7 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
         print(f"{tag}: step {step}/{opts.steps}: reward {fmt(data.get(REWARD))}, entropy "
               f"{fmt(data.get(ENTROPY))}{extra}, {fmt(data.get(STEP_TIME), 2)} s", flush=True)
 
+    (run_dir / STOPPED_FILE).unlink(missing_ok=True)  # a record of an earlier run stopped at its limit
     cpu_before = _children_cpu_seconds()
     run = run_cpu_trainer(method, assets, run_dir, timeout=opts.timeout, on_step=on_step,
                           extra=method_overrides(opts, run_dir, validate_before=shared is None),
@@ -315,9 +336,16 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     if run.ok and shared is not None:
         share_initial_validation(run.metrics, shared[1], shared[0])
     steps = read_metrics(run.metrics) if run.metrics.is_file() else {}
+    if not run.ok and run.wall_s >= opts.timeout:  # stopped at its limit (run_cpu_trainer kills it there)
+        row = summarise(method, steps, run.wall_s)
+        reason = record_stop(run_dir, method + (f" seed {seed}" if opts.study else ""), run.wall_s, opts.timeout,
+                             row["steps"], opts.steps)
+        print(f"{tag}: {reason} (log: {run.log})", flush=True)
+        return {**row, "error": reason, "seed": seed}
     if not run.ok:
         print(f"{tag}: FAILED (exit {run.returncode}) after {run.wall_s} s; log tail:\n{run.tail(25)}", flush=True)
-        return {**summarise(method, steps, run.wall_s, error=f"exit {run.returncode}, see {run.log}"), "seed": seed}
+        return {**summarise(method, steps, run.wall_s, error=f"FAILED: exit {run.returncode}, see {run.log}"),
+                "seed": seed}
     cpu_s = round(_children_cpu_seconds() - cpu_before, 1)
     (run_dir / DONE).write_text(json.dumps({"settings": settings, "wall_s": run.wall_s, "cpu_s": cpu_s}))
     print(f"{tag}: done in {run.wall_s} s ({cpu_s} CPU s)", flush=True)
@@ -346,11 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--test-freq", type=int, default=None,
                         help="validate every N steps too (default: only before training and after the last step)")
     parser.add_argument("--trainer", choices=("v1", "legacy"), default="v1", help="verl trainer (default v1)")
-    parser.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--methods", default=",".join(PAPER_METHODS),
+                        help=f"comma-separated subset of {','.join(methods())} (default: the paper's four)")
     parser.add_argument("--override", action="append", default=[],
                         help="extra Hydra override for every run (repeatable); refused if it changes STAPO's "
                              "paper settings")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per run before it is stopped")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                        help=f"seconds each run may take before it is stopped (default {DEFAULT_TIMEOUT:g}: a run "
+                             "takes 1.5-2 minutes on a 2-core machine)")
     parser.add_argument("--force", action="store_true", help="rerun methods that already finished")
     return parser
 
@@ -399,7 +430,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     study, out = opts.study, opts.out
     by_seed = [{**r, "method": f"{r['method']} (seed {r['seed']})"}
-               for r in sorted(rows, key=lambda r: (METHODS.index(r["method"]), r["seed"]))]
+               for r in sorted(rows, key=lambda r: (list(methods()).index(r["method"]), r["seed"]))]
     table = markdown_table(by_seed if study else rows)
     finished = [r for r in rows if not r["error"]]
     stapo_dirs = [opts.run_dir("stapo", r["seed"]) for r in finished if r["method"] == "stapo"]
@@ -443,6 +474,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"[quickstart] wrote {out / 'summary.md'}" + "".join(f", {p.name}" for p in plots), flush=True)
     for run_dir in stapo_dirs:
         print(f"[quickstart] silenced tokens: python -m recipe.stapo.inspect {run_dir}", flush=True)
+    for r in rows:
+        if r["error"]:
+            print(f"[quickstart] {r['method']}" + (f" seed {r['seed']}" if study else "") + f": {r['error']}",
+                  file=sys.stderr, flush=True)
     return 1 if any(r["error"] for r in rows) else 0
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from recipe.stapo.inspect import QUADRANT_LABELS, quadrant_table, write_report
-from recipe.stapo.methods import methods
+from recipe.stapo.methods import PAPER_METHODS, methods
 from recipe.stapo.plots import DLOGP_SETS, update_effect_of_run
 from stapo_core.rules import S2T
 from stapo_core.token_records import read_dump
@@ -25,8 +25,8 @@ APPLIED = "actor/s2t/applied"
 #: seconds per step spent measuring the update effect (actor/s2t/dlogp_*)
 DLOGP_SECONDS = "actor/s2t/dlogp_seconds"
 DLOGP_SILENCED = "actor/s2t/dlogp_silenced"
-#: the methods whose learning the summary's first lines report (the baselines: every method but STAPO)
-BASELINES = tuple(m.name for m in methods().values() if m.token_selection != S2T.name)
+#: the methods whose learning the summary's first lines report (the paper's baselines: its methods without S2T)
+BASELINES = tuple(m for m in PAPER_METHODS if methods()[m].token_selection != S2T.name)
 def _series(steps: dict[int, dict], key: str) -> list[float]:
     return [float(steps[s][key]) for s in sorted(steps) if key in steps[s] and steps[s][key] is not None]
 
@@ -79,7 +79,7 @@ def markdown_table(rows: list[dict]) -> str:
     lines = []
     for r in rows:
         if r["error"]:
-            lines.append(f"| {r['method']} | FAILED: {r['error']} | | | | | | | | | | | |")
+            lines.append(f"| {r['method']} | {r['error']} | | | | | | | | | | | |")
             continue
         lines.append(f"| {r['method']} | {r['steps']} | {fmt(r['final_reward'])} | {fmt(r['mean_reward'])} | "
                      f"{fmt(r['final_entropy'])} | {fmt(r['mean_entropy'])} | {r.get('s2t') or 'n/a'} | "

@@ -265,6 +265,45 @@ def test_bench_e2e_run_trains_both_through_the_quickstart(tmp_path, monkeypatch,
     assert "run_scripts/quickstart.sh --methods justrl,stapo" in capsys.readouterr().out
 
 
+def test_bench_e2e_names_a_run_the_quickstart_stopped_at_its_limit(tmp_path, monkeypatch, capsys):
+    """A stopped run (its record, written as the quickstart writes it) is compared over the steps it
+    logged, with a note; stopped before its first step, the error says so instead of advising; ``--run``
+    passes ``--timeout`` on and names the stopped run when the quickstart stopped one."""
+    import recipe.stapo.quickstart as quickstart
+
+    for method in ("justrl", "stapo"):
+        (tmp_path / method).mkdir()
+    write_run(tmp_path / "justrl" / "metrics.jsonl", lambda p: 1.0, steps=3)
+    write_run(tmp_path / "stapo" / "metrics.jsonl", FACTORS.get, steps=5, warmup_factor=1.0)
+    quickstart.record_stop(tmp_path / "justrl", "justrl", 1200.4, 1200, 3, 16)
+    assert bench_e2e.main(["--from-quickstart", str(tmp_path)]) == 0
+    assert ("note: justrl: run justrl stopped after 1200 s (the quickstart's limit per run, --timeout 1200) with 3 of "
+            "16 steps logged: raise --timeout; only the steps it logged are compared") in capsys.readouterr().out
+
+    (tmp_path / "stapo" / "metrics.jsonl").write_text("")
+    quickstart.record_stop(tmp_path / "stapo", "stapo", 1200.0, 1200, 0, 16)
+    assert bench_e2e.main(["--from-quickstart", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert ("run stapo stopped after 1200 s (the quickstart's limit per run, --timeout 1200) with 0 of 16 steps "
+            "logged: raise --timeout, before logging a step: nothing to compare") in err
+    assert "no steps logged" not in err
+
+    calls = []
+
+    def stopping_quickstart(argv):
+        calls.append(argv)
+        run_dir = tmp_path / "q" / "justrl"
+        run_dir.mkdir(parents=True)
+        quickstart.record_stop(run_dir, "justrl", 30.5, 30, 1, 6)
+        return 1
+
+    monkeypatch.setattr(quickstart, "main", stopping_quickstart)
+    assert bench_e2e.main(["--run", "--out", str(tmp_path / "q"), "--timeout", "30"]) == 1
+    assert calls[0][-2:] == ["--timeout", "30.0"]
+    assert ("bench_e2e: run justrl stopped after 30 s (the quickstart's limit per run, --timeout 30) with 1 of 6 "
+            "steps logged: raise --timeout (--timeout of bench_e2e --run)") in capsys.readouterr().err
+
+
 def test_current_stats_cost_model():
     """The extra forwards of stats_from=current: (M-1)/M of a forward, against M forward+backward
     passes of 1/M of the batch (4 forward-equivalents with gradient checkpointing, 3 without)."""

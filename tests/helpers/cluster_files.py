@@ -29,7 +29,12 @@ QWEN3_CONFIGS = {
 }
 
 
-def write_dataset(path: Path, rows: int = 2, drop: tuple[str, ...] = ()) -> Path:
+#: rows of a stand-in data file: one batch of the paper's runs (``data.train_batch_size``), the fewest
+#: prompts the preflight accepts as a training set
+PAPER_BATCH = 256
+
+
+def write_dataset(path: Path, rows: int = PAPER_BATCH, drop: tuple[str, ...] = ()) -> Path:
     """A parquet file in verl's RL format (what ``recipe.stapo.data.prepare`` writes), minus ``drop``."""
     table = {
         "data_source": ["math_dapo"] * rows,
@@ -58,7 +63,7 @@ def write_model(folder: Path, config: dict, tokenizer: bool = True, weights: boo
 def fake_cluster(root: Path) -> dict[str, str]:
     """Data, models and a checkpoint root under ``root``; returns the environment pointing at them."""
     data, models, ckpt = root / "data", root / "models", root / "checkpoints"
-    write_dataset(data / "train.parquet", rows=4)
+    write_dataset(data / "train.parquet")
     write_dataset(data / "aime24.parquet", rows=2)
     for name, config in QWEN3_CONFIGS.items():
         write_model(models / name, config)

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from recipe.stapo.driver import METHODS, MODELS, compose, prepare, validate
+from recipe.stapo.driver import MODELS, compose, prepare, validate
+from recipe.stapo.methods import PAPER_METHODS
 from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
 from verl.utils.config import omega_conf_to_dataclass
 from tests.helpers.cluster_files import fake_cluster
@@ -58,14 +59,14 @@ ALLOWED_VS_JUSTRL = {
 
 @pytest.fixture(scope="module")
 def composed():
-    return {m: compose([f"method={m}", "model=qwen3_8b"]) for m in METHODS}
+    return {m: compose([f"method={m}", "model=qwen3_8b"]) for m in PAPER_METHODS}
 
 
-@pytest.mark.parametrize("a, b", list(itertools.combinations(METHODS, 2)))
+@pytest.mark.parametrize("a, b", list(itertools.combinations(PAPER_METHODS, 2)))
 def test_methods_differ_only_where_the_spec_says(composed, a, b):
     fa, fb = flat(composed[a]), flat(composed[b])
     differing = {k for k in fa.keys() | fb.keys() if fa.get(k, "<absent>") != fb.get(k, "<absent>")}
-    differing -= {"recipe.method", "recipe.table_row"}  # what names the method
+    differing -= {"recipe.method"}  # what names the method
     allowed = ALLOWED_VS_JUSTRL[a] | ALLOWED_VS_JUSTRL[b]
     assert differing <= allowed, f"{a} vs {b}: unexpected differences {sorted(differing - allowed)}"
     assert differing, f"{a} and {b} compose to the same config"

@@ -420,6 +420,32 @@ def test_dump_without_usable_record_exits_non_zero(tmp_path, capsys):
     assert not (tmp_path / "inspect").exists()
 
 
+def test_a_run_stopped_at_the_quickstarts_limit_is_named_not_advised(run, tmp_path, capsys):
+    """A run the quickstart stopped (its record, written as the quickstart writes it): without a dump the
+    error says it was stopped and which limit to raise, not how to turn on a dump that was on; with the
+    steps it dumped, the report covers them and a note says where it stopped."""
+    import shutil
+
+    from recipe.stapo.quickstart import record_stop
+
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    record_stop(stopped, "stapo", 1200.3, 1200, 0, 16)
+    assert insp.main([str(stopped)]) == 1
+    err = capsys.readouterr().err
+    assert (f"error: {stopped}: no token dump to inspect: run stapo stopped after 1200 s (the quickstart's limit per "
+            "run, --timeout 1200) with 0 of 16 steps logged: raise --timeout, before the dump's first step") in err
+    assert "recipe.token_dump.dir" not in err and not (stopped / "inspect").exists()
+
+    partial = tmp_path / "partial"
+    shutil.copytree(run[0], partial)
+    record_stop(partial, "stapo", 1201.0, 1200, 2, 16)
+    assert insp.main([str(partial)]) == 0
+    assert ("note: run stapo stopped after 1201 s (the quickstart's limit per run, --timeout 1200) with 2 of 16 steps "
+            "logged: raise --timeout; the report covers the steps before the stop") in capsys.readouterr().err
+    assert (partial / "inspect" / "report.md").is_file()
+
+
 def test_out_at_a_file_is_a_named_error(run, tmp_path, capsys):
     afile = tmp_path / "afile"
     afile.write_text("keep")

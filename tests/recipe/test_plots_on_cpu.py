@@ -225,6 +225,41 @@ def test_cli(two_runs, tmp_path, capsys):
         plots.main([str(runs["stapo"]), "--out", str(out), "--labels", "a", "b"])
 
 
+def test_cli_writes_the_update_effect_figure_docs_inspect_md_promises(two_runs, tmp_path, capsys):
+    from tests.helpers.paths import REPO
+
+    runs, _ = two_runs
+    out = tmp_path / "figs"
+    assert plots.main([str(runs["stapo"]), str(runs["justrl"]), "--out", str(out)]) == 0
+    assert (out / "update_effect.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(out / "update_effect.png") in capsys.readouterr().out.splitlines()
+    docs = (REPO / "docs" / "inspect.md").read_text()
+    assert "python -m recipe.stapo.plots results/justrl results/stapo --out figs" in docs
+    assert "`figs/update_effect.png`" in docs
+
+
+def test_cli_names_a_run_the_quickstart_stopped_at_its_limit(two_runs, tmp_path, capsys):
+    """With the steps it logged, the stopped run is plotted and named; stopped before its first step,
+    the error says so, not how to configure a logger that was configured."""
+    from recipe.stapo.quickstart import record_stop
+
+    runs, _ = two_runs
+    record_stop(runs["stapo"], "stapo", 1200.2, 1200, 8, 16)
+    assert plots.main([str(runs["stapo"]), str(runs["justrl"]), "--out", str(tmp_path / "a")]) == 0
+    assert ("note: stapo: run stapo stopped after 1200 s (the quickstart's limit per run, --timeout 1200) with 8 of 16 "
+            "steps logged: raise --timeout; its curves end where it stopped") in capsys.readouterr().err
+
+    early = tmp_path / "early"
+    early.mkdir()
+    (early / "metrics.jsonl").write_text("")  # verl's file logger opened it, then the run was stopped
+    record_stop(early, "justrl", 1200.0, 1200, 0, 16)
+    assert plots.main([str(runs["stapo"]), str(early), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert (f"error: {early}: nothing to plot: run justrl stopped after 1200 s (the quickstart's limit per run, "
+            "--timeout 1200) with 0 of 16 steps logged: raise --timeout, before logging a step") in err
+    assert "trainer.logger" not in err and not (tmp_path / "b").exists()
+
+
 def test_duplicate_folder_names_need_labels(tmp_path):
     for parent in ("a", "b"):
         (tmp_path / parent / "run").mkdir(parents=True)

@@ -129,6 +129,20 @@ def test_data_file_that_is_not_parquet_or_lacks_columns_is_refused(cluster):
             "reward_model.ground_truth")
 
 
+def test_a_training_set_smaller_than_one_batch_is_refused_naming_both_numbers(cluster):
+    """verl's loader drops an incomplete batch: 255 prompts at 256 per step would train no step."""
+    train = write_dataset(cluster["data"] / "train.parquet", rows=255)
+    problem(refused(paper(cluster)), "data.train_files",
+            f"{train} holds 255 prompts, fewer than one batch (data.train_batch_size=256)",
+            "no training step would run",
+            "train on at least 256 prompts, or set data.train_batch_size to at most 255")
+    second = write_dataset(cluster["data"] / "more.parquet", rows=1)  # the files' rows together are the set
+    assert "preflight passed" in "\n".join(passes(paper(cluster, f"data.train_files=[{train},{second}]")))
+    problem(refused(paper(cluster, f"data.train_files=[{train},{second}]", "+data.gen_batch_size=512")),
+            "data.train_files", f"{train}, {second} hold 256 prompts, fewer than one batch (data.gen_batch_size=512)",
+            "set data.gen_batch_size to at most 256")
+
+
 @pytest.mark.parametrize("case", ["missing", "empty", "no_config", "no_tokenizer", "no_weights"])
 def test_model_folder_without_config_tokenizer_or_weights_is_refused(cluster, case):
     folder = cluster["root"] / "models2" / "Qwen3-8B-Base"

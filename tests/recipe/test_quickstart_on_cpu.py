@@ -375,3 +375,90 @@ def test_options_are_parsed_once_into_a_frozen_checked_object(tmp_path):
         opts.lr = 1.0  # frozen
     with pytest.raises(qs.OptionError, match="--lr must be a positive finite number"):
         dataclasses.replace(opts, lr=float("nan"))  # every instance is checked, not only the parsed ones
+
+
+# ------------------------------------------------------------------------------------------------
+# the study: one command, shown alike everywhere
+# ------------------------------------------------------------------------------------------------
+
+STUDY = "bash run_scripts/quickstart.sh --out results/study --seeds 3 --test-freq 8"
+
+
+def _bash_lines(path: Path) -> list[str]:
+    """The lines of the ```bash blocks of a markdown file."""
+    lines, inside = [], False
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            inside = line.strip() == "```bash"
+        elif inside:
+            lines.append(line)
+    return lines
+
+
+def test_the_study_is_one_command_that_every_document_shows(tmp_path, monkeypatch):
+    """Every line of the docs, the quickstart script and module that gives a number of seeds is the
+    study's one command; README.md and docs/miniature.md show it as a command. Its options, as
+    written, are the study's (the study itself trains 12 runs, 22 minutes: docs/miniature.md)."""
+    import re
+    import shlex
+
+    from recipe.stapo.methods import PAPER_METHODS
+    from tests.helpers.paths import REPO
+
+    sources = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "run_scripts" / "quickstart.sh",
+               REPO / "recipe" / "stapo" / "quickstart.py"]
+    for source in sources:
+        for line in source.read_text().splitlines():
+            if re.search(r"--seeds \d", line):
+                assert STUDY in line, f"{source}: {line}"
+    for doc in (REPO / "README.md", REPO / "docs" / "miniature.md"):
+        assert STUDY in _bash_lines(doc), doc
+    monkeypatch.chdir(tmp_path)
+    opts = qs.parse_options(shlex.split(STUDY)[2:])
+    assert (opts.study, opts.seeds, opts.test_freq, opts.steps, opts.methods) == (True, (0, 1, 2), 8, 16, PAPER_METHODS)
+    assert opts.out == tmp_path / "results" / "study"
+
+
+# ------------------------------------------------------------------------------------------------
+# the per-run limit (--timeout): a run past it is stopped, named as stopped, and the tools reading
+# its folder say so
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_run_past_its_limit_is_reported_stopped_and_the_tools_reading_it_say_so(assets, tmp_path, capsys):
+    """``--timeout 1``: verl's trainer cannot get past its imports in a second, so the runner kills
+    each run at its limit. The summary names the limit to raise (not "FAILED: exit -9"), and inspect,
+    plots and bench_e2e, given the stopped runs, say they were stopped instead of advising how to turn
+    on what was on."""
+    import re
+
+    from benchmarks import bench_e2e
+    from recipe.stapo import inspect as insp
+    from recipe.stapo import plots
+
+    out = tmp_path / "out"
+    assert qs.main(["--out", str(out), "--assets", str(assets), "--methods", "justrl,stapo", "--steps", "2",
+                    "--timeout", "1"]) == 1
+    printed = capsys.readouterr()
+    summary = (out / "summary.md").read_text()
+    for method in ("justrl", "stapo"):
+        reason = (r"stopped after \d+ s \(the quickstart's limit per run, --timeout 1\) with 0 of 2 steps logged: "
+                  r"raise --timeout")
+        assert re.search(rf"^\| {method} \| {reason} \|", summary, re.MULTILINE), summary
+        assert re.search(rf"^\[quickstart\] {method}: {reason}$", printed.err, re.MULTILINE), printed.err
+        record = json.loads((out / method / "stopped.json").read_text())
+        assert re.fullmatch(rf"run {method} {reason}", record["message"])
+        assert (record["timeout_s"], record["steps_logged"], record["steps"]) == (1, 0, 2) and record["wall_s"] >= 1
+    assert "FAILED" not in summary and "exit -9" not in summary
+
+    assert insp.main([str(out / "stapo")]) == 1
+    err = capsys.readouterr().err
+    assert "no token dump to inspect: run stapo stopped after" in err and "recipe.token_dump.dir" not in err
+    assert plots.main([str(out / "justrl"), str(out / "stapo"), "--out", str(tmp_path / "figs")]) == 2
+    err = capsys.readouterr().err
+    assert "nothing to plot: run justrl stopped after" in err and "trainer.logger" not in err
+    assert bench_e2e.main(["--from-quickstart", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "run justrl stopped after" in err and "raise --timeout, before logging a step" in err
+    assert "trainer.logger" not in err and "timing enabled" not in err

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.stapo.driver import METHODS, PreflightError, compose, prepare
+from recipe.stapo.driver import PreflightError, compose, prepare
+from recipe.stapo.methods import PAPER_METHODS
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
 from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, write_model
 from tests.helpers.paths import REPO
@@ -195,6 +196,31 @@ def _gpu_dry_run(tmp_path: Path, model: Path, data: str, **extra) -> subprocess.
     return subprocess.run(["bash", str(SMOKE)], env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.parametrize("extra, message", [
+    ({}, "set MODEL to a local Hugging Face model folder"),
+    ({"MODEL": "no_such_model"}, "no_such_model: no config.json"),
+    ({"SMOKE_DEVICE": "tpu"}, "SMOKE_DEVICE: unknown device 'tpu'"),
+    ({"LENGTHS": "long"}, "LENGTHS: unknown value 'long'"),
+    ({"LENGTHS": "paper", "SMOKE_DEVICE": "cpu"}, "LENGTHS=paper needs SMOKE_DEVICE=gpu"),
+    ({"STEPS": "0"}, "STEPS='0': expected a whole number >= 1"),
+])
+def test_a_refused_smoke_run_leaves_no_folder(tmp_path, extra, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAPO_", "MODEL", "SMOKE_", "LENGTHS", "STEPS"))}
+    env.update(OUT="smoke", PYTHON=sys.executable, **extra)
+    proc = subprocess.run(["bash", str(SMOKE)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dry_run_prints_the_commands_and_creates_nothing(tmp_path):
+    env = fake_cluster(tmp_path / "shared")
+    model = Path(env["STAPO_MODEL_DIR"]) / "Qwen3-1.7B-Base"
+    proc = _gpu_dry_run(tmp_path, model, env["STAPO_DATA_DIR"])
+    assert proc.returncode == 0, proc.stderr
+    assert len(proc.stdout.strip().splitlines()) == len(PAPER_METHODS)
+    assert not (tmp_path / "smoke").exists()
+
+
 def _prepared(commands: list[list[str]], data: str, monkeypatch) -> list:
     monkeypatch.setenv("STAPO_DATA_DIR", data)  # what common.sh exports to the driver
     monkeypatch.delenv("GPU_MEM_GB", raising=False)
@@ -216,7 +242,7 @@ def test_paper_lengths_runs_pass_the_preflight_on_one_gpu(tmp_path, monkeypatch)
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
     configs = _prepared(commands, env["STAPO_DATA_DIR"], monkeypatch)
-    assert [c.recipe.method for c, _ in configs] == list(METHODS)
+    assert [c.recipe.method for c, _ in configs] == list(PAPER_METHODS)
     for config, logged in configs:
         assert (config.data.max_prompt_length, config.data.max_response_length) == (1024, 15360)
         assert (config.trainer.nnodes, config.trainer.n_gpus_per_node) == (1, 1)

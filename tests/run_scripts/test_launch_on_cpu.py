@@ -6,6 +6,7 @@ documented."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
@@ -49,8 +50,8 @@ def _submit_dry_run(tmp_path, **env):
     (line,) = proc.stdout.strip().splitlines()
     argv = shlex.split(line)
     sep = argv.index("--")
-    names = proc.stderr.split("values not shown):", 1)[1].split()
-    return proc, argv[:sep], argv[sep + 1:], set(names)
+    runtime_env = json.loads(proc.stderr.split("secret values masked:\n", 1)[1])
+    return proc, argv[:sep], argv[sep + 1:], runtime_env["env_vars"]
 
 
 def test_submit_mode_submits_a_detached_job_named_after_the_run(tmp_path):
@@ -64,6 +65,10 @@ def test_submit_mode_submits_a_detached_job_named_after_the_run(tmp_path):
     assert head[head.index("--working-dir") + 1] == str(REPO)
     runtime_env_file = Path(head[head.index("--runtime-env") + 1])
     assert not runtime_env_file.exists(), "the runtime env file (it holds secrets) must not outlive the launcher"
+    # what the deleted file held is printed, and the message says the file is gone
+    assert f"[stapo] {runtime_env_file} (deleted when this script exits; a launch writes its own)" in proc.stderr
+    env_vars = json.loads(proc.stderr.split("secret values masked:\n", 1)[1])["env_vars"]
+    assert env_vars["STAPO_DATA_DIR"] == str(tmp_path / "rel/data") and env_vars["STAPO_LAUNCH_DIR"] == str(tmp_path)
     assert entry[:3] == [sys.executable, "-m", "recipe.stapo.main_stapo"]
     assert _value(entry, "trainer.default_local_dir") == str(tmp_path / "ck/stapo/qwen3_8b_stapo")
     assert _value(entry, "actor_rollout_ref.actor.policy_loss.q") == "0.5"
@@ -86,9 +91,12 @@ def test_submit_mode_forwards_only_the_allow_list(tmp_path):
     dropped = {"AWS_SECRET_ACCESS_KEY": "aws", "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.1",
                "RAY_AUTH_TOKEN": "ray-token", "PATH_TO_NOTHING": "x"}
     proc, _, _, names = _submit_dry_run(tmp_path, WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET, **forwarded, **dropped)
-    assert names == set(forwarded) | {"WANDB_API_KEY", "HF_TOKEN", "STAPO_LAUNCH_DIR", "VERL_USE_EXTERNAL_MODULES",
+    assert set(names) == set(forwarded) | {"WANDB_API_KEY", "HF_TOKEN", "STAPO_LAUNCH_DIR", "VERL_USE_EXTERNAL_MODULES",
                                       "RAY_OVERRIDE_JOB_RUNTIME_ENV"}
     assert SECRET not in proc.stdout + proc.stderr
+    assert names["WANDB_API_KEY"] == names["HF_TOKEN"] == "<secret, not shown>"
+    assert {k: names[k] for k in forwarded if k != "STAPO_DATA_DIR"} == {k: v for k, v in forwarded.items()
+                                                                          if k != "STAPO_DATA_DIR"}
     assert "warning: WANDB_API_KEY, HF_TOKEN travel in the job's runtime env" in proc.stderr
 
 
@@ -118,7 +126,8 @@ def test_local_mode_ignores_a_dashboard_address_and_exports_the_launch_directory
 
 
 def test_local_mode_is_unchanged_and_paths_come_from_the_launch_directory(tmp_path):
-    proc = _run(COMMON, "grpo", "qwen3_1_7b", cwd=tmp_path, STAPO_DRY_RUN="1", CKPT_DIR="ck", WANDB_API_KEY=SECRET)
+    proc = _run(COMMON, "grpo", "qwen3_1_7b", cwd=tmp_path, STAPO_DRY_RUN="1", CKPT_DIR="ck", WANDB_API_KEY=SECRET,
+                PYTHON="python3")
     assert proc.returncode == 0, proc.stderr
     argv = shlex.split(proc.stdout)
     assert argv[:3] == ["python3", "-m", "recipe.stapo.main_stapo"]
@@ -174,13 +183,22 @@ def _fake_python(tmp_path: Path) -> Path:
 
 
 def test_eval_uses_python_not_a_stray_venv(tmp_path):
+    """PYTHON when set; else a python3 on PATH that has the requirements (a cluster's environment) wins
+    over a project .venv (which may hold the CPU stack)."""
     fake = _fake_python(tmp_path)
     proc = _run(EVAL, cwd=tmp_path, MODEL="Qwen/Qwen3-8B", PYTHON=str(fake))
     assert proc.returncode == 0, proc.stderr
     argv = proc.stdout.splitlines()
     assert argv[:2] == ["-m", "recipe.stapo.eval.run_eval"]
-    script = EVAL.read_text()
-    assert ".venv" not in script and "VIRTUAL_ENV" not in script
+    checkout = _checkout(tmp_path, venv=True)
+    env_bin = tmp_path / "env"
+    env_bin.mkdir()
+    (env_bin / "python3").symlink_to(fake)  # answers the requirements check (exit 0), prints its arguments
+    proc = _shell_run(checkout / "run_scripts" / "eval.sh", cwd=tmp_path, path=f"{env_bin}:/usr/bin:/bin",
+                      MODEL="Qwen/Qwen3-8B")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[:2] == ["-m", "recipe.stapo.eval.run_eval"]
+    assert f"[stapo] python: {env_bin}/python3 (python3 on PATH, not the project's .venv" in proc.stderr
 
 
 @pytest.mark.parametrize("model, env, expected", [
@@ -220,7 +238,8 @@ def test_throughput_settings_fit_the_longest_sequence(model):
 def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
     """GPU mode of run_scripts/gpu_smoke.sh (dry run): one command per method, each a valid verl config
     on one node with the local model, short lengths and a checkpoint at the last step."""
-    from recipe.stapo.driver import METHODS, validate
+    from recipe.stapo.driver import validate
+    from recipe.stapo.methods import PAPER_METHODS
 
     model = tmp_path / "Qwen3-1.7B-Base"
     model.mkdir()
@@ -229,7 +248,7 @@ def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
                 STAPO_DRY_RUN="1", OUT="smoke")
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
-    assert [_value(c, "method") for c in commands] == list(METHODS)
+    assert [_value(c, "method") for c in commands] == list(PAPER_METHODS)
     for argv in commands:
         cfg = compose(argv[3:])
         validate(cfg)
@@ -354,3 +373,97 @@ def test_a_failed_ablation_run_does_not_stop_the_others(tmp_path):
                                    "qwen3_1_7b_stapo_tau_p_0.01"]
     assert proc.returncode == 1
     assert "2 run(s) failed or were refused: qwen3_1_7b_stapo_tau_p_0.001 qwen3_1_7b_stapo_tau_p_0.01" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# which python the run scripts use (run_scripts/_python.sh)
+# ------------------------------------------------------------------------------------------------
+
+
+def _checkout(tmp_path: Path, venv: bool) -> Path:
+    """The repository seen from another folder (its entries linked), with a project ``.venv`` (a link
+    to this interpreter's environment) or without one."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    for entry in REPO.iterdir():
+        if entry.name not in (".venv", ".git"):
+            (checkout / entry.name).symlink_to(entry)
+    if venv:
+        (checkout / ".venv").symlink_to(Path(sys.prefix))
+    return checkout
+
+
+def _python3(folder: Path, with_requirements: bool) -> Path:
+    """A folder whose ``python3`` is this interpreter, with its packages or without them (``-S``: no
+    site-packages, as a system python3 that never had the requirements installed)."""
+    folder.mkdir()
+    (folder / "python3").write_text(f'#!/bin/sh\nexec {sys.executable} {"" if with_requirements else "-S "}"$@"\n')
+    (folder / "python3").chmod(0o755)
+    return folder
+
+
+def _shell_run(script: Path, *args: str, cwd: Path, path: str, **env) -> subprocess.CompletedProcess:
+    """``script`` from a shell whose PATH is ``path`` and which sets no PYTHON."""
+    full = {k: v for k, v in _env(**env).items() if k not in ("PYTHON", "VIRTUAL_ENV")}
+    return subprocess.run(["bash", str(script), *args], cwd=cwd, env={**full, "PATH": path}, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_from_a_shell_without_the_venv_the_scripts_find_the_projects_venv(tmp_path):
+    """PATH's python3 lacks the requirements (a shell that never activated .venv): the scripts run the
+    project's .venv, and say nothing about it."""
+    checkout = _checkout(tmp_path, venv=True)
+    path = f"{_python3(tmp_path / 'bare', with_requirements=False)}:/usr/bin:/bin"
+    proc = _shell_run(checkout / "run_scripts" / "common.sh", "stapo", "qwen3_8b", cwd=tmp_path, path=path,
+                      LAUNCH="submit", STAPO_DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    (line,) = proc.stdout.strip().splitlines()
+    argv = shlex.split(line)
+    venv_python = str(checkout / ".venv" / "bin" / "python")
+    assert argv[argv.index("--") + 1:][:3] == [venv_python, "-m", "recipe.stapo.main_stapo"]
+    assert "[stapo] python:" not in proc.stderr
+    model = tmp_path / "Qwen3-1.7B-Base"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    smoke = _shell_run(checkout / "run_scripts" / "gpu_smoke.sh", cwd=tmp_path, path=path, MODEL=str(model),
+                       STAPO_DRY_RUN="1", OUT="smoke")
+    assert smoke.returncode == 0, smoke.stderr
+    commands = [shlex.split(line) for line in smoke.stdout.strip().splitlines()]
+    from recipe.stapo.methods import PAPER_METHODS
+
+    assert [c[0] for c in commands] == [str(checkout / ".venv" / "bin" / "python")] * len(PAPER_METHODS)
+    assert [_value(c, "method") for c in commands] == list(PAPER_METHODS)
+
+
+def test_a_python3_with_the_requirements_is_used_and_named(tmp_path):
+    checkout = _checkout(tmp_path, venv=True)
+    env_bin = _python3(tmp_path / "env", with_requirements=True)
+    proc = _shell_run(checkout / "run_scripts" / "common.sh", "stapo", "qwen3_8b", cwd=tmp_path,
+                      path=f"{env_bin}:/usr/bin:/bin", LAUNCH="submit", STAPO_DRY_RUN="1")
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout.strip())
+    assert argv[argv.index("--") + 1] == "python3"
+    assert f"[stapo] python: {env_bin}/python3 (python3 on PATH, not the project's .venv" in proc.stderr
+
+
+def test_without_a_venv_or_a_python3_with_the_requirements_the_scripts_say_how_to_get_one(tmp_path):
+    checkout = _checkout(tmp_path, venv=False)
+    bare = _python3(tmp_path / "bare", with_requirements=False)
+    proc = _shell_run(checkout / "run_scripts" / "common.sh", "stapo", "qwen3_8b", cwd=tmp_path,
+                      path=f"{bare}:/usr/bin:/bin", LAUNCH="submit", STAPO_DRY_RUN="1")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert (f"error: python3 ({bare}/python3) lacks the recipe's requirements (omegaconf, verl) and there is no "
+            f"{checkout}/.venv: create it with 'bash run_scripts/test.sh'") in proc.stderr
+    assert "Traceback" not in proc.stderr and "ModuleNotFoundError" not in proc.stderr
+
+
+def test_every_run_script_finds_its_python_the_same_way():
+    """Each script that runs the recipe's python sources run_scripts/_python.sh; none defaults to python3."""
+    users = []
+    for script in sorted((REPO / "run_scripts").glob("*.sh")):
+        text = script.read_text()
+        assert "${PYTHON:-python3}" not in text, script
+        if '"$python"' in text:
+            assert "source run_scripts/_python.sh" in text, script
+            users.append(script.name)
+    assert users == ["common.sh", "eval.sh", "gpu_smoke.sh"]

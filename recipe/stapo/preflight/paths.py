@@ -1,8 +1,8 @@
-"""Paths: data files are parquet with the columns the run reads; the model folder has a config, a
-tokenizer and weights; the checkpoint folder (and the token dump's) can be created and written (a
-probe file, removed with any folder made for it); the token dump's settings. With ``LAUNCH=submit``
-a path the launching machine cannot see is a note, not a refusal (the job's driver checks it on the
-head node)."""
+"""Paths: data files are parquet with the columns the run reads, the training files holding at least
+one batch; the model folder has a config, a tokenizer and weights; the checkpoint folder (and the
+token dump's) can be created and written (a probe file, removed with any folder made for it); the
+token dump's settings. With ``LAUNCH=submit`` a path the launching machine cannot see is a note, not
+a refusal (the job's driver checks it on the head node)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Optional
 
 from omegaconf import DictConfig, ListConfig
 
-from .problem import Problem, pick
+from .problem import Problem, is_int, pick
 
 #: columns every row of a data file needs (beside ``data.prompt_key`` and ``data.reward_fn_key``)
 REWARD_MODEL_COLUMN, GROUND_TRUTH_FIELD = "reward_model", "ground_truth"
@@ -79,15 +79,17 @@ def _existing_local(key: str, path: str, fix: str, found: list[Problem], notes: 
     return None
 
 
-def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], notes: list[str], submit: bool) -> None:
+def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], notes: list[str],
+               submit: bool) -> Optional[int]:
+    """Check one data file; returns its row count when it was read here (None otherwise)."""
     prepare_cmd = ("python -m recipe.stapo.data.prepare " + ("train" if key == "data.train_files" else "bench")
                    + " --out-dir <folder>, then set STAPO_DATA_DIR=<folder> (or " + key + ")")
     p = _existing_local(key, path, prepare_cmd, found, notes, submit)
     if p is None:
-        return
+        return None
     if not p.is_file():
         found.append(Problem(key, f"{path} is not a file", "point it to a parquet file"))
-        return
+        return None
     import pyarrow.parquet as pq  # pyarrow (half a second to import) only when a data file is checked
 
     try:
@@ -95,10 +97,10 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
         schema = meta.schema.to_arrow_schema()
     except Exception as e:  # noqa: BLE001
         found.append(Problem(key, f"{path} is not a parquet file ({type(e).__name__}: {e})", prepare_cmd))
-        return
+        return None
     if meta.num_rows == 0:  # before the columns: a file without rows may have none either
         found.append(Problem(key, f"{path} has no rows", prepare_cmd))
-        return
+        return None
     prompt_key = str(pick(config, "data.prompt_key", "prompt"))
     source_key = str(pick(config, "data.reward_fn_key", "data_source"))
     missing = [c for c in (prompt_key, source_key, REWARD_MODEL_COLUMN) if c not in schema.names]
@@ -112,6 +114,20 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
         found.append(Problem(key, f"{path} has no column {', '.join(missing)} (it has {', '.join(schema.names)}); "
                              f"the run reads {prompt_key}, {source_key} and {REWARD_MODEL_COLUMN}.{GROUND_TRUTH_FIELD}",
                              prepare_cmd))
+    return meta.num_rows
+
+
+def _at_least_one_batch(config: DictConfig, paths: list[str], rows: int, found: list[Problem]) -> None:
+    """verl's training loader drops an incomplete last batch (``drop_last=True``, of
+    ``data.gen_batch_size`` prompts when set, else ``data.train_batch_size``): a training set of
+    fewer rows than one batch trains no step."""
+    key = "data.gen_batch_size" if pick(config, "data.gen_batch_size") else "data.train_batch_size"
+    batch = pick(config, key)
+    if is_int(batch) and rows < batch:
+        found.append(Problem("data.train_files", f"{', '.join(paths)} hold{'s' if len(paths) == 1 else ''} {rows} "
+                             f"prompts, fewer than one batch ({key}={batch}): verl drops an incomplete batch, so no "
+                             "training step would run",
+                             f"train on at least {batch} prompts, or set {key} to at most {rows}"))
 
 
 def _model_folder(config: DictConfig, found: list[Problem], notes: list[str], submit: bool) -> None:
@@ -150,8 +166,9 @@ def check_paths(config: DictConfig, found: list[Problem], notes: list[str], subm
         paths = _paths(pick(config, key))
         if not paths:
             found.append(Problem(key, "is empty", "set it to the parquet file(s) of recipe.stapo.data.prepare"))
-        for path in paths:
-            _data_file(config, key, path, found, notes, submit)
+        rows = [_data_file(config, key, path, found, notes, submit) for path in paths]
+        if key == "data.train_files" and paths and None not in rows:  # every file read here: their rows are the set
+            _at_least_one_batch(config, paths, sum(rows), found)
     _model_folder(config, found, notes, submit)
     for key in OUTPUT_DIR_KEYS:
         value = pick(config, key)
