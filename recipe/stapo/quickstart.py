@@ -336,7 +336,7 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     if run.ok and shared is not None:
         share_initial_validation(run.metrics, shared[1], shared[0])
     steps = read_metrics(run.metrics) if run.metrics.is_file() else {}
-    if not run.ok and run.wall_s >= opts.timeout:  # stopped at its limit (run_cpu_trainer kills it there)
+    if run.timed_out:  # stopped at its limit (run_cpu_trainer kills it there)
         row = summarise(method, steps, run.wall_s)
         reason = record_stop(run_dir, method + (f" seed {seed}" if opts.study else ""), run.wall_s, opts.timeout,
                              row["steps"], opts.steps)

@@ -11,9 +11,12 @@ The verl-side shims (platform, vLLM on CPU) are :mod:`verl_patches.cpu`; docs/cp
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
@@ -38,6 +41,32 @@ CPU_ROLLOUT = "vllm"
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 #: torch intra-op threads in every process of a CPU run (see :func:`thread_env`)
 DEFAULT_THREADS = 1
+#: the file CPU trainer runs on one machine take turns on (:func:`machine_turn`); empty: no turns
+RUN_LOCK_ENV = "STAPO_CPU_RUN_LOCK"
+DEFAULT_RUN_LOCK = os.path.join(tempfile.gettempdir(), "stapo-cpu-trainer.lock")
+
+
+@contextlib.contextmanager
+def machine_turn(log: Callable[[str], None] = print):
+    """Hold the machine's turn for one CPU trainer run: an exclusive lock on ``STAPO_CPU_RUN_LOCK``
+    (default :data:`DEFAULT_RUN_LOCK`), so that CPU runs started beside each other (the quickstart, the
+    tests, a benchmark) run one after the other instead of sharing the cores, each within its own time
+    limit. Yields the seconds waited for the turn. The lock goes with the process that holds it."""
+    path = os.environ.get(RUN_LOCK_ENV, DEFAULT_RUN_LOCK)
+    if not path:
+        yield 0.0
+        return
+    start = time.time()
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"[stapo] waiting for another CPU trainer run on this machine to finish (lock {path})")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield time.time() - start
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:
@@ -224,16 +253,17 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     (:func:`thread_env`); ``isa``: the math libraries' instruction set
     (:func:`recipe.stapo.cpu.isa.isa_env`). stdout+stderr go to ``log_file`` (default
     ``run_dir/<metrics_file stem>.log``). ``on_step(step, metrics)`` is called for each step as
-    soon as verl's file logger writes it. Returns a :class:`CPURun` (return code, wall seconds,
-    paths); it never raises on a failed or timed-out run (return code -9), so callers can report
-    the log.
+    soon as verl's file logger writes it. The run waits for its turn on the machine
+    (:func:`machine_turn`); ``timeout`` counts from the start of the run, not the wait. Returns a
+    :class:`CPURun` (return code, wall seconds, paths); it never raises on a failed or timed-out run
+    (return code -9, ``timed_out``), so callers can report the log.
     """
     run_dir = Path(run_dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     log = Path(log_file) if log_file else run_dir / (Path(metrics_file).stem + ".log")
     metrics = run_dir / metrics_file
     cmd = trainer_command(method, cpu_overrides(assets_dir, run_dir, isa=isa, **overrides_kwargs))
-    start, seen = time.time(), set()
+    seen: set[int] = set()
 
     def report_new_steps() -> None:
         if on_step is None or not metrics.is_file():
@@ -247,37 +277,53 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     # does not report a previous run's steps
     if not (overrides_kwargs.get("resume") or overrides_kwargs.get("resume_from")):
         metrics.unlink(missing_ok=True)
-    with open(log, "w") as out:
+    with machine_turn() as waited_s, open(log, "w") as out:
+        start, timed_out = time.time(), False
         proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file, threads=threads, isa=isa),
                                 stdout=out,
                                 stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         while proc.poll() is None:
             if timeout is not None and time.time() - start > timeout:
+                timed_out = True
                 proc.kill()
                 proc.wait()
                 break
             report_new_steps()
             time.sleep(1.0)
         report_new_steps()
-    code = -9 if proc.returncode is None or (timeout is not None and time.time() - start > timeout
-                                             and proc.returncode != 0) else proc.returncode
-    return CPURun(method, code, round(time.time() - start, 1), run_dir, metrics, log)
+        wall_s = round(time.time() - start, 1)
+    code = -9 if timed_out else proc.returncode
+    return CPURun(method, code, wall_s, run_dir, metrics, log, timeout=timeout if timed_out else None,
+                  waited_s=round(waited_s, 1))
 
 
 class CPURun:
     """Outcome of :func:`run_cpu_trainer`."""
 
-    def __init__(self, method: str, returncode: int, wall_s: float, run_dir: Path, metrics: Path, log: Path):
+    def __init__(self, method: str, returncode: int, wall_s: float, run_dir: Path, metrics: Path, log: Path,
+                 timeout: Optional[float] = None, waited_s: float = 0.0):
         self.method, self.returncode, self.wall_s = method, returncode, wall_s
         self.run_dir, self.metrics, self.log = run_dir, metrics, log
+        self.timeout, self.waited_s = timeout, waited_s  # timeout: the limit that stopped it (None: not stopped)
+
+    @property
+    def timed_out(self) -> bool:
+        """Stopped at its time limit (return code -9)."""
+        return self.timeout is not None
 
     @property
     def ok(self) -> bool:
         return self.returncode == 0
 
     def tail(self, lines: int = 60) -> str:
-        """Last lines of the run's log (for error reports)."""
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.is_file() else ""
+        """Last lines of the run's log (for error reports), after what stopped it when it hit its limit."""
+        text = "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.is_file() else ""
+        if self.timed_out:
+            text = (f"run {self.method} stopped after {self.wall_s:.0f} s: its time limit is {self.timeout:g} s "
+                    f"(raise the timeout, or give it a machine of its own); last lines of {self.log}:\n{text}")
+        return text
 
     def __repr__(self) -> str:
-        return f"CPURun({self.method!r}, returncode={self.returncode}, wall_s={self.wall_s}, run_dir={self.run_dir})"
+        stopped = f", stopped at its {self.timeout:g} s limit" if self.timed_out else ""
+        return (f"CPURun({self.method!r}, returncode={self.returncode}, wall_s={self.wall_s}{stopped}, "
+                f"run_dir={self.run_dir})")

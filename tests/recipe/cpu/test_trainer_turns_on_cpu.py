@@ -1,0 +1,70 @@
+"""CPU trainer runs on one machine take turns (``recipe.stapo.cpu.trainer.machine_turn``): a run
+started while another holds the machine waits for it, says so, and its time limit counts from its own
+start; a run stopped at its limit says so first in its report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from recipe.stapo.cpu import trainer
+from recipe.stapo.cpu.trainer import CPURun, machine_turn
+
+HOLD = textwrap.dedent("""
+    import fcntl, sys, time
+    with open(sys.argv[1], "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        print("held", flush=True)
+        time.sleep(float(sys.argv[2]))
+""")
+
+
+def _hold(path: Path, seconds: float) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path), str(seconds)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_run_waits_for_the_machine_and_says_so(tmp_path, monkeypatch):
+    lock = tmp_path / "turn.lock"
+    monkeypatch.setenv(trainer.RUN_LOCK_ENV, str(lock))
+    holder = _hold(lock, 2.0)
+    said = []
+    try:
+        with machine_turn(log=said.append) as waited:  # the turn comes when the holder lets go, 2 s on
+            pass
+    finally:
+        holder.wait()
+    assert waited >= 1.0 and len(said) == 1 and "waiting for another CPU trainer run" in said[0] and str(lock) in said[0]
+    said.clear()
+    with machine_turn(log=said.append) as waited:  # a free machine: no wait, nothing said
+        assert waited < 1.0
+    assert said == []
+
+
+def test_no_turns_when_the_lock_is_switched_off(tmp_path, monkeypatch):
+    lock = tmp_path / "turn.lock"
+    holder = _hold(lock, 30.0)
+    try:
+        monkeypatch.setenv(trainer.RUN_LOCK_ENV, "")
+        start = time.time()
+        with machine_turn(log=lambda _: None) as waited:
+            assert waited == 0.0 and time.time() - start < 5
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_a_run_stopped_at_its_limit_says_so_before_its_log(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text("WARNING something unrelated\n")
+    stopped = CPURun("stapo", -9, 601.2, tmp_path, tmp_path / "metrics.jsonl", log, timeout=600)
+    assert stopped.timed_out and not stopped.ok
+    head = stopped.tail().splitlines()[0]
+    assert head.startswith("run stapo stopped after 601 s: its time limit is 600 s")
+    assert "stopped at its 600 s limit" in repr(stopped)
+    failed = CPURun("stapo", 1, 10.0, tmp_path, tmp_path / "metrics.jsonl", log)
+    assert not failed.timed_out and failed.tail() == "WARNING something unrelated"
