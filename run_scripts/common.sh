@@ -74,7 +74,7 @@ if [ -n "${CKPT_DIR:-}" ]; then ckpt="$(abs "$CKPT_DIR" "$launch_dir")"; else ck
 project=${PROJECT:-stapo}
 experiment=${EXPERIMENT:-${model}_${method}}
 python=${PYTHON:-python3}
-export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_patches}"
+export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_patches.activate}"
 
 train=(
   -m recipe.stapo.main_stapo

@@ -8,6 +8,7 @@ needs no import side effect and fails on the first upward import anyone adds.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,12 @@ def test_unexplained_imports_are_found(tmp_path):
                      "def h():\n    # why, for both\n    import json\n    from os import path\n\n"
                      "def k():\n    import json  # noqa: F401\n")
     assert unexplained_local_imports(probe) == [2, 13]
+
+
+def test_nothing_imports_the_bare_verl_patches_package():
+    """``verl_patches`` itself applies nothing; the patch table is applied by importing
+    ``verl_patches.activate`` (code that imports the bare package for its patches gets none)."""
+    bare = re.compile(r"^\s*import verl_patches\s*(#.*)?$", re.M)
+    files = [p for layer in (*ALLOWED, "tests") for p in (REPO / layer).rglob("*.py")]
+    found = [str(p.relative_to(REPO)) for p in files if bare.search(p.read_text())]
+    assert not found, "`import verl_patches` applies nothing, use `import verl_patches.activate`:\n" + "\n".join(found)

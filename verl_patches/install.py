@@ -1,10 +1,10 @@
 """Every change the recipe makes to verl 0.9.1, in one table, and the function that applies it.
 
-``import verl_patches`` calls :func:`install` (idempotent) in every process that imports verl: the
-environment variable ``VERL_USE_EXTERNAL_MODULES=verl_patches``, which ``import verl`` reads, puts
-it there (the recipe's driver sets it; the trainer YAML passes it to remote Ray workers). No verl
-file is edited or copied. The behaviour lives in the modules each entry names; this module only
-wires it.
+:func:`install` (idempotent) runs when :mod:`verl_patches.activate` is imported, in every process
+that imports verl: the environment variable ``VERL_USE_EXTERNAL_MODULES=verl_patches.activate``,
+which ``import verl`` reads, puts it there (the recipe's driver sets it; the trainer YAML passes it
+to remote Ray workers). Importing this module applies nothing. No verl file is edited or copied.
+The behaviour lives in the modules each entry names; this module only wires it.
 
 ``python -m verl_patches`` prints the table (docs/verl_patches.md is that output).
 """
@@ -400,15 +400,18 @@ def table(patches=PATCHES) -> str:
         "this file in step with it).",
         "",
         "No verl file is edited or copied. Everything the recipe changes in verl is in `verl_patches/`, "
-        "loaded in every process (the driver, verl's task runner, every Ray worker) by one mechanism: "
-        "`import verl` imports the modules named in the environment variable "
-        "`VERL_USE_EXTERNAL_MODULES`, and the recipe sets it to `verl_patches` in the driver (local Ray "
-        "workers inherit it) and passes it to remote workers through "
-        "`ray_kwargs.ray_init.runtime_env.env_vars` in its trainer YAML. `import verl_patches` checks that "
-        "the installed verl is the release the patches were written for (another release is refused "
-        "unless `STAPO_ALLOW_VERL_VERSION` names it), then applies each change below once "
-        "(`verl_patches/registry.py`). Changes with scope `cpu` are applied only when `VERL_PLATFORM=cpu` "
-        "selects the CPU path (docs/cpu.md). The recipe's policy-loss settings reach the workers as a "
+        "applied in every process (the driver, verl's task runner, every Ray worker) by one module, "
+        "`verl_patches.activate`: `import verl` imports the modules named in the environment variable "
+        "`VERL_USE_EXTERNAL_MODULES`, and the recipe sets it to `verl_patches.activate` in the driver (local "
+        "Ray workers inherit it) and passes it to remote workers through "
+        "`ray_kwargs.ray_init.runtime_env.env_vars` in its trainer YAML. Importing `verl_patches.activate` "
+        "checks that the installed verl is the release the patches were written for (another release is "
+        "refused unless `STAPO_ALLOW_VERL_VERSION` names it), then applies each change below once "
+        "(`verl_patches/registry.py`); importing any other module of `verl_patches` changes nothing. "
+        "Changes with scope `cpu` are applied only when `VERL_PLATFORM=cpu` selects the CPU path "
+        "(docs/cpu.md); there vLLM's engine core, which does not import verl, applies them through a vLLM "
+        "plugin that only the CPU environment installs (a GPU install has no vLLM plugin). The recipe's "
+        "policy-loss settings reach the workers as a "
         "config class of their own (`verl_patches.policy_loss_config.TokenSelectionLossConfig`, named by `_target_` "
         "in the YAML), which verl instantiates in every process. Both of verl's trainers work: the "
         "TransferQueue trainer (`trainer.use_v1=true`, verl's default) and the legacy one.",

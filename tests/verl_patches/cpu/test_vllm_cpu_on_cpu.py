@@ -96,7 +96,7 @@ def test_the_isa_pin_follows_atens_capability(monkeypatch, value, pinned):
 KERNELS = textwrap.dedent("""
     import json, torch
     real = dict(torch.cpu.get_capabilities())  # before the patch table
-    import verl_patches  # applies it (VERL_PLATFORM=cpu)
+    import verl_patches.activate  # applies it (VERL_PLATFORM=cpu)
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     from verl_patches.cpu.vllm_cpu import loaded_vllm_kernels
