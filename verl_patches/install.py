@@ -196,10 +196,27 @@ PATCHES: tuple[Patch, ...] = (
         scope="cpu",
         on_import=True,
         changes="vLLM's file:// rendezvous file goes to $VLLM_RPC_BASE_PATH (the run's folder for vLLM's "
-                "socket files, removed by the driver at the end) instead of the temp folder",
+                "socket files, cpu_vllm_run_scratch) instead of the temp folder",
         why="the file is removed by nobody; one was left in /tmp per vLLM engine start",
         relies_on="MultiprocExecutor calling the module-level name get_file_store_init_method",
         drop_when="vLLM removes its rendezvous file",
+    ),
+    Patch(
+        name="cpu_vllm_run_scratch",
+        target="verl.trainer.main_ppo:run_ppo",
+        wrapper="verl_patches.cpu.vllm_cpu:wrap_run_ppo",
+        scope="cpu",
+        on_import=True,
+        changes="a run of verl's vLLM rollout gets a fresh folder for vLLM's socket files ($VLLM_RPC_BASE_PATH, "
+                "in the driver and in Ray's runtime environment), removed when run_ppo returns or raises, "
+                "together with the shared memory and named semaphores the run's killed processes left in "
+                "/dev/shm (those no process maps or holds open, by inode)",
+        why="vLLM's engine processes are killed, not shut down, when the Ray cluster ends: every run left "
+            "socket files in the temp folder and, from its killed processes, /dev/shm entries",
+        relies_on="run_ppo(config, task_runner_class) starting Ray with config.ray_kwargs.ray_init.runtime_env "
+                  "and returning when training ends; the driver importing run_ppo from verl.trainer.main_ppo "
+                  "after the patches are applied",
+        drop_when="verl shuts its vLLM engines down before the Ray cluster ends",
     ),
     # -- TRL beside verl (the recipe's TRL adapter installs TRL 1.x) ------------------------------
     Patch(

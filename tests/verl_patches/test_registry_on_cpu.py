@@ -83,7 +83,7 @@ def test_only_verl_patches_activate_applies_anything():
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     probed = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"verl_patches.install", "verl_patches.cpu.vllm_cpu"} <= set(probed["imported"])
+    assert {"verl_patches.install", "verl_patches.cpu.vllm_cpu", "verl_patches.cpu.shm"} <= set(probed["imported"])
     assert not probed["hooks"] and probed["applied"] == [], probed
 
 

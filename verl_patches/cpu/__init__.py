@@ -17,7 +17,8 @@ changes nothing. The code they run:
 - :mod:`.platform`: the ``cpu`` platform (device cpu, gloo, no-op device calls), the gloo backend
   string, unpinned FSDP2 offload, the thread count;
 - :mod:`.vllm_cpu` and :mod:`.vllm_plugin`: verl's vLLM rollout on vLLM's CPU build (weight sync,
-  per-sample seeds, vLLM's AVX2 kernels under the instruction-set pin, what its processes leave);
+  per-sample seeds, vLLM's AVX2 kernels under the instruction-set pin, the run's socket folder);
+- :mod:`.shm`: what killed processes leave in /dev/shm;
 - :mod:`.ordering`: under ``rollout.full_determinism``, per-sample request ids and a fixed batch
   order in verl's TransferQueue trainer (docs/reproducibility.md).
 """
