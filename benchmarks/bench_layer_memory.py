@@ -512,7 +512,7 @@ def measure_layer(scale: int, token_counts: list[int], seed: int = 0) -> dict:
 def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
     """Peak bytes of the log-probs' backward beyond the forward (the logits' gradient and the
     fallback's temporaries), against the model's gradient term."""
-    import verl_patches  # noqa: F401  (the recipe's patches, as in every verl process)
+    import verl_patches.activate  # noqa: F401  (the recipe's patches, as in every verl process)
     from verl.utils import torch_functional as verl_F
 
     _mmap_large_allocations()

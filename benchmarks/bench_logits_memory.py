@@ -119,7 +119,7 @@ def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, chunk: 
               seed: int = 0) -> list[dict]:
     """Measure each case once (``chunk``: rows per chunk of the chunked cases); rows of ``case, tokens,
     vocab, chunk, measured_bytes, model_bytes, ratio``."""
-    import verl_patches  # noqa: F401  (the recipe's patches, as in every verl process)
+    import verl_patches.activate  # noqa: F401  (the recipe's patches, as in every verl process)
     from verl.utils import torch_functional as verl_F
 
     from verl_patches.registry import original_of

@@ -269,7 +269,7 @@ def make_batch(inputs: LossInputs, mode: Mode):
 @lru_cache(maxsize=None)
 def actor_config(mode_name: str):
     """The actor config (verl dataclass) the recipe composes for ``mode_name``."""
-    import verl_patches  # noqa: F401  (installs the patches, registers the losses)
+    import verl_patches.activate  # noqa: F401  (installs the patches, registers the losses)
     from recipe.stapo.driver import compose
     from verl.utils.config import omega_conf_to_dataclass
 

@@ -76,7 +76,7 @@ if [ -n "${CKPT_DIR:-}" ]; then ckpt="$(abs "$CKPT_DIR" "$launch_dir")"; else ck
 project=${PROJECT:-stapo}
 experiment=${EXPERIMENT:-${model}_${method}}
 source run_scripts/_python.sh   # sets python (PYTHON, else python3 or the project's .venv)
-export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_patches}"
+export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_patches.activate}"
 
 train=(
   -m recipe.stapo.main_stapo

@@ -8,6 +8,7 @@ needs no import side effect and fails on the first upward import anyone adds.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,28 @@ def test_unexplained_imports_are_found(tmp_path):
                      "def h():\n    # why, for both\n    import json\n    from os import path\n\n"
                      "def k():\n    import json  # noqa: F401\n")
     assert unexplained_local_imports(probe) == [2, 13]
+
+
+#: what belongs to the CPU path (vLLM on a CPU, its socket folder, /dev/shm clean-up, the platform switch)
+CPU_PATH_WORDS = re.compile(r"vllm|/dev/shm|\bshm|semaphore|socket|scratch|VERL_PLATFORM|cpu path|cpu_", re.I)
+
+
+def test_the_cpu_path_stays_out_of_where_a_gpu_reader_starts():
+    """The Hydra entry point names no CPU at all, and stapo_core (torch's ``.cpu()`` and gloo's CPU
+    tensors aside) nothing of the CPU path: both live behind ``VERL_PLATFORM=cpu`` in verl_patches/cpu
+    and recipe/stapo/cpu."""
+    entry = REPO / "recipe" / "stapo" / "main_stapo.py"
+    found = [f"{entry.relative_to(REPO)}:{n}" for n, line in enumerate(entry.read_text().splitlines(), 1)
+             if re.search(r"cpu", line, re.I) or CPU_PATH_WORDS.search(line)]
+    found += [f"{p.relative_to(REPO)}:{n}" for p in sources("stapo_core")
+              for n, line in enumerate(p.read_text().splitlines(), 1) if CPU_PATH_WORDS.search(line)]
+    assert not found, "the CPU path named where a GPU reader starts:\n" + "\n".join(found)
+
+
+def test_nothing_imports_the_bare_verl_patches_package():
+    """``verl_patches`` itself applies nothing; the patch table is applied by importing
+    ``verl_patches.activate`` (code that imports the bare package for its patches gets none)."""
+    bare = re.compile(r"^\s*import verl_patches\s*(#.*)?$", re.M)
+    files = [p for layer in (*ALLOWED, "tests") for p in (REPO / layer).rglob("*.py")]
+    found = [str(p.relative_to(REPO)) for p in files if bare.search(p.read_text())]
+    assert not found, "`import verl_patches` applies nothing, use `import verl_patches.activate`:\n" + "\n".join(found)

@@ -1,10 +1,7 @@
 """Everything of this recipe that touches verl internals.
 
-``import verl_patches`` applies the recipe's patch table (:mod:`verl_patches.install`; idempotent),
-after checking that the installed verl is the release the patches were written for. Every process
-gets it through ``VERL_USE_EXTERNAL_MODULES=verl_patches`` (README, "How the recipe plugs into verl").
+Importing this package, or any module in it, changes nothing: the recipe's patch table
+(:mod:`verl_patches.install`) is applied by importing :mod:`verl_patches.activate`, the module every
+verl process is told to import (``VERL_USE_EXTERNAL_MODULES=verl_patches.activate``; README, "How
+the recipe plugs into verl").
 """
-
-from .install import install
-
-install()

@@ -3,7 +3,7 @@
 A variable in a Ray job's runtime environment (``WANDB_API_KEY``, ``HF_TOKEN``...) is shown in plain
 text by ``ray job list`` and the dashboard. With ``STAPO_SECRETS_FILE=<path>`` the job carries only
 that path: every verl process (driver, task runner, workers) loads the file when it imports
-``verl_patches`` (through ``VERL_USE_EXTERNAL_MODULES``, before any of them needs a secret). The
+``verl_patches.activate`` (through ``VERL_USE_EXTERNAL_MODULES``, before any of them needs a secret). The
 file must be readable by its owner only (``chmod 600``) and on storage every node sees.
 
 Format: one ``NAME=value`` per line (``export NAME=value`` too), ``#`` comments and blank lines

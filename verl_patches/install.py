@@ -1,10 +1,10 @@
 """Every change the recipe makes to verl 0.9.1, in one table, and the function that applies it.
 
-``import verl_patches`` calls :func:`install` (idempotent) in every process that imports verl: the
-environment variable ``VERL_USE_EXTERNAL_MODULES=verl_patches``, which ``import verl`` reads, puts
-it there (the recipe's driver sets it; the trainer YAML passes it to remote Ray workers). No verl
-file is edited or copied. The behaviour lives in the modules each entry names; this module only
-wires it.
+:func:`install` (idempotent) runs when :mod:`verl_patches.activate` is imported, in every process
+that imports verl: the environment variable ``VERL_USE_EXTERNAL_MODULES=verl_patches.activate``,
+which ``import verl`` reads, puts it there (the recipe's driver sets it; the trainer YAML passes it
+to remote Ray workers). Importing this module applies nothing. No verl file is edited or copied.
+The behaviour lives in the modules each entry names; this module only wires it.
 
 ``python -m verl_patches`` prints the table (docs/verl_patches.md is that output).
 """
@@ -196,10 +196,27 @@ PATCHES: tuple[Patch, ...] = (
         scope="cpu",
         on_import=True,
         changes="vLLM's file:// rendezvous file goes to $VLLM_RPC_BASE_PATH (the run's folder for vLLM's "
-                "socket files, removed by the driver at the end) instead of the temp folder",
+                "socket files, cpu_vllm_run_scratch) instead of the temp folder",
         why="the file is removed by nobody; one was left in /tmp per vLLM engine start",
         relies_on="MultiprocExecutor calling the module-level name get_file_store_init_method",
         drop_when="vLLM removes its rendezvous file",
+    ),
+    Patch(
+        name="cpu_vllm_run_scratch",
+        target="verl.trainer.main_ppo:run_ppo",
+        wrapper="verl_patches.cpu.vllm_cpu:wrap_run_ppo",
+        scope="cpu",
+        on_import=True,
+        changes="a run of verl's vLLM rollout gets a fresh folder for vLLM's socket files ($VLLM_RPC_BASE_PATH, "
+                "in the driver and in Ray's runtime environment), removed when run_ppo returns or raises, "
+                "together with the shared memory and named semaphores the run's killed processes left in "
+                "/dev/shm (those no process maps or holds open, by inode)",
+        why="vLLM's engine processes are killed, not shut down, when the Ray cluster ends: every run left "
+            "socket files in the temp folder and, from its killed processes, /dev/shm entries",
+        relies_on="run_ppo(config, task_runner_class) starting Ray with config.ray_kwargs.ray_init.runtime_env "
+                  "and returning when training ends; the driver importing run_ppo from verl.trainer.main_ppo "
+                  "after the patches are applied",
+        drop_when="verl shuts its vLLM engines down before the Ray cluster ends",
     ),
     # -- TRL beside verl (the recipe's TRL adapter installs TRL 1.x) ------------------------------
     Patch(
@@ -415,15 +432,18 @@ def table(patches=PATCHES) -> str:
         "this file in step with it).",
         "",
         "No verl file is edited or copied. Everything the recipe changes in verl is in `verl_patches/`, "
-        "loaded in every process (the driver, verl's task runner, every Ray worker) by one mechanism: "
-        "`import verl` imports the modules named in the environment variable "
-        "`VERL_USE_EXTERNAL_MODULES`, and the recipe sets it to `verl_patches` in the driver (local Ray "
-        "workers inherit it) and passes it to remote workers through "
-        "`ray_kwargs.ray_init.runtime_env.env_vars` in its trainer YAML. `import verl_patches` checks that "
-        "the installed verl is the release the patches were written for (another release is refused "
-        "unless `STAPO_ALLOW_VERL_VERSION` names it), then applies each change below once "
-        "(`verl_patches/registry.py`). Changes with scope `cpu` are applied only when `VERL_PLATFORM=cpu` "
-        "selects the CPU path (docs/cpu.md). The recipe's policy-loss settings reach the workers as a "
+        "applied in every process (the driver, verl's task runner, every Ray worker) by one module, "
+        "`verl_patches.activate`: `import verl` imports the modules named in the environment variable "
+        "`VERL_USE_EXTERNAL_MODULES`, and the recipe sets it to `verl_patches.activate` in the driver (local "
+        "Ray workers inherit it) and passes it to remote workers through "
+        "`ray_kwargs.ray_init.runtime_env.env_vars` in its trainer YAML. Importing `verl_patches.activate` "
+        "checks that the installed verl is the release the patches were written for (another release is "
+        "refused unless `STAPO_ALLOW_VERL_VERSION` names it), then applies each change below once "
+        "(`verl_patches/registry.py`); importing any other module of `verl_patches` changes nothing. "
+        "Changes with scope `cpu` are applied only when `VERL_PLATFORM=cpu` selects the CPU path "
+        "(docs/cpu.md); there vLLM's engine core, which does not import verl, applies them through a vLLM "
+        "plugin that only the CPU environment installs (a GPU install has no vLLM plugin). The recipe's "
+        "policy-loss settings reach the workers as a "
         "config class of their own (`verl_patches.policy_loss_config.TokenSelectionLossConfig`, named by `_target_` "
         "in the YAML), which verl instantiates in every process. Both of verl's trainers work: the "
         "TransferQueue trainer (`trainer.use_v1=true`, verl's default) and the legacy one.",

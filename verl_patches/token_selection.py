@@ -121,7 +121,7 @@ def check_statistics_fields(data, current, who: str) -> None:
     if missing:
         raise KeyError(
             f"{who} needs the fields {missing} in the actor's mini-batch; the rollout entropy is kept by the "
-            "recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches set in the driver?"
+            "recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches.activate set in the driver?"
         )
 
 

@@ -38,8 +38,8 @@ from recipe.stapo.preflight import check as preflight_check
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 CONFIG_NAME = "stapo_trainer"
-#: the module every verl process must import (it installs the recipe's patches, docs/verl_patches.md)
-PATCH_MODULE = "verl_patches"
+#: the module every verl process must import (importing it applies the recipe's patches, docs/verl_patches.md)
+PATCH_MODULE = "verl_patches.activate"
 
 CALCULATE_ENTROPY = "actor_rollout_ref.actor.calculate_entropy"
 
@@ -85,7 +85,7 @@ WORKING_DIR_EXCLUDES = ("/.git", "/.venv", "/data", "/results", "/checkpoints", 
 
 
 def ensure_patch_module_env(environ: Optional[dict] = None) -> None:
-    """Put ``verl_patches`` first in ``VERL_USE_EXTERNAL_MODULES`` (other modules the user set are kept).
+    """Put :data:`PATCH_MODULE` first in ``VERL_USE_EXTERNAL_MODULES`` (other modules the user set are kept).
 
     ``environ`` defaults to ``os.environ``; it must be set before ``import verl``.
     """

@@ -53,21 +53,18 @@ def run(config, check: bool = False) -> None:
     from verl.trainer.main_ppo import TaskRunnerV1, run_ppo
     from verl.utils.device import auto_set_device
 
-    from verl_patches.cpu.vllm_cpu import run_scratch  # importing verl_patches applies the patches: after the env is set
-
     auto_set_device(config)
     prepare(config)
     if check:
         print(f"[stapo] config OK (nothing started):\n{describe(config)}")
         return
     print(f"[stapo] starting:\n{describe(config)}")
-    with run_scratch(config):  # verl's vLLM rollout on the CPU path: vLLM's socket files, removed at the end
-        if config.trainer.use_v1:
-            run_ppo(config, task_runner_class=TaskRunnerV1)
-        else:
-            from verl.trainer.main_ppo_v0 import TaskRunner  # only the legacy trainer needs it
+    if config.trainer.use_v1:
+        run_ppo(config, task_runner_class=TaskRunnerV1)
+    else:
+        from verl.trainer.main_ppo_v0 import TaskRunner  # only the legacy trainer needs it
 
-            run_ppo(config, task_runner_class=TaskRunner)
+        run_ppo(config, task_runner_class=TaskRunner)
 
 
 def check_requested(argv: list[str], environ=os.environ) -> bool:

@@ -76,7 +76,7 @@ ROW_FIELDS = ("responses", "advantages", "old_log_probs", "entropy", "response_m
 def records(assets, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("current_stats") / f"{RANKS}-ranks"
     record_dir = run_dir / "records"
-    modules = f"verl_patches,verl_patches.cpu,{RECORDER}"
+    modules = f"verl_patches.activate,{RECORDER}"
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STAPO_TEST_RECORD_DIR", str(record_dir))
         mp.setenv("STAPO_TEST_NO_POSITIVE_AT", f"{NO_POSITIVE_CALL}:1")

@@ -1,6 +1,6 @@
 """Test-only verl external module: records every actor mini-batch update of a CPU run.
 
-Imported in every verl process through ``VERL_USE_EXTERNAL_MODULES`` (after ``verl_patches``)
+Imported in every verl process through ``VERL_USE_EXTERNAL_MODULES`` (after ``verl_patches.activate``)
 when ``STAPO_TEST_RECORD_DIR`` is set. It wraps ``TrainingWorker.train_batch`` (outside the
 recipe's wrapper, which folds the token selection into the mini-batch) and writes, per call, one
 ``mb<k>.pt`` with:

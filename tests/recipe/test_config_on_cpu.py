@@ -213,6 +213,6 @@ def test_ray_env_vars_reach_ray_resolved_and_as_strings():
     cfg = compose(["method=stapo", "recipe.token_dump.dir=/runs/x", "recipe.token_dump.responses=8"])
     stringify_ray_env_vars(cfg)
     env = OmegaConf.to_container(cfg.ray_kwargs.ray_init.runtime_env, resolve=False)["env_vars"]
-    assert env["VERL_USE_EXTERNAL_MODULES"].split(",")[0] == "verl_patches"
+    assert env["VERL_USE_EXTERNAL_MODULES"].split(",")[0] == "verl_patches.activate"
     assert (env["STAPO_TOKEN_DUMP_DIR"], env["STAPO_TOKEN_DUMP_RESPONSES"]) == ("/runs/x", "8")
     assert all(isinstance(v, str) and "${" not in v for v in env.values())

@@ -123,7 +123,7 @@ def test_config_verl_receives_is_resolved_in_the_launching_shell(tmp_path, monke
     assert config.trainer.default_local_dir == str(tmp_path / "ckpt/run1")
     env_vars = config.ray_kwargs.ray_init.runtime_env.env_vars
     assert env_vars.STAPO_TOKEN_DUMP_DIR == str(tmp_path / "dumps") == config.recipe.token_dump.dir
-    assert env_vars.VERL_USE_EXTERNAL_MODULES.split(",")[0] == "verl_patches"
+    assert env_vars.VERL_USE_EXTERNAL_MODULES.split(",")[0] == "verl_patches.activate"
 
 
 def test_hub_model_id_is_kept(cluster, monkeypatch):
@@ -155,7 +155,7 @@ def test_submitted_job_carries_exactly_the_allowed_variables():
                                       "WANDB_API_KEY": "k"}
     runtime_env = job_runtime_env(environ)
     assert runtime_env["env_vars"] == {"HF_HOME": "/hf", "HF_TOKEN": "t", "STAPO_DATA_DIR": "/d",
-                                       "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "verl_patches,mymod",
+                                       "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "verl_patches.activate,mymod",
                                        "WANDB_API_KEY": "k", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
     assert {"/.git", "/.venv", "/data", "/checkpoints"} <= set(runtime_env["excludes"])  # anchored at the root
 

@@ -50,7 +50,7 @@ def test_a_missing_file_and_a_malformed_line_are_named_without_values(tmp_path):
 
 
 def test_installing_the_patches_loads_the_file(tmp_path, monkeypatch):
-    """``verl_patches.install`` (what ``import verl_patches`` runs in every verl process) loads it."""
+    """``verl_patches.install`` (what ``import verl_patches.activate`` runs in every verl process) loads it."""
     from verl_patches.install import install
 
     path = _file(tmp_path, "STAPO_TEST_SECRET_FROM_FILE=loaded\n")

@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-import verl_patches  # noqa: F401  (installs the patches)
+import verl_patches.activate  # noqa: F401  (installs the patches)
 from recipe.stapo.driver import compose
 from stapo_core import s2t_mask, entropy_topk_mask
 from tests.helpers.reference_loss import clipped_policy_loss

@@ -19,7 +19,7 @@ from tests.helpers.paths import REPO
 PROBE = textwrap.dedent(
     """
     import json
-    import verl_patches
+    import verl_patches.activate
     from verl_patches.install import PATCHES, install
     from verl_patches.registry import applies_here, is_applied, original_of, _owner_and_attr
     state = {}
@@ -56,9 +56,40 @@ def _probe(**env_overrides: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+IMPORT_EVERYTHING_ELSE = textwrap.dedent(
+    """
+    import importlib, json, pkgutil, sys
+    package = importlib.import_module("verl_patches")
+    names = sorted(m.name for m in pkgutil.walk_packages(package.__path__, "verl_patches.")
+                   if m.name not in ("verl_patches.activate", "verl_patches.__main__"))
+    for name in names:
+        importlib.import_module(name)
+    from verl_patches.install import PATCHES
+    from verl_patches.registry import _HOOKS, is_applied
+    loaded = [p for p in PATCHES if p.target.partition(":")[0] in sys.modules]
+    print(json.dumps({"imported": names, "hooks": _HOOKS in sys.meta_path,
+                      "applied": [p.name for p in loaded if is_applied(p)]}))
+    """
+)
+
+
+def test_only_verl_patches_activate_applies_anything():
+    """Importing every other module of verl_patches (on the CPU path, where the most would apply)
+    applies no patch and leaves no import hook: a process that only needs a helper (the evaluation's
+    /dev/shm clean-up, vLLM's plugin off the CPU path) gets nothing else."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES",)}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), VERL_PLATFORM="cpu")
+    out = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING_ELSE], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    probed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"verl_patches.install", "verl_patches.cpu.vllm_cpu", "verl_patches.cpu.shm"} <= set(probed["imported"])
+    assert not probed["hooks"] and probed["applied"] == [], probed
+
+
 @pytest.mark.parametrize("platform", ["", "cpu"])
 def test_every_patch_is_applied_once(platform):
-    """``import verl_patches`` applies every patch that belongs in the process (the CPU ones only with
+    """``import verl_patches.activate`` applies every patch that belongs in the process (the CPU ones only with
     VERL_PLATFORM=cpu), a second install changes nothing, and each wrap leads back to verl's own."""
     from verl_patches.install import PATCHES
 
@@ -146,6 +177,8 @@ def test_a_malformed_patch_is_refused(kwargs, match):
 def test_every_reference_in_the_table_resolves():
     """Targets, wrappers, registrations and conditions all name existing objects in verl 0.9.1, and
     every entry says what, why, what it relies on and when to drop it."""
+    # verl's vLLM rollout imports only once the table's version patch answers for vLLM's CPU build
+    import verl_patches.activate  # noqa: F401
     from verl_patches.install import PATCHES
     from verl_patches.registry import _owner_and_attr, resolve
 
@@ -183,13 +216,13 @@ def test_other_verl_versions_are_refused_unless_allowed():
 
 
 def test_importing_the_patches_on_another_verl_fails_clearly():
-    """A fresh interpreter whose verl reports another version refuses ``import verl_patches``."""
+    """A fresh interpreter whose verl reports another version refuses ``import verl_patches.activate``."""
     code = textwrap.dedent("""
         import importlib.metadata as md
         real = md.version
         md.version = lambda name: "0.8.0" if name == "verl" else real(name)
         try:
-            import verl_patches
+            import verl_patches.activate
         except RuntimeError as exc:
             print("refused:", exc)
     """)

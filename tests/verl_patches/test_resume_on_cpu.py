@@ -163,8 +163,9 @@ def test_a_second_writer_in_another_process_is_refused(tmp_path):
 
 
 def test_the_patched_logger_is_what_verls_tracking_builds(tmp_path, monkeypatch):
-    """``import verl_patches`` (done by importing verl_patches.resume above) makes verl's ``Tracking``,
-    the trainers' logger, continue an existing metrics file."""
+    """The patch table (``import verl_patches.activate``) makes verl's ``Tracking``, the trainers'
+    logger, continue an existing metrics file."""
+    import verl_patches.activate  # noqa: F401  (applies the patch table in this process)
     from verl.utils.tracking import Tracking
 
     path = tmp_path / "metrics.jsonl"

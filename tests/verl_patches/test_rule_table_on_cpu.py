@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-import verl_patches  # noqa: F401  (installs the patches)
+import verl_patches.activate  # noqa: F401  (installs the patches)
 from stapo_core.rules import RULES, RuleResult, SelectionRule, get_rule, register_rule, token_selections, unregister_rule
 from tests.helpers.verl_batch import micro_batch
 from tests.verl_patches.test_token_selection_on_cpu import actor_config, batch, reference, verl_loss

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import verl_patches  # noqa: F401
+import verl_patches.activate  # noqa: F401
 from recipe.stapo.driver import compose
 from verl.utils.config import omega_conf_to_dataclass
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask

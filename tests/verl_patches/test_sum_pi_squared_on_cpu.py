@@ -9,7 +9,7 @@ import inspect
 import pytest
 import torch
 
-import verl_patches  # noqa: F401  (installs the patch table)
+import verl_patches.activate  # noqa: F401  (installs the patch table)
 from verl.utils import torch_functional as verl_F
 from verl_patches.registry import MARKER, original_of
 from verl_patches.sum_pi_squared import CHUNK_ROWS, sum_pi_squared_chunked

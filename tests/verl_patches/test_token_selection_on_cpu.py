@@ -15,7 +15,7 @@ import torch
 
 import importlib
 
-import verl_patches  # noqa: F401  (installs the patches)
+import verl_patches.activate  # noqa: F401  (installs the patches)
 from recipe.stapo.driver import compose, validate
 from stapo_core import s2t_mask, entropy_topk_mask
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask

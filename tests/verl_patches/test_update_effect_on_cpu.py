@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import verl_patches  # noqa: F401  (installs the patches)
+import verl_patches.activate  # noqa: F401  (installs the patches)
 from stapo_core import s2t_mask
 from verl.utils import tensordict_utils as tu
 from verl_patches.policy_loss_config import TokenSelectionLossConfig

@@ -30,10 +30,8 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 
 from omegaconf import open_dict
 
-from stapo_core.fileio import remove_orphaned_shm_segments, shm_segments
-
 from .ordering import request_seed
-from .selection import cpu_selected
+from .shm import remove_orphaned_shm_segments, shm_segments
 from .vllm_plugin import RPC_BASE_PATH_ENV
 
 #: the distribution name of vLLM's CPU build, and the name verl asks for
@@ -178,7 +176,6 @@ def wrap_server_generate(original: Callable[..., Any]) -> Callable[..., Any]:
 # each), their ZeroMQ socket files and their torch file store (both in the temp folder).
 
 
-
 def wrap_wait_until_ready(original: Callable[..., None]) -> Callable[..., None]:
     """``MessageQueue.wait_until_ready`` that, on the writer, unlinks the ring buffer's shared-memory
     name once every local reader has subscribed. A reader subscribes after it mapped the buffer, and
@@ -215,16 +212,14 @@ def wrap_file_store_init_method(original: Callable[[], str]) -> Callable[[], str
 
 @contextlib.contextmanager
 def run_scratch(config: Any) -> Iterator[Optional[Path]]:
-    """For a run of verl's vLLM rollout on the CPU path: a fresh folder for vLLM's socket files and
-    rendezvous file (``VLLM_RPC_BASE_PATH``, also given to Ray workers on other nodes through the
-    config's runtime environment, and created on their node by :mod:`.vllm_plugin`), removed when the
-    run ends, however it ends (on the driver's node: a multi-node CPU cluster keeps the empty folder
-    on the others); then the shared-memory segments the run's killed processes left on this node
-    (:func:`stapo_core.fileio.remove_orphaned_shm_segments`). Yields the folder, or
-    None (and does nothing) for another run. The folder is short (a Unix socket path has at most
-    107 bytes)."""
-    rollout = config.actor_rollout_ref.rollout.name
-    if not cpu_selected() or rollout != "vllm":
+    """For a run of verl's vLLM rollout: a fresh folder for vLLM's socket files and rendezvous file
+    (``VLLM_RPC_BASE_PATH``, also given to Ray workers on other nodes through the config's runtime
+    environment, and created on their node by :mod:`.vllm_plugin`), removed when the run ends,
+    however it ends (on the driver's node: a multi-node CPU cluster keeps the empty folder on the
+    others); then what the run's killed processes left in /dev/shm on this node
+    (:func:`verl_patches.cpu.shm.remove_orphaned_shm_segments`). Yields the folder, or None (and does
+    nothing) for another rollout. The folder is short (a Unix socket path has at most 107 bytes)."""
+    if config.actor_rollout_ref.rollout.name != "vllm":
         yield None
         return
     shm_before = shm_segments()
@@ -243,3 +238,15 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
             os.environ.pop(RPC_BASE_PATH_ENV, None)
         else:
             os.environ[RPC_BASE_PATH_ENV] = previous
+
+
+def wrap_run_ppo(original: Callable[..., None]) -> Callable[..., None]:
+    """verl's ``run_ppo`` (the driver's whole run: Ray, the task runner, training) inside
+    :func:`run_scratch`."""
+
+    @functools.wraps(original)
+    def run_ppo(config: Any, *args: Any, **kwargs: Any) -> None:
+        with run_scratch(config):
+            return original(config, *args, **kwargs)
+
+    return run_ppo

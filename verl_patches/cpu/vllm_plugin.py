@@ -1,15 +1,17 @@
-"""vLLM's plugin hook into the CPU path: ``load`` is the ``vllm.general_plugins`` entry point of this
-project (pyproject.toml), which vLLM calls in each of its processes (API server, engine core,
-workers) before it builds an engine. With ``VERL_PLATFORM=cpu`` it imports :mod:`verl_patches`,
-which applies the patch table there, vLLM's CPU entries included (docs/cpu.md), and creates the run's
-folder for vLLM's socket files where this node lacks it (the driver made it on its own node only;
-see :func:`verl_patches.cpu.vllm_cpu.run_scratch`); otherwise nothing.
+"""vLLM's plugin hook into the CPU path: ``load`` is the ``vllm.general_plugins`` entry point of the
+distribution ``stapo-cpu-vllm-plugin`` (``verl_patches/cpu/vllm_plugin_dist/``), which only the CPU
+environment installs (``run_scripts/_venv.sh``; a GPU install of the recipe has no vLLM plugin).
+vLLM calls it in each of its processes (API server, engine core, workers) before it builds an
+engine. With ``VERL_PLATFORM=cpu`` it applies the patch table there (:mod:`verl_patches.activate`),
+vLLM's CPU entries included (docs/cpu.md), and creates the run's folder for vLLM's socket files
+where this node lacks it (the driver made it on its own node only, see
+:func:`verl_patches.cpu.vllm_cpu.run_scratch`); otherwise it does nothing, and resolving it imports
+only this module and :mod:`.selection`.
 verl's own import of the patches reaches only the processes that import verl before vLLM builds its
 model (the workers, through verl's worker extension), not vLLM's engine core."""
 
 from __future__ import annotations
 
-import importlib
 import os
 
 from .selection import cpu_selected
@@ -21,7 +23,9 @@ RPC_BASE_PATH_ENV = "VLLM_RPC_BASE_PATH"
 def load() -> None:
     if not cpu_selected():
         return
-    importlib.import_module("verl_patches")
+    # importing it applies the patch table: on the CPU path only
+    import verl_patches.activate  # noqa: F401
+
     folder = os.environ.get(RPC_BASE_PATH_ENV)
     if folder:
         os.makedirs(folder, exist_ok=True)

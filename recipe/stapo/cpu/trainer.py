@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from recipe.stapo.driver import METHODS
+from recipe.stapo.driver import METHODS, PATCH_MODULE
 from recipe.stapo.eval.backends import CPU_VLLM_ENV
 from recipe.stapo.metrics import METRICS_FILE, read_metrics
 
@@ -29,8 +29,8 @@ from .assets import asset_paths
 from .isa import DEFAULT_ISA, isa_env
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
-#: modules every verl process imports (the recipe's patches, then the CPU shims)
-EXTERNAL_MODULES = ("verl_patches", "verl_patches.cpu")
+#: modules every verl process imports (the recipe's patch table, the CPU entries included under VERL_PLATFORM=cpu)
+EXTERNAL_MODULES = (PATCH_MODULE,)
 #: what selects the CPU path in every process (see verl_patches.cpu), and vLLM's CPU settings (read
 #: only by processes that start vLLM; the eval's vLLM backend sets the same ones)
 CPU_ENV_VARS = {"VERL_PLATFORM": "cpu", "VERL_ENGINE_DEVICE": "cuda", **CPU_VLLM_ENV}
@@ -91,9 +91,9 @@ def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[
     """Environment for a CPU run: ``base`` (default ``os.environ``) plus
 
     - ``VERL_PLATFORM=cpu`` (selects :mod:`verl_patches.cpu`'s platform and activates its shims),
-    - ``VERL_USE_EXTERNAL_MODULES`` with ``verl_patches`` and ``verl_patches.cpu`` (imported by every
-      verl process, Ray workers included), ``VERL_ENGINE_DEVICE=cuda`` (picks the FSDP engine class;
-      it still runs on the cpu device),
+    - ``VERL_USE_EXTERNAL_MODULES`` with ``verl_patches.activate`` (imported by every verl process,
+      Ray workers included: it applies the patch table), ``VERL_ENGINE_DEVICE=cuda`` (picks the FSDP
+      engine class; it still runs on the cpu device),
     - ``VERL_FILE_LOGGER_PATH=<run_dir>/<metrics_file>`` when ``run_dir`` is given (verl's file
       logger writes one ``{"step": s, "data": {...}}`` JSON line per step there; a resumed run
       continues the file, each step once, :mod:`verl_patches.resume`),

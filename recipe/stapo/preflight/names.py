@@ -27,7 +27,7 @@ def token_selection(config: DictConfig) -> str:
 def check_names(config: DictConfig, found: list[Problem]) -> None:
     """Policy loss, token-selection settings, advantage estimator, reward function."""
     # verl loads only after VERL_USE_EXTERNAL_MODULES is set (importing this module imports no verl)
-    import verl_patches  # noqa: F401  (the patches every worker runs with)
+    import verl_patches.activate  # noqa: F401  (the patches every worker runs with)
     from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
 
     mode = pick(config, f"{POLICY_LOSS}.loss_mode", "vanilla")

@@ -14,6 +14,8 @@ from typing import Optional
 
 from omegaconf import DictConfig, ListConfig
 
+from verl_patches.token_dump import settings as dump
+
 from .problem import Problem, is_int, pick
 
 #: columns every row of a data file needs (beside ``data.prompt_key`` and ``data.reward_fn_key``)
@@ -200,9 +202,6 @@ def check_token_dump(config: DictConfig, found: list[Problem]) -> None:
     """The token dump's settings, read as every actor will read them (only when the dump is on)."""
     env_vars = pick(config, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
     env = {str(k): "" if v is None else str(v) for k, v in dict(env_vars).items()}
-    # importing verl_patches applies the patches, which imports verl: only after VERL_USE_EXTERNAL_MODULES is set
-    from verl_patches.token_dump import settings as dump
-
     if not env.get(dump.DIR_ENV):
         return
     for variable, key, fix in ((dump.RESPONSES_ENV, "recipe.token_dump.responses", "a whole number >= 1 (default 4)"),

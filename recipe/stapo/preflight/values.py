@@ -20,6 +20,8 @@ from typing import Callable, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from verl_patches.resume import MetricsFileBusy, claim_metrics_file, writer_lock_path
+
 from .problem import ACTOR, ROLLOUT, Problem, is_int
 
 _ABSENT = object()
@@ -189,9 +191,6 @@ def _check_metrics_writer(config: DictConfig, found: list[Problem]) -> None:
     """The run's metrics file (``VERL_FILE_LOGGER_PATH`` the driver passes to the workers) has no
     writer now: another launch of the same run still training would lose records to this one (the
     logger itself refuses a second writer too, but only after Ray has started)."""
-    # importing verl_patches applies the patches, which imports verl: only after VERL_USE_EXTERNAL_MODULES is set
-    from verl_patches.resume import MetricsFileBusy, claim_metrics_file, writer_lock_path
-
     path = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH", default=None)
     loggers = OmegaConf.select(config, "trainer.logger", default=None)
     names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []

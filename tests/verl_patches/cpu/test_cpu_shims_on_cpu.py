@@ -69,7 +69,7 @@ def baseline() -> dict:
 
 @pytest.mark.slow
 def test_importing_verl_patches_without_selection_changes_nothing(baseline):
-    probed = _probe("import verl_patches\nimport verl_patches.cpu")
+    probed = _probe("import verl_patches.activate")
     assert probed["cpu_loaded"] and not probed["cpu_active"]
     for key in ("platforms", "platform_class", "device", "rollouts", "replicas"):
         assert probed[key] == baseline[key], key
@@ -79,7 +79,7 @@ def test_importing_verl_patches_without_selection_changes_nothing(baseline):
 
 @pytest.mark.slow
 def test_selecting_cpu_activates_every_shim():
-    probed = _probe("import verl_patches.cpu", VERL_PLATFORM="cpu")
+    probed = _probe("import verl_patches.activate", VERL_PLATFORM="cpu")
     assert probed["cpu_active"]
     assert "cpu" in probed["platforms"] and probed["platform_class"] == "PlatformCPU" and probed["device"] == "cpu"
     assert "vllm" in probed["replicas"]  # verl's own; the CPU path adds no rollout of its own
@@ -164,7 +164,7 @@ def test_cpu_env_selects_the_cpu_path(tmp_path):
 
     env = cpu_env(tmp_path / "run", base={"VERL_USE_EXTERNAL_MODULES": "other.mod", "PATH": "/bin"})
     assert env["VERL_PLATFORM"] == "cpu" and env["VERL_ENGINE_DEVICE"] == "cuda"
-    assert env["VERL_USE_EXTERNAL_MODULES"].split(",") == ["verl_patches", "verl_patches.cpu", "other.mod"]
+    assert env["VERL_USE_EXTERNAL_MODULES"].split(",") == ["verl_patches.activate", "other.mod"]
     assert env["VERL_FILE_LOGGER_PATH"] == str((tmp_path / "run").resolve() / "metrics.jsonl")
     assert (tmp_path / "run").is_dir() and env["PATH"] == "/bin"
 

@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import pytest
 from omegaconf import OmegaConf
 
-from stapo_core.fileio import remove_orphaned_shm_segments
 from tests.helpers.paths import REPO
 from verl_patches.cpu import vllm_cpu
 
@@ -96,7 +95,7 @@ def test_the_isa_pin_follows_atens_capability(monkeypatch, value, pinned):
 KERNELS = textwrap.dedent("""
     import json, torch
     real = dict(torch.cpu.get_capabilities())  # before the patch table
-    import verl_patches  # applies it (VERL_PLATFORM=cpu)
+    import verl_patches.activate  # applies it (VERL_PLATFORM=cpu)
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
     from verl_patches.cpu.vllm_cpu import loaded_vllm_kernels
@@ -159,8 +158,7 @@ def _config(rollout: str):
                              "ray_kwargs": {"ray_init": {"runtime_env": {"env_vars": {"A": "1"}}}}})
 
 
-def test_a_vllm_run_on_cpu_gets_a_socket_folder_removed_at_its_end(monkeypatch):
-    monkeypatch.setenv("VERL_PLATFORM", "cpu")
+def test_a_vllm_run_gets_a_socket_folder_removed_at_its_end(monkeypatch):
     monkeypatch.delenv(vllm_cpu.RPC_BASE_PATH_ENV, raising=False)
     config = _config("vllm")
     with pytest.raises(RuntimeError, match="the run failed"):
@@ -173,34 +171,30 @@ def test_a_vllm_run_on_cpu_gets_a_socket_folder_removed_at_its_end(monkeypatch):
     assert not folder.exists() and vllm_cpu.RPC_BASE_PATH_ENV not in os.environ
 
 
-@pytest.mark.parametrize("platform,rollout", [("cpu", "sglang"), ("", "vllm")])
-def test_other_runs_get_no_socket_folder(monkeypatch, platform, rollout):
-    monkeypatch.setenv("VERL_PLATFORM", platform)
-    config = _config(rollout)
+def test_another_rollout_gets_no_socket_folder():
+    config = _config("sglang")
     with vllm_cpu.run_scratch(config) as folder:
         assert folder is None
     assert vllm_cpu.RPC_BASE_PATH_ENV not in config.ray_kwargs.ray_init.runtime_env.env_vars
 
 
-def test_only_new_unmapped_segments_of_this_user_are_removed():
-    """What the driver's socket folder's cleanup and the eval's vLLM backend run after their engines
-    (stapo_core.fileio.remove_orphaned_shm_segments): a killed process's leftovers go; a segment that existed before, one still mapped, and a file
-    that is not a multiprocessing segment stay."""
-    mapped = shared_memory.SharedMemory(create=True, size=64)  # in use (mapped by this process)
-    older = shared_memory.SharedMemory(create=True, size=64)
-    older.close()  # unmapped, but there before the run
-    before = set(os.listdir("/dev/shm"))
-    orphan = shared_memory.SharedMemory(create=True, size=64)
-    orphan.close()  # unmapped, never unlinked: what a killed creator leaves
-    other = "/dev/shm/sem.mp-stapo-test"  # a named semaphore: never judged (its mapping has another name)
-    open(other, "w").close()
-    try:
-        removed = remove_orphaned_shm_segments(before)
-        assert removed == [orphan.name]
-        assert not os.path.exists(f"/dev/shm/{orphan.name}")
-        assert all(os.path.exists(f"/dev/shm/{s.name}") for s in (mapped, older)) and os.path.exists(other)
-    finally:
-        for segment in (mapped, older):
-            segment.close()
-            segment.unlink()
-        os.unlink(other)
+def test_verls_run_ppo_runs_inside_the_socket_folder_and_leaves_no_shared_memory(monkeypatch):
+    """The patch cpu_vllm_run_scratch: verl's run_ppo gets the folder (in its environment and in Ray's
+    runtime environment); when it returns the folder is gone, and so is the shared memory a killed
+    process of the run left."""
+    monkeypatch.delenv(vllm_cpu.RPC_BASE_PATH_ENV, raising=False)
+    seen = {}
+
+    def run_ppo(config, task_runner_class):
+        seen["folder"] = os.environ[vllm_cpu.RPC_BASE_PATH_ENV]
+        seen["runtime_env"] = config.ray_kwargs.ray_init.runtime_env.env_vars[vllm_cpu.RPC_BASE_PATH_ENV]
+        seen["exists"] = os.path.isdir(seen["folder"])
+        left = shared_memory.SharedMemory(create=True, size=64)
+        left.close()  # never unlinked: what a killed creator leaves
+        seen["left"] = f"/dev/shm/{left.name}"
+        seen["runner"] = task_runner_class
+
+    vllm_cpu.wrap_run_ppo(run_ppo)(_config("vllm"), task_runner_class="runner")
+    assert seen["exists"] and seen["runtime_env"] == seen["folder"] and seen["runner"] == "runner"
+    assert not os.path.exists(seen["folder"]) and not os.path.exists(seen["left"])
+    assert vllm_cpu.RPC_BASE_PATH_ENV not in os.environ
