@@ -313,7 +313,7 @@ def loss_step(mode: Mode, inputs: LossInputs, data, entropy_fn: Callable) -> tor
     from verl.utils import tensordict_utils as tu
     from verl.utils.torch_functional import logprobs_from_logits
     from verl_patches.losses import ppo_loss_with_token_selection
-    from verl_patches.mini_batch_selection import fold_into_mini_batch
+    from verl_patches.token_selection import fold_into_mini_batch
 
     config = actor_config(mode.name)
     if mode.fold:
@@ -463,7 +463,7 @@ def time_s2t_alone(inputs: LossInputs, repeats: int, device: str) -> dict[str, f
     """Median ms of the S2T work alone: ``fold_into_mini_batch`` (rollout statistics) and the
     mask inside the loss (``select_tokens`` on current statistics), on this batch; with the
     batch's S2T counts (response tokens, candidates, silenced)."""
-    from verl_patches.mini_batch_selection import fold_into_mini_batch
+    from verl_patches.token_selection import fold_into_mini_batch
     from verl_patches.token_selection import select_tokens
 
     fold_cfg = actor_config("stapo-rollout").policy_loss

@@ -57,6 +57,13 @@ def _pooled_entropies(entropy, mask, width, group):
 def entropy_topk_mask(
     entropy: torch.Tensor, response_mask: torch.Tensor, *, ratio: float = 0.2, group=None, rounding: str = "ceil"
 ) -> torch.Tensor:
+    """:func:`entropy_topk_selection`'s keep mask."""
+    return entropy_topk_selection(entropy, response_mask, ratio=ratio, group=group, rounding=rounding)[0]
+
+
+def entropy_topk_selection(
+    entropy: torch.Tensor, response_mask: torch.Tensor, *, ratio: float = 0.2, group=None, rounding: str = "ceil"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """20-Entropy (Wang et al. 2025): keep the ``k = ceil(ratio * N)`` highest-entropy response tokens.
 
     N counts the response tokens of the pooled batch (every rank of ``group``). Exactly k tokens
@@ -73,7 +80,9 @@ def entropy_topk_mask(
         rounding: how ``k`` is rounded from ``ratio * N`` (:func:`top_count`).
 
     Returns:
-        float32 ``(batch, resp_len)``: 1 for kept tokens, 0 elsewhere (always 0 outside the mask).
+        ``(keep, threshold)``: float32 ``(batch, resp_len)``, 1 for kept tokens, 0 elsewhere (always 0
+        outside the mask); 0-dim float32 on the tokens' device, the k-th largest pooled entropy
+        (``+inf`` when k is 0).
 
     Raises:
         ValueError: bad ``ratio`` or ``rounding``, shape mismatch, non-finite entropy inside ``response_mask``
@@ -92,7 +101,7 @@ def entropy_topk_mask(
     raise_if_nonfinite("entropy_topk_mask", {"entropy": sum(r[1] for r in per_rank)})
     k = top_count(sum(r[0] for r in per_rank), ratio, rounding)
     if k == 0:
-        return torch.zeros_like(ent)
+        return torch.zeros_like(ent), torch.full((), math.inf, device=ent.device)
 
     pooled, lower_ranks = _pooled_entropies(ent, mask, max(r[0] for r in per_rank), group)
     threshold = torch.topk(pooled, k).values[-1]  # v, the k-th largest pooled entropy
@@ -102,7 +111,7 @@ def entropy_topk_mask(
     tie = mask & (ent == threshold)
     tie_order = torch.cumsum(tie.reshape(-1).long(), 0).reshape(tie.shape)  # 1-based among local ties
     keep = (mask & (ent > threshold)) | (tie & (ties_before + tie_order <= ties_wanted))
-    return keep.float()
+    return keep.float(), threshold
 
 
-__all__ = ["ROUNDINGS", "entropy_topk_mask", "top_count"]
+__all__ = ["ROUNDINGS", "entropy_topk_mask", "entropy_topk_selection", "top_count"]

@@ -11,15 +11,15 @@ Shipped: ``s2t`` (STAPO, :func:`stapo_core.s2t_mask`) and ``entropy_topk`` (20-E
 
 from __future__ import annotations
 
-import math
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
 from .checks import is_number
-from .entropy_topk import entropy_topk_mask
-from .s2t import STRATEGIES, s2t_mask
+from .entropy_topk import entropy_topk_selection
+from .s2t import STRATEGIES, s2t_keep_at, s2t_mask
 
 #: ``token_selection`` value that selects nothing (not a rule)
 NO_SELECTION = "none"
@@ -33,6 +33,9 @@ class RuleResult:
     tokens, kept: response tokens and kept tokens, counted over the pooled group.
     stats: the rule's metrics, unprefixed (``candidates``, ``tau_h``, ...); NaN when undefined.
     candidate: bool ``(batch, resp_len)``, the rule's candidate set where it has one (S2T), else None.
+    keep_at: ``keep_at(*, log_prob, entropy, advantages, response_mask)`` -> float32 keep mask: this
+        selection's pooled thresholds applied to other statistics of the same tokens, on this process
+        alone (no collective); None where the rule's selection is not a threshold.
     """
 
     keep: torch.Tensor
@@ -40,6 +43,7 @@ class RuleResult:
     kept: float
     stats: dict
     candidate: Optional[torch.Tensor] = None
+    keep_at: Optional[Callable[..., torch.Tensor]] = None
 
 
 @dataclass(frozen=True)
@@ -114,8 +118,10 @@ def _select_s2t(settings, *, log_prob, entropy, advantages, response_mask, group
                       generator=generator() if generator is not None and settings.strategy == "random" else None,
                       group=group)
     tokens = float(result.stats["tokens"])
+    keep_at = None if settings.strategy == "random" else functools.partial(
+        s2t_keep_at, tau_p=settings.tau_p, tau_h=result.stats["tau_h"], strategy=settings.strategy)
     return RuleResult(result.keep, tokens, tokens - float(result.stats["silenced"]), dict(result.stats),
-                      result.candidate)
+                      result.candidate, keep_at)
 
 
 def _check_s2t(settings) -> list:
@@ -149,12 +155,18 @@ S2T = register_rule(SelectionRule(
 def _select_entropy_topk(settings, *, log_prob, entropy, advantages, response_mask, group=None,
                          generator=None) -> RuleResult:
     rounding = "authors_code" if getattr(settings, "entropy_topk_reading", "pooled") == "authors_code" else "ceil"
-    keep = entropy_topk_mask(entropy, response_mask, ratio=settings.entropy_top_ratio, group=group, rounding=rounding)
+    keep, threshold = entropy_topk_selection(entropy, response_mask, ratio=settings.entropy_top_ratio, group=group,
+                                             rounding=rounding)
     counts = torch.stack([response_mask.float().sum(), keep.sum()])
     if group is not None:
         torch.distributed.all_reduce(counts, group=group)
     tokens, kept = counts.tolist()
-    return RuleResult(keep, tokens, kept, {"tokens": tokens, "kept": kept, "kept_frac": kept / max(tokens, 1.0)})
+
+    def keep_at(*, log_prob, entropy, advantages, response_mask):  # every token at or above the threshold
+        return ((response_mask != 0) & (entropy.detach().float() >= threshold)).float()
+
+    return RuleResult(keep, tokens, kept, {"tokens": tokens, "kept": kept, "kept_frac": kept / max(tokens, 1.0)},
+                      keep_at=keep_at)
 
 
 def _check_entropy_topk(settings) -> list:
@@ -174,10 +186,5 @@ ENTROPY_TOPK = register_rule(SelectionRule(
 ))
 
 
-def finite_stats(prefix: str, stats: dict) -> dict[str, float]:
-    """``stats`` as python floats named ``prefix + name``, the undefined (NaN) ones left out."""
-    return {prefix + k: float(v) for k, v in stats.items() if not math.isnan(float(v))}
-
-
-__all__ = ["ENTROPY_TOPK", "NO_SELECTION", "RULES", "RuleResult", "S2T", "SelectionRule", "finite_stats", "get_rule",
+__all__ = ["ENTROPY_TOPK", "NO_SELECTION", "RULES", "RuleResult", "S2T", "SelectionRule", "get_rule",
            "register_rule", "token_selections", "unregister_rule"]

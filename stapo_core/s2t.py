@@ -273,8 +273,26 @@ def s2t_mask(
     return S2TResult(keep=keep, candidate=candidate, stats=_stats_dict(values))
 
 
+def s2t_keep_at(log_prob: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, *, tau_p: float, tau_h: float, strategy: str) -> Optional[torch.Tensor]:
+    """S2T's keep mask at a given ``tau_h`` (a pooled :func:`s2t_mask`'s, NaN: none) instead of a
+    quantile of these tokens: no pooling, no collective. On the statistics that gave ``tau_h`` it is
+    that selection's mask; on other statistics of the same tokens it says what the same thresholds
+    silence there. None for ``random`` (its silenced set is a draw, not a threshold).
+
+    Args: as :func:`s2t_mask`. Returns float32 ``(batch, resp_len)``, 0 outside ``response_mask``.
+    """
+    if _check_strategy(strategy) == "random":
+        return None
+    candidate = s2t_candidates(log_prob, advantages, response_mask, tau_p=tau_p)
+    entropy = entropy.detach().float()
+    silenced = {"low_entropy": candidate & (entropy < tau_h), "high_entropy": candidate & (entropy > tau_h),
+                "full": candidate}[strategy]
+    return ((response_mask != 0) & ~silenced).float()
+
+
 __all__ = ["DEFAULT_Q", "DEFAULT_TAU_P", "S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_candidates",
-           "s2t_mask"]
+           "s2t_keep_at", "s2t_mask"]
 
 
 def silenced_set_difference(keep_a: torch.Tensor, keep_b: torch.Tensor, response_mask: torch.Tensor) -> int:

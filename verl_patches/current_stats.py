@@ -1,13 +1,16 @@
-"""S2T statistics under the policy being updated (``stats_from=current``, the paper's Algorithm 1).
+"""Statistics under the policy being updated: the no-grad forwards of the mini-batch's sequences.
 
-* :func:`current_policy_statistics`: the current policy's ``(log_prob, entropy)`` of a mini-batch,
-  from a no-grad forward through verl's own inference pass (mini-batch scope; called by
-  :mod:`verl_patches.mini_batch` for every mini-batch of a step after the first). For S2T it
-  forwards only the sequences with a positive advantage (``current_forward=positive_advantage``):
-  no other token can be a candidate, and ``tau_h`` is a quantile over candidates only, so the
-  silenced set and ``tau_h`` are those of a forward of the whole mini-batch. Those sequences are
-  spread over the data-parallel ranks by tokens (:func:`stapo_core.balance.plan_forward`): each rank
-  sends the sequences it holds to the rank that forwards them and gets their statistics back.
+* :func:`current_policy_statistics`: the current policy's ``(log_prob, entropy)`` of a mini-batch
+  (``stats_from=current``, the paper's Algorithm 1; mini-batch scope; called by
+  :mod:`verl_patches.mini_batch` for every mini-batch of a step after the first), through verl's own
+  inference pass. For S2T it forwards only the sequences with a positive advantage
+  (``current_forward=positive_advantage``): no other token can be a candidate, and ``tau_h`` is a
+  quantile over candidates only, so the silenced set and ``tau_h`` are those of a forward of the whole
+  mini-batch. Those sequences are spread over the data-parallel ranks by tokens
+  (:func:`stapo_core.balance.plan_forward`): each rank sends the sequences it holds to the rank that
+  forwards them and gets their statistics back.
+* :func:`infer`: one such forward of a few sequences, also the update effect's
+  (:mod:`verl_patches.update_effect`).
 * :func:`wrap_set_loss_fn`: with the micro-batch scope, the update's own forward supplies the
   entropy; when it serves only as a statistic (no entropy bonus), it is computed without autograd.
 """
@@ -24,11 +27,11 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from stapo_core.balance import ForwardPlan, Item, plan_forward
 from stapo_core.distributed import exchange_objects, gather_objects, group_rank, world_size
-from stapo_core.rules import S2T, get_rule
+from stapo_core.rules import S2T
 
+from .layout import UNSELECTED_MASK_FIELD, response_lengths
+from .mini_batch_view import CurrentStatistics, MiniBatchView
 from .policy_loss_config import TokenSelectionLossConfig
-from .layout import to_padded
-from .token_selection import UNSELECTED_MASK_FIELD, CurrentStatistics
 
 #: attribute marking an engine's entropy function as already running without autograd
 NO_GRAD_MARK = "_stapo_no_grad"
@@ -46,14 +49,6 @@ def sequence_tokens(data) -> list[int]:
     return data["attention_mask"].sum(-1).tolist()
 
 
-def response_lengths(data) -> list[int]:
-    """Response tokens of each sequence (verl's ``no_padding_2_padding`` slices the same)."""
-    responses = data["responses"]
-    if responses.is_nested:
-        return responses.offsets().diff().tolist()
-    return data["attention_mask"][:, data["prompts"].shape[1]:].sum(-1).tolist()
-
-
 def micro_batch_limit(engine_config) -> dict:
     """The inference pass's micro-batch limit: its token budget with dynamic batch size, else its
     micro-batch size (``plan_forward``'s ``max_tokens`` / ``max_rows``)."""
@@ -63,19 +58,21 @@ def micro_batch_limit(engine_config) -> dict:
     return {"max_rows": int(micro)} if micro else {}
 
 
-def current_policy_statistics(worker, data, cfg=None, *, group=None, device=None) -> CurrentStatistics:
+def current_policy_statistics(worker, view: MiniBatchView) -> CurrentStatistics:
     """The current policy's statistics of this rank's part of the mini-batch, from no-grad forwards
     through ``TrainingWorker.infer_batch`` (the old-log-prob pass) on copies of the sequences, so
     that nothing verl adds leaks into the update: every sequence on its own rank, or only the
-    positive-advantage ones (:func:`forward_positive_advantage`; ``device``: where ``group``'s
-    collectives run). ``current_forward_s``: this rank's wall time, exchanges included."""
+    positive-advantage ones (:func:`forward_positive_advantage`). ``current_forward_s``: this rank's
+    wall time, exchanges included."""
+    cfg = view.cfg
     prefix = forward_metric_prefix(cfg)
     start = time.perf_counter()
-    if cfg is not None and cfg.forwards_positive_advantage_only:
-        current = forward_positive_advantage(worker, data, group=group, device=device, prefix=prefix)
+    if cfg.forwards_positive_advantage_only:
+        current = forward_positive_advantage(worker, view, prefix=prefix)
     else:
-        log_prob, entropy = _forward_every_sequence(worker, data)
-        current = CurrentStatistics(log_prob, entropy, torch.ones(len(data), dtype=torch.bool),
+        log_prob, entropy = (t[:, : view.mask.shape[1]].to(view.device).float()  # padded like the view's fields
+                             for t in infer(worker, view.data, entropy=True))
+        current = CurrentStatistics(log_prob, entropy, torch.ones(len(view.data), dtype=torch.bool),
                                     {prefix + "current_forward_tokens_frac": 1.0,
                                      prefix + "current_forward_slowest_rank_frac": 1.0})
     current.metrics[prefix + "current_forward_s"] = time.perf_counter() - start
@@ -85,54 +82,47 @@ def current_policy_statistics(worker, data, cfg=None, *, group=None, device=None
 def forward_metric_prefix(cfg) -> str:
     """Where the statistics forward's metrics go: the prefix of the rule it serves (the run's own,
     or S2T's when it serves only the S2T monitor)."""
-    if cfg is not None and cfg.forwards_current_policy:
-        return get_rule(cfg.token_selection).metric_prefix
-    return S2T.metric_prefix
+    return cfg.rule.metric_prefix if cfg.forwards_current_policy else S2T.metric_prefix
 
 
-def _forward_every_sequence(worker, data) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(log_prob, entropy)`` padded ``(batch, max_response_len)``: one inference pass over a
-    shallow copy of the whole mini-batch."""
-    view = data.copy()
+def infer(worker, data, *, entropy: bool) -> list[torch.Tensor]:
+    """``[log_prob]`` (and ``entropy``), padded ``(len(data), max response length)``: one inference
+    pass over a shallow copy of ``data``, with the pass's own settings (a micro-batch size that divides
+    the batch)."""
+    batch = data.copy()
     engine_config = worker.engine_config
     micro = engine_config.infer_micro_batch_size_per_gpu or len(data)
-    tu.assign_non_tensor(  # the inference pass's settings (a micro-batch size that divides the mini-batch)
-        view, calculate_entropy=True, compute_loss=False, use_dynamic_bsz=engine_config.use_dynamic_bsz,
+    tu.assign_non_tensor(
+        batch, calculate_entropy=entropy, compute_loss=False, use_dynamic_bsz=engine_config.use_dynamic_bsz,
         max_token_len_per_gpu=engine_config.infer_max_token_len_per_gpu,
         micro_batch_size_per_gpu=math.gcd(int(micro), len(data)),
     )
-    output = _infer(worker, view)
-    return no_padding_2_padding(output["log_probs"], data), no_padding_2_padding(output["entropy"], data)
+    output = _infer(worker, batch)
+    return [no_padding_2_padding(output[key], batch) for key in ("log_probs", "entropy")[: 1 + entropy]]
 
 
-def _infer(worker, view):
-    output = worker.infer_batch(view)
+def _infer(worker, batch):
+    output = worker.infer_batch(batch)
     if output is None:
         raise RuntimeError(
-            "stats_from=current needs the statistics forward's output on every data-parallel rank, but "
-            "TrainingWorker.infer_batch returned none here (with Ulysses sequence parallelism only one rank "
-            "of each group gets it, which the recipe does not support): use stats_from=rollout"
+            "the recipe's no-grad forwards (stats_from=current, update_effect_responses) need the inference pass's "
+            "output on every data-parallel rank, but TrainingWorker.infer_batch returned none here (with Ulysses "
+            "sequence parallelism only one rank of each group gets it, which the recipe does not support): use "
+            "stats_from=rollout and update_effect_responses=0"
         )
     return output
 
 
-def positive_advantage_rows(data) -> torch.Tensor:
-    """bool ``(batch,)``: the sequences with a positive advantage at some response token."""
-    mask = to_padded(data["response_mask"])
-    advantages = to_padded(data["advantages"], mask.shape[1])[:, : mask.shape[1]]
-    return ((advantages > 0) & (mask != 0)).any(-1)
-
-
-def forward_positive_advantage(worker, data, *, group=None, device=None, prefix=S2T.metric_prefix) -> CurrentStatistics:
+def forward_positive_advantage(worker, view: MiniBatchView, *, prefix=S2T.metric_prefix) -> CurrentStatistics:
     """The current policy's statistics of the positive-advantage sequences of the mini-batch, spread
     over the ranks by tokens (:func:`stapo_core.balance.plan_forward`) and sent back to the rank that
     holds them; NaN on the other rows (never read). Metrics: ``current_forward_tokens_frac`` (tokens
     forwarded, padding included, over the mini-batch's, all ranks) and
     ``current_forward_slowest_rank_frac`` (the most tokens one rank forwards over the most one holds).
     """
-    response_mask = to_padded(data["response_mask"])
-    batch, width = response_mask.shape
-    wanted = positive_advantage_rows(data)
+    data, group = view.data, view.group
+    batch, width = view.mask.shape
+    wanted = ((view.advantages > 0) & (view.mask != 0)).any(-1).cpu()
     tokens = sequence_tokens(data)
     rank, world = group_rank(group), world_size(group)
     gathered = gather_objects(([(i, tokens[i]) for i in wanted.nonzero().flatten().tolist()], sum(tokens)), group)
@@ -141,12 +131,11 @@ def forward_positive_advantage(worker, data, *, group=None, device=None, prefix=
     log_prob = torch.full((batch, width), math.nan)
     entropy = torch.full((batch, width), math.nan)
     forwarded = torch.zeros(batch, dtype=torch.bool)
-    if plan.num_micro_batches:
-        returned = _forward_plan(worker, data, plan, rank, group, device)
-        for index, lp, ent in (row for rows in returned for row in rows):
-            log_prob[index, : lp.numel()] = lp
-            entropy[index, : ent.numel()] = ent
-            forwarded[index] = True
+    returned = _forward_plan(worker, data, plan, rank, group, view.device) if plan.num_micro_batches else []
+    for index, lp, ent in (row for rows in returned for row in rows):
+        log_prob[index, : lp.numel()] = lp
+        entropy[index, : ent.numel()] = ent
+        forwarded[index] = True
     if not torch.equal(forwarded, wanted):
         raise RuntimeError(f"forward_positive_advantage: rows {wanted.nonzero().flatten().tolist()} needed, "
                            f"{forwarded.nonzero().flatten().tolist()} forwarded")
@@ -154,18 +143,18 @@ def forward_positive_advantage(worker, data, *, group=None, device=None, prefix=
     held = [total for _, total in gathered]
     metrics = {prefix + "current_forward_tokens_frac": sum(rank_tokens) / max(sum(held), 1),
                prefix + "current_forward_slowest_rank_frac": max(rank_tokens) / max(max(held), 1)}
-    return CurrentStatistics(log_prob, entropy, forwarded, metrics)
+    return CurrentStatistics(log_prob.to(view.device), entropy.to(view.device), forwarded, metrics)
 
 
 def _forward_plan(worker, data, plan: ForwardPlan, rank: int, group, device) -> list:
     """Run this rank's micro-batches of ``plan``; returns, from every rank, the ``(row, log_prob,
     entropy)`` of this rank's rows (1-D response tensors)."""
     world = world_size(group)
-    view = data.exclude(*(k for k in NOT_FORWARDED_FIELDS if k in data.keys()))
+    sequences = data.exclude(*(k for k in NOT_FORWARDED_FIELDS if k in data.keys()))
     outgoing = []
     for dest in range(world):
         rows = list(dict.fromkeys(it.index for mb in plan.micro_batches[dest] for it in mb if it.owner == rank))
-        outgoing.append((rows, tu.index_select_tensor_dict(view, rows) if rows else None))
+        outgoing.append((rows, tu.index_select_tensor_dict(sequences, rows) if rows else None))
     pools = {}
     for owner, (rows, td) in enumerate(exchange_objects(outgoing, group, device)):
         for position, index in enumerate(rows):

@@ -6,7 +6,7 @@ verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) hands the policy loss onl
 :func:`ppo_loss_with_token_selection` is the wrap of verl's own function, for direct use):
 
 * ``scope=mini_batch`` (the default): the keep mask was already folded into ``response_mask`` and
-  into verl's token and sequence counts by :mod:`verl_patches.mini_batch_selection`,
+  into verl's token and sequence counts by :mod:`verl_patches.token_selection`,
   so verl's loss runs unchanged. The only guard: a mini-batch whose every token was silenced has
   ``batch_num_tokens == 0``, and the count is raised to 1 so that the all-zero masked sums give 0.
 * ``scope=micro_batch``: the keep mask is computed here, per micro-batch, pooled over the
@@ -40,9 +40,12 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils import losses as verl_losses
 from verl.workers.utils.padding import no_padding_2_padding
 
+from .layout import ROLLOUT_ENTROPY_FIELD, UNSELECTED_MASK_FIELD, add_per_row, multiply_like, padded_float, to_padded
 from .policy_loss_config import KEY_PREFIX, TokenSelectionLossConfig
-from .layout import add_per_row, multiply_like, to_padded
-from .token_selection import ROLLOUT_ENTROPY_FIELD, SEQ_MEAN_MODES, UNSELECTED_MASK_FIELD, rollout_agreement, select_tokens
+from .token_selection import rollout_agreement, select_tokens
+
+#: aggregation modes whose denominator counts sequences (verl's ``global_batch_size``)
+SEQ_MEAN_MODES = ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
 
 
 def wrap_ppo_loss(ppo_loss):
@@ -109,10 +112,8 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
             )
     response_mask = data["response_mask"]
     width = to_padded(response_mask).shape[1]
-    mask = to_padded(response_mask, width)[:, :width].float()
-    advantages = to_padded(data["advantages"], width)[:, :width].float()
-    rollout_entropy = to_padded(data[ROLLOUT_ENTROPY_FIELD], width)[:, :width].float() if ROLLOUT_ENTROPY_FIELD in data.keys() else None
-    old_log_prob = to_padded(data["old_log_probs"], width)[:, :width].float()
+    mask, advantages, old_log_prob = (padded_float(data[k], width) for k in ("response_mask", "advantages", "old_log_probs"))
+    rollout_entropy = padded_float(data[ROLLOUT_ENTROPY_FIELD], width) if ROLLOUT_ENTROPY_FIELD in data.keys() else None
     if cfg.statistics_source == "current":
         entropy = model_output.get("entropy", None)
         if entropy is None:
@@ -131,9 +132,8 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
                               response_mask=mask, group=group)
     metrics = dict(selection.stats)
     if cfg.statistics_source == "current" and rollout_entropy is not None:
-        rollout = select_tokens(cfg, log_prob=old_log_prob, entropy=rollout_entropy, advantages=advantages,
-                                response_mask=mask, group=group)
-        metrics.update(rollout_agreement(cfg, selection.keep, rollout.keep, mask, group))
+        metrics.update(rollout_agreement(cfg, selection, log_prob=old_log_prob, entropy=rollout_entropy,
+                                         advantages=advantages, response_mask=mask, group=group))
     data["response_mask"] = multiply_like(response_mask, selection.keep.to(mask.device))
     if not cfg.pools_over_ranks:
         # verl's token-mean is sum / batch_num_tokens * dp_size and FSDP averages over the dp_size ranks; the
@@ -159,8 +159,7 @@ def _geo_mean_over_kept_sequences(data) -> None:
     1, advantage 0, loss 0) would still count in the mean and shrink the others' weight. Scaling the
     micro-batch's advantages by ``rows / rows that keep a token`` makes the loss the mean over the
     sequences that keep a token: geo_mean uses the advantages only linearly and through their sign."""
-    width = to_padded(data["response_mask"]).shape[1]
-    mask = to_padded(data["response_mask"], width)[:, :width].float()
+    mask = padded_float(data["response_mask"], to_padded(data["response_mask"]).shape[1])
     rows, kept = mask.shape[0], int((mask.sum(-1) > 0).sum())
     if 0 < kept < rows:
         data["advantages"] = multiply_like(data["advantages"], torch.full_like(mask, rows / kept))
@@ -182,8 +181,7 @@ def _sequence_ratio_over_all_tokens(loss_mode: str, model_output, data, unselect
     if unselected is None:
         raise RuntimeError(f"sequence_ratio=all_tokens needs the unselected mask {UNSELECTED_MASK_FIELD!r} in the batch")
     width = to_padded(unselected).shape[1]
-    full = to_padded(unselected, width)[:, :width].float()
-    kept = to_padded(data["response_mask"], width)[:, :width].float()
+    full, kept = padded_float(unselected, width), padded_float(data["response_mask"], width)
     if loss_mode == "gspo":
         log_ratio = (no_padding_2_padding(model_output["log_probs"], data).detach()[:, :width]
                      - to_padded(data["old_log_probs"], width)[:, :width]).double()

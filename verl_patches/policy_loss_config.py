@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
-from stapo_core.rules import ENTROPY_TOPK, NO_SELECTION, RULES, S2T, get_rule, token_selections
+from stapo_core.rules import ENTROPY_TOPK, NO_SELECTION, RULES, S2T, SelectionRule, get_rule, token_selections
 from verl.workers.config import PolicyLossConfig
 
 #: config path of this block, used in error messages
@@ -152,6 +152,11 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         return self.token_selection != NO_SELECTION
 
     @property
+    def rule(self) -> Optional[SelectionRule]:
+        """The rule ``token_selection`` names (None for ``none``)."""
+        return get_rule(self.token_selection) if self.selects_tokens else None
+
+    @property
     def authors_code_reading(self) -> bool:
         """20-Entropy exactly as its authors' code: per rank and micro-batch, inside the loss."""
         return self.token_selection == ENTROPY_TOPK.name and self.entropy_topk_reading == "authors_code"
@@ -197,7 +202,7 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     def forwards_positive_advantage_only(self) -> bool:
         """That forward covers only the sequences with a positive advantage (``current_forward``; for a
         rule whose selection those sequences decide alone, e.g. S2T)."""
-        return (self.forwards_current_policy and get_rule(self.token_selection).positive_advantage_only
+        return (self.forwards_current_policy and self.rule.positive_advantage_only
                 and self.current_forward == "positive_advantage")
 
     @property

@@ -5,32 +5,46 @@ The selection is independent of the policy loss: it only shrinks the mask the lo
 composes with every loss mode verl registers. Two places select:
 
 * once per PPO mini-batch, before verl counts its loss tokens (``scope=mini_batch``):
-  :mod:`verl_patches.mini_batch_selection`;
+  :func:`select_mini_batch` computes, from the mini-batch's view (:mod:`verl_patches.mini_batch_view`),
+  into one :class:`~verl_patches.mini_batch_view.MiniBatchSelection`
+
+  - the run's keep mask, which :func:`apply_selection` folds into ``response_mask`` and ``loss_mask``
+    before verl counts the mini-batch's loss tokens, so verl's own ``batch_num_tokens`` (the token-mean
+    denominator, all-reduced over data-parallel ranks) counts only the tokens that remain: the loss is
+    exactly the paper's ``sum(M L) / sum(M)`` over the mini-batch, whatever the micro-batch size or the
+    number of ranks. For the seq-mean modes, verl's sequence count becomes the count of sequences that
+    keep a token;
+  - S2T's token sets (:class:`~verl_patches.mini_batch_view.S2TSets`): the ones the run applies
+    (STAPO), or, with ``s2t_monitor`` in a run that does not apply S2T, the ones STAPO would have
+    silenced, computed exactly as STAPO computes them (same ``tau_p``, ``q``, ``strategy`` and
+    ``stats_from``, pooled over the mini-batch and the data-parallel group) and not applied. The update
+    effect and the token dump read them. ``actor/s2t/applied`` says which the S2T metrics describe (1:
+    applied, 0: monitored only).
+
+  Each rule runs once per mini-batch. With statistics from a forward of part of the mini-batch (a rule
+  whose ``positive_advantage_only`` holds, e.g. S2T: the sequences with a positive advantage), the rule
+  runs over those sequences' tokens and every other token is kept;
 * once per micro-batch, inside the loss (``scope=micro_batch``): :mod:`verl_patches.losses`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import math
 from typing import Optional
 
 import torch
+from verl.utils import tensordict_utils as tu
 
-from stapo_core.rules import RuleResult, finite_stats, get_rule
+from stapo_core.rules import S2T, RuleResult
 
+from .layout import ROLLOUT_ENTROPY_FIELD, UNSELECTED_MASK_FIELD, multiply_like, padded_float
+from .mini_batch_view import (CurrentStatistics, MiniBatchPosition, MiniBatchSelection, MiniBatchView, S2TSets,
+                              read_view)
 from .policy_loss_config import TokenSelectionLossConfig
 
-#: the batch field that carries the rollout-time (old-policy) entropy to the actor (verl's own name
-#: in the TransferQueue trainer; the legacy trainer's copy gets the same name)
-ROLLOUT_ENTROPY_FIELD = "entropy"
-#: aggregation modes whose denominator counts sequences (verl's ``global_batch_size``)
-SEQ_MEAN_MODES = ("seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean")
-#: verl's field of sum_n pi_n^2 per token (rollout time, with actor.calculate_sum_pi_squared=true)
-SUM_PI_SQUARED_FIELD = "sum_pi_squared"
-#: the recipe's field holding the response mask before the fold, for losses whose sequence-level ratio
-#: is taken over every response token (``sequence_ratio=all_tokens``)
-UNSELECTED_MASK_FIELD = "stapo_unselected_response_mask"
+#: 1.0 when S2T's selection was applied in the update, 0.0 when it was only monitored
+APPLIED_METRIC = S2T.metric_prefix + "applied"
 
 _generators: dict[tuple[int, str], torch.Generator] = {}
 
@@ -42,28 +56,6 @@ def _generator(seed: int, device: torch.device) -> torch.Generator:
     if key not in _generators:
         _generators[key] = torch.Generator(device=device).manual_seed(seed)
     return _generators[key]
-
-
-@dataclass(frozen=True)
-class CurrentStatistics:
-    """The current policy's statistics of one mini-batch on this rank.
-
-    log_prob, entropy: float32 ``(batch, resp_len)`` padded as verl's loss sees them; NaN on the rows
-    not forwarded. forwarded: bool ``(batch,)``, the rows whose statistics were computed.
-    metrics: the forward's own metrics (``*/current_forward_*``)."""
-
-    log_prob: torch.Tensor
-    entropy: torch.Tensor
-    forwarded: torch.Tensor
-    metrics: dict
-
-
-def _as_current(current, batch: int) -> Optional[CurrentStatistics]:
-    """``current`` as :class:`CurrentStatistics` (a ``(log_prob, entropy)`` pair covers every row)."""
-    if current is None or isinstance(current, CurrentStatistics):
-        return current
-    log_prob, entropy = current
-    return CurrentStatistics(log_prob, entropy, torch.ones(batch, dtype=torch.bool), {})
 
 
 def select_tokens(
@@ -82,7 +74,7 @@ def select_tokens(
         log_prob, entropy, advantages, response_mask: ``(batch, resp_len)`` padded tensors.
         group: data-parallel process group to pool the statistic over (None: this process only).
     """
-    rule = get_rule(cfg.token_selection)
+    rule = cfg.rule
 
     def generator() -> torch.Generator:  # one per seed and rank: ranks draw differently
         rank = torch.distributed.get_rank(group) if group is not None else 0
@@ -90,55 +82,31 @@ def select_tokens(
 
     result = rule.select(cfg, log_prob=log_prob, entropy=entropy, advantages=advantages, response_mask=response_mask,
                          group=group, generator=generator)
-    return dataclasses.replace(result, stats=finite_stats(rule.metric_prefix, result.stats))
+    metrics = {rule.metric_prefix + k: float(v) for k, v in result.stats.items() if not math.isnan(float(v))}
+    return dataclasses.replace(result, stats=metrics)
 
 
-def widen_selection(cfg: TokenSelectionLossConfig, selection: RuleResult, part: torch.Tensor,
-                    response_mask: torch.Tensor, group=None) -> RuleResult:
-    """A selection computed over ``part`` of the response tokens (the forwarded sequences of a rule
-    whose ``positive_advantage_only`` holds), made the selection over all of ``response_mask``:
-    every other token is kept, and the token counts (``<prefix>tokens``, ``<prefix>silenced_frac``)
-    cover every response token of the pooled group."""
-    prefix = get_rule(cfg.token_selection).metric_prefix
-    mask = response_mask.float()
-    silenced = part.float() * (1.0 - selection.keep)
-    count = mask.sum().double()
-    if group is not None:
-        torch.distributed.all_reduce(count, group=group)
-    tokens = float(count.item())
-    silenced_count = selection.tokens - selection.kept
-    metrics = dict(selection.stats)
-    metrics[prefix + "tokens"] = tokens
-    metrics[prefix + "silenced_frac"] = silenced_count / max(tokens, 1.0)
-    return RuleResult(mask * (1.0 - silenced), tokens, tokens - silenced_count, metrics, selection.candidate)
+def rollout_agreement(cfg: TokenSelectionLossConfig, selection: RuleResult, *, log_prob, entropy, advantages,
+                      response_mask, group=None) -> dict[str, float]:
+    """How far the current-policy statistics drifted from the rollout ones, at the selection's own
+    thresholds (diagnostic; no second selection, no pooling beyond one count).
 
-
-def check_statistics_fields(data, current, who: str) -> None:
-    """Raise a ``KeyError`` naming ``who`` and the fields S2T's selection needs that the mini-batch
-    ``data`` lacks: the mask and advantages, and the rollout statistics unless ``current`` ones are given."""
-    needed = ["response_mask", "advantages"] + ([] if current is not None else ["old_log_probs", ROLLOUT_ENTROPY_FIELD])
-    missing = [k for k in needed if k not in data]
-    if missing:
-        raise KeyError(
-            f"{who} needs the fields {missing} in the actor's mini-batch; the rollout entropy is kept by the "
-            "recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches.activate set in the driver?"
-        )
-
-
-def rollout_agreement(cfg, keep_current: torch.Tensor, keep_rollout: torch.Tensor, response_mask: torch.Tensor,
-                      group=None) -> dict[str, float]:
-    """How far current-policy statistics drift from rollout ones (diagnostic).
-
-    ``<rule's prefix>rollout_agreement``: |A & B| / |A | B| of the tokens
-    dropped with current statistics (A) and with rollout statistics (B), pooled over ``group``;
-    1.0 when both drop nothing.
+    ``<rule's prefix>rollout_agreement``: |A & B| / |A | B| over ``group`` of the tokens ``selection`` (of
+    ``cfg.token_selection``'s rule) dropped
+    (A, current statistics) and of the tokens its thresholds drop on the rollout statistics
+    ``log_prob``, ``entropy`` (B, :attr:`~stapo_core.rules.RuleResult.keep_at`); 1.0 when neither
+    drops any; nothing for a selection without thresholds (S2T's ``random``).
     """
-    dropped_now, dropped_rollout = response_mask * (1 - keep_current), response_mask * (1 - keep_rollout)
+    if selection.keep_at is None:
+        return {}
+    keep_rollout = selection.keep_at(log_prob=log_prob, entropy=entropy, advantages=advantages,
+                                     response_mask=response_mask)
+    dropped_now, dropped_rollout = response_mask * (1 - selection.keep), response_mask * (1 - keep_rollout)
     counts = torch.stack([(dropped_now * dropped_rollout).sum(), torch.maximum(dropped_now, dropped_rollout).sum()])
     if group is not None:
         torch.distributed.all_reduce(counts, group=group)
     both, either = counts.tolist()
-    return {get_rule(cfg.token_selection).metric_prefix + "rollout_agreement": 1.0 if either == 0 else both / either}
+    return {cfg.rule.metric_prefix + "rollout_agreement": 1.0 if either == 0 else both / either}
 
 
 def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, candidate=None, group=None,
@@ -164,3 +132,151 @@ def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, candidat
     values = sums.tolist()
     return {prefix + "grad_norm_" + name: total / count
             for name, total, count in zip(sets, values[0::2], values[1::2]) if count > 0}
+
+
+def _widen(cfg: TokenSelectionLossConfig, selection: RuleResult, part: torch.Tensor, response_mask: torch.Tensor,
+           group=None) -> RuleResult:
+    """A selection computed over ``part`` of the response tokens (the forwarded sequences of a rule
+    whose ``positive_advantage_only`` holds), made the selection over all of ``response_mask``:
+    every other token is kept, and the token counts (``<prefix>tokens``, ``<prefix>silenced_frac``)
+    cover every response token of the pooled group."""
+    prefix = cfg.rule.metric_prefix
+    count = response_mask.sum().double()
+    if group is not None:
+        torch.distributed.all_reduce(count, group=group)
+    tokens = float(count.item())
+    silenced_count = selection.tokens - selection.kept
+    metrics = dict(selection.stats)
+    metrics[prefix + "tokens"] = tokens
+    metrics[prefix + "silenced_frac"] = silenced_count / max(tokens, 1.0)
+    keep = response_mask * (1.0 - part * (1.0 - selection.keep))
+    return dataclasses.replace(selection, keep=keep, tokens=tokens, kept=tokens - silenced_count, stats=metrics)
+
+
+def _statistics(view: MiniBatchView, current: Optional[CurrentStatistics], who: str):
+    """``(log_prob, entropy)`` the selection reads: the current policy's, else the rollout ones; a
+    ``KeyError`` naming ``who`` and the missing fields when the mini-batch lacks them."""
+    needed = {"advantages": view.advantages}
+    if current is None:
+        needed.update({"old_log_probs": view.old_log_prob, ROLLOUT_ENTROPY_FIELD: view.rollout_entropy})
+    missing = [name for name, t in needed.items() if t is None]
+    if missing:
+        raise KeyError(
+            f"{who} needs the fields {missing} in the actor's mini-batch; the rollout entropy is kept by the "
+            "recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches.activate set in the driver?"
+        )
+    return (view.old_log_prob, view.rollout_entropy) if current is None else (current.log_prob, current.entropy)
+
+
+def _select(cfg: TokenSelectionLossConfig, view: MiniBatchView, current: Optional[CurrentStatistics],
+            who: str) -> tuple[RuleResult, dict]:
+    """The rule of ``cfg`` on the mini-batch: its selection over every response token, and its metrics
+    (the rule's, the drift from the rollout statistics, the gradient norms of its sets)."""
+    rule = cfg.rule
+    log_prob, entropy = _statistics(view, current, who)
+    mask, part, group = view.mask, view.mask, view.group
+    if current is not None:
+        if not bool(current.forwarded.all()) and not rule.positive_advantage_only:
+            raise ValueError(f"token_selection={cfg.token_selection} needs the statistics of every sequence")
+        part = mask * current.forwarded.to(mask.device, torch.float32)[:, None]
+    selection = select_tokens(cfg, log_prob=log_prob, entropy=entropy, advantages=view.advantages,
+                              response_mask=part, group=group)
+    if current is not None and rule.positive_advantage_only:
+        # the same counts everywhere, whether this rank forwarded every row or not
+        selection = _widen(cfg, selection, part, mask, group)
+    metrics = dict(selection.stats)
+    if current is not None and view.rollout_entropy is not None and view.old_log_prob is not None:
+        metrics.update(rollout_agreement(cfg, selection, log_prob=view.old_log_prob, entropy=view.rollout_entropy,
+                                         advantages=view.advantages, response_mask=mask, group=group))
+    if view.sum_pi_squared is not None and selection.candidate is not None and current is None:
+        metrics.update(grad_norm_metrics(log_prob=log_prob, sum_pi_squared=view.sum_pi_squared, response_mask=mask,
+                                         keep=selection.keep, candidate=selection.candidate, group=group,
+                                         prefix=rule.metric_prefix))
+    return selection, metrics
+
+
+def s2t_sets(mask: torch.Tensor, selection: RuleResult) -> S2TSets:
+    """S2T's sets of ``selection`` (S2T's rule on the tokens of ``mask``)."""
+    inside = mask != 0
+    tau_h = selection.stats.get(S2T.metric_prefix + "tau_h")
+    return S2TSets(mask=inside, silenced=inside & (selection.keep == 0), candidate=selection.candidate, tau_h=tau_h)
+
+
+def as_s2t(cfg: TokenSelectionLossConfig, **changes) -> TokenSelectionLossConfig:
+    """``cfg`` with S2T as its token selection, pooled at the mini-batch scope (the monitor's selector)."""
+    return dataclasses.replace(cfg, token_selection=S2T.name, scope=None, entropy_topk_reading="pooled",
+                               update_effect_responses=0, **changes)
+
+
+def select_mini_batch(view: MiniBatchView) -> MiniBatchSelection:
+    """Every selection of one rank's mini-batch (the data is not changed), computed once into
+    ``view.selection``: the S2T monitor's, the run's (its keep mask, and S2T's sets where the run
+    applies S2T), and S2T's sets for the token dump where it asks for others."""
+    cfg, current, selection = view.cfg, view.current, view.selection
+    if view.selects and cfg.monitors_s2t:  # the monitor's runs never apply S2T: their forward covers every sequence
+        result, metrics = _select(as_s2t(cfg), view, current if cfg.stats_from == "current" else None,
+                                  "the S2T monitor (s2t_monitor=true)")
+        if current is not None and not cfg.forwards_current_policy:
+            metrics.update(current.metrics)  # the forward served the monitor alone
+        metrics[APPLIED_METRIC] = 0.0
+        selection.s2t, selection.metrics = s2t_sets(view.mask, result), metrics
+    if view.selects and cfg.folds_into_mini_batch:
+        result, metrics = _select(cfg, view, current, "token selection (scope=mini_batch)")
+        if current is not None:
+            metrics.update(current.metrics)
+        selection.keep = result.keep
+        selection.metrics.update(metrics)
+        if cfg.applies_s2t:
+            selection.metrics[APPLIED_METRIC] = 1.0
+            selection.s2t = s2t_sets(view.mask, result)
+    if view.dump_s2t is not None:
+        selection.dump = _dump_sets(view)
+    return selection
+
+
+def _dump_sets(view: MiniBatchView) -> Optional[S2TSets]:
+    """S2T's sets with the token dump's settings on the rollout statistics of the mini-batch: the
+    mini-batch's own (applied or monitored) when they are those, else S2T run for the dump (no metric);
+    None without rollout statistics."""
+    settings, sets = view.dump_s2t, view.selection.s2t
+    if view.old_log_prob is None or view.rollout_entropy is None:
+        return None
+    if sets is not None and view.cfg.strategy == settings.strategy:  # the first mini-batch's: the rollout statistics
+        return sets
+    result = select_tokens(settings, log_prob=view.old_log_prob, entropy=view.rollout_entropy,
+                           advantages=view.advantages, response_mask=view.mask, group=view.group)
+    return s2t_sets(view.mask, result)
+
+
+def apply_selection(view: MiniBatchView) -> None:
+    """Fold ``view.selection.keep`` into the mini-batch in place: multiply ``response_mask`` and
+    ``loss_mask`` by it, set verl's ``global_batch_size`` to the sequences that keep a token
+    (seq-mean modes), and keep the unselected mask for ``sequence_ratio=all_tokens``."""
+    data, keep = view.data, view.selection.keep
+    if keep is None:
+        return
+    response_mask = data["response_mask"]
+    if view.cfg.sequence_ratio_over_all_tokens:
+        data[UNSELECTED_MASK_FIELD] = response_mask.clone()
+    keep_here = keep.to(response_mask.device)
+    data["response_mask"] = multiply_like(response_mask, keep_here)
+    if "loss_mask" in data:
+        data["loss_mask"] = multiply_like(data["loss_mask"], keep_here)
+    if tu.get(data, "global_batch_size", None) is not None:  # the seq-mean denominator, over every rank
+        count = ((view.mask * keep).sum(-1) > 0).sum().double()
+        if view.group is not None:
+            torch.distributed.all_reduce(count, group=view.group)
+        tu.assign_non_tensor(data, global_batch_size=max(int(count.item()), 1))
+
+
+def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device=None, current=None) -> dict[str, float]:
+    """The mini-batch fold on its own (tests, benchmarks): ``data`` read as a step's first mini-batch,
+    or with ``current`` (a ``(log_prob, entropy)`` pair, padded ``(batch, resp_len)``, of every row) as
+    a later one; :func:`select_mini_batch` then :func:`apply_selection`. Returns the metrics."""
+    view = read_view(data, MiniBatchPosition(1, 0 if current is None else 1), cfg, group=group, device=device)
+    if current is not None:
+        log_prob, entropy = (padded_float(t, view.mask.shape[1], view.mask.device) for t in current)
+        view.current = CurrentStatistics(log_prob, entropy, torch.ones(len(data), dtype=torch.bool), {})
+    select_mini_batch(view)
+    apply_selection(view)
+    return view.selection.metrics

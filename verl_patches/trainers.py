@@ -23,8 +23,7 @@ from verl.workers.utils.padding import response_from_nested
 
 from .policy_loss_config import TokenSelectionLossConfig
 from .step_metrics import entropy_quantile_metrics
-from .layout import to_padded
-from .token_selection import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD
+from .layout import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD, to_padded
 
 
 def needs_rollout_entropy(config) -> bool:

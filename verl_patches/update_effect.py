@@ -18,18 +18,17 @@ many responses.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from verl.utils import tensordict_utils as tu
-from verl.workers.utils.padding import no_padding_2_padding
 
 from stapo_core.rules import S2T
 
-from .mini_batch_selection import S2TSets
+from .current_stats import infer
+from .mini_batch_view import MiniBatchView, S2TSets
 
 #: worker attribute holding the step's running sums (:class:`StepTotals`)
 STATE_ATTR = "_stapo_update_effect"
@@ -101,39 +100,24 @@ def _group_max(value: int, group, device) -> int:
 def response_log_probs(worker, sub) -> torch.Tensor:
     """``(len(sub), width)`` float32 log-probs of the response tokens of ``sub`` (verl's TensorDict)
     under the worker's current policy: one no-grad pass through verl's inference path
-    (``TrainingWorker.infer_batch``, no entropy, no loss), on a shallow copy so that nothing verl
-    adds to the batch leaks between the two forwards."""
-    view = sub.copy()
-    engine_config = worker.engine_config
-    micro = engine_config.infer_micro_batch_size_per_gpu or len(view)
-    tu.assign_non_tensor(
-        view, calculate_entropy=False, compute_loss=False, use_dynamic_bsz=engine_config.use_dynamic_bsz,
-        max_token_len_per_gpu=engine_config.infer_max_token_len_per_gpu,
-        micro_batch_size_per_gpu=math.gcd(int(micro), len(view)),
-    )
-    output = worker.infer_batch(view)
-    return no_padding_2_padding(output["log_probs"], view).float()
+    (:func:`verl_patches.current_stats.infer`, no entropy, no loss)."""
+    return infer(worker, sub, entropy=False)[0].float()
 
 
-def _sub_batch(data, rows: list):
-    """``rows`` of ``data`` by verl's row selection (jagged tensors stay jagged), with the per-sequence
-    token counts verl's throughput estimate reads."""
-    sub = tu.index_select_tensor_dict(data, rows)
-    if "input_ids" in sub and sub["input_ids"].is_nested:
-        tu.assign_non_tensor(sub, global_token_num=sub["input_ids"].offsets().diff().tolist())
-    return sub
-
-
-def measure_before(worker, data, sets: S2TSets, limit: int, *, group=None, device=None) -> Optional[Measurement]:
-    """Choose this rank's responses and forward them before the update (every rank runs the same
-    number of forwards; None, with no forward, when no rank has a response to measure)."""
+def measure_before(worker, view: MiniBatchView) -> Optional[Measurement]:
+    """Choose this rank's responses among those holding S2T's sets and forward them before the update
+    (every rank runs the same number of forwards; None, with no forward, when no rank has a response
+    to measure)."""
     start = time.perf_counter()
-    rows = choose_rows(sets, limit)
-    count = _group_max(len(rows), group, device)
+    sets = view.selection.s2t
+    rows = choose_rows(sets, view.cfg.update_effect_responses)
+    count = _group_max(len(rows), view.group, view.device)
     if count == 0:
         return None
     padded_rows = rows + [rows[0] if rows else 0] * (count - len(rows))
-    sub = _sub_batch(data, padded_rows)
+    sub = tu.index_select_tensor_dict(view.data, padded_rows)
+    if "input_ids" in sub and sub["input_ids"].is_nested:  # the per-sequence counts of verl's throughput estimate
+        tu.assign_non_tensor(sub, global_token_num=sub["input_ids"].offsets().diff().tolist())
     before = response_log_probs(worker, sub)
     width = min(before.shape[1], sets.mask.shape[1])
     index = torch.tensor(rows, dtype=torch.long)

@@ -106,7 +106,7 @@ def test_measured_call_is_the_clipped_loss_and_s2t_has_work():
 
     stapo = bench_loss.MODES["stapo-rollout"]
     data = bench_loss.make_batch(inputs, stapo)
-    from verl_patches.mini_batch_selection import fold_into_mini_batch
+    from verl_patches.token_selection import fold_into_mini_batch
 
     metrics = fold_into_mini_batch(bench_loss.actor_config(stapo.name).policy_loss, data)
     assert metrics["s2t/candidates"] > 0 and metrics["s2t/silenced"] > 0

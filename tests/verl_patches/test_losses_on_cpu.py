@@ -24,7 +24,7 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.utils import losses as verl_losses
 from verl_patches.losses import ppo_loss_with_token_selection
-from verl_patches.mini_batch_selection import fold_into_mini_batch
+from verl_patches.token_selection import fold_into_mini_batch
 
 B, R = 6, 12
 #: the recipe's dual clip for JustRL / STAPO / 20-Entropy (JustRL's script)
@@ -200,8 +200,9 @@ def test_degenerate_batches_give_finite_losses():
 
 
 def test_current_statistics_report_agreement_with_rollout_statistics():
-    """stats_from=current logs the overlap of its silenced set with the rollout-statistics one:
-    1.0 when the policy is the rollout policy, below 1 once the policy drifted."""
+    """stats_from=current logs the overlap of its silenced set with the tokens its thresholds (tau_p,
+    the selection's tau_h) silence on the rollout statistics: 1.0 when the policy is the rollout
+    policy, below 1 once the policy drifted."""
     config = actor_config(
         "stapo", "actor_rollout_ref.actor.policy_loss.stats_from=current", MICRO,
         "actor_rollout_ref.actor.calculate_entropy=true"
@@ -211,9 +212,9 @@ def test_current_statistics_report_agreement_with_rollout_statistics():
     assert same["s2t/rollout_agreement"].aggregate() == 1.0
     drifted_entropy = entropy.flip(1)  # a different ranking of the candidates' entropies
     _, _, drift, _ = run_ppo_loss(config, mask, old, old, adv, entropy=entropy, current_entropy=drifted_entropy)
-    keep_now = s2t_mask(old, drifted_entropy, adv, mask).keep
-    keep_rollout = s2t_mask(old, entropy, adv, mask).keep
-    a, b = mask * (1 - keep_now), mask * (1 - keep_rollout)
+    now = s2t_mask(old, drifted_entropy, adv, mask)
+    candidate = (mask != 0) & (adv > 0) & (old.exp() < 0.002)
+    a, b = mask * (1 - now.keep), (candidate & (entropy < now.stats["tau_h"])).float()
     expected = ((a * b).sum() / torch.maximum(a, b).sum()).item()
     assert drift["s2t/rollout_agreement"].aggregate() == pytest.approx(expected)
     assert expected < 1.0
@@ -424,7 +425,7 @@ def test_every_registered_loss_has_a_stated_ratio_level():
 
 def selected_loss(config, mask, old, log_prob, adv, entropy, scope):
     """The loss and d/d log_prob of one mini-batch (one micro-batch) with S2T (strategy=full) at ``scope``."""
-    from verl_patches.token_selection import UNSELECTED_MASK_FIELD
+    from verl_patches.layout import UNSELECTED_MASK_FIELD
 
     if scope == "micro_batch":
         loss, grad, _, _ = run_ppo_loss(config, mask, old, log_prob, adv, entropy=entropy,
@@ -637,7 +638,7 @@ def test_gspo_all_tokens_logs_ppo_kl_from_the_shifted_old_log_probs():
     keep = mask * s2t_mask(old, entropy, adv, mask, strategy="full").keep
     data = micro_batch(mask, old, adv, entropy=entropy)
     fold_into_mini_batch(config.policy_loss, data)
-    from verl_patches.token_selection import UNSELECTED_MASK_FIELD
+    from verl_patches.layout import UNSELECTED_MASK_FIELD
 
     step = micro_batch(data["response_mask"], old, adv, valid=mask, batch_num_tokens=int(keep.sum()),
                        global_batch_size=tu.get(data, "global_batch_size"))

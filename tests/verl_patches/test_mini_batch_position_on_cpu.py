@@ -1,4 +1,4 @@
-"""verl_patches.mini_batch_position and verl_patches.mini_batch: each mini-batch's position in its step, counted once per worker, and
+"""verl_patches.mini_batch_view and verl_patches.mini_batch: each mini-batch's position in its step, counted once per worker, and
 handed to the S2T statistics (current-policy forward or not) and the token dump."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers import engine_workers
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl_patches import mini_batch
-from verl_patches.mini_batch_position import COUNTER_ATTR, MiniBatchCounter, MiniBatchPosition
+from verl_patches.mini_batch_view import COUNTER_ATTR, MiniBatchCounter, MiniBatchPosition
 
 B, R = 6, 10
 
@@ -102,8 +102,7 @@ def test_the_token_dump_gets_the_same_position(monkeypatch):
     from verl_patches.token_dump import hook, settings
 
     got = []
-    monkeypatch.setattr(hook, "score_mini_batch",
-                        lambda worker, data, response_mask, cfg, position, s2t=None: got.append((worker, position)))
+    monkeypatch.setattr(hook, "dumps", lambda worker, position: got.append((worker, position)) and False)
     monkeypatch.setenv(settings.DIR_ENV, "unused")
     config = _config("rollout")
     mask, old, adv, entropy, moved = _batch(seed=4)

@@ -21,7 +21,7 @@ from verl.utils import tensordict_utils as tu
 from verl_patches.policy_loss_config import TokenSelectionLossConfig
 from verl_patches.current_stats import forward_metric_prefix
 from verl_patches.losses import ppo_loss_with_token_selection
-from verl_patches.mini_batch_selection import fold_into_mini_batch
+from verl_patches.token_selection import fold_into_mini_batch
 
 PL = "actor_rollout_ref.actor.policy_loss"
 

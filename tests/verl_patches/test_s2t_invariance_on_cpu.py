@@ -27,7 +27,7 @@ from recipe.stapo.driver import compose
 from verl.utils.config import omega_conf_to_dataclass
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
 from verl_patches.losses import ppo_loss_with_token_selection
-from verl_patches.mini_batch_selection import fold_into_mini_batch
+from verl_patches.token_selection import fold_into_mini_batch
 
 B, R = 8, 10
 

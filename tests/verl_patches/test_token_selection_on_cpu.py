@@ -25,7 +25,7 @@ from verl.workers import engine_workers
 from verl.workers.utils import losses as verl_losses
 from verl_patches.policy_loss_config import LOCAL_NORMALISING_LOSS_MODES
 from verl_patches.losses import ppo_loss_with_token_selection
-from verl_patches.mini_batch_selection import fold_into_mini_batch
+from verl_patches.token_selection import fold_into_mini_batch
 
 B, R = 6, 12
 PL = "actor_rollout_ref.actor.policy_loss"

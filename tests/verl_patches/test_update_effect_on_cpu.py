@@ -26,7 +26,7 @@ from stapo_core import s2t_mask
 from verl.utils import tensordict_utils as tu
 from verl_patches.policy_loss_config import TokenSelectionLossConfig
 from verl_patches.mini_batch import wrap_train_batch
-from verl_patches.mini_batch_selection import S2TSets
+from verl_patches.mini_batch_view import S2TSets
 from verl_patches.update_effect import SETS, choose_rows
 
 VOCAB, GROUPS, N = 48, 2, 4

@@ -18,16 +18,18 @@ Where the numbers come from:
   ``q``, else 0.75.
 * ``tau_h``: S2T's entropy threshold of the mini-batch on the rollout statistics, pooled over the
   data-parallel group (the fold's ``s2t/tau_h`` of that mini-batch; ``actor/s2t/tau_h`` is the mean
-  over the step's): the mini-batch selection's own when it used the dump's strategy, else
-  :func:`stapo_core.s2t_mask` on the same inputs. Strategy: the loss's own when it is
-  ``low_entropy`` / ``high_entropy``, else ``low_entropy`` (what STAPO would have used). Without a
-  rollout ``entropy`` (legacy trainer, non-S2T methods) it is computed over the sampled responses
-  of every rank with the dump's own p and H (``tau_h_source = "sampled"``, else ``"mini_batch"``).
+  over the step's): the mini-batch selection's own (applied or monitored) when it used the dump's
+  strategy, else S2T run for the dump by that selection (:mod:`verl_patches.token_selection`) on
+  the same statistics; both in the mini-batch's view. Strategy:
+  the loss's own when it is ``low_entropy`` / ``high_entropy``, else ``low_entropy`` (what STAPO
+  would have used). Without a rollout ``entropy`` (legacy trainer, non-S2T methods) it is computed
+  over the sampled responses of every rank with the dump's own p and H (``tau_h_source =
+  "sampled"``, else ``"mini_batch"``).
 * ``silenced``: from the mask the update used (original response mask 1, folded mask 0: exact for
   STAPO and 20-Entropy with ``scope=mini_batch``; never for the baselines). With S2T inside the
-  loss (``scope=micro_batch``) the mask is not visible here, so the ``s2t_mask`` recomputation
-  over the mini-batch stands in for it (``silenced_from = "s2t_recomputed"``, approximate: the
-  loss pools per micro-batch); otherwise ``silenced_from = "update_mask"``.
+  loss (``scope=micro_batch``) the mask is not visible here, so S2T recomputed over the mini-batch
+  stands in for it (``silenced_from = "s2t_recomputed"``, approximate: the loss pools per
+  micro-batch); otherwise ``silenced_from = "update_mask"``.
 
 Sampling: :func:`select_responses`, seeded by step and rank; the responses with advantage <= 0 it
 mixes in have no candidates but fill the quadrant table. Every rank runs the same number of
@@ -37,9 +39,10 @@ discards it.
 Step number: the actor's lr-scheduler count + 1 (one scheduler step per training step, restored
 with checkpoints), else the worker's own step count.
 
-Two phases around verl's update of the step's first mini-batch: :func:`score_mini_batch` before it
-(the forward above, ``tau_h``, ``silenced``), :func:`finish_mini_batch` after it (the same forward
-again, for ``dlogp``; then the records are built and the step file written).
+Two phases around verl's update of the step's first mini-batch (:func:`dumps`): :func:`score_mini_batch`
+before it (the forward above, ``tau_h``, ``silenced``, from the mini-batch's view and its host copy),
+:func:`finish_mini_batch` after it (the same forward again, for ``dlogp``; then the records are built
+and the step file written).
 
 Non-first mini-batches return no metric and cost nothing.
 """
@@ -55,36 +58,21 @@ from typing import Optional
 import torch
 from verl.utils import tensordict_utils as tu
 
-from stapo_core import DEFAULT_Q, DEFAULT_TAU_P, s2t_mask
+from stapo_core import s2t_mask
+from stapo_core.rules import S2T
 from stapo_core.token_records import write_step
 
+from ..mini_batch_view import HostFields, MiniBatchPosition, MiniBatchView
 from ..policy_loss_config import TokenSelectionLossConfig
-from ..layout import to_padded
-from ..mini_batch_position import MiniBatchPosition
-from ..token_selection import ROLLOUT_ENTROPY_FIELD
+from ..token_selection import as_s2t
 from .scoring import SampledResponse, build_records, select_responses, target_log_probs, token_stats
-from .settings import settings_from_env
+from .settings import enabled, settings_from_env
 
 METRIC_PREFIX = "token_dump/"
 
 # --------------------------------------------------------------------------------------------
 # verl glue: layouts, the forward, the collectives
 # --------------------------------------------------------------------------------------------
-
-
-def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
-    return to_padded(t, width)[:, :width]
-
-
-def _response_lengths(data, width: int) -> list[int]:
-    """Unpadded response length of each row: the jagged ``response_mask``'s row lengths (TransferQueue
-    trainer) or the attention mask's count over the last ``width`` columns (legacy, right-padded)."""
-    mask = data["response_mask"]
-    if mask.is_nested:
-        return mask.offsets().diff().tolist()
-    if "attention_mask" not in data:
-        raise KeyError("token dump: a padded response_mask needs the attention_mask field to find the responses")
-    return data["attention_mask"][:, -width:].sum(-1).tolist()
 
 
 def _scalar_setting(data, key: str, default):
@@ -96,12 +84,6 @@ def _scalar_setting(data, key: str, default):
             raise ValueError(f"token dump: per-row {key} values differ; the dump supports one value per mini-batch")
         return value.reshape(-1)[0].item()
     return default if value is None else value
-
-
-def _module_device(module: torch.nn.Module) -> torch.device:
-    param = next(module.parameters())
-    local = getattr(param, "_local_tensor", param)  # DTensor shard
-    return local.device
 
 
 def _autocast(engine, device: torch.device):
@@ -129,13 +111,13 @@ def _response_logits(engine, input_ids: torch.Tensor, position_ids: torch.Tensor
     return logits[0, -(n_resp + 1) : -1]
 
 
-def _loss_settings(cfg) -> tuple[float, float, str, bool]:
-    """``(tau_p, q, strategy, s2t_in_loss)`` of the dump for the policy-loss config ``cfg``."""
-    tau_p = float(getattr(cfg, "tau_p", DEFAULT_TAU_P))
-    q = float(getattr(cfg, "q", DEFAULT_Q))
-    is_s2t = isinstance(cfg, TokenSelectionLossConfig) and cfg.applies_s2t
-    strategy = cfg.strategy if is_s2t and cfg.strategy in ("low_entropy", "high_entropy") else "low_entropy"
-    return tau_p, q, strategy, is_s2t and cfg.selects_in_loss
+def s2t_settings(cfg) -> TokenSelectionLossConfig:
+    """The S2T settings the dump records for the policy-loss config ``cfg`` (the paper's without the
+    recipe's config): ``tau_p``, ``q``, and the strategy (module docstring)."""
+    if not isinstance(cfg, TokenSelectionLossConfig):
+        return TokenSelectionLossConfig(token_selection=S2T.name)
+    strategy = cfg.strategy if cfg.applies_s2t and cfg.strategy in ("low_entropy", "high_entropy") else "low_entropy"
+    return as_s2t(cfg, strategy=strategy)
 
 
 def _uids_and_indices(data, batch: int, step: int, rank: int) -> tuple[list, list]:
@@ -213,6 +195,24 @@ def _check_supported(worker) -> None:
         raise ValueError(f"token dump: engine {type(engine).__name__} has no module; only the FSDP engine is supported")
 
 
+def dumps(worker, position: MiniBatchPosition) -> bool:
+    """The dump scores this mini-batch: it is on, the worker is the actor, and the mini-batch is its
+    step's first."""
+    actor = getattr(getattr(worker, "config", None), "model_type", "language_model") == "language_model"
+    return enabled() and actor and position.first
+
+
+@dataclass(frozen=True)
+class DumpRows:
+    """What the dump reads of one rank's mini-batch, row by row: the view's host copy, and each row's
+    sequence (``input_ids``, ``position_ids``; ``responses``, None when absent) as verl holds it."""
+
+    host: HostFields
+    input_ids: list
+    position_ids: list
+    responses: Optional[list]
+
+
 @dataclass
 class PendingDump:
     """A step's dump between :func:`score_mini_batch` and :func:`finish_mini_batch`."""
@@ -221,7 +221,7 @@ class PendingDump:
     step: int
     method: str
     group: "_Group"
-    fields: "MiniBatchFields"
+    rows: DumpRows
     picked: list
     n_forward: int
     temperature: float
@@ -232,52 +232,45 @@ class PendingDump:
     seconds: float
 
 
-def score_mini_batch(worker, data, response_mask: Optional[torch.Tensor], cfg,
-                     position: MiniBatchPosition, s2t=None) -> Optional[PendingDump]:
+def score_mini_batch(worker, view: MiniBatchView) -> PendingDump:
     """Phase 1 of the dump, before verl's update, on every data-parallel rank: sample a few responses
-    of the mini-batch and score them under the policy about to be updated. None (nothing to finish)
-    except on a step's first mini-batch of the actor.
-
-    ``data``: the rank's mini-batch TensorDict, the selection already folded into its
-    ``response_mask``; ``response_mask``: the mask before the fold (None: the same). ``s2t``: S2T's
-    sets of the mini-batch when the run applies or monitors S2T; their ``tau_h`` is reused when
-    they were computed with the dump's strategy.
-    """
-    if getattr(getattr(worker, "config", None), "model_type", "language_model") != "language_model":
-        return None  # a critic's TrainingWorker
-    if not position.first:
-        return None
+    of the mini-batch (its view, the selection done, with S2T's sets for the dump) and score them under
+    the policy about to be updated."""
     start = time.perf_counter()
     settings = settings_from_env()
     _check_supported(worker)
-    step = _step_number(worker, position)
-    group = _Group(worker.engine.get_data_parallel_group(), _module_device(worker.engine.module))
-    tau_p, q, strategy, s2t_in_loss = _loss_settings(cfg)
+    step = _step_number(worker, view.position)
+    group = _Group(view.group, view.device)
+    cfg, s2t = view.cfg, view.dump_s2t
+    s2t_in_loss = isinstance(cfg, TokenSelectionLossConfig) and cfg.applies_s2t and cfg.selects_in_loss
     method = settings.method or str(getattr(cfg, "loss_mode", "unknown"))
-
-    fields = _host_fields(data, response_mask)
-    picked = select_responses(fields.advantage.tolist(), settings.responses, (step, group.rank))
+    data, host = view.data, view.host
+    rows = DumpRows(host, list(data["input_ids"].unbind()), list(data["position_ids"].unbind()),
+                    list(data["responses"].unbind()) if "responses" in data else None)
+    inside = host.mask != 0
+    advantage = torch.where(inside, host.advantages, 0.0).double().sum(-1) / inside.sum(-1).clamp(min=1)
+    picked = select_responses(advantage.tolist(), settings.responses, (step, group.rank))
     n_forward = int(group.max([len(picked)])[0])
     temperature = float(_scalar_setting(data, "temperature", 1.0))
-    uids, indices = _uids_and_indices(data, fields.batch, step, group.rank)
+    uids, indices = _uids_and_indices(data, len(rows.input_ids), step, group.rank)
     sampled = []
     for j in range(n_forward):
         row = picked[j] if j < len(picked) else picked[0]  # same forward count on every rank
-        resp = _score_row(worker.engine, group.device, fields, row, temperature)
+        resp = _score_row(worker.engine, group.device, rows, row, temperature)
         if j < len(picked):
             resp.uid, resp.response_index, resp.rank = uids[row], indices[row], group.rank
             sampled.append(resp)
 
-    if s2t is not None and getattr(cfg, "strategy", None) == strategy and fields.rollout_entropy is not None:
-        # the first mini-batch's selection ran on the rollout statistics of the whole mini-batch
-        tau_h, tau_h_source, s2t_keep = s2t.tau_h, "mini_batch", None
+    sets = view.selection.dump
+    if sets is not None:  # the mini-batch's rollout statistics
+        tau_h, tau_h_source, silenced = sets.tau_h, "mini_batch", {row: sets.silenced[row].cpu() for row in picked}
     else:
-        tau_h, tau_h_source, s2t_keep = _entropy_threshold(fields, sampled, picked, group, tau_p, q, strategy)
+        tau_h, tau_h_source, silenced = _sampled_threshold(sampled, picked, group, s2t, view.mask.shape[1])
     if s2t_in_loss:
         for resp, row in zip(sampled, picked):
-            resp.silenced = s2t_keep[row] == 0
+            resp.silenced = silenced[row]
     extra = {"tau_h_source": tau_h_source, "silenced_from": "s2t_recomputed" if s2t_in_loss else "update_mask"}
-    return PendingDump(settings, step, method, group, fields, picked, n_forward, temperature, sampled, tau_p, tau_h,
+    return PendingDump(settings, step, method, group, rows, picked, n_forward, temperature, sampled, s2t.tau_p, tau_h,
                        extra, time.perf_counter() - start)
 
 
@@ -286,10 +279,10 @@ def finish_mini_batch(worker, pending: PendingDump) -> dict:
     again (``dlogp``), then build the records and write the step file. Metrics: ``seconds`` (both
     phases, this rank), ``records`` and ``responses`` (all ranks), ``max_prob_diff``."""
     start = time.perf_counter()
-    group, fields = pending.group, pending.fields
+    group, rows = pending.group, pending.rows
     for j in range(pending.n_forward):
         row = pending.picked[j] if j < len(pending.picked) else pending.picked[0]
-        after = _row_log_probs(worker.engine, group.device, fields, row, pending.temperature)
+        after = _row_log_probs(worker.engine, group.device, rows, row, pending.temperature)
         if j < len(pending.picked):
             resp = pending.sampled[j]
             resp.dlogp = after - resp.stats["log_prob"]
@@ -311,98 +304,45 @@ def finish_mini_batch(worker, pending: PendingDump) -> dict:
             METRIC_PREFIX + "responses": float(n_responses), METRIC_PREFIX + "max_prob_diff": float(diff)}
 
 
-@dataclass(frozen=True)
-class MiniBatchFields:
-    """Host copies of one rank's mini-batch, padded ``(B, R)`` per token (R = ``width``).
-
-    lengths: unpadded response length per row. mask: the response mask before the fold; folded:
-    after it. advantages: per token; advantage: ``(B,)`` the response's mean advantage over its
-    mask tokens. old_log_prob / rollout_entropy: the rollout statistics (None when the mini-batch
-    has none). input_ids / position_ids: each row's sequence (unbound). responses: the response
-    ids (None when absent).
-    """
-
-    batch: int
-    width: int
-    lengths: list
-    mask: torch.Tensor
-    folded: torch.Tensor
-    advantages: torch.Tensor
-    advantage: torch.Tensor
-    old_log_prob: Optional[torch.Tensor]
-    rollout_entropy: Optional[torch.Tensor]
-    input_ids: list
-    position_ids: list
-    responses: Optional[torch.Tensor]
-
-
-def _host_fields(data, response_mask: Optional[torch.Tensor]) -> MiniBatchFields:
-    current = data["response_mask"]
-    original = current if response_mask is None else response_mask
-    width = int(to_padded(original).shape[1])
-    lengths = _response_lengths(data, width)
-    mask = _padded(original, width).cpu()
-    adv = _padded(data["advantages"], width).float().cpu()
-    inside = mask != 0
-    return MiniBatchFields(
-        batch=len(lengths), width=width, lengths=lengths, mask=mask, folded=_padded(current, width).cpu(),
-        advantages=adv,
-        advantage=torch.where(inside, adv, torch.zeros_like(adv)).double().sum(-1) / inside.sum(-1).clamp(min=1),
-        old_log_prob=_padded(data["old_log_probs"], width).float().cpu() if "old_log_probs" in data else None,
-        rollout_entropy=(_padded(data[ROLLOUT_ENTROPY_FIELD], width).float().cpu()
-                         if ROLLOUT_ENTROPY_FIELD in data else None),
-        input_ids=list(data["input_ids"].unbind()), position_ids=list(data["position_ids"].unbind()),
-        responses=_padded(data["responses"], width).cpu() if "responses" in data else None,
-    )
-
-
-def _score_row(engine, device, fields: MiniBatchFields, row: int, temperature: float) -> SampledResponse:
-    n = int(fields.lengths[row])
-    seq = fields.input_ids[row]
+def _score_row(engine, device, rows: DumpRows, row: int, temperature: float) -> SampledResponse:
+    host = rows.host
+    n = int(host.lengths[row])
+    seq = rows.input_ids[row]
     if n < 1 or n >= seq.shape[-1]:
         raise ValueError(f"token dump: row {row} has {n} response tokens in a {seq.shape[-1]}-token sequence")
     response_ids = seq[-n:].cpu()
-    if fields.responses is not None and not torch.equal(fields.responses[row, :n], response_ids):
+    if rows.responses is not None and not torch.equal(rows.responses[row][:n].cpu(), response_ids):
         raise ValueError(f"token dump: row {row}: the tail of input_ids is not the response (unexpected layout)")
-    logits = _response_logits(engine, seq, fields.position_ids[row], n, device)
+    logits = _response_logits(engine, seq, rows.position_ids[row], n, device)
     stats = {k: v.cpu() for k, v in token_stats(logits, response_ids, temperature).items()}
     del logits
-    mask = fields.mask[row, :n]
+    mask = host.mask[row, :n]
     return SampledResponse(
         prompt_ids=seq[:-n].tolist(), response_ids=response_ids.tolist(), stats=stats, mask=mask,
-        advantages=fields.advantages[row, :n], silenced=(mask != 0) & (fields.folded[row, :n] == 0),
-        old_log_prob=None if fields.old_log_prob is None else fields.old_log_prob[row, :n],
+        advantages=host.advantages[row, :n], silenced=(mask != 0) & (host.folded[row, :n] == 0),
+        old_log_prob=None if host.old_log_prob is None else host.old_log_prob[row, :n],
         uid="", response_index=0, rank=0, row=row)
 
 
-def _row_log_probs(engine, device, fields: MiniBatchFields, row: int, temperature: float) -> torch.Tensor:
+def _row_log_probs(engine, device, rows: DumpRows, row: int, temperature: float) -> torch.Tensor:
     """``(R,)`` float32 log-probs of one row's response tokens under the engine's current weights."""
-    n = int(fields.lengths[row])
-    seq = fields.input_ids[row]
-    logits = _response_logits(engine, seq, fields.position_ids[row], n, device)
+    n = int(rows.host.lengths[row])
+    seq = rows.input_ids[row]
+    logits = _response_logits(engine, seq, rows.position_ids[row], n, device)
     return target_log_probs(logits, seq[-n:], temperature).cpu()
 
 
-def _entropy_threshold(fields: MiniBatchFields, sampled: list, picked: list, group: _Group, tau_p: float, q: float,
-                       strategy: str) -> tuple[Optional[float], str, Optional[torch.Tensor]]:
-    """``(tau_h, source, keep)``: S2T's threshold (None when undefined) and keep mask ``(B, R)``
-    (``mini_batch`` source) or ``(k, R)`` over the sampled rows (``sampled`` source)."""
-    if fields.rollout_entropy is not None and fields.old_log_prob is not None:
-        source = "mini_batch"
-        log_prob, entropy, adv, mask = fields.old_log_prob, fields.rollout_entropy, fields.advantages, fields.mask
-    else:
-        source = "sampled"
-        width = fields.width
-        log_prob, entropy, adv, mask = (_stack_padded([_stat(r, name) for r in sampled], width)
-                                        for name in ("log_prob", "entropy", "advantages", "mask"))
-    dev = group.device
-    result = s2t_mask(log_prob.to(dev), entropy.to(dev), adv.to(dev), mask.to(dev), tau_p=tau_p, q=q,
-                      strategy=strategy, group=group.s2t_group)
-    tau_h = result.stats["tau_h"]
-    keep = result.keep.cpu()
-    if source == "sampled":  # index by mini-batch row like the mini_batch source
-        keep = {row: keep[j] for j, row in enumerate(picked)}
-    return (tau_h if math.isfinite(tau_h) else None), source, keep
+def _sampled_threshold(sampled: list, picked: list, group: _Group, s2t: TokenSelectionLossConfig,
+                       width: int) -> tuple[Optional[float], str, dict]:
+    """``(tau_h, "sampled", silenced)`` without rollout statistics: S2T over the sampled responses of
+    every rank with the dump's own p and H (``tau_h`` None when undefined; ``silenced``: each picked
+    row's silenced tokens)."""
+    log_prob, entropy, adv, mask = (_stack_padded([_stat(r, name) for r in sampled], width).to(group.device)
+                                    for name in ("log_prob", "entropy", "advantages", "mask"))
+    result = s2t_mask(log_prob, entropy, adv, mask, tau_p=s2t.tau_p, q=s2t.q, strategy=s2t.strategy,
+                      group=group.s2t_group)
+    tau_h, silenced = result.stats["tau_h"], (mask != 0) & (result.keep == 0)
+    return (tau_h if math.isfinite(tau_h) else None), "sampled", {row: silenced[j].cpu() for j, row in enumerate(picked)}
 
 
 def _stat(resp: SampledResponse, name: str) -> torch.Tensor:
