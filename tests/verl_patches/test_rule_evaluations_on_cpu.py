@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import verl_patches  # noqa: F401  (installs the patches)
+import verl_patches.activate  # noqa: F401  (installs the patches)
 from recipe.stapo.driver import compose
 from stapo_core import rules
 from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
