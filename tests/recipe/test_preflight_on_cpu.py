@@ -459,7 +459,7 @@ def test_a_second_launch_while_the_metrics_file_has_a_writer_is_refused_before_r
         err = refused(paper(cluster, "trainer.logger=[console,file]"))
         problem(err, "trainer.default_local_dir", f"{run_dir / 'metrics.jsonl'}: another process (pid {os.getpid()})")
     finally:
-        os.close(held)
+        held.close()
     passes(paper(cluster, "trainer.logger=[console,file]"))  # the writer is gone
 
 

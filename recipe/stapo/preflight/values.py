@@ -190,20 +190,20 @@ def _check_metrics_writer(config: DictConfig, found: list[Problem]) -> None:
     writer now: another launch of the same run still training would lose records to this one (the
     logger itself refuses a second writer too, but only after Ray has started)."""
     # importing verl_patches applies the patches, which imports verl: only after VERL_USE_EXTERNAL_MODULES is set
-    from verl_patches.resume import MetricsFileBusy, claim_metrics_file, writer_lock_path
+    from verl_patches.resume import MetricsFileBusy, check_no_writer
 
     path = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH", default=None)
     loggers = OmegaConf.select(config, "trainer.logger", default=None)
     names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
-    if not path or "file" not in names or not writer_lock_path(path).is_file():
+    if not path or "file" not in names:
         return
     try:
-        os.close(claim_metrics_file(path))
+        check_no_writer(path)
     except MetricsFileBusy as e:
         found.append(Problem("trainer.default_local_dir", str(e), "wait for the other launch to end (or stop it), or "
                       "give this run another trainer.default_local_dir (CKPT_DIR) or experiment name", path))
     except OSError:
-        return  # a lock file this process cannot open: left to the logger, which names it
+        return  # a file this process cannot open: left to the logger, which names it
 
 
 def supported_loggers() -> list[str]:
