@@ -1,11 +1,15 @@
 """Single values: the type and range of config values whose bad value verl reports only after Ray
 has started (minutes in, often without the key's name), the logger list, a second writer of the
-run's metrics file, and the environment variables the recipe's YAML reads as numbers.
+run's metrics file, and the environment.
 
 Each check of :data:`VALUE_CHECKS` says what verl does with a bad value (read from verl 0.9.1's
 trainer, workers and config dataclasses). :func:`check_environment` parses the environment variables
-(``GPU_MEM_GB``) once, before the config is resolved, so that a bad one is named instead of failing
-inside omegaconf.
+the YAML reads as numbers (``GPU_MEM_GB``) once, before the config is resolved, so that a bad one is
+named instead of failing inside omegaconf. :func:`check_run_environment` reads every variable the
+run's processes read later (:data:`RUN_ENV_CHECKS`: the weight sync's timeout, the reward's helper
+count, the secrets file, the CPU path's threads, the metrics file), with the readers those processes
+use and the value they will see (the config's ``ray_kwargs.ray_init.runtime_env.env_vars``, else
+the launching environment).
 
 Importing this module imports no verl.
 """
@@ -15,14 +19,20 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
+import unicodedata
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from .paths import probe_writable
 from .problem import ACTOR, ROLLOUT, Problem, is_int
 
 _ABSENT = object()
+#: where the config gives every Ray worker its environment variables
+RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 
 def _is_number(value) -> bool:
@@ -143,10 +153,13 @@ def _shown(value) -> object:
     return value
 
 
-def check_values(config: DictConfig) -> list[Problem]:
+def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
     """One problem per value of :data:`VALUE_CHECKS` that fails its test, plus the logger list
-    (verl's backends) and ``recipe.gpu_mem_gb`` given as true/false. A key the config does not have
+    (verl's backends), ``recipe.gpu_mem_gb`` disagreeing with ``GPU_MEM_GB``,
+    and the environment variables the run's processes read (:func:`check_run_environment`;
+    ``environ``: the launching environment, default ``os.environ``). A key the config does not have
     is not checked (verl then uses its default)."""
+    environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for value_check in VALUE_CHECKS:
         value = OmegaConf.select(config, value_check.key, default=_ABSENT)
@@ -157,10 +170,33 @@ def check_values(config: DictConfig) -> list[Problem]:
                                  f"set {value_check.key} to {value_check.what}; {value_check.fix}", _shown(value)))
     _check_logger(config, found)
     _check_metrics_writer(config, found)
-    gpu_mem = OmegaConf.select(config, "recipe.gpu_mem_gb", default=None)
-    if isinstance(gpu_mem, bool):
-        found.append(Problem("recipe.gpu_mem_gb", "the target GPU's memory in GB must be a number, not true/false",
-                      "set GPU_MEM_GB (or recipe.gpu_mem_gb) to a number of GiB, e.g. 80", gpu_mem))
+    found += check_gpu_mem_source(config, environ)
+    found += check_run_environment(config, environ)
+    found += check_device(config, environ)
+    return found
+
+
+def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """The CPU path's settings only on the CPU device, and the CPU device only with the CPU path:
+    ``+cpu_rollout=vllm`` (``recipe.cpu_rollout``: a float32, eager rollout that keeps its KV cache
+    through the update) and ``VERL_PLATFORM=cpu`` (the CPU platform and its patches in every process)
+    off ``trainer.device=cpu`` would run a GPU job silently slower and larger, or on the CPU shims."""
+    device = str(OmegaConf.select(config, "trainer.device", default="cuda"))
+    cpu_rollout = OmegaConf.select(config, "recipe.cpu_rollout", default=None)
+    platform = (seen_by_workers(config, environ)("VERL_PLATFORM") or "").strip().lower()
+    found: list[Problem] = []
+    if device != "cpu" and cpu_rollout:
+        found.append(Problem(
+            "+cpu_rollout", f"the CPU path's rollout settings (recipe/stapo/config/cpu_rollout/{cpu_rollout}.yaml: "
+            "float32, eager, no sleep mode, the KV cache kept through the update) on trainer.device="
+            f"{device}: the GPU run would be slower and need far more memory than the memory check assumes",
+            "drop +cpu_rollout=... on GPUs (it belongs to the CPU path: trainer.device=cpu, VERL_PLATFORM=cpu, "
+            "recipe.stapo.cpu.cpu_overrides)", cpu_rollout))
+    if device != "cpu" and platform == "cpu":
+        found.append(Problem(
+            _origin(config, "VERL_PLATFORM"), f"selects the CPU path's platform and patches in every process of a "
+            f"run on trainer.device={device}", "unset VERL_PLATFORM for a GPU run (it belongs to the CPU path, with "
+            "trainer.device=cpu)", "cpu"))
     return found
 
 
@@ -192,7 +228,7 @@ def _check_metrics_writer(config: DictConfig, found: list[Problem]) -> None:
     # importing verl_patches applies the patches, which imports verl: only after VERL_USE_EXTERNAL_MODULES is set
     from verl_patches.resume import MetricsFileBusy, check_no_writer
 
-    path = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH", default=None)
+    path = OmegaConf.select(config, f"{RAY_ENV_VARS}.VERL_FILE_LOGGER_PATH", default=None)
     loggers = OmegaConf.select(config, "trainer.logger", default=None)
     names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
     if not path or "file" not in names:
@@ -219,6 +255,8 @@ def supported_loggers() -> list[str]:
 
 #: environment variables the YAML reads as numbers: name -> (what, example)
 NUMBER_ENV = {"GPU_MEM_GB": ("the target GPU's memory in GiB (recipe.gpu_mem_gb)", "80")}
+#: a number as the YAML's ``oc.decode`` reads it: ASCII digits, an optional sign, point and exponent
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[float]:
@@ -226,19 +264,26 @@ def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = N
 
     Raises:
         ValueError: naming the variable, its value and an example, for anything else: empty, a word
-            (``true``), a list (``[80]``), zero, a negative number, NaN or infinity.
+            (``true``), a list (``[80]``), zero, a negative number, NaN or infinity, and digits other
+            than ASCII ones (``８０``: Python's ``float`` reads them, the config's parser does not).
     """
     environ = os.environ if environ is None else environ
     if name not in environ:
         return None
     raw = environ[name]
     what, example = NUMBER_ENV.get(name, ("a number", "1"))
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = math.nan
+    text = raw.strip()
+    if not raw.isascii():
+        odd = sorted({c for c in raw if not c.isascii()})
+        named = ", ".join(f"{c!r} ({unicodedata.name(c, 'U+%04X' % ord(c))})" for c in odd)
+        ascii_form = "".join(str(unicodedata.digit(c)) if unicodedata.digit(c, None) is not None else c
+                             for c in text if c.isascii() or unicodedata.digit(c, None) is not None)
+        raise ValueError(f"environment variable {name} is {raw!r}, which holds characters other than ASCII ({named}) "
+                         f"that the config's parser refuses: it is {what}. Write it with ASCII digits only, e.g. "
+                         f"{name}={ascii_form if _PLAIN_NUMBER.fullmatch(ascii_form or '-') else example}")
+    value = float(text) if _PLAIN_NUMBER.fullmatch(text) else math.nan
     if not math.isfinite(value) or value <= 0:
-        shown = "set but empty" if not raw.strip() else f"{raw!r}, not a positive number"
+        shown = "set but empty" if not text else f"{raw!r}, not a positive number"
         raise ValueError(f"environment variable {name} is {shown}: it is {what}. Set e.g. {name}={example}, "
                          f"or unset it for the default")
     return value
@@ -254,4 +299,149 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Probl
             positive_number_from_env(name, environ)
         except ValueError as e:
             found.append(Problem(name, str(e), f"export {name}={NUMBER_ENV[name][1]} (or unset it)"))
+    return found
+
+
+def check_gpu_mem_source(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """``recipe.gpu_mem_gb`` and ``GPU_MEM_GB`` name one value: the YAML reads the variable into the
+    key, so an override of the key and a different variable disagree, and the override would win
+    without a word. Refused, naming both."""
+    try:
+        from_env = positive_number_from_env("GPU_MEM_GB", environ)
+    except ValueError:  # check_environment reports it
+        return []
+    value = OmegaConf.select(config, "recipe.gpu_mem_gb", default=None)
+    if from_env is None or not _is_number(value) or math.isclose(float(value), from_env, rel_tol=1e-9):
+        return []
+    return [Problem("recipe.gpu_mem_gb", f"disagrees with the environment's GPU_MEM_GB={environ['GPU_MEM_GB']!r}: "
+                    "both name the target GPU's memory (the YAML reads GPU_MEM_GB into recipe.gpu_mem_gb), and the "
+                    "override would win without a word",
+                    f"give the value once: drop the override recipe.gpu_mem_gb={value} and set GPU_MEM_GB, or unset "
+                    f"GPU_MEM_GB", value)]
+
+
+# -- the variables a run's processes read ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvCheck:
+    """An environment variable a run's processes read (``who``), the reader they use (``read``: raises
+    ``ValueError`` naming the variable, its value and what it must be), the fix, and when the run
+    reads it at all (``applies``, given the value every process sees of each variable)."""
+
+    name: str
+    who: str
+    read: Callable[[str], object]
+    fix: str
+    applies: Callable[[Callable[[str], Optional[str]]], bool] = lambda seen: True
+
+
+def _weight_sync_timeout(raw: str) -> float:
+    # verl_patches loads verl (after VERL_USE_EXTERNAL_MODULES is set): the reader the trainer itself runs
+    from verl_patches.weight_sync import parse_timeout
+
+    return parse_timeout(raw)
+
+
+def _reward_workers(raw: str) -> int:
+    # the recipe's reward package loads only where a run checks it (its import starts no helper process)
+    from recipe.stapo.reward.guard import WORKERS_ENV, workers_from_env
+
+    return workers_from_env({WORKERS_ENV: raw})
+
+
+def _cpu_threads(raw: str) -> int:
+    text = raw.strip()
+    if text and not (text.isascii() and text.isdigit() and int(text) >= 1):
+        raise ValueError(f"STAPO_CPU_THREADS={raw!r}: expected a whole number >= 1 (torch threads in every process "
+                         "of a CPU run)")
+    return int(text) if text else 0
+
+
+def _secrets_file(raw: str) -> dict:
+    # verl_patches loads verl (after VERL_USE_EXTERNAL_MODULES is set): the reader every verl process runs
+    from verl_patches.env_file import parse_env_file
+
+    return parse_env_file(raw.strip()) if raw.strip() else {}
+
+
+def _metrics_file(raw: str) -> None:
+    path = Path(raw)
+    if path.is_dir():
+        raise ValueError(f"VERL_FILE_LOGGER_PATH={raw}: is a folder; verl's file logger writes a file (e.g. "
+                         f"{path / 'metrics.jsonl'})")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"VERL_FILE_LOGGER_PATH={raw}: this user cannot write the file")
+    reason = probe_writable(path.parent)
+    if reason:
+        raise ValueError(f"VERL_FILE_LOGGER_PATH={raw}: its folder cannot be written ({reason})")
+
+
+def _on_cpu(seen: Callable[[str], Optional[str]]) -> bool:
+    return (seen("VERL_PLATFORM") or "").strip().lower() == "cpu"
+
+
+#: what a run's processes read from the environment, beyond the config (``GPU_MEM_GB`` is
+#: :data:`NUMBER_ENV`'s, the token dump's variables are the config's ``recipe.token_dump``, checked
+#: in :func:`recipe.stapo.preflight.paths.check_token_dump`)
+RUN_ENV_CHECKS: tuple[EnvCheck, ...] = (
+    EnvCheck("STAPO_WEIGHT_SYNC_TIMEOUT_S", "the trainer, at each weight sync to vLLM (the first one comes after Ray, "
+             "the model load and vLLM's start)", _weight_sync_timeout,
+             "set it to seconds in [1, 2147483], e.g. 600 (the default), or unset it"),
+    EnvCheck("STAPO_REWARD_WORKERS", "the recipe's reward module, when a reward worker imports it", _reward_workers,
+             "set it to a whole number >= 1, e.g. 4, or unset it for min(4, CPUs)"),
+    EnvCheck("STAPO_SECRETS_FILE", "every verl process, when it imports the recipe's patches", _secrets_file,
+             "point it to a NAME=value file only you can read (chmod 600), or unset it"),
+    EnvCheck("STAPO_CPU_THREADS", "every process of a CPU run (VERL_PLATFORM=cpu)", _cpu_threads,
+             "set it to a whole number >= 1, e.g. 1, or unset it", applies=_on_cpu),
+)
+
+
+def seen_by_workers(config: DictConfig, environ: Mapping[str, str]) -> Callable[[str], Optional[str]]:
+    """``seen(name)``: the value the run's processes see of a variable: ``ray_kwargs.ray_init.
+    runtime_env.env_vars`` in the config, which Ray sets in every worker, else the launching
+    environment (local Ray workers inherit it; ``LAUNCH=submit`` forwards the recipe's variables
+    to the job); None when neither sets it."""
+    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+
+    def seen(name: str) -> Optional[str]:
+        if name in given:
+            value = given[name]
+            return "" if value is None else str(value)
+        return environ.get(name)
+
+    return seen
+
+
+def _origin(config: DictConfig, name: str) -> str:
+    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+    return f"{RAY_ENV_VARS}.{name}" if name in given else name
+
+
+def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """One problem per variable of :data:`RUN_ENV_CHECKS` (and the metrics file of
+    ``VERL_FILE_LOGGER_PATH``, with the ``file`` logger) whose value the run's processes would
+    refuse after Ray has started, each read with the reader those processes use."""
+    seen = seen_by_workers(config, environ)
+    found: list[Problem] = []
+    for env_check in RUN_ENV_CHECKS:
+        raw = seen(env_check.name)
+        if raw is None or not env_check.applies(seen):
+            continue
+        try:
+            env_check.read(raw)
+        except (ValueError, OSError) as e:
+            found.append(Problem(_origin(config, env_check.name), f"{e} (read by {env_check.who})", env_check.fix, raw))
+    loggers = OmegaConf.select(config, "trainer.logger", default=None)
+    names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
+    metrics = seen("VERL_FILE_LOGGER_PATH")
+    submit = environ.get("LAUNCH", "") == "submit"
+    if "file" in names and metrics and "://" not in metrics and not (submit and not Path(metrics).parent.exists()):
+        try:
+            _metrics_file(metrics)
+        except ValueError as e:
+            found.append(Problem(_origin(config, "VERL_FILE_LOGGER_PATH"), f"{e} (verl's file logger opens it in the "
+                                 "trainer, after Ray starts)", "point VERL_FILE_LOGGER_PATH to a file in a writable "
+                                 "folder, or unset it (the metrics then go to <trainer.default_local_dir>/metrics.jsonl)",
+                                 metrics))
     return found
