@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, PreflightError, describe, ensure_patch_module_env,
-                                       prepare)
+from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, PreflightError, check_environment, describe,
+                                       ensure_patch_module_env, prepare)
 
 ensure_patch_module_env()  # before verl is imported: local Ray workers inherit it
 
@@ -59,6 +59,10 @@ def check_requested(argv: list[str], environ=os.environ) -> bool:
 
 def main() -> None:
     check = check_requested(sys.argv)
+    early = check_environment()  # what `import verl` inside Hydra's config loading reads: a failure there names nothing
+    if early:
+        print(f"[stapo] {PreflightError(early)}", file=sys.stderr)
+        raise SystemExit(1)
 
     @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)
     def entry(config) -> None:

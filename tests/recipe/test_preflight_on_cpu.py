@@ -633,3 +633,58 @@ def test_the_cpu_rollout_off_a_cpu_device_is_refused(cluster):
             "drop +cpu_rollout=... on GPUs")
     problem(refused(paper(cluster), environ={"VERL_PLATFORM": "cpu"}), "VERL_PLATFORM",
             "selects the CPU path's platform", "unset VERL_PLATFORM")
+
+
+def test_an_empty_reward_path_is_refused_not_left_to_verls_default(cluster):
+    """An empty path made verl grade with its own default for the data source (math_dapo without
+    JustRL's strict box check): the run's reward silently changed."""
+    problem(refused(paper(cluster, "reward.custom_reward_function.path=''")), "reward.custom_reward_function.path",
+            "is empty: verl would then grade with its own default", "pkg://recipe.stapo.reward")
+    passes(paper(cluster, "reward.custom_reward_function.path=pkg://verl.utils.reward_score",
+                 "reward.custom_reward_function.name=default_compute_score"))  # verl's default, named: accepted
+
+
+@pytest.mark.parametrize("name, value, key", [
+    ("STAPO_TOKEN_DUMP_DIR", "/somewhere/dump", "recipe.token_dump.dir"),
+    ("STAPO_TOKEN_DUMP_RESPONSES", "9", "recipe.token_dump.responses"),
+])
+def test_a_token_dump_variable_exported_in_the_shell_is_refused(cluster, name, value, key):
+    """The config sets the dump's variables for every worker from recipe.token_dump: an exported one is
+    never read (a dump asked for in the shell was silently off)."""
+    problem(refused(paper(cluster), environ={name: value}), name, f"is exported as {value!r}, but every worker reads",
+            f"set {key} instead, and unset {name}")
+
+
+@pytest.mark.parametrize("name, value, phrase", [
+    ("STAPO_DATA_DIR", "", "set but empty: it is the data folder"),
+    ("STAPO_MODEL_DIR", "", "set but empty: it is the folder of the model folders"),
+    ("STAPO_LAUNCH_DIR", "/nonexistent/launch", "is not a folder"),
+])
+def test_a_folder_variable_set_wrong_is_named_not_its_consequence(cluster, monkeypatch, name, value, phrase):
+    """STAPO_DATA_DIR= made the data files /train.parquet, refused as missing without naming the variable."""
+    monkeypatch.setenv(name, value)
+    problem(refused(paper(cluster)), name, phrase)
+
+
+def test_a_metrics_file_under_verl_file_logger_root_is_checked(cluster, monkeypatch):
+    blocker = cluster["root"] / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(blocker))
+    problem(refused(paper(cluster, "trainer.logger=[console,file]")), f"{RAY_ENV}.VERL_FILE_LOGGER_ROOT",
+            f"the metrics file {blocker}/stapo/qwen3_8b_stapo.jsonl: its folder cannot be written")
+
+
+@pytest.mark.parametrize("variable, value, phrase", [
+    ("VERL_USE_EXTERNAL_MODULES", "verl_patches,no_such_module", "lists 'no_such_module', which cannot be imported"),
+    ("STAPO_SECRETS_FILE", "/nonexistent/secrets.env", "STAPO_SECRETS_FILE=/nonexistent/secrets.env: cannot read it"),
+])
+def test_what_import_verl_reads_is_refused_before_hydra_loads_verls_config(tmp_path, variable, value, phrase):
+    """A module verl cannot import, or a secrets file the patches cannot load, failed inside Hydra's
+    config loading ("Could not load 'ppo_trainer'", "Error locating target ...") without naming either."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAPO_", "LAUNCH", "CKPT_DIR", "GPU_MEM"))}
+    env.update(fake_cluster(tmp_path), **{variable: value})
+    proc = subprocess.run([sys.executable, "-m", "recipe.stapo.main_stapo", "--check"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "preflight refused the config (1 problem" in proc.stderr and phrase in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Could not load" not in proc.stderr and "Error locating" not in proc.stderr

@@ -84,9 +84,15 @@ def check_reward_function(config: DictConfig, found: list[Problem]) -> None:
     """The reward function resolves in its module, as verl's reward loop will load it."""
     path = pick(config, "reward.custom_reward_function.path")
     name = pick(config, "reward.custom_reward_function.name")
-    if not path:
-        return
     key = "reward.custom_reward_function"
+    if not path:
+        found.append(Problem(f"{key}.path", "is empty: verl would then grade with its own default for each data "
+                             "source (for math_dapo, math_dapo.compute_score without JustRL's strict box check), not "
+                             "the reward the run is configured for",
+                             "set it to pkg://recipe.stapo.reward (the recipe's rewards, docs/reward.md), or name "
+                             "verl's default explicitly: path=pkg://verl.utils.reward_score, name=default_compute_score",
+                             path))
+        return
     from verl.utils.import_utils import load_module  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
 
     try:

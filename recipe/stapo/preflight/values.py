@@ -17,6 +17,7 @@ Importing this module imports no verl.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
 import re
@@ -169,7 +170,7 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
             found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
                                  f"set {value_check.key} to {value_check.what}; {value_check.fix}", _shown(value)))
     _check_logger(config, found)
-    _check_metrics_writer(config, found)
+    _check_metrics_writer(config, found, environ)
     found += check_gpu_mem_source(config, environ)
     found += check_run_environment(config, environ)
     found += check_device(config, environ)
@@ -221,17 +222,15 @@ def _check_logger(config: DictConfig, found: list[Problem]) -> None:
                              + f"verl's loggers: {', '.join(supported)}", _shown(value)))
 
 
-def _check_metrics_writer(config: DictConfig, found: list[Problem]) -> None:
+def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Mapping[str, str]) -> None:
     """The run's metrics file (``VERL_FILE_LOGGER_PATH`` the driver passes to the workers) has no
     writer now: another launch of the same run still training would lose records to this one (the
     logger itself refuses a second writer too, but only after Ray has started)."""
     # importing verl_patches applies the patches, which imports verl: only after VERL_USE_EXTERNAL_MODULES is set
     from verl_patches.resume import MetricsFileBusy, check_no_writer
 
-    path = OmegaConf.select(config, f"{RAY_ENV_VARS}.VERL_FILE_LOGGER_PATH", default=None)
-    loggers = OmegaConf.select(config, "trainer.logger", default=None)
-    names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
-    if not path or "file" not in names:
+    path, _ = metrics_file_of(config, seen_by_workers(config, environ))
+    if not path or "://" in path:
         return
     try:
         check_no_writer(path)
@@ -289,16 +288,109 @@ def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = N
     return value
 
 
+#: environment variables the YAML reads as folders: name -> what the folder is
+FOLDER_ENV = {"STAPO_DATA_DIR": "the data folder (data.train_files, data.val_files)",
+              "STAPO_MODEL_DIR": "the folder of the model folders (actor_rollout_ref.model.path)",
+              "STAPO_LAUNCH_DIR": "the folder relative paths are taken from (the run scripts export the one they "
+                                  "were launched from)"}
+
+
 def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """A problem for each variable of :data:`NUMBER_ENV` that is set
-    to something other than a positive number (checked before the config is resolved: omegaconf
-    would fail on it with a long traceback that does not name the variable, or read ``true`` as 1)."""
+    """What the environment must hold before the config is composed and resolved: each variable of
+    :data:`NUMBER_ENV` set to a positive number (omegaconf would fail on it with a long traceback
+    that does not name the variable, or read ``true`` as 1), each of :data:`FOLDER_ENV` set to a
+    folder name, not empty (``STAPO_DATA_DIR=`` makes ``data.train_files`` ``/train.parquet``), and
+    the launch folder an existing one, and :func:`check_import_environment`."""
+    environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for name in NUMBER_ENV:
         try:
             positive_number_from_env(name, environ)
         except ValueError as e:
             found.append(Problem(name, str(e), f"export {name}={NUMBER_ENV[name][1]} (or unset it)"))
+    for name, what in FOLDER_ENV.items():
+        raw = environ.get(name)
+        if raw is not None and not raw.strip():
+            found.append(Problem(name, f"set but empty: it is {what}, and the config would read the empty name as "
+                                 "the root folder", f"export {name}=<folder>, or unset it for the default", raw))
+    launch = environ.get("STAPO_LAUNCH_DIR", "").strip()
+    if launch and not Path(launch).expanduser().is_dir():
+        found.append(Problem("STAPO_LAUNCH_DIR", f"is not a folder: it is {FOLDER_ENV['STAPO_LAUNCH_DIR']}",
+                             "export STAPO_LAUNCH_DIR=$PWD, or unset it", launch))
+    return found + check_import_environment(environ)
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``import name`` finds a module, found without importing it or its parents (a parent's
+    import could run the very import being checked: verl_patches imports verl)."""
+    parts = name.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        return False
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if spec is None:
+        return False
+    for i, part in enumerate(parts[1:], start=1):
+        found = []
+        for location in map(Path, locations):
+            if (location / part / "__init__.py").is_file() or (location / part).is_dir():
+                found.append(location / part)
+            elif (location / f"{part}.py").is_file() or list(location.glob(f"{part}.*.so")):
+                found.append(location / f"{part}.py")
+        if not found:
+            return False
+        locations = [str(p) for p in found if p.is_dir()]
+        if i < len(parts) - 1 and not locations:
+            return False
+    return True
+
+
+def external_modules_problem(value: str) -> Optional[str]:
+    """What is wrong with a ``VERL_USE_EXTERNAL_MODULES`` value (None: every module it lists exists)."""
+    missing = [m.strip() for m in value.split(",") if m.strip() and not _module_exists(m.strip())]
+    if not missing:
+        return None
+    return (f"lists {', '.join(map(repr, missing))}, which cannot be imported: every verl process imports these "
+            "when it imports verl, and fails there (in the driver, inside Hydra's config loading, with a message "
+            "that does not name the module)")
+
+
+def _load_secrets_reader():
+    """``verl_patches.env_file``'s parser, loaded from its file: importing it through its package would
+    run the package's patches, and with them ``import verl``, which reads the file being checked."""
+    spec = importlib.util.find_spec("verl_patches")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "env_file.py"
+    loader_spec = importlib.util.spec_from_file_location("_stapo_preflight_env_file", path)
+    module = importlib.util.module_from_spec(loader_spec)
+    loader_spec.loader.exec_module(module)
+    return module.parse_env_file
+
+
+def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
+    """What ``import verl`` reads in the driver, checked before Hydra loads verl's config (a failure
+    there surfaces as Hydra's "Could not load 'ppo_trainer'" or a "target not found" that names
+    neither the variable nor the cause): ``VERL_USE_EXTERNAL_MODULES`` (every module exists) and
+    ``STAPO_SECRETS_FILE`` (the recipe's patches load it on import). Imports nothing of verl."""
+    environ = os.environ if environ is None else environ
+    found: list[Problem] = []
+    modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
+    problem = external_modules_problem(modules) if modules else None
+    if problem:
+        found.append(Problem("VERL_USE_EXTERNAL_MODULES", problem, "install the missing module (pip install -e .) "
+                             "or drop it from the list (verl_patches is added by the driver)", modules))
+    secrets = environ.get("STAPO_SECRETS_FILE", "").strip()
+    if secrets:
+        try:
+            reader = _load_secrets_reader()
+            if reader is not None:
+                reader(secrets)
+        except (ValueError, OSError) as e:
+            found.append(Problem("STAPO_SECRETS_FILE", f"{e} (every verl process loads it when it imports the "
+                                 "recipe's patches)", "point it to a NAME=value file only you can read (chmod 600), or "
+                                 "unset it", secrets))
     return found
 
 
@@ -350,6 +442,12 @@ def _reward_workers(raw: str) -> int:
     return workers_from_env({WORKERS_ENV: raw})
 
 
+def _external_modules(raw: str) -> None:
+    problem = external_modules_problem(raw)
+    if problem:
+        raise ValueError(f"VERL_USE_EXTERNAL_MODULES={raw!r} {problem}")
+
+
 def _cpu_threads(raw: str) -> int:
     text = raw.strip()
     if text and not (text.isascii() and text.isdigit() and int(text) >= 1):
@@ -368,13 +466,13 @@ def _secrets_file(raw: str) -> dict:
 def _metrics_file(raw: str) -> None:
     path = Path(raw)
     if path.is_dir():
-        raise ValueError(f"VERL_FILE_LOGGER_PATH={raw}: is a folder; verl's file logger writes a file (e.g. "
+        raise ValueError(f"the metrics file {raw} is a folder; verl's file logger writes a file (e.g. "
                          f"{path / 'metrics.jsonl'})")
     if path.exists() and not os.access(path, os.W_OK):
-        raise ValueError(f"VERL_FILE_LOGGER_PATH={raw}: this user cannot write the file")
+        raise ValueError(f"the metrics file {raw}: this user cannot write it")
     reason = probe_writable(path.parent)
     if reason:
-        raise ValueError(f"VERL_FILE_LOGGER_PATH={raw}: its folder cannot be written ({reason})")
+        raise ValueError(f"the metrics file {raw}: its folder cannot be written ({reason})")
 
 
 def _on_cpu(seen: Callable[[str], Optional[str]]) -> bool:
@@ -394,7 +492,16 @@ RUN_ENV_CHECKS: tuple[EnvCheck, ...] = (
              "point it to a NAME=value file only you can read (chmod 600), or unset it"),
     EnvCheck("STAPO_CPU_THREADS", "every process of a CPU run (VERL_PLATFORM=cpu)", _cpu_threads,
              "set it to a whole number >= 1, e.g. 1, or unset it", applies=_on_cpu),
+    EnvCheck("VERL_USE_EXTERNAL_MODULES", "every verl process, when it imports verl", _external_modules,
+             "install the missing module (pip install -e .) or drop it from the list"),
 )
+#: variables the config sets for every worker from its own keys (``ray_kwargs.ray_init.runtime_env.
+#: env_vars``), so that a value exported in the launching shell is never read: name -> config key
+CONFIG_OWNED_ENV = {"STAPO_TOKEN_DUMP_DIR": "recipe.token_dump.dir",
+                    "STAPO_TOKEN_DUMP_RESPONSES": "recipe.token_dump.responses",
+                    "STAPO_TOKEN_DUMP_CONTEXT": "recipe.token_dump.context",
+                    "STAPO_TOKEN_DUMP_IDS": "recipe.token_dump.ids",
+                    "STAPO_TOKEN_DUMP_METHOD": "recipe.method"}
 
 
 def seen_by_workers(config: DictConfig, environ: Mapping[str, str]) -> Callable[[str], Optional[str]]:
@@ -432,16 +539,39 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
             env_check.read(raw)
         except (ValueError, OSError) as e:
             found.append(Problem(_origin(config, env_check.name), f"{e} (read by {env_check.who})", env_check.fix, raw))
-    loggers = OmegaConf.select(config, "trainer.logger", default=None)
-    names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
-    metrics = seen("VERL_FILE_LOGGER_PATH")
+    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+    for name, key in CONFIG_OWNED_ENV.items():
+        exported = environ.get(name)
+        if name in given and exported is not None and exported != seen(name):
+            found.append(Problem(name, f"is exported as {exported!r}, but every worker reads {seen(name)!r}: the "
+                                 f"config sets it from {key} (ray_kwargs.ray_init.runtime_env.env_vars), so the exported "
+                                 "value is never read", f"set {key} instead, and unset {name}", exported))
+    metrics, variable = metrics_file_of(config, seen)
     submit = environ.get("LAUNCH", "") == "submit"
-    if "file" in names and metrics and "://" not in metrics and not (submit and not Path(metrics).parent.exists()):
+    if metrics and "://" not in metrics and not (submit and not Path(metrics).parent.exists()):
         try:
             _metrics_file(metrics)
         except ValueError as e:
-            found.append(Problem(_origin(config, "VERL_FILE_LOGGER_PATH"), f"{e} (verl's file logger opens it in the "
-                                 "trainer, after Ray starts)", "point VERL_FILE_LOGGER_PATH to a file in a writable "
-                                 "folder, or unset it (the metrics then go to <trainer.default_local_dir>/metrics.jsonl)",
-                                 metrics))
+            found.append(Problem(_origin(config, variable), f"{e} (verl's file logger opens it in the trainer, after Ray "
+                                 "starts)", f"point {variable} to a writable place, or unset it (the metrics then go to "
+                                 "<trainer.default_local_dir>/metrics.jsonl)", seen(variable)))
     return found
+
+
+def metrics_file_of(config: DictConfig, seen: Callable[[str], Optional[str]]) -> tuple[Optional[str], str]:
+    """``(path, variable)``: the metrics file verl's file logger will write with the ``file`` logger
+    (``VERL_FILE_LOGGER_PATH``, else ``VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``, as the
+    workers see them), and the variable that names it; ``(None, "")`` without the ``file`` logger or
+    either variable."""
+    loggers = OmegaConf.select(config, "trainer.logger", default=None)
+    names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
+    if "file" not in names:
+        return None, ""
+    if seen("VERL_FILE_LOGGER_PATH"):
+        return seen("VERL_FILE_LOGGER_PATH"), "VERL_FILE_LOGGER_PATH"
+    root = seen("VERL_FILE_LOGGER_ROOT")
+    if not root:
+        return None, ""
+    project = OmegaConf.select(config, "trainer.project_name", default="")
+    experiment = OmegaConf.select(config, "trainer.experiment_name", default="")
+    return os.path.join(os.path.expanduser(root), str(project), f"{experiment}.jsonl"), "VERL_FILE_LOGGER_ROOT"
