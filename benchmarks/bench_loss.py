@@ -214,7 +214,7 @@ def make_inputs(batch: int, resp_len: int, *, vocab: int, d: int, prompt_len: in
     (default [0.5, 8]: entropies from ~1 nat to ~ln V, and S2T candidates, p < 0.002, at about
     half the positions: a stress case; [8, 16]: entropies ~0.5-1.5 nats, candidates ~1%);
     tokens sampled from the model; ``old_log_probs`` =
-    the sampled log-probs + N(0, 0.02^2) (policy drift); rollout entropy = the model's entropy."""
+    the sampled log-probs + N(0, 0.02^2) (policy drift), at most 0; rollout entropy = the model's entropy."""
     if prompt_len < 1:
         raise ValueError(f"--prompt-len={prompt_len}: verl needs at least one prompt token per sequence")
     g = torch.Generator(device="cpu").manual_seed(seed)
@@ -237,7 +237,8 @@ def make_inputs(batch: int, resp_len: int, *, vocab: int, d: int, prompt_len: in
     }
     fields = {k: v.to(device) for k, v in fields.items()}
     old = _flat_to_padded(log_probs, fields)
-    fields["old_log_probs"] = old + 0.02 * torch.randn(old.shape, generator=g).to(device)
+    # a log-probability of the drifted policy is still <= 0 (stapo_core refuses one above it)
+    fields["old_log_probs"] = (old + 0.02 * torch.randn(old.shape, generator=g).to(device)).clamp(max=0.0)
     signs = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(batch)], device=device)
     fields["advantages"] = signs[:, None].expand(batch, resp_len).contiguous()
     fields["entropy"] = _flat_to_padded(entropy, fields)

@@ -68,3 +68,37 @@ def raise_if_nonfinite(func: str, counts: dict) -> None:
     if bad:
         listing = ", ".join(f"{name} ({n} value(s))" for name, n in bad.items())
         raise ValueError(f"{func}: non-finite values inside response_mask in {listing}")
+
+
+def rounding_tolerance(dtype: torch.dtype) -> float:
+    """How far float rounding alone can put a log-probability above 0 or an entropy below 0, for values
+    of ``dtype``: 1e-3, or 16 machine epsilons of a coarser type (bfloat16: 0.125, float16: 0.0156).
+    A value beyond it is not rounding but the wrong quantity (probabilities for log-probabilities,
+    a negated entropy)."""
+    return max(1e-3, 16 * torch.finfo(dtype).eps)
+
+
+def raise_if_not_log_probs(func: str, positive: int, negative: int, above_one: int, tolerance: float) -> None:
+    """ValueError when ``log_prob`` holds values above ``tolerance`` inside the response mask
+    (``positive`` of them; ``negative``: values < 0; ``above_one``: values > 1 + ``tolerance``): a
+    log-probability is <= 0. Values in [0, 1] with none negative are the probability mistake, named as
+    such (S2T would find no candidate, p = exp(p) >= 1 > tau_p, and silence nothing)."""
+    if not positive:
+        return
+    if not negative and not above_one:
+        reason = ("every value lies in [0, 1] and none is negative: these are probabilities p, not log p (S2T's "
+                  "test exp(log_prob) < tau_p would find no candidate); pass their log, torch.log(p), or the "
+                  "log-probabilities themselves")
+    else:
+        reason = ("a log-probability is <= 0; pass log pi(y_t), the log-softmax of the logits at the sampled "
+                  "tokens")
+    raise ValueError(f"{func}: log_prob has {positive} value(s) above {tolerance:g} inside response_mask: {reason}")
+
+
+def raise_if_negative_entropy(func: str, negative: int, tolerance: float) -> None:
+    """ValueError when ``entropy`` holds ``negative`` values below ``-tolerance`` inside the response
+    mask: an entropy is >= 0, beyond float rounding."""
+    if negative:
+        raise ValueError(f"{func}: entropy has {negative} value(s) below -{tolerance:g} inside response_mask: an "
+                         "entropy H = -sum_v p_v log p_v is >= 0 (beyond float rounding); pass the entropy of each "
+                         "position's next-token distribution in nats, not its negative or a log-probability")

@@ -11,7 +11,7 @@ import math
 import torch
 
 from .distributed import exchange_counts, gather_padded, group_rank
-from .checks import check_fraction, check_token_tensors, raise_if_nonfinite
+from .checks import check_fraction, check_token_tensors, raise_if_negative_entropy, raise_if_nonfinite, rounding_tolerance
 
 
 #: how k is rounded from ratio * N: ``ceil`` (exact ceiling), ``authors_code`` (20-Entropy's code)
@@ -36,9 +36,9 @@ def top_count(num_tokens: int, ratio: float, rounding: str = "ceil") -> int:
     return min(num_tokens, math.ceil(round(ratio * num_tokens, 9)))
 
 
-def _host_token_counts(mask: torch.Tensor, entropy: torch.Tensor, group) -> list:
-    """``[[tokens, nonfinite_entropy] per rank]`` on the host (one sync)."""
-    counts = torch.stack([mask.sum(), (mask & ~torch.isfinite(entropy)).sum()])
+def _host_token_counts(mask: torch.Tensor, entropy: torch.Tensor, group, tolerance: float) -> list:
+    """``[[tokens, nonfinite_entropy, entropy below -tolerance] per rank]`` on the host (one sync)."""
+    counts = torch.stack([mask.sum(), (mask & ~torch.isfinite(entropy)).sum(), (mask & (entropy < -tolerance)).sum()])
     if group is None:
         return [counts.tolist()]
     return exchange_counts(counts, group).tolist()
@@ -85,8 +85,9 @@ def entropy_topk_selection(
         (``+inf`` when k is 0).
 
     Raises:
-        ValueError: bad ``ratio`` or ``rounding``, shape mismatch, non-finite entropy inside ``response_mask``
-            (raised on every rank of ``group`` alike).
+        ValueError: bad ``ratio`` or ``rounding``, shape mismatch, non-finite entropy or entropy below 0
+            beyond float rounding (:func:`~stapo_core.checks.rounding_tolerance`) inside
+            ``response_mask`` (raised on every rank of ``group`` alike).
 
     One host sync (the token counts); with ``group`` one all-gather of counts and one of the
     response entropies (padded to the largest rank's count).
@@ -97,8 +98,10 @@ def entropy_topk_selection(
     check_token_tensors("entropy_topk_mask", response_mask, entropy=entropy)
     ent = entropy.detach().float()
     mask = response_mask != 0
-    per_rank = _host_token_counts(mask, ent, group)
+    tolerance = rounding_tolerance(entropy.dtype)
+    per_rank = _host_token_counts(mask, ent, group, tolerance)
     raise_if_nonfinite("entropy_topk_mask", {"entropy": sum(r[1] for r in per_rank)})
+    raise_if_negative_entropy("entropy_topk_mask", sum(r[2] for r in per_rank), tolerance)
     k = top_count(sum(r[0] for r in per_rank), ratio, rounding)
     if k == 0:
         return torch.zeros_like(ent), torch.full((), math.inf, device=ent.device)

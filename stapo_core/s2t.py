@@ -24,7 +24,8 @@ from typing import Optional
 
 import torch
 
-from .checks import check_fraction, check_token_tensors, raise_if_nonfinite, token_advantages
+from .checks import (check_fraction, check_token_tensors, raise_if_negative_entropy, raise_if_nonfinite,
+                     raise_if_not_log_probs, rounding_tolerance, token_advantages)
 from .distributed import all_reduce_sum, exchange_counts, gather_padded
 
 #: S2T strategies: the paper's method and its three ablations
@@ -43,6 +44,10 @@ _STAT_SUMS = (
     "nonfinite_log_prob",
     "nonfinite_entropy",
     "nonfinite_advantages",
+    "log_prob_positive",
+    "log_prob_negative",
+    "log_prob_above_one",
+    "entropy_negative",
 )
 
 
@@ -154,8 +159,9 @@ def _silence(strategy, entropy, candidate, q, generator, group):
     return candidate.clone(), nan  # full: every candidate
 
 
-def _stats_vector(mask, log_prob, entropy, advantages, candidate, silenced) -> torch.Tensor:
-    """float64 ``(len(_STAT_SUMS),)``: the summable statistics, in ``_STAT_SUMS`` order."""
+def _stats_vector(mask, log_prob, entropy, advantages, candidate, silenced, lp_tol, h_tol) -> torch.Tensor:
+    """float64 ``(len(_STAT_SUMS),)``: the summable statistics, in ``_STAT_SUMS`` order (the counts of
+    impossible values among them: log-probabilities above ``lp_tol``, entropies below ``-h_tol``)."""
     zero = torch.zeros((), dtype=torch.float64, device=mask.device)
     kept_candidate = candidate & ~silenced
     return torch.stack(
@@ -168,14 +174,21 @@ def _stats_vector(mask, log_prob, entropy, advantages, candidate, silenced) -> t
             (mask & ~torch.isfinite(log_prob)).sum().double(),
             (mask & ~torch.isfinite(entropy)).sum().double(),
             (mask & ~torch.isfinite(advantages)).sum().double(),
+            (mask & (log_prob > lp_tol)).sum().double(),
+            (mask & (log_prob < 0)).sum().double(),
+            (mask & (log_prob > 1.0 + lp_tol)).sum().double(),
+            (mask & (entropy < -h_tol)).sum().double(),
         ]
     )
 
 
-def _stats_dict(values: list) -> dict:
+def _stats_dict(values: list, lp_tol: float, h_tol: float) -> dict:
     """``values``: ``_STAT_SUMS`` then ``tau_h``, on the host."""
     v = dict(zip(_STAT_SUMS + ("tau_h",), values))
     raise_if_nonfinite("s2t_mask", {k: v["nonfinite_" + k] for k in ("log_prob", "entropy", "advantages")})
+    raise_if_not_log_probs("s2t_mask", int(v["log_prob_positive"]), int(v["log_prob_negative"]),
+                           int(v["log_prob_above_one"]), lp_tol)
+    raise_if_negative_entropy("s2t_mask", int(v["entropy_negative"]), h_tol)
     candidates, silenced, tokens = int(v["candidates"]), int(v["silenced"]), int(v["tokens"])
     kept_candidates = candidates - silenced
     return {
@@ -202,11 +215,20 @@ def s2t_candidates(
         log_prob: ``(batch, resp_len)`` float log pi(y_t). advantages: ``(batch, resp_len)`` or
             ``(batch,)``. response_mask: ``(batch, resp_len)``, nonzero marks response tokens.
         tau_p: probability threshold in (0, 1).
+
+    Raises:
+        ValueError: as :func:`s2t_mask` for ``tau_p``, shapes and a ``log_prob`` above 0 (one host
+            read of three counts).
     """
     tau_p = check_fraction("tau_p", tau_p)
     check_token_tensors("s2t_candidates", response_mask, log_prob=log_prob)
     adv = token_advantages("s2t_candidates", advantages, response_mask).detach().float()
-    return (response_mask != 0) & (adv > 0) & (torch.exp(log_prob.detach().float()) < tau_p)
+    lp, mask = log_prob.detach().float(), response_mask != 0
+    tolerance = rounding_tolerance(log_prob.dtype)
+    positive, negative, above_one = torch.stack(
+        [(mask & (lp > tolerance)).sum(), (mask & (lp < 0)).sum(), (mask & (lp > 1.0 + tolerance)).sum()]).tolist()
+    raise_if_not_log_probs("s2t_candidates", positive, negative, above_one, tolerance)
+    return mask & (adv > 0) & (torch.exp(lp) < tau_p)
 
 
 def s2t_mask(
@@ -252,8 +274,11 @@ def s2t_mask(
 
     Raises:
         ValueError: bad ``tau_p``, ``q`` or ``strategy``; shape or device mismatch; non-finite
-            ``log_prob``, ``entropy`` or ``advantages`` inside ``response_mask`` (detected with the
-            final stats read, on every rank of ``group`` alike).
+            ``log_prob``, ``entropy`` or ``advantages`` inside ``response_mask``; a ``log_prob``
+            above 0 or an ``entropy`` below 0 beyond float rounding
+            (:func:`~stapo_core.checks.rounding_tolerance`: 1e-3 in float32), with probabilities
+            passed as log-probabilities named as such (all detected with the final stats read, on
+            every rank of ``group`` alike).
     """
     tau_p = check_fraction("tau_p", tau_p)
     q = check_fraction("q", q)
@@ -268,9 +293,10 @@ def s2t_mask(
     silenced, tau_h = _silence(strategy, ent, candidate, q, generator, group)
     keep = (mask & ~silenced).float()  # M_{i,t}
 
-    sums = all_reduce_sum(_stats_vector(mask, lp, ent, adv, candidate, silenced), group)
+    lp_tol, h_tol = rounding_tolerance(log_prob.dtype), rounding_tolerance(entropy.dtype)
+    sums = all_reduce_sum(_stats_vector(mask, lp, ent, adv, candidate, silenced, lp_tol, h_tol), group)
     values = torch.cat([sums, tau_h.double().reshape(1)]).tolist()  # the one host sync
-    return S2TResult(keep=keep, candidate=candidate, stats=_stats_dict(values))
+    return S2TResult(keep=keep, candidate=candidate, stats=_stats_dict(values, lp_tol, h_tol))
 
 
 def s2t_keep_at(log_prob: torch.Tensor, entropy: torch.Tensor, advantages: torch.Tensor,

@@ -345,9 +345,10 @@ PATCHES: tuple[Patch, ...] = (
         name="resumable_file_logger",
         target="verl.utils.tracking:FileLogger",
         wrapper="verl_patches.resume:wrap_file_logger",
-        changes="the metrics file is kept on open; the first step a process logs drops the later steps of "
-                "earlier launches, a step logged again is merged into its record: every step appears once; an "
-                "unreadable line is moved to <file>.unreadable; a second writer of the file is refused",
+        changes="the metrics file is kept on open; the first step a process logs ends the earlier launches' "
+                "history there (the records it replaces are copied to <file>.superseded.<n> first), a step logged "
+                "again is merged into its record: every step appears once; an unreadable line is moved to "
+                "<file>.unreadable; a second writer of the file, under any name, is refused",
         why="verl's FileLogger opens its file with 'wb', so a relaunch (the way to resume) wipes every earlier step",
         relies_on="Tracking building FileLogger(project_name, experiment_name) by its module-level name; the path "
                   "rule VERL_FILE_LOGGER_PATH, else VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl",

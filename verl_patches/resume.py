@@ -5,14 +5,20 @@ checkpoint). Two things of verl's would lose or keep too much across launches:
 
 - verl's file logger opens its file with ``"wb"``: a relaunch wipes every step logged before.
   :func:`wrap_file_logger` replaces it by a logger that keeps the file and writes each step once:
-  the first step a process logs, ``s``, drops the records the earlier launch wrote after ``s``
-  (steps it trained past its last checkpoint, which the relaunch trains again); a step logged again
-  (the validation a relaunch runs at its resume step, or two calls for one step) is merged into
-  that step's record, the new values winning. A line that is not a step record (one cut by a killed
-  process, a garbage line anywhere) is moved to ``<file>.unreadable`` with a warning naming its
-  line; the records after it are kept. One process writes a file at a time: a second logger of the
-  same file (another launch into the same folder) stops at its start, naming the file and the
-  writer's pid.
+  the first step a process logs, ``s``, ends the earlier launches' history at ``s``: their records
+  after ``s`` (steps trained past the last checkpoint, which the relaunch trains again; or a whole
+  earlier run, when the relaunch found no checkpoint and starts at step 0 or 1) leave the file; a
+  step logged again (the validation a relaunch runs at its resume step, or two calls for one step)
+  is merged into that step's record, the new values winning. Nothing of an earlier launch is
+  deleted: the records a relaunch replaces (the later steps, and step ``s``'s record when a new
+  value overwrites one of its values) are first copied to ``<file>.superseded.<n>`` (``n`` = 1, 2,
+  ... one file per relaunch that replaced something), with a warning naming the steps and the copy.
+  A line that is not a step record (a last line cut by a killed process, a line that is not JSON,
+  JSON that is not a ``{"step": <int>, ...}`` object) is moved to ``<file>.unreadable`` with a
+  warning naming its line and what it is; the records after it are kept (a record holding
+  ``NaN`` / ``Infinity``, as Python's json writes them, is a record). One process writes a file at
+  a time: a second logger of the same file (another launch into the same folder, also through a
+  symbolic or hard link of another name) stops at its start, naming the file and the writer's pid.
 - verl's checkpoint manager prunes (``trainer.max_actor_ckpt_to_keep``) only the checkpoints its
   own process saved, so those of earlier launches are never removed.
   :func:`wrap_checkpoint_save` counts them: before a manager's first save, the
@@ -25,6 +31,7 @@ checkpoint). Two things of verl's would lose or keep too much across launches:
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import sys
@@ -54,11 +61,39 @@ def file_logger_path(project_name: str, experiment_name: str, environ=os.environ
     return os.path.join(root, project_name, f"{experiment_name}.jsonl")
 
 
-def scan_step_lines(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes]]]:
+def _parse_line(line: bytes) -> Any:
+    """A JSON value of one line: orjson's reading, or Python's json where orjson refuses what Python
+    writes (``NaN``, ``Infinity``); raises ``ValueError`` for a line that is not JSON."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        return json.loads(line)  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+
+
+def _is_step(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def record_data(obj: dict) -> dict:
+    """The metrics of a step record: its ``data`` object (verl's lines), or every key but ``step``
+    (the flat ``{"step": s, "<metric>": v}`` lines :mod:`recipe.stapo.metrics` reads too)."""
+    data = obj.get("data")
+    return data if isinstance(data, dict) else {k: v for k, v in obj.items() if k != "step"}
+
+
+#: what a line that is not a step record is, as the warnings say it
+CUT_LINE = "a last line without its newline, cut by a killed process"
+NOT_JSON = "not JSON"
+NOT_A_RECORD = 'JSON, but not a {"step": <int>, "data": {...}} record'
+
+
+def scan_step_lines(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes, str]]]:
     """``(records, unreadable)`` of a metrics file (both ``[]`` if it is absent): ``(step, line)`` of
-    each ``{"step": <int>, ...}`` JSON object line, and ``(line_number, line)`` (1-based) of every
-    other line, in file order. A bad line anywhere (a last line cut by a killed process, a garbage
-    line in the middle) is listed on its own: the records after it are still read."""
+    each ``{"step": <int>, ...}`` JSON object line (a record holding ``NaN`` / ``Infinity`` included;
+    a complete last record without its newline gets one), and ``(line_number, line, what)``
+    (1-based; ``what``: :data:`CUT_LINE`, :data:`NOT_JSON` or :data:`NOT_A_RECORD`) of every other
+    non-blank line, in file order. A bad line anywhere is listed on its own: the records after it are
+    still read."""
     try:
         with open(path, "rb") as handle:
             raw = handle.read()
@@ -66,16 +101,17 @@ def scan_step_lines(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], l
         return [], []
     records, unreadable = [], []
     for number, line in enumerate(raw.splitlines(keepends=True), start=1):
-        try:
-            obj = orjson.loads(line) if line.endswith(b"\n") else None
-        except orjson.JSONDecodeError:
-            obj = None
-        step = obj.get("step") if isinstance(obj, dict) else None
-        if not isinstance(step, int) or isinstance(step, bool):
-            if line.strip():
-                unreadable.append((number, line))
+        if not line.strip():
             continue
-        records.append((step, line))
+        try:
+            obj = _parse_line(line)
+        except ValueError:
+            unreadable.append((number, line, NOT_JSON if line.endswith(b"\n") else CUT_LINE))
+            continue
+        if not isinstance(obj, dict) or not _is_step(obj.get("step")):
+            unreadable.append((number, line, NOT_A_RECORD))
+            continue
+        records.append((obj["step"], line if line.endswith(b"\n") else line + b"\n"))
     return records, unreadable
 
 
@@ -89,21 +125,115 @@ def unreadable_lines_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".unreadable")
 
 
-def writer_lock_path(path: str | os.PathLike) -> Path:
-    """The lock file a writer of ``path`` holds (it holds the writer's pid)."""
+def superseded_copy_path(path: str | os.PathLike) -> Path:
+    """Where a relaunch copies the records it replaces: ``<file>.superseded.<n>``, the first ``n``
+    (1, 2, ...) not taken."""
     path = Path(path)
-    return path.with_name(f".{path.name}.writer")
+    n = 1
+    while path.with_name(f"{path.name}.superseded.{n}").exists():
+        n += 1
+    return path.with_name(f"{path.name}.superseded.{n}")
+
+
+def step_ranges(steps: list[int]) -> str:
+    """``[1, 2, 3, 5, 7, 8]`` -> ``"1-3, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for step in sorted(set(steps)):
+        if runs and step == runs[-1][1] + 1:
+            runs[-1][1] = step
+        else:
+            runs.append([step, step])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def real_metrics_path(path: str | os.PathLike) -> Path:
+    """The file a metrics path names: absolute, every symbolic link (of the file or a folder above
+    it) resolved, so that two names of one file are one file to the writer lock."""
+    return Path(os.path.realpath(path))
+
+
+def writer_lock_path(path: str | os.PathLike) -> Path:
+    """The lock file a writer of ``path`` holds (it holds the writer's pid), beside the real file."""
+    real = real_metrics_path(path)
+    return real.with_name(f".{real.name}.writer")
 
 
 class MetricsFileBusy(RuntimeError):
     """Another process is writing the metrics file (its two writers would lose records)."""
 
 
-def claim_metrics_file(path: str | os.PathLike) -> int:
-    """Take the one-writer lock of ``path``; returns its file descriptor (closing it releases the
-    lock; so does the process's end, however it ends). ``MetricsFileBusy`` when another process (or
-    another open logger of this one) holds it."""
-    lock = writer_lock_path(path)
+def _busy(path: str | os.PathLike, holder: str) -> MetricsFileBusy:
+    return MetricsFileBusy(
+        f"{path}: another process (pid {holder}) is writing this metrics file; two writers would lose each "
+        f"other's records. Wait for it to end (or stop it), or give this run its own trainer.default_local_dir "
+        f"/ experiment name"
+    )
+
+
+def _flock_holder(fd: int) -> str:
+    """The pid holding a ``flock`` on the file of ``fd`` (from ``/proc/locks``; ``?`` if not found)."""
+    st = os.fstat(fd)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            for line in locks:
+                fields = line.split()
+                if "FLOCK" in fields and inode in fields:
+                    return fields[fields.index(inode) - 1]
+    except OSError:
+        pass
+    return "?"
+
+
+def _lock_file_inode(path: Path, shown: str | os.PathLike) -> Optional[int]:
+    """An fd holding a ``flock`` on the metrics file itself (its inode: a hard link of another name,
+    with a lock file of its own, is the same inode), None when there is no file yet."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _flock_holder(fd)
+        os.close(fd)
+        raise _busy(shown, holder) from None
+    return fd
+
+
+def _inode(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+class MetricsFileClaim:
+    """The one-writer lock of a metrics file: the lock file of its real path (holding the writer's
+    pid) and a ``flock`` on the file's inode; :meth:`close` (or the process's end, however it ends)
+    releases both."""
+
+    def __init__(self, lock_fd: int, file_fd: Optional[int]):
+        self._fds = [fd for fd in (lock_fd, file_fd) if fd is not None]
+        self._inodes = {_inode(file_fd)} if file_fd is not None else set()
+
+    def hold(self, fd: int) -> None:
+        """Also lock the file open as ``fd`` (the file a rewrite put in place of the claimed one, or
+        the one the first record created), unless it is the inode already locked."""
+        if _inode(fd) not in self._inodes:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self._inodes.add(_inode(fd))
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []
+
+
+def claim_metrics_file(path: str | os.PathLike) -> MetricsFileClaim:
+    """Take the one-writer lock of ``path`` (:class:`MetricsFileClaim`). ``MetricsFileBusy`` when
+    another process (or another open logger of this one) holds it, under this name or another
+    (a symbolic or hard link)."""
+    real = real_metrics_path(path)
+    lock = writer_lock_path(real)
     lock.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
@@ -111,28 +241,57 @@ def claim_metrics_file(path: str | os.PathLike) -> int:
     except BlockingIOError:
         holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "?"
         os.close(fd)
-        raise MetricsFileBusy(
-            f"{path}: another process (pid {holder}) is writing this metrics file; two writers would lose each "
-            f"other's records. Wait for it to end (or stop it), or give this run its own trainer.default_local_dir "
-            f"/ experiment name"
-        ) from None
+        raise _busy(path, holder) from None
+    try:
+        file_fd = _lock_file_inode(real, path)
+    except BaseException:
+        os.close(fd)
+        raise
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-    return fd
+    return MetricsFileClaim(fd, file_fd)
+
+
+def check_no_writer(path: str | os.PathLike) -> None:
+    """``MetricsFileBusy`` when a process holds the writer lock of ``path`` (its lock file or the
+    file's inode); creates nothing (the preflight's check)."""
+    real = real_metrics_path(path)
+    lock = writer_lock_path(real)
+    if lock.is_file():
+        fd = os.open(lock, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(path, os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "?") from None
+        finally:
+            os.close(fd)
+    file_fd = _lock_file_inode(real, path)
+    if file_fd is not None:
+        os.close(file_fd)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Two metric values are one value as the file writes them (NaN, infinity and ``null`` alike)."""
+    try:
+        return orjson.dumps(a, option=orjson.OPT_SERIALIZE_NUMPY) == orjson.dumps(b, option=orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError:
+        return False
 
 
 class ResumableFileLog:
     """A metrics file of ``{"step": s, "data": {...}}`` lines in which every step appears once (the
     module docstring's rules). Opening keeps the file as it is: nothing is lost if the process dies
-    before its first step."""
+    before its first step. ``path`` is followed to the real file (a rewrite replaces the file a
+    link points to, not the link)."""
 
     def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+        self.path = real_metrics_path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: Optional[int] = claim_metrics_file(self.path)
+        self._claim: Optional[MetricsFileClaim] = claim_metrics_file(path)
         self._records, self._unreadable = scan_step_lines(self.path)
         self._first = True
         self._last: Optional[tuple[int, dict, int]] = None  # step, data, byte offset of its line
+        self._inherited: Optional[bytes] = None  # the earlier launch's line of step _last[0], not yet copied
         self.fp = None
 
     def _rewrite(self, lines: list[bytes]) -> None:
@@ -145,30 +304,56 @@ class ResumableFileLog:
         atomic_write(self.path, write)
 
     def _start(self, step: int) -> None:
-        """First record of this process: keep the earlier records up to ``step``, open for appending."""
+        """First record of this process: keep the earlier records up to ``step`` (those after it
+        copied aside first), open for appending."""
         kept = [(s, line) for s, line in self._records if s <= step]
+        later = [(s, line) for s, line in self._records if s > step]
         on_disk = self.path.stat().st_size if self.path.exists() else 0
         if self._unreadable:
             self._quarantine()
+        inherited = kept[-1][1] if kept and kept[-1][0] == step else None
+        self._inherited = inherited
+        if later:
+            self._supersede(step, ([(step, inherited)] if inherited is not None else []) + later)
+            self._inherited = None
         if len(kept) != len(self._records) or sum(len(line) for _, line in kept) != on_disk:
             self._rewrite([line for _, line in kept])
         self.fp = open(self.path, "ab", buffering=0)
-        if kept and kept[-1][0] == step:
+        self._claim.hold(self.fp.fileno())
+        if inherited is not None:
             offset = sum(len(line) for _, line in kept[:-1])
-            self._last = (step, orjson.loads(kept[-1][1])["data"], offset)
+            self._last = (step, record_data(_parse_line(inherited)), offset)
         self._records = []
+
+    def _supersede(self, step: int, records: list[tuple[int, bytes]]) -> None:
+        """Copy the earlier launch's ``records`` that this launch replaces to
+        :func:`superseded_copy_path` (before the file changes, so a kill in between loses nothing)
+        and say so."""
+        target = superseded_copy_path(self.path)
+        with open(target, "xb") as handle:
+            handle.writelines(line for _, line in records)
+            handle.flush()
+            os.fsync(handle.fileno())
+        print(f"WARNING: {self.path}: this launch logs step {step} first, so it replaces what an earlier launch "
+              f"logged for step(s) {step_ranges([s for s, _ in records])}; those records are copied to {target}. "
+              f"A launch resumes at its checkpoint's step, or at step 0 when it loads none (trainer.resume_mode="
+              f"disable, another trainer.default_local_dir / CKPT_DIR, deleted checkpoints): to continue the earlier "
+              f"run, relaunch with its checkpoints (resume_mode=auto, the same default_local_dir)", file=sys.stderr)
 
     def _quarantine(self) -> None:
         """Append the unreadable lines to :func:`unreadable_lines_path` (before the file is rewritten
-        without them, so a kill in between loses nothing) and say so."""
+        without them, so a kill in between loses nothing) and say what each is."""
         target = unreadable_lines_path(self.path)
         with open(target, "ab") as handle:
-            handle.writelines(line if line.endswith(b"\n") else line + b"\n" for _, line in self._unreadable)
+            handle.writelines(line if line.endswith(b"\n") else line + b"\n" for _, line, _ in self._unreadable)
             handle.flush()
             os.fsync(handle.fileno())
-        numbers = ", ".join(str(n) for n, _ in self._unreadable[:10]) + (" ..." if len(self._unreadable) > 10 else "")
-        print(f"WARNING: {self.path}: line(s) {numbers} not a step record (a garbage line, or one cut by a killed "
-              f"process); moved to {target}, every readable step kept", file=sys.stderr)
+        by_kind: dict[str, list[int]] = {}
+        for number, _, what in self._unreadable:
+            by_kind.setdefault(what, []).append(number)
+        listed = "; ".join(f"line(s) {', '.join(map(str, numbers[:10]))}{' ...' if len(numbers) > 10 else ''} not a "
+                           f"step record ({what})" for what, numbers in by_kind.items())
+        print(f"WARNING: {self.path}: {listed}; moved to {target}, every readable step kept", file=sys.stderr)
         self._unreadable = []
 
     def log(self, data: dict, step: int) -> None:
@@ -176,10 +361,15 @@ class ResumableFileLog:
             self._start(step)
             self._first = False
         if self._last is not None and self._last[0] == step:
-            data = {**self._last[1], **data}
+            old = self._last[1]
+            if self._inherited is not None and any(k in old and not _same_value(old[k], v) for k, v in data.items()):
+                self._supersede(step, [(step, self._inherited)])
+                self._inherited = None
+            data = {**old, **data}
             offset = self._last[2]
             self.fp.truncate(offset)
         else:
+            self._inherited = None
             offset = self.fp.seek(0, os.SEEK_END)
         self.fp.write(orjson.dumps({"step": step, "data": data}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
         self._last = (step, data, offset)
@@ -188,9 +378,9 @@ class ResumableFileLog:
         if self.fp is not None:
             self.fp.close()
             self.fp = None
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
 
 
 def wrap_file_logger(original: type) -> type:

@@ -20,24 +20,44 @@ import zmq
 TIMEOUT_ENV = "STAPO_WEIGHT_SYNC_TIMEOUT_S"
 #: default wait: far above one bucket's load time (seconds at 2 GB), far below a silent hang
 DEFAULT_TIMEOUT_S = 600.0
+#: the shortest wait: a bucket of weights takes seconds to load, so a shorter one fails every sync (and
+#: below 1 ms ZeroMQ's millisecond count is 0: a socket that never waits)
+MIN_TIMEOUT_S = 1.0
+#: the longest wait ZeroMQ takes: its socket timeouts are a signed 32-bit count of milliseconds (24.8 days)
+MAX_TIMEOUT_S = (2**31 - 1) // 1000
 
 
 class WeightSyncTimeout(RuntimeError):
     """The rollout server's weight receiver did not answer in time."""
 
 
-def timeout_s() -> float:
-    """The wait in seconds (``$STAPO_WEIGHT_SYNC_TIMEOUT_S``, a positive number)."""
-    raw = os.environ.get(TIMEOUT_ENV, "").strip()
-    if not raw:
+def parse_timeout(raw: str) -> float:
+    """The wait in seconds a value of ``$STAPO_WEIGHT_SYNC_TIMEOUT_S`` holds (empty: the default).
+
+    Raises:
+        ValueError: naming the variable, its value and the range [:data:`MIN_TIMEOUT_S`,
+            :data:`MAX_TIMEOUT_S`], for a value that is not a number in it (``inf``, ``1e10``,
+            ``0.0001``, ``soon``).
+    """
+    text = raw.strip()
+    if not text:
         return DEFAULT_TIMEOUT_S
     try:
-        value = float(raw)
+        value = float(text)
     except ValueError:
         value = float("nan")
-    if not value > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected a positive number of seconds")
+    if not MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S:
+        why = ("ZeroMQ's socket wait is a 32-bit count of milliseconds" if value > MAX_TIMEOUT_S else
+               "a bucket of weights takes seconds to load: a shorter wait fails every sync" if value > 0 else
+               "a wait is a positive number of seconds")
+        raise ValueError(f"{TIMEOUT_ENV}={raw!r}: expected seconds in [{MIN_TIMEOUT_S:g}, {MAX_TIMEOUT_S}] ({why}); "
+                         f"set e.g. {TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:g} (the default), or unset it")
     return value
+
+
+def timeout_s() -> float:
+    """The wait in seconds (``$STAPO_WEIGHT_SYNC_TIMEOUT_S``: :func:`parse_timeout`)."""
+    return parse_timeout(os.environ.get(TIMEOUT_ENV, ""))
 
 
 def wrap_init_socket(original: Callable[[Any], None]) -> Callable[[Any], None]:

@@ -52,7 +52,7 @@ MODEL_PATH_KEYS = ("actor_rollout_ref.model.path",)
 #: what ``LAUNCH=submit`` forwards to the Ray job, beyond the names below: the recipe's own variables and
 #: the communication / allocator settings every node's processes must share (NCCL, Gloo, vLLM, CUDA)
 FORWARDED_ENV_PREFIXES = ("STAPO_", "NCCL_", "TORCH_NCCL_", "GLOO_", "VLLM_", "CUDA_")
-FORWARDED_ENV_NAMES = ("VERL_USE_EXTERNAL_MODULES",
+FORWARDED_ENV_NAMES = ("VERL_USE_EXTERNAL_MODULES", "GPU_MEM_GB",
                        "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "TORCH_DISTRIBUTED_DEBUG",
                        "HYDRA_FULL_ERROR", "VERL_LOGGING_LEVEL",
                        "VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR",

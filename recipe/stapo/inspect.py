@@ -31,7 +31,9 @@ from __future__ import annotations
 import argparse
 import html
 import random
+import re
 import sys
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +41,7 @@ from typing import Optional, Sequence
 
 from recipe.stapo.plots import check_out_dir, stopped_message
 from stapo_core.fileio import atomic_write_text
-from stapo_core.token_records import QUADRANTS, read_dump
+from stapo_core.token_records import QUADRANTS, TOKEN_DUMP_DIR, read_dump
 
 QUADRANT_LABELS = {
     "lowp_lowh": "low p, low H (spurious: what STAPO silences)",
@@ -202,27 +204,80 @@ class Report:
     n_tokens: int
     n_responses: int
     skipped: tuple = ()
+    notes: tuple = ()
+
+
+def _read(run_dir: str | Path):
+    """:func:`read_dump`, with a damaged step file named with what to do, and the last lines a cut copy
+    left (read_dump's warnings) listed as skipped: ``(dump, skipped)``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            dump = read_dump(run_dir)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise DamagedDumpError(f"{exc}: a step file that cannot be read (a folder in its place, or its "
+                                   f"permissions); move it out of {TOKEN_DUMP_DIR}/ to inspect the other steps") from None
+        except ValueError as exc:
+            raise DamagedDumpError(f"{exc}. The token dump writes each step file whole, so this one was damaged or "
+                                   f"written by something else (another program, another version of the recipe): "
+                                   f"move it out of {TOKEN_DUMP_DIR}/ to inspect the other steps") from None
+    cut = []
+    for w in caught:
+        path, _, reason = str(w.message).partition(": ")
+        line = re.search(r"truncated last line (\d+)", reason)
+        if line:
+            cut.append((path, f"last line {line.group(1)} cut short (a copy or write that did not finish): left out, "
+                              "the file's other records are read"))
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return dump, list(dump.skipped) + cut
 
 
 def build_report(run_dir: str | Path, top: int = 20, seed: int = 0) -> Report:
-    """Read the dump of ``run_dir`` and aggregate it (FileNotFoundError without a dump)."""
+    """Read the dump of ``run_dir`` and aggregate it (FileNotFoundError without a dump,
+    :class:`DamagedDumpError` for a step file the dump did not write as it is)."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:
         raise ValueError(f"top={top!r} is invalid: expected a positive integer")
-    dump = read_dump(run_dir)
+    dump, skipped = _read(run_dir)
     tokens, responses = dump.tokens, dump.responses
-    for path, reason in dump.skipped:
+    for path, reason in skipped:
         print(f"warning: skipped {path}: {reason}", file=sys.stderr)
     if not tokens and not responses:
-        raise NoRecordsError(f"{run_dir}: the dump holds no usable record ({len(dump.skipped)} file(s) skipped: "
-                             + "; ".join(f"{p}: {r}" for p, r in dump.skipped) + ")")
+        raise NoRecordsError(f"{run_dir}: the dump holds no usable record ({len(skipped)} file(s) skipped: "
+                             + "; ".join(f"{p}: {r}" for p, r in skipped) + ")")
+    notes = _mixed_methods_note(tokens + responses)
+    for note in notes:
+        print(f"warning: {note}", file=sys.stderr)
     silenced, kept = sample_tokens(tokens, top, seed)
     return Report(run_dir=str(run_dir), steps=step_summaries(tokens, responses), silenced_sample=silenced,
                   kept_sample=kept, frequent=frequent_silenced(tokens, top), quadrants=quadrant_table(responses),
-                  effects=candidate_effects(tokens), n_tokens=len(tokens), n_responses=len(responses), skipped=tuple(dump.skipped))
+                  effects=candidate_effects(tokens), n_tokens=len(tokens), n_responses=len(responses),
+                  skipped=tuple(skipped), notes=tuple(notes))
+
+
+def _mixed_methods_note(records: list) -> list[str]:
+    """A note when the records come from more than one method (a run folder that another run's dump
+    went to as well): the samples and the taxonomy pool them."""
+    steps_of: dict = defaultdict(set)
+    for r in records:
+        steps_of[r["method"]].add(r["step"])
+    if len(steps_of) < 2:
+        return []
+    listed = "; ".join(f"{m}: steps {', '.join(map(str, sorted(s)[:8]))}{' ...' if len(s) > 8 else ''}"
+                       for m, s in sorted(steps_of.items()))
+    return [f"the dump holds records of {len(steps_of)} methods ({listed}): the samples, the frequent tokens and the "
+            "taxonomy pool them; give each run its own recipe.token_dump.dir to inspect one method"]
 
 
 class NoRecordsError(ValueError):
     """The dump exists but holds no usable record."""
+
+
+class DamagedDumpError(ValueError):
+    """A step file of the dump that the dump did not write as it is (the message names the file, the
+    line and what to do)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -285,6 +340,7 @@ def render_markdown(report: Report) -> str:
     parts = [
         f"# S2T spurious-token report\n\nRun: `{report.run_dir}`. {report.n_tokens} token records, "
         f"{report.n_responses} response records.",
+        *(["## Notes\n\n" + "\n".join(f"- {_md_escape(n)}" for n in report.notes)] if report.notes else []),
         "## Summary per step\n\n" + _md_table(STEP_HEADER, _step_rows(report)),
         *(["## Skipped files\n\n" + "\n".join(f"- `{p}`: {r}" for p, r in report.skipped)] if report.skipped else []),
         "## Sample of silenced tokens\n\n" + _md_table(SAMPLE_HEADER, _md_sample_rows(report.silenced_sample)),
@@ -343,6 +399,7 @@ def _html_sample_rows(sample: list) -> list[list[str]]:
 def render_html(report: Report) -> str:
     """The self-contained HTML report (inline CSS, no script, all dumped strings escaped)."""
     sections = [
+        *([("Notes", "<ul>" + "".join(f"<li>{_h(n)}</li>" for n in report.notes) + "</ul>")] if report.notes else []),
         ("Summary per step", _html_table(STEP_HEADER, [[_h(c) for c in row] for row in _step_rows(report)])),
         *([("Skipped files", "<ul>" + "".join(f"<li><code>{_h(p)}</code>: {_h(r)}</li>" for p, r in report.skipped)
             + "</ul>")] if report.skipped else []),

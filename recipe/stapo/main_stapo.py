@@ -16,8 +16,8 @@ from __future__ import annotations
 import os
 import sys
 
-from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, MODELS, PreflightError, describe, ensure_patch_module_env,
-                                 prepare)
+from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, MODELS, PreflightError, check_environment, describe,
+                                 ensure_patch_module_env, prepare)
 from recipe.stapo.methods import METHODS
 
 ensure_patch_module_env()  # before verl is imported: local Ray workers inherit it
@@ -80,6 +80,10 @@ def main() -> None:
         print(usage(), end="")
         return
     check = check_requested(sys.argv)
+    early = check_environment()  # what `import verl` inside Hydra's config loading reads: a failure there names nothing
+    if early:
+        print(f"[stapo] {PreflightError(early)}", file=sys.stderr)
+        raise SystemExit(1)
 
     @hydra.main(config_path=CONFIG_DIR, config_name=CONFIG_NAME, version_base=None)
     def entry(config) -> None:

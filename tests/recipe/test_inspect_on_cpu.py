@@ -454,3 +454,60 @@ def test_out_at_a_file_is_a_named_error(run, tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"error: --out {out}" in err and "Traceback" not in err
     assert afile.read_text() == "keep"
+
+
+def _response(**over):
+    rec = {"kind": "response", "step": 1, "method": "stapo", "uid": "u", "response_index": 0, "advantage": 1.0,
+           "n_tokens": 10, "tau_p": 0.002, "tau_h": 0.5, "entropy_split": None,
+           "quadrants": {q: {"count": 1, "grad_norm_sum": 1.0} for q in td.QUADRANTS}}
+    rec.update(over)
+    return rec
+
+
+@pytest.mark.parametrize("damage, phrase", [
+    ("garbage_line", "line 2 is not valid JSON"),
+    ("foreign_record", "line 1: field 'kind' must be 'token' or 'response'"),
+    ("folder", "Is a directory"),
+])
+def test_a_damaged_step_file_is_named_with_what_to_do(tmp_path, capsys, damage, phrase):
+    """The dump writes each step file whole: one that does not read is damaged or foreign, and the
+    error says to move it aside to inspect the other steps (before: the reader's message alone)."""
+    td.write_step(tmp_path, 1, [_token(), _response()])
+    bad = td.step_file(tmp_path, 2)
+    if damage == "garbage_line":
+        bad.write_text(json.dumps(_token(step=2)) + "\n{oops\n")
+    elif damage == "foreign_record":
+        bad.write_text(json.dumps({"step": 2, "token": "x", "p": 0.1}) + "\n")
+    else:
+        bad.mkdir()
+    assert insp.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "step_000002.jsonl" in err and phrase in err and "move it out of s2t_tokens/ to inspect the other steps" in err
+    assert "Traceback" not in err and not (tmp_path / "inspect").exists()
+
+
+def test_a_last_line_cut_short_is_listed_in_the_report(tmp_path, capsys):
+    """A copy that did not finish leaves a step file's last line cut: its other records are read, and
+    the report lists the file (before: one Python warning on stderr, nothing in the report)."""
+    td.write_step(tmp_path, 1, [_token(), _response()])
+    td.step_file(tmp_path, 2).write_text(json.dumps(_token(step=2)) + "\n" + json.dumps(_token(step=2))[:30])
+    assert insp.main([str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "step_000002.jsonl: last line 2 cut short" in err and "UserWarning" not in err
+    report = (tmp_path / "inspect" / "report.md").read_text()
+    assert "## Skipped files" in report and "last line 2 cut short" in report
+    assert "2 token records, 1 response records" in report  # step 1, and step 2 up to its cut line
+
+
+def test_a_dump_of_two_methods_is_noted(tmp_path, capsys):
+    """A run folder another method's run also dumped to: the report pools them, and says so."""
+    td.write_step(tmp_path, 1, [_token(), _response()])
+    td.write_step(tmp_path, 2, [_token(step=2, method="grpo", silenced=False), _response(step=2, method="grpo")])
+    assert insp.main([str(tmp_path)]) == 0
+    note = "the dump holds records of 2 methods (grpo: steps 2; stapo: steps 1)"
+    assert note in capsys.readouterr().err
+    assert note in (tmp_path / "inspect" / "report.md").read_text()
+    assert "Notes" in (tmp_path / "inspect" / "report.html").read_text()
+    td.write_step(tmp_path, 2, [_token(step=2), _response(step=2)])
+    assert insp.main([str(tmp_path)]) == 0
+    assert "methods" not in capsys.readouterr().err

@@ -477,7 +477,7 @@ def test_a_second_launch_while_the_metrics_file_has_a_writer_is_refused_before_r
         err = refused(paper(cluster, "trainer.logger=[console,file]"))
         problem(err, "trainer.default_local_dir", f"{run_dir / 'metrics.jsonl'}: another process (pid {os.getpid()})")
     finally:
-        os.close(held)
+        held.close()
     passes(paper(cluster, "trainer.logger=[console,file]"))  # the writer is gone
 
 
@@ -486,3 +486,223 @@ def test_a_data_file_without_rows_is_named_as_empty_not_as_missing_columns(clust
 
     pd.DataFrame([]).to_parquet(cluster["data"] / "aime24.parquet")  # 0 rows, and so no columns
     problem(refused(paper(cluster)), "data.val_files", f"{cluster['data']}/aime24.parquet has no rows")
+
+
+# ------------------------------------------------------------------------------------------------
+# what the run's processes read after Ray starts: environment variables and the reward's call
+# ------------------------------------------------------------------------------------------------
+
+RAY_ENV = "ray_kwargs.ray_init.runtime_env.env_vars"
+
+
+@pytest.mark.parametrize("raw, phrase", [
+    ("inf", "ZeroMQ's socket wait is a 32-bit count of milliseconds"),
+    ("1e10", "ZeroMQ's socket wait is a 32-bit count of milliseconds"),
+    ("0.0001", "a shorter wait fails every sync"),
+    ("soon", "a wait is a positive number of seconds"),
+])
+def test_a_weight_sync_timeout_the_trainer_would_refuse_at_its_first_sync_is_refused_before_ray(cluster, raw, phrase):
+    """Read by the trainer only at the first weight sync (after Ray, the model load and vLLM's start):
+    checked here from where the workers will read it, the launching environment or the config's
+    runtime env (which wins)."""
+    name = "STAPO_WEIGHT_SYNC_TIMEOUT_S"
+    problem(refused(paper(cluster), environ={name: raw}), name, f"{name}={raw!r}: expected seconds in [1, 2147483]",
+            phrase, "(read by the trainer, at each weight sync")
+    problem(refused(paper(cluster, f"++{RAY_ENV}.{name}={raw}")), f"{RAY_ENV}.{name}", phrase)
+    passes(paper(cluster, f"++{RAY_ENV}.{name}=900"), environ={name: raw})  # the config's value is the one read
+    passes(paper(cluster), environ={name: "1.5"})
+
+
+def _reward_module(root: Path, source: str) -> Path:
+    path = root / "my_reward.py"
+    path.write_text(source)
+    return path
+
+
+@pytest.mark.parametrize("source, passing", [
+    ("def score(solution_str, ground_truth):\n    return 0.0\n", False),
+    ("def score(data_source, solution_str, ground_truth):\n    return 0.0\n", False),
+    ("def score(*, data_source, solution_str, ground_truth, extra_info, must):\n    return 0.0\n", False),
+    ("def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n", True),
+    ("def score(solution_str, ground_truth, **kwargs):\n    return 0.0\n", True),
+    ("async def score(data_source, solution_str, ground_truth, extra_info, **kwargs):\n    return 0.0\n", True),
+])
+def test_a_reward_function_that_cannot_take_verls_call_is_refused_before_ray(cluster, source, passing):
+    """verl's reward loop calls fn(data_source=, solution_str=, ground_truth=, extra_info=): a function
+    that cannot take it fails at the first reward, after the first rollout."""
+    module = _reward_module(cluster["root"], source)
+    config = paper(cluster, f"reward.custom_reward_function.path={module}", "reward.custom_reward_function.name=score")
+    if passing:
+        passes(config)
+    else:
+        problem(refused(config), "reward.custom_reward_function.name", "cannot take the call verl's reward loop makes",
+                "score(data_source=..., solution_str=..., ground_truth=..., extra_info=...)",
+                "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)")
+
+
+def test_reward_kwargs_are_part_of_the_call_checked(cluster):
+    module = _reward_module(cluster["root"], "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                                             "    return 0.0\n")
+    base = [f"reward.custom_reward_function.path={module}", "reward.custom_reward_function.name=score"]
+    problem(refused(paper(cluster, *base, "+reward.custom_reward_function.reward_kwargs.scale=2")),
+            "reward.custom_reward_function.name", "scale=...")
+
+
+def test_the_recipes_own_reward_functions_take_verls_call(cluster):
+    for name in ("compute_score", "compute_score_lenient"):
+        passes(paper(cluster, f"reward.custom_reward_function.name={name}"))
+
+
+def _minimal(**keys) -> "OmegaConf":
+    config = OmegaConf.create({"trainer": {"device": "cuda", "logger": ["console"]}, "recipe": {}})
+    for key, value in keys.items():
+        OmegaConf.update(config, key.replace("__", "."), value, force_add=True)
+    return config
+
+
+@pytest.mark.parametrize("name, raw, phrase", [
+    ("STAPO_REWARD_WORKERS", "abc", "STAPO_REWARD_WORKERS='abc': expected a whole number >= 1"),
+    ("STAPO_REWARD_WORKERS", "0", "STAPO_REWARD_WORKERS='0'"),
+    ("STAPO_SECRETS_FILE", "/nonexistent/secrets.env", "/nonexistent/secrets.env"),
+])
+def test_every_variable_the_runs_processes_read_is_read_before_ray(name, raw, phrase):
+    from recipe.stapo.preflight.values import check_run_environment
+
+    (found,) = check_run_environment(_minimal(), {name: raw})
+    assert found.key == name and phrase in found.problem and found.fix, found
+    (found,) = check_run_environment(_minimal(**{f"{RAY_ENV}.{name}": raw}), {})
+    assert found.key == f"{RAY_ENV}.{name}" and phrase in found.problem, found
+    assert check_run_environment(_minimal(**{f"{RAY_ENV}.{name}": ""}), {name: raw}) == []  # the config's wins
+
+
+def test_the_cpu_paths_threads_are_read_where_the_cpu_path_runs():
+    from recipe.stapo.preflight.values import check_run_environment
+
+    assert check_run_environment(_minimal(), {"STAPO_CPU_THREADS": "abc"}) == []  # a GPU run never reads it
+    (found,) = check_run_environment(_minimal(), {"STAPO_CPU_THREADS": "abc", "VERL_PLATFORM": "cpu"})
+    assert found.key == "STAPO_CPU_THREADS" and "expected a whole number >= 1" in found.problem
+    assert check_run_environment(_minimal(), {"STAPO_CPU_THREADS": "2", "VERL_PLATFORM": "cpu"}) == []
+
+
+def test_a_metrics_file_verls_logger_cannot_open_is_refused_before_ray(cluster, monkeypatch):
+    """VERL_FILE_LOGGER_PATH (the driver passes it to the trainer in the runtime env) naming a folder, or a
+    file under a file: verl's logger would fail when the trainer starts, after Ray."""
+    folder = cluster["root"] / "a_folder"
+    folder.mkdir()
+    blocker = cluster["root"] / "a_file"
+    blocker.write_text("")
+    with_file = "trainer.logger=[console,file]"
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(folder))
+    problem(refused(paper(cluster, with_file)), f"{RAY_ENV}.VERL_FILE_LOGGER_PATH", "is a folder")
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", f"{blocker}/m.jsonl")
+    problem(refused(paper(cluster, with_file)), f"{RAY_ENV}.VERL_FILE_LOGGER_PATH", "its folder cannot be written",
+            "exists and is not a folder")
+    monkeypatch.setenv("VERL_FILE_LOGGER_PATH", str(cluster["root"] / "new" / "m.jsonl"))
+    passes(paper(cluster, with_file))
+    assert not (cluster["root"] / "new").exists()  # the probe leaves nothing
+
+
+@pytest.mark.parametrize("value, named, shown", [
+    ("８０", "FULLWIDTH DIGIT EIGHT", "80"), ("٨٠", "ARABIC-INDIC DIGIT EIGHT", "80"), ("80\u00a0", "NO-BREAK SPACE", "80"),
+])
+def test_a_number_with_characters_other_than_ascii_is_named_not_an_omegaconf_error(cluster, monkeypatch, value, named,
+                                                                                    shown):
+    """Python's float reads full-width and Arabic-Indic digits (and strips a no-break space); the YAML's
+    oc.decode does not, and failed with a parse error that did not name the variable."""
+    monkeypatch.setenv("GPU_MEM_GB", value)
+    problem(refused(paper(cluster)), "GPU_MEM_GB", "characters other than ASCII", named, f"e.g. GPU_MEM_GB={shown}")
+
+
+@pytest.mark.parametrize("source", ["env", "key"])
+@pytest.mark.parametrize("value", ["1e9", "81920", "300"])
+def test_a_gpu_memory_no_accelerator_has_is_refused(cluster, monkeypatch, source, value):
+    """GPU_MEM_GB=1e9 (or MiB for GiB) made the memory check pass every config."""
+    if source == "env":
+        monkeypatch.setenv("GPU_MEM_GB", value)
+        err = refused(paper(cluster))
+    else:
+        err = refused(paper(cluster, f"recipe.gpu_mem_gb={value}"))
+    problem(err, "recipe.gpu_mem_gb", "more than any accelerator has (at most 288 GiB", "not MiB or bytes",
+            "torch.cuda.get_device_properties(0).total_memory / 2**30")
+    assert not [p for p in err.problems if p.key.startswith("GPU memory")]  # the estimate is not run on it
+
+
+def test_gpu_mem_gb_and_recipe_gpu_mem_gb_must_agree(cluster, monkeypatch):
+    """The YAML reads GPU_MEM_GB into recipe.gpu_mem_gb: an override of the key that disagrees with the
+    variable would win without a word."""
+    monkeypatch.setenv("GPU_MEM_GB", "40")
+    problem(refused(paper(cluster, "recipe.gpu_mem_gb=139.8"), environ={"GPU_MEM_GB": "40"}), "recipe.gpu_mem_gb",
+            "disagrees with the environment's GPU_MEM_GB='40'", "drop the override recipe.gpu_mem_gb=139.8")
+    monkeypatch.setenv("GPU_MEM_GB", "139.8")
+    passes(paper(cluster, "recipe.gpu_mem_gb=139.8"), environ={"GPU_MEM_GB": "139.8"})
+
+
+def test_gpu_mem_gb_travels_with_a_submitted_job():
+    """The job's own preflight checks the memory the launcher checked."""
+    from recipe.stapo.driver import forwarded_env
+
+    assert forwarded_env({"GPU_MEM_GB": "95", "PATH": "/bin"}) == {"GPU_MEM_GB": "95"}
+
+
+def test_the_cpu_rollout_off_a_cpu_device_is_refused(cluster):
+    """+cpu_rollout=vllm on the 64-GPU config: a float32, eager rollout keeping its KV cache through the
+    update would run silently."""
+    problem(refused(paper(cluster, "+cpu_rollout=vllm")), "+cpu_rollout", "on trainer.device=cuda",
+            "drop +cpu_rollout=... on GPUs")
+    problem(refused(paper(cluster), environ={"VERL_PLATFORM": "cpu"}), "VERL_PLATFORM",
+            "selects the CPU path's platform", "unset VERL_PLATFORM")
+
+
+def test_an_empty_reward_path_is_refused_not_left_to_verls_default(cluster):
+    """An empty path made verl grade with its own default for the data source (math_dapo without
+    JustRL's strict box check): the run's reward silently changed."""
+    problem(refused(paper(cluster, "reward.custom_reward_function.path=''")), "reward.custom_reward_function.path",
+            "is empty: verl would then grade with its own default", "pkg://recipe.stapo.reward")
+    passes(paper(cluster, "reward.custom_reward_function.path=pkg://verl.utils.reward_score",
+                 "reward.custom_reward_function.name=default_compute_score"))  # verl's default, named: accepted
+
+
+@pytest.mark.parametrize("name, value, key", [
+    ("STAPO_TOKEN_DUMP_DIR", "/somewhere/dump", "recipe.token_dump.dir"),
+    ("STAPO_TOKEN_DUMP_RESPONSES", "9", "recipe.token_dump.responses"),
+])
+def test_a_token_dump_variable_exported_in_the_shell_is_refused(cluster, name, value, key):
+    """The config sets the dump's variables for every worker from recipe.token_dump: an exported one is
+    never read (a dump asked for in the shell was silently off)."""
+    problem(refused(paper(cluster), environ={name: value}), name, f"is exported as {value!r}, but every worker reads",
+            f"set {key} instead, and unset {name}")
+
+
+@pytest.mark.parametrize("name, value, phrase", [
+    ("STAPO_DATA_DIR", "", "set but empty: it is the data folder"),
+    ("STAPO_MODEL_DIR", "", "set but empty: it is the folder of the model folders"),
+    ("STAPO_LAUNCH_DIR", "/nonexistent/launch", "is not a folder"),
+])
+def test_a_folder_variable_set_wrong_is_named_not_its_consequence(cluster, monkeypatch, name, value, phrase):
+    """STAPO_DATA_DIR= made the data files /train.parquet, refused as missing without naming the variable."""
+    monkeypatch.setenv(name, value)
+    problem(refused(paper(cluster)), name, phrase)
+
+
+def test_a_metrics_file_under_verl_file_logger_root_is_checked(cluster, monkeypatch):
+    blocker = cluster["root"] / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("VERL_FILE_LOGGER_ROOT", str(blocker))
+    problem(refused(paper(cluster, "trainer.logger=[console,file]")), f"{RAY_ENV}.VERL_FILE_LOGGER_ROOT",
+            f"the metrics file {blocker}/stapo/qwen3_8b_stapo.jsonl: its folder cannot be written")
+
+
+@pytest.mark.parametrize("variable, value, phrase", [
+    ("VERL_USE_EXTERNAL_MODULES", "verl_patches,no_such_module", "lists 'no_such_module', which cannot be imported"),
+    ("STAPO_SECRETS_FILE", "/nonexistent/secrets.env", "STAPO_SECRETS_FILE=/nonexistent/secrets.env: cannot read it"),
+])
+def test_what_import_verl_reads_is_refused_before_hydra_loads_verls_config(tmp_path, variable, value, phrase):
+    """A module verl cannot import, or a secrets file the patches cannot load, failed inside Hydra's
+    config loading ("Could not load 'ppo_trainer'", "Error locating target ...") without naming either."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAPO_", "LAUNCH", "CKPT_DIR", "GPU_MEM"))}
+    env.update(fake_cluster(tmp_path), **{variable: value})
+    proc = subprocess.run([sys.executable, "-m", "recipe.stapo.main_stapo", "--check"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "preflight refused the config (1 problem" in proc.stderr and phrase in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "Could not load" not in proc.stderr and "Error locating" not in proc.stderr

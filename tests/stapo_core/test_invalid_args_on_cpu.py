@@ -136,3 +136,84 @@ def test_integer_logits():
 def test_vocab_size(vocab_size):
     with pytest.raises(ValueError, match="vocab_size"):
         grad_norm_bounds(torch.zeros(2), torch.zeros(2), vocab_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# impossible statistics: a log-probability above 0, an entropy below 0 (beyond float rounding)
+# ------------------------------------------------------------------------------------------------
+
+
+def _batch(gen_seed=0, batch=4, width=12):
+    gen = torch.Generator().manual_seed(gen_seed)
+    log_prob = -(torch.rand(batch, width, generator=gen) * 9)  # log p in (-9, 0]
+    entropy = torch.rand(batch, width, generator=gen) * 3
+    return log_prob, entropy, torch.ones(batch), torch.ones(batch, width)
+
+
+def test_probabilities_given_for_log_probabilities_are_refused_as_such():
+    """exp(p) >= 1 > tau_p: S2T found no candidate and silenced nothing, without a word."""
+    from stapo_core import s2t_candidates
+
+    log_prob, entropy, adv, mask = _batch()
+    probs = log_prob.exp()
+    above = int((probs > 1e-3).sum())
+    with pytest.raises(ValueError, match=rf"s2t_mask: log_prob has {above} value\(s\) above 0.001 inside response_mask: every "
+                                         r"value lies in \[0, 1\] and none is negative: these are probabilities"):
+        s2t_mask(probs, entropy, adv, mask)
+    with pytest.raises(ValueError, match=r"s2t_candidates: .*these are probabilities p, not log p"):
+        s2t_candidates(probs, adv, mask)
+    with pytest.raises(ValueError, match="these are probabilities"):  # bfloat16 probabilities too
+        s2t_mask(probs.bfloat16(), entropy, adv, mask)
+
+
+def test_a_positive_log_probability_among_negative_ones_is_refused():
+    log_prob, entropy, adv, mask = _batch()
+    log_prob[1, 3] = 0.5
+    with pytest.raises(ValueError, match=r"log_prob has 1 value\(s\) above 0.001 .*a log-probability is <= 0"):
+        s2t_mask(log_prob, entropy, adv, mask)
+    log_prob[1, 3] = 3.0  # above 1: not a probability either
+    with pytest.raises(ValueError, match="a log-probability is <= 0"):
+        s2t_mask(log_prob, entropy, adv, mask)
+
+
+@pytest.mark.parametrize("func", ["s2t_mask", "entropy_topk_mask"])
+def test_a_negative_entropy_is_refused_beyond_float_rounding(func):
+    log_prob, entropy, adv, mask = _batch()
+
+    def call(ent):
+        return s2t_mask(log_prob, ent, adv, mask) if func == "s2t_mask" else entropy_topk_mask(ent, mask)
+
+    reference = call(entropy)
+    rounding = entropy.clone()
+    rounding[0, 0], rounding[2, 5] = -1e-7, -4e-4  # what float32 arithmetic leaves of a zero entropy
+    call(rounding)
+    impossible = entropy.clone()
+    impossible[0, 0], impossible[3, 1] = -2.0, -0.01
+    with pytest.raises(ValueError, match=rf"{func}: entropy has 2 value\(s\) below -0.001 inside response_mask: an "
+                                         r"entropy H = -sum_v p_v log p_v is >= 0"):
+        call(impossible)
+    assert reference is not None
+
+
+def test_the_tolerance_follows_the_inputs_precision():
+    """bfloat16 keeps 8 bits: an entropy of -0.1 in it is rounding (tolerance 0.125), in float32 it is not."""
+    from stapo_core.checks import rounding_tolerance
+
+    assert rounding_tolerance(torch.float32) == 1e-3 and rounding_tolerance(torch.float64) == 1e-3
+    assert rounding_tolerance(torch.bfloat16) == 0.125 and rounding_tolerance(torch.float16) == pytest.approx(0.015625)
+    log_prob, entropy, adv, mask = _batch()
+    entropy[0, 0] = -0.1
+    s2t_mask(log_prob, entropy.bfloat16(), adv, mask)
+    entropy_topk_mask(entropy.bfloat16(), mask)
+    with pytest.raises(ValueError, match="below -0.001"):
+        s2t_mask(log_prob, entropy, adv, mask)
+    lp = log_prob.clone()
+    lp[0, 0] = 1e-7  # float rounding of log p = 0
+    s2t_mask(lp, entropy.abs(), adv, mask)
+
+
+def test_impossible_values_outside_the_response_mask_are_padding():
+    log_prob, entropy, adv, mask = _batch()
+    log_prob[0, -1], entropy[0, -1], mask[0, -1] = 5.0, -5.0, 0.0
+    s2t_mask(log_prob, entropy, adv, mask)
+    entropy_topk_mask(entropy, mask)

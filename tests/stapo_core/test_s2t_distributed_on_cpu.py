@@ -67,6 +67,8 @@ def _s2t_cases():
     bad = _s2t_rank(11, 2, 16, 0.3)
     bad[0][1, 3] = math.nan
     bad[3][1, 3] = 1.0
+    negative = _s2t_rank(14, 2, 16, 0.3)
+    negative[1][0, 2], negative[3][0, 2] = -2.0, 1.0  # an impossible entropy, inside the mask of rank 1 only
     cases += [
         _s2t_case("ragged", "low_entropy", 0.75, ragged),
         _s2t_case("one-rank-without-candidates", "low_entropy", 0.75, one_empty),
@@ -75,6 +77,7 @@ def _s2t_cases():
         _s2t_case("no-candidates-high_entropy", "high_entropy", 0.75, no_candidates),
         _s2t_case("random", "random", 0.5, variable),
         _s2t_case("nonfinite-on-rank-1", "low_entropy", 0.75, [_s2t_rank(12, 2, 16, 0.3), bad]),
+        _s2t_case("impossible-on-rank-1", "low_entropy", 0.75, [_s2t_rank(13, 2, 16, 0.3), negative]),
     ]
     return cases
 
@@ -83,12 +86,15 @@ def _top_cases():
     ties = [_top_rank(20, 3, 16), _top_rank(21, 2, 16)]
     bad_entropy, bad_mask = _top_rank(28, 2, 8)
     bad_entropy[0, 0], bad_mask[0, 0] = math.inf, 1.0
+    negative_entropy, negative_mask = _top_rank(31, 2, 8)
+    negative_entropy[1, 1], negative_mask[1, 1] = -0.5, 1.0
     cases = [{"name": f"ties-{r}", "ratio": r, "ranks": ties} for r in (0.2, 0.37, 1.0)]
     cases += [
         {"name": "ragged", "ratio": 0.2, "ranks": [_top_rank(22, 2, 24), _top_rank(23, 3, 9)]},
         {"name": "one-rank-without-tokens", "ratio": 0.3, "ranks": [_top_rank(24, 2, 16), _top_rank(25, 2, 16, True)]},
         {"name": "no-tokens", "ratio": 0.2, "ranks": [_top_rank(26, 2, 8, True), _top_rank(27, 1, 8, True)]},
         {"name": "nonfinite-on-rank-0", "ratio": 0.2, "ranks": [(bad_entropy, bad_mask), _top_rank(29, 2, 8)]},
+        {"name": "impossible-on-rank-1", "ratio": 0.2, "ranks": [_top_rank(30, 2, 8), (negative_entropy, negative_mask)]},
     ]
     return cases
 
@@ -194,6 +200,10 @@ def test_s2t_mask_pooled_equals_single_process(rank_results, case):
         for g in got:  # every rank raises, none hangs
             assert "non-finite" in g["error"] and "log_prob" in g["error"]
         return
+    if case["name"].startswith("impossible"):
+        for g in got:  # one rank's impossible entropy: every rank raises, none hangs
+            assert "entropy has 1 value(s) below -0.001" in g["error"], g
+        return
     if case["strategy"] == "random":  # each rank draws for its own candidates with its own generator
         local = [s2t_mask(*ranks[r], q=case["q"], strategy="random", generator=_generator(r)) for r in range(WORLD)]
         for r in range(WORLD):
@@ -222,6 +232,10 @@ def test_entropy_topk_mask_pooled_equals_single_process(rank_results, case):
     if case["name"].startswith("nonfinite"):
         for g in got:
             assert "non-finite" in g["error"] and "entropy" in g["error"]
+        return
+    if case["name"].startswith("impossible"):
+        for g in got:
+            assert "entropy_topk_mask: entropy has 1 value(s) below -0.001" in g["error"], g
         return
     whole = entropy_topk_mask(_concat([r[0] for r in ranks]), _concat([r[1] for r in ranks]), ratio=case["ratio"])
     for r in range(WORLD):

@@ -84,7 +84,7 @@ def test_candidates_alone_are_s2t_masks_candidate_set():
     """``s2t_candidates`` (the set the update effect reads for STAPO) is exactly the candidate set
     ``s2t_mask`` splits, on the strict threshold's edge too, for per-token and per-sequence advantages."""
     gen = torch.Generator().manual_seed(3)
-    log_prob = torch.randn(6, 20, generator=gen) * 4 - 6
+    log_prob = (torch.randn(6, 20, generator=gen) * 4 - 6).clamp(max=0.0)  # a log-probability is <= 0
     tau_p = float(torch.exp(log_prob[0, 0]))  # a token exactly on the threshold (p == tau_p: not a candidate)
     mask = (torch.rand(6, 20, generator=gen) < 0.8).float()
     for advantages in (torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, 1.0]), torch.randn(6, 20, generator=gen)):
@@ -110,7 +110,7 @@ def test_token_outside_response_mask_is_never_candidate_nor_kept():
 
 def test_advantages_per_token_equal_per_sequence():
     gen = torch.Generator().manual_seed(1)
-    log_prob = torch.randn(5, 30, generator=gen) * 4 - 6
+    log_prob = (torch.randn(5, 30, generator=gen) * 4 - 6).clamp(max=0.0)
     entropy = torch.rand(5, 30, generator=gen) * 2
     mask = (torch.rand(5, 30, generator=gen) > 0.3).float()
     adv = torch.randn(5, generator=gen)
@@ -173,7 +173,7 @@ def test_single_candidate_is_not_silenced_by_entropy_strategies():
 @pytest.mark.parametrize("q", [0.1, 0.5, 0.75])
 def test_matches_boolean_indexing_reference_on_random_batches(strategy, q):
     gen = torch.Generator().manual_seed(int(q * 100))
-    log_prob = torch.randn(8, 64, generator=gen) * 3 - 7
+    log_prob = (torch.randn(8, 64, generator=gen) * 3 - 7).clamp(max=0.0)
     entropy = torch.rand(8, 64, generator=gen) * 4
     mask = (torch.rand(8, 64, generator=gen) > 0.2).float()
     adv = torch.randn(8, generator=gen)
@@ -185,7 +185,7 @@ def test_matches_boolean_indexing_reference_on_random_batches(strategy, q):
 
 def test_bf16_inputs_equal_float32_of_the_same_values():
     gen = torch.Generator().manual_seed(3)
-    log_prob = (torch.randn(4, 40, generator=gen) * 3 - 7).bfloat16()
+    log_prob = (torch.randn(4, 40, generator=gen) * 3 - 7).clamp(max=0.0).bfloat16()
     entropy = (torch.rand(4, 40, generator=gen) * 3).bfloat16()
     adv = torch.randn(4, generator=gen).bfloat16()
     mask = torch.ones(4, 40, dtype=torch.bool)
@@ -238,7 +238,7 @@ def test_single_process_call_syncs_once_on_a_small_tensor(strategy):
     gen = torch.Generator().manual_seed(2)
     shape = (6, 50)
     args = (
-        torch.randn(*shape, generator=gen) * 3 - 7,
+        (torch.randn(*shape, generator=gen) * 3 - 7).clamp(max=0.0),
         torch.rand(*shape, generator=gen),
         torch.randn(shape[0], generator=gen),
         torch.ones(*shape),

@@ -15,8 +15,8 @@ import os
 import pytest
 
 from verl_patches.registry import original_of
-from verl_patches.resume import MetricsFileBusy, ResumableFileLog, earlier_checkpoints, read_step_lines, wrap_checkpoint_save, \
-    wrap_file_logger
+from verl_patches.resume import MetricsFileBusy, ResumableFileLog, check_no_writer, claim_metrics_file, \
+    earlier_checkpoints, read_step_lines, step_ranges, wrap_checkpoint_save, wrap_file_logger
 
 
 def _verl_file_logger():
@@ -160,6 +160,171 @@ def test_a_second_writer_in_another_process_is_refused(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
     first.close()
     assert done.returncode == 3 and f"another process (pid {os.getpid()})" in done.stdout
+
+
+def _earlier_launch(path, steps, **extra) -> bytes:
+    lines = [json.dumps({"step": s, "data": {"loss": float(s), "launch": 1, **extra}}).encode() + b"\n" for s in steps]
+    path.write_bytes(b"".join(lines))
+    return path.read_bytes()
+
+
+def test_a_relaunch_that_starts_over_moves_the_earlier_run_aside(tmp_path, capsys):
+    """No checkpoint found (resume_mode=disable, another CKPT_DIR, deleted checkpoints): the relaunch
+    logs step 0 again. The earlier launch's steps 0-5 are copied, byte for byte, to
+    metrics.jsonl.superseded.1 before the file holds only the new run's steps; the warning names the
+    steps, the copy and how to continue the earlier run instead."""
+    path = tmp_path / "metrics.jsonl"
+    earlier = _earlier_launch(path, range(6))
+    log = ResumableFileLog(path)
+    for step in (0, 1, 2):
+        log.log({"loss": 10.0 + step, "launch": 2}, step)
+    log.close()
+    assert _steps(path) == [0, 1, 2] and all(r["launch"] == 2 for r in _records(path).values())
+    assert (tmp_path / "metrics.jsonl.superseded.1").read_bytes() == earlier
+    err = capsys.readouterr().err
+    assert f"replaces what an earlier launch logged for step(s) 0-5; those records are copied to {path}.superseded.1" \
+        in err and "resume_mode=auto" in err
+
+
+def test_each_relaunch_that_replaces_steps_gets_its_own_copy(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _earlier_launch(path, range(1, 4))
+    for launch in (2, 3):
+        log = ResumableFileLog(path)
+        log.log({"loss": 0.0, "launch": launch}, 1)  # step 1 is logged again: the earlier 1-3 are replaced
+        log.log({"loss": 0.0, "launch": launch}, 2)
+        log.close()
+    first, second = (tmp_path / "metrics.jsonl.superseded.1"), (tmp_path / "metrics.jsonl.superseded.2")
+    assert _steps(first) == [1, 2, 3] and _records(first)[3]["launch"] == 1
+    assert _steps(second) == [1, 2] and _records(second)[2]["launch"] == 2
+    assert _records(path) == {1: {"loss": 0.0, "launch": 3}, 2: {"loss": 0.0, "launch": 3}}
+
+
+def test_a_resume_step_record_whose_value_is_overwritten_is_copied_first(tmp_path):
+    """Relaunch from the checkpoint of step 3, whose record already holds a validation: the new
+    validation wins in the file, the earlier one is kept in the copy. A relaunch adding only new
+    metrics to its resume step (the usual validation at a checkpoint without one) copies nothing."""
+    path = tmp_path / "metrics.jsonl"
+    _earlier_launch(path, [1, 2, 3], **{"val/acc": 0.5})
+    earlier_step_3 = path.read_bytes().splitlines(keepends=True)[2]
+    log = ResumableFileLog(path)
+    log.log({"val/acc": 0.5}, 3)  # the same value: nothing is replaced
+    log.log({"val/acc": 0.625}, 3)
+    log.log({"loss": 4.0}, 4)
+    log.close()
+    assert (tmp_path / "metrics.jsonl.superseded.1").read_bytes() == earlier_step_3
+    assert _records(path)[3] == {"loss": 3.0, "launch": 1, "val/acc": 0.625}
+
+    other = tmp_path / "other.jsonl"
+    _earlier_launch(other, [1, 2, 3])
+    log = ResumableFileLog(other)
+    log.log({"val/acc": 0.5}, 3)
+    log.log({"loss": 4.0}, 4)
+    log.close()
+    assert not list(tmp_path.glob("other.jsonl.superseded*")) and _steps(other) == [1, 2, 3, 4]
+
+
+def test_step_ranges_are_compact():
+    assert step_ranges([7, 1, 2, 3, 5, 8, 2]) == "1-3, 5, 7-8" and step_ranges([]) == ""
+
+
+def test_a_record_holding_nan_is_a_record_and_bad_lines_are_named_for_what_they_are(tmp_path, capsys):
+    """Python's json writes a diverged metric as NaN, which orjson does not read: such a record stays
+    a record. The other bad lines are each named for what they are, not all as a killed process's."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "data": {"loss": 1.0}}\n'
+                     b'{"step": 2, "data": {"loss": NaN, "grad": Infinity}}\n'
+                     b"garbage\n"
+                     b'{"no_step": 3}\n'
+                     b'{"step": 3, "data": {"loss": 3.0}}\n'
+                     b'{"step": 4, "da')
+    assert [s for s, _ in read_step_lines(path)] == [1, 2, 3]
+    log = ResumableFileLog(path)
+    log.log({"loss": 4.0}, 4)
+    log.close()
+    assert _steps(path) == [1, 2, 3, 4]
+    assert (tmp_path / "metrics.jsonl.unreadable").read_bytes() == b'garbage\n{"no_step": 3}\n{"step": 4, "da\n'
+    err = capsys.readouterr().err
+    assert "line(s) 3 not a step record (not JSON)" in err
+    assert 'line(s) 4 not a step record (JSON, but not a {"step": <int>, "data": {...}} record)' in err
+    assert "line(s) 6 not a step record (a last line without its newline, cut by a killed process)" in err
+    assert "line(s) 2" not in err
+
+
+def test_a_complete_last_record_without_its_newline_is_kept(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "data": {"a": 1}}\n{"step": 2, "data": {"a": 2}}')
+    log = ResumableFileLog(path)
+    log.log({"a": 3}, 3)
+    log.close()
+    assert _records(path) == {1: {"a": 1}, 2: {"a": 2}, 3: {"a": 3}}
+    assert not (tmp_path / "metrics.jsonl.unreadable").exists()
+
+
+def test_a_flat_record_at_the_resume_step_is_merged(tmp_path):
+    """A ``{"step": s, "<metric>": v}`` line (recipe.stapo.metrics reads those too) is a record to merge into."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 1.0}\n')
+    log = ResumableFileLog(path)
+    log.log({"val/acc": 0.5}, 1)
+    log.close()
+    assert _records(path) == {1: {"loss": 1.0, "val/acc": 0.5}}
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard", "folder"])
+def test_a_second_writer_through_a_link_of_another_name_is_refused(tmp_path, link):
+    """The lock holds per file, not per name: a symbolic link to the file, a hard link of another
+    name, or the file reached through a linked folder is the same file."""
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b'{"step": 1, "data": {"a": 1}}\n')
+    if link == "symbolic":
+        other = tmp_path / "alias.jsonl"
+        other.symlink_to(path)
+    elif link == "hard":
+        other = tmp_path / "alias.jsonl"
+        os.link(path, other)
+    else:
+        (tmp_path / "linked_run").symlink_to(tmp_path / "run")
+        other = tmp_path / "linked_run" / "metrics.jsonl"
+    first = ResumableFileLog(path)
+    with pytest.raises(MetricsFileBusy, match=rf"{other}: another process \(pid {os.getpid()}\) is writing"):
+        ResumableFileLog(other)
+    with pytest.raises(MetricsFileBusy, match=rf"pid {os.getpid()}"):
+        check_no_writer(other)  # the preflight's check, which creates nothing
+    first.log({"a": 2}, 2)
+    with pytest.raises(MetricsFileBusy):  # also after the first record (the file was rewritten or appended)
+        ResumableFileLog(other)
+    first.close()
+    check_no_writer(other)
+    second = ResumableFileLog(other)
+    second.log({"a": 3}, 3)
+    second.close()
+    assert _records(other) == {1: {"a": 1}, 2: {"a": 2}, 3: {"a": 3}}
+
+
+def test_a_write_through_a_symbolic_link_keeps_the_link(tmp_path):
+    """A rewrite replaces the file the link points to, not the link."""
+    target = tmp_path / "store" / "metrics.jsonl"
+    target.parent.mkdir()
+    _earlier_launch(target, [1, 2, 3])
+    link = tmp_path / "metrics.jsonl"
+    link.symlink_to(target)
+    log = ResumableFileLog(link)
+    log.log({"a": 2}, 2)  # drops step 3: the file is rewritten
+    log.close()
+    assert link.is_symlink() and _steps(target) == [1, 2]
+    assert _steps(target.with_name("metrics.jsonl.superseded.1")) == [2, 3]
+
+
+def test_check_no_writer_creates_nothing(tmp_path):
+    check_no_writer(tmp_path / "absent" / "metrics.jsonl")
+    check_no_writer(tmp_path / "metrics.jsonl")
+    assert list(tmp_path.iterdir()) == []
+    claim = claim_metrics_file(tmp_path / "metrics.jsonl")
+    with pytest.raises(MetricsFileBusy):
+        check_no_writer(tmp_path / "metrics.jsonl")
+    claim.close()
 
 
 def test_the_patched_logger_is_what_verls_tracking_builds(tmp_path, monkeypatch):

@@ -47,10 +47,25 @@ def test_a_sync_nobody_answers_ends_with_a_clear_error(tmp_path):
     assert not (tmp_path / "sync.sock").exists()  # verl's own cleanup ran
 
 
-@pytest.mark.parametrize("raw", ["0", "-3", "soon"])
+@pytest.mark.parametrize("raw", ["0", "-3", "soon", "inf", "1e10", "nan", "0.0001", "0.5", "2147484"])
 def test_a_bad_timeout_is_refused(monkeypatch, raw):
+    """``inf`` and ``1e10`` overflowed ZeroMQ's 32-bit millisecond count (OverflowError at the first
+    sync); ``0.0001`` became a 0 ms socket that never waits, failing every sync."""
     from verl_patches.weight_sync import TIMEOUT_ENV, timeout_s
 
     monkeypatch.setenv(TIMEOUT_ENV, raw)
-    with pytest.raises(ValueError, match=TIMEOUT_ENV):
+    with pytest.raises(ValueError, match=rf"{TIMEOUT_ENV}='{raw}': expected seconds in \[1, 2147483\]"):
         timeout_s()
+
+
+@pytest.mark.parametrize("raw, seconds", [("", 600.0), ("1", 1.0), (" 1.5 ", 1.5), ("2147483", 2147483.0)])
+def test_every_accepted_timeout_is_a_socket_wait_zeromq_takes(monkeypatch, raw, seconds):
+    import zmq
+
+    from verl_patches.weight_sync import TIMEOUT_ENV, timeout_s
+
+    monkeypatch.setenv(TIMEOUT_ENV, raw)
+    assert timeout_s() == seconds
+    with zmq.Context() as context, context.socket(zmq.REQ) as socket:
+        socket.setsockopt(zmq.RCVTIMEO, int(timeout_s() * 1000))  # what the wrapped _init_socket sets
+        assert socket.getsockopt(zmq.RCVTIMEO) >= 1000

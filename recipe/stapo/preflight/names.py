@@ -84,9 +84,15 @@ def check_reward_function(config: DictConfig, found: list[Problem]) -> None:
     """The reward function resolves in its module, as verl's reward loop will load it."""
     path = pick(config, "reward.custom_reward_function.path")
     name = pick(config, "reward.custom_reward_function.name")
-    if not path:
-        return
     key = "reward.custom_reward_function"
+    if not path:
+        found.append(Problem(f"{key}.path", "is empty: verl would then grade with its own default for each data "
+                             "source (for math_dapo, math_dapo.compute_score without JustRL's strict box check), not "
+                             "the reward the run is configured for",
+                             "set it to pkg://recipe.stapo.reward (the recipe's rewards, docs/reward.md), or name "
+                             "verl's default explicitly: path=pkg://verl.utils.reward_score, name=default_compute_score",
+                             path))
+        return
     from verl.utils.import_utils import load_module  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
 
     try:
@@ -97,12 +103,45 @@ def check_reward_function(config: DictConfig, found: list[Problem]) -> None:
         return
     fn = getattr(module, str(name), None) if name else None
     if callable(fn):
+        check_reward_signature(config, fn, found)
         return
     candidates = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
     close = difflib.get_close_matches(str(name), candidates, n=1)
     hint = f"did you mean {key}.name={close[0]}? " if close else ""
     found.append(Problem(f"{key}.name", f"not a function of {path}",
                          f"{hint}functions there: {', '.join(candidates) or 'none'}", name))
+
+
+#: the keywords verl's reward managers (naive, dapo, limited, gdpo) call the reward function with
+REWARD_KEYWORDS = ("data_source", "solution_str", "ground_truth", "extra_info")
+#: the keywords they add when a reward model serves the run (``reward.reward_model.enable``)
+REWARD_MODEL_KEYWORDS = ("reward_router_address", "reward_model_tokenizer")
+
+
+def check_reward_signature(config: DictConfig, fn, found: list[Problem]) -> None:
+    """The reward function takes the call verl's reward loop makes: the keywords of
+    :data:`REWARD_KEYWORDS` (plus :data:`REWARD_MODEL_KEYWORDS` with a reward model, and
+    ``reward.custom_reward_function.reward_kwargs``), by name; otherwise the first reward, after Ray,
+    the model load and the first rollout, raises a TypeError."""
+    key = "reward.custom_reward_function.name"
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an object without a signature: nothing to read
+        return
+    keywords = list(REWARD_KEYWORDS)
+    if pick(config, "reward.reward_model.enable", False):
+        keywords += REWARD_MODEL_KEYWORDS
+    extra = pick(config, "reward.custom_reward_function.reward_kwargs", None) or {}
+    keywords += [str(k) for k in extra]
+    try:
+        signature.bind(**{k: None for k in keywords})
+    except TypeError as e:
+        found.append(Problem(
+            key, f"{fn.__name__}{signature} cannot take the call verl's reward loop makes, "
+            f"{fn.__name__}({', '.join(f'{k}=...' for k in keywords)}) ({e}); it would fail at the first reward, "
+            "after Ray, the model load and the first rollout",
+            "give it those keyword parameters (or **kwargs for the ones it does not use), e.g. "
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)", pick(config, key)))
 
 
 def check_identity(config: DictConfig, found: list[Problem]) -> None:

@@ -16,6 +16,10 @@ from .problem import ACTOR, REF, ROLLOUT, Problem, is_int, pick
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
                     "reinforce_plus_plus_baseline", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo")
 MEMORY_CHECK_MODES = ("refuse", "warn", "off")
+#: the most memory one accelerator has (GiB): 288 GB of HBM3E on AMD's MI355X and NVIDIA's B300, the
+#: largest cards shipping; a larger GPU_MEM_GB is a unit mistake (MiB, bytes) that would make the
+#: memory check pass everything
+MAX_GPU_MEM_GB = 288.0
 
 
 class _Numbers:
@@ -141,18 +145,34 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
         elif micro_key != f"{ACTOR}.ppo_micro_batch_size_per_gpu":
             n.get(micro_key, "the sequences per micro-batch", f"set {micro_key}")
     gpu_mem = pick(config, "recipe.gpu_mem_gb")
-    try:
-        if float(gpu_mem) <= 0 or not math.isfinite(float(gpu_mem)):
-            raise ValueError
-    except (TypeError, ValueError):
-        found.append(Problem("recipe.gpu_mem_gb", "the target GPU's memory in GB must be a positive number",
-                             "set GPU_MEM_GB (or recipe.gpu_mem_gb), e.g. 80", gpu_mem))
+    problem = gpu_mem_problem(gpu_mem)
+    if problem:
+        found.append(Problem("recipe.gpu_mem_gb", problem, "set GPU_MEM_GB (or recipe.gpu_mem_gb) to the memory "
+                             "torch.cuda.get_device_properties(0).total_memory / 2**30 reports on the target card, "
+                             "e.g. 79.1 for an 80 GB card (docs/memory.md lists common cards)", gpu_mem))
         n.ok = False
     mode = pick(config, "recipe.memory_check", "refuse")
     if mode not in MEMORY_CHECK_MODES:
         found.append(Problem("recipe.memory_check", "unknown mode", f"use one of {list(MEMORY_CHECK_MODES)}", mode))
         n.ok = False
     return n.ok
+
+
+def gpu_mem_problem(value) -> Optional[str]:
+    """What is wrong with ``recipe.gpu_mem_gb`` (None: a number in (0, :data:`MAX_GPU_MEM_GB`])."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool):
+        return "the target GPU's memory in GiB must be a number, not true/false"
+    if not math.isfinite(number) or number <= 0:
+        return "the target GPU's memory in GiB must be a positive number"
+    if number > MAX_GPU_MEM_GB:
+        return (f"{number:g} GiB is more than any accelerator has (at most {MAX_GPU_MEM_GB:g} GiB: 288 GB on AMD's "
+                "MI355X and NVIDIA's B300), and would make the memory check pass every config; GPU_MEM_GB is GiB "
+                "per GPU, not MiB or bytes")
+    return None
 
 
 def uses_reference(config: DictConfig) -> bool:

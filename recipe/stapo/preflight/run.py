@@ -35,7 +35,7 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
         report.notes.append("LAUNCH=submit: paths this machine cannot see are left to the job's driver, which runs "
                             "the same checks on the head node before Ray starts")
     numbers_ok = check_numbers(config, found)
-    found += check_values(config)  # types and ranges verl checks after Ray
+    found += check_values(config, environ)  # types and ranges verl checks after Ray; the run's environment
     check_names(config, found)
     check_identity(config, found)
     check_paths(config, found, report.notes, submit)

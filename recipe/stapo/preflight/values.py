@@ -1,11 +1,15 @@
 """Single values: the type and range of config values whose bad value verl reports only after Ray
 has started (minutes in, often without the key's name), the logger list, a second writer of the
-run's metrics file, and the environment variables the recipe's YAML reads as numbers.
+run's metrics file, and the environment.
 
 Each check of :data:`VALUE_CHECKS` says what verl does with a bad value (read from verl 0.9.1's
 trainer, workers and config dataclasses). :func:`check_environment` parses the environment variables
-(``GPU_MEM_GB``) once, before the config is resolved, so that a bad one is named instead of failing
-inside omegaconf.
+the YAML reads as numbers (``GPU_MEM_GB``) once, before the config is resolved, so that a bad one is
+named instead of failing inside omegaconf. :func:`check_run_environment` reads every variable the
+run's processes read later (:data:`RUN_ENV_CHECKS`: the weight sync's timeout, the reward's helper
+count, the secrets file, the CPU path's threads, the metrics file), with the readers those processes
+use and the value they will see (the config's ``ray_kwargs.ray_init.runtime_env.env_vars``, else
+the launching environment).
 
 Importing this module imports no verl.
 """
@@ -13,18 +17,27 @@ Importing this module imports no verl.
 from __future__ import annotations
 
 import difflib
+import importlib.util
 import math
 import os
+import re
+import unicodedata
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from verl_patches.resume import MetricsFileBusy, claim_metrics_file, writer_lock_path
+from verl_patches.env_file import parse_env_file
+from verl_patches.resume import MetricsFileBusy, check_no_writer
+from verl_patches.weight_sync import parse_timeout
 
+from .paths import probe_writable
 from .problem import ACTOR, ROLLOUT, Problem, is_int
 
 _ABSENT = object()
+#: where the config gives every Ray worker its environment variables
+RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 
 def _is_number(value) -> bool:
@@ -145,10 +158,13 @@ def _shown(value) -> object:
     return value
 
 
-def check_values(config: DictConfig) -> list[Problem]:
+def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
     """One problem per value of :data:`VALUE_CHECKS` that fails its test, plus the logger list
-    (verl's backends) and ``recipe.gpu_mem_gb`` given as true/false. A key the config does not have
+    (verl's backends), ``recipe.gpu_mem_gb`` disagreeing with ``GPU_MEM_GB``,
+    and the environment variables the run's processes read (:func:`check_run_environment`;
+    ``environ``: the launching environment, default ``os.environ``). A key the config does not have
     is not checked (verl then uses its default)."""
+    environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for value_check in VALUE_CHECKS:
         value = OmegaConf.select(config, value_check.key, default=_ABSENT)
@@ -158,11 +174,34 @@ def check_values(config: DictConfig) -> list[Problem]:
             found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
                                  f"set {value_check.key} to {value_check.what}; {value_check.fix}", _shown(value)))
     _check_logger(config, found)
-    _check_metrics_writer(config, found)
-    gpu_mem = OmegaConf.select(config, "recipe.gpu_mem_gb", default=None)
-    if isinstance(gpu_mem, bool):
-        found.append(Problem("recipe.gpu_mem_gb", "the target GPU's memory in GB must be a number, not true/false",
-                      "set GPU_MEM_GB (or recipe.gpu_mem_gb) to a number of GiB, e.g. 80", gpu_mem))
+    _check_metrics_writer(config, found, environ)
+    found += check_gpu_mem_source(config, environ)
+    found += check_run_environment(config, environ)
+    found += check_device(config, environ)
+    return found
+
+
+def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """The CPU path's settings only on the CPU device, and the CPU device only with the CPU path:
+    ``+cpu_rollout=vllm`` (``recipe.cpu_rollout``: a float32, eager rollout that keeps its KV cache
+    through the update) and ``VERL_PLATFORM=cpu`` (the CPU platform and its patches in every process)
+    off ``trainer.device=cpu`` would run a GPU job silently slower and larger, or on the CPU shims."""
+    device = str(OmegaConf.select(config, "trainer.device", default="cuda"))
+    cpu_rollout = OmegaConf.select(config, "recipe.cpu_rollout", default=None)
+    platform = (seen_by_workers(config, environ)("VERL_PLATFORM") or "").strip().lower()
+    found: list[Problem] = []
+    if device != "cpu" and cpu_rollout:
+        found.append(Problem(
+            "+cpu_rollout", f"the CPU path's rollout settings (recipe/stapo/config/cpu_rollout/{cpu_rollout}.yaml: "
+            "float32, eager, no sleep mode, the KV cache kept through the update) on trainer.device="
+            f"{device}: the GPU run would be slower and need far more memory than the memory check assumes",
+            "drop +cpu_rollout=... on GPUs (it belongs to the CPU path: trainer.device=cpu, VERL_PLATFORM=cpu, "
+            "recipe.stapo.cpu.cpu_overrides)", cpu_rollout))
+    if device != "cpu" and platform == "cpu":
+        found.append(Problem(
+            _origin(config, "VERL_PLATFORM"), f"selects the CPU path's platform and patches in every process of a "
+            f"run on trainer.device={device}", "unset VERL_PLATFORM for a GPU run (it belongs to the CPU path, with "
+            "trainer.device=cpu)", "cpu"))
     return found
 
 
@@ -187,22 +226,20 @@ def _check_logger(config: DictConfig, found: list[Problem]) -> None:
                              + f"verl's loggers: {', '.join(supported)}", _shown(value)))
 
 
-def _check_metrics_writer(config: DictConfig, found: list[Problem]) -> None:
+def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Mapping[str, str]) -> None:
     """The run's metrics file (``VERL_FILE_LOGGER_PATH`` the driver passes to the workers) has no
     writer now: another launch of the same run still training would lose records to this one (the
     logger itself refuses a second writer too, but only after Ray has started)."""
-    path = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH", default=None)
-    loggers = OmegaConf.select(config, "trainer.logger", default=None)
-    names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
-    if not path or "file" not in names or not writer_lock_path(path).is_file():
+    path, _ = metrics_file_of(config, seen_by_workers(config, environ))
+    if not path or "://" in path:
         return
     try:
-        os.close(claim_metrics_file(path))
+        check_no_writer(path)
     except MetricsFileBusy as e:
         found.append(Problem("trainer.default_local_dir", str(e), "wait for the other launch to end (or stop it), or "
                       "give this run another trainer.default_local_dir (CKPT_DIR) or experiment name", path))
     except OSError:
-        return  # a lock file this process cannot open: left to the logger, which names it
+        return  # a file this process cannot open: left to the logger, which names it
 
 
 def supported_loggers() -> list[str]:
@@ -218,6 +255,8 @@ def supported_loggers() -> list[str]:
 
 #: environment variables the YAML reads as numbers: name -> (what, example)
 NUMBER_ENV = {"GPU_MEM_GB": ("the target GPU's memory in GiB (recipe.gpu_mem_gb)", "80")}
+#: a number as the YAML's ``oc.decode`` reads it: ASCII digits, an optional sign, point and exponent
+_PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[float]:
@@ -225,32 +264,309 @@ def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = N
 
     Raises:
         ValueError: naming the variable, its value and an example, for anything else: empty, a word
-            (``true``), a list (``[80]``), zero, a negative number, NaN or infinity.
+            (``true``), a list (``[80]``), zero, a negative number, NaN or infinity, and digits other
+            than ASCII ones (``８０``: Python's ``float`` reads them, the config's parser does not).
     """
     environ = os.environ if environ is None else environ
     if name not in environ:
         return None
     raw = environ[name]
     what, example = NUMBER_ENV.get(name, ("a number", "1"))
-    try:
-        value = float(raw.strip())
-    except ValueError:
-        value = math.nan
+    text = raw.strip()
+    if not raw.isascii():
+        odd = sorted({c for c in raw if not c.isascii()})
+        named = ", ".join(f"{c!r} ({unicodedata.name(c, 'U+%04X' % ord(c))})" for c in odd)
+        ascii_form = "".join(str(unicodedata.digit(c)) if unicodedata.digit(c, None) is not None else c
+                             for c in text if c.isascii() or unicodedata.digit(c, None) is not None)
+        raise ValueError(f"environment variable {name} is {raw!r}, which holds characters other than ASCII ({named}) "
+                         f"that the config's parser refuses: it is {what}. Write it with ASCII digits only, e.g. "
+                         f"{name}={ascii_form if _PLAIN_NUMBER.fullmatch(ascii_form or '-') else example}")
+    value = float(text) if _PLAIN_NUMBER.fullmatch(text) else math.nan
     if not math.isfinite(value) or value <= 0:
-        shown = "set but empty" if not raw.strip() else f"{raw!r}, not a positive number"
+        shown = "set but empty" if not text else f"{raw!r}, not a positive number"
         raise ValueError(f"environment variable {name} is {shown}: it is {what}. Set e.g. {name}={example}, "
                          f"or unset it for the default")
     return value
 
 
+#: environment variables the YAML reads as folders: name -> what the folder is
+FOLDER_ENV = {"STAPO_DATA_DIR": "the data folder (data.train_files, data.val_files)",
+              "STAPO_MODEL_DIR": "the folder of the model folders (actor_rollout_ref.model.path)",
+              "STAPO_LAUNCH_DIR": "the folder relative paths are taken from (the run scripts export the one they "
+                                  "were launched from)"}
+
+
 def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """A problem for each variable of :data:`NUMBER_ENV` that is set
-    to something other than a positive number (checked before the config is resolved: omegaconf
-    would fail on it with a long traceback that does not name the variable, or read ``true`` as 1)."""
+    """What the environment must hold before the config is composed and resolved: each variable of
+    :data:`NUMBER_ENV` set to a positive number (omegaconf would fail on it with a long traceback
+    that does not name the variable, or read ``true`` as 1), each of :data:`FOLDER_ENV` set to a
+    folder name, not empty (``STAPO_DATA_DIR=`` makes ``data.train_files`` ``/train.parquet``), and
+    the launch folder an existing one, and :func:`check_import_environment`."""
+    environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for name in NUMBER_ENV:
         try:
             positive_number_from_env(name, environ)
         except ValueError as e:
             found.append(Problem(name, str(e), f"export {name}={NUMBER_ENV[name][1]} (or unset it)"))
+    for name, what in FOLDER_ENV.items():
+        raw = environ.get(name)
+        if raw is not None and not raw.strip():
+            found.append(Problem(name, f"set but empty: it is {what}, and the config would read the empty name as "
+                                 "the root folder", f"export {name}=<folder>, or unset it for the default", raw))
+    launch = environ.get("STAPO_LAUNCH_DIR", "").strip()
+    if launch and not Path(launch).expanduser().is_dir():
+        found.append(Problem("STAPO_LAUNCH_DIR", f"is not a folder: it is {FOLDER_ENV['STAPO_LAUNCH_DIR']}",
+                             "export STAPO_LAUNCH_DIR=$PWD, or unset it", launch))
+    return found + check_import_environment(environ)
+
+
+def _module_exists(name: str) -> bool:
+    """Whether ``import name`` finds a module, found without importing it or its parents (a parent's
+    import could run the very import being checked: verl_patches.activate imports verl)."""
+    parts = name.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])
+    except (ImportError, ValueError):
+        return False
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if spec is None:
+        return False
+    for i, part in enumerate(parts[1:], start=1):
+        found = []
+        for location in map(Path, locations):
+            if (location / part / "__init__.py").is_file() or (location / part).is_dir():
+                found.append(location / part)
+            elif (location / f"{part}.py").is_file() or list(location.glob(f"{part}.*.so")):
+                found.append(location / f"{part}.py")
+        if not found:
+            return False
+        locations = [str(p) for p in found if p.is_dir()]
+        if i < len(parts) - 1 and not locations:
+            return False
+    return True
+
+
+def external_modules_problem(value: str) -> Optional[str]:
+    """What is wrong with a ``VERL_USE_EXTERNAL_MODULES`` value (None: every module it lists exists)."""
+    missing = [m.strip() for m in value.split(",") if m.strip() and not _module_exists(m.strip())]
+    if not missing:
+        return None
+    return (f"lists {', '.join(map(repr, missing))}, which cannot be imported: every verl process imports these "
+            "when it imports verl, and fails there (in the driver, inside Hydra's config loading, with a message "
+            "that does not name the module)")
+
+
+def _load_secrets_reader():
+    """``verl_patches.env_file``'s parser, loaded from its file: importing it through its package would
+    run the package's patches, and with them ``import verl``, which reads the file being checked."""
+    spec = importlib.util.find_spec("verl_patches")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / "env_file.py"
+    loader_spec = importlib.util.spec_from_file_location("_stapo_preflight_env_file", path)
+    module = importlib.util.module_from_spec(loader_spec)
+    loader_spec.loader.exec_module(module)
+    return module.parse_env_file
+
+
+def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
+    """What ``import verl`` reads in the driver, checked before Hydra loads verl's config (a failure
+    there surfaces as Hydra's "Could not load 'ppo_trainer'" or a "target not found" that names
+    neither the variable nor the cause): ``VERL_USE_EXTERNAL_MODULES`` (every module exists) and
+    ``STAPO_SECRETS_FILE`` (the recipe's patches load it on import). Imports nothing of verl."""
+    environ = os.environ if environ is None else environ
+    found: list[Problem] = []
+    modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
+    problem = external_modules_problem(modules) if modules else None
+    if problem:
+        found.append(Problem("VERL_USE_EXTERNAL_MODULES", problem, "install the missing module (pip install -e .) "
+                             "or drop it from the list (verl_patches is added by the driver)", modules))
+    secrets = environ.get("STAPO_SECRETS_FILE", "").strip()
+    if secrets:
+        try:
+            reader = _load_secrets_reader()
+            if reader is not None:
+                reader(secrets)
+        except (ValueError, OSError) as e:
+            found.append(Problem("STAPO_SECRETS_FILE", f"{e} (every verl process loads it when it imports the "
+                                 "recipe's patches)", "point it to a NAME=value file only you can read (chmod 600), or "
+                                 "unset it", secrets))
     return found
+
+
+def check_gpu_mem_source(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """``recipe.gpu_mem_gb`` and ``GPU_MEM_GB`` name one value: the YAML reads the variable into the
+    key, so an override of the key and a different variable disagree, and the override would win
+    without a word. Refused, naming both."""
+    try:
+        from_env = positive_number_from_env("GPU_MEM_GB", environ)
+    except ValueError:  # check_environment reports it
+        return []
+    value = OmegaConf.select(config, "recipe.gpu_mem_gb", default=None)
+    if from_env is None or not _is_number(value) or math.isclose(float(value), from_env, rel_tol=1e-9):
+        return []
+    return [Problem("recipe.gpu_mem_gb", f"disagrees with the environment's GPU_MEM_GB={environ['GPU_MEM_GB']!r}: "
+                    "both name the target GPU's memory (the YAML reads GPU_MEM_GB into recipe.gpu_mem_gb), and the "
+                    "override would win without a word",
+                    f"give the value once: drop the override recipe.gpu_mem_gb={value} and set GPU_MEM_GB, or unset "
+                    f"GPU_MEM_GB", value)]
+
+
+# -- the variables a run's processes read ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EnvCheck:
+    """An environment variable a run's processes read (``who``), the reader they use (``read``: raises
+    ``ValueError`` naming the variable, its value and what it must be), the fix, and when the run
+    reads it at all (``applies``, given the value every process sees of each variable)."""
+
+    name: str
+    who: str
+    read: Callable[[str], object]
+    fix: str
+    applies: Callable[[Callable[[str], Optional[str]]], bool] = lambda seen: True
+
+
+def _weight_sync_timeout(raw: str) -> float:
+    return parse_timeout(raw)  # the reader the trainer itself runs
+
+
+def _reward_workers(raw: str) -> int:
+    # the recipe's reward package loads only where a run checks it (its import starts no helper process)
+    from recipe.stapo.reward.guard import WORKERS_ENV, workers_from_env
+
+    return workers_from_env({WORKERS_ENV: raw})
+
+
+def _external_modules(raw: str) -> None:
+    problem = external_modules_problem(raw)
+    if problem:
+        raise ValueError(f"VERL_USE_EXTERNAL_MODULES={raw!r} {problem}")
+
+
+def _cpu_threads(raw: str) -> int:
+    text = raw.strip()
+    if text and not (text.isascii() and text.isdigit() and int(text) >= 1):
+        raise ValueError(f"STAPO_CPU_THREADS={raw!r}: expected a whole number >= 1 (torch threads in every process "
+                         "of a CPU run)")
+    return int(text) if text else 0
+
+
+def _secrets_file(raw: str) -> dict:
+    return parse_env_file(raw.strip()) if raw.strip() else {}
+
+
+def _metrics_file(raw: str) -> None:
+    path = Path(raw)
+    if path.is_dir():
+        raise ValueError(f"the metrics file {raw} is a folder; verl's file logger writes a file (e.g. "
+                         f"{path / 'metrics.jsonl'})")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"the metrics file {raw}: this user cannot write it")
+    reason = probe_writable(path.parent)
+    if reason:
+        raise ValueError(f"the metrics file {raw}: its folder cannot be written ({reason})")
+
+
+def _on_cpu(seen: Callable[[str], Optional[str]]) -> bool:
+    return (seen("VERL_PLATFORM") or "").strip().lower() == "cpu"
+
+
+#: what a run's processes read from the environment, beyond the config (``GPU_MEM_GB`` is
+#: :data:`NUMBER_ENV`'s, the token dump's variables are the config's ``recipe.token_dump``, checked
+#: in :func:`recipe.stapo.preflight.paths.check_token_dump`)
+RUN_ENV_CHECKS: tuple[EnvCheck, ...] = (
+    EnvCheck("STAPO_WEIGHT_SYNC_TIMEOUT_S", "the trainer, at each weight sync to vLLM (the first one comes after Ray, "
+             "the model load and vLLM's start)", _weight_sync_timeout,
+             "set it to seconds in [1, 2147483], e.g. 600 (the default), or unset it"),
+    EnvCheck("STAPO_REWARD_WORKERS", "the recipe's reward module, when a reward worker imports it", _reward_workers,
+             "set it to a whole number >= 1, e.g. 4, or unset it for min(4, CPUs)"),
+    EnvCheck("STAPO_SECRETS_FILE", "every verl process, when it imports the recipe's patches", _secrets_file,
+             "point it to a NAME=value file only you can read (chmod 600), or unset it"),
+    EnvCheck("STAPO_CPU_THREADS", "every process of a CPU run (VERL_PLATFORM=cpu)", _cpu_threads,
+             "set it to a whole number >= 1, e.g. 1, or unset it", applies=_on_cpu),
+    EnvCheck("VERL_USE_EXTERNAL_MODULES", "every verl process, when it imports verl", _external_modules,
+             "install the missing module (pip install -e .) or drop it from the list"),
+)
+#: variables the config sets for every worker from its own keys (``ray_kwargs.ray_init.runtime_env.
+#: env_vars``), so that a value exported in the launching shell is never read: name -> config key
+CONFIG_OWNED_ENV = {"STAPO_TOKEN_DUMP_DIR": "recipe.token_dump.dir",
+                    "STAPO_TOKEN_DUMP_RESPONSES": "recipe.token_dump.responses",
+                    "STAPO_TOKEN_DUMP_CONTEXT": "recipe.token_dump.context",
+                    "STAPO_TOKEN_DUMP_IDS": "recipe.token_dump.ids",
+                    "STAPO_TOKEN_DUMP_METHOD": "recipe.method"}
+
+
+def seen_by_workers(config: DictConfig, environ: Mapping[str, str]) -> Callable[[str], Optional[str]]:
+    """``seen(name)``: the value the run's processes see of a variable: ``ray_kwargs.ray_init.
+    runtime_env.env_vars`` in the config, which Ray sets in every worker, else the launching
+    environment (local Ray workers inherit it; ``LAUNCH=submit`` forwards the recipe's variables
+    to the job); None when neither sets it."""
+    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+
+    def seen(name: str) -> Optional[str]:
+        if name in given:
+            value = given[name]
+            return "" if value is None else str(value)
+        return environ.get(name)
+
+    return seen
+
+
+def _origin(config: DictConfig, name: str) -> str:
+    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+    return f"{RAY_ENV_VARS}.{name}" if name in given else name
+
+
+def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """One problem per variable of :data:`RUN_ENV_CHECKS` (and the metrics file of
+    ``VERL_FILE_LOGGER_PATH``, with the ``file`` logger) whose value the run's processes would
+    refuse after Ray has started, each read with the reader those processes use."""
+    seen = seen_by_workers(config, environ)
+    found: list[Problem] = []
+    for env_check in RUN_ENV_CHECKS:
+        raw = seen(env_check.name)
+        if raw is None or not env_check.applies(seen):
+            continue
+        try:
+            env_check.read(raw)
+        except (ValueError, OSError) as e:
+            found.append(Problem(_origin(config, env_check.name), f"{e} (read by {env_check.who})", env_check.fix, raw))
+    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+    for name, key in CONFIG_OWNED_ENV.items():
+        exported = environ.get(name)
+        if name in given and exported is not None and exported != seen(name):
+            found.append(Problem(name, f"is exported as {exported!r}, but every worker reads {seen(name)!r}: the "
+                                 f"config sets it from {key} (ray_kwargs.ray_init.runtime_env.env_vars), so the exported "
+                                 "value is never read", f"set {key} instead, and unset {name}", exported))
+    metrics, variable = metrics_file_of(config, seen)
+    submit = environ.get("LAUNCH", "") == "submit"
+    if metrics and "://" not in metrics and not (submit and not Path(metrics).parent.exists()):
+        try:
+            _metrics_file(metrics)
+        except ValueError as e:
+            found.append(Problem(_origin(config, variable), f"{e} (verl's file logger opens it in the trainer, after Ray "
+                                 "starts)", f"point {variable} to a writable place, or unset it (the metrics then go to "
+                                 "<trainer.default_local_dir>/metrics.jsonl)", seen(variable)))
+    return found
+
+
+def metrics_file_of(config: DictConfig, seen: Callable[[str], Optional[str]]) -> tuple[Optional[str], str]:
+    """``(path, variable)``: the metrics file verl's file logger will write with the ``file`` logger
+    (``VERL_FILE_LOGGER_PATH``, else ``VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``, as the
+    workers see them), and the variable that names it; ``(None, "")`` without the ``file`` logger or
+    either variable."""
+    loggers = OmegaConf.select(config, "trainer.logger", default=None)
+    names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
+    if "file" not in names:
+        return None, ""
+    if seen("VERL_FILE_LOGGER_PATH"):
+        return seen("VERL_FILE_LOGGER_PATH"), "VERL_FILE_LOGGER_PATH"
+    root = seen("VERL_FILE_LOGGER_ROOT")
+    if not root:
+        return None, ""
+    project = OmegaConf.select(config, "trainer.project_name", default="")
+    experiment = OmegaConf.select(config, "trainer.experiment_name", default="")
+    return os.path.join(os.path.expanduser(root), str(project), f"{experiment}.jsonl"), "VERL_FILE_LOGGER_ROOT"
