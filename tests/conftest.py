@@ -58,6 +58,22 @@ def session_folder(tmp_path_factory, name: str) -> Path:
     return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
 
 
+@pytest.fixture(scope="module", autouse=True)
+def heavy_module_turn(request):
+    """A module marked ``heavy`` (it starts Ray, vLLM or verl's trainer other than through
+    ``run_cpu_trainer``, which takes its own turn) holds one of the machine's turns for CPU runs
+    (:func:`recipe.stapo.cpu.trainer.machine_turn`) from its first fixture to its last test, so that it
+    waits for a free core instead of timing out beside other runs. Such a module must not call
+    ``run_cpu_trainer`` (it would wait for a second turn while holding one)."""
+    if request.node.get_closest_marker("heavy") is None:
+        yield
+        return
+    from recipe.stapo.cpu.trainer import machine_turn
+
+    with machine_turn():
+        yield
+
+
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:
     """The tiny CPU assets: a copy of the shipped set (recipe/stapo/cpu/shipped_assets, checked

@@ -41,7 +41,7 @@ from recipe.stapo.driver import wandb_run_id
 from recipe.stapo.cpu import cpu_env, cpu_overrides
 from tests.helpers.paths import REPO
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 COMMON = REPO / "run_scripts" / "common.sh"
 RAY = str(Path(sys.executable).parent / "ray")

@@ -13,6 +13,8 @@ import pytest
 
 from tests.helpers.paths import REPO
 
+pytestmark = pytest.mark.heavy  # the CPU runs it starts take a machine turn (tests/conftest.py)
+
 DOC = REPO / "docs" / "trl.md"
 
 

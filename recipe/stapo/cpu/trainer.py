@@ -41,32 +41,62 @@ CPU_ROLLOUT = "vllm"
 FP32 = "{param_dtype:fp32,reduce_dtype:fp32,buffer_dtype:fp32}"
 #: torch intra-op threads in every process of a CPU run (see :func:`thread_env`)
 DEFAULT_THREADS = 1
-#: the file CPU trainer runs on one machine take turns on (:func:`machine_turn`); empty: no turns
+#: where CPU trainer runs on one machine take turns (:func:`machine_turn`); empty: no turns
 RUN_LOCK_ENV = "STAPO_CPU_RUN_LOCK"
 DEFAULT_RUN_LOCK = os.path.join(tempfile.gettempdir(), "stapo-cpu-trainer.lock")
+#: how many CPU trainer runs may share the machine (default: one per core)
+RUN_SLOTS_ENV = "STAPO_CPU_RUN_SLOTS"
+
+
+def run_slots(environ: Mapping[str, str] = os.environ) -> int:
+    """``STAPO_CPU_RUN_SLOTS``, else the machine's core count (a ``ValueError`` naming the variable for
+    anything but a whole number >= 1)."""
+    raw = environ.get(RUN_SLOTS_ENV, "").strip()
+    if not raw:
+        return max(1, os.cpu_count() or 1)
+    if not (raw.isascii() and raw.isdigit() and int(raw) >= 1):
+        raise ValueError(f"{RUN_SLOTS_ENV}={raw!r}: expected a whole number >= 1 (CPU trainer runs at a time)")
+    return int(raw)
 
 
 @contextlib.contextmanager
-def machine_turn(log: Callable[[str], None] = print):
-    """Hold the machine's turn for one CPU trainer run: an exclusive lock on ``STAPO_CPU_RUN_LOCK``
-    (default :data:`DEFAULT_RUN_LOCK`), so that CPU runs started beside each other (the quickstart, the
-    tests, a benchmark) run one after the other instead of sharing the cores, each within its own time
-    limit. Yields the seconds waited for the turn. The lock goes with the process that holds it."""
+def machine_turn(log: Callable[[str], None] = print, poll_s: float = 2.0):
+    """Hold one of the machine's turns for a CPU trainer run: an exclusive lock on one of
+    ``STAPO_CPU_RUN_LOCK.<i>``, ``i < STAPO_CPU_RUN_SLOTS`` (default :data:`DEFAULT_RUN_LOCK`, one turn per
+    core), so that CPU runs started beside each other (the quickstart, the tests, a benchmark) never
+    crowd more processes onto the cores than they hold, and each runs within its own time limit.
+    Yields the seconds waited for the turn. A lock goes with the process that holds it."""
     path = os.environ.get(RUN_LOCK_ENV, DEFAULT_RUN_LOCK)
     if not path:
         yield 0.0
         return
-    start = time.time()
-    with open(path, "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"[stapo] waiting for another CPU trainer run on this machine to finish (lock {path})")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    slots, start, said = run_slots(), time.time(), False
+    handles = [open(f"{path}.{i}", "a") for i in range(slots)]
+    try:
+        while True:
+            held = next((h for h in handles if _try_lock(h)), None)
+            if held is not None:
+                break
+            if not said:
+                log(f"[stapo] waiting for a turn: {slots} other CPU trainer run(s) hold this machine "
+                    f"(locks {path}.*; {RUN_SLOTS_ENV} sets how many share it)")
+                said = True
+            time.sleep(poll_s)
         try:
             yield time.time() - start
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(held, fcntl.LOCK_UN)
+    finally:
+        for handle in handles:
+            handle.close()
+
+
+def _try_lock(handle) -> bool:
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
 
 
 def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:

@@ -14,6 +14,8 @@ import pytest
 
 from tests.helpers.paths import REPO
 
+pytestmark = pytest.mark.heavy  # the CPU runs it starts take a machine turn (tests/conftest.py)
+
 CPU_EVAL = "PRESET=cpu bash run_scripts/eval.sh"
 PAPER_TABLE = "python -m recipe.stapo.eval.tables recipe/stapo/data/fixtures/paper_table2.md          # the paper's table"
 FETCH = "python -m recipe.stapo.eval.verifier fetch-prompt --out $STAPO_DATA_DIR/compassverifier/prompts.py"

@@ -36,7 +36,7 @@ LOGIT_TOLERANCE = 1e-4
 """How far below transformers' best logit vLLM's greedy token may be (float32 on both sides: the
 two compute the same sums in other orders, ~1e-6 apart)."""
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
 
 @pytest.fixture(scope="module")
