@@ -269,6 +269,20 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="verl computes a statistic-only entropy without autograd",
     ),
     Patch(
+        name="selection_pool_groups",
+        target=f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.init_model",
+        wrapper="verl_patches.selection_pool:wrap_init_model",
+        changes="with policy_loss.ranks_per_pool=k, once the actor is built, every rank creates the process groups "
+                "of k contiguous data-parallel ranks its token selection pools over (all groups, on every rank, "
+                "in one order); a k that does not divide the data-parallel size stops the worker naming the key",
+        why="20-Entropy's authors computed their top-20% threshold within one sequence-parallel group of 8 GPUs; "
+            "verl offers no process group between one rank and the whole data-parallel group, and "
+            "torch.distributed.new_group must be called by every rank at the same point",
+        relies_on="init_model building the actor (self.actor, a TrainingWorker with loss_fn = partial(ppo_loss, "
+                  "config=...)) on every rank of the worker group; engine.get_data_parallel_group()",
+        drop_when="never (a recipe setting); rewrite if verl builds the actor elsewhere",
+    ),
+    Patch(
         name="chunked_sum_pi_squared",
         target="verl.utils.torch_functional:calculate_sum_pi_squared_from_logits",
         wrapper="verl_patches.sum_pi_squared:wrap_calculate_sum_pi_squared",

@@ -36,6 +36,7 @@ from verl.utils.device import get_device_id
 from . import update_effect
 from .current_stats import current_policy_statistics
 from .mini_batch_view import MiniBatchView, position_of, read_view, selects
+from .selection_pool import pool_group
 from .token_dump import hook as token_dump
 from .token_selection import apply_selection, select_mini_batch
 
@@ -76,7 +77,8 @@ def before_update(worker, data) -> tuple[dict, Optional[PendingUpdate]]:
     if not (dumps or selects(cfg)):
         return {}, None
     engine = worker.engine
-    view = read_view(data, position, cfg, group=engine.get_data_parallel_group(), device=engine_device(engine))
+    group = engine.get_data_parallel_group()
+    view = read_view(data, position, cfg, group=group, pool_group=pool_group(cfg, group), device=engine_device(engine))
     view.dump_s2t = token_dump.s2t_settings(cfg) if dumps else None
     pending = PendingUpdate(view)
     if view.forwards_current_policy:
