@@ -413,6 +413,29 @@ PATCHES: tuple[Patch, ...] = (
                   "the entropy kept in TransferQueue under 'entropy'",
         drop_when="the v1 trainer honours calculate_sum_pi_squared (the quantiles stay a recipe metric)",
     ),
+    Patch(
+        name="legacy_ungraded_count",
+        target="verl.trainer.ppo.ray_trainer:compute_data_metrics",
+        wrapper="verl_patches.trainers:wrap_legacy_data_metrics",
+        changes="adds reward/ungraded: how many of the step's responses the reward marked ungraded (their answer "
+                "could not be checked; the lenient reward's 'ungraded': true), when the reward reports the key",
+        why="an answer the grader could not check is scored -1 like a wrong one; verl turns the reward's extra "
+            "info into validation metrics only, so a training run would hide how often that happens",
+        relies_on="RayPPOTrainer.fit calling the module-level compute_data_metrics(batch=...) once per step, after "
+                  "the reward's extra info was put into batch.non_tensor_batch",
+        drop_when="verl logs the reward's extra info as training metrics",
+    ),
+    Patch(
+        name="v1_ungraded_count",
+        target=f"{_V1_TRAINER}._compute_metrics",
+        wrapper="verl_patches.trainers:wrap_v1_compute_metrics",
+        changes="adds reward/ungraded, as legacy_ungraded_count, read from each response's extra_fields in the "
+                "TransferQueue (padding rows left out)",
+        why="as legacy_ungraded_count; the TransferQueue trainer keeps the reward's extra info only in the queue",
+        relies_on="fit calling _compute_metrics(batch, metrics, ...) once per step before kv_clear, the agent loop "
+                  "storing the reward's extra info as extra_fields['reward_extra_info'], padding rows tagged is_padding",
+        drop_when="verl logs the reward's extra info as training metrics",
+    ),
 )
 
 

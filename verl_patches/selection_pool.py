@@ -20,7 +20,7 @@ import functools
 
 import torch.distributed as dist
 
-from stapo_core.distributed import contiguous_subgroups
+from stapo_core.distributed import contiguous_subgroups, split_contiguous
 
 from .policy_loss_config import TokenSelectionLossConfig
 
@@ -69,7 +69,12 @@ def wrap_init_model(init_model):
         result = init_model(self, *args, **kwargs)
         cfg = actor_policy_loss(self)
         if cfg is not None and cfg.ranks_per_pool is not None and dist.is_initialized():
-            pool_group(cfg, self.actor.engine.get_data_parallel_group())
+            dp_group = self.actor.engine.get_data_parallel_group()
+            pool_group(cfg, dp_group)
+            if dist.get_rank() == 0:
+                pools = split_contiguous(dist.get_process_group_ranks(dp_group), cfg.ranks_per_pool)
+                print(f"[stapo] token selection pools over {len(pools)} group(s) of {cfg.ranks_per_pool} data-parallel "
+                      f"rank(s), a threshold each (ranks_per_pool={cfg.ranks_per_pool}): {pools}", flush=True)
         return result
 
     return wrapped
