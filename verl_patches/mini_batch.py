@@ -9,7 +9,8 @@ verl's ``TrainingWorker.train_batch`` and :func:`after_update` after it. Before 
    current policy (:func:`verl_patches.current_stats.current_policy_statistics`) for the run's
    selection or for the S2T monitor;
 3. every selection of the mini-batch is computed once and the run's keep mask is folded into it at the
-   mini-batch scope (:mod:`verl_patches.token_selection`): the rule runs once per mini-batch;
+   mini-batch scope (:mod:`verl_patches.token_selection`): the rule runs once per mini-batch, pooled over
+   the data-parallel group or this rank's group of ``ranks_per_pool`` ranks (:mod:`verl_patches.selection_pool`);
 4. with ``update_effect_responses > 0``, the responses holding S2T's silenced (or would-be-silenced)
    tokens and kept candidates are forwarded (:mod:`verl_patches.update_effect`);
 5. with the token dump on, the first mini-batch's sampled responses are scored
