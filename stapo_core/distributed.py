@@ -13,9 +13,13 @@ Row ``r`` of the gathered ``(world, width)`` tensor is rank ``r``'s packed buffe
 flattened result lists every rank's values in the order (rank, flat index): the order a single
 process would see if the ranks' batches were concatenated along the batch dimension.
 
+A statistic can also be pooled over part of a group: :func:`contiguous_subgroups` splits a group
+into groups of ``size`` contiguous ranks (20-Entropy's pool per group of data-parallel ranks), each of
+which then pools as above over its own ranks only.
+
 No function here moves a token tensor to the host or uses boolean indexing, except
-:func:`exchange_objects` and :func:`gather_objects`, which move small python objects (or whole
-sequences, by design) between ranks.
+:func:`exchange_objects`, :func:`gather_objects` and :func:`contiguous_subgroups`, which move small
+python objects (or whole sequences, by design) between ranks.
 """
 
 from __future__ import annotations
@@ -66,6 +70,47 @@ def gather_padded(values: torch.Tensor, valid: torch.Tensor, width: int, group, 
     rows = [torch.empty_like(local) for _ in range(world_size(group))]
     dist.all_gather(rows, local, group=group)
     return torch.stack(rows)
+
+
+def split_contiguous(ranks: list[int], size: int) -> list[list[int]]:
+    """``ranks`` cut into consecutive runs of ``size`` (``ValueError`` unless ``size`` divides their count)."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1 or len(ranks) % size:
+        raise ValueError(f"split_contiguous: size={size!r} does not divide the {len(ranks)} ranks {ranks}")
+    return [list(ranks[start:start + size]) for start in range(0, len(ranks), size)]
+
+
+def contiguous_subgroups(group, size: int):
+    """This rank's part of ``group`` when every such group is cut into groups of ``size`` contiguous
+    ranks: the process group of ranks ``[j * size, (j + 1) * size)`` of ``group`` (in ``group``'s rank
+    order) that holds this rank. ``group`` itself when ``size`` is its size; None (this process alone,
+    as for a single process) when ``size`` is 1 or ``group`` is None.
+
+    Collective over the default group: every rank of the world calls it at the same point with the same
+    ``size``, each with its own ``group`` (with sequence parallelism a world holds several data-parallel
+    groups). The ranks exchange their groups' members (one ``all_gather_object``), then every rank creates
+    every subgroup of every group, in one order (``torch.distributed.new_group`` must be called by every
+    rank, in the same order, for every group, members or not). Call it once and keep the result.
+
+    Raises:
+        ValueError: ``size`` does not divide ``group``'s size (on every rank alike).
+    """
+    if group is None:
+        return None
+    members = dist.get_process_group_ranks(group)
+    split_contiguous(members, size)  # the check, before any collective
+    if size == len(members):
+        return group
+    if size == 1:
+        return None
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, members)
+    mine, me = None, dist.get_rank()
+    for ranks in sorted({tuple(r) for r in every}):
+        for part in split_contiguous(list(ranks), size):
+            created = dist.new_group(part)
+            if me in part:
+                mine = created
+    return mine
 
 
 def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:

@@ -269,6 +269,20 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="verl computes a statistic-only entropy without autograd",
     ),
     Patch(
+        name="selection_pool_groups",
+        target=f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.init_model",
+        wrapper="verl_patches.selection_pool:wrap_init_model",
+        changes="with policy_loss.ranks_per_pool=k, once the actor is built, every rank creates the process groups "
+                "of k contiguous data-parallel ranks its token selection pools over (all groups, on every rank, "
+                "in one order); a k that does not divide the data-parallel size stops the worker naming the key",
+        why="20-Entropy's authors computed their top-20% threshold within one sequence-parallel group of 8 GPUs; "
+            "verl offers no process group between one rank and the whole data-parallel group, and "
+            "torch.distributed.new_group must be called by every rank at the same point",
+        relies_on="init_model building the actor (self.actor, a TrainingWorker with loss_fn = partial(ppo_loss, "
+                  "config=...)) on every rank of the worker group; engine.get_data_parallel_group()",
+        drop_when="never (a recipe setting); rewrite if verl builds the actor elsewhere",
+    ),
+    Patch(
         name="chunked_sum_pi_squared",
         target="verl.utils.torch_functional:calculate_sum_pi_squared_from_logits",
         wrapper="verl_patches.sum_pi_squared:wrap_calculate_sum_pi_squared",
@@ -398,6 +412,29 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="_compute_old_log_prob(batch, metrics) with batch.extra_info forwarded to the worker and "
                   "the entropy kept in TransferQueue under 'entropy'",
         drop_when="the v1 trainer honours calculate_sum_pi_squared (the quantiles stay a recipe metric)",
+    ),
+    Patch(
+        name="legacy_ungraded_count",
+        target="verl.trainer.ppo.ray_trainer:compute_data_metrics",
+        wrapper="verl_patches.trainers:wrap_legacy_data_metrics",
+        changes="adds reward/ungraded: how many of the step's responses the reward marked ungraded (their answer "
+                "could not be checked; the lenient reward's 'ungraded': true), when the reward reports the key",
+        why="an answer the grader could not check is scored -1 like a wrong one; verl turns the reward's extra "
+            "info into validation metrics only, so a training run would hide how often that happens",
+        relies_on="RayPPOTrainer.fit calling the module-level compute_data_metrics(batch=...) once per step, after "
+                  "the reward's extra info was put into batch.non_tensor_batch",
+        drop_when="verl logs the reward's extra info as training metrics",
+    ),
+    Patch(
+        name="v1_ungraded_count",
+        target=f"{_V1_TRAINER}._compute_metrics",
+        wrapper="verl_patches.trainers:wrap_v1_compute_metrics",
+        changes="adds reward/ungraded, as legacy_ungraded_count, read from each response's extra_fields in the "
+                "TransferQueue (padding rows left out)",
+        why="as legacy_ungraded_count; the TransferQueue trainer keeps the reward's extra info only in the queue",
+        relies_on="fit calling _compute_metrics(batch, metrics, ...) once per step before kv_clear, the agent loop "
+                  "storing the reward's extra info as extra_fields['reward_extra_info'], padding rows tagged is_padding",
+        drop_when="verl logs the reward's extra info as training metrics",
     ),
 )
 

@@ -10,8 +10,10 @@ verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) hands the policy loss onl
   so verl's loss runs unchanged. The only guard: a mini-batch whose every token was silenced has
   ``batch_num_tokens == 0``, and the count is raised to 1 so that the all-zero masked sums give 0.
 * ``scope=micro_batch``: the keep mask is computed here, per micro-batch, pooled over the
-  data-parallel group's current micro-batches, from the current log-probs and entropy of
-  ``model_output`` (``stats_from=current``) or the rollout ones in the batch. It is multiplied into
+  data-parallel group's current micro-batches (or those of this rank's group of ``ranks_per_pool``
+  ranks, :mod:`verl_patches.selection_pool`, whose counts the re-weighting below then reads), from
+  the current log-probs and entropy of ``model_output`` (``stats_from=current``) or the rollout ones
+  in the batch. It is multiplied into
   the micro-batch's ``response_mask``, then verl's own loss runs, whatever its ``loss_mode``. verl
   normalises by the mini-batch's token (or sequence) count taken before the selection, so the loss
   is re-weighted by ``tokens / kept`` (``sequences / kept sequences`` for seq-mean modes) of this
@@ -42,6 +44,7 @@ from verl.workers.utils.padding import no_padding_2_padding
 
 from .layout import ROLLOUT_ENTROPY_FIELD, UNSELECTED_MASK_FIELD, add_per_row, multiply_like, padded_float, to_padded
 from .policy_loss_config import KEY_PREFIX, TokenSelectionLossConfig
+from .selection_pool import pool_group
 from .token_selection import rollout_agreement, select_tokens
 
 #: aggregation modes whose denominator counts sequences (verl's ``global_batch_size``)
@@ -102,7 +105,9 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
     """Fold this micro-batch's keep mask into ``data["response_mask"]``; return the loss re-weighting
     and the selection's metrics."""
     loss_agg_mode = config.loss_agg_mode
-    if not cfg.pools_over_ranks:  # 20-Entropy's authors' code: this rank's micro-batch alone
+    if cfg.pools_over_ranks:  # every rank's micro-batch, or its group of ranks_per_pool ranks
+        group = pool_group(cfg, group)
+    else:  # 20-Entropy's authors' code: this rank's micro-batch alone
         group = None
         if loss_agg_mode != "token-mean" or config.use_kl_loss or config.entropy_coeff:
             raise ValueError(

@@ -9,7 +9,8 @@ verl's ``TrainingWorker.train_batch`` and :func:`after_update` after it. Before 
    current policy (:func:`verl_patches.current_stats.current_policy_statistics`) for the run's
    selection or for the S2T monitor;
 3. every selection of the mini-batch is computed once and the run's keep mask is folded into it at the
-   mini-batch scope (:mod:`verl_patches.token_selection`): the rule runs once per mini-batch;
+   mini-batch scope (:mod:`verl_patches.token_selection`): the rule runs once per mini-batch, pooled over
+   the data-parallel group or this rank's group of ``ranks_per_pool`` ranks (:mod:`verl_patches.selection_pool`);
 4. with ``update_effect_responses > 0``, the responses holding S2T's silenced (or would-be-silenced)
    tokens and kept candidates are forwarded (:mod:`verl_patches.update_effect`);
 5. with the token dump on, the first mini-batch's sampled responses are scored
@@ -36,6 +37,7 @@ from verl.utils.device import get_device_id
 from . import update_effect
 from .current_stats import current_policy_statistics
 from .mini_batch_view import MiniBatchView, position_of, read_view, selects
+from .selection_pool import pool_group
 from .token_dump import hook as token_dump
 from .token_selection import apply_selection, select_mini_batch
 
@@ -76,7 +78,8 @@ def before_update(worker, data) -> tuple[dict, Optional[PendingUpdate]]:
     if not (dumps or selects(cfg)):
         return {}, None
     engine = worker.engine
-    view = read_view(data, position, cfg, group=engine.get_data_parallel_group(), device=engine_device(engine))
+    group = engine.get_data_parallel_group()
+    view = read_view(data, position, cfg, group=group, pool_group=pool_group(cfg, group), device=engine_device(engine))
     view.dump_s2t = token_dump.s2t_settings(cfg) if dumps else None
     pending = PendingUpdate(view)
     if view.forwards_current_policy:

@@ -142,7 +142,9 @@ class MiniBatchView:
     data: verl's TensorDict (the fold writes the keep mask into it; the forwards take its sequences).
     position: its place in the step. cfg: the worker's policy-loss settings (None for a worker without
     a policy loss; the recipe's resolve their rule, ``cfg.rule``).
-    group: the data-parallel group the selection pools over; device: the engine's (where its
+    group: the data-parallel group (verl's counts, the S2T monitor, the forwards' exchanges);
+    pool_group: the group the run's own selection pools over (``group``, or this rank's group of
+    ``ranks_per_pool`` ranks: :mod:`verl_patches.selection_pool`); device: the engine's (where its
     collectives run).
     mask, advantages: float32 ``(batch, width)`` on ``device``; the mask is the response mask as the
     mini-batch came, before any token is silenced. old_log_prob, rollout_entropy, sum_pi_squared: the
@@ -155,6 +157,7 @@ class MiniBatchView:
     position: MiniBatchPosition
     cfg: object
     group: object
+    pool_group: object
     device: torch.device
     mask: torch.Tensor
     advantages: Optional[torch.Tensor]
@@ -193,12 +196,13 @@ def selects(cfg) -> bool:
     return isinstance(cfg, TokenSelectionLossConfig) and (cfg.folds_into_mini_batch or cfg.monitors_s2t)
 
 
-def read_view(data, position: MiniBatchPosition, cfg, *, group=None, device=None) -> MiniBatchView:
+def read_view(data, position: MiniBatchPosition, cfg, *, group=None, pool_group=..., device=None) -> MiniBatchView:
     """Read the mini-batch ``data`` (verl's TensorDict, padded or jagged) once: its fields as the
-    recipe computes on them, on ``device``."""
+    recipe computes on them, on ``device``. ``pool_group``: the run's selection pool (default ``group``)."""
     width = to_padded(data["response_mask"]).shape[1]
     mask, advantages, old_log_prob, rollout_entropy, sum_pi_squared = (
         padded_float(data[name], width, device) if name in data else None
         for name in ("response_mask", "advantages", "old_log_probs", ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD))
-    return MiniBatchView(data, position, cfg, group, device, mask, advantages, old_log_prob, rollout_entropy,
+    pool_group = group if pool_group is ... else pool_group
+    return MiniBatchView(data, position, cfg, group, pool_group, device, mask, advantages, old_log_prob, rollout_entropy,
                          sum_pi_squared)

@@ -42,6 +42,11 @@ SEQUENCE_RATIO_LOSS_MODES = ("gspo", "geo_mean")
 LOCAL_NORMALISING_LOSS_MODES = ("geo_mean", "sapo")
 
 
+def pool_sizes(dp_size: int) -> list[int]:
+    """The values ``ranks_per_pool`` may take with ``dp_size`` data-parallel ranks: its divisors."""
+    return [d for d in range(1, dp_size + 1) if dp_size % d == 0]
+
+
 @dataclass
 class TokenSelectionLossConfig(PolicyLossConfig):
     """verl's ``PolicyLossConfig`` plus the token selection of STAPO (S2T) and 20-Entropy (the keys'
@@ -66,6 +71,12 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             forward's; spread over the ranks by tokens) or ``full`` (always, for 20-Entropy).
         entropy_topk_reading: ``pooled`` as ``stats_from``/``scope`` say, or ``authors_code``: per rank
             and micro-batch from the update's forward, weighted by sequence share (the authors' code).
+        ranks_per_pool: what the selection pools over across data-parallel ranks: null, every rank (the
+            whole mini-batch, or each micro-batch of every rank), or ``k``: groups of ``k`` contiguous
+            data-parallel ranks, each group with its own threshold over its own tokens (20-Entropy's
+            authors pooled within one sequence-parallel group of 8 GPUs; :meth:`check_data_parallel_size`
+            checks that ``k`` divides the data-parallel size). Not for S2T, whose ``tau_h`` is the paper's
+            mini-batch statistic, nor for ``entropy_topk_reading=authors_code`` (per rank already).
         sequence_ratio: for ``gspo``/``geo_mean``: the sequence ratio over the ``kept_tokens`` or over
             ``all_tokens`` (silenced ones carrying no gradient).
         seed: seed of S2T's ``random`` strategy.
@@ -86,6 +97,7 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     scope: Optional[str] = None
     current_forward: str = "positive_advantage"
     entropy_topk_reading: str = "pooled"
+    ranks_per_pool: Optional[int] = None
     sequence_ratio: str = "kept_tokens"
     seed: int = 0
     s2t_monitor: bool = False
@@ -118,6 +130,7 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             if self.scope == "mini_batch":
                 fail("scope", self.scope, "null or micro_batch with entropy_topk_reading=authors_code (the authors' "
                      "code selects per micro-batch)")
+        self._check_ranks_per_pool(fail)
         if self.sequence_ratio not in SEQUENCE_RATIOS:
             fail("sequence_ratio", self.sequence_ratio, f"one of {list(SEQUENCE_RATIOS)}")
         if self.sequence_ratio == "all_tokens" and self.loss_mode not in SEQUENCE_RATIO_LOSS_MODES:
@@ -143,6 +156,39 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             fail("update_effect_responses", self.update_effect_responses,
                  f"0 without S2T's selection: set {KEY_PREFIX}.s2t_monitor=true (or token_selection=s2t) to measure "
                  "how the update moves the tokens S2T singles out")
+
+    def _check_ranks_per_pool(self, fail) -> None:
+        k = self.ranks_per_pool
+        if k is None:
+            return
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            fail("ranks_per_pool", k, "null (every data-parallel rank) or a whole number >= 1 of contiguous "
+                 "data-parallel ranks per pool")
+        if not self.selects_tokens:
+            fail("ranks_per_pool", k, "null with token_selection=none (there is no selection to pool)")
+        if self.applies_s2t:
+            fail("ranks_per_pool", k, "null with token_selection=s2t: S2T's tau_h is pooled over the whole "
+                 "mini-batch, the paper's statistic (ranks_per_pool reproduces 20-Entropy's authors' pool)")
+        if self.authors_code_reading:
+            fail("ranks_per_pool", k, "null with entropy_topk_reading=authors_code (it selects per rank and "
+                 "micro-batch already; ranks_per_pool applies to the pooled reading)")
+
+    def check_data_parallel_size(self, dp_size: int) -> None:
+        """``ValueError`` naming the key when ``ranks_per_pool`` does not divide ``dp_size``, the run's
+        data-parallel ranks (GPUs / sequence-parallel size): the pools would not cover the ranks evenly."""
+        k = self.ranks_per_pool
+        if k is not None and k not in pool_sizes(dp_size):
+            raise ValueError(
+                f"{KEY_PREFIX}.ranks_per_pool={k!r} is invalid: expected a divisor of the run's {dp_size} "
+                f"data-parallel ranks (GPUs / ulysses_sequence_parallel_size): one of {pool_sizes(dp_size)}, or "
+                "null (every rank)")
+
+    def pool_ranks(self, dp_size: int) -> int:
+        """Data-parallel ranks one selection pool spans, out of ``dp_size``: 1 for the authors' code reading
+        (each rank alone), ``ranks_per_pool`` when set, else every rank."""
+        if self.authors_code_reading:
+            return 1
+        return dp_size if self.ranks_per_pool is None else self.ranks_per_pool
 
     # -- the decisions, each asked in one place --------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Which response tokens carry policy gradient, on verl's padded tensors: the rule table's entry
-(:data:`stapo_core.rules.RULES`) named by ``token_selection``, pooled over the data-parallel group.
+(:data:`stapo_core.rules.RULES`) named by ``token_selection``, pooled over the data-parallel group
+(or over groups of ``ranks_per_pool`` of its ranks: :mod:`verl_patches.selection_pool`).
 
 The selection is independent of the policy loss: it only shrinks the mask the loss runs over, so it
 composes with every loss mode verl registers. Two places select:
@@ -42,6 +43,7 @@ from .layout import ROLLOUT_ENTROPY_FIELD, UNSELECTED_MASK_FIELD, multiply_like,
 from .mini_batch_view import (CurrentStatistics, MiniBatchPosition, MiniBatchSelection, MiniBatchView, S2TSets,
                               read_view)
 from .policy_loss_config import TokenSelectionLossConfig
+from . import selection_pool
 
 #: 1.0 when S2T's selection was applied in the update, 0.0 when it was only monitored
 APPLIED_METRIC = S2T.metric_prefix + "applied"
@@ -169,12 +171,13 @@ def _statistics(view: MiniBatchView, current: Optional[CurrentStatistics], who: 
 
 
 def _select(cfg: TokenSelectionLossConfig, view: MiniBatchView, current: Optional[CurrentStatistics],
-            who: str) -> tuple[RuleResult, dict]:
-    """The rule of ``cfg`` on the mini-batch: its selection over every response token, and its metrics
-    (the rule's, the drift from the rollout statistics, the gradient norms of its sets)."""
+            who: str, group) -> tuple[RuleResult, dict]:
+    """The rule of ``cfg`` on the mini-batch, pooled over ``group``: its selection over every response
+    token, and its metrics (the rule's, the drift from the rollout statistics, the gradient norms of its
+    sets), each over ``group``."""
     rule = cfg.rule
     log_prob, entropy = _statistics(view, current, who)
-    mask, part, group = view.mask, view.mask, view.group
+    mask, part = view.mask, view.mask
     if current is not None:
         if not bool(current.forwarded.all()) and not rule.positive_advantage_only:
             raise ValueError(f"token_selection={cfg.token_selection} needs the statistics of every sequence")
@@ -203,25 +206,26 @@ def s2t_sets(mask: torch.Tensor, selection: RuleResult) -> S2TSets:
 
 
 def as_s2t(cfg: TokenSelectionLossConfig, **changes) -> TokenSelectionLossConfig:
-    """``cfg`` with S2T as its token selection, pooled at the mini-batch scope (the monitor's selector)."""
+    """``cfg`` with S2T as its token selection, pooled over the whole mini-batch (the monitor's selector)."""
     return dataclasses.replace(cfg, token_selection=S2T.name, scope=None, entropy_topk_reading="pooled",
-                               update_effect_responses=0, **changes)
+                               ranks_per_pool=None, update_effect_responses=0, **changes)
 
 
 def select_mini_batch(view: MiniBatchView) -> MiniBatchSelection:
     """Every selection of one rank's mini-batch (the data is not changed), computed once into
-    ``view.selection``: the S2T monitor's, the run's (its keep mask, and S2T's sets where the run
-    applies S2T), and S2T's sets for the token dump where it asks for others."""
+    ``view.selection``: the S2T monitor's (pooled over ``view.group``, the paper's mini-batch), the run's
+    (pooled over ``view.pool_group``: its keep mask, and S2T's sets where the run applies S2T), and S2T's
+    sets for the token dump where it asks for others."""
     cfg, current, selection = view.cfg, view.current, view.selection
     if view.selects and cfg.monitors_s2t:  # the monitor's runs never apply S2T: their forward covers every sequence
         result, metrics = _select(as_s2t(cfg), view, current if cfg.stats_from == "current" else None,
-                                  "the S2T monitor (s2t_monitor=true)")
+                                  "the S2T monitor (s2t_monitor=true)", view.group)
         if current is not None and not cfg.forwards_current_policy:
             metrics.update(current.metrics)  # the forward served the monitor alone
         metrics[APPLIED_METRIC] = 0.0
         selection.s2t, selection.metrics = s2t_sets(view.mask, result), metrics
     if view.selects and cfg.folds_into_mini_batch:
-        result, metrics = _select(cfg, view, current, "token selection (scope=mini_batch)")
+        result, metrics = _select(cfg, view, current, "token selection (scope=mini_batch)", view.pool_group)
         if current is not None:
             metrics.update(current.metrics)
         selection.keep = result.keep
@@ -269,11 +273,15 @@ def apply_selection(view: MiniBatchView) -> None:
         tu.assign_non_tensor(data, global_batch_size=max(int(count.item()), 1))
 
 
-def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device=None, current=None) -> dict[str, float]:
+def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device=None, current=None,
+                         pool_group=...) -> dict[str, float]:
     """The mini-batch fold on its own (tests, benchmarks): ``data`` read as a step's first mini-batch,
     or with ``current`` (a ``(log_prob, entropy)`` pair, padded ``(batch, resp_len)``, of every row) as
-    a later one; :func:`select_mini_batch` then :func:`apply_selection`. Returns the metrics."""
-    view = read_view(data, MiniBatchPosition(1, 0 if current is None else 1), cfg, group=group, device=device)
+    a later one; :func:`select_mini_batch` then :func:`apply_selection`. ``pool_group``: the run's
+    selection pool (default :func:`verl_patches.selection_pool.pool_group` of ``group``). Returns the metrics."""
+    pool = selection_pool.pool_group(cfg, group) if pool_group is ... else pool_group
+    view = read_view(data, MiniBatchPosition(1, 0 if current is None else 1), cfg, group=group, pool_group=pool,
+                     device=device)
     if current is not None:
         log_prob, entropy = (padded_float(t, view.mask.shape[1], view.mask.device) for t in current)
         view.current = CurrentStatistics(log_prob, entropy, torch.ones(len(data), dtype=torch.bool), {})

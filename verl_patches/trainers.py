@@ -11,6 +11,13 @@ the rollout statistics:
 * TransferQueue trainer (``trainer.use_v1=true``, ``PPOTrainer``, which keeps ``entropy`` itself):
   :func:`wrap_v1_old_log_prob` logs the quantiles and honours ``actor.calculate_sum_pi_squared``
   as the legacy trainer does (for the closed-form gradient-norm metrics ``actor/s2t/grad_norm_*``).
+
+Both trainers also log, per training step, how many of the step's responses the reward could not
+check (``reward/ungraded``: the lenient reward's ``"ungraded": true``, docs/reward.md). verl turns the
+reward's extra info into validation metrics only; in training it keeps it beside each response: in the
+batch's non-tensor fields (legacy trainer, :func:`wrap_legacy_data_metrics`) or in each response's
+TransferQueue field ``extra_fields["reward_extra_info"]`` (TransferQueue trainer,
+:func:`wrap_v1_compute_metrics`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,11 @@ from verl.workers.utils.padding import response_from_nested
 from .policy_loss_config import TokenSelectionLossConfig
 from .step_metrics import entropy_quantile_metrics
 from .layout import ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD, to_padded
+
+#: the reward's extra-info key marking a response whose answer could not be checked (recipe.stapo.reward)
+UNGRADED_KEY = "ungraded"
+#: the per-step training metric: how many of the step's responses were ungraded
+UNGRADED_METRIC = "reward/ungraded"
 
 
 def needs_rollout_entropy(config) -> bool:
@@ -93,5 +105,59 @@ def wrap_v1_old_log_prob(compute_old_log_prob):
                 keys=batch.keys, partition_id=batch.partition_id, fields=data.select(SUM_PI_SQUARED_FIELD)
             )
         return batch
+
+    return wrapped
+
+
+def ungraded_metrics(values) -> dict[str, int]:
+    """``{reward/ungraded: n}``, ``n`` the responses whose reward extra info says ``ungraded`` (``values``:
+    one entry per response, ``None`` where a response's reward reported no such key); ``{}`` when no
+    response reported it (a reward without the key, e.g. JustRL's strict one, never leaves an answer
+    unchecked)."""
+    reported = [v for v in values if v is not None]
+    if not reported:
+        return {}
+    return {UNGRADED_METRIC: sum(bool(v) for v in reported)}
+
+
+def wrap_legacy_data_metrics(compute_data_metrics):
+    """verl's ``compute_data_metrics`` as the legacy trainer calls it once per step (on the step's whole
+    batch, whose non-tensor fields hold the reward's extra info), adding :func:`ungraded_metrics`."""
+
+    @functools.wraps(compute_data_metrics)
+    def wrapped(batch, *args, **kwargs):
+        metrics = compute_data_metrics(batch, *args, **kwargs)
+        values = batch.non_tensor_batch.get(UNGRADED_KEY, None)
+        if values is not None:
+            metrics.update(ungraded_metrics(list(values)))
+        return metrics
+
+    return wrapped
+
+
+def extra_info_values(extra_fields, key: str) -> list:
+    """``key`` of each response's reward extra info (``extra_fields[i]["reward_extra_info"]``, as the
+    TransferQueue trainer's agent loop stores it), ``None`` where absent."""
+    values = []
+    for fields in extra_fields:
+        info = fields.get("reward_extra_info", None) if isinstance(fields, dict) else None
+        values.append(info.get(key, None) if isinstance(info, dict) else None)
+    return values
+
+
+def wrap_v1_compute_metrics(compute_metrics):
+    """``PPOTrainer._compute_metrics`` (once per step, on the step's batch, before the queue is cleared)
+    adding :func:`ungraded_metrics` of the step's responses (the padding rows verl adds to divide the
+    batch evenly left out), read from their ``extra_fields`` in the queue."""
+
+    @functools.wraps(compute_metrics)
+    def wrapped(self, batch, metrics, *args, **kwargs):
+        result = compute_metrics(self, batch, metrics, *args, **kwargs)
+        keys = [key for key, tag in zip(batch.keys, batch.tags) if not tag.get("is_padding", False)]
+        if keys:
+            data = tq.kv_batch_get(keys=keys, partition_id=batch.partition_id, select_fields=["extra_fields"])
+            extra_fields = data.pop("extra_fields").tolist()  # as verl's _validate reads the field
+            metrics.update(ungraded_metrics(extra_info_values(extra_fields, UNGRADED_KEY)))
+        return result
 
     return wrapped

@@ -252,6 +252,23 @@ def test_sequence_parallelism_with_a_current_policy_forward_is_refused(cluster, 
     passes(paper(cluster, *overrides, method=method))  # without sequence parallelism: fine
 
 
+def test_a_pool_of_ranks_that_does_not_divide_the_data_parallel_ranks_is_refused_before_ray(cluster):
+    """``ranks_per_pool`` is checked against the run's data-parallel size (GPUs / sequence parallel) here,
+    not by the workers after Ray, the model load and the vLLM start; the authors' pool passes on 64 GPUs
+    and its summary names the pool in tokens."""
+    authors = [f"{PL}.stats_from=current", f"{PL}.scope=micro_batch", f"{ACTOR}.ppo_max_token_len_per_gpu=22528"]
+    err = refused(paper(cluster, *authors, f"{PL}.ranks_per_pool=48", method="entropy20"))
+    problem(err, f"{PL}.ranks_per_pool", "expected a divisor of the run's 64 data-parallel ranks",
+            "one of [1, 2, 4, 8, 16, 32, 64]", "set it to a divisor of 64")
+    half = [f"{ACTOR}.ppo_max_token_len_per_gpu=8192", f"{ROLLOUT}.log_prob_max_token_len_per_gpu=8192"]
+    err = refused(paper(cluster, *half, f"{ACTOR}.ulysses_sequence_parallel_size=2", f"{PL}.ranks_per_pool=64",
+                        method="entropy20"))
+    problem(err, f"{PL}.ranks_per_pool", "run's 32 data-parallel ranks")
+    config = paper(cluster, *authors, f"{PL}.ranks_per_pool=8", method="entropy20")
+    passes(config)
+    assert "token selection pool = up to 180,224 tokens per threshold" in describe(config)
+
+
 def test_reference_budget_is_checked_where_a_reference_model_runs(cluster):
     key = "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"
     problem(refused(paper(cluster, f"{key}=1024", method="grpo")), key, "=1024: less than the longest sequence")

@@ -4,17 +4,19 @@ all problems at once; :func:`summary` says what a config runs."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from omegaconf import DictConfig
 
+from recipe.stapo.policy_loss import settings_of
 from stapo_core.rules import NO_SELECTION, RULES
 
 from .memory import check_memory
 from .names import POLICY_LOSS, check_identity, check_names, token_selection
 from .numbers import check_numbers, uses_reference
 from .paths import check_paths, check_token_dump
-from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, pick
+from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, is_int, pick
 from .values import check_values
 
 #: the launcher's environment variable naming submit mode (run_scripts/common.sh)
@@ -37,6 +39,8 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
     numbers_ok = check_numbers(config, found)
     found += check_values(config, environ)  # types and ranges verl checks after Ray; the run's environment
     check_names(config, found)
+    if numbers_ok:
+        check_ranks_per_pool(config, found)
     check_identity(config, found)
     check_paths(config, found, report.notes, submit)
     check_token_dump(config, found)
@@ -47,6 +51,88 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
         raise PreflightError(found)
     log(report.text())
     return report
+
+
+def data_parallel_size(config: DictConfig) -> Optional[int]:
+    """The actor's data-parallel ranks: GPUs / ``ulysses_sequence_parallel_size`` (None when the numbers
+    are not whole numbers that divide)."""
+    nnodes, gpus = pick(config, "trainer.nnodes"), pick(config, "trainer.n_gpus_per_node")
+    sp = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1
+    if not all(is_int(v) and v > 0 for v in (nnodes, gpus, sp)) or (nnodes * gpus) % sp:
+        return None
+    return nnodes * gpus // sp
+
+
+def check_ranks_per_pool(config: DictConfig, found: list[Problem]) -> None:
+    """``policy_loss.ranks_per_pool`` divides the run's data-parallel ranks (the config class's own check,
+    :meth:`~verl_patches.policy_loss_config.TokenSelectionLossConfig.check_data_parallel_size`, which the
+    workers would otherwise run after Ray, the model load and the vLLM start)."""
+    try:
+        cfg = settings_of(config)
+    except ValueError:  # check_names reports an invalid policy-loss config
+        return
+    dp = data_parallel_size(config)
+    if cfg is None or cfg.ranks_per_pool is None or dp is None:
+        return
+    try:
+        cfg.check_data_parallel_size(dp)
+    except ValueError as e:
+        found.append(Problem(f"{POLICY_LOSS}.ranks_per_pool", str(e).split(" is invalid: ", 1)[-1],
+                             f"set it to a divisor of {dp} (8 gives 20-Entropy's authors' pool, docs/method.md), "
+                             "or null to pool over every rank", cfg.ranks_per_pool))
+
+
+@dataclass(frozen=True)
+class SelectionPool:
+    """What one threshold of a run's token selection is computed over (the largest pool the config allows).
+
+    tokens: the most tokens one pool holds; ranks: data-parallel ranks per pool, out of ``data_parallel``;
+    what: how the tokens are counted.
+    """
+
+    tokens: int
+    ranks: int
+    data_parallel: int
+    what: str
+
+    def text(self) -> str:
+        return f"up to {self.tokens:,} tokens per threshold: {self.what}"
+
+
+def selection_pool(config: DictConfig) -> Optional[SelectionPool]:
+    """The pool of the run's token selection (None without one, or with numbers the preflight refuses):
+    with ``scope=mini_batch`` the response tokens of the PPO mini-batch's sequences held by one pool's
+    ranks (``ranks_per_pool``, default every rank); with ``scope=micro_batch`` one micro-batch of each of
+    those ranks (the token budget with dynamic batch size, prompts included; else the micro-batch's
+    sequences at the full response length); with ``entropy_topk_reading=authors_code`` one rank's micro-batch."""
+    try:
+        cfg = settings_of(config)
+    except ValueError:
+        return None
+    dp = data_parallel_size(config)
+    if cfg is None or not cfg.selects_tokens or dp is None:
+        return None
+    try:
+        cfg.check_data_parallel_size(dp)
+        ranks = cfg.pool_ranks(dp)
+        response = int(pick(config, "data.max_response_length"))
+        sp = int(pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1)
+        where = (f"all {dp} data-parallel ranks" if ranks == dp else "one data-parallel rank" if ranks == 1
+                 else f"each group of {ranks} of the {dp} data-parallel ranks")
+        if cfg.resolved_scope == "mini_batch":
+            sequences = int(pick(config, f"{ACTOR}.ppo_mini_batch_size")) * int(pick(config, f"{ROLLOUT}.n"))
+            held = sequences * ranks // dp
+            return SelectionPool(held * response, ranks, dp, f"the PPO mini-batch's {held} sequences on {where}, "
+                                 f"up to {response:,} response tokens each")
+        if pick(config, f"{ACTOR}.use_dynamic_bsz"):
+            budget = int(pick(config, f"{ACTOR}.ppo_max_token_len_per_gpu")) * sp
+            return SelectionPool(ranks * budget, ranks, dp, f"one micro-batch of {where}, up to {budget:,} tokens "
+                                 "per rank (the update's token budget, prompts included)")
+        micro = int(pick(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu"))
+        return SelectionPool(ranks * micro * response, ranks, dp, f"one micro-batch of {where}, {micro} "
+                             f"sequences per rank, up to {response:,} response tokens each")
+    except (TypeError, ValueError):
+        return None
 
 
 def _problems_of(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
@@ -70,7 +156,12 @@ def summary(config: DictConfig) -> str:
         lines += [(f"{POLICY_LOSS}.{k}", _get(f"{POLICY_LOSS}.{k}")) for k in RULES[selection].fields]
     if selection != NO_SELECTION:
         lines += [(f"{POLICY_LOSS}.stats_from", _get(f"{POLICY_LOSS}.stats_from")),
-                  (f"{POLICY_LOSS}.scope", _get(f"{POLICY_LOSS}.scope") or "mini_batch")]
+                  (f"{POLICY_LOSS}.scope", _get(f"{POLICY_LOSS}.scope") or "mini_batch"),
+                  (f"{POLICY_LOSS}.ranks_per_pool",
+                   _get(f"{POLICY_LOSS}.ranks_per_pool") or "null (every data-parallel rank)")]
+        pool = selection_pool(config)
+        if pool is not None:
+            lines.append(("token selection pool", pool.text()))
     lines += [("reward.custom_reward_function", f"{_get('reward.custom_reward_function.path')}:"
                f"{_get('reward.custom_reward_function.name')}"),
               ("algorithm.adv_estimator", _get("algorithm.adv_estimator"))]
