@@ -222,6 +222,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="trl_without_value_head",
         target="verl.models.transformers.monkey_patch:is_trl_available",
+        on_import=True,
         wrapper="verl_patches.trl_compat:wrap_is_trl_available",
         changes="reports TRL as unavailable when the installed TRL has no AutoModelForCausalLMWithValueHead",
         why="verl imports that class in apply_monkey_patch whenever TRL is installed; TRL 1.x (the trl extra) "
@@ -233,6 +234,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="ppo_loss_token_selection",
         target=f"{_ENGINE_WORKERS}:ppo_loss",
+        on_import=True,
         wrapper="verl_patches.losses:wrap_ppo_loss",
         changes="token selection inside the loss (scope=micro_batch; 20-Entropy's entropy_topk_reading=authors_code, "
                 "per rank with the authors' weighting); a sequence-level ratio over every response token "
@@ -245,6 +247,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="mini_batch_fold",
         target=f"{_ENGINE_WORKERS}:TrainingWorker.train_batch",
+        on_import=True,
         wrapper="verl_patches.mini_batch:wrap_train_batch",
         changes="before each mini-batch's update: its position in the step, the keep mask folded into "
                 "response_mask/loss_mask (scope=mini_batch), the current-policy forward (stats_from=current; S2T: "
@@ -260,6 +263,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="statistic_only_entropy",
         target=f"{_ENGINE_WORKERS}:TrainingWorker.set_loss_fn",
+        on_import=True,
         wrapper="verl_patches.current_stats:wrap_set_loss_fn",
         changes="with stats_from=current, scope=micro_batch and no entropy bonus, the update's entropy is "
                 "computed without autograd",
@@ -271,6 +275,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="selection_pool_groups",
         target=f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.init_model",
+        on_import=True,
         wrapper="verl_patches.selection_pool:wrap_init_model",
         changes="with policy_loss.ranks_per_pool=k, once the actor is built, every rank creates the process groups "
                 "of k contiguous data-parallel ranks its token selection pools over (all groups, on every rank, "
@@ -322,6 +327,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="memory_probe_infer",
         target=f"{_ENGINE_WORKERS}:TrainingWorker.infer_batch",
+        on_import=True,
         wrapper="verl_patches.memory_probe:wrap_infer_batch",
         changes="on CUDA, resets PyTorch's peak memory before a forward pass (log-prob; reference on a "
                 "forward-only engine; the recipe's current-policy and update-effect forwards inside the update) "
@@ -336,6 +342,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="memory_probe_update",
         target=f"{_ENGINE_WORKERS}:TrainingWorker.train_mini_batch",
+        on_import=True,
         wrapper="verl_patches.memory_probe:wrap_train_mini_batch",
         changes="the same for the update (a forward inside it is logged as its own pass; the update's line "
                 "covers both)",
@@ -346,6 +353,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="memory_probe_rollout",
         target=f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.update_weights",
+        on_import=True,
         wrapper="verl_patches.memory_probe:wrap_update_weights",
         changes="on CUDA, logs on rank 0 the device-wide memory when the weight sync returns, vLLM awake with "
                 "its weights and KV cache ('[stapo] memory peak: pass=rollout ...')",
@@ -371,6 +379,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="retention_counts_earlier_launches",
         target="verl.utils.checkpoint.fsdp_checkpoint_manager:FSDPCheckpointManager.save_checkpoint",
+        on_import=True,
         wrapper="verl_patches.resume:wrap_checkpoint_save",
         changes="before a manager's first save, the global_step_<k>/<role> folders of earlier launches (k below the "
                 "step saved) join the list verl prunes from, so max_actor_ckpt_to_keep counts them",
@@ -384,6 +393,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="legacy_keep_rollout_entropy",
         target=f"{_LEGACY_TRAINER}._compute_old_log_prob",
+        on_import=True,
         wrapper="verl_patches.trainers:wrap_legacy_old_log_prob",
         changes="the rollout-time entropy stays in the batch as 'entropy'",
         why="token selection with rollout statistics reads it in the actor; the legacy trainer drops "
@@ -394,6 +404,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="legacy_entropy_quantiles",
         target=f"{_LEGACY_TRAINER}._update_actor",
+        on_import=True,
         wrapper="verl_patches.trainers:wrap_legacy_update_actor",
         changes="logs actor/entropy_p50/p80/p95 for every method; the kept entropy is not shipped to the "
                 "actor unless token selection reads it",
@@ -404,6 +415,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="v1_old_log_prob_stats",
         target=f"{_V1_TRAINER}._compute_old_log_prob",
+        on_import=True,
         wrapper="verl_patches.trainers:wrap_v1_old_log_prob",
         changes="logs actor/entropy_p50/p80/p95 and computes sum_pi_squared when "
                 "actor.calculate_sum_pi_squared=true, stored per response token",
@@ -416,6 +428,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="legacy_ungraded_count",
         target="verl.trainer.ppo.ray_trainer:compute_data_metrics",
+        on_import=True,
         wrapper="verl_patches.trainers:wrap_legacy_data_metrics",
         changes="adds reward/ungraded: how many of the step's responses the reward marked ungraded (their answer "
                 "could not be checked; the lenient reward's 'ungraded': true), when the reward reports the key",
@@ -428,6 +441,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="v1_ungraded_count",
         target=f"{_V1_TRAINER}._compute_metrics",
+        on_import=True,
         wrapper="verl_patches.trainers:wrap_v1_compute_metrics",
         changes="adds reward/ungraded, as legacy_ungraded_count, read from each response's extra_fields in the "
                 "TransferQueue (padding rows left out)",

@@ -62,3 +62,10 @@ def test_bench_cli_prints_a_ratio_per_tool(capsys):
     assert rows[0]["ratio"] == 1.0 and rows[1]["ratio"] > 0 and rows[1]["exit"] == 0 and rows[1]["lines"] > 1
     text = bench_cli.table(rows)
     assert text.count("\n") == 4 and "| recipe.stapo.memory.calibration |" in text
+
+
+def test_the_preflight_row_runs_the_paper_runs_check_and_names_what_it_found():
+    rows = bench_cli.measure([], rounds=1, progress=lambda _: None, preflight=True)
+    assert [r["tool"] for r in rows] == ["import torch", bench_cli.PREFLIGHT[0]]
+    # no paper data here: the check runs to its end and refuses the missing files (exit 1), never a crash
+    assert rows[1]["exit"] in (0, 1) and rows[1]["lines"] > 0 and rows[1]["median_s"] > 0
