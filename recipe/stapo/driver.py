@@ -181,7 +181,8 @@ def override_problem(override: str) -> Optional[str]:
         fix = f"write it in ASCII: {fixed}"
     else:
         key, _, value = override.partition("=")
-        fix = f"quote the value: {key}='{value}'" if value and "'" not in value else "write it in ASCII, or quote the value"
+        fix = (f"quote the value: {key}='{value}'" if value and "'" not in value
+               else "write it in ASCII, or quote the value")
     verb = "is not an ASCII character" if len(set(chars)) == 1 else "are not ASCII characters"
     return (f"{override}: {named} {verb}, and Hydra's override grammar reads unquoted keys and values in "
             f"ASCII only; {fix}")
@@ -220,8 +221,9 @@ def validate(config: DictConfig) -> None:
     except InstantiationException as e:
         if isinstance(e.__cause__, (ValueError, AssertionError)):  # a bad value in a config dataclass: its message
             section = re.search(r"full_key: (\S+)", str(e))
-            raise PreflightError([Problem(section.group(1) if section else "the config", f"verl's config refuses it: "
-                                          f"{e.__cause__}", "correct the value verl names (docs/preflight.md)")]) from None
+            key = section.group(1) if section else "the config"
+            raise PreflightError([Problem(key, f"verl's config refuses it: {e.__cause__}",
+                                          "correct the value verl names (docs/preflight.md)")]) from None
         raise
     except AssertionError as e:  # one of validate_config's own checks
         raise PreflightError([Problem("the config", f"verl's config validation refuses it: {e}",

@@ -16,6 +16,13 @@ from tests.helpers.cluster_files import QWEN3_CONFIGS, use_fake_cluster, write_d
 PL = "actor_rollout_ref.actor.policy_loss"
 
 
+@pytest.fixture(autouse=True)
+def wandb_offline(monkeypatch):
+    """The default config logs to wandb, and the preflight refuses it without credentials: these tests
+    log offline (the smoke test's way), as a machine without a wandb login would."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+
+
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
     """Stand-in shared storage (data, models, checkpoints) in the environment, cwd a scratch folder."""

@@ -706,3 +706,101 @@ def test_what_import_verl_reads_is_refused_before_hydra_loads_verls_config(tmp_p
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "preflight refused the config (1 problem" in proc.stderr and phrase in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Could not load" not in proc.stderr and "Error locating" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# the run's names and loggers, wandb (recipe.stapo.preflight.loggers)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.experiment_name=''", "trainer.experiment_name"), ("trainer.experiment_name='  '", "trainer.experiment_name"),
+    ("trainer.project_name=''", "trainer.project_name"), ("trainer.experiment_name=null", "trainer.experiment_name"),
+])
+def test_an_empty_run_name_is_refused(cluster, override, key):
+    """An empty experiment name filed the run in its project's folder (verl's default checkpoint folder),
+    as a hidden '.jsonl' under VERL_FILE_LOGGER_ROOT, as an unnamed wandb run."""
+    problem(refused(paper(cluster, override)), key, "is empty: the project and experiment names name the run")
+
+
+@pytest.mark.parametrize("project", ["team/stapo", "stapo:v2", "p" * 129])
+def test_a_project_name_wandb_refuses_is_refused_with_the_wandb_logger(cluster, project):
+    """wandb.init refused it when the trainer's tracker started, after Ray, the model load and vLLM's start."""
+    wandb_offline = {"WANDB_MODE": "offline"}
+    problem(refused(paper(cluster, f"trainer.project_name={project}", "trainer.logger=[console,wandb]"),
+                    environ=wandb_offline), "trainer.project_name", "wandb refuses it as a project name")
+    passes(paper(cluster, f"trainer.project_name={project}"), environ=wandb_offline)  # no wandb: a folder name
+
+
+def test_an_empty_logger_list_is_refused(cluster):
+    """A run that records no metric at all."""
+    problem(refused(paper(cluster, "trainer.logger=[]")), "trainer.logger", "the run would record no metric at all")
+
+
+def test_a_logger_whose_package_is_missing_is_refused(cluster, monkeypatch):
+    """verl imports the backend's package when the tracker starts: ImportError after Ray."""
+    from recipe.stapo.preflight import loggers
+
+    monkeypatch.setitem(loggers.LOGGER_PACKAGES, "mlflow", "stapo_test_no_such_package")
+    problem(refused(paper(cluster, "trainer.logger=[console,mlflow]")), "trainer.logger",
+            "the mlflow logger needs the package stapo_test_no_such_package, which is not installed")
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch):
+    """A netrc file without a wandb entry (wandb reads NETRC first), no WANDB_* variable."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.org login me password secret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    for name in [n for n in os.environ if n.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    return netrc
+
+
+def test_the_wandb_logger_without_credentials_is_refused(cluster, no_wandb_login, tmp_path):
+    """wandb.init stopped with "No API key configured" when the tracker started, after Ray."""
+    with_wandb = paper(cluster, "trainer.logger=[console,wandb]")
+    problem(refused(with_wandb), "trainer.logger", "the wandb logger has no credentials",
+            "no netrc entry for https://api.wandb.ai", "wandb login")
+    problem(refused(paper(cluster, "trainer.logger=[console,wandb]"), environ={"WANDB_API_KEY": "too-short"}),
+            "trainer.logger", "has a WANDB_API_KEY wandb refuses")
+    key = "k" * 40
+    for environ in ({"WANDB_MODE": "offline"}, {"WANDB_MODE": "disabled"}, {"WANDB_API_KEY": key},
+                    {"LAUNCH": "submit"}):  # submit: the job's driver checks it on the head node
+        passes(paper(cluster, "trainer.logger=[console,wandb]"), environ=environ)
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text(f"WANDB_API_KEY={key}\n")
+    secrets.chmod(0o600)
+    passes(paper(cluster, "trainer.logger=[console,wandb]"), environ={"STAPO_SECRETS_FILE": str(secrets)})
+    no_wandb_login.write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")  # what `wandb login` writes
+    passes(paper(cluster, "trainer.logger=[console,wandb]"), environ={})
+
+
+@pytest.mark.parametrize("name, value, phrase", [
+    ("WANDB_RESUME", "bogus", "Input should be 'allow', 'must', 'never' or 'auto'"),
+    ("WANDB_RUN_ID", "team/run", "Run ID cannot contain the characters"),
+    ("WANDB_MODE", "offlin", "Input should be 'online', 'offline'"),
+])
+def test_a_wandb_variable_wandb_refuses_is_refused_naming_it(cluster, monkeypatch, name, value, phrase):
+    """Read by wandb's own settings reader, as wandb.init reads it in the trainer after Ray (the driver
+    passes WANDB_RUN_ID and WANDB_RESUME to every worker in the config's runtime env)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv(name, value)
+    err = refused(paper(cluster, "trainer.logger=[console,wandb]"), environ=dict(os.environ))
+    (found,) = [p for p in err.problems if p.key.endswith(name)]
+    assert "wandb refuses it" in found.problem and phrase in found.problem and found.fix, found
+
+
+@pytest.mark.parametrize("variable, logger", [("TENSORBOARD_DIR", "tensorboard"), ("WANDB_DIR", "wandb")])
+def test_a_logger_folder_that_cannot_be_written_is_refused(cluster, monkeypatch, variable, logger):
+    """The folder the driver passes to every worker (made absolute, in the config's runtime env)."""
+    blocker = cluster["root"] / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv(variable, str(blocker))
+    problem(refused(paper(cluster, f"trainer.logger=[console,{logger}]"), environ=dict(os.environ)),
+            f"{RAY_ENV}.{variable}", "exists and is not a folder", f"the {logger} logger writes there")
+    monkeypatch.setenv(variable, str(cluster["root"] / "new"))
+    passes(paper(cluster, f"trainer.logger=[console,{logger}]"), environ=dict(os.environ))
+    assert not (cluster["root"] / "new").exists()

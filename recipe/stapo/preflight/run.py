@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 
 from stapo_core.rules import NO_SELECTION, RULES
 
+from .loggers import check_loggers
 from .memory import check_memory
 from .names import POLICY_LOSS, check_identity, check_names, token_selection
 from .numbers import check_numbers, uses_reference
@@ -36,6 +37,7 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
                             "the same checks on the head node before Ray starts")
     numbers_ok = check_numbers(config, found)
     found += check_values(config, environ)  # types and ranges verl checks after Ray; the run's environment
+    found += check_loggers(config, environ)  # the names, loggers, wandb's settings and credentials
     check_names(config, found)
     check_identity(config, found)
     check_paths(config, found, report.notes, submit)

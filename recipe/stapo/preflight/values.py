@@ -1,6 +1,6 @@
 """Single values: the type and range of config values whose bad value verl reports only after Ray
-has started (minutes in, often without the key's name), the logger list, a second writer of the
-run's metrics file, and the environment.
+has started (minutes in, often without the key's name), a second writer of the run's metrics file,
+the device, and the environment (the loggers' part is :mod:`.loggers`).
 
 Each check of :data:`VALUE_CHECKS` says what verl does with a bad value (read from verl 0.9.1's
 trainer, workers and config dataclasses). :func:`check_environment` parses the environment variables
@@ -16,7 +16,6 @@ Importing this module imports no verl.
 
 from __future__ import annotations
 
-import difflib
 import importlib.util
 import math
 import os
@@ -159,8 +158,8 @@ def _shown(value) -> object:
 
 
 def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """One problem per value of :data:`VALUE_CHECKS` that fails its test, plus the logger list
-    (verl's backends), ``recipe.gpu_mem_gb`` disagreeing with ``GPU_MEM_GB``,
+    """One problem per value of :data:`VALUE_CHECKS` that fails its test, plus
+    ``recipe.gpu_mem_gb`` disagreeing with ``GPU_MEM_GB``, the device,
     and the environment variables the run's processes read (:func:`check_run_environment`;
     ``environ``: the launching environment, default ``os.environ``). A key the config does not have
     is not checked (verl then uses its default)."""
@@ -173,7 +172,6 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
         if not value_check.test(value):
             found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
                                  f"set {value_check.key} to {value_check.what}; {value_check.fix}", _shown(value)))
-    _check_logger(config, found)
     _check_metrics_writer(config, found, environ)
     found += check_gpu_mem_source(config, environ)
     found += check_run_environment(config, environ)
@@ -199,31 +197,10 @@ def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem
             "recipe.stapo.cpu.cpu_overrides)", cpu_rollout))
     if device != "cpu" and platform == "cpu":
         found.append(Problem(
-            _origin(config, "VERL_PLATFORM"), f"selects the CPU path's platform and patches in every process of a "
+            origin(config, "VERL_PLATFORM"), f"selects the CPU path's platform and patches in every process of a "
             f"run on trainer.device={device}", "unset VERL_PLATFORM for a GPU run (it belongs to the CPU path, with "
             "trainer.device=cpu)", "cpu"))
     return found
-
-
-def _check_logger(config: DictConfig, found: list[Problem]) -> None:
-    """``trainer.logger``: a name or a list of names of verl's tracking backends (verl asserts it when
-    the trainer builds its tracker, after Ray starts)."""
-    value = OmegaConf.select(config, "trainer.logger", default=_ABSENT)
-    if value is _ABSENT:
-        return
-    names = [value] if isinstance(value, str) else list(value) if isinstance(value, ListConfig) else None
-    supported = supported_loggers()
-    if names is None or not all(isinstance(n, str) for n in names):
-        found.append(Problem("trainer.logger", "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
-                             f"(verl's loggers: {', '.join(supported)})", _shown(value)))
-        return
-    unknown = [n for n in names if n not in supported and n != "tracking"]
-    if unknown:
-        hints = [f"{n} -> {close[0]}" for n in unknown if (close := difflib.get_close_matches(n, supported, n=1))]
-        found.append(Problem("trainer.logger", f"{', '.join(map(repr, unknown))} is not one of verl's loggers (verl "
-                             "asserts it when the trainer starts, after Ray)",
-                             (f"did you mean {'; '.join(hints)}? " if hints else "")
-                             + f"verl's loggers: {', '.join(supported)}", _shown(value)))
 
 
 def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Mapping[str, str]) -> None:
@@ -240,13 +217,6 @@ def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Map
                       "give this run another trainer.default_local_dir (CKPT_DIR) or experiment name", path))
     except OSError:
         return  # a file this process cannot open: left to the logger, which names it
-
-
-def supported_loggers() -> list[str]:
-    """verl's tracking backends (``verl.utils.tracking.Tracking.supported_backend``)."""
-    from verl.utils.tracking import Tracking  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
-
-    return list(Tracking.supported_backend)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -515,7 +485,7 @@ def seen_by_workers(config: DictConfig, environ: Mapping[str, str]) -> Callable[
     return seen
 
 
-def _origin(config: DictConfig, name: str) -> str:
+def origin(config: DictConfig, name: str) -> str:
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     return f"{RAY_ENV_VARS}.{name}" if name in given else name
 
@@ -533,7 +503,7 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
         try:
             env_check.read(raw)
         except (ValueError, OSError) as e:
-            found.append(Problem(_origin(config, env_check.name), f"{e} (read by {env_check.who})", env_check.fix, raw))
+            found.append(Problem(origin(config, env_check.name), f"{e} (read by {env_check.who})", env_check.fix, raw))
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     for name, key in CONFIG_OWNED_ENV.items():
         exported = environ.get(name)
@@ -547,7 +517,7 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
         try:
             _metrics_file(metrics)
         except ValueError as e:
-            found.append(Problem(_origin(config, variable), f"{e} (verl's file logger opens it in the trainer, after Ray "
+            found.append(Problem(origin(config, variable), f"{e} (verl's file logger opens it in the trainer, after Ray "
                                  "starts)", f"point {variable} to a writable place, or unset it (the metrics then go to "
                                  "<trainer.default_local_dir>/metrics.jsonl)", seen(variable)))
     return found
