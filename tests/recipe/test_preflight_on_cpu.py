@@ -804,3 +804,107 @@ def test_a_logger_folder_that_cannot_be_written_is_refused(cluster, monkeypatch,
     monkeypatch.setenv(variable, str(cluster["root"] / "new"))
     passes(paper(cluster, f"trainer.logger=[console,{logger}]"), environ=dict(os.environ))
     assert not (cluster["root"] / "new").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# values the bad-input sweep found passing, each failing or running wrong after Ray
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, key", [
+    (f"{ACTOR}.use_kl_loss=flase", f"{ACTOR}.use_kl_loss"),  # a config class's bool (FSDPActorConfig)
+    ("algorithm.norm_adv_by_std_in_grpo=maybe", "algorithm.norm_adv_by_std_in_grpo"),  # AlgoConfig
+    ("trainer.use_v1=maybe", "trainer.use_v1"),  # a section without a config class
+    ("data.filter_overlong_prompts=0", "data.filter_overlong_prompts"),
+])
+def test_a_bool_given_as_another_value_is_refused(cluster, override, key):
+    """verl reads a bool by its truth: use_kl_loss=flase ran with the KL loss and a reference model."""
+    problem(refused(paper(cluster, override)), key, "must be true or false", "verl reads any other value by its truth")
+
+
+@pytest.mark.parametrize("override, key, phrase", [
+    (f"{ACTOR}.strategy=bogus", f"{ACTOR}.strategy", "must be fsdp or fsdp2"),
+    (f"{ROLLOUT}.name=bogus", f"{ROLLOUT}.name", "must be one of vllm, sglang, trtllm"),
+    (f"{ROLLOUT}.mode=sync", f"{ROLLOUT}.mode", "must be async"),
+])
+def test_an_engine_verl_looks_up_after_ray_is_refused(cluster, override, key, phrase):
+    problem(refused(paper(cluster, override)), key, phrase, "after Ray")
+
+
+def test_a_rollout_whose_engine_is_not_installed_is_refused(cluster, monkeypatch):
+    from recipe.stapo.preflight import values
+
+    monkeypatch.setitem(values.ROLLOUT_PACKAGES, "sglang", "stapo_test_no_such_package")
+    problem(refused(paper(cluster, f"{ROLLOUT}.name=sglang")), f"{ROLLOUT}.name",
+            "the sglang rollout needs the package stapo_test_no_such_package, which is not installed")
+
+
+def test_a_step_larger_than_the_trainers_memory_is_refused(cluster):
+    """rollout.n=1e9 passed every check: the trainer holds the whole step and fails in its first step."""
+    err = refused(paper(cluster, f"{ROLLOUT}.n=1000000000"))
+    problem(err, f"{ROLLOUT}.n", "256 prompts x 1000000000 responses of up to 1024 + 15360 tokens", "more than this "
+            "machine's", "the paper: 8")
+    passes(paper(cluster, f"{ROLLOUT}.n=1000000000"), environ={"LAUNCH": "submit"})  # the job's driver checks it
+    from omegaconf import OmegaConf
+
+    from recipe.stapo.preflight.numbers import check_step_host_memory
+
+    config = OmegaConf.create({"data": {"train_batch_size": 256, "max_prompt_length": 1024, "max_response_length": 15360},
+                               "actor_rollout_ref": {"rollout": {"n": 8}}})
+    found = []
+    check_step_host_memory(config, found, memory=256 * 8 * 16384 * 24)  # the bound itself: fits
+    assert found == []
+    check_step_host_memory(config, found, memory=256 * 8 * 16384 * 24 - 1)
+    assert [p.key for p in found] == [f"{ROLLOUT}.n"] and "at most 7 here" in found[0].fix
+
+
+def test_a_random_strategy_seed_no_generator_takes_is_refused_at_the_bound_the_loss_fails(cluster):
+    """The random strategy seeds rank r's generator with seed x 1,000,003 + r: a larger seed passed the
+    preflight and failed in the first update ("Overflow when unpacking long long")."""
+    import torch
+
+    from recipe.stapo.preflight.names import random_seed_range
+    from verl_patches.policy_loss_config import TokenSelectionLossConfig
+    from verl_patches.token_selection import select_tokens
+
+    low, high = random_seed_range(64)
+    for seed in (low - 1, high + 1):
+        problem(refused(paper(cluster, f"{PL}.strategy=random", f"{PL}.seed={seed}")), f"{PL}.seed",
+                f"on 64 ranks the seed must lie in [{low}, {high}]")
+    passes(paper(cluster, f"{PL}.strategy=random", f"{PL}.seed={high}"))
+    passes(paper(cluster, f"{PL}.seed={high + 1}"))  # low_entropy draws nothing
+    low, high = random_seed_range(1)  # one rank (rank 0), the loss's own generator at the bounds
+
+    def select(seed: int):
+        shape = (2, 4)
+        return select_tokens(TokenSelectionLossConfig(token_selection="s2t", strategy="random", seed=seed),
+                             log_prob=torch.full(shape, -7.0), entropy=torch.full(shape, 0.01),
+                             advantages=torch.ones(shape), response_mask=torch.ones(shape))
+
+    select(high), select(low)
+    for seed in (high + 1, low - 1):
+        with pytest.raises((ValueError, RuntimeError)):
+            select(seed)
+
+
+def test_the_cpu_device_without_the_cpu_path_is_refused(cluster):
+    """trainer.device=cpu on the 64-GPU config passed, skipping the memory check; verl's GPU code paths
+    would have run on the CPU."""
+    problem(refused(paper(cluster, "trainer.device=cpu")), "trainer.device", "VERL_PLATFORM=cpu", "+cpu_rollout=vllm",
+            "the CPU path is trainer.device=cpu with VERL_PLATFORM=cpu and +cpu_rollout=vllm together")
+    text = problem(refused(paper(cluster, "trainer.device=cpu", "+cpu_rollout=vllm")), "trainer.device")
+    assert "without VERL_PLATFORM=cpu" in text and "without VERL_PLATFORM=cpu (the CPU platform and its patches in " \
+        "every process) and" not in text
+
+
+def test_a_metrics_files_writer_lock_the_logger_cannot_take_is_refused(cluster):
+    """A folder where the writer lock goes passed the preflight and stopped the logger with
+    IsADirectoryError when the trainer started, after Ray."""
+    from verl_patches.resume import writer_lock_path
+
+    metrics = cluster["ckpt"] / "qwen3_8b_stapo" / "metrics.jsonl"
+    writer_lock_path(metrics).mkdir(parents=True)
+    problem(refused(paper(cluster, "trainer.logger=[console,file]")), f"{RAY_ENV}.VERL_FILE_LOGGER_PATH",
+            "its writer lock", "is not a file", "remove it")
+    writer_lock_path(metrics).rmdir()
+    passes(paper(cluster, "trainer.logger=[console,file]"))

@@ -16,10 +16,13 @@ Importing this module imports no verl.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import importlib.util
 import math
 import os
 import re
+import typing
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +31,7 @@ from typing import Callable, Mapping, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_patches.env_file import parse_env_file
-from verl_patches.resume import MetricsFileBusy, check_no_writer
+from verl_patches.resume import MetricsFileBusy, check_no_writer, writer_lock_path
 from verl_patches.weight_sync import parse_timeout
 
 from .paths import probe_writable
@@ -79,6 +82,9 @@ def _is_bool(value) -> bool:
     return isinstance(value, bool)
 
 
+#: verl 0.9.1's rollouts (``verl.workers.rollout.base``) and the package each one's engine needs
+ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
+
 _FRACTION = _number_in(0.0, 1.0, True, False)
 _NON_NEGATIVE = _number_in(0.0, math.inf, False, True)
 _POSITIVE = _number_in(0.0, math.inf, True, True)
@@ -117,7 +123,7 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
          "the log-probabilities divide by it (0 gives infinities) or vLLM refuses it after Ray starts", "the paper: 1.0"),
     ValueCheck(f"{ROLLOUT}.top_p", _FRACTION, "a number in (0, 1]", "vLLM refuses it when the rollout starts, after Ray",
          "the paper: 1.0"),
-    ValueCheck(f"{ROLLOUT}.top_k", _int_at_least(-1), "a whole number >= -1 (-1: off)",
+    ValueCheck(f"{ROLLOUT}.top_k", _int_at_least(-1), "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)",
          "vLLM refuses it when the rollout starts, after Ray", "-1"),
     ValueCheck(f"{ROLLOUT}.gpu_memory_utilization", _FRACTION, "a number in (0, 1]",
          "vLLM refuses it when its engine starts, after Ray (a fraction of each GPU's memory)", "e.g. 0.6"),
@@ -127,7 +133,7 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
          "the paper: 0.9"),
     ValueCheck(f"{ROLLOUT}.val_kwargs.temperature", _NON_NEGATIVE, "a number >= 0",
          "vLLM refuses it at the first validation", "the paper: 0.7"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.top_k", _int_at_least(-1), "a whole number >= -1 (-1: off)",
+    ValueCheck(f"{ROLLOUT}.val_kwargs.top_k", _int_at_least(-1), "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)",
          "vLLM refuses it at the first validation", "-1"),
     ValueCheck(f"{ROLLOUT}.val_kwargs.do_sample", _is_bool, "true or false", "validation reads it as a truth value",
          "the paper: true"),
@@ -148,7 +154,19 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
     ValueCheck("data.shuffle", _is_bool, "true or false", "the data loader reads it as a truth value", "true"),
     ValueCheck("data.truncation", _one_of("error", "left", "right", "middle"), "one of error, left, right, middle",
          "the dataset refuses it at its first long prompt", "the recipe: error"),
+    # the engines
+    ValueCheck(f"{ACTOR}.strategy", _one_of("fsdp", "fsdp2"), "fsdp or fsdp2",
+         "verl's workers look its engine up when they start, after Ray; the recipe's patches and memory estimate are "
+         "written for verl's FSDP engine", "the recipe: fsdp (fsdp2 on the CPU path)"),
+    ValueCheck(f"{ROLLOUT}.name", _one_of(*ROLLOUT_PACKAGES), f"one of {', '.join(ROLLOUT_PACKAGES)}",
+         "verl looks its rollout up when the rollout workers start, after Ray", "the recipe: vllm"),
+    ValueCheck(f"{ROLLOUT}.mode", _one_of("async"), "async", "verl 0.9.1 has only server (async) rollouts and "
+         "asserts it when the rollout workers start, after Ray", "async"),
 )
+#: booleans of the config sections verl reads without a config class (the others: :func:`check_booleans`)
+PLAIN_BOOLEANS = ("trainer.balance_batch", "trainer.val_only", "trainer.del_local_ckpt_after_load", "trainer.use_v1",
+                  "data.validation_shuffle", "data.filter_overlong_prompts", "data.trust_remote_code", "data.use_shm",
+                  "data.return_raw_chat", "actor_rollout_ref.hybrid_engine")
 
 
 def _shown(value) -> object:
@@ -172,6 +190,12 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
         if not value_check.test(value):
             found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
                                  f"set {value_check.key} to {value_check.what}; {value_check.fix}", _shown(value)))
+    found += check_booleans(config)
+    engine = OmegaConf.select(config, f"{ROLLOUT}.name", default=None)
+    if engine in ROLLOUT_PACKAGES and importlib.util.find_spec(ROLLOUT_PACKAGES[engine]) is None:
+        found.append(Problem(f"{ROLLOUT}.name", f"the {engine} rollout needs the package {ROLLOUT_PACKAGES[engine]}, "
+                             "which is not installed here (verl imports it when the rollout workers start, after Ray)",
+                             f"install it, or use {ROLLOUT}.name=vllm (requirements.txt)", engine))
     _check_metrics_writer(config, found, environ)
     found += check_gpu_mem_source(config, environ)
     found += check_run_environment(config, environ)
@@ -179,11 +203,58 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
     return found
 
 
+def _bool_fields(target: str) -> list[str]:
+    """The fields a config class (``_target_``) declares ``bool`` (or ``Optional[bool]``); none for a
+    target that is not an importable dataclass."""
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    except Exception:  # noqa: BLE001  (an unknown target is verl's validation's to report)
+        return []
+    return [f.name for f in dataclasses.fields(cls) if hints.get(f.name) in (bool, Optional[bool])]
+
+
+def check_booleans(config: DictConfig) -> list[Problem]:
+    """Every value verl declares ``bool`` is true or false: each field a section's config class
+    (its ``_target_``) declares ``bool``, and :data:`PLAIN_BOOLEANS`. verl reads any other value by
+    its truth, so ``use_kl_loss=flase`` (a typo, a string) runs with the KL loss and a reference model."""
+    # the config classes are verl's: verl loads only after VERL_USE_EXTERNAL_MODULES is set
+    import verl_patches.activate  # noqa: F401  (the patches every worker runs with)
+
+    found: list[Problem] = []
+
+    def refuse(key: str, value, declared: str) -> None:
+        found.append(Problem(key, f"must be true or false ({declared}); verl reads any other value by its truth, so "
+                             f"{value!r} would run as {bool(value)}", f"set {key}=true or {key}=false", value))
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        target = node.get("_target_") if "_target_" in node else None
+        fields = _bool_fields(target) if isinstance(target, str) else []
+        for key in node:
+            if OmegaConf.is_missing(node, key):
+                continue
+            full, value = f"{prefix}.{key}" if prefix else str(key), node[key]
+            if key in fields and not isinstance(value, bool) and value is not None:
+                refuse(full, value, f"{target.rsplit('.', 1)[-1]}.{key} is a bool")
+            elif isinstance(value, DictConfig):
+                walk(value, full)
+
+    walk(config, "")
+    for key in PLAIN_BOOLEANS:
+        value = OmegaConf.select(config, key, default=None)
+        if value is not None and not isinstance(value, bool):
+            refuse(key, value, "verl's config gives it as a bool")
+    return found
+
+
 def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
     """The CPU path's settings only on the CPU device, and the CPU device only with the CPU path:
     ``+cpu_rollout=vllm`` (``recipe.cpu_rollout``: a float32, eager rollout that keeps its KV cache
     through the update) and ``VERL_PLATFORM=cpu`` (the CPU platform and its patches in every process)
-    off ``trainer.device=cpu`` would run a GPU job silently slower and larger, or on the CPU shims."""
+    off ``trainer.device=cpu`` would run a GPU job silently slower and larger, or on the CPU shims;
+    ``trainer.device=cpu`` without both runs verl's GPU code paths on the CPU (failing after Ray) and
+    is not memory-checked."""
     device = str(OmegaConf.select(config, "trainer.device", default="cuda"))
     cpu_rollout = OmegaConf.select(config, "recipe.cpu_rollout", default=None)
     platform = (seen_by_workers(config, environ)("VERL_PLATFORM") or "").strip().lower()
@@ -195,6 +266,17 @@ def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem
             f"{device}: the GPU run would be slower and need far more memory than the memory check assumes",
             "drop +cpu_rollout=... on GPUs (it belongs to the CPU path: trainer.device=cpu, VERL_PLATFORM=cpu, "
             "recipe.stapo.cpu.cpu_overrides)", cpu_rollout))
+    if device == "cpu" and (platform != "cpu" or not cpu_rollout):
+        missing = [what for what, absent in (("VERL_PLATFORM=cpu (the CPU platform and its patches in every process)",
+                                              platform != "cpu"),
+                                             ("+cpu_rollout=vllm (the rollout's CPU settings)", not cpu_rollout))
+                   if absent]
+        found.append(Problem(
+            "trainer.device", f"the CPU device without {' and '.join(missing)}: verl would run its GPU code paths on "
+            "the CPU and fail after Ray starts (on a machine with GPUs verl replaces cpu by its accelerator), and the "
+            "memory check skips a CPU run", "the CPU path is trainer.device=cpu with VERL_PLATFORM=cpu and "
+            "+cpu_rollout=vllm together (recipe.stapo.cpu: cpu_env and cpu_overrides, docs/cpu.md); for GPUs, "
+            "drop trainer.device", device))
     if device != "cpu" and platform == "cpu":
         found.append(Problem(
             origin(config, "VERL_PLATFORM"), f"selects the CPU path's platform and patches in every process of a "
@@ -438,6 +520,12 @@ def _metrics_file(raw: str) -> None:
     reason = probe_writable(path.parent)
     if reason:
         raise ValueError(f"the metrics file {raw}: its folder cannot be written ({reason})")
+    lock = writer_lock_path(path)
+    if lock.exists() and (not lock.is_file() or not os.access(lock, os.R_OK | os.W_OK)):
+        what = "not a file" if not lock.is_file() else "not readable and writable by this user"
+        raise ValueError(f"the metrics file {raw}: its writer lock {lock} is {what}, and the logger takes it when it "
+                         "opens the file; remove it (a lock of a live writer is a file, which this is not) or give "
+                         "this user access")
 
 
 def _on_cpu(seen: Callable[[str], Optional[str]]) -> bool:
