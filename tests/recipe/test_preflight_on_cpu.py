@@ -575,6 +575,18 @@ def test_every_variable_the_runs_processes_read_is_read_before_ray(name, raw, ph
     assert check_run_environment(_minimal(**{f"{RAY_ENV}.{name}": ""}), {name: raw}) == []  # the config's wins
 
 
+@pytest.mark.parametrize("raw, refused_", [("info", True), ("", True), ("10", True), ("DEBUG", False), ("WARNING", False)])
+def test_verl_logging_level_is_read_as_verls_modules_read_it(raw, refused_):
+    """Every verl module calls logger.setLevel(VERL_LOGGING_LEVEL) when imported: 'info' (lower case) or
+    an empty value fails there, in the workers as in the driver."""
+    from recipe.stapo.preflight.values import check_run_environment
+
+    found = check_run_environment(_minimal(**{f"{RAY_ENV}.VERL_LOGGING_LEVEL": raw}), {})
+    assert [p.key for p in found] == ([f"{RAY_ENV}.VERL_LOGGING_LEVEL"] if refused_ else []), found
+    if refused_:
+        assert f"VERL_LOGGING_LEVEL={raw!r} is not a logging level" in found[0].problem
+
+
 def test_the_cpu_paths_threads_are_read_where_the_cpu_path_runs():
     from recipe.stapo.preflight.values import check_run_environment
 
@@ -695,6 +707,7 @@ def test_a_metrics_file_under_verl_file_logger_root_is_checked(cluster, monkeypa
 @pytest.mark.parametrize("variable, value, phrase", [
     ("VERL_USE_EXTERNAL_MODULES", "verl_patches,no_such_module", "lists 'no_such_module', which cannot be imported"),
     ("STAPO_SECRETS_FILE", "/nonexistent/secrets.env", "STAPO_SECRETS_FILE=/nonexistent/secrets.env: cannot read it"),
+    ("VERL_LOGGING_LEVEL", "debug", "VERL_LOGGING_LEVEL='debug' is not a logging level"),
 ])
 def test_what_import_verl_reads_is_refused_before_hydra_loads_verls_config(tmp_path, variable, value, phrase):
     """A module verl cannot import, or a secrets file the patches cannot load, failed inside Hydra's

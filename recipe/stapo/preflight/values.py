@@ -373,6 +373,18 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Probl
     return found + check_import_environment(environ)
 
 
+def _logging_level(raw: str) -> None:
+    """``VERL_LOGGING_LEVEL`` as verl's modules read it: ``logger.setLevel(value)`` at import, which
+    takes an upper-case level name (``INFO``, ``DEBUG``, ...), not a number's digits."""
+    import logging  # only where the variable is set: a throwaway logger is set to it, as verl sets its own
+
+    try:
+        logging.getLogger("stapo.preflight.level_probe").setLevel(raw)
+    except (ValueError, TypeError):
+        raise ValueError(f"VERL_LOGGING_LEVEL={raw!r} is not a logging level: every verl module sets its logger to "
+                         "it when imported, and fails there (Python's 'Unknown level')") from None
+
+
 def _module_exists(name: str) -> bool:
     """Whether ``import name`` finds a module, found without importing it or its parents (a parent's
     import could run the very import being checked: verl_patches.activate imports verl)."""
@@ -426,7 +438,8 @@ def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> lis
     """What ``import verl`` reads in the driver, checked before Hydra loads verl's config (a failure
     there surfaces as Hydra's "Could not load 'ppo_trainer'" or a "target not found" that names
     neither the variable nor the cause): ``VERL_USE_EXTERNAL_MODULES`` (every module exists) and
-    ``STAPO_SECRETS_FILE`` (the recipe's patches load it on import). Imports nothing of verl."""
+    ``STAPO_SECRETS_FILE`` (the recipe's patches load it on import), ``VERL_LOGGING_LEVEL`` (every verl
+    module sets its logger to it on import). Imports nothing of verl."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
     modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
@@ -434,6 +447,13 @@ def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> lis
     if problem:
         found.append(Problem("VERL_USE_EXTERNAL_MODULES", problem, "install the missing module (pip install -e .) "
                              "or drop it from the list (verl_patches is added by the driver)", modules))
+    level = environ.get("VERL_LOGGING_LEVEL")
+    if level is not None:
+        try:
+            _logging_level(level)
+        except ValueError as e:
+            found.append(Problem("VERL_LOGGING_LEVEL", str(e), "export VERL_LOGGING_LEVEL=INFO (or DEBUG, WARNING: "
+                                 "upper case), or unset it", level))
     secrets = environ.get("STAPO_SECRETS_FILE", "").strip()
     if secrets:
         try:
@@ -547,6 +567,8 @@ RUN_ENV_CHECKS: tuple[EnvCheck, ...] = (
              "set it to a whole number >= 1, e.g. 1, or unset it", applies=_on_cpu),
     EnvCheck("VERL_USE_EXTERNAL_MODULES", "every verl process, when it imports verl", _external_modules,
              "install the missing module (pip install -e .) or drop it from the list"),
+    EnvCheck("VERL_LOGGING_LEVEL", "every verl process, when it imports verl's modules", _logging_level,
+             "set it to INFO (or DEBUG, WARNING: upper case), or unset it"),
 )
 #: variables the config sets for every worker from its own keys (``ray_kwargs.ray_init.runtime_env.
 #: env_vars``), so that a value exported in the launching shell is never read: name -> config key
