@@ -16,7 +16,9 @@ checkpoint). Two things of verl's would lose or keep too much across launches:
   A line that is not a step record (a last line cut by a killed process, a line that is not JSON,
   JSON that is not a ``{"step": <int>, ...}`` object) is moved to ``<file>.unreadable`` with a
   warning naming its line and what it is; the records after it are kept (a record holding
-  ``NaN`` / ``Infinity``, as Python's json writes them, is a record). One process writes a file at
+  ``NaN`` / ``Infinity``, as Python's json writes them, is a record; one whose ``data`` is not an
+  object is not, as :func:`recipe.stapo.metrics.read_metrics` reads it; a byte-order mark an editor
+  put before the first line is dropped). One process writes a file at
   a time: a second logger of the same file (another launch into the same folder, also through a
   symbolic or hard link of another name) stops at its start, naming the file and the writer's pid.
 - verl's checkpoint manager prunes (``trainer.max_actor_ckpt_to_keep``) only the checkpoints its
@@ -30,6 +32,7 @@ checkpoint). Two things of verl's would lose or keep too much across launches:
 
 from __future__ import annotations
 
+import codecs
 import fcntl
 import json
 import os
@@ -89,8 +92,9 @@ NOT_A_RECORD = 'JSON, but not a {"step": <int>, "data": {...}} record'
 
 def scan_step_lines(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], list[tuple[int, bytes, str]]]:
     """``(records, unreadable)`` of a metrics file (both ``[]`` if it is absent): ``(step, line)`` of
-    each ``{"step": <int>, ...}`` JSON object line (a record holding ``NaN`` / ``Infinity`` included;
-    a complete last record without its newline gets one), and ``(line_number, line, what)``
+    each ``{"step": <int>, ...}`` JSON object line whose ``data``, if any, is an object (a record
+    holding ``NaN`` / ``Infinity`` included; a complete last record without its newline gets one; a
+    byte-order mark before the first line dropped), and ``(line_number, line, what)``
     (1-based; ``what``: :data:`CUT_LINE`, :data:`NOT_JSON` or :data:`NOT_A_RECORD`) of every other
     non-blank line, in file order. A bad line anywhere is listed on its own: the records after it are
     still read."""
@@ -100,6 +104,8 @@ def scan_step_lines(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], l
     except FileNotFoundError:
         return [], []
     records, unreadable = [], []
+    if raw.startswith(codecs.BOM_UTF8):  # an editor's byte-order mark: not part of the first record
+        raw = raw[len(codecs.BOM_UTF8):]
     for number, line in enumerate(raw.splitlines(keepends=True), start=1):
         if not line.strip():
             continue
@@ -108,7 +114,7 @@ def scan_step_lines(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], l
         except ValueError:
             unreadable.append((number, line, NOT_JSON if line.endswith(b"\n") else CUT_LINE))
             continue
-        if not isinstance(obj, dict) or not _is_step(obj.get("step")):
+        if not isinstance(obj, dict) or not _is_step(obj.get("step")) or not isinstance(obj.get("data", {}), dict):
             unreadable.append((number, line, NOT_A_RECORD))
             continue
         records.append((obj["step"], line if line.endswith(b"\n") else line + b"\n"))

@@ -25,14 +25,16 @@ import json
 import os
 import re
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from recipe.stapo.methods import METHODS, methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
-from recipe.stapo.preflight import PreflightError, check_environment, summary
+from recipe.stapo.preflight import PreflightError, Problem, check_environment, summary
 from recipe.stapo.preflight import check as preflight_check
 
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
@@ -121,8 +123,88 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     except MissingConfigException as e:
         raise ValueError(str(e)) from e
     except (ConfigCompositionException, OverrideParseException) as e:  # a bad override: its message, no traceback
+        named = override_problems(overrides)
+        if named:
+            raise ValueError("override refused: " + "; ".join(named)) from None
         cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
         raise ValueError(f"override refused: {str(e).strip()}{cause}".replace("\n", " ")) from None
+
+
+#: characters outside ASCII that stand for an ASCII one in an override (dashes and minus signs, quotes)
+_ASCII_STAND_INS = {"-": "\u2010\u2011\u2012\u2013\u2014\u2212\ufe63\uff0d", "'": "\u2018\u2019\u201a\u2032",
+                    '"': "\u201c\u201d\u201e\u2033"}
+
+
+def _ascii_for(char: str) -> Optional[str]:
+    """The ASCII character ``char`` stands for in an override (a digit of another script, a dash, a
+    typographic quote, a space of another width), or None."""
+    if unicodedata.category(char) == "Nd":
+        return str(unicodedata.digit(char))
+    if unicodedata.category(char) == "Zs":
+        return " "
+    for ascii_char, stand_ins in _ASCII_STAND_INS.items():
+        if char in stand_ins:
+            return ascii_char
+    return None
+
+
+def _unquoted_non_ascii(override: str) -> list[int]:
+    """Positions of characters outside ASCII in ``override`` outside '...' and "..." (Hydra's
+    override grammar takes any character only inside quotes)."""
+    positions, quote, escaped = [], None, False
+    for i, char in enumerate(override):
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif quote is not None:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif not char.isascii():
+            positions.append(i)
+    return positions
+
+
+def override_problem(override: str) -> Optional[str]:
+    """What Hydra's override grammar refuses in ``override`` (``key=value``), said with the fix, when
+    it is a character outside ASCII outside quotes (a full-width or Arabic-Indic digit, a typographic
+    dash or quote pasted from a document, unquoted text in another script): Hydra's lexer stops at it
+    with "LexerNoViableAltException" and a caret. None when there is none."""
+    positions = _unquoted_non_ascii(override)
+    if not positions:
+        return None
+    chars = [override[i] for i in positions]
+    named = ", ".join(dict.fromkeys(f"{c!r} ({unicodedata.name(c, 'U+%04X' % ord(c))})" for c in chars))
+    if all(_ascii_for(c) is not None for c in chars):
+        fixed = "".join(_ascii_for(c) if i in positions else c for i, c in enumerate(override))
+        fix = f"write it in ASCII: {fixed}"
+    else:
+        key, _, value = override.partition("=")
+        fix = (f"quote the value: {key}='{value}'" if value and "'" not in value
+               else "write it in ASCII, or quote the value")
+    verb = "is not an ASCII character" if len(set(chars)) == 1 else "are not ASCII characters"
+    return (f"{override}: {named} {verb}, and Hydra's override grammar reads unquoted keys and values in "
+            f"ASCII only; {fix}")
+
+
+def override_problems(overrides: Sequence[str]) -> list[str]:
+    """:func:`override_problem` of each ``key=value`` of ``overrides`` that Hydra's override parser
+    refuses (the command line's flags are left alone)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # hydra only here: as in compose
+
+    parser = OverridesParser.create()
+    found = []
+    for override in overrides:
+        if override.startswith("-") or "=" not in override:
+            continue
+        try:
+            parser.parse_override(override)
+        except Exception:  # noqa: BLE001  (Hydra's grammar errors differ by version; the override is named below)
+            problem = override_problem(override)
+            if problem:
+                found.append(problem)
+    return found
 
 
 def validate(config: DictConfig) -> None:
@@ -137,9 +219,15 @@ def validate(config: DictConfig) -> None:
     try:
         validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
     except InstantiationException as e:
-        if isinstance(e.__cause__, ValueError):  # a bad value in a config dataclass: show its own message
-            raise ValueError(str(e.__cause__)) from None
+        if isinstance(e.__cause__, (ValueError, AssertionError)):  # a bad value in a config dataclass: its message
+            section = re.search(r"full_key: (\S+)", str(e))
+            key = section.group(1) if section else "the config"
+            raise PreflightError([Problem(key, f"verl's config refuses it: {e.__cause__}",
+                                          "correct the value verl names (docs/preflight.md)")]) from None
         raise
+    except AssertionError as e:  # one of validate_config's own checks
+        raise PreflightError([Problem("the config", f"verl's config validation refuses it: {e}",
+                                      "correct the value verl names (docs/preflight.md)")]) from None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -303,6 +391,54 @@ def stringify_ray_env_vars(config: DictConfig) -> None:
                 env_vars[key] = "" if value is None else str(value)
 
 
+def unresolvable_keys(config: DictConfig | ListConfig, prefix: str = "") -> dict[str, str]:
+    """``{key: interpolation}`` of every key holding an interpolation omegaconf cannot resolve, in the
+    config's order."""
+    found: dict[str, str] = {}
+    keys = range(len(config)) if isinstance(config, ListConfig) else list(config.keys())
+    for key in keys:
+        full = f"{prefix}[{key}]" if isinstance(config, ListConfig) else f"{prefix}.{key}" if prefix else str(key)
+        if OmegaConf.is_interpolation(config, key):
+            try:
+                config[key]
+            except OmegaConfBaseException:
+                found[full] = str(config._get_node(key)._value())
+            continue
+        if OmegaConf.is_missing(config, key):
+            continue
+        child = config[key]
+        if isinstance(child, (DictConfig, ListConfig)):
+            found.update(unresolvable_keys(child, full))
+    return found
+
+
+def first_unresolvable_key(config: DictConfig) -> Optional[str]:
+    """The key whose own interpolation cannot be resolved: of :func:`unresolvable_keys`, the first one
+    that does not just refer to another of them (``trainer.default_local_dir=ckpt/${trainer.experiment_name}``
+    fails because ``trainer.experiment_name`` does); None when every interpolation resolves."""
+    failing = unresolvable_keys(config)
+    for key, expression in failing.items():
+        if not any(other in expression for other in failing if other != key):
+            return key
+    return next(iter(failing), None)
+
+
+def unresolvable(error: Exception, config: Optional[DictConfig] = None) -> Problem:
+    """The :class:`Problem` of an interpolation omegaconf cannot resolve (``${oc.env:NAME}`` of an
+    unset variable, ``${key}`` of a key that does not exist), naming the key that holds it (of
+    ``config``: :func:`first_unresolvable_key`; else omegaconf's ``full_key``) and the variable or key it missed."""
+    key = (first_unresolvable_key(config) if config is not None else None) or getattr(error, "full_key", None)
+    key = key or "the config"
+    text = str(getattr(error, "msg", None) or error).strip().splitlines()[0]
+    variable = re.search(r"Environment variable '([^']+)' not found", text)
+    if variable:
+        fix = (f"export {variable.group(1)}=<value> before launching, or override the key that reads it with a "
+               f"value (or give a default: ${{oc.env:{variable.group(1)},<default>}})")
+    else:
+        fix = "give the key it names a value (an override key=value), or correct the interpolation"
+    return Problem(key, f"cannot be resolved: {text}", fix)
+
+
 def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
             log: Callable[[str], None] = print, environ: Optional[Mapping[str, str]] = None) -> DictConfig:
     """Everything the driver does to ``config`` (in place) before verl gets it; returns it.
@@ -320,7 +456,10 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     if bad_environment:
         raise PreflightError(bad_environment)
     ensure_loss_statistics(config, log=log)
-    resolve_paths(config, cwd=cwd, log=log)
+    try:
+        resolve_paths(config, cwd=cwd, log=log)
+    except OmegaConfBaseException as e:  # an interpolation that cannot be resolved: named, not a traceback
+        raise PreflightError([unresolvable(e, config)]) from None
     ensure_wandb_resume(config)
     stringify_ray_env_vars(config)
     preflight_check(config, environ=environ, log=log)

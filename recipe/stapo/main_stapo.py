@@ -17,7 +17,7 @@ import os
 import sys
 
 from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, MODELS, PreflightError, check_environment, describe,
-                                 ensure_patch_module_env, prepare)
+                                 ensure_patch_module_env, override_problems, prepare)
 from recipe.stapo.methods import METHODS
 
 ensure_patch_module_env()  # before verl is imported: local Ray workers inherit it
@@ -80,6 +80,11 @@ def main() -> None:
         print(usage(), end="")
         return
     check = check_requested(sys.argv)
+    unreadable = override_problems(sys.argv[1:])  # Hydra's own message: a lexer error and a caret, naming no fix
+    if unreadable:
+        print("[stapo] override refused (nothing was started):\n" + "\n".join(f"  - {u}" for u in unreadable),
+              file=sys.stderr)
+        raise SystemExit(1)
     early = check_environment()  # what `import verl` inside Hydra's config loading reads: a failure there names nothing
     if early:
         print(f"[stapo] {PreflightError(early)}", file=sys.stderr)

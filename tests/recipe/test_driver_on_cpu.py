@@ -16,6 +16,13 @@ from tests.helpers.cluster_files import QWEN3_CONFIGS, use_fake_cluster, write_d
 PL = "actor_rollout_ref.actor.policy_loss"
 
 
+@pytest.fixture(autouse=True)
+def wandb_offline(monkeypatch):
+    """The default config logs to wandb, and the preflight refuses it without credentials: these tests
+    log offline (the smoke test's way), as a machine without a wandb login would."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+
+
 @pytest.fixture
 def cluster(tmp_path, monkeypatch):
     """Stand-in shared storage (data, models, checkpoints) in the environment, cwd a scratch folder."""
@@ -181,3 +188,77 @@ def test_wandb_run_id_is_fixed_by_project_and_experiment():
     assert mine == {"WANDB_RUN_ID": "mine", "WANDB_RESUME": "must"}
     none, cfg = _run_env(["method=stapo", "trainer.logger=[console,file]"], {})
     assert none == {} and "WANDB_RUN_ID" not in cfg.ray_kwargs.ray_init.runtime_env.env_vars
+
+
+# ------------------------------------------------------------------------------------------------
+# what Hydra and omegaconf would report as a lexer error or a traceback, named
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, named, fixed", [
+    ("recipe.token_dump.responses=８", "'８' (FULLWIDTH DIGIT EIGHT)", "write it in ASCII: recipe.token_dump.responses=8"),
+    ("trainer.save_freq=–1", "'–' (EN DASH)", "write it in ASCII: trainer.save_freq=-1"),
+    ("trainer.nnodes=٨", "'٨' (ARABIC-INDIC DIGIT EIGHT)", "write it in ASCII: trainer.nnodes=8"),
+    ("trainer.experiment_name=données", "'é' (LATIN SMALL LETTER E WITH ACUTE)",
+     "quote the value: trainer.experiment_name='données'"),
+])
+def test_an_override_hydras_grammar_cannot_read_is_named_with_its_fix(override, named, fixed):
+    """Hydra's lexer stopped at the character with "LexerNoViableAltException" and a caret."""
+    with pytest.raises(ValueError) as info:
+        compose(["method=stapo", override])
+    text = str(info.value)
+    assert named in text and fixed in text and "Hydra's override grammar reads unquoted" in text, text
+    assert "LexerNoViableAltException" not in text
+    if "quote the value" in fixed:  # the fix it names is read
+        assert compose(["method=stapo", fixed.split(": ", 1)[1]]).trainer.experiment_name == "données"
+
+
+def test_main_names_an_unreadable_override_before_hydra_reads_it(tmp_path):
+    """The command line's overrides are Hydra's to parse: main names the character before Hydra's lexer error."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.paths import REPO
+
+    proc = subprocess.run([sys.executable, "-m", "recipe.stapo.main_stapo", "method=stapo",
+                           "recipe.token_dump.responses=８", "--check"], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "STAPO_LAUNCH_DIR": str(tmp_path)})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "override refused (nothing was started)" in proc.stderr
+    assert "write it in ASCII: recipe.token_dump.responses=8" in proc.stderr
+    assert "LexerNoViableAltException" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("override, key, missing", [
+    ("trainer.experiment_name=${oc.env:STAPO_TEST_UNSET_VARIABLE}", "trainer.experiment_name",
+     "Environment variable 'STAPO_TEST_UNSET_VARIABLE' not found"),
+    ("trainer.nnodes=${trainer.no_such_key}", "trainer.nnodes", "Interpolation key 'trainer.no_such_key' not found"),
+])
+def test_an_interpolation_that_cannot_be_resolved_is_a_problem_naming_its_key(cluster, no_ray, monkeypatch, override,
+                                                                              key, missing):
+    """It was omegaconf's traceback out of main_stapo, naming the key that interpolates the broken one."""
+    from recipe.stapo import main_stapo
+    from recipe.stapo.preflight import PreflightError
+
+    monkeypatch.delenv("STAPO_TEST_UNSET_VARIABLE", raising=False)
+    with pytest.raises(PreflightError) as info:
+        main_stapo.run(compose(["method=stapo", override]))
+    (found,) = info.value.problems
+    assert found.key == key and missing in found.problem and found.fix, found
+    if "oc.env" in override:
+        assert "export STAPO_TEST_UNSET_VARIABLE=<value>" in found.fix
+    assert no_ray == []
+
+
+def test_a_value_verls_config_classes_refuse_is_a_problem_naming_the_section(cluster, no_ray):
+    """verl's own validation (its config dataclasses) raised a ValueError main_stapo showed as a traceback."""
+    from recipe.stapo import main_stapo
+    from recipe.stapo.preflight import PreflightError
+
+    with pytest.raises(PreflightError) as info:
+        main_stapo.run(compose(["method=stapo", "model=qwen3_1_7b", "trainer.nnodes=1", "trainer.n_gpus_per_node=8",
+                                "trainer.logger=[console]", "actor_rollout_ref.actor.loss_agg_mode=bogus"]))
+    (found,) = info.value.problems
+    assert found.key == "actor_rollout_ref.actor" and "Invalid loss_agg_mode: bogus" in found.problem, found
+    assert no_ray == []

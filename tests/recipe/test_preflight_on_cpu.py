@@ -592,6 +592,18 @@ def test_every_variable_the_runs_processes_read_is_read_before_ray(name, raw, ph
     assert check_run_environment(_minimal(**{f"{RAY_ENV}.{name}": ""}), {name: raw}) == []  # the config's wins
 
 
+@pytest.mark.parametrize("raw, refused_", [("info", True), ("", True), ("10", True), ("DEBUG", False), ("WARNING", False)])
+def test_verl_logging_level_is_read_as_verls_modules_read_it(raw, refused_):
+    """Every verl module calls logger.setLevel(VERL_LOGGING_LEVEL) when imported: 'info' (lower case) or
+    an empty value fails there, in the workers as in the driver."""
+    from recipe.stapo.preflight.values import check_run_environment
+
+    found = check_run_environment(_minimal(**{f"{RAY_ENV}.VERL_LOGGING_LEVEL": raw}), {})
+    assert [p.key for p in found] == ([f"{RAY_ENV}.VERL_LOGGING_LEVEL"] if refused_ else []), found
+    if refused_:
+        assert f"VERL_LOGGING_LEVEL={raw!r} is not a logging level" in found[0].problem
+
+
 def test_the_cpu_paths_threads_are_read_where_the_cpu_path_runs():
     from recipe.stapo.preflight.values import check_run_environment
 
@@ -712,6 +724,7 @@ def test_a_metrics_file_under_verl_file_logger_root_is_checked(cluster, monkeypa
 @pytest.mark.parametrize("variable, value, phrase", [
     ("VERL_USE_EXTERNAL_MODULES", "verl_patches,no_such_module", "lists 'no_such_module', which cannot be imported"),
     ("STAPO_SECRETS_FILE", "/nonexistent/secrets.env", "STAPO_SECRETS_FILE=/nonexistent/secrets.env: cannot read it"),
+    ("VERL_LOGGING_LEVEL", "debug", "VERL_LOGGING_LEVEL='debug' is not a logging level"),
 ])
 def test_what_import_verl_reads_is_refused_before_hydra_loads_verls_config(tmp_path, variable, value, phrase):
     """A module verl cannot import, or a secrets file the patches cannot load, failed inside Hydra's
@@ -723,3 +736,205 @@ def test_what_import_verl_reads_is_refused_before_hydra_loads_verls_config(tmp_p
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "preflight refused the config (1 problem" in proc.stderr and phrase in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr and "Could not load" not in proc.stderr and "Error locating" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# the run's names and loggers, wandb (recipe.stapo.preflight.loggers)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, key", [
+    ("trainer.experiment_name=''", "trainer.experiment_name"), ("trainer.experiment_name='  '", "trainer.experiment_name"),
+    ("trainer.project_name=''", "trainer.project_name"), ("trainer.experiment_name=null", "trainer.experiment_name"),
+])
+def test_an_empty_run_name_is_refused(cluster, override, key):
+    """An empty experiment name filed the run in its project's folder (verl's default checkpoint folder),
+    as a hidden '.jsonl' under VERL_FILE_LOGGER_ROOT, as an unnamed wandb run."""
+    problem(refused(paper(cluster, override)), key, "is empty: the project and experiment names name the run")
+
+
+@pytest.mark.parametrize("project", ["team/stapo", "stapo:v2", "p" * 129])
+def test_a_project_name_wandb_refuses_is_refused_with_the_wandb_logger(cluster, project):
+    """wandb.init refused it when the trainer's tracker started, after Ray, the model load and vLLM's start."""
+    wandb_offline = {"WANDB_MODE": "offline"}
+    problem(refused(paper(cluster, f"trainer.project_name={project}", "trainer.logger=[console,wandb]"),
+                    environ=wandb_offline), "trainer.project_name", "wandb refuses it as a project name")
+    passes(paper(cluster, f"trainer.project_name={project}"), environ=wandb_offline)  # no wandb: a folder name
+
+
+def test_an_empty_logger_list_is_refused(cluster):
+    """A run that records no metric at all."""
+    problem(refused(paper(cluster, "trainer.logger=[]")), "trainer.logger", "the run would record no metric at all")
+
+
+def test_a_logger_whose_package_is_missing_is_refused(cluster, monkeypatch):
+    """verl imports the backend's package when the tracker starts: ImportError after Ray."""
+    from recipe.stapo.preflight import loggers
+
+    monkeypatch.setitem(loggers.LOGGER_PACKAGES, "mlflow", "stapo_test_no_such_package")
+    problem(refused(paper(cluster, "trainer.logger=[console,mlflow]")), "trainer.logger",
+            "the mlflow logger needs the package stapo_test_no_such_package, which is not installed")
+
+
+@pytest.fixture
+def no_wandb_login(tmp_path, monkeypatch):
+    """A netrc file without a wandb entry (wandb reads NETRC first), no WANDB_* variable."""
+    netrc = tmp_path / "netrc"
+    netrc.write_text("machine example.org login me password secret\n")
+    netrc.chmod(0o600)
+    monkeypatch.setenv("NETRC", str(netrc))
+    for name in [n for n in os.environ if n.startswith("WANDB_")]:
+        monkeypatch.delenv(name)
+    return netrc
+
+
+def test_the_wandb_logger_without_credentials_is_refused(cluster, no_wandb_login, tmp_path):
+    """wandb.init stopped with "No API key configured" when the tracker started, after Ray."""
+    with_wandb = paper(cluster, "trainer.logger=[console,wandb]")
+    problem(refused(with_wandb), "trainer.logger", "the wandb logger has no credentials",
+            "no netrc entry for https://api.wandb.ai", "wandb login")
+    problem(refused(paper(cluster, "trainer.logger=[console,wandb]"), environ={"WANDB_API_KEY": "too-short"}),
+            "trainer.logger", "has a WANDB_API_KEY wandb refuses")
+    key = "k" * 40
+    for environ in ({"WANDB_MODE": "offline"}, {"WANDB_MODE": "disabled"}, {"WANDB_API_KEY": key},
+                    {"LAUNCH": "submit"}):  # submit: the job's driver checks it on the head node
+        passes(paper(cluster, "trainer.logger=[console,wandb]"), environ=environ)
+    secrets = tmp_path / "secrets.env"
+    secrets.write_text(f"WANDB_API_KEY={key}\n")
+    secrets.chmod(0o600)
+    passes(paper(cluster, "trainer.logger=[console,wandb]"), environ={"STAPO_SECRETS_FILE": str(secrets)})
+    no_wandb_login.write_text(f"machine api.wandb.ai\n  login user\n  password {key}\n")  # what `wandb login` writes
+    passes(paper(cluster, "trainer.logger=[console,wandb]"), environ={})
+
+
+@pytest.mark.parametrize("name, value, phrase", [
+    ("WANDB_RESUME", "bogus", "Input should be 'allow', 'must', 'never' or 'auto'"),
+    ("WANDB_RUN_ID", "team/run", "Run ID cannot contain the characters"),
+    ("WANDB_MODE", "offlin", "Input should be 'online', 'offline'"),
+])
+def test_a_wandb_variable_wandb_refuses_is_refused_naming_it(cluster, monkeypatch, name, value, phrase):
+    """Read by wandb's own settings reader, as wandb.init reads it in the trainer after Ray (the driver
+    passes WANDB_RUN_ID and WANDB_RESUME to every worker in the config's runtime env)."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv(name, value)
+    err = refused(paper(cluster, "trainer.logger=[console,wandb]"), environ=dict(os.environ))
+    (found,) = [p for p in err.problems if p.key.endswith(name)]
+    assert "wandb refuses it" in found.problem and phrase in found.problem and found.fix, found
+
+
+@pytest.mark.parametrize("variable, logger", [("TENSORBOARD_DIR", "tensorboard"), ("WANDB_DIR", "wandb")])
+def test_a_logger_folder_that_cannot_be_written_is_refused(cluster, monkeypatch, variable, logger):
+    """The folder the driver passes to every worker (made absolute, in the config's runtime env)."""
+    blocker = cluster["root"] / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv(variable, str(blocker))
+    problem(refused(paper(cluster, f"trainer.logger=[console,{logger}]"), environ=dict(os.environ)),
+            f"{RAY_ENV}.{variable}", "exists and is not a folder", f"the {logger} logger writes there")
+    monkeypatch.setenv(variable, str(cluster["root"] / "new"))
+    passes(paper(cluster, f"trainer.logger=[console,{logger}]"), environ=dict(os.environ))
+    assert not (cluster["root"] / "new").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# values the bad-input sweep found passing, each failing or running wrong after Ray
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("override, key", [
+    (f"{ACTOR}.use_kl_loss=flase", f"{ACTOR}.use_kl_loss"),  # a config class's bool (FSDPActorConfig)
+    ("algorithm.norm_adv_by_std_in_grpo=maybe", "algorithm.norm_adv_by_std_in_grpo"),  # AlgoConfig
+    ("trainer.use_v1=maybe", "trainer.use_v1"),  # a section without a config class
+    ("data.filter_overlong_prompts=0", "data.filter_overlong_prompts"),
+])
+def test_a_bool_given_as_another_value_is_refused(cluster, override, key):
+    """verl reads a bool by its truth: use_kl_loss=flase ran with the KL loss and a reference model."""
+    problem(refused(paper(cluster, override)), key, "must be true or false", "verl reads any other value by its truth")
+
+
+@pytest.mark.parametrize("override, key, phrase", [
+    (f"{ACTOR}.strategy=bogus", f"{ACTOR}.strategy", "must be fsdp or fsdp2"),
+    (f"{ROLLOUT}.name=bogus", f"{ROLLOUT}.name", "must be one of vllm, sglang, trtllm"),
+    (f"{ROLLOUT}.mode=sync", f"{ROLLOUT}.mode", "must be async"),
+])
+def test_an_engine_verl_looks_up_after_ray_is_refused(cluster, override, key, phrase):
+    problem(refused(paper(cluster, override)), key, phrase, "after Ray")
+
+
+def test_a_rollout_whose_engine_is_not_installed_is_refused(cluster, monkeypatch):
+    from recipe.stapo.preflight import values
+
+    monkeypatch.setitem(values.ROLLOUT_PACKAGES, "sglang", "stapo_test_no_such_package")
+    problem(refused(paper(cluster, f"{ROLLOUT}.name=sglang")), f"{ROLLOUT}.name",
+            "the sglang rollout needs the package stapo_test_no_such_package, which is not installed")
+
+
+def test_a_step_larger_than_the_trainers_memory_is_refused(cluster):
+    """rollout.n=1e9 passed every check: the trainer holds the whole step and fails in its first step."""
+    err = refused(paper(cluster, f"{ROLLOUT}.n=1000000000"))
+    problem(err, f"{ROLLOUT}.n", "256 prompts x 1000000000 responses of up to 1024 + 15360 tokens", "more than this "
+            "machine's", "the paper: 8")
+    passes(paper(cluster, f"{ROLLOUT}.n=1000000000"), environ={"LAUNCH": "submit"})  # the job's driver checks it
+    from omegaconf import OmegaConf
+
+    from recipe.stapo.preflight.numbers import check_step_host_memory
+
+    config = OmegaConf.create({"data": {"train_batch_size": 256, "max_prompt_length": 1024, "max_response_length": 15360},
+                               "actor_rollout_ref": {"rollout": {"n": 8}}})
+    found = []
+    check_step_host_memory(config, found, memory=256 * 8 * 16384 * 24)  # the bound itself: fits
+    assert found == []
+    check_step_host_memory(config, found, memory=256 * 8 * 16384 * 24 - 1)
+    assert [p.key for p in found] == [f"{ROLLOUT}.n"] and "at most 7 here" in found[0].fix
+
+
+def test_a_random_strategy_seed_no_generator_takes_is_refused_at_the_bound_the_loss_fails(cluster):
+    """The random strategy seeds rank r's generator with seed x 1,000,003 + r: a larger seed passed the
+    preflight and failed in the first update ("Overflow when unpacking long long")."""
+    import torch
+
+    from recipe.stapo.preflight.names import random_seed_range
+    from verl_patches.policy_loss_config import TokenSelectionLossConfig
+    from verl_patches.token_selection import select_tokens
+
+    low, high = random_seed_range(64)
+    for seed in (low - 1, high + 1):
+        problem(refused(paper(cluster, f"{PL}.strategy=random", f"{PL}.seed={seed}")), f"{PL}.seed",
+                f"on 64 ranks the seed must lie in [{low}, {high}]")
+    passes(paper(cluster, f"{PL}.strategy=random", f"{PL}.seed={high}"))
+    passes(paper(cluster, f"{PL}.seed={high + 1}"))  # low_entropy draws nothing
+    low, high = random_seed_range(1)  # one rank (rank 0), the loss's own generator at the bounds
+
+    def select(seed: int):
+        shape = (2, 4)
+        return select_tokens(TokenSelectionLossConfig(token_selection="s2t", strategy="random", seed=seed),
+                             log_prob=torch.full(shape, -7.0), entropy=torch.full(shape, 0.01),
+                             advantages=torch.ones(shape), response_mask=torch.ones(shape))
+
+    select(high), select(low)
+    for seed in (high + 1, low - 1):
+        with pytest.raises((ValueError, RuntimeError)):
+            select(seed)
+
+
+def test_the_cpu_device_without_the_cpu_path_is_refused(cluster):
+    """trainer.device=cpu on the 64-GPU config passed, skipping the memory check; verl's GPU code paths
+    would have run on the CPU."""
+    problem(refused(paper(cluster, "trainer.device=cpu")), "trainer.device", "VERL_PLATFORM=cpu", "+cpu_rollout=vllm",
+            "the CPU path is trainer.device=cpu with VERL_PLATFORM=cpu and +cpu_rollout=vllm together")
+    text = problem(refused(paper(cluster, "trainer.device=cpu", "+cpu_rollout=vllm")), "trainer.device")
+    assert "without VERL_PLATFORM=cpu" in text and "without VERL_PLATFORM=cpu (the CPU platform and its patches in " \
+        "every process) and" not in text
+
+
+def test_a_metrics_files_writer_lock_the_logger_cannot_take_is_refused(cluster):
+    """A folder where the writer lock goes passed the preflight and stopped the logger with
+    IsADirectoryError when the trainer started, after Ray."""
+    from verl_patches.resume import writer_lock_path
+
+    metrics = cluster["ckpt"] / "qwen3_8b_stapo" / "metrics.jsonl"
+    writer_lock_path(metrics).mkdir(parents=True)
+    problem(refused(paper(cluster, "trainer.logger=[console,file]")), f"{RAY_ENV}.VERL_FILE_LOGGER_PATH",
+            "its writer lock", "is not a file", "remove it")
+    writer_lock_path(metrics).rmdir()
+    passes(paper(cluster, "trainer.logger=[console,file]"))

@@ -144,7 +144,8 @@ def test_dry_run_check_validates_with_the_launching_shells_paths(tmp_path):
     for name in ("train", "aime24"):  # the preflight reads them (docs/preflight.md)
         write_dataset(tmp_path / "rel" / "data" / f"{name}.parquet")
     proc = _run(COMMON, "stapo", "qwen3_1_7b", cwd=tmp_path, STAPO_DRY_RUN="check", PYTHON=sys.executable,
-                STAPO_DATA_DIR="rel/data", STAPO_MODEL_DIR="models", CKPT_DIR="ck")
+                STAPO_DATA_DIR="rel/data", STAPO_MODEL_DIR="models", CKPT_DIR="ck",
+                WANDB_MODE="offline")  # the default LOGGER is wandb: no credentials on a test machine
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "config OK" in proc.stderr
     assert f"data.train_files = {tmp_path}/rel/data/train.parquet" in proc.stderr

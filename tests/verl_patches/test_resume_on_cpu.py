@@ -425,3 +425,33 @@ def test_a_relaunch_from_an_older_checkpoint_does_not_count_the_newer_ones(tmp_p
     _launch(tmp_path, [1, 2, 3, 4], None, patched=True)
     _launch(tmp_path, [3, 4, 5], 2, patched=True)
     assert _kept(tmp_path) == [4, 5]
+
+
+@pytest.mark.parametrize("bad", [b'{"step": 2, "data": 5}\n', b'{"step": 2, "data": [1, 2]}\n'])
+def test_a_record_whose_data_is_not_an_object_is_moved_aside_as_the_reader_refuses_it(tmp_path, capsys, bad):
+    """The writer kept it as a record, and the project's reader (recipe.stapo.metrics.read_metrics) then
+    refused the whole file."""
+    from recipe.stapo.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "data": {"x": 1}}\n' + bad + b'{"step": 3, "data": {"x": 3}}\n')
+    log = ResumableFileLog(path)
+    log.log({"x": 4}, 4)
+    log.close()
+    assert sorted(read_metrics(path)) == [1, 3, 4]
+    assert (tmp_path / "metrics.jsonl.unreadable").read_bytes() == bad
+    assert "line(s) 2 not a step record" in capsys.readouterr().err
+
+
+def test_a_byte_order_mark_before_the_first_record_is_dropped(tmp_path):
+    """An editor's byte-order mark: the writer kept the file as it was, and the reader refused line 1."""
+    from recipe.stapo.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + b'{"step": 1, "data": {"x": 1}}\n{"step": 2, "data": {"x": 2}}\n')
+    log = ResumableFileLog(path)
+    log.log({"x": 3}, 3)
+    log.close()
+    assert read_metrics(path) == {1: {"x": 1}, 2: {"x": 2}, 3: {"x": 3}}
+    assert not path.read_bytes().startswith(b"\xef\xbb\xbf")
+    assert not (tmp_path / "metrics.jsonl.unreadable").exists()

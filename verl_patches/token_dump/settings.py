@@ -73,7 +73,8 @@ def settings_from_env(env: Optional[Mapping[str, str]] = None) -> DumpSettings:
         raise ValueError(f"token dump is off: set recipe.token_dump.dir (env {DIR_ENV}) to a run folder")
     ids = env.get(IDS_ENV, "").strip().lower()
     if ids not in _TRUE + _FALSE:
-        raise ValueError(f"token dump: {IDS_ENV}={env.get(IDS_ENV)!r} must be one of 1/0/true/false")
+        raise ValueError(f"token dump: recipe.token_dump.ids={env.get(IDS_ENV)!r} (env {IDS_ENV}) must be true or false "
+                         "(or 1/0, yes/no, on/off)")
     return DumpSettings(
         run_dir=Path(run_dir),
         responses=_int_setting(env, RESPONSES_ENV, "recipe.token_dump.responses", DEFAULT_RESPONSES, 1),

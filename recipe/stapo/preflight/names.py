@@ -47,6 +47,41 @@ def check_names(config: DictConfig, found: list[Problem]) -> None:
                              f"use one of {known}", estimator))
     check_reward_function(config, found)
     check_sequence_parallel(config, found)
+    check_random_seed(config, found)
+
+
+#: S2T's ``random`` strategy seeds rank ``r``'s generator with ``seed * SEED_STRIDE + r``
+#: (:func:`verl_patches.token_selection.select_tokens`); torch's generator takes a seed in
+#: ``[-2**63, 2**64)``
+SEED_STRIDE = 1_000_003
+TORCH_SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
+
+
+def random_seed_range(world: int) -> tuple[int, int]:
+    """The seeds whose every rank's generator seed (of ``world`` ranks) torch takes."""
+    low, high = TORCH_SEED_RANGE
+    return -(-low // SEED_STRIDE), (high - (world - 1)) // SEED_STRIDE
+
+
+def check_random_seed(config: DictConfig, found: list[Problem]) -> None:
+    """With ``strategy=random``, a seed every rank's generator can take: beyond the range torch's
+    ``manual_seed`` fails with "Overflow when unpacking long long" in the first update, after Ray,
+    the model load and the first rollout."""
+    try:
+        cfg = settings_of(config)
+    except ValueError:  # check_names reports an invalid policy-loss config
+        return
+    if cfg is None or cfg.strategy != "random":
+        return
+    nnodes, gpus = pick(config, "trainer.nnodes"), pick(config, "trainer.n_gpus_per_node")
+    world = nnodes * gpus if is_int(nnodes) and is_int(gpus) and nnodes > 0 and gpus > 0 else 1
+    low, high = random_seed_range(world)
+    if not low <= cfg.seed <= high:
+        found.append(Problem(f"{POLICY_LOSS}.seed", f"the random strategy seeds each rank's generator with seed x "
+                             f"{SEED_STRIDE:,} + rank, which torch's generator takes only within 64 bits: on {world} "
+                             "ranks the seed must lie in [{low}, {high}] (it would fail in the first update, after "
+                             "Ray)".replace("{low}", str(low)).replace("{high}", str(high)),
+                             f"use a seed in that range, e.g. {POLICY_LOSS}.seed=0", cfg.seed))
 
 
 def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:

@@ -6,6 +6,7 @@ sequence; the memory check's own settings."""
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 from omegaconf import DictConfig
@@ -156,6 +157,42 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
         found.append(Problem("recipe.memory_check", "unknown mode", f"use one of {list(MEMORY_CHECK_MODES)}", mode))
         n.ok = False
     return n.ok
+
+
+#: bytes per token the trainer holds for every sequence of a step, at least: ``input_ids``,
+#: ``attention_mask`` and ``position_ids``, int64 each, over prompt + response (verl's batch
+#: holds more: responses, masks, log-probabilities, advantages)
+STEP_BYTES_PER_TOKEN = 3 * 8
+
+
+def host_memory_bytes() -> int:
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_step_host_memory(config: DictConfig, found: list[Problem], submit: bool = False,
+                           memory: Optional[int] = None) -> None:
+    """A step's sequences fit the trainer's host memory: verl's trainer process holds the whole step
+    (``data.train_batch_size`` x ``rollout.n`` sequences of up to prompt + response tokens) at once, at
+    least :data:`STEP_BYTES_PER_TOKEN` bytes a token. More than this machine's memory (``memory``,
+    default :func:`host_memory_bytes`; the trainer runs on a node of the same cluster) fails in the
+    first step, after Ray, the model load and vLLM's start (``rollout.n=1e9`` passed every other
+    check). Not checked with ``LAUNCH=submit`` (the launching machine is not the cluster's)."""
+    values = [pick(config, k) for k in ("data.train_batch_size", f"{ROLLOUT}.n", "data.max_prompt_length",
+                                        "data.max_response_length")]
+    if submit or not all(is_int(v) and v > 0 for v in values):
+        return
+    batch, n, prompt, response = values
+    need = batch * n * (prompt + response) * STEP_BYTES_PER_TOKEN
+    memory = host_memory_bytes() if memory is None else memory
+    if need > memory:
+        fit = max(1, memory // (batch * (prompt + response) * STEP_BYTES_PER_TOKEN))
+        found.append(Problem(
+            f"{ROLLOUT}.n", f"a step of data.train_batch_size={batch} prompts x {n} responses of up to {prompt} + "
+            f"{response} tokens is held whole by the trainer: at least {need / 2**30:,.0f} GiB (input_ids, "
+            f"attention_mask, position_ids alone), more than this machine's {memory / 2**30:,.1f} GiB; the first step "
+            "would fail after Ray, the model load and vLLM's start",
+            f"set {ROLLOUT}.n to a group size the trainer can hold (at most {fit:,} here; the paper: 8)", n))
 
 
 def gpu_mem_problem(value) -> Optional[str]:

@@ -12,9 +12,10 @@ from omegaconf import DictConfig
 from recipe.stapo.policy_loss import settings_of
 from stapo_core.rules import NO_SELECTION, RULES
 
+from .loggers import check_loggers
 from .memory import check_memory
 from .names import POLICY_LOSS, check_identity, check_names, token_selection
-from .numbers import check_numbers, uses_reference
+from .numbers import check_numbers, check_step_host_memory, uses_reference
 from .paths import check_paths, check_token_dump
 from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, is_int, pick
 from .values import check_values
@@ -37,7 +38,9 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
         report.notes.append("LAUNCH=submit: paths this machine cannot see are left to the job's driver, which runs "
                             "the same checks on the head node before Ray starts")
     numbers_ok = check_numbers(config, found)
+    check_step_host_memory(config, found, submit)
     found += check_values(config, environ)  # types and ranges verl checks after Ray; the run's environment
+    found += check_loggers(config, environ)  # the names, loggers, wandb's settings and credentials
     check_names(config, found)
     if numbers_ok:
         check_ranks_per_pool(config, found)

@@ -1,6 +1,6 @@
 """Single values: the type and range of config values whose bad value verl reports only after Ray
-has started (minutes in, often without the key's name), the logger list, a second writer of the
-run's metrics file, and the environment.
+has started (minutes in, often without the key's name), a second writer of the run's metrics file,
+the device, and the environment (the loggers' part is :mod:`.loggers`).
 
 Each check of :data:`VALUE_CHECKS` says what verl does with a bad value (read from verl 0.9.1's
 trainer, workers and config dataclasses). :func:`check_environment` parses the environment variables
@@ -16,11 +16,13 @@ Importing this module imports no verl.
 
 from __future__ import annotations
 
-import difflib
+import dataclasses
+import importlib
 import importlib.util
 import math
 import os
 import re
+import typing
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +31,7 @@ from typing import Callable, Mapping, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_patches.env_file import parse_env_file
-from verl_patches.resume import MetricsFileBusy, check_no_writer
+from verl_patches.resume import MetricsFileBusy, check_no_writer, writer_lock_path
 from verl_patches.weight_sync import parse_timeout
 
 from .paths import probe_writable
@@ -80,6 +82,9 @@ def _is_bool(value) -> bool:
     return isinstance(value, bool)
 
 
+#: verl 0.9.1's rollouts (``verl.workers.rollout.base``) and the package each one's engine needs
+ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
+
 _FRACTION = _number_in(0.0, 1.0, True, False)
 _NON_NEGATIVE = _number_in(0.0, math.inf, False, True)
 _POSITIVE = _number_in(0.0, math.inf, True, True)
@@ -118,7 +123,7 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
          "the log-probabilities divide by it (0 gives infinities) or vLLM refuses it after Ray starts", "the paper: 1.0"),
     ValueCheck(f"{ROLLOUT}.top_p", _FRACTION, "a number in (0, 1]", "vLLM refuses it when the rollout starts, after Ray",
          "the paper: 1.0"),
-    ValueCheck(f"{ROLLOUT}.top_k", _int_at_least(-1), "a whole number >= -1 (-1: off)",
+    ValueCheck(f"{ROLLOUT}.top_k", _int_at_least(-1), "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)",
          "vLLM refuses it when the rollout starts, after Ray", "-1"),
     ValueCheck(f"{ROLLOUT}.gpu_memory_utilization", _FRACTION, "a number in (0, 1]",
          "vLLM refuses it when its engine starts, after Ray (a fraction of each GPU's memory)", "e.g. 0.6"),
@@ -128,7 +133,7 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
          "the paper: 0.9"),
     ValueCheck(f"{ROLLOUT}.val_kwargs.temperature", _NON_NEGATIVE, "a number >= 0",
          "vLLM refuses it at the first validation", "the paper: 0.7"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.top_k", _int_at_least(-1), "a whole number >= -1 (-1: off)",
+    ValueCheck(f"{ROLLOUT}.val_kwargs.top_k", _int_at_least(-1), "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)",
          "vLLM refuses it at the first validation", "-1"),
     ValueCheck(f"{ROLLOUT}.val_kwargs.do_sample", _is_bool, "true or false", "validation reads it as a truth value",
          "the paper: true"),
@@ -149,7 +154,19 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
     ValueCheck("data.shuffle", _is_bool, "true or false", "the data loader reads it as a truth value", "true"),
     ValueCheck("data.truncation", _one_of("error", "left", "right", "middle"), "one of error, left, right, middle",
          "the dataset refuses it at its first long prompt", "the recipe: error"),
+    # the engines
+    ValueCheck(f"{ACTOR}.strategy", _one_of("fsdp", "fsdp2"), "fsdp or fsdp2",
+         "verl's workers look its engine up when they start, after Ray; the recipe's patches and memory estimate are "
+         "written for verl's FSDP engine", "the recipe: fsdp (fsdp2 on the CPU path)"),
+    ValueCheck(f"{ROLLOUT}.name", _one_of(*ROLLOUT_PACKAGES), f"one of {', '.join(ROLLOUT_PACKAGES)}",
+         "verl looks its rollout up when the rollout workers start, after Ray", "the recipe: vllm"),
+    ValueCheck(f"{ROLLOUT}.mode", _one_of("async"), "async", "verl 0.9.1 has only server (async) rollouts and "
+         "asserts it when the rollout workers start, after Ray", "async"),
 )
+#: booleans of the config sections verl reads without a config class (the others: :func:`check_booleans`)
+PLAIN_BOOLEANS = ("trainer.balance_batch", "trainer.val_only", "trainer.del_local_ckpt_after_load", "trainer.use_v1",
+                  "data.validation_shuffle", "data.filter_overlong_prompts", "data.trust_remote_code", "data.use_shm",
+                  "data.return_raw_chat", "actor_rollout_ref.hybrid_engine")
 
 
 def _shown(value) -> object:
@@ -159,8 +176,8 @@ def _shown(value) -> object:
 
 
 def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """One problem per value of :data:`VALUE_CHECKS` that fails its test, plus the logger list
-    (verl's backends), ``recipe.gpu_mem_gb`` disagreeing with ``GPU_MEM_GB``,
+    """One problem per value of :data:`VALUE_CHECKS` that fails its test, plus
+    ``recipe.gpu_mem_gb`` disagreeing with ``GPU_MEM_GB``, the device,
     and the environment variables the run's processes read (:func:`check_run_environment`;
     ``environ``: the launching environment, default ``os.environ``). A key the config does not have
     is not checked (verl then uses its default)."""
@@ -173,7 +190,12 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
         if not value_check.test(value):
             found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
                                  f"set {value_check.key} to {value_check.what}; {value_check.fix}", _shown(value)))
-    _check_logger(config, found)
+    found += check_booleans(config)
+    engine = OmegaConf.select(config, f"{ROLLOUT}.name", default=None)
+    if engine in ROLLOUT_PACKAGES and importlib.util.find_spec(ROLLOUT_PACKAGES[engine]) is None:
+        found.append(Problem(f"{ROLLOUT}.name", f"the {engine} rollout needs the package {ROLLOUT_PACKAGES[engine]}, "
+                             "which is not installed here (verl imports it when the rollout workers start, after Ray)",
+                             f"install it, or use {ROLLOUT}.name=vllm (requirements.txt)", engine))
     _check_metrics_writer(config, found, environ)
     found += check_gpu_mem_source(config, environ)
     found += check_run_environment(config, environ)
@@ -181,11 +203,58 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
     return found
 
 
+def _bool_fields(target: str) -> list[str]:
+    """The fields a config class (``_target_``) declares ``bool`` (or ``Optional[bool]``); none for a
+    target that is not an importable dataclass."""
+    module, _, name = target.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    except Exception:  # noqa: BLE001  (an unknown target is verl's validation's to report)
+        return []
+    return [f.name for f in dataclasses.fields(cls) if hints.get(f.name) in (bool, Optional[bool])]
+
+
+def check_booleans(config: DictConfig) -> list[Problem]:
+    """Every value verl declares ``bool`` is true or false: each field a section's config class
+    (its ``_target_``) declares ``bool``, and :data:`PLAIN_BOOLEANS`. verl reads any other value by
+    its truth, so ``use_kl_loss=flase`` (a typo, a string) runs with the KL loss and a reference model."""
+    # the config classes are verl's: verl loads only after VERL_USE_EXTERNAL_MODULES is set
+    import verl_patches.activate  # noqa: F401  (the patches every worker runs with)
+
+    found: list[Problem] = []
+
+    def refuse(key: str, value, declared: str) -> None:
+        found.append(Problem(key, f"must be true or false ({declared}); verl reads any other value by its truth, so "
+                             f"{value!r} would run as {bool(value)}", f"set {key}=true or {key}=false", value))
+
+    def walk(node: DictConfig, prefix: str) -> None:
+        target = node.get("_target_") if "_target_" in node else None
+        fields = _bool_fields(target) if isinstance(target, str) else []
+        for key in node:
+            if OmegaConf.is_missing(node, key):
+                continue
+            full, value = f"{prefix}.{key}" if prefix else str(key), node[key]
+            if key in fields and not isinstance(value, bool) and value is not None:
+                refuse(full, value, f"{target.rsplit('.', 1)[-1]}.{key} is a bool")
+            elif isinstance(value, DictConfig):
+                walk(value, full)
+
+    walk(config, "")
+    for key in PLAIN_BOOLEANS:
+        value = OmegaConf.select(config, key, default=None)
+        if value is not None and not isinstance(value, bool):
+            refuse(key, value, "verl's config gives it as a bool")
+    return found
+
+
 def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
     """The CPU path's settings only on the CPU device, and the CPU device only with the CPU path:
     ``+cpu_rollout=vllm`` (``recipe.cpu_rollout``: a float32, eager rollout that keeps its KV cache
     through the update) and ``VERL_PLATFORM=cpu`` (the CPU platform and its patches in every process)
-    off ``trainer.device=cpu`` would run a GPU job silently slower and larger, or on the CPU shims."""
+    off ``trainer.device=cpu`` would run a GPU job silently slower and larger, or on the CPU shims;
+    ``trainer.device=cpu`` without both runs verl's GPU code paths on the CPU (failing after Ray) and
+    is not memory-checked."""
     device = str(OmegaConf.select(config, "trainer.device", default="cuda"))
     cpu_rollout = OmegaConf.select(config, "recipe.cpu_rollout", default=None)
     platform = (seen_by_workers(config, environ)("VERL_PLATFORM") or "").strip().lower()
@@ -197,33 +266,23 @@ def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem
             f"{device}: the GPU run would be slower and need far more memory than the memory check assumes",
             "drop +cpu_rollout=... on GPUs (it belongs to the CPU path: trainer.device=cpu, VERL_PLATFORM=cpu, "
             "recipe.stapo.cpu.cpu_overrides)", cpu_rollout))
+    if device == "cpu" and (platform != "cpu" or not cpu_rollout):
+        missing = [what for what, absent in (("VERL_PLATFORM=cpu (the CPU platform and its patches in every process)",
+                                              platform != "cpu"),
+                                             ("+cpu_rollout=vllm (the rollout's CPU settings)", not cpu_rollout))
+                   if absent]
+        found.append(Problem(
+            "trainer.device", f"the CPU device without {' and '.join(missing)}: verl would run its GPU code paths on "
+            "the CPU and fail after Ray starts (on a machine with GPUs verl replaces cpu by its accelerator), and the "
+            "memory check skips a CPU run", "the CPU path is trainer.device=cpu with VERL_PLATFORM=cpu and "
+            "+cpu_rollout=vllm together (recipe.stapo.cpu: cpu_env and cpu_overrides, docs/cpu.md); for GPUs, "
+            "drop trainer.device", device))
     if device != "cpu" and platform == "cpu":
         found.append(Problem(
-            _origin(config, "VERL_PLATFORM"), f"selects the CPU path's platform and patches in every process of a "
+            origin(config, "VERL_PLATFORM"), f"selects the CPU path's platform and patches in every process of a "
             f"run on trainer.device={device}", "unset VERL_PLATFORM for a GPU run (it belongs to the CPU path, with "
             "trainer.device=cpu)", "cpu"))
     return found
-
-
-def _check_logger(config: DictConfig, found: list[Problem]) -> None:
-    """``trainer.logger``: a name or a list of names of verl's tracking backends (verl asserts it when
-    the trainer builds its tracker, after Ray starts)."""
-    value = OmegaConf.select(config, "trainer.logger", default=_ABSENT)
-    if value is _ABSENT:
-        return
-    names = [value] if isinstance(value, str) else list(value) if isinstance(value, ListConfig) else None
-    supported = supported_loggers()
-    if names is None or not all(isinstance(n, str) for n in names):
-        found.append(Problem("trainer.logger", "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
-                             f"(verl's loggers: {', '.join(supported)})", _shown(value)))
-        return
-    unknown = [n for n in names if n not in supported and n != "tracking"]
-    if unknown:
-        hints = [f"{n} -> {close[0]}" for n in unknown if (close := difflib.get_close_matches(n, supported, n=1))]
-        found.append(Problem("trainer.logger", f"{', '.join(map(repr, unknown))} is not one of verl's loggers (verl "
-                             "asserts it when the trainer starts, after Ray)",
-                             (f"did you mean {'; '.join(hints)}? " if hints else "")
-                             + f"verl's loggers: {', '.join(supported)}", _shown(value)))
 
 
 def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Mapping[str, str]) -> None:
@@ -240,13 +299,6 @@ def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Map
                       "give this run another trainer.default_local_dir (CKPT_DIR) or experiment name", path))
     except OSError:
         return  # a file this process cannot open: left to the logger, which names it
-
-
-def supported_loggers() -> list[str]:
-    """verl's tracking backends (``verl.utils.tracking.Tracking.supported_backend``)."""
-    from verl.utils.tracking import Tracking  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
-
-    return list(Tracking.supported_backend)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -321,6 +373,18 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Probl
     return found + check_import_environment(environ)
 
 
+def _logging_level(raw: str) -> None:
+    """``VERL_LOGGING_LEVEL`` as verl's modules read it: ``logger.setLevel(value)`` at import, which
+    takes an upper-case level name (``INFO``, ``DEBUG``, ...), not a number's digits."""
+    import logging  # only where the variable is set: a throwaway logger is set to it, as verl sets its own
+
+    try:
+        logging.getLogger("stapo.preflight.level_probe").setLevel(raw)
+    except (ValueError, TypeError):
+        raise ValueError(f"VERL_LOGGING_LEVEL={raw!r} is not a logging level: every verl module sets its logger to "
+                         "it when imported, and fails there (Python's 'Unknown level')") from None
+
+
 def _module_exists(name: str) -> bool:
     """Whether ``import name`` finds a module, found without importing it or its parents (a parent's
     import could run the very import being checked: verl_patches.activate imports verl)."""
@@ -374,7 +438,8 @@ def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> lis
     """What ``import verl`` reads in the driver, checked before Hydra loads verl's config (a failure
     there surfaces as Hydra's "Could not load 'ppo_trainer'" or a "target not found" that names
     neither the variable nor the cause): ``VERL_USE_EXTERNAL_MODULES`` (every module exists) and
-    ``STAPO_SECRETS_FILE`` (the recipe's patches load it on import). Imports nothing of verl."""
+    ``STAPO_SECRETS_FILE`` (the recipe's patches load it on import), ``VERL_LOGGING_LEVEL`` (every verl
+    module sets its logger to it on import). Imports nothing of verl."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
     modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
@@ -382,6 +447,13 @@ def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> lis
     if problem:
         found.append(Problem("VERL_USE_EXTERNAL_MODULES", problem, "install the missing module (pip install -e .) "
                              "or drop it from the list (verl_patches is added by the driver)", modules))
+    level = environ.get("VERL_LOGGING_LEVEL")
+    if level is not None:
+        try:
+            _logging_level(level)
+        except ValueError as e:
+            found.append(Problem("VERL_LOGGING_LEVEL", str(e), "export VERL_LOGGING_LEVEL=INFO (or DEBUG, WARNING: "
+                                 "upper case), or unset it", level))
     secrets = environ.get("STAPO_SECRETS_FILE", "").strip()
     if secrets:
         try:
@@ -468,6 +540,12 @@ def _metrics_file(raw: str) -> None:
     reason = probe_writable(path.parent)
     if reason:
         raise ValueError(f"the metrics file {raw}: its folder cannot be written ({reason})")
+    lock = writer_lock_path(path)
+    if lock.exists() and (not lock.is_file() or not os.access(lock, os.R_OK | os.W_OK)):
+        what = "not a file" if not lock.is_file() else "not readable and writable by this user"
+        raise ValueError(f"the metrics file {raw}: its writer lock {lock} is {what}, and the logger takes it when it "
+                         "opens the file; remove it (a lock of a live writer is a file, which this is not) or give "
+                         "this user access")
 
 
 def _on_cpu(seen: Callable[[str], Optional[str]]) -> bool:
@@ -489,6 +567,8 @@ RUN_ENV_CHECKS: tuple[EnvCheck, ...] = (
              "set it to a whole number >= 1, e.g. 1, or unset it", applies=_on_cpu),
     EnvCheck("VERL_USE_EXTERNAL_MODULES", "every verl process, when it imports verl", _external_modules,
              "install the missing module (pip install -e .) or drop it from the list"),
+    EnvCheck("VERL_LOGGING_LEVEL", "every verl process, when it imports verl's modules", _logging_level,
+             "set it to INFO (or DEBUG, WARNING: upper case), or unset it"),
 )
 #: variables the config sets for every worker from its own keys (``ray_kwargs.ray_init.runtime_env.
 #: env_vars``), so that a value exported in the launching shell is never read: name -> config key
@@ -515,7 +595,7 @@ def seen_by_workers(config: DictConfig, environ: Mapping[str, str]) -> Callable[
     return seen
 
 
-def _origin(config: DictConfig, name: str) -> str:
+def origin(config: DictConfig, name: str) -> str:
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     return f"{RAY_ENV_VARS}.{name}" if name in given else name
 
@@ -533,7 +613,7 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
         try:
             env_check.read(raw)
         except (ValueError, OSError) as e:
-            found.append(Problem(_origin(config, env_check.name), f"{e} (read by {env_check.who})", env_check.fix, raw))
+            found.append(Problem(origin(config, env_check.name), f"{e} (read by {env_check.who})", env_check.fix, raw))
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     for name, key in CONFIG_OWNED_ENV.items():
         exported = environ.get(name)
@@ -547,7 +627,7 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
         try:
             _metrics_file(metrics)
         except ValueError as e:
-            found.append(Problem(_origin(config, variable), f"{e} (verl's file logger opens it in the trainer, after Ray "
+            found.append(Problem(origin(config, variable), f"{e} (verl's file logger opens it in the trainer, after Ray "
                                  "starts)", f"point {variable} to a writable place, or unset it (the metrics then go to "
                                  "<trainer.default_local_dir>/metrics.jsonl)", seen(variable)))
     return found

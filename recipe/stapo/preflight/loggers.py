@@ -1,0 +1,230 @@
+"""What the trainer's tracker needs when it starts (after Ray, the model load and vLLM's start): the
+run's names, the logger list, each logger's package, and for wandb its settings and credentials;
+the folders the loggers write.
+
+- names: ``trainer.project_name`` and ``trainer.experiment_name`` name the run: its checkpoint
+  folder (``<CKPT_DIR>/<project>/<experiment>`` in the run scripts and verl's default), the metrics
+  file under ``VERL_FILE_LOGGER_ROOT`` (``<root>/<project>/<experiment>.jsonl``), the wandb run
+  and the id a relaunch continues. Empty, a run is filed under its project's folder, a hidden
+  ``.jsonl``, an unnamed wandb run. With wandb, the project name also passes wandb's own check.
+- the logger list: a list of verl's backends (the closest name suggested), not empty (a run
+  that records no metrics), each backend's package importable (verl imports it when the tracker
+  starts).
+- wandb: every ``WANDB_*`` variable the workers see (the config's runtime env, the launching
+  environment, the secrets file) read by wandb's own settings reader; outside offline and disabled
+  modes, credentials wandb finds (``WANDB_API_KEY`` in a form wandb accepts, an identity-token
+  file, or the netrc entry ``wandb login`` writes).
+- folders: ``TENSORBOARD_DIR`` (tensorboard) and ``WANDB_DIR`` (wandb) can be created and written.
+
+With ``LAUNCH=submit`` the credentials and folders are left to the job's driver (the launching
+machine is not the cluster). Importing this module imports no verl and no wandb.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+from typing import Callable, Mapping, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from verl_patches.env_file import parse_env_file
+
+from .paths import probe_writable
+from .problem import Problem
+from .values import RAY_ENV_VARS, origin, seen_by_workers
+
+LOGGER_KEY = "trainer.logger"
+#: the package verl imports when the tracker starts each backend (``verl.utils.tracking.Tracking``)
+LOGGER_PACKAGES = {"wandb": "wandb", "tracking": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow",
+                   "swanlab": "swanlab", "vemlp_wandb": "volcengine_ml_platform", "clearml": "clearml",
+                   "trackio": "trackio", "rl_insight": "rl_insight"}
+#: wandb modes that need no credentials
+WANDB_LOCAL_MODES = ("offline", "disabled", "dryrun")
+WANDB_DEFAULT_HOST = "https://api.wandb.ai"
+_WANDB_FIX = ("run `wandb login` (it writes ~/.netrc), or put WANDB_API_KEY in STAPO_SECRETS_FILE (or export it), or "
+              "log offline (WANDB_MODE=offline; `wandb sync` later), or leave wandb out: LOGGER=console,file in the "
+              "run scripts (trainer.logger=[console,file])")
+
+
+def logger_names(config: DictConfig) -> Optional[list]:
+    """The names of ``trainer.logger`` (a name or a list), None when it is neither."""
+    value = OmegaConf.select(config, LOGGER_KEY, default=None)
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, ListConfig):
+        return list(value)
+    return None
+
+
+def supported_loggers() -> list[str]:
+    """verl's tracking backends (``verl.utils.tracking.Tracking.supported_backend``)."""
+    from verl.utils.tracking import Tracking  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
+
+    return list(Tracking.supported_backend)
+
+
+def check_loggers(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """Every problem of the module docstring's list (``environ``: the launching environment)."""
+    found = check_run_names(config)
+    names = _check_logger_list(config, found)
+    if names is None:
+        return found
+    for name in names:
+        package = LOGGER_PACKAGES.get(name)
+        if package and importlib.util.find_spec(package) is None:
+            found.append(Problem(LOGGER_KEY, f"the {name} logger needs the package {package}, which is not installed "
+                                 "here (verl imports it when the trainer's tracker starts, after Ray, the model load "
+                                 "and vLLM's start)", f"pip install {package}, or drop {name} from {LOGGER_KEY}",
+                                 names))
+    seen = seen_by_workers(config, environ)
+    submit = environ.get("LAUNCH", "") == "submit"
+    wandb = "wandb" in names or "tracking" in names
+    if wandb:
+        found += check_wandb(config, environ, submit)
+    for variable, logger, used in (("TENSORBOARD_DIR", "tensorboard", "tensorboard" in names),
+                                   ("WANDB_DIR", "wandb", wandb)):
+        folder = seen(variable)
+        if used and folder and "://" not in folder and not submit:
+            reason = probe_writable(Path(folder).expanduser())
+            if reason:
+                found.append(Problem(origin(config, variable), f"{folder} cannot be created or written: {reason} "
+                                     f"(the {logger} logger writes there from the trainer, after Ray starts)",
+                                     f"point {variable} to a folder this user can write, or unset it", folder))
+    return found
+
+
+def check_run_names(config: DictConfig) -> list[Problem]:
+    """The project and experiment names are not empty; with wandb, the project name passes wandb's check."""
+    found = []
+    for key, what in (("trainer.project_name", "PROJECT"), ("trainer.experiment_name", "EXPERIMENT")):
+        value = OmegaConf.select(config, key, default=None)
+        if value is None or not str(value).strip():
+            found.append(Problem(key, "is empty: the project and experiment names name the run (its checkpoint "
+                                 "folder <CKPT_DIR>/<project>/<experiment>, the metrics file <VERL_FILE_LOGGER_ROOT>/"
+                                 "<project>/<experiment>.jsonl, the wandb run and the id a relaunch continues), so the "
+                                 "run would be filed in its project's folder, as a hidden '.jsonl', as an unnamed "
+                                 "wandb run",
+                                 f"give it a name ({what} in the run scripts)", value))
+    names = logger_names(config) or []
+    project = OmegaConf.select(config, "trainer.project_name", default=None)
+    if ("wandb" in names or "tracking" in names) and project is not None and str(project).strip():
+        problem = _wandb_settings_problem({"project": str(project)})
+        if problem:
+            found.append(Problem("trainer.project_name", f"wandb refuses it as a project name ({problem}); wandb.init "
+                                 "would fail when the trainer's tracker starts, after Ray",
+                                 "use a name without / \\ # ? % : of at most 128 characters (PROJECT in the run "
+                                 "scripts)", project))
+    return found
+
+
+def _check_logger_list(config: DictConfig, found: list[Problem]) -> Optional[list[str]]:
+    """``trainer.logger``: a name or a list of names of verl's tracking backends (verl asserts it when
+    the trainer builds its tracker, after Ray starts), at least one. Returns the names, None when
+    they are not usable."""
+    value = OmegaConf.select(config, LOGGER_KEY, default=None)
+    if value is None and not OmegaConf.select(config, "trainer", default=None):
+        return None
+    names = logger_names(config)
+    shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+    supported = supported_loggers()
+    if names is None or not all(isinstance(n, str) for n in names):
+        found.append(Problem(LOGGER_KEY, "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
+                             f"(verl's loggers: {', '.join(supported)})", shown))
+        return None
+    if not names:
+        found.append(Problem(LOGGER_KEY, "is empty: the run would record no metric at all (verl logs a step's metrics "
+                             "only through its loggers)", "name at least one, e.g. trainer.logger=[console,file] (the "
+                             "metrics file <trainer.default_local_dir>/metrics.jsonl)", shown))
+        return None
+    unknown = [n for n in names if n not in supported and n != "tracking"]
+    if unknown:
+        hints = [f"{n} -> {close[0]}" for n in unknown if (close := difflib.get_close_matches(n, supported, n=1))]
+        found.append(Problem(LOGGER_KEY, f"{', '.join(map(repr, unknown))} is not one of verl's loggers (verl "
+                             "asserts it when the trainer starts, after Ray)",
+                             (f"did you mean {'; '.join(hints)}? " if hints else "")
+                             + f"verl's loggers: {', '.join(supported)}", shown))
+        return None
+    return names
+
+
+def _wandb_settings_problem(values: Mapping[str, str], environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """What wandb's settings reader refuses in ``values`` (settings by name) and ``environ`` (``WANDB_*``
+    variables), in its own words; None when it accepts them or wandb is not installed."""
+    if importlib.util.find_spec("wandb") is None:
+        return None
+    # wandb (a second to import) loads only where a run logs to it: its own reader decides
+    from wandb import Settings
+
+    try:
+        settings = Settings(**values)
+        if environ:
+            settings.update_from_env_vars(dict(environ))
+    except Exception as e:  # noqa: BLE001  (wandb's UsageError and pydantic's ValidationError alike)
+        return " ".join(str(e).split())[:300]
+    return None
+
+
+def wandb_environment(seen: Callable[[str], Optional[str]], config: DictConfig,
+                      environ: Mapping[str, str]) -> dict[str, str]:
+    """The ``WANDB_*`` variables a worker's wandb reads: the config's runtime env and the launching
+    environment (:func:`seen_by_workers`), then the secrets file for those neither sets."""
+    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+    names = {n for n in list(environ) + [str(k) for k in given] if n.startswith("WANDB_")}
+    env = {n: v for n in sorted(names) if (v := seen(n)) is not None}
+    secrets = (seen("STAPO_SECRETS_FILE") or "").strip()
+    if secrets:
+        try:
+            for name, value in parse_env_file(secrets).items():
+                if name.startswith("WANDB_"):
+                    env.setdefault(name, value)
+        except (ValueError, OSError):  # the run environment's check names the file
+            pass
+    return env
+
+
+def check_wandb(config: DictConfig, environ: Mapping[str, str], submit: bool) -> list[Problem]:
+    """wandb's settings from the workers' ``WANDB_*`` variables, and its credentials (not in submit mode)."""
+    env = wandb_environment(seen_by_workers(config, environ), config, environ)
+    found = []
+    for name, value in env.items():
+        problem = None if name == "WANDB_API_KEY" else _wandb_settings_problem({}, {name: value})
+        if problem:
+            found.append(Problem(origin(config, name), f"wandb refuses it ({problem}); wandb.init would fail when the "
+                                 "trainer's tracker starts, after Ray", f"correct {name}, or unset it", value))
+    if submit or found:
+        return found
+    missing = wandb_credentials_problem(env)
+    if missing:
+        found.append(Problem(LOGGER_KEY, f"the wandb logger {missing}: wandb.init would stop with \"No API key "
+                             "configured\" when the trainer's tracker starts, after Ray, the model load and vLLM's "
+                             "start", _WANDB_FIX, "wandb"))
+    return found
+
+
+def wandb_credentials_problem(env: Mapping[str, str]) -> Optional[str]:
+    """What wandb will not find in ``env`` (the workers' ``WANDB_*`` variables) and the netrc file:
+    None when it logs offline or disabled, or finds a key of a form it accepts."""
+    mode = env.get("WANDB_MODE", "online").strip().lower()
+    if mode in WANDB_LOCAL_MODES:
+        return None
+    key = env.get("WANDB_API_KEY", "")
+    if importlib.util.find_spec("wandb") is None:
+        return None
+    # wandb's credential readers (as for its settings above): the checks wandb.init runs
+    from wandb.sdk.lib.wbauth import validation, wbnetrc
+
+    if key:
+        bad = validation.check_api_key(key)
+        return f"has a WANDB_API_KEY wandb refuses ({bad})" if bad else None
+    if env.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    try:
+        if wbnetrc.read_netrc_auth(host=env.get("WANDB_BASE_URL") or WANDB_DEFAULT_HOST):
+            return None
+    except Exception as e:  # noqa: BLE001  (wandb's AuthenticationError: a key of the wrong form)
+        return f"finds a netrc entry wandb refuses ({e})"
+    return (f"has no credentials: no WANDB_API_KEY (in the environment, the config's runtime env or the secrets file), "
+            f"no WANDB_IDENTITY_TOKEN_FILE, no netrc entry for {env.get('WANDB_BASE_URL') or WANDB_DEFAULT_HOST}, and "
+            f"WANDB_MODE is {mode!r}")
