@@ -3,7 +3,8 @@
 ``bash run_scripts/test.sh`` runs the suite on 2 pytest-xdist workers. A unit of work goes whole
 to one worker: each test module (its fixtures, trainer runs included, are made once), except that
 the tests reading the shared trainer runs of tests/helpers/shared_runs.py form one unit (each run
-is made once in the session). Without xdist (``-n 0``, or plain ``pytest``) nothing changes.
+is made once in the session). Units are sent longest first (tests/helpers/scheduling.py). Without
+xdist (``-n 0``, or plain ``pytest``) nothing changes.
 """
 
 from __future__ import annotations
@@ -20,17 +21,15 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
-def unit_of_work(nodeid: str) -> str:
-    """The xdist unit a test belongs to: ``shared_runs`` or its module's path."""
-    from tests.helpers.shared_runs import reads_shared_runs
-
-    return "shared_runs" if reads_shared_runs(nodeid) else nodeid.split("::", 1)[0]
-
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scope scheduling with :func:`unit_of_work` as the scope."""
+    """xdist's scope scheduling with tests/helpers/scheduling.py's units as scopes, sent in the order
+    :func:`pytest_collection_modifyitems` lists them (longest first), not reordered by test count."""
     from xdist.scheduler import LoadScopeScheduling
+
+    from tests.helpers.scheduling import unit_of_work
+
+    config.option.loadscopereorder = False
 
     class UnitScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
@@ -41,7 +40,9 @@ def pytest_xdist_make_scheduler(config, log):
 
 def pytest_collection_modifyitems(config, items):
     """A test asking for the shared runs must be listed as their reader (else xdist could make a
-    run twice, on two workers)."""
+    run twice, on two workers). On an xdist worker, the tests are listed unit by unit, the longest
+    units first (tests/helpers/scheduling.py); every worker lists the same order."""
+    from tests.helpers.scheduling import load_unit_seconds, longest_first
     from tests.helpers.shared_runs import reads_shared_runs
 
     unlisted = [item.nodeid for item in items if "shared_runs" in getattr(item, "fixturenames", ())
@@ -49,6 +50,9 @@ def pytest_collection_modifyitems(config, items):
     if unlisted:
         raise pytest.UsageError(f"tests using the shared_runs fixture but not in tests/helpers/shared_runs.py's "
                                 f"READERS: {unlisted}")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        order = longest_first([item.nodeid for item in items], load_unit_seconds())
+        items[:] = [items[i] for i in order]
 
 
 def session_folder(tmp_path_factory, name: str) -> Path:
