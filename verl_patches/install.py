@@ -210,7 +210,8 @@ PATCHES: tuple[Patch, ...] = (
         changes="a run of verl's vLLM rollout gets a fresh folder for vLLM's socket files ($VLLM_RPC_BASE_PATH, "
                 "in the driver and in Ray's runtime environment), removed when run_ppo returns or raises, "
                 "together with the shared memory and named semaphores the run's killed processes left in "
-                "/dev/shm (those no process maps or holds open, by inode)",
+                "/dev/shm (those no process maps or holds open, by inode); before it starts, the folders of "
+                "drivers that no longer run and the named semaphores nobody holds (what runs killed whole left)",
         why="vLLM's engine processes are killed, not shut down, when the Ray cluster ends: every run left "
             "socket files in the temp folder and, from its killed processes, /dev/shm entries",
         relies_on="run_ppo(config, task_runner_class) starting Ray with config.ray_kwargs.ray_init.runtime_env "

@@ -1,5 +1,6 @@
 """What killed processes leave in /dev/shm, and its removal after a run of vLLM on the CPU path
-(:func:`verl_patches.cpu.vllm_cpu.run_scratch`) and after an evaluation's vLLM engine.
+(:func:`verl_patches.cpu.vllm_cpu.run_scratch`) and after an evaluation's vLLM engine; before a
+run, the semaphores of runs killed whole.
 
 Python's multiprocessing names its shared memory ``psm_*`` and its named semaphores ``sem.mp-*``;
 their creator removes the names when it shuts down, which a killed process never does (vLLM's
@@ -13,10 +14,14 @@ creator maps it under a name that is not the one in /dev/shm.
 from __future__ import annotations
 
 import os
+import time
 
 SHM_DIR = "/dev/shm"
 #: the names Python's multiprocessing gives its shared memory and its named semaphores
 SEGMENT_PREFIXES = ("psm_", "sem.mp-")
+#: multiprocessing's named semaphores: only usable while a process holds one (its creator keeps it
+#: mapped until it removes the name), so one that nobody maps is dead whenever it was made
+SEMAPHORE_PREFIX = "sem.mp-"
 
 
 def shm_segments() -> set[str]:
@@ -51,14 +56,30 @@ def remove_orphaned_shm_segments(before: set[str]) -> list[str]:
     ``before`` (:func:`shm_segments` when the run started) and that no process maps or holds open
     (:func:`inodes_in_use`): what the run's killed processes left (and what another program of
     this user killed meanwhile left: no process holds it either). Returns the removed names."""
+    return _remove_unused(shm_segments() - before, SEGMENT_PREFIXES, min_age_s=0.0)
+
+
+def remove_orphaned_semaphores(min_age_s: float = 60.0) -> list[str]:
+    """Remove this user's multiprocessing semaphores in /dev/shm that no process maps or holds open
+    and that are older than ``min_age_s``, whenever they were made: what a run killed whole (its
+    driver included, so its own clean-up never ran) left. Shared memory segments are not touched
+    here: a segment may be left unmapped on purpose for a later reader. Returns the removed names."""
+    return _remove_unused(shm_segments(), (SEMAPHORE_PREFIX,), min_age_s=min_age_s)
+
+
+def _remove_unused(names: set[str], prefixes: tuple[str, ...], min_age_s: float) -> list[str]:
+    """Remove those of ``names`` that start with one of ``prefixes``, are this user's, older than
+    ``min_age_s`` (0: any age) and used by no process; returns the removed names."""
     candidates = {}
-    for name in shm_segments() - before:
+    newest = time.time() - min_age_s
+    for name in names:
         path = os.path.join(SHM_DIR, name)
         try:
             stat = os.stat(path)
         except FileNotFoundError:
             continue
-        if name.startswith(SEGMENT_PREFIXES) and stat.st_uid == os.getuid():
+        if name.startswith(prefixes) and stat.st_uid == os.getuid() \
+                and (min_age_s <= 0 or stat.st_mtime <= newest):
             candidates[name] = (path, stat.st_ino)
     if not candidates:
         return []

@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from omegaconf import open_dict
 
 from .ordering import request_seed
-from .shm import remove_orphaned_shm_segments, shm_segments
+from .shm import SHM_DIR, remove_orphaned_semaphores, remove_orphaned_shm_segments, shm_segments
 from .vllm_plugin import RPC_BASE_PATH_ENV
 
 #: the distribution name of vLLM's CPU build, and the name verl asks for
@@ -210,6 +210,46 @@ def wrap_file_store_init_method(original: Callable[[], str]) -> Callable[[], str
     return get_file_store_init_method
 
 
+#: the prefix of a run's scratch folder in the temp folder, and the file in it naming the run's driver
+SCRATCH_PREFIX = "stapo-vllm-"
+DRIVER_FILE = "driver"
+
+
+def _process_identity(pid: int) -> Optional[str]:
+    """``"<pid> <start time>"`` of a live process (its start in clock ticks since boot, field 22 of
+    /proc/<pid>/stat, so that a pid reused by another process is not taken for it); None when no
+    such process runs."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return f"{pid} {fields[19]}"
+
+
+def remove_left_by_killed_runs() -> list[str]:
+    """Remove what runs killed whole left on this node: this user's scratch folders whose driver
+    (:data:`DRIVER_FILE`) no longer runs, and multiprocessing semaphores nobody holds
+    (:func:`verl_patches.cpu.shm.remove_orphaned_semaphores`). A folder without a driver file (made on
+    another node of a cluster by the plugin) is left. Returns what was removed, each named on stdout."""
+    removed = []
+    for folder in Path(tempfile.gettempdir()).glob(SCRATCH_PREFIX + "*"):
+        try:
+            if folder.stat().st_uid != os.getuid():
+                continue
+            driver = (folder / DRIVER_FILE).read_text().strip()
+        except OSError:
+            continue
+        pid = driver.split(" ", 1)[0]
+        if not pid.isdigit() or _process_identity(int(pid)) != driver:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(str(folder))
+    removed += [os.path.join(SHM_DIR, name) for name in remove_orphaned_semaphores()]
+    if removed:
+        print(f"[stapo] removed what killed runs left: {', '.join(removed)}", flush=True)
+    return removed
+
+
 @contextlib.contextmanager
 def run_scratch(config: Any) -> Iterator[Optional[Path]]:
     """For a run of verl's vLLM rollout: a fresh folder for vLLM's socket files and rendezvous file
@@ -218,12 +258,18 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
     however it ends (on the driver's node: a multi-node CPU cluster keeps the empty folder on the
     others); then what the run's killed processes left in /dev/shm on this node
     (:func:`verl_patches.cpu.shm.remove_orphaned_shm_segments`). Yields the folder, or None (and does
-    nothing) for another rollout. The folder is short (a Unix socket path has at most 107 bytes)."""
+    nothing) for another rollout. The folder is short (a Unix socket path has at most 107 bytes).
+
+    A run killed whole (its driver too) never reaches that clean-up: before it starts, a run removes
+    what such runs left on this node (:func:`remove_left_by_killed_runs`)."""
     if config.actor_rollout_ref.rollout.name != "vllm":
         yield None
         return
+    remove_left_by_killed_runs()
     shm_before = shm_segments()
-    folder = Path(tempfile.mkdtemp(prefix="stapo-vllm-"))
+    folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
+    (folder / f"{DRIVER_FILE}.tmp").write_text(_process_identity(os.getpid()))
+    os.replace(folder / f"{DRIVER_FILE}.tmp", folder / DRIVER_FILE)  # whole or absent to a run sweeping now
     print(f"[stapo] vLLM's socket files: {folder} (removed when the run ends)", flush=True)
     previous = os.environ.get(RPC_BASE_PATH_ENV)
     os.environ[RPC_BASE_PATH_ENV] = str(folder)

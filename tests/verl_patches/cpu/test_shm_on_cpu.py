@@ -8,12 +8,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 import uuid
 from multiprocessing import shared_memory
 
 import pytest
 
-from verl_patches.cpu.shm import SHM_DIR, remove_orphaned_shm_segments
+from verl_patches.cpu.shm import SHM_DIR, remove_orphaned_semaphores, remove_orphaned_shm_segments
 
 #: a process that creates the named semaphore argv[1] (as multiprocessing does outside the fork
 #: context: kept under its name), says so, and holds it until its stdin closes (argv[2] == "hold") or
@@ -117,3 +118,30 @@ def test_a_live_semaphore_mapped_under_another_name_stays_and_an_orphaned_one_go
 
     assert os.path.basename(orphan) in removed and not os.path.exists(orphan)
     assert os.path.basename(live) not in removed and os.path.exists(live)
+
+
+def test_a_semaphore_a_killed_run_left_goes_at_any_age_above_the_floor_and_nothing_else(cleanup):
+    """Before a run starts nothing tells what a run killed whole made: every semaphore nobody holds
+    and older than the floor goes; a fresh one (a process may be between creating it and its first
+    use elsewhere), a live one, and an unmapped shared memory segment stay."""
+    paths, procs = cleanup
+    old = time.time() - 600
+    names = {tag: _semaphore(tag) for tag in ("orphan-old", "orphan-new", "live-old")}
+    paths += [file for _, file in names.values()]
+    holder = _start(SEMAPHORE, names["live-old"][0], "hold")
+    procs.append(holder)
+    for tag in ("orphan-old", "orphan-new"):
+        done = subprocess.run([sys.executable, "-c", SEMAPHORE, names[tag][0], "leave"], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+    segment = shared_memory.SharedMemory(create=True, size=64)
+    segment.close()
+    paths.append(f"{SHM_DIR}/{segment.name}")
+    for file in (names["orphan-old"][1], names["live-old"][1], f"{SHM_DIR}/{segment.name}"):
+        os.utime(file, (old, old))
+
+    removed = remove_orphaned_semaphores(min_age_s=60)
+
+    assert os.path.basename(names["orphan-old"][1]) in removed and not os.path.exists(names["orphan-old"][1])
+    for file in (names["orphan-new"][1], names["live-old"][1], f"{SHM_DIR}/{segment.name}"):
+        assert os.path.exists(file) and os.path.basename(file) not in removed

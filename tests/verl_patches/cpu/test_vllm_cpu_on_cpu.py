@@ -8,9 +8,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from importlib.metadata import PackageNotFoundError
 from multiprocessing import shared_memory
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -198,3 +200,24 @@ def test_verls_run_ppo_runs_inside_the_socket_folder_and_leaves_no_shared_memory
     assert seen["exists"] and seen["runtime_env"] == seen["folder"] and seen["runner"] == "runner"
     assert not os.path.exists(seen["folder"]) and not os.path.exists(seen["left"])
     assert vllm_cpu.RPC_BASE_PATH_ENV not in os.environ
+
+
+def test_a_run_first_removes_the_scratch_folders_of_drivers_that_no_longer_run(monkeypatch, tmp_path):
+    """What a run killed whole leaves (its driver never reached its clean-up) goes when the next run
+    starts: a folder whose driver ended, or whose pid now belongs to another process; the folder of a
+    live driver and one without a driver file (made by the plugin on another node) stay."""
+    monkeypatch.delenv(vllm_cpu.RPC_BASE_PATH_ENV, raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                           timeout=60)
+    folders = {name: Path(tempfile.mkdtemp(prefix=vllm_cpu.SCRATCH_PREFIX)) for name in
+               ("ended", "reused", "live", "other_node")}
+    (folders["ended"] / vllm_cpu.DRIVER_FILE).write_text(f"{int(ended.stdout)} 1")
+    (folders["reused"] / vllm_cpu.DRIVER_FILE).write_text(f"{os.getpid()} 0")  # this pid, another start time
+    (folders["live"] / vllm_cpu.DRIVER_FILE).write_text(vllm_cpu._process_identity(os.getpid()))
+
+    with vllm_cpu.run_scratch(_config("vllm")) as folder:
+        assert (folder / vllm_cpu.DRIVER_FILE).read_text() == vllm_cpu._process_identity(os.getpid())
+        assert not folders["ended"].exists() and not folders["reused"].exists()
+        assert folders["live"].is_dir() and folders["other_node"].is_dir()
+    assert not folder.exists()
