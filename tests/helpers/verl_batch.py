@@ -12,6 +12,7 @@ import torch
 from tensordict import TensorDict
 
 from verl.utils import tensordict_utils as tu
+from verl.utils.config import omega_conf_to_dataclass
 
 PROMPT_LEN = 3
 
@@ -72,3 +73,31 @@ def micro_batch(
 
 def right_padded_mask(lengths, resp_len: int) -> torch.Tensor:
     return (torch.arange(resp_len)[None, :] < torch.as_tensor(lengths)[:, None]).long()
+
+
+def actor_config(*overrides: str):
+    """The recipe's actor config (``model=qwen3_1_7b`` and ``overrides``) as verl's dataclass."""
+    from recipe.stapo.driver import compose  # the recipe's Hydra config: only the tests that ask for it pay for it
+
+    return omega_conf_to_dataclass(compose(["model=qwen3_1_7b", *overrides]).actor_rollout_ref.actor)
+
+
+#: per-row advantages of :func:`candidate_batch` (its batch size is their number)
+CANDIDATE_ADVANTAGES = (1.0, -1.0, 0.5, 2.0, 0.0, 1.5)
+
+
+def candidate_batch(resp_len: int, seed: int = 0):
+    """A mini-batch of ``len(CANDIDATE_ADVANTAGES)`` right-padded responses of up to ``resp_len`` tokens
+    with rare tokens (S2T candidates) in its positive-advantage rows and varied entropies, each
+    ``(batch, resp_len)``: ``(mask, old_log_prob, advantages, entropy, (current_log_prob,
+    current_entropy))``, the current statistics moved from the rollout's."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(CANDIDATE_ADVANTAGES)
+    mask = right_padded_mask(torch.randint(6, resp_len + 1, (b,), generator=g), resp_len)
+    adv = torch.tensor(CANDIDATE_ADVANTAGES)[:, None].expand(b, resp_len).clone()
+    old = -torch.rand(b, resp_len, generator=g) * 2.0
+    rare = (torch.rand(b, resp_len, generator=g) < 0.4) & (adv > 0)
+    old[rare] = -7.0 - torch.rand(int(rare.sum()), generator=g)
+    entropy = torch.rand(b, resp_len, generator=g) * 3.0
+    current = (old - 0.3 * torch.rand(b, resp_len, generator=g), entropy.flip(1))
+    return mask, old, adv, entropy, current

@@ -18,9 +18,8 @@ import torch
 import verl_patches.activate  # noqa: F401  (installs the patches)
 from recipe.stapo.driver import compose
 from stapo_core import s2t_mask
-from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
+from tests.helpers.verl_batch import actor_config, candidate_batch, flat_model_output, micro_batch
 from verl.utils import tensordict_utils as tu
-from verl.utils.config import omega_conf_to_dataclass
 from verl.workers import engine_workers
 from verl_patches.policy_loss_config import TokenSelectionLossConfig
 from verl_patches.mini_batch import wrap_train_batch
@@ -30,22 +29,8 @@ B, R = 6, 12
 PL = "actor_rollout_ref.actor.policy_loss"
 
 
-def actor_config(*overrides: str):
-    return omega_conf_to_dataclass(compose(["model=qwen3_1_7b", *overrides]).actor_rollout_ref.actor)
-
-
 def batch(seed: int = 0):
-    """Rare tokens in positive-advantage rows (S2T candidates), varied entropies, rollout and
-    (moved) current statistics."""
-    g = torch.Generator().manual_seed(seed)
-    mask = right_padded_mask(torch.randint(6, R + 1, (B,), generator=g), R)
-    adv = torch.tensor([1.0, -1.0, 0.5, 2.0, 0.0, 1.5])[:, None].expand(B, R).clone()
-    old = -torch.rand(B, R, generator=g) * 2.0
-    rare = (torch.rand(B, R, generator=g) < 0.4) & (adv > 0)
-    old[rare] = -7.0 - torch.rand(int(rare.sum()), generator=g)
-    entropy = torch.rand(B, R, generator=g) * 3.0
-    current = (old - 0.3 * torch.rand(B, R, generator=g), entropy.flip(1))
-    return mask, old, adv, entropy, current
+    return candidate_batch(R, seed)
 
 
 class Worker:

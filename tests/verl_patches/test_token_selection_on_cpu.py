@@ -18,9 +18,8 @@ import importlib
 import verl_patches.activate  # noqa: F401  (installs the patches)
 from recipe.stapo.driver import compose, validate
 from stapo_core import s2t_mask, entropy_topk_mask
-from tests.helpers.verl_batch import flat_model_output, micro_batch, right_padded_mask
+from tests.helpers.verl_batch import actor_config, flat_model_output, micro_batch, right_padded_mask
 from verl.utils import tensordict_utils as tu
-from verl.utils.config import omega_conf_to_dataclass
 from verl.workers import engine_workers
 from verl.workers.utils import losses as verl_losses
 from verl_patches.policy_loss_config import LOCAL_NORMALISING_LOSS_MODES
@@ -32,11 +31,6 @@ PL = "actor_rollout_ref.actor.policy_loss"
 #: every policy loss verl 0.9.1 registers that runs on this batch layout
 LOSS_MODES = ["vanilla", "gspo", "gpg", "clip_cov", "kl_cov", "geo_mean", "cispo", "sapo", "dppo_tv"]
 AGG_MODES = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-
-
-def actor_config(*overrides: str):
-    cfg = compose(["model=qwen3_1_7b", *overrides])
-    return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
 def batch(seed: int = 0):
