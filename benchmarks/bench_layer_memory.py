@@ -268,11 +268,7 @@ def trace_update(shape: mm.ModelShape, tokens: int, *, entropy: bool = False, en
     hook = model.model.layers[-1].register_forward_hook(last_layer_output)
 
     def forward_step():
-        output = model(input_ids=ids, position_ids=positions, use_cache=False)
-        logits = output.logits.squeeze(0)
-        live.mark("logits")
-        if not unit_temperature:
-            logits = logits / torch.full((tokens, 1), 0.7, device=device).to(logits.dtype)
+        output, logits = _logits(model, ids, positions, live, unit_temperature)
         loss_terms = []
         if entropy:
             if entropy_grad:
@@ -298,6 +294,17 @@ def trace_update(shape: mm.ModelShape, tokens: int, *, entropy: bool = False, en
     return live
 
 
+def _logits(model, ids, positions, live: LiveTensors, unit_temperature: bool):
+    """The model's forward of one micro-batch: its output and the ``(tokens, vocab)`` logits, divided
+    by the rollout temperature (0.7) as verl's actor does unless it is 1; marks the ``logits`` phase."""
+    output = model(input_ids=ids, position_ids=positions, use_cache=False)
+    logits = output.logits.squeeze(0)
+    live.mark("logits")
+    if not unit_temperature:
+        logits = logits / torch.full((logits.shape[0], 1), 0.7, device=logits.device).to(logits.dtype)
+    return output, logits
+
+
 def trace_forward(shape: mm.ModelShape, tokens: int, *, entropy: bool = True, sum_pi_squared: bool = True,
                   unit_temperature: bool = True, chunk: int = mm.ENTROPY_CHUNK_ROWS, device: str = "meta",
                   model=None) -> LiveTensors:
@@ -313,11 +320,7 @@ def trace_forward(shape: mm.ModelShape, tokens: int, *, entropy: bool = True, su
     live = LiveTensors()
     with live, torch.no_grad():
         live.mark("forward")
-        output = model(input_ids=ids, position_ids=positions, use_cache=False)  # kept, as forward_step keeps it
-        logits = output.logits.squeeze(0)
-        live.mark("logits")
-        if not unit_temperature:
-            logits = logits / torch.full((tokens, 1), 0.7, device=device).to(logits.dtype)
+        output, logits = _logits(model, ids, positions, live, unit_temperature)  # output kept, as forward_step keeps it
         outputs = []
         if sum_pi_squared:
             outputs.append(sum_pi_squared_chunked(logits, chunk_rows=chunk))
