@@ -410,32 +410,46 @@ def test_overlapping_preparations_into_one_folder_keep_both_manifest_entries(tmp
         assert datasets[name]["output_sha256"] == _sha(out / f"{name}.parquet")
 
 
-_KILL_AT_RENAME = """
+#: a preparation (argv[2:]) killed at the rename onto a file whose name ends with argv[1]
+_KILLED_AT_RENAME = """
 import os, signal, sys
 from recipe.stapo.data import prepare
 real_replace = os.replace
 def kill_at_rename(src, dst):
-    if str(dst).endswith(".parquet"):
+    if str(dst).endswith(sys.argv[1]):
         os.kill(os.getpid(), signal.SIGKILL)
     real_replace(src, dst)
-prepare.os.replace = kill_at_rename
-sys.exit(prepare.main(sys.argv[1:]))
+os.replace = kill_at_rename
+sys.exit(prepare.main(sys.argv[2:]))
 """
 
 
-def test_a_kill_between_manifest_and_rename_is_finished_by_the_next_run(tmp_path):
-    import os
-    import subprocess
-    import sys
-
+def _aime24_prepared_then_a_bigger_one(tmp_path):
+    """``(out, small, big)``: aime24 prepared into ``out`` from a one-row ``small`` source; ``big`` a
+    50-row source to prepare next."""
     out = tmp_path / "out"
     small = _write_jsonl(tmp_path / "small.jsonl", [GOOD])
     big = _write_jsonl(tmp_path / "big.jsonl", [dict(GOOD, id=f"g{i}", problem=f"What is {i} + 2?") for i in range(50)])
     assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={small}"]) == 0
+    return out, small, big
+
+
+def _prepare_killed_at_rename(out, source, suffix: str) -> None:
+    """aime24 prepared from ``source`` in a process killed (SIGKILL) as it renames onto ``*suffix``."""
+    import os
+    import subprocess
+    import sys
+
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    killed = subprocess.run([sys.executable, "-c", _KILL_AT_RENAME, "bench", "--out-dir", str(out), "--benchmarks",
-                             "aime24", "--source", f"aime24={big}"], env=env, capture_output=True, timeout=300)
-    assert killed.returncode == -9
+    killed = subprocess.run([sys.executable, "-c", _KILLED_AT_RENAME, suffix, "bench", "--out-dir", str(out),
+                             "--benchmarks", "aime24", "--source", f"aime24={source}"], env=env, capture_output=True,
+                            timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+
+
+def test_a_kill_between_manifest_and_rename_is_finished_by_the_next_run(tmp_path):
+    out, small, big = _aime24_prepared_then_a_bigger_one(tmp_path)
+    _prepare_killed_at_rename(out, big, ".parquet")
     assert list(out.glob(".aime24.parquet.*.tmp"))  # the kill left the temp file
     # any reader of the manifest (here: the next preparation of another benchmark) finishes the rename
     assert main(["bench", "--out-dir", str(out), "--benchmarks", "amc23", "--source", f"amc23={small}"]) == 0
@@ -488,37 +502,13 @@ def test_each_benchmark_has_one_size_everywhere():
         assert f"{label} {sizes[name]} x {DEFAULT_N_SAMPLES[name]}" in eval_md.replace("\n", " ")
 
 
-_KILL_AT_MANIFEST_RENAME = """
-import os, signal, sys
-import stapo_core.fileio as fileio
-from recipe.stapo.data import prepare
-real_replace = os.replace
-def kill_at_rename(src, dst):
-    if str(dst).endswith("manifest.json"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    real_replace(src, dst)
-fileio.os.replace = kill_at_rename
-sys.exit(prepare.main(sys.argv[1:]))
-"""
-
-
 def test_a_kill_between_the_manifests_update_and_its_rename_leaves_nothing_behind(tmp_path):
     """Killed after writing the manifest's temp file, before renaming it: the folder keeps the old
     manifest and parquet file (consistent), and the next preparation, of any dataset, removes both
     temp files the kill left (the manifest's and the half-prepared parquet file's)."""
-    import os
-    import subprocess
-    import sys
-
-    out = tmp_path / "out"
-    small = _write_jsonl(tmp_path / "small.jsonl", [GOOD])
-    big = _write_jsonl(tmp_path / "big.jsonl", [dict(GOOD, id=f"g{i}", problem=f"What is {i} + 2?") for i in range(50)])
-    assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={small}"]) == 0
+    out, small, big = _aime24_prepared_then_a_bigger_one(tmp_path)
     before = {p.name: p.read_bytes() for p in (out / "aime24.parquet", out / "manifest.json")}
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-    killed = subprocess.run([sys.executable, "-c", _KILL_AT_MANIFEST_RENAME, "bench", "--out-dir", str(out),
-                             "--benchmarks", "aime24", "--source", f"aime24={big}"], env=env, capture_output=True, timeout=300)
-    assert killed.returncode == -9
+    _prepare_killed_at_rename(out, big, "manifest.json")
     assert {p.name: p.read_bytes() for p in (out / "aime24.parquet", out / "manifest.json")} == before
     assert list(out.glob(".manifest.json.*.tmp")) and list(out.glob(".aime24.parquet.*.tmp"))
     assert main(["bench", "--out-dir", str(out), "--benchmarks", "amc23", "--source", f"amc23={small}"]) == 0
