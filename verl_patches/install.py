@@ -45,6 +45,22 @@ PATCHES: tuple[Patch, ...] = (
         drop_when="verl builds the backend string without duplicating the cpu device",
     ),
     Patch(
+        name="cpu_master_port",
+        target="verl.single_controller.ray.base:get_master_addr_port",
+        wrapper="verl_patches.cpu.ports:wrap_get_master_addr_port",
+        scope="cpu",
+        on_import=True,
+        changes="a worker group's MASTER_PORT is drawn at random between 20000 and the kernel's ephemeral port "
+                "range (checked free), not from the ephemeral range",
+        why="verl binds port 0 and closes it; rank 0 binds the port only after its worker has started, and "
+            "meanwhile any outgoing connection on the machine may take it (EADDRINUSE): CPU runs share one "
+            "machine with other runs",
+        relies_on="RayWorkerGroup._get_master_addr_port calling the module-level remote function "
+                  "get_master_addr_port.options(...).remote(master_port_range=...); ray.remote keeping the "
+                  "plain function as _function",
+        drop_when="verl holds the port it picks until the process group binds it",
+    ),
+    Patch(
         name="cpu_unpinned_offload",
         target="verl.workers.engine.fsdp.transformer_impl:CPUOffloadPolicy",
         wrapper="verl_patches.cpu.platform:wrap_offload_policy",

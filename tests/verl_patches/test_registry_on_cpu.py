@@ -31,6 +31,7 @@ PROBE = textwrap.dedent(
                 out[p.name] = id(getattr(owner, attr))
         return out
     def home(obj):
+        obj = getattr(obj, "_function", obj)  # a ray.remote function: the function it runs
         name = obj.__name__ if isinstance(obj, type(json)) else getattr(obj, "__module__", "") or ""
         return name.split(".")[0]
     before = attrs()

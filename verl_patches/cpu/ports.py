@@ -1,0 +1,86 @@
+"""The torch.distributed master port of a worker group, picked where nothing else takes it meanwhile.
+
+verl picks a worker group's ``MASTER_PORT`` (``verl.single_controller.ray.base.get_master_addr_port``)
+by binding port 0 and closing the socket: the kernel hands out a port of its *ephemeral* range
+(``/proc/sys/net/ipv4/ip_local_port_range``), the same range it draws from for every outgoing
+connection. Rank 0 binds the port only when its worker has started and imported torch and verl,
+tens of seconds later on a loaded machine, and meanwhile any connection made on the machine (Ray's
+own, another run's) may have been given that port: the run then fails with ``EADDRINUSE``. On a
+machine running several CPU runs at once (the test suite, the quickstart) that happens.
+
+:func:`master_port` picks a port below the ephemeral range and above Ray's worker ports
+(:data:`LOW`, Ray's default ``max_worker_port`` is 19999), which the kernel never hands out by itself,
+at random so that runs starting together do not pick the same one, and checks that it binds now.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from typing import Callable, Optional
+
+#: lowest port picked (Ray's worker ports end at 19999 by default)
+LOW = 20000
+#: fewer ports than this between LOW and the ephemeral range: keep verl's own choice
+MIN_SPAN = 1000
+#: ports tried before giving up
+TRIES = 64
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> Optional[tuple[int, int]]:
+    """The kernel's ephemeral port range ``(low, high)``, or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            low, high = (int(v) for v in f.read().split()[:2])
+    except (OSError, ValueError):
+        return None
+    return low, high
+
+
+def binds(port: int) -> bool:
+    """True when a TCP socket can bind ``port`` on every address right now (as torch's store will)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the store sets it too
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def master_port(ephemeral: Optional[tuple[int, int]] = None, randrange: Optional[Callable[[int, int], int]] = None,
+                tries: int = TRIES) -> Optional[int]:
+    """A port in ``[LOW, ephemeral_low)`` that binds now, or None (no such range, or no free port
+    found in ``tries`` picks).
+
+    Args:
+        ephemeral: the kernel's ephemeral range (default: :func:`ephemeral_range`).
+        randrange: ``randrange(a, b)`` drawing a port in ``[a, b)`` (default: from the OS's entropy, so
+            that the runs' own seeds do not make two runs pick alike).
+    """
+    ephemeral = ephemeral or ephemeral_range()
+    if ephemeral is None or ephemeral[0] - LOW < MIN_SPAN:
+        return None
+    randrange = randrange or random.SystemRandom().randrange
+    for _ in range(tries):
+        port = randrange(LOW, ephemeral[0])
+        if binds(port):
+            return port
+    return None
+
+
+def wrap_get_master_addr_port(original):
+    """verl's remote ``get_master_addr_port`` picking the port with :func:`master_port` (verl's own
+    choice where that finds none, and wherever ``master_port_range`` is given)."""
+    import ray
+
+    choose = original._function  # the plain function under ray.remote
+
+    def get_master_addr_port(master_port_range=None):
+        addr, port = choose(master_port_range=master_port_range)
+        if master_port_range is None:
+            port = str(master_port() or port)
+        return addr, port
+
+    return ray.remote(get_master_addr_port)
