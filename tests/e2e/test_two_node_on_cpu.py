@@ -39,6 +39,7 @@ import pytest
 
 from recipe.stapo.driver import wandb_run_id
 from recipe.stapo.cpu import cpu_env, cpu_overrides
+from tests.e2e.test_trainer_e2e_on_cpu import MAX_PROB_DIFF
 from tests.helpers.paths import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
@@ -366,8 +367,10 @@ def test_a_relaunch_resumes_with_every_step_once_and_retention_respected(cluster
     _relaunch_ok(cluster_run)
     run_dir = cluster_run["run_dir"]
     assert cluster_run["relaunch_id"] == wandb_run_id(PROJECT, EXPERIMENT) + "-2"
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [record["step"] for record in records] == [1, 2, 3]
+    # the relaunch's first rollout sampled from the step-2 checkpoint's weights, synced to vLLM at start
+    assert records[2]["data"]["training/rollout_probs_diff_max"] < MAX_PROB_DIFF, records[2]["data"]
     assert "global_step_2" in cluster_run["relaunch_logs"]  # verl's resume message names the checkpoint
     assert sorted(p.parent.name for p in run_dir.glob("global_step_*/actor")) == ["global_step_2", "global_step_3"]
     assert (run_dir / "global_step_1" / "merged_hf").is_dir()

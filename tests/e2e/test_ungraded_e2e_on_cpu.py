@@ -1,7 +1,9 @@
 """verl's real trainers on CPU with a reward that leaves every other response ungraded
 (tests/helpers/ungraded_reward.py): each step's ``reward/ungraded`` equals the number of that step's
 responses the reward marked ungraded, read back from the step's rollout dump (they alone score
-``UNGRADED_SCORE``), on verl's default TransferQueue trainer and on the legacy trainer.
+``UNGRADED_SCORE``), on verl's default TransferQueue trainer and on the legacy trainer. The runs are
+the suite's shared ``entropy20_v1`` and ``justrl_legacy`` (tests/helpers/shared_runs.py), which train
+with that reward.
 
 The TransferQueue run is 20-Entropy on two data-parallel ranks with ``ranks_per_pool=1``, so it also
 shows the selection pool made by the actor's init inside verl's workers: each rank's top 20% is taken
@@ -15,24 +17,25 @@ from pathlib import Path
 
 import pytest
 
-from recipe.stapo.cpu import read_metrics, run_cpu_trainer
-from tests.helpers import ungraded_reward
+from recipe.stapo.cpu import read_metrics
+from tests.helpers.shared_runs import RANKS, RESPONSES_PER_STEP
 from tests.helpers.ungraded_reward import UNGRADED_SCORE
 
 pytestmark = pytest.mark.slow
 
-PL = "actor_rollout_ref.actor.policy_loss"
-STEPS, PROMPTS, N, MINI = 2, 4, 4, 2
-RANKS = 2
+STEPS = 2
 
 
-def _run(assets, run_dir: Path, method: str, use_v1: bool, extra=()):
-    reward = Path(ungraded_reward.__file__).resolve()
-    run = run_cpu_trainer(method, assets, run_dir, steps=STEPS, prompts=PROMPTS, n=N, mini_batch_prompts=MINI,
-                          use_v1=use_v1, timeout=600,
-                          extra=[f"reward.custom_reward_function.path={reward}",
-                                 "reward.custom_reward_function.name=compute_score",
-                                 f"trainer.rollout_data_dir={run_dir / 'rollouts'}", *extra])
+@pytest.fixture(scope="module")
+def v1_run(shared_runs):
+    run = shared_runs.get("entropy20_v1")
+    assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
+    return run
+
+
+@pytest.fixture(scope="module")
+def legacy_run(shared_runs):
+    run = shared_runs.get("justrl_legacy")
     assert run.ok, f"{run} failed; log tail:\n{run.tail()}"
     return run
 
@@ -45,30 +48,16 @@ def _dumped(run_dir: Path) -> dict[int, list[dict]]:
     return out
 
 
-@pytest.fixture(scope="module")
-def v1_run(assets, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("ungraded") / "v1"
-    return _run(assets, run_dir, "entropy20", True,
-                [f"{PL}.ranks_per_pool=1", f"trainer.n_gpus_per_node={RANKS}", f"ray_kwargs.ray_init.num_gpus={RANKS}",
-                 f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={MINI * N // RANKS}",
-                 f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={PROMPTS * N // RANKS}"])
-
-
-@pytest.fixture(scope="module")
-def legacy_run(assets, tmp_path_factory):
-    return _run(assets, tmp_path_factory.mktemp("ungraded") / "legacy", "justrl", False)
-
-
 def _check_counts(run) -> list[int]:
     steps, dumped = read_metrics(run.metrics), _dumped(run.run_dir)
     assert set(steps) == set(dumped) == set(range(1, STEPS + 1)), (sorted(steps), sorted(dumped))
     counts = []
     for step, rows in dumped.items():
-        assert len(rows) == PROMPTS * N
+        assert len(rows) == RESPONSES_PER_STEP
         expected = sum(row["score"] == UNGRADED_SCORE for row in rows)
         assert steps[step]["reward/ungraded"] == expected, (step, steps[step].get("reward/ungraded"), expected)
         counts.append(expected)
-    assert 0 < sum(counts) < STEPS * PROMPTS * N, counts  # the reward marked some responses, not all
+    assert 0 < sum(counts) < STEPS * RESPONSES_PER_STEP, counts  # the reward marked some responses, not all
     return counts
 
 
@@ -88,5 +77,5 @@ def test_the_selection_pools_per_rank_with_ranks_per_pool_1(v1_run):
     assert "[stapo] token selection pools over 2 group(s) of 1 data-parallel rank(s)" in log, v1_run.tail()
     for step, data in read_metrics(v1_run.metrics).items():
         # the step's response tokens, over its 2 mini-batches x 2 ranks: each rank's pool is its own part
-        total = data["response_length/mean"] * PROMPTS * N
+        total = data["response_length/mean"] * RESPONSES_PER_STEP
         assert data["actor/entropy_topk/tokens"] == pytest.approx(total / (2 * RANKS)), (step, data)

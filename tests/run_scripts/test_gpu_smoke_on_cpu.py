@@ -23,6 +23,7 @@ import pytest
 from recipe.stapo.driver import PreflightError, compose, prepare
 from recipe.stapo.methods import PAPER_METHODS
 from recipe.stapo.cpu import read_metrics, run_cpu_trainer
+from tests.e2e.test_trainer_e2e_on_cpu import MAX_PROB_DIFF
 from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, write_model
 from tests.helpers.paths import REPO
 
@@ -175,7 +176,10 @@ def test_resumed_run_continues_the_same_wandb_run(smoke):
     _ok(smoke)
     resumed = smoke["resumed"]
     assert resumed is not None and resumed.ok, f"{resumed}:\n{resumed.tail() if resumed else ''}"
-    assert set(read_metrics(resumed.metrics)) == {2}  # step 1 came from the checkpoint, not trained again
+    steps = read_metrics(resumed.metrics)
+    assert set(steps) == {2}  # step 1 came from the checkpoint, not trained again
+    # the resumed run's first rollout sampled from the checkpoint's weights, synced to vLLM at start
+    assert steps[2]["training/rollout_probs_diff_max"] < MAX_PROB_DIFF, steps[2]["training/rollout_probs_diff_max"]
     assert "global_step_1" in resumed.log.read_text(errors="replace")
     runs = _offline_runs(smoke["wandb_dir"])
     assert len(runs) == 2
