@@ -28,7 +28,7 @@ from tests.helpers.vllm_watch import watched_run
 pytestmark = pytest.mark.slow
 
 #: a failed weight sync must end the run within this many seconds after the sync's timeout
-FAILED_SYNC_TIMEOUT_S = 20
+FAILED_SYNC_TIMEOUT_S = 5
 RUN_TIMEOUT_S = 600
 
 

@@ -73,7 +73,7 @@ def master_port(ephemeral: Optional[tuple[int, int]] = None, randrange: Optional
 def wrap_get_master_addr_port(original):
     """verl's remote ``get_master_addr_port`` picking the port with :func:`master_port` (verl's own
     choice where that finds none, and wherever ``master_port_range`` is given)."""
-    import ray
+    import ray  # only where verl's worker groups run (the patch applies when their module loads)
 
     choose = original._function  # the plain function under ray.remote
 

@@ -69,16 +69,13 @@ def test_an_unreadable_range_file_gives_none(tmp_path):
 PROBE = textwrap.dedent(
     """
     import json
-    import ray
     import verl
     from verl.single_controller.ray import base
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
-    try:
-        addr, port = ray.get(base.get_master_addr_port.remote())
-        ranged = ray.get(base.get_master_addr_port.remote(master_port_range=[{low}, {high}]))
-    finally:
-        ray.shutdown()
-    print(json.dumps({{"patch": getattr(base.get_master_addr_port, "__stapo_patch__", None),
+    remote = base.get_master_addr_port
+    # the function Ray runs on the worker group's node (no cluster needed to call it here)
+    addr, port = remote._function()
+    ranged = remote._function(master_port_range=[{low}, {high}])
+    print(json.dumps({{"patch": getattr(remote, "__stapo_patch__", None), "remote": hasattr(remote, "options"),
                        "port": int(port), "ranged": int(ranged[1])}}))
     """
 )
@@ -86,9 +83,10 @@ PROBE = textwrap.dedent(
 
 @pytest.mark.parametrize("cpu", [True, False], ids=["cpu-path", "off-the-cpu-path"])
 def test_verls_remote_function_picks_with_the_patch_on_the_cpu_path_only(cpu):
-    """In a verl process (the patch table loaded by ``import verl``), on a local Ray: the CPU path's
-    master port comes from below the ephemeral range; a given ``master_port_range`` is still
-    verl's to search; without VERL_PLATFORM=cpu verl's function is untouched."""
+    """In a verl process (the patch table loaded by ``import verl``): on the CPU path verl's remote
+    function (still a Ray remote function) draws the master port from below the ephemeral range; a
+    given ``master_port_range`` is still verl's to search; without VERL_PLATFORM=cpu verl's function
+    is untouched."""
     low, _ = ports.ephemeral_range()
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_PLATFORM", "RAY_ADDRESS")}
     env.update(VERL_USE_EXTERNAL_MODULES="verl_patches.activate", PYTHONPATH=str(REPO))
@@ -99,7 +97,7 @@ def test_verls_remote_function_picks_with_the_patch_on_the_cpu_path_only(cpu):
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert 40000 <= out["ranged"] < 40100
+    assert out["remote"] and 40000 <= out["ranged"] < 40100
     if cpu:
         assert out["patch"] == "cpu_master_port" and ports.LOW <= out["port"] < low, out
     else:
