@@ -39,9 +39,9 @@ def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> Optional[tuple[int, int
 
 
 def binds(port: int) -> bool:
-    """True when a TCP socket can bind ``port`` on every address right now (as torch's store will)."""
+    """True when a TCP socket can bind ``port`` on every address right now, without address reuse (so
+    no socket of any state holds it, a closed connection's TIME_WAIT included)."""
     with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # the store sets it too
         try:
             s.bind(("", port))
         except OSError:
