@@ -179,6 +179,29 @@ def mapped_segments(pids) -> set[str]:
     return names
 
 
+def outliving(sid: int, grace_s: float = 30.0) -> list[str]:
+    """Command lines of the processes of session ``sid`` still running ``grace_s`` seconds on (an
+    engine's worker ends a few seconds after its engine core, on its own)."""
+    import psutil
+
+    members = []
+    for process in psutil.process_iter():
+        try:
+            if os.getsid(process.pid) == sid:
+                members.append(process)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            continue
+    _, alive = psutil.wait_procs(members, timeout=grace_s)
+    names = []
+    for process in alive:
+        try:
+            if process.status() != psutil.STATUS_ZOMBIE:
+                names.append(" ".join(process.cmdline())[:200])
+        except psutil.NoSuchProcess:
+            continue
+    return names
+
+
 class SessionSegments:
     """Collects the ``/dev/shm`` segments the processes of session ``sid`` map, sampled every
     ``interval_s`` seconds in a thread from :meth:`start` to :meth:`stop` (what a run used, told

@@ -2,9 +2,11 @@
 copy of the repository's tracked files (a fresh clone, so nothing is written into this checkout),
 from its root, with the project's interpreter first on PATH (an activated environment)."""
 
+import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.eval_models import SessionSegments, outliving
 from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.heavy  # the CPU runs it starts take a machine turn (tests/conftest.py)
@@ -45,11 +48,25 @@ def _clone(tmp_path: Path) -> Path:
     return clone
 
 
-def _run(command: str, cwd: Path, timeout: int, **env) -> subprocess.CompletedProcess:
+def _env(**env) -> dict[str, str]:
+    """A shell's environment with the project's interpreter first on PATH, none of eval.sh's settings."""
     full = {k: v for k, v in os.environ.items()
             if k not in ("PYTHON", "OUT", "STAPO_DATA_DIR", "BENCH_DIR", "PRESET", "MODEL", "PYTHONPATH")}
     full.update(PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}", **env)
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=full, capture_output=True, text=True, timeout=timeout)
+    return full
+
+
+def _run(command: str, cwd: Path, timeout: int, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", command], cwd=cwd, env=_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _popen(command: str, cwd: Path, log: Path) -> subprocess.Popen:
+    """``command`` started in a session of its own (its processes found by session id), its output
+    written to ``log``."""
+    with open(log, "w") as handle:
+        return subprocess.Popen(["bash", "-c", command], cwd=cwd, env=_env(), stdout=handle,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def test_the_cpu_evaluation_is_documented_alike_in_the_readme_and_eval_md():
@@ -57,28 +74,55 @@ def test_the_cpu_evaluation_is_documented_alike_in_the_readme_and_eval_md():
     assert CPU_EVAL in _bash_lines(REPO / "docs" / "eval.md")
 
 
-@pytest.mark.slow
-def test_the_cpu_evaluation_runs_as_written_with_progress_bars(tmp_path):
-    """vLLM's CPU build generates 4 samples of each of the tiny task's 64 held-out problems (256
-    prompts: more than one engine step's token budget, which a chunk-prefilled seeded request on a
-    CPU once killed the engine for), JustRL's grader grades them; the console shows both bars."""
-    clone = _clone(tmp_path)
-    start = time.monotonic()
-    proc = _run(CPU_EVAL, clone, timeout=1200)
-    elapsed = time.monotonic() - start
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = clone / "results" / "eval" / "cpu_shipped_assets_model"
-    assert f"-> {out}" in proc.stderr
-    assert re.search(r"generate \(1 worker\): 100%\|.*\| 256/256", proc.stderr), proc.stderr[-3000:]
-    assert re.search(r"grade val/justrl: 100%\|.*\| 256/256", proc.stderr), proc.stderr[-3000:]
-    import json
+def _part_lines(out: Path) -> int:
+    return sum(path.read_bytes().count(b"\n") for path in out.glob("workers/rank*/generations/*.jsonl"))
 
+
+@pytest.mark.slow
+def test_the_cpu_evaluation_as_written_survives_kill_9_resumes_and_shows_progress_bars(tmp_path):
+    """The documented CPU evaluation (vLLM's CPU build, 4 samples of each of the tiny task's 64
+    held-out problems: 256 prompts, more than one engine step's token budget, which a chunk-prefilled
+    seeded request on a CPU once killed the engine for; batches of 64), killed with SIGKILL once its
+    worker has saved a batch: the worker (its parent-death signal) and its engine processes end, no
+    /dev/shm segment the run used stays. The same command, run again as written, generates only what
+    was missing, JustRL's grader grades all 256, and the console shows both bars."""
+    clone = _clone(tmp_path)
+    out = clone / "results" / "eval" / "cpu_shipped_assets_model"
+    log = tmp_path / "killed.log"
+    proc = _popen(CPU_EVAL, clone, log)
+    watch = SessionSegments(proc.pid).start()
+    deadline = time.monotonic() + 600
+    while _part_lines(out) < 64 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert proc.poll() is None and _part_lines(out) < 256, f"the run ended before it could be killed:\n{log.read_text()[-3000:]}"
+    # bash -c execs eval.sh's bash, which execs run_eval: proc.pid is the evaluation's main process
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert not outliving(proc.pid), "the worker or its engine outlived the killed evaluation"
+    used = watch.stop()
+    assert any(name.startswith("psm_") for name in used), used  # vLLM's message queues were seen
+    assert not [name for name in used if Path("/dev/shm", name).exists()], "the killed evaluation left /dev/shm segments"
+    saved = _part_lines(out)
+    assert 64 <= saved < 256
+
+    start = time.monotonic()
+    again = _run(CPU_EVAL, clone, timeout=900)
+    elapsed = time.monotonic() - start
+    assert again.returncode == 0, again.stderr[-4000:]
+    assert f"-> {out}" in again.stderr
+    plan = json.loads((out / "workers" / "rank0" / "plan.json").read_text())
+    missing = 256 - saved
+    assert len(plan["items"]) == missing  # only the missing samples were generated
+    assert re.search(rf"generate \(1 worker\): 100%\|.*\| {missing}/{missing}", again.stderr), again.stderr[-3000:]
+    assert re.search(r"grade val/justrl: 100%\|.*\| 256/256", again.stderr), again.stderr[-3000:]
+    records = [json.loads(line) for line in (out / "generations" / "val__justrl.jsonl").read_text().splitlines()]
+    assert len(records) == len({(r["problem_id"], r["sample"]) for r in records}) == 256
     summary = json.loads((out / "summary.json").read_text())
     block = summary["decodings"]["justrl"]["benchmarks"]["val"]
     assert (block["n_samples"], block["problems"], block["ungraded"]) == (4, 64, 0)
     assert 0.0 <= block["mean_at_n"] <= 100.0 and summary["grading"]["label"] == "rule-only"
     assert summary["backend"] == "vllm" and summary["max_new_tokens"] == 160
-    print(f"PRESET=cpu bash run_scripts/eval.sh: {elapsed:.0f} s, mean@4 {block['mean_at_n']:.2f}")
+    print(f"{CPU_EVAL}, resumed for {missing} samples: {elapsed:.0f} s, mean@4 {block['mean_at_n']:.2f}")
 
 
 def test_the_papers_table_is_built_as_written(tmp_path):

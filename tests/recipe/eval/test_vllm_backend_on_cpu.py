@@ -3,7 +3,9 @@ same float32 model: an evaluation through run_scripts/eval.sh graded by a vLLM j
 agreement, sampling reproducible per seed, and a clean shutdown.
 
 One in-process engine serves the module's tests (loading one costs ~30-40 s of CPU); the last test
-closes it. The eval.sh run loads two more in its own processes (the policy's, the judge's).
+closes it. The eval.sh run loads two more in its own processes (the policy's, the judge's). An
+evaluation killed with SIGKILL and resumed is tests/recipe/eval/test_documented_commands_on_cpu.py's
+(the documented CPU evaluation, killed after its first saved batch and run again).
 """
 
 import json
@@ -20,7 +22,7 @@ from recipe.stapo.eval.backends import HFBackend, SamplingConfig, VLLMBackend
 
 from tests.helpers.eval_models import (
     FIXTURES, SessionSegments, bench_dir, build_judge_model, build_tiny_model, engine_processes, fixture_rows,
-    mapped_segments,
+    mapped_segments, outliving,
 )
 from tests.helpers.paths import REPO
 
@@ -145,29 +147,6 @@ def _outputs(out: Path) -> dict:
     return found
 
 
-def _outliving(sid: int, grace_s: float = 30.0) -> list[str]:
-    """Command lines of the processes of session ``sid`` still running ``grace_s`` seconds on (an
-    engine's worker ends a few seconds after its engine core, on its own)."""
-    import psutil
-
-    members = []
-    for process in psutil.process_iter():
-        try:
-            if os.getsid(process.pid) == sid:
-                members.append(process)
-        except (ProcessLookupError, psutil.NoSuchProcess):
-            continue
-    _, alive = psutil.wait_procs(members, timeout=grace_s)
-    names = []
-    for process in alive:
-        try:
-            if process.status() != psutil.STATUS_ZOMBIE:
-                names.append(" ".join(process.cmdline())[:200])
-        except psutil.NoSuchProcess:
-            continue
-    return names
-
-
 def test_eval_sh_with_vllm_writes_the_records_the_hf_backend_writes(model_dir, tmp_path):
     """run_scripts/eval.sh --backend vllm on CPU: the policy's engine in a worker process, the
     CompassVerifier judge's engine (build_verifier(..., backend="vllm")) in the main one, as on GPUs.
@@ -189,7 +168,7 @@ def test_eval_sh_with_vllm_writes_the_records_the_hf_backend_writes(model_dir, t
     used = watch.stop()
     assert proc.returncode == 0, log[-4000:]
     assert "worker 0: 4 samples" in log  # the policy was sampled in a worker process, as on GPUs
-    assert not _outliving(proc.pid), "engine processes outlived the evaluation"
+    assert not outliving(proc.pid), "engine processes outlived the evaluation"
     assert any(name.startswith("psm_") for name in used), used  # vLLM's message queues were seen
     assert not [name for name in used if Path("/dev/shm", name).exists()], "the evaluation left /dev/shm segments"
 
@@ -211,45 +190,6 @@ def test_eval_sh_with_vllm_writes_the_records_the_hf_backend_writes(model_dir, t
 
     assert judged(vllm_run) == judged(hf_run) and len(judged(hf_run)) == 4  # a random policy fails the rule
     assert {row[2:] for row in judged(vllm_run)} == {("A", "A", True)}
-
-
-def _part_lines(out: Path) -> int:
-    return sum(path.read_bytes().count(b"\n") for path in out.glob("workers/rank*/generations/*.jsonl"))
-
-
-def test_kill_9_of_a_vllm_evaluation_leaves_nothing_running_and_resumes(tmp_path):
-    """``PRESET=cpu`` (vLLM's CPU build, batches of 64) killed with SIGKILL once its worker has saved a
-    batch: the worker (its parent-death signal) and its engine processes end, no /dev/shm segment
-    the run used stays, and the same command resumes, generating only what was missing."""
-    import signal
-    import time
-
-    out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "STAPO_DATA_DIR", "BENCH_DIR")}
-    env.update(PRESET="cpu", OUT=str(out), PYTHON=sys.executable)
-    proc = subprocess.Popen(["bash", str(EVAL)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-    watch = SessionSegments(proc.pid).start()
-    deadline = time.monotonic() + 600
-    while _part_lines(out) < 64 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert proc.poll() is None and _part_lines(out) < 256, "the run ended before it could be killed"
-    os.kill(proc.pid, signal.SIGKILL)  # eval.sh exec'd run_eval: this is the main process
-    proc.wait(timeout=60)
-    assert not _outliving(proc.pid), "the worker or its engine outlived the killed evaluation"
-    used = watch.stop()
-    assert any(name.startswith("psm_") for name in used), used
-    assert not [name for name in used if Path("/dev/shm", name).exists()], "the killed evaluation left /dev/shm segments"
-    saved = _part_lines(out)
-    assert 64 <= saved < 256
-    again = subprocess.run(["bash", str(EVAL)], env=env, capture_output=True, text=True, timeout=900)
-    assert again.returncode == 0, again.stderr[-4000:]
-    plan = json.loads((out / "workers" / "rank0" / "plan.json").read_text())
-    assert len(plan["items"]) == 256 - saved  # only the missing samples were generated
-    records = [json.loads(line) for line in (out / "generations" / "val__justrl.jsonl").read_text().splitlines()]
-    assert len(records) == len({(r["problem_id"], r["sample"]) for r in records}) == 256
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["decodings"]["justrl"]["benchmarks"]["val"]["ungraded"] == 0
 
 
 def test_close_ends_the_engine_processes_and_removes_their_shared_memory(vllm_backend):
