@@ -63,6 +63,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_unpinned_offload",
         target="verl.workers.engine.fsdp.transformer_impl:CPUOffloadPolicy",
+        on_import=True,
         wrapper="verl_patches.cpu.platform:wrap_offload_policy",
         applies="verl_patches.cpu.platform:unpinned_offload_applies",
         scope="cpu",
@@ -74,6 +75,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_sample_priority",
         target="verl.experimental.agent_loop.agent_loop:AgentLoopWorker._run_agent_loop",
+        on_import=True,
         wrapper="verl_patches.cpu.ordering:wrap_run_agent_loop",
         scope="cpu",
         changes="under full determinism each sample's priority is its index in its group (its request id)",
@@ -84,6 +86,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_counting_uids",
         target="verl.trainer.ppo.v1.trainer_base:uuid",
+        on_import=True,
         wrapper="verl_patches.cpu.ordering:wrap_uuid_module",
         scope="cpu",
         changes="under full determinism the v1 trainer's prompt uids come from a per-process counter",
@@ -94,6 +97,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_sorted_prompt_uids",
         target="verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._select_prompt_uids",
+        on_import=True,
         wrapper="verl_patches.cpu.ordering:wrap_select_prompt_uids",
         scope="cpu",
         changes="under full determinism the sampleable keys are sorted before selection",
@@ -104,6 +108,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_sorted_batch",
         target="verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._materialize_batch",
+        on_import=True,
         wrapper="verl_patches.cpu.ordering:wrap_materialize_batch",
         scope="cpu",
         changes="under full determinism the batch rows are ordered by (prompt uid, sample, output)",
@@ -114,6 +119,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_replay_poll",
         target="verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
+        on_import=True,
         wrapper="verl_patches.cpu.replay_poll:wrap_replay_buffer_init",
         scope="cpu",
         changes="the v1 replay buffer checks for finished rollouts every 0.2 s instead of every 2 s",
@@ -307,6 +313,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="chunked_sum_pi_squared",
         target="verl.utils.torch_functional:calculate_sum_pi_squared_from_logits",
+        on_import=True,
         wrapper="verl_patches.sum_pi_squared:wrap_calculate_sum_pi_squared",
         changes="sum_n pi_n^2 is computed 2048 rows of logits at a time, in float32",
         why="verl computes it over the whole (tokens x vocab) logits at once; under autocast its two float32 "
@@ -383,6 +390,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="resumable_file_logger",
         target="verl.utils.tracking:FileLogger",
+        on_import=True,
         wrapper="verl_patches.resume:wrap_file_logger",
         changes="the metrics file is kept on open; the first step a process logs ends the earlier launches' "
                 "history there (the records it replaces are copied to <file>.superseded.<n> first), a step logged "
