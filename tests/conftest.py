@@ -21,6 +21,13 @@ import pytest
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+def pytest_configure(config):
+    """Hydra's config files are read once per test process (tests/helpers/hydra_cache.py)."""
+    from tests.helpers import hydra_cache
+
+    hydra_cache.install()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """xdist's scope scheduling with tests/helpers/scheduling.py's units as scopes, sent in the order
