@@ -153,11 +153,11 @@ class Cluster:
                     raise RuntimeError(f"ray {name} did not come up:\n{(self.root / f'{name}.log').read_text()[-3000:]}")
                 time.sleep(2)
 
-    def query(self, code: str):
+    def query(self, code: str, timeout: float = 120):
         """Run ``code`` (it prints one JSON value) in a fresh interpreter with the client's credentials."""
         env = self.client_env(RAY_AUTH_MODE="token")
         out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                             timeout=120)
+                             timeout=timeout)
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-3000:])
         return json.loads(out.stdout.strip().splitlines()[-1])
@@ -173,21 +173,21 @@ class Cluster:
         except (RuntimeError, subprocess.TimeoutExpired):
             return []
 
-    def job_status(self, submission_id: str) -> str:
-        return self.query(f"""
-            import json
-            from ray.job_submission import JobSubmissionClient
-            print(json.dumps(str(JobSubmissionClient({self.dashboard_url!r}).get_job_status({submission_id!r}))))
-        """).split(".")[-1]
-
     def wait(self, submission_id: str) -> str:
-        deadline = time.time() + JOB_TIMEOUT_S
-        while time.time() < deadline:
-            status = self.job_status(submission_id)
-            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-                return status
-            time.sleep(5)
-        return "TIMEOUT"
+        """The job's final status (or ``TIMEOUT`` after :data:`JOB_TIMEOUT_S`), polled every 2 s by one
+        interpreter (a fresh one per poll would cost a CPU-second each, beside the job)."""
+        return self.query(f"""
+            import json, time
+            from ray.job_submission import JobSubmissionClient
+            client, deadline, status = JobSubmissionClient({self.dashboard_url!r}), time.time() + {JOB_TIMEOUT_S}, "TIMEOUT"
+            while time.time() < deadline:
+                state = str(client.get_job_status({submission_id!r})).split(".")[-1]
+                if state in ("SUCCEEDED", "FAILED", "STOPPED"):
+                    status = state
+                    break
+                time.sleep(2)
+            print(json.dumps(status))
+        """, timeout=JOB_TIMEOUT_S + 120)
 
     def job_logs(self, submission_id: str) -> str:
         out = subprocess.run([RAY, "job", "logs", "--address", self.dashboard_url, submission_id],
