@@ -4,8 +4,8 @@ Each run is ``python -m recipe.stapo.main_stapo method=<m>`` with the CPU overri
 :mod:`recipe.stapo.cpu` and the tiny assets, 2 steps; the runs are the suite's shared runs
 (tests/helpers/shared_runs.py, each made once per session): GRPO, 20-Entropy and STAPO on verl's
 default TransferQueue trainer (``trainer.use_v1=true``), JustRL and STAPO (on verl's GSPO loss) on
-the legacy trainer. Resuming from a checkpoint is tests/run_scripts/test_gpu_smoke_on_cpu.py's (a
-given checkpoint folder) and tests/e2e/test_two_node_on_cpu.py's (a relaunch of the same command).
+the legacy trainer. Resuming from the checkpoints (a relaunch of the same command, the same wandb
+run continued) is tests/e2e/test_two_node_on_cpu.py's.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ and the vLLM servers ran on both nodes; metrics, checkpoints and token dump are 
 (under the launch directory and ``CKPT_DIR/<project>/<experiment>``, nothing in Ray's copy of the
 project); the second submission was refused; the relaunch resumed from step 2, the metrics file
 holds steps 1-3 once each, retention kept the 2 newest checkpoints (removing one saved by the
-first job) and left the Hugging Face copy beside it. Every process the cluster started (found by a
+first job) and left the Hugging Face copy beside it; both jobs logged to wandb (offline) and the
+relaunch continued the first job's wandb run. Every process the cluster started (found by a
 marker variable in its environment) is ended by its process id, also when a check fails; no
 ``ray stop`` (it would stop other clusters of this machine). Cost: ~4-6 minutes on 2 cores.
 """
@@ -41,6 +42,7 @@ from recipe.stapo.driver import wandb_run_id
 from recipe.stapo.cpu import cpu_env, cpu_overrides
 from tests.e2e.test_trainer_e2e_on_cpu import MAX_PROB_DIFF
 from tests.helpers.paths import REPO
+from tests.helpers.wandb_offline import offline_runs
 
 pytestmark = [pytest.mark.slow, pytest.mark.heavy]
 
@@ -107,6 +109,8 @@ class Cluster:
 
     def __init__(self, root: Path):
         self.root = root
+        self.wandb_dir = root / "wandb_runs"  # the jobs' wandb logger, offline
+        self.wandb_dir.mkdir()
         self.marker = secrets.token_hex(8)
         self.token = root / "auth_token"
         self.token.write_text(secrets.token_hex(32))
@@ -237,7 +241,8 @@ def _overrides(assets: Path, launch: Path, *extra: str) -> list[str]:
 
 def _submit(cluster: Cluster, assets: Path, launch: Path, *extra: str) -> subprocess.CompletedProcess:
     env = cluster.client_env(LAUNCH="submit", PYTHON=sys.executable, RAY=RAY, NNODES="2", GPUS_PER_NODE="1",
-                             LOGGER="file", PROJECT=PROJECT, EXPERIMENT=EXPERIMENT, CKPT_DIR="ck")
+                             LOGGER="file,wandb", PROJECT=PROJECT, EXPERIMENT=EXPERIMENT, CKPT_DIR="ck",
+                             WANDB_MODE="offline", WANDB_DIR=str(cluster.wandb_dir), WANDB_SILENT="true")
     return subprocess.run(["bash", str(COMMON), "stapo", "qwen3_1_7b", *_overrides(assets, launch, *extra)], cwd=launch,
                           env=env, capture_output=True, text=True, timeout=300)
 
@@ -375,3 +380,15 @@ def test_a_relaunch_resumes_with_every_step_once_and_retention_respected(cluster
     assert sorted(p.parent.name for p in run_dir.glob("global_step_*/actor")) == ["global_step_2", "global_step_3"]
     assert (run_dir / "global_step_1" / "merged_hf").is_dir()
     assert (run_dir / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def test_a_relaunch_continues_the_same_wandb_run(cluster_run):
+    """Both jobs log to wandb (offline) under the run's id (the driver's ``WANDB_RUN_ID``, with
+    ``WANDB_RESUME=allow``): the relaunch's records continue the first job's run at step 3."""
+    _relaunch_ok(cluster_run)
+    runs = offline_runs(cluster_run["cluster"].wandb_dir)
+    assert len(runs) == 2, runs
+    assert runs[0]["id"] == runs[1]["id"] == wandb_run_id(PROJECT, EXPERIMENT)
+    assert all((run["project"], run["name"]) == (PROJECT, EXPERIMENT) for run in runs)
+    assert set(runs[0]["history"]) == {1, 2} and set(runs[1]["history"]) == {3}
+    assert any(key.startswith("actor/s2t/") for key in runs[1]["history"][3]), sorted(runs[1]["history"][3])

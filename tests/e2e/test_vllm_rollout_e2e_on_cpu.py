@@ -12,8 +12,8 @@ here, each watched for what vLLM loads and leaves (tests/helpers/vllm_watch.py):
   fails on the vLLM side: the run must end with the weight sync's error within a bounded time.
 
 After every run nothing of vLLM's is left: no /dev/shm segment that no process maps, and the run's
-folder for vLLM's socket files is gone. A resumed run's first rollout on the checkpoint's weights is
-tests/run_scripts/test_gpu_smoke_on_cpu.py's; a relaunch resuming is test_two_node_on_cpu.py's.
+folder for vLLM's socket files is gone. A relaunch resuming, its first rollout on the checkpoint's
+weights, is test_two_node_on_cpu.py's.
 Cost: ~1 minute on 2 cores beyond the shared run (1 run).
 """
 

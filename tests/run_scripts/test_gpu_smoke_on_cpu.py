@@ -1,8 +1,9 @@
 """``run_scripts/gpu_smoke.sh`` in its CPU mode, end to end, and what it hands on: verl's real trainer
 (tiny model, verl's vLLM rollout on vLLM's CPU build) trains STAPO one step with a checkpoint and the wandb logger (offline);
 ``eval.sh`` converts the verl checkpoint with verl's own model merger and evaluates 2 problems with the
-HF backend; a second run resumes from the checkpoint folder and continues the same wandb run (slow: two
-trainer runs in all, ~2-4 min on 2 cores; every slow test reads what they left).
+HF backend (slow: one trainer run, ~1.5-2 min on 2 cores; every slow test reads what it left). A
+relaunch resuming from the checkpoints and continuing the same wandb run is
+tests/e2e/test_two_node_on_cpu.py's.
 
 Its GPU mode at the paper's lengths (``LENGTHS=paper``) is checked as configs: the commands it would
 run compose and pass the driver's preflight, GPU memory on an 80 GB GPU included.
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +22,11 @@ import pytest
 
 from recipe.stapo.driver import PreflightError, compose, prepare
 from recipe.stapo.methods import PAPER_METHODS
-from recipe.stapo.cpu import read_metrics, run_cpu_trainer
-from tests.e2e.test_trainer_e2e_on_cpu import MAX_PROB_DIFF
+from recipe.stapo.cpu import read_metrics
+from recipe.stapo.cpu.trainer import machine_turn
 from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, write_model
 from tests.helpers.paths import REPO
+from tests.helpers.wandb_offline import offline_runs
 
 SMOKE = REPO / "run_scripts" / "gpu_smoke.sh"
 TIMEOUT_S = 900
@@ -35,7 +36,7 @@ WANDB = "trainer.logger=[console,file,wandb]"
 
 @pytest.fixture(scope="module")
 def smoke(assets, tmp_path_factory):
-    """gpu_smoke.sh (CPU mode, METHODS=stapo, STEPS=1, wandb offline), then a resumed run to step 2."""
+    """gpu_smoke.sh (CPU mode, METHODS=stapo, STEPS=1, wandb offline)."""
     root = tmp_path_factory.mktemp("gpu_smoke")
     out, wandb_dir = root / "smoke", root / "wandb_runs"
     wandb_dir.mkdir()
@@ -43,22 +44,9 @@ def smoke(assets, tmp_path_factory):
     wandb_env = {"WANDB_MODE": "offline", "WANDB_DIR": str(wandb_dir), "WANDB_SILENT": "true"}
     env = {**clean, **wandb_env, "SMOKE_DEVICE": "cpu", "ASSETS": str(assets), "OUT": str(out), "METHODS": "stapo",
            "STEPS": "1", "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(SMOKE), WANDB], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    resumed = None
-    if proc.returncode == 0:
-        with pytest.MonkeyPatch.context() as mp:
-            for key in [k for k in os.environ if k.startswith(("WANDB_", "STAPO_"))]:
-                mp.delenv(key)
-            for key, value in wandb_env.items():
-                mp.setenv(key, value)
-            # from the named checkpoint folder (trainer.resume_mode=resume_path); relaunching the same
-            # command (resume_mode=auto) is tests/e2e/test_two_node_on_cpu.py's
-            resumed = run_cpu_trainer("stapo", assets, out / "stapo", steps=2,
-                                      resume_from=out / "stapo" / "checkpoints" / "global_step_1",
-                                      metrics_file="metrics_resume.jsonl", timeout=TIMEOUT_S,
-                                      extra=[f"trainer.project_name={PROJECT}", f"trainer.experiment_name={EXPERIMENT}",
-                                             WANDB])
-    return {"proc": proc, "out": out, "wandb_dir": wandb_dir, "resumed": resumed}
+    with machine_turn():  # the script's trainer run takes the machine's turn like run_cpu_trainer's
+        proc = subprocess.run(["bash", str(SMOKE), WANDB], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return {"proc": proc, "out": out, "wandb_dir": wandb_dir}
 
 
 def _ok(smoke):
@@ -113,79 +101,13 @@ def test_evaluation_of_the_checkpoint_covers_two_problems(smoke):
     assert "aime24" in json.dumps(summary)
 
 
-# ------------------------------------------------------------------------------------------------
-# wandb: read the offline runs back (the .wandb file: W&B's LevelDB-style record log of protobufs)
-# ------------------------------------------------------------------------------------------------
-
-
-def read_wandb_records(path: Path):
-    """Protobuf records of an offline ``run-<id>.wandb`` file: a 7-byte file header (``:W&B``, magic
-    0xBEE1, version), then 32 KiB blocks of chunks, each with a 7-byte header (crc32, length, type:
-    1 full, 2 first, 3 middle, 4 last)."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = path.read_bytes()
-    ident, magic, _ = struct.unpack("<4sHB", data[:7])
-    assert ident == b":W&B" and magic == 0xBEE1, f"{path}: not a wandb run file"
-    block, pos, pending = 32768, 7, b""
-    while pos + 7 <= len(data):
-        left = block - pos % block
-        if left < 7:
-            pos += left
-            continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        pending += data[pos + 7:pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(pending)
-            pending = b""
-            yield record
-
-
-def _offline_runs(wandb_dir: Path) -> list[dict]:
-    runs = []
-    for folder in sorted((wandb_dir / "wandb").glob("offline-run-*")):
-        (run_file,) = folder.glob("run-*.wandb")
-        info, history = None, {}
-        for record in read_wandb_records(run_file):
-            kind = record.WhichOneof("record_type")
-            if kind == "run":
-                info = record.run
-            elif kind == "history":
-                items = {i.key or "/".join(i.nested_key): i.value_json for i in record.history.item}
-                history[int(items["_step"]) if "_step" in items else record.history.step.num] = items
-        runs.append({"id": info.run_id, "project": info.project, "name": info.display_name, "history": history})
-    return runs
-
-
 @pytest.mark.slow
 def test_wandb_offline_run_has_the_names_and_s2t_metrics(smoke):
     _ok(smoke)
-    first = _offline_runs(smoke["wandb_dir"])[0]
+    first = offline_runs(smoke["wandb_dir"])[0]
     assert (first["project"], first["name"]) == (PROJECT, EXPERIMENT)
     assert set(first["history"]) == {1}
     assert any(key.startswith("actor/s2t/") for key in first["history"][1]), sorted(first["history"][1])
-
-
-@pytest.mark.slow
-def test_resumed_run_continues_the_same_wandb_run(smoke):
-    _ok(smoke)
-    resumed = smoke["resumed"]
-    assert resumed is not None and resumed.ok, f"{resumed}:\n{resumed.tail() if resumed else ''}"
-    steps = read_metrics(resumed.metrics)
-    assert set(steps) == {2}  # step 1 came from the checkpoint, not trained again
-    # the resumed run's first rollout sampled from the checkpoint's weights, synced to vLLM at start
-    assert steps[2]["training/rollout_probs_diff_max"] < MAX_PROB_DIFF, steps[2]["training/rollout_probs_diff_max"]
-    assert "global_step_1" in resumed.log.read_text(errors="replace")
-    runs = _offline_runs(smoke["wandb_dir"])
-    assert len(runs) == 2
-    assert runs[0]["id"] == runs[1]["id"]
-    assert (runs[1]["project"], runs[1]["name"]) == (PROJECT, EXPERIMENT)
-    assert set(runs[1]["history"]) == {2}
 
 
 # ------------------------------------------------------------------------------------------------
