@@ -49,7 +49,6 @@ PATCHES: tuple[Patch, ...] = (
         target="verl.single_controller.ray.base:get_master_addr_port",
         wrapper="verl_patches.cpu.ports:wrap_get_master_addr_port",
         scope="cpu",
-        on_import=True,
         changes="a worker group's MASTER_PORT is drawn at random between 20000 and the kernel's ephemeral port "
                 "range (checked free), not from the ephemeral range",
         why="verl binds port 0 and closes it; rank 0 binds the port only after its worker has started, and "
@@ -63,7 +62,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_unpinned_offload",
         target="verl.workers.engine.fsdp.transformer_impl:CPUOffloadPolicy",
-        on_import=True,
         wrapper="verl_patches.cpu.platform:wrap_offload_policy",
         applies="verl_patches.cpu.platform:unpinned_offload_applies",
         scope="cpu",
@@ -75,7 +73,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_sample_priority",
         target="verl.experimental.agent_loop.agent_loop:AgentLoopWorker._run_agent_loop",
-        on_import=True,
         wrapper="verl_patches.cpu.ordering:wrap_run_agent_loop",
         scope="cpu",
         changes="under full determinism each sample's priority is its index in its group (its request id)",
@@ -86,7 +83,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_counting_uids",
         target="verl.trainer.ppo.v1.trainer_base:uuid",
-        on_import=True,
         wrapper="verl_patches.cpu.ordering:wrap_uuid_module",
         scope="cpu",
         changes="under full determinism the v1 trainer's prompt uids come from a per-process counter",
@@ -97,7 +93,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_sorted_prompt_uids",
         target="verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._select_prompt_uids",
-        on_import=True,
         wrapper="verl_patches.cpu.ordering:wrap_select_prompt_uids",
         scope="cpu",
         changes="under full determinism the sampleable keys are sorted before selection",
@@ -108,7 +103,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_sorted_batch",
         target="verl.trainer.ppo.v1.replay_buffer:ReplayBuffer._materialize_batch",
-        on_import=True,
         wrapper="verl_patches.cpu.ordering:wrap_materialize_batch",
         scope="cpu",
         changes="under full determinism the batch rows are ordered by (prompt uid, sample, output)",
@@ -119,7 +113,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="cpu_replay_poll",
         target="verl.trainer.ppo.v1.replay_buffer:ReplayBuffer.__init__",
-        on_import=True,
         wrapper="verl_patches.cpu.replay_poll:wrap_replay_buffer_init",
         scope="cpu",
         changes="the v1 replay buffer checks for finished rollouts every 0.2 s instead of every 2 s",
@@ -145,7 +138,6 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.model_executor.layers.utils:dispatch_cpu_unquantized_gemm",
         wrapper="verl_patches.cpu.vllm_cpu:wrap_dispatch_cpu_unquantized_gemm",
         scope="cpu",
-        on_import=True,
         changes="vLLM's CPU linear layers keep layer.weight beside the copy packed for the GEMM "
                 "(remove_weight=False); applied in the process that imports vLLM, when it does",
         why="verl's weight sync loads each step's weights into layer.weight and repacks them with "
@@ -175,7 +167,6 @@ PATCHES: tuple[Patch, ...] = (
         target="verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.__init__",
         wrapper="verl_patches.cpu.vllm_cpu:wrap_server_init",
         scope="cpu",
-        on_import=True,
         changes="under rollout.full_determinism the vLLM engine starts without VLLM_BATCH_INVARIANT",
         why="vLLM's batch-invariant kernels need Triton, which has no CPU backend (TypeError at the first "
             "forward); vLLM's CPU forward is batch-invariant without them (benchmarks/bench_vllm_determinism.py)",
@@ -188,7 +179,6 @@ PATCHES: tuple[Patch, ...] = (
         target="verl.workers.rollout.vllm_rollout.vllm_async_server:vLLMHttpServer.generate",
         wrapper="verl_patches.cpu.vllm_cpu:wrap_server_generate",
         scope="cpu",
-        on_import=True,
         changes="under rollout.full_determinism each request is seeded by (seed, step, prompt, verl's per-sample "
                 "request id) instead of all by one seed",
         why="one seed for every request makes the n samples of a prompt identical (no group to compare); a "
@@ -202,7 +192,6 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.distributed.device_communicators.shm_broadcast:MessageQueue.wait_until_ready",
         wrapper="verl_patches.cpu.vllm_cpu:wrap_wait_until_ready",
         scope="cpu",
-        on_import=True,
         changes="the writer of a vLLM message queue unlinks its shared-memory ring buffer's name once every "
                 "local reader has mapped it (the memory stays mapped until the last process ends)",
         why="vLLM unlinks the name at shutdown, which its engine processes never reach when the Ray cluster "
@@ -216,7 +205,6 @@ PATCHES: tuple[Patch, ...] = (
         target="vllm.v1.executor.multiproc_executor:get_file_store_init_method",
         wrapper="verl_patches.cpu.vllm_cpu:wrap_file_store_init_method",
         scope="cpu",
-        on_import=True,
         changes="vLLM's file:// rendezvous file goes to $VLLM_RPC_BASE_PATH (the run's folder for vLLM's "
                 "socket files, cpu_vllm_run_scratch) instead of the temp folder",
         why="the file is removed by nobody; one was left in /tmp per vLLM engine start",
@@ -228,7 +216,6 @@ PATCHES: tuple[Patch, ...] = (
         target="verl.trainer.main_ppo:run_ppo",
         wrapper="verl_patches.cpu.vllm_cpu:wrap_run_ppo",
         scope="cpu",
-        on_import=True,
         changes="a run of verl's vLLM rollout gets a fresh folder for vLLM's socket files ($VLLM_RPC_BASE_PATH, "
                 "in the driver and in Ray's runtime environment), removed when run_ppo returns or raises, "
                 "together with the shared memory and named semaphores the run's killed processes left in "
@@ -245,7 +232,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="trl_without_value_head",
         target="verl.models.transformers.monkey_patch:is_trl_available",
-        on_import=True,
         wrapper="verl_patches.trl_compat:wrap_is_trl_available",
         changes="reports TRL as unavailable when the installed TRL has no AutoModelForCausalLMWithValueHead",
         why="verl imports that class in apply_monkey_patch whenever TRL is installed; TRL 1.x (the trl extra) "
@@ -257,7 +243,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="ppo_loss_token_selection",
         target=f"{_ENGINE_WORKERS}:ppo_loss",
-        on_import=True,
         wrapper="verl_patches.losses:wrap_ppo_loss",
         changes="token selection inside the loss (scope=micro_batch; 20-Entropy's entropy_topk_reading=authors_code, "
                 "per rank with the authors' weighting); a sequence-level ratio over every response token "
@@ -270,7 +255,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="mini_batch_fold",
         target=f"{_ENGINE_WORKERS}:TrainingWorker.train_batch",
-        on_import=True,
         wrapper="verl_patches.mini_batch:wrap_train_batch",
         changes="before each mini-batch's update: its position in the step, the keep mask folded into "
                 "response_mask/loss_mask (scope=mini_batch), the current-policy forward (stats_from=current; S2T: "
@@ -286,7 +270,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="statistic_only_entropy",
         target=f"{_ENGINE_WORKERS}:TrainingWorker.set_loss_fn",
-        on_import=True,
         wrapper="verl_patches.current_stats:wrap_set_loss_fn",
         changes="with stats_from=current, scope=micro_batch and no entropy bonus, the update's entropy is "
                 "computed without autograd",
@@ -298,7 +281,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="selection_pool_groups",
         target=f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.init_model",
-        on_import=True,
         wrapper="verl_patches.selection_pool:wrap_init_model",
         changes="with policy_loss.ranks_per_pool=k, once the actor is built, every rank creates the process groups "
                 "of k contiguous data-parallel ranks its token selection pools over (all groups, on every rank, "
@@ -313,7 +295,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="chunked_sum_pi_squared",
         target="verl.utils.torch_functional:calculate_sum_pi_squared_from_logits",
-        on_import=True,
         wrapper="verl_patches.sum_pi_squared:wrap_calculate_sum_pi_squared",
         changes="sum_n pi_n^2 is computed 2048 rows of logits at a time, in float32",
         why="verl computes it over the whole (tokens x vocab) logits at once; under autocast its two float32 "
@@ -327,7 +308,6 @@ PATCHES: tuple[Patch, ...] = (
         name="weight_sync_timeout",
         target="verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightSender._init_socket",
         wrapper="verl_patches.weight_sync:wrap_init_socket",
-        on_import=True,
         changes="the trainer's weight-sync socket gives up on a send or receive after $STAPO_WEIGHT_SYNC_TIMEOUT_S "
                 "seconds (600 by default)",
         why="when the vLLM side of the sync fails, verl waits for its acknowledgement forever: the run hangs "
@@ -340,7 +320,6 @@ PATCHES: tuple[Patch, ...] = (
         name="weight_sync_timeout_error",
         target="verl.workers.rollout.vllm_rollout.bucketed_weight_transfer:BucketedWeightSender.async_send_weights",
         wrapper="verl_patches.weight_sync:wrap_async_send_weights",
-        on_import=True,
         changes="a send or receive that gave up raises WeightSyncTimeout naming the socket, the wait and where "
                 "the receiver's error is logged",
         why="ZeroMQ's own exception says only 'Resource temporarily unavailable'",
@@ -351,7 +330,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="memory_probe_infer",
         target=f"{_ENGINE_WORKERS}:TrainingWorker.infer_batch",
-        on_import=True,
         wrapper="verl_patches.memory_probe:wrap_infer_batch",
         changes="on CUDA, resets PyTorch's peak memory before a forward pass (log-prob; reference on a "
                 "forward-only engine; the recipe's current-policy and update-effect forwards inside the update) "
@@ -366,7 +344,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="memory_probe_update",
         target=f"{_ENGINE_WORKERS}:TrainingWorker.train_mini_batch",
-        on_import=True,
         wrapper="verl_patches.memory_probe:wrap_train_mini_batch",
         changes="the same for the update (a forward inside it is logged as its own pass; the update's line "
                 "covers both)",
@@ -377,7 +354,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="memory_probe_rollout",
         target=f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.update_weights",
-        on_import=True,
         wrapper="verl_patches.memory_probe:wrap_update_weights",
         changes="on CUDA, logs on rank 0 the device-wide memory when the weight sync returns, vLLM awake with "
                 "its weights and KV cache ('[stapo] memory peak: pass=rollout ...')",
@@ -390,7 +366,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="resumable_file_logger",
         target="verl.utils.tracking:FileLogger",
-        on_import=True,
         wrapper="verl_patches.resume:wrap_file_logger",
         changes="the metrics file is kept on open; the first step a process logs ends the earlier launches' "
                 "history there (the records it replaces are copied to <file>.superseded.<n> first), a step logged "
@@ -404,7 +379,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="retention_counts_earlier_launches",
         target="verl.utils.checkpoint.fsdp_checkpoint_manager:FSDPCheckpointManager.save_checkpoint",
-        on_import=True,
         wrapper="verl_patches.resume:wrap_checkpoint_save",
         changes="before a manager's first save, the global_step_<k>/<role> folders of earlier launches (k below the "
                 "step saved) join the list verl prunes from, so max_actor_ckpt_to_keep counts them",
@@ -418,7 +392,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="legacy_keep_rollout_entropy",
         target=f"{_LEGACY_TRAINER}._compute_old_log_prob",
-        on_import=True,
         wrapper="verl_patches.trainers:wrap_legacy_old_log_prob",
         changes="the rollout-time entropy stays in the batch as 'entropy'",
         why="token selection with rollout statistics reads it in the actor; the legacy trainer drops "
@@ -429,7 +402,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="legacy_entropy_quantiles",
         target=f"{_LEGACY_TRAINER}._update_actor",
-        on_import=True,
         wrapper="verl_patches.trainers:wrap_legacy_update_actor",
         changes="logs actor/entropy_p50/p80/p95 for every method; the kept entropy is not shipped to the "
                 "actor unless token selection reads it",
@@ -440,7 +412,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="v1_old_log_prob_stats",
         target=f"{_V1_TRAINER}._compute_old_log_prob",
-        on_import=True,
         wrapper="verl_patches.trainers:wrap_v1_old_log_prob",
         changes="logs actor/entropy_p50/p80/p95 and computes sum_pi_squared when "
                 "actor.calculate_sum_pi_squared=true, stored per response token",
@@ -453,7 +424,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="legacy_ungraded_count",
         target="verl.trainer.ppo.ray_trainer:compute_data_metrics",
-        on_import=True,
         wrapper="verl_patches.trainers:wrap_legacy_data_metrics",
         changes="adds reward/ungraded: how many of the step's responses the reward marked ungraded (their answer "
                 "could not be checked; the lenient reward's 'ungraded': true), when the reward reports the key",
@@ -466,7 +436,6 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         name="v1_ungraded_count",
         target=f"{_V1_TRAINER}._compute_metrics",
-        on_import=True,
         wrapper="verl_patches.trainers:wrap_v1_compute_metrics",
         changes="adds reward/ungraded, as legacy_ungraded_count, read from each response's extra_fields in the "
                 "TransferQueue (padding rows left out)",
@@ -495,7 +464,7 @@ def install() -> list[str]:
     for patch in PATCHES:
         if patch.scope == "cpu" and not cpu_selected():
             continue
-        if (apply_on_import if patch.on_import else apply)(patch):
+        if (apply_on_import if patch.kind == "wrap" else apply)(patch):
             applied.append(patch.name)
     return applied
 

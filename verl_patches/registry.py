@@ -56,10 +56,11 @@ class Patch:
         scope: ``recipe`` or ``cpu``.
         applies: ``"module:function"`` returning False where the patch must stay off in this
             process (e.g. a CUDA machine for a CPU-only fix); None: always.
-        on_import: apply when the target's module is first imported (at once if it is already):
-            for targets in modules only some processes load (vLLM; verl's trainers, engines, agent
-            loop), which must not be imported everywhere to be patched (importing verl's trainer
-            and engine costs a process ~2 CPU-seconds, and a run starts ~10 verl processes).
+
+    A wrap is applied when its target's module is first imported, at once if it already is
+    (:func:`apply_on_import`): only the processes that load a module pay for it (importing verl's
+    trainer and engine costs a process ~2 CPU-seconds, vLLM more, and a run starts ~10 verl
+    processes, most of which load neither). A registration is made when the table is installed.
     """
 
     name: str
@@ -73,7 +74,6 @@ class Patch:
     registered: Optional[str] = None
     scope: str = "recipe"
     applies: Optional[str] = None
-    on_import: bool = False
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -84,8 +84,6 @@ class Patch:
             raise ValueError(f"patch {self.name}: a registration needs registered= to tell whether it is in place")
         if ":" not in self.target:
             raise ValueError(f"patch {self.name}: target {self.target!r} must read 'module:attribute'")
-        if self.on_import and self.register is not None:
-            raise ValueError(f"patch {self.name}: on_import applies to wraps only")
 
     @property
     def kind(self) -> str:

@@ -135,8 +135,8 @@ def test_apply_wraps_once_and_keeps_the_original():
         del sys.modules[module.__name__], sys.modules[wrappers.__name__]
 
 
-def test_an_on_import_patch_waits_for_its_module(tmp_path):
-    """An ``on_import`` patch is applied when its target's module is first imported (also through a
+def test_a_wrap_waits_for_its_module(tmp_path):
+    """A wrap is applied when its target's module is first imported (also through a
     ``from module import name`` that binds the name at once), and at once when it already is."""
     (tmp_path / "stapo_late_probe.py").write_text("def double(x):\n    return 2 * x\n")
     (tmp_path / "stapo_late_user.py").write_text("from stapo_late_probe import double\n")
@@ -146,7 +146,7 @@ def test_an_on_import_patch_waits_for_its_module(tmp_path):
         import sys
         from verl_patches.registry import Patch, apply_on_import, is_applied
         patch = Patch(name="late", target="stapo_late_probe:double", wrapper="stapo_late_wrappers:plus_one",
-                      changes="c", why="w", relies_on="r", drop_when="d", on_import=True)
+                      changes="c", why="w", relies_on="r", drop_when="d")
         assert apply_on_import(patch) is False and "stapo_late_probe" not in sys.modules
         import stapo_late_user
         assert stapo_late_user.double(3) == 7, "the importer bound the unpatched function"
@@ -164,7 +164,6 @@ def test_an_on_import_patch_waits_for_its_module(tmp_path):
     (dict(register="a:c"), "registered="),
     (dict(wrapper="a:b", scope="gpu"), "scope"),
     (dict(wrapper="a:b", target="no_colon"), "module:attribute"),
-    (dict(register="a:c", registered="a:d", on_import=True), "on_import"),
 ])
 def test_a_malformed_patch_is_refused(kwargs, match):
     from verl_patches.registry import Patch
