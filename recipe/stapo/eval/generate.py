@@ -101,6 +101,15 @@ NEW_OUT_HINT = (
 FINISH_REASONS = ("stop", "length")
 
 
+DECODINGS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}
+"""Decoding settings: name -> (temperature, top_p). "train" = 1.0/1.0, "justrl" = 0.7/0.9."""
+
+
+def store(out: Path, kind: str, benchmark: str, decoding: str) -> "JsonlStore":
+    """The store of one (benchmark, decoding) under ``OUT/<kind>/`` (``generations``, ``grades``, ``verifier``)."""
+    return JsonlStore(out / kind / f"{benchmark}__{decoding}.jsonl")
+
+
 def sample_seed(base_seed: int, benchmark: str, decoding: str, problem_id: str, sample: int) -> int:
     """Deterministic 31-bit seed of one sample (stable across runs, platforms and batchings)."""
     key = f"{base_seed}|{benchmark}|{decoding}|{problem_id}|{sample}".encode()

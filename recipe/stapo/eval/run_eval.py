@@ -45,35 +45,33 @@ import importlib.util
 import json
 import re
 import sys
-import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
-from recipe.stapo.data.prepare import BENCHMARK_SPECS, MANIFEST_NAME, PROMPT_FORMS, prompt_form
+from recipe.stapo.data.prepare import BENCHMARK_SPECS, MANIFEST_NAME
 from recipe.stapo.eval import parallel
 from recipe.stapo.eval.backends import GenerationBackend, LazyBackend, SamplingConfig, build_backend, render_chat
 from recipe.stapo.eval.generate import (
+    DECODINGS,
     JsonlStore,
     Problem,
-    ResultCache,
     check_cache_records,
     collect_records,
     generate_items,
-    json_sha256,
     merge_parts,
     pending_items,
-    problems_sha256,
     saved_samples,
+    store,
 )
-from recipe.stapo.eval.grade import apply_verifier, grade_answers, grader_identity, mean_at_n
+from recipe.stapo.eval.model_source import check_model_source, model_context
 from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, get_protocol
+from recipe.stapo.eval.summary import BENCHMARKS, Block, benchmark_order, summarise, summary_markdown
 from recipe.stapo.eval.verifier import (
     DEFAULT_COMPASS_MODEL,
     DEFAULT_PROMPT_NAME,
     FETCH_HINT,
     AnswerVerifier,
-    CompassVerifier,
     VerifierPrompt,
     build_verifier,
     load_verifier_prompt,
@@ -81,21 +79,16 @@ from recipe.stapo.eval.verifier import (
 from recipe.stapo.reward.answers import ground_truth_text
 from stapo_core.fileio import atomic_write_json, atomic_write_text, check_output_folder, sha256_file
 
-BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_SPECS)
-"""Benchmark names in the paper's column order."""
 DEFAULT_N_SAMPLES = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4}
 OTHER_N_SAMPLES = 4
 """N of a benchmark outside the paper's six (any ``<name>.parquet`` in verl's format in the
 benchmarks folder, e.g. the tiny task's ``val``), unless ``--n-samples`` names it."""
 _BENCH_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
-DECODINGS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}
-"""Decoding settings: name -> (temperature, top_p). "train" = 1.0/1.0, "justrl" = 0.7/0.9."""
 DEFAULT_MAX_NEW_TOKENS = 20480
 _FINGERPRINT_KEYS = ("model", "max_new_tokens", "seed", "backend")
 VERIFIERS = ("auto", "compass", "none")
 DEFAULT_PROMPT_LOCATION = Path("compassverifier") / "prompts.py"
 """Where, under ``--benchmarks-dir``, the verifier prompt is looked for when no file is given."""
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass
@@ -171,19 +164,6 @@ class EvalConfig:
         return parallel.visible_gpus()
 
 
-def benchmark_order(names) -> list[str]:
-    """``names`` with the paper's six first, in Table 2's column order, then any others sorted."""
-    return [b for b in BENCHMARKS if b in names] + sorted(b for b in names if b not in BENCHMARKS)
-
-
-def block_prompt_form(problems: Sequence[Problem]) -> str:
-    """The prompt form of a benchmark's problems (:func:`recipe.stapo.data.prepare.prompt_form`:
-    ``justrl-eval``, JustRL's evaluation prompt and Table 2's, ``train``, or ``custom``), or
-    ``mixed`` when its problems do not share one."""
-    forms = {prompt_form(p.question) for p in problems}
-    return forms.pop() if len(forms) == 1 else "mixed"
-
-
 def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
     """Problems of one prepared benchmark parquet (verl schema, see recipe.stapo.data.prepare).
 
@@ -234,141 +214,7 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
     return problems[:limit]
 
 
-def check_model_source(model: str, what: str = "--model") -> None:
-    """Refuse a model that is a local path but not a complete Hugging Face model folder.
-
-    A string is taken as a local path when it is absolute, starts with ``.`` or ``~``, exists,
-    names a ``global_step_N`` folder, or has more than one ``/``; anything else (``Qwen/Qwen3-8B``)
-    is a hub id and is not checked here.
-
-    Raises:
-        FileNotFoundError: the path does not exist.
-        ValueError: it is not a folder, is a verl checkpoint (FSDP shards), or lacks
-            ``config.json`` or weight files; the message says what is missing.
-    """
-    path = Path(model).expanduser()
-    local = path.is_absolute() or model.startswith((".", "~")) or path.exists() or "global_step_" in model or (
-        "/" in model and not _HUB_ID.match(model)
-    )
-    if not local:
-        return
-    if not path.exists():
-        base = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()}, this process's working folder)"
-        raise FileNotFoundError(
-            f"{what} {model}: no such folder{base}. A verl checkpoint "
-            "global_step_N exists only once the trainer has saved it; a hub id is ORG/NAME"
-        )
-    if not path.is_dir():
-        raise ValueError(f"{what} {model}: not a folder (a Hugging Face model folder or a verl checkpoint is needed)")
-    if not (path / "config.json").is_file():
-        if (path / "actor").is_dir() or any(path.glob("model_world_size_*_rank_*.pt")):
-            raise ValueError(
-                f"{what} {model}: a verl checkpoint (FSDP shards), not a Hugging Face model: evaluate it with "
-                "run_scripts/eval.sh, which converts it once with verl's model merger"
-            )
-        raise ValueError(f"{what} {model}: no config.json in it, so it is not a Hugging Face model folder")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise ValueError(
-            f"{what} {model}: config.json but no weights (*.safetensors or *.bin): a copy or conversion that did "
-            "not finish? Redo it (eval.sh converts a verl checkpoint into MODEL/actor/merged_hf)"
-        )
-    problem = model_folder_problem(path)
-    if problem:
-        raise ValueError(f"{what} {model}: {problem}; redo the copy, or, for the copy run_scripts/eval.sh converts a verl "
-                         f"checkpoint into (global_step_N/merged_hf), remove {path} and rerun eval.sh on the checkpoint: "
-                         "it converts it again; nothing was written")
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
-"""A Hugging Face model folder has its tokenizer in at least one of these files."""
-
-
-def model_folder_problem(path: Path) -> Optional[str]:
-    """What makes a Hugging Face model folder that has ``config.json`` and weight files unusable, or
-    None: a ``config.json`` that is not a JSON object, a ``*.safetensors`` file shorter than its
-    header says (a copy or save cut off), a shard index naming a missing file, a ``*.bin`` file
-    that is not a complete zip archive, or no tokenizer file (:data:`TOKENIZER_FILES`). Reads only
-    the headers (milliseconds, whatever the model's size)."""
-    try:
-        config = json.loads((path / "config.json").read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return f"{path / 'config.json'} is not valid JSON ({exc})"
-    if not isinstance(config, dict):
-        return f"{path / 'config.json'} is not a JSON object"
-    for index in sorted(path.glob("*.index.json")):
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8")).get("weight_map", {})
-        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as exc:
-            return f"{index} is not a valid shard index ({exc})"
-        missing = sorted({str(f) for f in weight_map.values()} - {p.name for p in path.iterdir()})
-        if missing:
-            return f"{index} names shard(s) that are not there: {', '.join(missing[:5])}"
-    for weights in sorted(path.glob("*.safetensors")):
-        problem = _safetensors_problem(weights)
-        if problem:
-            return f"{weights}: {problem}"
-    for weights in sorted(path.glob("*.bin")):
-        if not zipfile.is_zipfile(weights):
-            return f"{weights}: not a complete PyTorch archive (cut off while being written or copied?)"
-    if not any((path / name).is_file() for name in TOKENIZER_FILES):
-        return (f"no tokenizer file (one of {', '.join(TOKENIZER_FILES)}); copy the tokenizer of the base model into "
-                "it (verl's merger writes it when the checkpoint's huggingface/ folder has it)")
-    return None
-
-
-def _safetensors_problem(path: Path) -> Optional[str]:
-    """Why a ``.safetensors`` file is not complete (its header is cut, or its tensors end past the
-    file's end), or None."""
-    size = path.stat().st_size
-    with open(path, "rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            return f"{size} bytes, not a safetensors file (cut off while being written or copied?)"
-        length = int.from_bytes(head, "little")
-        if length > size - 8:
-            return f"its header says {length} bytes but the file has {size} (cut off while being written or copied?)"
-        try:
-            header = json.loads(handle.read(length).decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError):
-            return "an unreadable header (not a safetensors file, or damaged)"
-    ends = [v["data_offsets"][1] for k, v in header.items()
-            if k != "__metadata__" and isinstance(v, dict) and isinstance(v.get("data_offsets"), list)]
-    needed = 8 + length + max(ends, default=0)
-    if needed > size:
-        return f"{size} bytes, but its tensors need {needed} (cut off while being written or copied?)"
-    return None
-
-
-CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
-"""Keys of a model's ``config.json`` (or its ``text_config``) that bound its context, as vLLM
-derives ``max_model_len``: the smallest present, times a RoPE scaling factor."""
-
-
-def model_context(path: Path) -> Optional[tuple[int, str]]:
-    """``(tokens, what)`` of a local model folder's context (prompt + completion), as vLLM derives
-    it from ``config.json`` (:data:`CONTEXT_KEYS`; a ``rope_scaling`` ``factor`` multiplies it, of
-    ``original_max_position_embeddings`` for YaRN), or None when the folder does not say."""
-    try:
-        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    if not isinstance(config, dict):
-        return None
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    found = [(text[k], k) for k in CONTEXT_KEYS if isinstance(text.get(k), int) and not isinstance(text.get(k), bool)]
-    if not found:
-        return None
-    tokens, key = min(found)
-    what = f"{key} in {path / 'config.json'}"
-    rope = text.get("rope_scaling") if isinstance(text.get("rope_scaling"), dict) else {}
-    factor, kind = rope.get("factor"), rope.get("rope_type", rope.get("type"))
-    if isinstance(factor, (int, float)) and factor > 1 and kind not in (None, "default", "su", "longrope", "llama3", "mrope"):
-        base = rope.get("original_max_position_embeddings", tokens) if kind == "yarn" else tokens
-        tokens, what = int(base * factor), f"{what} with its rope_scaling factor {factor:g}"
-    return tokens, what
-
-
-def check_context(config: "EvalConfig", blocks: Sequence["_Block"], pending: dict[tuple[str, str], int]) -> None:
+def check_context(config: "EvalConfig", blocks: Sequence["Block"], pending: dict[tuple[str, str], int]) -> None:
     """Refuse a ``--max-new-tokens`` the model's context cannot hold after the longest prompt still
     to generate (vLLM would stop each such response at the context without a word; transformers
     would run past the positions the model was built for). Reads only the model's ``config.json``
@@ -468,25 +314,9 @@ def backend_factory(config: EvalConfig) -> Callable[[], GenerationBackend]:
     return lambda: build_backend("hf", config.model)
 
 
-def _store(out: Path, kind: str, benchmark: str, decoding: str) -> JsonlStore:
-    return JsonlStore(out / kind / f"{benchmark}__{decoding}.jsonl")
-
-
 def _part_stores(out: Path, benchmark: str, decoding: str) -> list[JsonlStore]:
     name = f"{benchmark}__{decoding}.jsonl"
     return [JsonlStore(p) for p in parallel.part_store_paths(out) if p.name == name]
-
-
-@dataclass
-class _Block:
-    """One (decoding, benchmark) to summarise: its problems, N and the saved samples."""
-
-    decoding: str
-    bench: str
-    n_samples: int
-    limit: Optional[int]
-    problems: list[Problem]
-    current: bool  # asked for by this invocation (else evaluated earlier in this folder)
 
 
 @dataclass
@@ -495,7 +325,7 @@ class _Plan:
 
     stored: dict
     catalogs: dict[str, list[Problem]]
-    blocks: list[_Block]
+    blocks: list[Block]
     pending: int
     verifier_name: str
     prompt: Optional[VerifierPrompt]
@@ -565,7 +395,7 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
             n, limit, current = wanted[decoding, bench]
             label = str(data_dir / f"{bench}.parquet")
             catalog = catalogs[bench]
-            saved = saved_samples(_store(out, "generations", bench, decoding), catalog, bench, decoding, config.seed, label)
+            saved = saved_samples(store(out, "generations", bench, decoding), catalog, bench, decoding, config.seed, label)
             for part in _part_stores(out, bench, decoding):
                 saved.update(saved_samples(part, catalog, bench, decoding, config.seed, label))
             problems = catalog[:limit]
@@ -573,12 +403,12 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
             if missing and not current:
                 raise ValueError(
                     f"{out}: {bench}/{decoding} was evaluated earlier in this folder but {missing} of its samples are "
-                    f"missing from {_store(out, 'generations', bench, decoding).path}; rerun with --decoding {decoding} "
+                    f"missing from {store(out, 'generations', bench, decoding).path}; rerun with --decoding {decoding} "
                     f"--benchmarks {bench} to complete it"
                 )
             pending += missing
             missing_by_block[decoding, bench] = missing
-            blocks.append(_Block(decoding, bench, n, limit, problems, current))
+            blocks.append(Block(decoding, bench, n, limit, problems, current))
     if pending and not injected_backend:
         check_model_source(config.model)
         check_context(config, blocks, missing_by_block)
@@ -596,9 +426,9 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
         check_model_source(config.verifier_model or DEFAULT_COMPASS_MODEL, "--verifier-model")
     if verifier_name != "none":
         for block in blocks:
-            check_cache_records(_store(out, "verifier", block.bench, block.decoding))
+            check_cache_records(store(out, "verifier", block.bench, block.decoding))
     for block in blocks:
-        check_cache_records(_store(out, "grades", block.bench, block.decoding))
+        check_cache_records(store(out, "grades", block.bench, block.decoding))
     gpus = config.gpu_list() if config.backend == "vllm" else []
     workers = parallel.resolve_workers(config.data_parallel_size, config.backend, config.tensor_parallel_size, gpus)
     if injected_backend and workers > 1:
@@ -663,13 +493,13 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
         for block in plan.blocks:
             parts = _part_stores(out, block.bench, block.decoding)
             if parts:
-                merge_parts(_store(out, "generations", block.bench, block.decoding), parts, plan.catalogs[block.bench],
+                merge_parts(store(out, "generations", block.bench, block.decoding), parts, plan.catalogs[block.bench],
                             block.bench, block.decoding, config.seed, str(data_dir / f"{block.bench}.parquet"))
 
     merge_all()
-    todo: list[tuple[_Block, list]] = []
+    todo: list[tuple[Block, list]] = []
     for block in plan.blocks:
-        saved = saved_samples(_store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
+        saved = saved_samples(store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
                               block.bench, block.decoding, config.seed)
         items = pending_items(block.problems, block.n_samples, saved)
         if items:
@@ -688,7 +518,7 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
             temperature, top_p = DECODINGS[block.decoding]
             generate_items(
                 backend, items, SamplingConfig(temperature, top_p, config.max_new_tokens),
-                _store(out, "generations", block.bench, block.decoding), block.bench, block.decoding, config.seed,
+                store(out, "generations", block.bench, block.decoding), block.bench, block.decoding, config.seed,
                 config.batch_size, after_batch, total=len(block.problems) * block.n_samples,
             )
         backend.release()
@@ -697,7 +527,7 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
     atomic_write_json(out / "run_config.json", {**run_config, "evaluated": evaluated})
     records = {}
     for block in plan.blocks:
-        saved = saved_samples(_store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
+        saved = saved_samples(store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
                               block.bench, block.decoding, config.seed)
         records[block.decoding, block.bench] = collect_records(block.problems, block.n_samples, saved)
     built = verifier is None and plan.verifier_name == "compass"
@@ -713,139 +543,6 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
     atomic_write_json(out / "summary.json", summary)
     atomic_write_text(out / "summary.md", summary_markdown(summary))
     return summary
-
-
-def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float, protocol: str = DEFAULT_PROTOCOL) -> dict:
-    """The ``grading`` block of a summary: the protocol's name, label (``rule-only`` or
-    ``rule+verifier``: rule-based grading alone or followed by a verifier), the answer grader's
-    identity, the verifier's identity and a description, and
-    ``key``, a hash of both identities (rows of one table must share it).
-
-    Raises:
-        ValueError: a CompassVerifier built for another protocol than ``protocol``.
-    """
-    chosen = get_protocol(protocol)
-    if isinstance(verifier, CompassVerifier) and verifier.protocol.name != chosen.name:
-        raise ValueError(f"the verifier is fed by the {verifier.protocol.name!r} protocol but the run grades "
-                         f"with --grading-protocol {chosen.name}; build it with that protocol")
-    grader = grader_identity(timeout_s, chosen.grader)
-    identity = verifier.identity() if verifier is not None else None
-    grader_text = "JustRL's grader" if chosen.grader == "justrl" else f"{chosen.grader} grader"
-    if verifier is None:
-        label, text = "rule-only", f"{grader_text} only (no verifier)"
-    else:
-        label, text = "rule+verifier", f"{grader_text}, then {verifier.describe()} on what it did not find correct"
-    text = f"{chosen.name} protocol: {text}"
-    paper = (
-        isinstance(verifier, CompassVerifier)
-        and verifier.model.rstrip("/").endswith("CompassVerifier-3B")
-        and verifier.prompt.official == DEFAULT_PROMPT_NAME
-        and chosen.name == DEFAULT_PROTOCOL
-    )
-    return {
-        "protocol": chosen.name,
-        "label": label,
-        "description": text,
-        "paper": paper,
-        "grader": grader,
-        "verifier": identity,
-        "key": json_sha256({"grader": grader, "verifier": identity}),
-        "grader_key": json_sha256({"grader": grader, "verifier": None}),
-    }
-
-
-def summarise(config: EvalConfig, blocks: Sequence[_Block], records: dict, verifier: Optional[AnswerVerifier], out: Path) -> dict:
-    """Grade every block and build the summary dict (schema in docs/eval.md)."""
-    grading = grading_info(verifier, config.reward_timeout_s, config.grading_protocol)
-    limits = [b.limit for b in blocks if b.limit is not None]
-    summary: dict[str, Any] = {
-        "model": config.model,
-        "scale": config.scale,
-        "method": config.method,
-        "verifier": "none" if verifier is None else getattr(verifier, "name", "custom"),
-        "grading": grading,
-        "max_new_tokens": config.max_new_tokens,
-        "seed": config.seed,
-        "backend": config.backend,
-        "limit": min(limits) if limits else None,
-        "prompt_form": _shared({block_prompt_form(b.problems) for b in blocks}),
-        "decodings": {},
-    }
-    for decoding in DECODINGS:
-        mine = [b for b in blocks if b.decoding == decoding]
-        if not mine:
-            continue
-        temperature, top_p = DECODINGS[decoding]
-        benches = {}
-        for block in mine:
-            recs, probs, n = records[decoding, block.bench], block.problems, block.n_samples
-            grader_cache = ResultCache(_store(out, "grades", block.bench, decoding), probs, recs, grading["grader"])
-            graded = grade_answers(recs, probs, config.reward_timeout_s, desc=f"grade {block.bench}/{decoding}",
-                                   cache=grader_cache, grader=grading["grader"]["grader"])
-            judged_now = 0
-            if verifier is not None:
-                cache = ResultCache(_store(out, "verifier", block.bench, decoding), probs, recs, grading["verifier"])
-                graded, judged_now = apply_verifier(graded, recs, probs, verifier, cache)
-            used = [recs[p.index, s] for p in probs for s in range(n)]
-            failures = [g for g in graded.values() if not g.grader_correct]
-            used_grades = [graded[p.index, s] for p in probs for s in range(n)]
-            benches[block.bench] = {
-                "mean_at_n": mean_at_n(graded, probs, n),
-                "grader_mean_at_n": mean_at_n(graded, probs, n, use_verifier=False),
-                "n_samples": n,
-                "problems": len(probs),
-                "limit": block.limit,
-                "data_sha256": problems_sha256(probs),
-                "truncated_fraction": sum(r["finish_reason"] == "length" for r in used) / len(used),
-                "mean_response_tokens": sum(r["num_tokens"] for r in used) / len(used),
-                "verifier_judged": len(failures) if verifier is not None else 0,
-                "verifier_accepted": sum(bool(g.verifier_correct) for g in failures),
-                "ungraded": sum(g.ungraded for g in used_grades),
-                "timed_out": sum(g.status == "timed_out" for g in used_grades),
-                "prompt_form": block_prompt_form(probs),
-            }
-            if benches[block.bench]["ungraded"]:
-                print(f"[eval] {block.bench}/{decoding}: {benches[block.bench]['ungraded']} answers are ungraded (their "
-                      "check could not run); rerun the same command to grade them", file=sys.stderr)
-            if judged_now:
-                print(f"[eval] {block.bench}/{decoding}: the verifier judged {judged_now} samples", file=sys.stderr)
-        summary["decodings"][decoding] = {
-            "temperature": temperature,
-            "top_p": top_p,
-            "benchmarks": benches,
-            "avg": sum(b["mean_at_n"] for b in benches.values()) / len(benches),
-            "grader_avg": sum(b["grader_mean_at_n"] for b in benches.values()) / len(benches),
-            "ungraded": sum(b["ungraded"] for b in benches.values()),
-            "complete": set(BENCHMARKS) <= set(benches) and all(b["limit"] is None and not b["ungraded"]
-                                                                for b in benches.values()),
-        }
-    return summary
-
-
-def _shared(values: set) -> str:
-    return values.pop() if len(values) == 1 else "mixed"
-
-
-def summary_markdown(summary: dict) -> str:
-    """Markdown table of a summary: one row per decoding setting, mean@N in percent, under a line
-    naming the grading (and rule-only rows when a verifier was used)."""
-    benches = benchmark_order({b for d in summary["decodings"].values() for b in d["benchmarks"]})
-    grading = summary.get("grading") or {}
-    head = "| decoding | grading | " + " | ".join(benches) + " | Avg |"
-    lines = [f"# {summary['model']}", "", f"Grading: {grading.get('description', summary.get('verifier'))}",
-             f"Prompt form: {summary.get('prompt_form', 'unrecorded')}", "", head, "|" + "---|" * (len(benches) + 3)]
-    label = grading.get("label", "")
-    for name, dec in summary["decodings"].items():
-        cells = [f"{dec['benchmarks'][b]['mean_at_n']:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
-        lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | {label} | " + " | ".join(cells) + f" | {dec['avg']:.2f} |")
-        if label == "rule+verifier":
-            cells = [f"{dec['benchmarks'][b]['grader_mean_at_n']:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
-            lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | rule-only | " + " | ".join(cells) + f" | {dec['grader_avg']:.2f} |")
-    ungraded = sum(dec.get("ungraded", 0) for dec in summary["decodings"].values())
-    if ungraded:
-        lines += ["", f"**Not finished: {ungraded} answers are ungraded** (their check could not run); rerun the same "
-                      "command to grade them."]
-    return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.stapo.eval import grade, parallel, run_eval, verifier as verifier_mod
+from recipe.stapo.eval import grade, model_source, parallel, run_eval, verifier as verifier_mod
+from recipe.stapo.eval.summary import grading_info
 from recipe.stapo.eval.backends import HFBackend, render_chat
 from recipe.stapo.eval.generate import JsonlStore, sample_seed
 from recipe.stapo.eval.protocols import PROTOCOLS
@@ -315,10 +316,10 @@ def test_official_prompt_is_recognised_by_its_hash(tmp_path, monkeypatch):
     monkeypatch.setitem(verifier_mod.OFFICIAL_PROMPT_SHA256, "CV_PROMPT", custom.sha256)
     official = load_verifier_prompt(tmp_path / "prompts.py")
     assert official.official == "CV_PROMPT" and verifier_mod.OFFICIAL_COMMIT[:7] in official.label()
-    info = run_eval.grading_info(CompassVerifier(None, official, "opencompass/CompassVerifier-3B"), 5.0)
+    info = grading_info(CompassVerifier(None, official, "opencompass/CompassVerifier-3B"), 5.0)
     assert info["paper"] and info["label"] == "rule+verifier"
-    assert not run_eval.grading_info(CompassVerifier(None, custom, "opencompass/CompassVerifier-3B"), 5.0)["paper"]
-    assert not run_eval.grading_info(None, 5.0)["paper"] and run_eval.grading_info(None, 5.0)["label"] == "rule-only"
+    assert not grading_info(CompassVerifier(None, custom, "opencompass/CompassVerifier-3B"), 5.0)["paper"]
+    assert not grading_info(None, 5.0)["paper"] and grading_info(None, 5.0)["label"] == "rule-only"
 
 
 def test_fetch_prompt_refuses_a_file_that_is_not_the_official_one(tmp_path):
@@ -441,7 +442,7 @@ def test_a_missing_model_path_is_refused_before_anything_is_written(bench, tmp_p
     with pytest.raises(ValueError, match="verl checkpoint .*eval.sh"):
         run_evaluation(scripted_config(bench, tmp_path / "out", model=str(shards.parent)))
     assert not (tmp_path / "out").exists()
-    run_eval.check_model_source("Qwen/Qwen3-8B")  # a hub id is left to the backend
+    model_source.check_model_source("Qwen/Qwen3-8B")  # a hub id is left to the backend
 
 
 def test_a_finished_folder_needs_no_model(bench, tmp_path):
@@ -489,15 +490,15 @@ def test_an_incomplete_or_corrupt_model_folder_is_refused_before_anything_is_wri
 
 
 def test_a_complete_model_folder_passes_the_check(assets, tmp_path):
-    run_eval.check_model_source(str(_model_copy(assets, tmp_path)))
+    model_source.check_model_source(str(_model_copy(assets, tmp_path)))
 
 
 def test_a_missing_absolute_path_names_no_working_folder(tmp_path):
     with pytest.raises(FileNotFoundError) as err:
-        run_eval.check_model_source(str(tmp_path / "nope" / "global_step_2"))
+        model_source.check_model_source(str(tmp_path / "nope" / "global_step_2"))
     assert "relative paths" not in str(err.value)
     with pytest.raises(FileNotFoundError, match=re.escape(f"relative paths are taken from {Path.cwd()}")):
-        run_eval.check_model_source("nope/global_step_2")
+        model_source.check_model_source("nope/global_step_2")
 
 
 @pytest.mark.parametrize("value", [5.0, 0.0, -0.7])
@@ -604,6 +605,6 @@ def test_a_yarn_scaled_context_is_the_scaled_one(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({
         "max_position_embeddings": 40960, "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                                            "original_max_position_embeddings": 32768}}))
-    assert run_eval.model_context(tmp_path)[0] == 131072
+    assert model_source.model_context(tmp_path)[0] == 131072
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
-    assert run_eval.model_context(tmp_path) == (32768, f"max_position_embeddings in {tmp_path / 'config.json'}")
+    assert model_source.model_context(tmp_path) == (32768, f"max_position_embeddings in {tmp_path / 'config.json'}")

@@ -241,7 +241,7 @@ N_PAPER = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, 
 
 def _run_summary(scale, method, value, grading=None, n=None, max_new_tokens=20480, temps=None):
     """A summary shaped like run_eval's, with its protocol fields."""
-    from recipe.stapo.eval.run_eval import grading_info
+    from recipe.stapo.eval.summary import grading_info
 
     n = {**N_PAPER, **(n or {})}
     temps = temps or {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}
@@ -263,7 +263,7 @@ def _verified():
         def verify(self, items):
             return [True] * len(items)
 
-    from recipe.stapo.eval.run_eval import grading_info
+    from recipe.stapo.eval.summary import grading_info
 
     return grading_info(Judge(), 5.0)
 
@@ -477,7 +477,7 @@ def test_labels_are_read_without_surrounding_spaces(tmp_path):
 def test_rows_of_another_grading_protocol_are_never_mixed(tmp_path, grading):
     """Each summary records its grading protocol; justrl and compassverifier rows never share a
     table, not with --allow-mixed-protocol, and not as a rule-only table (their rules differ)."""
-    from recipe.stapo.eval.run_eval import grading_info
+    from recipe.stapo.eval.summary import grading_info
 
     other = grading_info(None, 5.0, "compassverifier")
     assert other["protocol"] == "compassverifier" and grading_info(None, 5.0)["protocol"] == "justrl"
