@@ -258,26 +258,28 @@ def _symlog_threshold(lines: Mapping[str, Series]) -> float:
     return min(positive) if positive else 1e-6
 
 
-def draw_panel(ax, panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapping[str, list]] = None) -> None:
+def draw_panel(ax, panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapping[str, list]] = None,
+               colors: Optional[Mapping[str, str]] = None) -> None:
     """Plot ``lines`` on ``ax`` (one Line2D per entry, in order, broken at its non-finite steps:
     :func:`with_gaps`), then the non-finite ``marks`` of each line (:func:`draw_nonfinite`); a "not
-    logged" note when there are no lines."""
+    logged" note when there are no lines. ``colors``: the figure's :func:`label_colors` (default: of
+    this panel's runs)."""
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step")
     if not lines:
         ax.text(0.5, 0.5, f"not logged\n({panel.metric})", ha="center", va="center", transform=ax.transAxes,
                 fontsize=8, color="gray")
         return
-    order = [label.split(" (")[0] for label in lines]
+    colors = colors or label_colors([label.split(" (")[0] for label in lines])
     marks = marks or {}
     styles = panel.styles or {}
     for label, (steps, values) in lines.items():
         steps, values = with_gaps(steps, values, marks.get(label, ()))
         suffix = label[len(label.split(" (")[0]) + 2 : -1] if " (" in label else ""
         ax.plot(steps, values, styles.get(suffix, "-"), marker="." if len(steps) < 30 else None, label=label,
-                color=method_color(label.split(" (")[0], order))
+                color=colors[label.split(" (")[0]])
     for label, points in marks.items():
-        draw_nonfinite(ax, label, points, method_color(label.split(" (")[0], order))
+        draw_nonfinite(ax, label, points, colors[label.split(" (")[0]])
     if panel.log_scale:
         ax.set_yscale("symlog", linthresh=_symlog_threshold(lines))
     ax.grid(True, alpha=0.3)
@@ -301,19 +303,21 @@ def summary_figure(runs: Mapping[str, Mapping[str, Series]]):
     nrows = math.ceil(len(PANELS) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
     flat = axes.ravel()
+    colors = label_colors(list(runs))
     for ax, panel in zip(flat, PANELS):
-        draw_panel(ax, panel, panel_lines(panel, runs), panel_marks(panel, runs))
+        draw_panel(ax, panel, panel_lines(panel, runs), panel_marks(panel, runs), colors)
     for ax in flat[len(PANELS):]:
         ax.set_visible(False)
     fig.tight_layout()
     return fig
 
 
-def panel_figure(panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapping[str, list]] = None):
-    """A one-axes Figure of one panel."""
+def panel_figure(panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapping[str, list]] = None,
+                 colors: Optional[Mapping[str, str]] = None):
+    """A one-axes Figure of one panel (``colors``: as :func:`draw_panel`)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    draw_panel(ax, panel, lines, marks)
+    draw_panel(ax, panel, lines, marks, colors)
     ax.set_ylabel(panel.metric, fontsize=8)
     fig.tight_layout()
     return fig
@@ -339,13 +343,16 @@ METHOD_COLORS = {m.name: m.color for m in methods().values()}
 _SPARE_COLORS = ("tab:gray", "tab:olive", "tab:cyan", "tab:pink", "tab:brown", "tab:purple")
 
 
-def method_color(label: str, order: Sequence[str] = ()) -> str:
-    """The colour of ``label``: its method's (:mod:`recipe.stapo.methods`) for a known method, else a
-    spare colour by its position in ``order`` (stable for a given list of labels)."""
-    if label in METHOD_COLORS:
-        return METHOD_COLORS[label]
-    others = [x for x in order if x not in METHOD_COLORS]
-    return _SPARE_COLORS[(others.index(label) if label in others else 0) % len(_SPARE_COLORS)]
+def label_colors(labels: Sequence[str]) -> dict[str, str]:
+    """One colour per label for a whole figure (every panel): a label naming a method, whatever its case
+    (``STAPO``, ``JustRL``), gets that method's colour (:mod:`recipe.stapo.methods`); every other label
+    the next spare colour no label of ``labels`` already has, in the order given."""
+    known = {name.lower(): color for name, color in METHOD_COLORS.items()}
+    colors = {label: known[label.lower()] for label in labels if label.lower() in known}
+    spares = [c for c in dict.fromkeys(_SPARE_COLORS + tuple(METHOD_COLORS.values())) if c not in colors.values()]
+    others = [label for label in dict.fromkeys(labels) if label not in colors]
+    colors.update({label: spares[i % len(spares)] for i, label in enumerate(others)})
+    return colors
 
 
 @dataclass(frozen=True)
@@ -437,10 +444,10 @@ def band_nonfinite_notes(groups: Mapping[str, Sequence[Mapping[str, Series]]]) -
     return notes
 
 
-def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale: bool = False,
-               order: Sequence[str] = (), marks: Optional[Mapping[tuple[str, str], list]] = None) -> None:
-    """One mean line (and a min-max band when several seeds) per entry, coloured by method, then the
-    non-finite ``marks`` of each entry (:func:`draw_nonfinite`)."""
+def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale: bool,
+               colors: Mapping[str, str], marks: Optional[Mapping[tuple[str, str], list]] = None) -> None:
+    """One mean line (and a min-max band when several seeds) per entry, coloured by ``colors[method]``
+    (the figure's :func:`label_colors`), then the non-finite ``marks`` of each entry (:func:`draw_nonfinite`)."""
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     if not lines:
@@ -450,7 +457,7 @@ def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale:
     styles.update({label: style for _, _, style, label in DLOGP_SETS})
     marks = marks or {}
     for (method, variant), b in lines.items():
-        color = method_color(method, order)
+        color = colors[method]
         label = f"{method} ({variant})" if variant else method
         steps, mean = with_gaps(b.steps, b.mean, marks.get((method, variant), ()))
         ax.plot(steps, mean, styles.get(variant, "-"), color=color, label=label,
@@ -458,7 +465,7 @@ def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale:
         if b.seeds and max(b.seeds) > 1:
             ax.fill_between(b.steps, b.low, b.high, color=color, alpha=0.18, linewidth=0)
     for (method, variant), points in marks.items():
-        draw_nonfinite(ax, f"{method} ({variant})" if variant else method, points, method_color(method, order))
+        draw_nonfinite(ax, f"{method} ({variant})" if variant else method, points, colors[method])
     if log_scale:
         positive = [v for b in lines.values() for v in b.mean + b.high if v > 0]
         ax.set_yscale("symlog", linthresh=min(positive) if positive else 1e-6)
@@ -472,9 +479,9 @@ def band_figure(groups: Mapping[str, Sequence[Mapping[str, Series]]]):
     ncols = 3
     nrows = math.ceil(len(BAND_PANELS) / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
-    order = list(groups)
+    colors = label_colors(list(groups))
     for ax, (name, title, _, log_scale) in zip(axes.ravel(), BAND_PANELS):
-        draw_bands(ax, title, band_lines(name, groups), log_scale, order, band_marks(name, groups))
+        draw_bands(ax, title, band_lines(name, groups), log_scale, colors, band_marks(name, groups))
     for ax in axes.ravel()[len(BAND_PANELS):]:
         ax.set_visible(False)
     seeds = sorted({len(runs) for runs in groups.values()})
@@ -530,18 +537,21 @@ def update_effect_of_run(steps: Mapping[int, Mapping]) -> dict[str, Effect]:
     return out
 
 
-def update_effect_figure(effects: Mapping[str, Sequence[Mapping[str, Effect]]]):
+def update_effect_figure(effects: Mapping[str, Sequence[Mapping[str, Effect]]],
+                         colors: Optional[Mapping[str, str]] = None):
     """Per method (x), the run-level update effect of each token set (:data:`DLOGP_SETS`, one marker
-    shape each): one dot per seed, the mean over seeds as a marker with a min-max whisker.
-    ``effects = {method: [per-run effects]}``."""
+    shape each), its measured tokens written beside it: with several seeds one dot per seed and the
+    mean over seeds as a marker with a min-max whisker; with one seed the run's value.
+    ``effects = {method: [per-run effects]}``; ``colors``: the figure's :func:`label_colors`."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 1.9 * len(effects) + 1.5), 4.2))
     order = list(effects)
+    colors = colors or label_colors(order)
     offsets = {name: off for (name, *_), off in zip(DLOGP_SETS, (-0.22, 0.0, 0.22))}
     markers = {"silenced": "v", "kept_candidates": "o", "all": "s"}
     labelled = set()
     for x, method in enumerate(order):
-        color = method_color(method, order)
+        color = colors[method]
         for name, _, _, label in DLOGP_SETS:
             values = [run[name].mean for run in effects[method] if run[name].mean is not None]
             if not values:
@@ -551,13 +561,18 @@ def update_effect_figure(effects: Mapping[str, Sequence[Mapping[str, Effect]]]):
             mean = sum(values) / len(values)
             ax.errorbar([pos], [mean], yerr=[[mean - min(values)], [max(values) - mean]], fmt=markers[name],
                         color=color, markersize=7, capsize=3, markerfacecolor="white" if name == "all" else color)
+            tokens = sum(run[name].tokens for run in effects[method])
+            ax.annotate(f"{tokens:,}", (pos, mean), textcoords="offset points", xytext=(5, 0), fontsize=6,
+                        color=color, va="center")
             labelled.add(label)
     ax.axhline(0.0, color="gray", linewidth=0.8)
     ax.set_xticks(range(len(order)), order)
     ax.set_ylabel("mean change of log p across the update")
     seeds = sorted({len(runs) for runs in effects.values()})
-    ax.set_title("What each update does to the tokens S2T singles out\n(markers: mean over "
-                 f"{'/'.join(map(str, seeds))} seed(s), whiskers: min..max, dots: seeds)", fontsize=9)
+    how = ("one run per method" if seeds == [1] else
+           f"markers: mean over {'/'.join(map(str, seeds))} seeds, whiskers: min..max, dots: seeds")
+    ax.set_title(f"What each update does to the tokens S2T singles out\n({how}; numbers: tokens measured)",
+                 fontsize=9)
     from matplotlib.lines import Line2D  # matplotlib only when a figure is drawn (see _pyplot)
 
     shapes = [Line2D([], [], linestyle="none", marker=markers[name], color="black",
@@ -571,15 +586,16 @@ def update_effect_figure(effects: Mapping[str, Sequence[Mapping[str, Effect]]]):
 
 def plot_update_effect(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
                        name: str = "update_effect.png") -> list[Path]:
-    """Write :func:`update_effect_figure` (``out_dir/<name>``) from ``{method: [run folder per seed]}``;
-    nothing when no run measured the update effect."""
+    """Write :func:`update_effect_figure` (``out_dir/<name>``) from ``{method: [run folder per seed]}``,
+    each method in its colour among all of ``groups`` (as in :func:`plot_runs`' figures); nothing when no
+    run measured the update effect."""
     check_out_dir(Path(out_dir))
     effects = {method: [update_effect_of_run(read_steps(find_metrics_file(run))) for run in runs]
                for method, runs in groups.items()}
     effects = {m: runs for m, runs in effects.items() if any(e.tokens for run in runs for e in run.values())}
     if not effects:
         return []
-    return [_save(update_effect_figure(effects), Path(out_dir) / name)]
+    return [_save(update_effect_figure(effects, label_colors(list(groups))), Path(out_dir) / name)]
 
 
 def _report(found: Sequence[str], notes: Optional[list]) -> None:
@@ -631,10 +647,11 @@ def plot_runs(run_dirs: Mapping[str, Path] | Sequence[Path], out_dir: str | os.P
     runs = load_runs(run_dirs)
     _report(missing_notes(runs) + nonfinite_notes(runs), notes)
     written = [_save(summary_figure(runs), out / "curves.png")]
+    colors = label_colors(list(runs))
     for panel in PANELS:
         lines = panel_lines(panel, runs)
         if lines:
-            written.append(_save(panel_figure(panel, lines, panel_marks(panel, runs)), out / f"{panel.name}.png"))
+            written.append(_save(panel_figure(panel, lines, panel_marks(panel, runs), colors), out / f"{panel.name}.png"))
     return written
 
 

@@ -403,6 +403,19 @@ def test_update_effect_figure_shows_each_seeds_run_mean(seeded_runs, tmp_path):
     assert len({p.name for p in panels} | {path.name}) == len(panels) + 1
 
 
+def test_a_single_seed_update_effect_says_so_and_shows_token_counts():
+    """One run per method: no min..max whisker claimed in the title; each marker's measured tokens beside it."""
+    effects = {"stapo": [{"silenced": plots.Effect(0.01, 7), "kept_candidates": plots.Effect(0.2, 3),
+                          "all": plots.Effect(0.001, 1234)}]}
+    fig = plots.update_effect_figure(effects)
+    ax = fig.axes[0]
+    assert "whiskers" not in ax.get_title() and "one run per method" in ax.get_title()
+    assert sorted(t.get_text() for t in ax.texts) == ["1,234", "3", "7"]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 def test_plot_bands_writes_png_and_refuses_nothing(seeded_runs, tmp_path):
     runs, _ = seeded_runs
     (path,) = plots.plot_bands(runs, tmp_path / "out")
@@ -423,6 +436,42 @@ def test_run_curves_keep_one_colour_per_method(two_runs):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+def _colours_by_label(fig) -> dict[str, set]:
+    """``{run label: colours}`` over every axes of ``fig``: curve lines by their label (``"<run>
+    (<variant>)"`` counts for ``<run>``), the update effect's markers by the tick under them."""
+    colours: dict = {}
+    for ax in fig.axes:
+        ticks = [t.get_text() for t in ax.get_xticklabels()]
+        for line in ax.get_lines():
+            label = line.get_label()
+            if label.startswith("_") and ticks and len(line.get_xdata()) == 1:  # an update-effect marker
+                label = ticks[round(float(line.get_xdata()[0]))]
+            if not label.startswith("_"):
+                colours.setdefault(label.split(" (")[0], set()).add(line.get_color())
+    return colours
+
+
+def test_labels_keep_one_colour_each_in_every_panel_and_figure(two_runs, tmp_path, monkeypatch):
+    """``plots --labels``: a label naming a method in any case gets its method's colour, in every panel
+    of every figure (curves, one file per panel, the update effect); another label one colour of its own."""
+    runs, _ = two_runs
+    mine = tmp_path / "mine"
+    _log_run(monkeypatch, mine / "metrics.jsonl", "mine", with_val=False)
+    figures = []
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(_colours_by_label(fig)) or path)
+    rc = plots.main([str(runs["stapo"]), str(runs["justrl"]), str(mine), "--out", str(tmp_path / "out"),
+                     "--labels", "STAPO", "JustRL", "Mine"])
+    assert rc == 0 and len(figures) > 3
+    seen: dict = {}
+    for colours in figures:
+        for label, found in colours.items():
+            seen.setdefault(label, set()).update(found)
+    assert seen["STAPO"] == {plots.METHOD_COLORS["stapo"]}
+    assert seen["JustRL"] == {plots.METHOD_COLORS["justrl"]}
+    assert len(seen["Mine"]) == 1 and seen["Mine"].isdisjoint(seen["STAPO"] | seen["JustRL"])
+    assert set(figures[-1]) == {"STAPO", "JustRL", "Mine"}  # the update effect, saved last, colours all three
 
 
 # --------------------------------------------------------------------------------------------
