@@ -37,7 +37,7 @@ def test_config_refuses_bad_s2t_settings_naming_the_key(tmp_path, overrides, mes
         make(tmp_path, **overrides)
 
 
-#: a bad value per rule of VALUE_RULES; TRL's GRPOConfig takes each of them without a word
+#: a bad value per rule of VALUE_RULES; TRL's GRPOConfig takes each of them, or fails without naming the field
 BAD_VALUES = [
     ("loss_type", "bogus"), ("importance_sampling_level", "seq"), ("scale_rewards", "std"),
     ("multi_objective_aggregation", "sum"), ("vllm_importance_sampling_mode", "truncate"),
@@ -45,6 +45,8 @@ BAD_VALUES = [
     ("steps_per_generation", 0), ("generation_batch_size", 0), ("gradient_accumulation_steps", 0),
     ("per_device_train_batch_size", 0), ("temperature", 0.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
     ("min_p", 2.0), ("repetition_penalty", 0.0), ("sapo_temperature_pos", 0.0), ("sapo_temperature_neg", -1.0),
+    ("num_generations", 0), ("learning_rate", float("nan")), ("learning_rate", -1e-6), ("epsilon", -0.1),
+    ("epsilon_high", -0.1), ("delta", 1.0), ("beta", -0.04),
 ]
 
 
@@ -52,7 +54,10 @@ BAD_VALUES = [
 def test_config_refuses_values_trl_fails_on_later_naming_field_value_and_allowed(tmp_path, name, value):
     from trl import GRPOConfig
 
-    make(tmp_path / "trl", GRPOConfig, **{name: value})  # TRL takes it (and fails, or trains wrong, later)
+    try:
+        make(tmp_path / "trl", GRPOConfig, **{name: value})  # TRL takes it (and fails, or trains wrong, later)
+    except Exception as trl_error:  # noqa: BLE001  (or fails at once, naming something else: num_generations=0)
+        assert name not in str(trl_error), trl_error
     (rule,) = [r for r in VALUE_RULES if r.field == name]
     with pytest.raises(ValueError) as error:
         make(tmp_path, **{name: value})
@@ -123,6 +128,8 @@ LATE = [
     ("top_k", -1, {}, _raises),
     ("min_p", 2.0, {}, _raises),
     ("sapo_temperature_pos", 0.0, {"loss_type": "sapo"}, lambda o: math.isnan(_logged(o)[0]["grad_norm"])),
+    ("learning_rate", float("nan"), {}, _raises),  # torch's optimizer, once training starts
+    ("learning_rate", -1e-6, {}, _raises),
     ("loss_type", "dr_grpo", {"max_completion_length": None}, _raises),
 ]
 

@@ -25,18 +25,45 @@ def python_block(heading: str) -> str:
     return re.search(r"```python\n(.*?)```", section, flags=re.S).group(1)
 
 
+#: what the ``trl`` extra's route leaves out: the verl recipe's stack (their modules and their metadata)
+NOT_INSTALLED = ("verl", "vllm", "ray")
+
+
+def site_without(folder, names=NOT_INSTALLED):
+    """A folder of links to every entry of this environment's site-packages except the packages and
+    distributions of ``names`` (and the ``.pth`` files, which start-up would run): put first on the
+    path of a Python started with ``-S``, it is this environment with ``names`` not installed."""
+    import sysconfig
+    from pathlib import Path
+
+    site = Path(sysconfig.get_paths()["purelib"])
+    folder.mkdir()
+    for entry in site.iterdir():
+        stem = re.split(r"[-.]", entry.name, maxsplit=1)[0].lower().replace("_cpu", "")
+        if stem not in names and entry.suffix != ".pth" and not entry.name.startswith("__editable__"):
+            (folder / entry.name).symlink_to(entry, target_is_directory=entry.is_dir())
+    return folder
+
+
 @pytest.mark.slow
-def test_the_cpu_example_runs_as_written(assets, tmp_path):
+def test_the_cpu_example_runs_as_written_without_verl_vllm_or_ray(assets, tmp_path):
     """The block, written to a file and run by Python in a folder laid out as the repository's root
-    (the shipped assets, here the session's copy of them), with the hub switched off."""
-    (tmp_path / "recipe" / "stapo" / "cpu").mkdir(parents=True)
-    (tmp_path / "recipe" / "stapo" / "cpu" / "shipped_assets").symlink_to(assets, target_is_directory=True)
+    (its ``assets`` folder: here the session's copy of the shipped assets), with the hub switched off,
+    in this environment minus verl, vLLM and Ray (the ``trl`` extra's route: stapo_trl needs
+    stapo_core, torch and TRL only)."""
     block = python_block("### On a CPU, offline")
-    (tmp_path / "example.py").write_text(block)
+    shipped = tmp_path / re.search(r'^assets = "([^"]+)"', block, flags=re.M).group(1)
+    shipped.parent.mkdir(parents=True)
+    shipped.symlink_to(assets, target_is_directory=True)
+    (tmp_path / "example.py").write_text(block + f"\nimport sys\nassert not set({NOT_INSTALLED!r}) & set(sys.modules)\n")
+    site = site_without(tmp_path / "site")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))  # this checkout's stapo_trl
-    done = subprocess.run([sys.executable, "example.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=1200)
+               PYTHONPATH=os.pathsep.join([str(site), str(REPO)]))  # this checkout's stapo_trl
+    probe = subprocess.run([sys.executable, "-S", "-c", "import importlib.util as u; print([u.find_spec(m) for m in "
+                            f"{NOT_INSTALLED!r}])"], env=env, capture_output=True, text=True, timeout=120)
+    assert probe.stdout.strip() == "[None, None, None]", probe.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-S", "example.py"], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]
     steps = re.findall(r"\{'loss': .*?'s2t/tokens': '(\d+)'.*?\}", done.stdout + done.stderr)
     assert len(steps) == 4 and all(int(n) > 0 for n in steps)
