@@ -1,3 +1,3 @@
-"""GPU memory of a training step: :mod:`.model` estimates it pass by pass from the model's shape and
-the run's settings (the preflight's memory check), :mod:`.calibration` sets a GPU run's measured
-peaks beside the estimate (docs/memory.md)."""
+"""The GPU memory planner, a wing the recipe's core never imports (docs/memory.md): the memory model
+(:mod:`.shape`, :mod:`.terms`, :mod:`.model`, :mod:`.advice`), the preflight's memory check (:mod:`.preflight`,
+named by the preflight as data), the verdict table, and a calibration run's probes and reading."""

@@ -134,3 +134,11 @@ def test_the_gpu_smoke_scripts_gpu_runs_are_calibration_runs(tmp_path):
                                                       OUT=str(tmp_path / "smoke")))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() and set(seen.read_text().split()) == {CALIBRATION}
+
+
+def test_the_wing_is_installed_with_the_project():
+    """``pip install -e .`` installs stapo_memory (every verl process of a calibration run imports it, and
+    the preflight's memory check resolves it), a package of its own beside the core's."""
+    text = (REPO / "pyproject.toml").read_text()
+    (include,) = re.findall(r"^include = \[(.*)\]$", text.split("[tool.setuptools.packages.find]", 1)[1], re.M)
+    assert '"stapo_memory*"' in include and '"recipe*"' in include
