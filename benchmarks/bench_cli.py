@@ -35,10 +35,10 @@ EXTRA_TOOLS = ("recipe.stapo.main_stapo", "recipe.stapo.driver")
 
 
 def tools(root: Path = REPO_ROOT) -> list[str]:
-    """Every ``python -m`` tool of the project: :data:`EXTRA_TOOLS` and each module of ``recipe/``
-    and ``benchmarks/`` that has a ``__main__`` block and uses argparse."""
+    """Every ``python -m`` tool of the project: :data:`EXTRA_TOOLS` and each module of ``recipe/``,
+    ``stapo_memory/`` and ``benchmarks/`` that has a ``__main__`` block and uses argparse."""
     found = set(EXTRA_TOOLS)
-    for folder in ("recipe", "benchmarks"):
+    for folder in ("recipe", "stapo_memory", "benchmarks"):
         for path in sorted((root / folder).rglob("*.py")):
             text = path.read_text()
             if "__name__ == \"__main__\"" in text and "argparse" in text:

@@ -5,8 +5,9 @@
 #   MODEL=/models/Qwen3-1.7B-Base bash run_scripts/gpu_smoke.sh [hydra overrides for every run...]
 #   MODEL=/models/Qwen3-1.7B-Base LENGTHS=paper bash run_scripts/gpu_smoke.sh
 # Every run goes through the driver's preflight (docs/preflight.md): GPU_MEM_GB [79.1, an 80 GB card as CUDA
-# reports it] sizes its memory check; after each run the estimate and the measured peaks go to
-# OUT/memory_calibration.txt (python -m recipe.stapo.memory.calibration, docs/memory.md).
+# reports it] sizes its memory check. In GPU mode every run is a calibration run (the memory probes in
+# every verl process: stapo_memory.probes in VERL_USE_EXTERNAL_MODULES); after each run the estimate and the
+# measured peaks go to OUT/memory_calibration.txt (python -m stapo_memory.calibration, docs/memory.md).
 # Environment (defaults in brackets):
 #   MODEL                  local Hugging Face folder of the model (GPU mode; required)
 #   GPUS [1]               GPUs of this node to use
@@ -52,6 +53,7 @@ case "$device" in
     if [ -n "${STAPO_DATA_DIR:-}" ]; then data=$(abs "$STAPO_DATA_DIR" "$launch_dir"); else data=$PWD/data/stapo; fi
     bench_dir=$data
     eval_backend=vllm; eval_tokens=1024
+    export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_patches.activate},stapo_memory.probes"
     [ "$lengths" = paper ] && eval_tokens=15360
     ;;
   cpu)
@@ -123,7 +125,7 @@ for m in "${methods[@]}"; do
   fi
   [ -d "$run_dir/checkpoints/global_step_$steps" ] || { echo "[smoke] $m: no checkpoint global_step_$steps in $run_dir/checkpoints" >&2; exit 1; }
   if [ "$device" = gpu ]; then   # the memory model's estimate next to the measured peaks (docs/memory.md)
-    "$python" -m recipe.stapo.memory.calibration "$run_dir" | tee -a "$out/memory_calibration.txt" >&2 || true
+    "$python" -m stapo_memory.calibration "$run_dir" | tee -a "$out/memory_calibration.txt" >&2 || true
   fi
 done
 

@@ -1,5 +1,7 @@
 """The project's import graph: stapo_core <- verl_patches <- recipe, and stapo_core <- stapo_trl (the
-TRL adapter, beside the verl layers: neither imports the other), no cycles, thin __init__ files.
+TRL adapter, beside the verl layers: neither imports the other), the GPU memory planner stapo_memory on
+top of the verl layers (none of them imports it), no cycles between modules or between folders, thin
+__init__ files.
 
 Read from the source with ``ast`` (every import, at module level or inside a function), so the test
 needs no import side effect and fails on the first upward import anyone adds.
@@ -19,7 +21,8 @@ ALLOWED = {
     "stapo_core": set(),
     "verl_patches": {"stapo_core"},
     "recipe": {"stapo_core", "verl_patches"},
-    "benchmarks": {"stapo_core", "verl_patches", "recipe", "stapo_trl"},  # on top of both sides
+    "stapo_memory": {"stapo_core", "verl_patches", "recipe"},  # the preflight names its check as data
+    "benchmarks": {"stapo_core", "verl_patches", "recipe", "stapo_trl", "stapo_memory"},  # on top of both sides
     "stapo_trl": {"stapo_core"},
 }
 FORBIDDEN_THIRD_PARTY = {
@@ -88,6 +91,36 @@ def test_no_import_cycles_between_modules():
             visit(node, [node])
 
 
+def test_no_import_cycles_between_folders():
+    """Between folders (packages) the imports flow one way: two folders never import each other, through
+    any chain of modules (a folder's imports of its own parents and subfolders are left out)."""
+    modules = {module_name(p): p for layer in ALLOWED for p in sources(layer)}
+
+    def folder(name: str) -> str:
+        return name if modules[name].name == "__init__.py" else name.rpartition(".")[0]
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        here = folder(name)
+        for dep in (folder(d) for d in imports_of(path) if d in modules):
+            if dep != here and not dep.startswith(here + ".") and not here.startswith(dep + "."):
+                graph.setdefault(here, set()).add(dep)
+
+    def reached(start: str) -> dict[str, list[str]]:
+        paths, todo = {start: [start]}, [start]
+        while todo:
+            node = todo.pop()
+            for dep in sorted(graph.get(node, ())):
+                if dep not in paths:
+                    paths[dep] = paths[node] + [dep]
+                    todo.append(dep)
+        return paths
+
+    for start in sorted(graph):
+        back = [dep for dep in sorted(graph[start]) if start in reached(dep)]
+        assert not back, f"folder import cycle: {start} -> " + " -> ".join(reached(back[0])[start])
+
+
 def test_init_files_hold_no_logic():
     """``__init__.py`` files re-export (and the two documented import-time switches); no definitions."""
     for layer in ALLOWED:
@@ -147,7 +180,7 @@ def unexplained_local_imports(path: Path) -> list[int]:
 
 
 def _checked_sources() -> list[Path]:
-    return [p for layer in ("stapo_core", "stapo_trl", "verl_patches", "recipe") for p in sources(layer)]
+    return [p for layer in ("stapo_core", "stapo_trl", "verl_patches", "recipe", "stapo_memory") for p in sources(layer)]
 
 
 def test_every_function_level_import_says_why():

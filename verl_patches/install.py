@@ -326,42 +326,6 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="async_send_weights letting the socket's zmq.Again propagate",
         drop_when="verl bounds the weight sync's waits",
     ),
-    # -- calibrating the memory model (docs/memory.md) ------------------------------------------
-    Patch(
-        name="memory_probe_infer",
-        target=f"{_ENGINE_WORKERS}:TrainingWorker.infer_batch",
-        wrapper="verl_patches.memory_probe:wrap_infer_batch",
-        changes="on CUDA, resets PyTorch's peak memory before a forward pass (log-prob; reference on a "
-                "forward-only engine; the recipe's current-policy and update-effect forwards inside the update) "
-                "and logs on rank 0 its allocated and reserved peaks, the device-wide figure, the memory outside "
-                "PyTorch's allocator and its largest micro-batch's tokens ('[stapo] memory peak: ...')",
-        why="verl's perf/max_memory_* never reset, so they give one peak for all passes; the memory model "
-            "is calibrated term by term (python -m recipe.stapo.memory.calibration)",
-        relies_on="compute_log_prob and compute_ref_log_prob calling TrainingWorker.infer_batch once per pass, "
-                  "the engine's forward_step once per micro-batch",
-        drop_when="verl logs a peak per pass",
-    ),
-    Patch(
-        name="memory_probe_update",
-        target=f"{_ENGINE_WORKERS}:TrainingWorker.train_mini_batch",
-        wrapper="verl_patches.memory_probe:wrap_train_mini_batch",
-        changes="the same for the update (a forward inside it is logged as its own pass; the update's line "
-                "covers both)",
-        why="the update's peak, for the memory model's calibration",
-        relies_on="update_actor calling TrainingWorker.train_mini_batch once per step",
-        drop_when="verl logs a peak per pass",
-    ),
-    Patch(
-        name="memory_probe_rollout",
-        target=f"{_ENGINE_WORKERS}:ActorRolloutRefWorker.update_weights",
-        wrapper="verl_patches.memory_probe:wrap_update_weights",
-        changes="on CUDA, logs on rank 0 the device-wide memory when the weight sync returns, vLLM awake with "
-                "its weights and KV cache ('[stapo] memory peak: pass=rollout ...')",
-        why="vLLM's share and the fixed overhead are only visible device-wide; the rollout is calibrated from it",
-        relies_on="the colocated trainer calling ActorRolloutRefWorker.update_weights before each rollout, "
-                  "which resumes vLLM's weights and KV cache",
-        drop_when="verl logs the device-wide memory of the rollout",
-    ),
     # -- resuming a run (relaunching the same command) -------------------------------------------
     Patch(
         name="resumable_file_logger",

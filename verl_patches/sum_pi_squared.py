@@ -6,7 +6,7 @@ closed-form gradient-norm metrics ``actor/s2t/grad_norm_*``) as
 at once. Under CUDA autocast ``logsumexp`` runs in float32, so each call first makes a float32 copy
 of its input and then a float32 temporary of the same size: at the log-prob pass's 49,152-token
 budget and Qwen3's 151,936-token vocabulary that is about 75 GB beside the logits
-(``recipe/stapo/memory/model.py``; docs/memory.md).
+(``stapo_memory/terms.py``; docs/memory.md).
 
 :func:`sum_pi_squared_chunked` computes the same formula on ``CHUNK_ROWS`` rows at a time, in float32
 (so also more exactly than verl's bfloat16 ``2 x``), with a peak of about ``12 x CHUNK_ROWS x vocab``

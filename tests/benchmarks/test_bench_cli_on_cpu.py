@@ -31,7 +31,8 @@ print(json.dumps(seen))
 def test_tools_are_found_not_listed():
     found = bench_cli.tools()
     for expected in ("recipe.stapo.main_stapo", "recipe.stapo.quickstart", "recipe.stapo.eval.run_eval",
-                     "recipe.stapo.data.prepare", "benchmarks.bench_loss", "benchmarks.bench_cli"):
+                     "recipe.stapo.data.prepare", "benchmarks.bench_loss", "benchmarks.bench_cli",
+                     "stapo_memory.verdicts", "stapo_memory.calibration", "stapo_memory.bench_layer_memory"):
         assert expected in found
     assert "recipe.stapo.methods" not in found and "stapo_core.s2t" not in found
 
@@ -57,11 +58,11 @@ def test_main_stapo_help_is_a_short_usage():
 
 
 def test_bench_cli_prints_a_ratio_per_tool(capsys):
-    rows = bench_cli.measure(["recipe.stapo.memory.calibration"], rounds=1, progress=lambda _: None)
-    assert [r["tool"] for r in rows] == ["import torch", "recipe.stapo.memory.calibration"]
+    rows = bench_cli.measure(["stapo_memory.calibration"], rounds=1, progress=lambda _: None)
+    assert [r["tool"] for r in rows] == ["import torch", "stapo_memory.calibration"]
     assert rows[0]["ratio"] == 1.0 and rows[1]["ratio"] > 0 and rows[1]["exit"] == 0 and rows[1]["lines"] > 1
     text = bench_cli.table(rows)
-    assert text.count("\n") == 4 and "| recipe.stapo.memory.calibration |" in text
+    assert text.count("\n") == 4 and "| stapo_memory.calibration |" in text
 
 
 def test_the_preflight_row_runs_the_paper_runs_check_and_names_what_it_found():

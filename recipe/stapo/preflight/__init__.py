@@ -15,10 +15,9 @@ real launch run the same checks, the latter also in a submitted job's own driver
 - paths: data files are parquet with the columns the run reads; the model folder has a config, a
   tokenizer and weights; the checkpoint folder (and the token dump's) can be created and written
   (a probe file, removed with any folder made for it); the token dump's settings;
-- model and context: the model's ``config.json`` read whole (a bad shape field named, a
-  Mixture-of-Experts model refused as not estimated), prompt + response within the context vLLM serves;
-- GPU memory: :mod:`recipe.stapo.memory.model`'s estimate per pass, with its margin, against
-  ``recipe.gpu_mem_gb`` (``GPU_MEM_GB``: GiB as CUDA reports them, default 79.1 for an 80 GB card);
+- context: prompt + response within the context vLLM serves (the model's ``config.json``);
+- GPU memory (:data:`~recipe.stapo.preflight.run.MEMORY_CHECK`, imported when it runs): the model's
+  ``config.json`` read whole and the estimate per pass against ``recipe.gpu_mem_gb`` (``GPU_MEM_GB``);
   a refusal names changes that make every pass fit, each run through the whole preflight first.
 
 With ``LAUNCH=submit`` the launching machine may not see the cluster's storage: a path it cannot see
@@ -28,7 +27,8 @@ Importing this module imports no verl.
 """
 from .paths import probe_writable
 from .problem import PreflightError, Problem, Report
-from .run import check, summary
+from .run import check, problems_of, summary
 from .values import check_environment
 
-__all__ = ["PreflightError", "Problem", "Report", "check", "check_environment", "probe_writable", "summary"]
+__all__ = ["PreflightError", "Problem", "Report", "check", "check_environment", "probe_writable", "problems_of",
+           "summary"]

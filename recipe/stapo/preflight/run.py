@@ -11,9 +11,10 @@ from omegaconf import DictConfig
 
 from recipe.stapo.policy_loss import settings_of
 from stapo_core.rules import NO_SELECTION, RULES
+from verl_patches.registry import resolve
 
+from .context import check_context
 from .loggers import check_loggers
-from .memory import check_memory
 from .names import POLICY_LOSS, check_identity, check_names, token_selection
 from .numbers import check_numbers, check_step_host_memory, uses_reference
 from .paths import check_paths, check_token_dump
@@ -22,6 +23,8 @@ from .values import check_values
 
 #: the launcher's environment variable naming submit mode (run_scripts/common.sh)
 LAUNCH_ENV = "LAUNCH"
+#: the GPU memory check (docs/memory.md), named as data: the preflight imports nothing of it until it runs
+MEMORY_CHECK = "stapo_memory.preflight:check"
 
 
 def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, problems: Optional[list[Problem]] = None,
@@ -48,8 +51,9 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
     check_paths(config, found, report.notes, submit)
     check_token_dump(config, found)
     if numbers_ok:
-        recheck = (lambda changed: _problems_of(changed, environ)) if advise else None
-        report.memory_table = check_memory(config, found, report.notes, recheck)
+        check_context(config, found)
+        recheck = (lambda changed: problems_of(changed, environ)) if advise else None
+        report.memory_table = resolve(MEMORY_CHECK)(config, found, report.notes, recheck)
     if found:
         raise PreflightError(found)
     log(report.text())
@@ -138,8 +142,9 @@ def selection_pool(config: DictConfig) -> Optional[SelectionPool]:
         return None
 
 
-def _problems_of(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """Every problem the whole preflight finds in ``config`` (none: it passes), without advice."""
+def problems_of(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
+    """Every problem the whole preflight finds in ``config`` (none: it passes), without advice: what a
+    memory refusal's advice runs on each candidate change, and the memory verdict table on each run."""
     try:
         check(config, environ, log=lambda _: None, advise=False)
     except PreflightError as e:

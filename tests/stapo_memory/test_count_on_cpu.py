@@ -5,8 +5,8 @@ composed from their command lines, on one node and on eight.
 The count is the model's resident, FSDP and vLLM terms (read from FSDP's and verl's code, written out
 in docs/memory.md) with its activation terms replaced by a trace of the real model code: the whole
 transformers model at the run's token budgets on the meta device, every tensor accounted for by its
-size (``benchmarks.bench_layer_memory``: the trace itself is checked against the resident memory of
-the same code on CPU in tests/benchmarks/test_bench_layer_memory_on_cpu.py). Each pass must be within
+size (``stapo_memory.bench_layer_memory``: the trace itself is checked against the resident memory of
+the same code on CPU in tests/stapo_memory/test_bench_layer_memory_on_cpu.py). Each pass must be within
 5% of it; the update is the pass the model counted 10-38% too high before."""
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ import subprocess
 
 import pytest
 
-from benchmarks.bench_layer_memory import compare, counted_totals
 from recipe.stapo.driver import compose, ensure_loss_statistics
-from recipe.stapo.memory import model as mm
+from stapo_memory import model as mm
+from stapo_memory.bench_layer_memory import compare, counted_totals
+from stapo_memory.shape import BUILTIN_SHAPES, ModelShape, builtin_shape
+from stapo_memory.terms import GIB
 from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
 
 TOLERANCE = 0.05
-GPU80 = mm.DEFAULT_GPU_MEM_GIB * mm.GIB
+GPU80 = mm.DEFAULT_GPU_MEM_GIB * GIB
 
 
 def _dry_run(script: str, *args: str, **env) -> list[list[str]]:
@@ -67,17 +69,17 @@ def test_every_pass_of_every_shipped_run_is_within_5_percent_of_the_count(nnodes
     for name, overrides in RUNS:
         config = compose([*overrides, f"trainer.nnodes={nnodes}"])
         ensure_loss_statistics(config, log=lambda _: None)
-        shape = mm.builtin_shape(str(config.actor_rollout_ref.model.path))
+        shape = builtin_shape(str(config.actor_rollout_ref.model.path))
         est = mm.estimate(shape, mm.settings_from_config(config), GPU80)
         counted = counted_totals(est)
         for p in est.passes:
             error = p.total / counted[p.name] - 1
-            assert abs(error) <= TOLERANCE, (name, p.name, p.total / mm.GIB, counted[p.name] / mm.GIB)
+            assert abs(error) <= TOLERANCE, (name, p.name, p.total / GIB, counted[p.name] / GIB)
             worst[p.name] = max(worst.get(p.name, 0.0), abs(error))
     assert {"rollout", "log_prob", "current", "reference", "update", "update_end", "optimizer_step"} <= set(worst)
 
 
-@pytest.mark.parametrize("shape_name", sorted(mm.BUILTIN_SHAPES))
+@pytest.mark.parametrize("shape_name", sorted(BUILTIN_SHAPES))
 @pytest.mark.parametrize("case", [dict(), dict(entropy=True), dict(entropy=True, entropy_grad=True),
                                   dict(unit_temperature=False), dict(forward=True, entropy=True),
                                   dict(forward=True, sum_pi_squared=False),
@@ -86,21 +88,21 @@ def test_each_moment_of_a_micro_batch_is_the_traced_one(shape_name, case):
     """Every moment the model counts against the trace of the same moments, beyond the shipped runs:
     the update's entropy with and without grad, a temperature other than 1, each no-grad pass's
     temporaries: within 1%."""
-    for row in compare(mm.BUILTIN_SHAPES[shape_name], 16384, **case):
+    for row in compare(BUILTIN_SHAPES[shape_name], 16384, **case):
         assert abs(row["ratio"] - 1) <= 0.01, row
 
 
 @pytest.mark.parametrize("shape", [
-    mm.ModelShape(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=512,
+    ModelShape(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=512,
                   vocab_size=151936, tie_word_embeddings=False, qk_norm=True, source="a narrow MLP"),
-    mm.ModelShape(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=32, head_dim=128,
+    ModelShape(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=32, head_dim=128,
                   intermediate_size=12288, vocab_size=151936, tie_word_embeddings=False, qk_norm=True,
                   source="multi-head attention"),
-    mm.ModelShape(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
+    ModelShape(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=12288,
                   vocab_size=1000, tie_word_embeddings=False, qk_norm=True, source="a small vocabulary"),
-    mm.ModelShape(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
+    ModelShape(hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=8, head_dim=128, intermediate_size=14336,
                   vocab_size=128256, tie_word_embeddings=False, model_type="llama", source="Llama"),
-    mm.ModelShape(hidden_size=3584, num_layers=4, num_heads=28, num_kv_heads=4, head_dim=128, intermediate_size=18944,
+    ModelShape(hidden_size=3584, num_layers=4, num_heads=28, num_kv_heads=4, head_dim=128, intermediate_size=18944,
                   vocab_size=152064, tie_word_embeddings=False, qkv_bias=True, model_type="qwen2", source="Qwen2"),
 ], ids=lambda s: s.source)
 def test_other_shapes_peak_where_the_model_says(shape):

@@ -1,14 +1,14 @@
 """The memory model's estimate next to what a run measured, term by term, for calibrating the model
 on the first GPU run (docs/memory.md, "Calibrating on a GPU").
 
-    python -m recipe.stapo.memory.calibration results/gpu_smoke/stapo [more run folders...]
-    python -m recipe.stapo.memory.calibration --log train.log [--metrics metrics.jsonl]
+    python -m stapo_memory.calibration results/gpu_smoke/stapo [more run folders...]
+    python -m stapo_memory.calibration --log train.log [--metrics metrics.jsonl]
 
 A run folder holds the driver's log (``train.log``: the preflight's memory table, one row per pass
-with its tokens and bytes per token, and the workers' ``[stapo] memory peak: pass=...`` lines,
-:mod:`verl_patches.memory_probe`) and, optionally, verl's file logger output (``metrics.jsonl``:
-verl's run-wide ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb``). Each term of the
-model is set beside its measurement, with the error (estimate / measured - 1):
+with its tokens and bytes per token, and the workers' ``[stapo] memory peak: pass=...`` lines of a
+calibration run, :mod:`stapo_memory.probes`) and, optionally, verl's file logger output
+(``metrics.jsonl``: verl's run-wide ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb``).
+Each term of the model is set beside its measurement, with the error (estimate / measured - 1):
 
 * each training pass: the estimate less the fixed overhead, at the largest micro-batch the pass
   measured (the estimate moved along its bytes per token from its budget), against PyTorch's
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from recipe.stapo.memory import model as mm
+from .terms import GIB, OVERHEAD_BYTES
 
 #: a row of the preflight's memory table: pass, estimate, margin (GiB), share of the GPU, and for a
 #: token-dependent pass its tokens and bytes per token
@@ -42,10 +42,9 @@ VLLM = re.compile(r"vLLM \(gpu_memory_utilization\) ([0-9.]+)")
 #: the table's first line (carries the target GPU's capacity)
 HEAD = re.compile(r"GPU memory per GPU \(estimate, GiB; target ([0-9.]+) GiB")
 MEASURED_KEYS = ("max_memory_allocated_gb", "max_memory_reserved_gb")
-#: a worker's per-pass line (verl_patches.memory_probe), with Ray's prefix before it
+#: a worker's per-pass line (stapo_memory.peaks), with Ray's prefix before it
 PROBE = re.compile(r"\[stapo\] memory peak: pass=([a-z_]+) allocated_gib=([0-9.]+) reserved_gib=([0-9.]+)"
                    r"(?: device_gib=([0-9.]+) outside_gib=(-?[0-9.]+) tokens=(\d+) micro_batches=(\d+))?")
-GIB = mm.GIB
 #: token counts this far apart (relative) let a slope be fitted
 SLOPE_SPREAD = 0.10
 #: passes the probe's update line covers beside the update itself (its backward's end, the optimizer step)
@@ -108,15 +107,6 @@ def probe_lines(text: str) -> list[Measured]:
     return out
 
 
-def measured_passes(text: str) -> dict[str, tuple[float, float]]:
-    """{pass: (allocated GiB, reserved GiB)}, the largest of each pass's lines in a driver's log."""
-    peaks: dict[str, tuple[float, float]] = {}
-    for m in probe_lines(text):
-        old = peaks.get(m.name, (0.0, 0.0))
-        peaks[m.name] = (max(old[0], m.allocated), max(old[1], m.reserved))
-    return peaks
-
-
 def measured_from_metrics(path: Path) -> dict[str, float]:
     """The largest value of each of verl's memory metrics over the steps of ``metrics.jsonl``
     (any prefix: ``actor/perf/...``); ``ValueError`` naming the file and line of a bad row."""
@@ -163,7 +153,7 @@ def compare(log: Path, metrics: Optional[Path] = None) -> str:
     if not rows:
         raise ValueError(f"{log}: no memory table of the preflight (a CPU run, or memory_check=off)")
     lines = probe_lines(text)
-    overhead = mm.OVERHEAD_BYTES / GIB
+    overhead = OVERHEAD_BYTES / GIB
     out = [f"{log.parent}: target {target} GiB; each term: estimate, measured (rank 0, largest over the run), "
            "estimate / measured - 1"]
     by_pass: dict[str, list[Measured]] = {}
@@ -221,7 +211,7 @@ def compare(log: Path, metrics: Optional[Path] = None) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stapo_memory.calibration", description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="*", help="run folders holding train.log (and metrics.jsonl)")
     p.add_argument("--log", help="a driver's log (instead of a run folder)")
     p.add_argument("--metrics", help="its metrics.jsonl (optional)")
@@ -241,7 +231,7 @@ def main(argv=None) -> int:
         try:
             print(compare(log, metrics))
         except ValueError as e:
-            print(f"recipe.stapo.memory.calibration: {e}", file=sys.stderr)
+            print(f"stapo_memory.calibration: {e}", file=sys.stderr)
             status = 1
     return status
 

@@ -1,12 +1,12 @@
-"""The memory model's activation terms measured on CPU (``recipe/stapo/memory/model.py``, docs/memory.md).
+"""The memory model's activation terms measured on CPU (``stapo_memory/terms.py``, docs/memory.md).
 
-    python -m benchmarks.bench_layer_memory pass --model qwen3-8b --tokens 32768             # an update micro-batch
-    python -m benchmarks.bench_layer_memory pass --model qwen3-8b --tokens 49152 --forward   # a log-prob micro-batch
-    python -m benchmarks.bench_layer_memory pass --model qwen3-8b --tokens 32768 --entropy   # update with the entropy
-    python -m benchmarks.bench_layer_memory accounting --scale 8 --tokens 2048   # the trace against the resident set
-    python -m benchmarks.bench_layer_memory layer --scale 8 --tokens 1024,3072   # one layer, resident set
-    python -m benchmarks.bench_layer_memory logits-grad    # the logits' gradient, 2048 x 151,936
-    python -m benchmarks.bench_layer_memory fsdp-root      # FSDP1 on gloo, two processes
+    python -m stapo_memory.bench_layer_memory pass --model qwen3-8b --tokens 32768             # an update micro-batch
+    python -m stapo_memory.bench_layer_memory pass --model qwen3-8b --tokens 49152 --forward   # a log-prob micro-batch
+    python -m stapo_memory.bench_layer_memory pass --model qwen3-8b --tokens 32768 --entropy   # update with the entropy
+    python -m stapo_memory.bench_layer_memory accounting --scale 8 --tokens 2048   # the trace against the resident set
+    python -m stapo_memory.bench_layer_memory layer --scale 8 --tokens 1024,3072   # one layer, resident set
+    python -m stapo_memory.bench_layer_memory logits-grad    # the logits' gradient, 2048 x 151,936
+    python -m stapo_memory.bench_layer_memory fsdp-root      # FSDP1 on gloo, two processes
 
 ``pass``: one micro-batch of verl 0.9.1's FSDP actor traced tensor by tensor. The real model code runs
 (transformers' ``Qwen3ForCausalLM``, or Qwen2 / Llama, with gradient checkpointing as verl enables it,
@@ -34,7 +34,7 @@ with the process's resident-set high-water mark (``VmHWM``, reset through ``/pro
 measured around it: the two peaks agree when the accounting sees every allocation.
 
 ``layer``: the bytes per token one recomputed decoder layer's forward with grad and its backward
-allocate, measured as resident memory (``VmHWM``, as benchmarks/bench_logits_memory.py): a Qwen3 layer
+allocate, measured as resident memory (``VmHWM``, as stapo_memory/bench_logits_memory.py): a Qwen3 layer
 of the 8B's shape divided in width by ``--scale`` (heads of 128, as the real one), bfloat16, the
 flash-attn stand-in, one packed sequence per token count. The slope over the token counts is the
 per-token part, which scales with the width, so ``slope x scale`` is the 8B layer's, compared with the
@@ -67,11 +67,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from benchmarks.bench_logits_memory import _mmap_large_allocations, peak_extra_bytes
-from recipe.stapo.memory import model as mm
+from verl_patches.sum_pi_squared import sum_pi_squared_chunked
 
-QWEN3_8B = mm.BUILTIN_SHAPES["qwen3-8b"]
-GIB = 1024**3
+from .bench_logits_memory import _mmap_large_allocations, peak_extra_bytes
+from .model import Estimate, Settings, forward_activation_phases, update_activation_phases
+from .shape import BUILTIN_SHAPES, ModelShape
+from .terms import BF16, ENTROPY_CHUNK_ROWS, GIB, layer_backward_bytes_per_token, logits_bytes
+
+QWEN3_8B = BUILTIN_SHAPES["qwen3-8b"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -208,11 +211,11 @@ class FlashCrossEntropy(torch.autograd.Function):
 ATTENTION = "stapo_memory_count"
 
 
-def build_model(shape: mm.ModelShape, device: str = "meta", train: bool = True, seed: int = 0):
+def build_model(shape: ModelShape, device: str = "meta", train: bool = True, seed: int = 0):
     """The transformers model of ``shape`` in bfloat16 on ``device`` with the flash-attn stand-in;
     for training, gradient checkpointing as verl enables it and the parameters' gradients as FSDP
     leaves them (a layer's freed once accumulated, the root unit's kept)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM  # transformers where a subcommand builds a model
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(ATTENTION, flash_attention_forward)
@@ -247,15 +250,15 @@ def _inputs(tokens: int, device: str):
     return ids, positions, labels
 
 
-def trace_update(shape: mm.ModelShape, tokens: int, *, entropy: bool = False, entropy_grad: bool = False,
-                 unit_temperature: bool = True, chunk: int = mm.ENTROPY_CHUNK_ROWS, device: str = "meta",
+def trace_update(shape: ModelShape, tokens: int, *, entropy: bool = False, entropy_grad: bool = False,
+                 unit_temperature: bool = True, chunk: int = ENTROPY_CHUNK_ROWS, device: str = "meta",
                  model=None) -> LiveTensors:
     """One update micro-batch of ``tokens``, as ``forward_step`` and ``forward_backward_batch`` run it:
     the model's forward, the logits' computations (temperature, the entropy: without grad as the
     recipe's patch computes it, or with grad for an entropy bonus; the log-probs with
     ``inplace_backward`` unless the entropy is computed), a loss over the log-probs, then its backward.
     Phases: ``forward``, ``logits``, ``LM head backward``, ``layer backward``."""
-    from verl.utils import torch_functional as verl_F
+    from verl.utils import torch_functional as verl_F  # verl where a subcommand runs its code
 
     model = model if model is not None else build_model(shape, device)
     ids, positions, labels = _inputs(tokens, device)
@@ -305,15 +308,13 @@ def _logits(model, ids, positions, live: LiveTensors, unit_temperature: bool):
     return output, logits
 
 
-def trace_forward(shape: mm.ModelShape, tokens: int, *, entropy: bool = True, sum_pi_squared: bool = True,
-                  unit_temperature: bool = True, chunk: int = mm.ENTROPY_CHUNK_ROWS, device: str = "meta",
+def trace_forward(shape: ModelShape, tokens: int, *, entropy: bool = True, sum_pi_squared: bool = True,
+                  unit_temperature: bool = True, chunk: int = ENTROPY_CHUNK_ROWS, device: str = "meta",
                   model=None) -> LiveTensors:
     """One no-grad micro-batch (the log-prob, reference, current-policy passes): the model's forward,
     then the recipe's chunked sum of squared probabilities, verl's chunked entropy and the log-probs.
     Phases: ``forward`` (the layers and the LM head) and ``logits``."""
-    from verl.utils import torch_functional as verl_F
-
-    from verl_patches.sum_pi_squared import sum_pi_squared_chunked
+    from verl.utils import torch_functional as verl_F  # verl where a subcommand runs its code
 
     model = model if model is not None else build_model(shape, device, train=False)
     ids, positions, labels = _inputs(tokens, device)
@@ -335,7 +336,7 @@ def trace_forward(shape: mm.ModelShape, tokens: int, *, entropy: bool = True, su
 # the model's phases beside the trace's
 # ------------------------------------------------------------------------------------------------
 
-#: the model's phases (``recipe.stapo.memory.model``) and the traced phases that span the same moments
+#: the model's phases (``stapo_memory.model``) and the traced phases that span the same moments
 UPDATE_PHASES = {("layer forward", "forward end"): ("forward", "logits"),
                  ("logits backward", "LM head backward", "final norm backward"): ("LM head backward",),
                  ("layer backward", "embedding backward"): ("layer backward",)}
@@ -346,21 +347,21 @@ def _terms_total(terms, tokens: int) -> float:
     return sum(fixed + per_token * tokens for _, fixed, per_token in terms)
 
 
-def compare(shape: mm.ModelShape, tokens: int, *, forward: bool = False, entropy: bool = False,
+def compare(shape: ModelShape, tokens: int, *, forward: bool = False, entropy: bool = False,
             entropy_grad: bool = False, sum_pi_squared: bool = True, unit_temperature: bool = True) -> list[dict]:
     """Rows ``phase, traced_bytes, model_bytes, ratio`` (model / trace) of one micro-batch."""
-    settings = mm.Settings(world_size=8, gpu_memory_utilization=0.5, log_prob_tokens=tokens, update_tokens=tokens,
+    settings = Settings(world_size=8, gpu_memory_utilization=0.5, log_prob_tokens=tokens, update_tokens=tokens,
                            update_entropy=entropy, update_entropy_grad=entropy_grad, unit_temperature=unit_temperature)
     rows = []
     if forward:
         live = trace_forward(shape, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared,
                              unit_temperature=unit_temperature)
-        phases = mm.forward_activation_phases(shape, settings, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared)
+        phases = forward_activation_phases(shape, settings, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared)
         groups = FORWARD_PHASES
     else:
         live = trace_update(shape, tokens, entropy=entropy, entropy_grad=entropy_grad,
                             unit_temperature=unit_temperature)
-        phases = mm.update_activation_phases(shape, settings)
+        phases = update_activation_phases(shape, settings)
         groups = UPDATE_PHASES
     for model_names, traced_names in groups.items():
         model = max(_terms_total(phases[n], tokens) for n in model_names)
@@ -373,20 +374,20 @@ def compare(shape: mm.ModelShape, tokens: int, *, forward: bool = False, entropy
 
 
 @functools.lru_cache(maxsize=None)
-def _update_peaks(shape: mm.ModelShape, tokens: int, entropy: bool, entropy_grad: bool,
+def _update_peaks(shape: ModelShape, tokens: int, entropy: bool, entropy_grad: bool,
                   unit_temperature: bool, chunk: int) -> dict[str, int]:
     return dict(trace_update(shape, tokens, entropy=entropy, entropy_grad=entropy_grad,
                              unit_temperature=unit_temperature, chunk=chunk).peaks)
 
 
 @functools.lru_cache(maxsize=None)
-def _forward_peaks(shape: mm.ModelShape, tokens: int, entropy: bool, sum_pi_squared: bool,
+def _forward_peaks(shape: ModelShape, tokens: int, entropy: bool, sum_pi_squared: bool,
                    unit_temperature: bool, chunk: int) -> dict[str, int]:
     return dict(trace_forward(shape, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared,
                               unit_temperature=unit_temperature, chunk=chunk).peaks)
 
 
-def counted_totals(est: mm.Estimate) -> dict[str, float]:
+def counted_totals(est: Estimate) -> dict[str, float]:
     """Each pass of ``est`` as counted with the traced activations: the model's components that are
     not the model code's (resident state, gathered parameters, FSDP's gradient buffers, vLLM's share,
     the overhead) plus, per phase, the trace's peak of the same moments in place of the model's
@@ -401,14 +402,14 @@ def counted_totals(est: mm.Estimate) -> dict[str, float]:
             out[p.name] = p.total
             continue
         if p.name == "update":
-            model = mm.update_activation_phases(shape, s)
+            model = update_activation_phases(shape, s)
             traced = _update_peaks(shape, p.tokens, s.update_entropy, s.update_entropy_grad, s.unit_temperature,
                                    s.entropy_chunk)
             groups = UPDATE_PHASES
         else:
             entropy = p.name in ("log_prob", "current")
             spp = p.name == "log_prob" and s.calculate_sum_pi_squared
-            model = mm.forward_activation_phases(shape, s, p.tokens, entropy=entropy, sum_pi_squared=spp)
+            model = forward_activation_phases(shape, s, p.tokens, entropy=entropy, sum_pi_squared=spp)
             traced = _forward_peaks(shape, p.tokens, entropy, spp, s.unit_temperature, s.entropy_chunk)
             groups = FORWARD_PHASES
         activation = {phase: _terms_total(terms, p.tokens) for phase, terms in model.items()}
@@ -440,10 +441,10 @@ def measure_accounting(scale: int, tokens: int, entropy: bool = False) -> dict:
 
     resident = peak_extra_bytes(run, "cpu")
     accounted = max(result["live"].peaks.values())
-    settings = mm.Settings(world_size=8, gpu_memory_utilization=0.5, log_prob_tokens=tokens, update_tokens=tokens,
+    settings = Settings(world_size=8, gpu_memory_utilization=0.5, log_prob_tokens=tokens, update_tokens=tokens,
                            update_entropy=entropy)
-    phases = {name: _terms_total(terms, tokens) for name, terms in mm.update_activation_phases(shape, settings).items()}
-    layer = tokens * mm.layer_backward_bytes_per_token(shape, mm.BF16)
+    phases = {name: _terms_total(terms, tokens) for name, terms in update_activation_phases(shape, settings).items()}
+    layer = tokens * layer_backward_bytes_per_token(shape, BF16)
     return {"scale": scale, "tokens": tokens, "accounted_bytes": accounted, "resident_bytes": resident,
             "ratio": accounted / resident, "model_bytes": max(phases.values()),
             "summed_bytes": max(phases["LM head backward"], phases["logits backward"]) + layer}
@@ -454,23 +455,19 @@ def measure_accounting(scale: int, tokens: int, entropy: bool = False) -> dict:
 # ------------------------------------------------------------------------------------------------
 
 
-def scaled_shape(scale: int) -> mm.ModelShape:
+def scaled_shape(scale: int) -> ModelShape:
     """The 8B's shape at 1/``scale`` width: heads (and key-value heads) divided, head size kept."""
     s = QWEN3_8B
-    return mm.ModelShape(hidden_size=s.hidden_size // scale, num_layers=1, num_heads=s.num_heads // scale,
+    return ModelShape(hidden_size=s.hidden_size // scale, num_layers=1, num_heads=s.num_heads // scale,
                          num_kv_heads=max(1, s.num_kv_heads // scale), head_dim=s.head_dim,
                          intermediate_size=s.intermediate_size // scale, vocab_size=1024,
                          tie_word_embeddings=True, qk_norm=True, source=f"Qwen3-8B at 1/{scale} width")
 
 
-def modelled_layer_bytes_per_token(shape: mm.ModelShape) -> float:
-    return mm.layer_backward_bytes_per_token(shape, mm.BF16)
-
-
 def measure_layer(scale: int, token_counts: list[int], seed: int = 0) -> dict:
     """Peak resident bytes of one layer's forward with grad and backward at each token count, the
     slope per token, and that slope scaled to the full width."""
-    from transformers import Qwen3Config
+    from transformers import Qwen3Config  # transformers where a subcommand builds a model
     from transformers.modeling_utils import AttentionInterface
     from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
@@ -506,7 +503,7 @@ def measure_layer(scale: int, token_counts: list[int], seed: int = 0) -> dict:
     counts = sorted(token_counts)
     slope = (peaks[counts[-1]] - peaks[counts[0]]) / (counts[-1] - counts[0])
     full = slope * scale
-    model = modelled_layer_bytes_per_token(QWEN3_8B)
+    model = layer_backward_bytes_per_token(QWEN3_8B, BF16)
     return {"scale": scale, "tokens": counts, "peak_bytes": [peaks[t] for t in counts],
             "bytes_per_token_scaled": slope, "bytes_per_token_8b": full, "model_bytes_per_token_8b": model,
             "ratio": full / model}
@@ -515,7 +512,7 @@ def measure_layer(scale: int, token_counts: list[int], seed: int = 0) -> dict:
 def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
     """Peak bytes of the log-probs' backward beyond the forward (the logits' gradient and the
     fallback's temporaries), against the model's gradient term."""
-    import verl_patches.activate  # noqa: F401  (the recipe's patches, as in every verl process)
+    import verl_patches.activate  # the recipe's patches, as in every verl process  # noqa: F401
     from verl.utils import torch_functional as verl_F
 
     _mmap_large_allocations()
@@ -524,7 +521,7 @@ def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
     labels = torch.randint(0, vocab, (tokens,), generator=gen)
     log_probs = verl_F.logprobs_from_logits(logits, labels, inplace_backward=False)
     measured = peak_extra_bytes(lambda: log_probs.sum().backward(), "cpu")
-    model = mm.logits_bytes(tokens, vocab, mm.BF16)
+    model = logits_bytes(tokens, vocab, BF16)
     return {"tokens": tokens, "vocab": vocab, "measured_bytes": measured, "model_bytes": model,
             "ratio": measured / model, "grad_dtype": str(logits.grad.dtype)}
 
@@ -535,7 +532,7 @@ def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
 
 
 def _fsdp_root_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
+    import torch.distributed as dist  # FSDP in the fsdp-root subcommand's workers only
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -596,7 +593,7 @@ class _TinyLM(torch.nn.Module):
 
 
 def measure_fsdp_root(port: int = 29533) -> dict:
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # only the fsdp-root subcommand spawns processes
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "root.json")
@@ -612,9 +609,9 @@ def _print_rows(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stapo_memory.bench_layer_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("pass", "accounting", "layer", "logits-grad", "fsdp-root"))
-    p.add_argument("--model", default="qwen3-8b", choices=sorted(mm.BUILTIN_SHAPES), help="pass: the model's shape")
+    p.add_argument("--model", default="qwen3-8b", choices=sorted(BUILTIN_SHAPES), help="pass: the model's shape")
     p.add_argument("--forward", action="store_true", help="pass: a no-grad micro-batch (else an update's)")
     p.add_argument("--entropy", action="store_true", help="pass: the entropy (update: without grad; forward: chunked)")
     p.add_argument("--entropy-grad", action="store_true", help="pass: the update's entropy with grad (a bonus)")
@@ -628,7 +625,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.what == "pass":
-        result = compare(mm.BUILTIN_SHAPES[args.model], tokens[0], forward=args.forward,
+        result = compare(BUILTIN_SHAPES[args.model], tokens[0], forward=args.forward,
                          entropy=args.entropy or args.entropy_grad, entropy_grad=args.entropy_grad,
                          sum_pi_squared=not args.no_sum_pi_squared)
         _print_rows(result)

@@ -1,7 +1,8 @@
-"""The preflight's memory and context checks (``recipe.stapo.preflight.memory``) through the whole
-driver, on a stand-in for the cluster's storage: the model's config.json read whole (a bad field
-refused by its name, a Mixture-of-Experts model refused as not estimated), prompt + response within
-the context vLLM serves, and memory advice that the preflight itself accepts."""
+"""The preflight's memory check (``stapo_memory.preflight``) and context check
+(``recipe.stapo.preflight.context``) through the whole driver, on a stand-in for the cluster's
+storage: the model's config.json read whole (a bad field refused by its name, a Mixture-of-Experts
+model refused as not estimated), prompt + response within the context vLLM serves, and memory advice
+that the preflight itself accepts."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import re
 import pytest
 
 from recipe.stapo.driver import compose, prepare
-from recipe.stapo.memory import model as mm
 from recipe.stapo.preflight import PreflightError
-from recipe.stapo.preflight import memory as preflight_memory
+from stapo_memory import advice
+from stapo_memory import model as mm
+from stapo_memory import preflight as memory_check
 from tests.helpers.cluster_files import QWEN3_CONFIGS, use_fake_cluster, write_model
 from tests.helpers.paths import REPO
 
@@ -191,17 +193,17 @@ def test_stapo_8b_with_micro_batch_scope_on_one_80gb_node_passes_as_its_table_sa
 def test_a_plan_the_whole_preflight_refuses_is_never_printed(cluster, monkeypatch):
     """Each plan is run through the whole preflight: one it refuses (sequence parallelism with STAPO's
     current-policy statistics) is skipped, the next that passes is printed."""
-    real = mm.plans
+    real = advice.plans
     shown = []
 
     def plans(shape, s, gpu, gpus_per_node=8, max_gpus=512):
-        sp = mm.Plan("settings", {f"{ACTOR}.ulysses_sequence_parallel_size": 2,
-                                  f"{ACTOR}.ppo_max_token_len_per_gpu": 8192}, mm.estimate(shape, s, gpu))
+        sp = advice.Plan("settings", {f"{ACTOR}.ulysses_sequence_parallel_size": 2,
+                                      f"{ACTOR}.ppo_max_token_len_per_gpu": 8192}, mm.estimate(shape, s, gpu))
         shown.append(sp)
         yield sp
         yield from real(shape, s, gpu, gpus_per_node, max_gpus)
 
-    monkeypatch.setattr(preflight_memory.memory_model, "plans", plans)
+    monkeypatch.setattr(advice, "plans", plans)
     err = refused(cluster, "recipe.gpu_mem_gb=39.4", nnodes=1)
     assert shown, "the candidate was offered"
     text = str(err)
@@ -220,13 +222,13 @@ def test_where_nothing_but_more_gpus_fits_it_says_so_first(cluster):
 def test_advice_is_only_computed_in_the_outermost_preflight(cluster, monkeypatch):
     """The candidates' preflight runs give no advice of their own (no recursion)."""
     calls = []
-    real = preflight_memory.verified_plans
+    real = memory_check.verified_plans
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(preflight_memory, "verified_plans", counting)
+    monkeypatch.setattr(memory_check, "verified_plans", counting)
     refused(cluster, "recipe.gpu_mem_gb=39.4", nnodes=1)
     assert len(calls) == 1
 

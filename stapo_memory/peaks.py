@@ -1,6 +1,7 @@
 """The measured GPU memory of each pass, one line per pass on rank 0, which
-``python -m recipe.stapo.memory.calibration`` reads back from the driver's log and sets beside the
-memory model's estimate, term by term (docs/memory.md, "Calibrating on a GPU").
+``python -m stapo_memory.calibration`` reads back from the driver's log and sets beside the
+memory model's estimate, term by term (docs/memory.md, "Calibrating on a GPU"): the probes of
+:mod:`stapo_memory.probes`.
 
 verl's own ``perf/max_memory_*`` metrics are PyTorch's allocator peaks since the process started
 (never reset), so they give one number for all passes. Here:
@@ -34,9 +35,10 @@ import torch
 import torch.distributed as dist
 from verl.utils import tensordict_utils as tu
 
-#: what each line starts with (recipe.stapo.memory.calibration matches it)
+from .terms import GIB
+
+#: what each line starts with (stapo_memory.calibration matches it)
 PREFIX = "[stapo] memory peak:"
-GIB = 1024**3
 
 _state = threading.local()
 

@@ -1,4 +1,4 @@
-"""The estimate next to a run's measurements, term by term (``recipe.stapo.memory.calibration``): the
+"""The estimate next to a run's measurements, term by term (``stapo_memory.calibration``): the
 preflight's table read back from a driver's log, the memory probe's recorded lines (as the GPU run's
 workers print them, with Ray's prefix), verl's memory metrics from ``metrics.jsonl``."""
 
@@ -10,16 +10,16 @@ import sys
 
 import pytest
 
-from recipe.stapo.memory import calibration as mc
-from recipe.stapo.memory import model as mm
+from stapo_memory import calibration as mc
+from stapo_memory import model as mm
+from stapo_memory.peaks import line
+from stapo_memory.shape import BUILTIN_SHAPES
+from stapo_memory.terms import GIB, OVERHEAD_BYTES
 from tests.helpers.paths import REPO
-from verl_patches.memory_probe import line
-
-GIB = mm.GIB
 
 
 def _estimate() -> tuple[mm.Estimate, float]:
-    shape = mm.BUILTIN_SHAPES["qwen3-1.7b"]
+    shape = BUILTIN_SHAPES["qwen3-1.7b"]
     gpu = mm.DEFAULT_GPU_MEM_GIB * GIB
     settings = mm.Settings(world_size=1, gpu_memory_utilization=0.5, log_prob_tokens=49152, update_tokens=32768,
                            current_tokens=49152, longest=16384)
@@ -65,7 +65,7 @@ def test_each_term_is_set_beside_its_measurement(tmp_path):
         line("rollout", 1.0 * GIB, 1.2 * GIB, 43.0 * GIB, 41.8 * GIB),
     ])
     text = mc.compare(tmp_path / "train.log")
-    overhead = mm.OVERHEAD_BYTES / GIB
+    overhead = OVERHEAD_BYTES / GIB
     _, rows = mc.estimate_from_log((tmp_path / "train.log").read_text())
     # the update: the estimate less the overhead moved to the largest measured micro-batch (32,000 tokens)
     update = rows["update"]
@@ -128,9 +128,30 @@ def test_the_documented_command_runs_on_a_run_folder(tmp_path):
     folder.mkdir(parents=True)
     _run(folder, [line("update", 17.0 * GIB, 18.0 * GIB, 22.0 * GIB, 4.0 * GIB, 32000, 8)])
     command = next(c for c in (REPO / "docs" / "memory.md").read_text().splitlines()
-                   if c.startswith("python -m recipe.stapo.memory.calibration results/"))
+                   if c.startswith("python -m stapo_memory.calibration results/"))
     argv = command.split("#")[0].split()
     proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                           env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "allocated   17.0" in _row(proc.stdout, "update")
+
+
+def test_the_documented_command_reads_a_calibration_runs_log_and_metrics(tmp_path):
+    """``--log calibration.log --metrics checkpoints/stapo/calibration/metrics.jsonl``, as docs/memory.md
+    writes it after its calibration run, on recorded lines; ``--help`` names the command."""
+    folder = tmp_path / "checkpoints" / "stapo" / "calibration"
+    folder.mkdir(parents=True)
+    _run(folder, [line("update", 17.0 * GIB, 18.0 * GIB, 22.0 * GIB, 4.0 * GIB, 32000, 8)],
+         [{"step": 1, "data": {"actor/perf/max_memory_allocated_gb": 30.0}}])
+    (folder / "train.log").rename(tmp_path / "calibration.log")
+    (command,) = [c for c in (REPO / "docs" / "memory.md").read_text().splitlines()
+                  if c.startswith("python -m stapo_memory.calibration --log ")]
+    env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, *command.split()[1:]], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "allocated   17.0" in _row(proc.stdout, "update")
+    assert "max_memory_allocated_gb (all passes): 30.0 GiB" in proc.stdout
+    usage = subprocess.run([sys.executable, "-m", "stapo_memory.calibration", "--help"], cwd=tmp_path,
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: python -m stapo_memory.calibration ")

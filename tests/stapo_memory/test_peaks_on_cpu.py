@@ -1,4 +1,4 @@
-"""The per-pass memory probe (``verl_patches.memory_probe``): which pass a call is, the peak reset
+"""The per-pass memory probes' code (``stapo_memory.peaks``): which pass a call is, the peak reset
 before and read after each pass, a forward inside the update logged as its own pass while the update's
 line still covers it, the device-wide figure and the memory outside PyTorch's allocator, the largest
 micro-batch's tokens, one line on rank 0, nothing without CUDA."""
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import torch
 from tensordict import TensorDict
 
+from stapo_memory import peaks as probe
 from verl.utils import tensordict_utils as tu
-from verl_patches import memory_probe as probe
 
 GIB = 2**30
 

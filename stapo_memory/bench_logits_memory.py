@@ -1,9 +1,9 @@
 """Peak memory of the logits-side computations of verl's log-prob pass, measured against the memory
-model's numbers (``recipe/stapo/memory/model.py``).
+model's numbers (``stapo_memory/terms.py``).
 
-    python -m benchmarks.bench_logits_memory                       # CPU: 4096 tokens x 151,936 vocabulary
-    python -m benchmarks.bench_logits_memory --tokens 2048 --json rows.json
-    python -m benchmarks.bench_logits_memory --device cuda --tokens 16384   # under CUDA autocast (bf16)
+    python -m stapo_memory.bench_logits_memory                       # CPU: 4096 tokens x 151,936 vocabulary
+    python -m stapo_memory.bench_logits_memory --tokens 2048 --json rows.json
+    python -m stapo_memory.bench_logits_memory --device cuda --tokens 16384   # under CUDA autocast (bf16)
 
 Each case runs one computation on ``(tokens, vocab)`` bfloat16 logits (normal, scale 3) that exist
 before it, and records the peak bytes it allocates beside them:
@@ -39,7 +39,7 @@ from typing import Callable
 
 import torch
 
-from recipe.stapo.memory import model as mm
+from .terms import BF16, SUM_PI_SQUARED_CHUNK_ROWS, entropy_extra_bytes, logits_bytes, sum_pi_squared_extra_bytes
 
 MIB = 1024**2
 CASES = ("logits", "sum_pi_squared_verl", "sum_pi_squared_chunked", "entropy_chunked", "log_probs")
@@ -100,29 +100,29 @@ def cuda_autocast_logsumexp(device: str):
         torch.logsumexp = original
 
 
-def modelled_bytes(case: str, tokens: int, vocab: int, chunk: int = mm.SUM_PI_SQUARED_CHUNK_ROWS) -> float:
+def modelled_bytes(case: str, tokens: int, vocab: int, chunk: int = SUM_PI_SQUARED_CHUNK_ROWS) -> float:
     """The memory model's number for ``case`` (bfloat16 logits, ``chunk`` rows per chunk)."""
     if case == "logits":
-        return mm.logits_bytes(tokens, vocab, mm.BF16)
+        return logits_bytes(tokens, vocab, BF16)
     if case == "sum_pi_squared_verl":
-        return mm.sum_pi_squared_extra_bytes(tokens, vocab, mm.BF16, chunk=None) + 4 * tokens
+        return sum_pi_squared_extra_bytes(tokens, vocab, BF16, chunk=None) + 4 * tokens
     if case == "sum_pi_squared_chunked":
-        return mm.sum_pi_squared_extra_bytes(tokens, vocab, mm.BF16, chunk=chunk) + 4 * tokens
+        return sum_pi_squared_extra_bytes(tokens, vocab, BF16, chunk=chunk) + 4 * tokens
     if case == "entropy_chunked":
-        return mm.entropy_extra_bytes(tokens, vocab, chunk=chunk) + 4 * tokens
+        return entropy_extra_bytes(tokens, vocab, chunk=chunk) + 4 * tokens
     if case == "log_probs":
         return 4.0 * tokens
     raise ValueError(f"unknown case {case!r}: expected one of {CASES}")
 
 
-def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, chunk: int = mm.SUM_PI_SQUARED_CHUNK_ROWS,
+def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, chunk: int = SUM_PI_SQUARED_CHUNK_ROWS,
               seed: int = 0) -> list[dict]:
     """Measure each case once (``chunk``: rows per chunk of the chunked cases); rows of ``case, tokens,
     vocab, chunk, measured_bytes, model_bytes, ratio``."""
-    import verl_patches.activate  # noqa: F401  (the recipe's patches, as in every verl process)
+    import verl_patches.activate  # the recipe's patches, as in every verl process  # noqa: F401
     from verl.utils import torch_functional as verl_F
 
-    from verl_patches.registry import original_of
+    from verl_patches.registry import original_of  # verl's own functions under the recipe's patches
     from verl_patches.sum_pi_squared import sum_pi_squared_chunked
 
     if device == "cpu":
@@ -159,12 +159,12 @@ def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, chunk: 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stapo_memory.bench_logits_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--vocab", type=int, default=151936)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--cases", default=",".join(CASES))
-    p.add_argument("--chunk", type=int, default=mm.SUM_PI_SQUARED_CHUNK_ROWS,
+    p.add_argument("--chunk", type=int, default=SUM_PI_SQUARED_CHUNK_ROWS,
                    help="rows per chunk of the chunked cases (default: the recipe's and verl's 2048)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None, help="also write the rows to this file")

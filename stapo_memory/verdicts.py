@@ -1,9 +1,9 @@
 """The preflight's memory verdict for every paper run on common cards, as one table (docs/memory.md,
 "Verdicts on common cards").
 
-    python -m recipe.stapo.memory.verdicts                          # print the table and the written count
-    python -m recipe.stapo.memory.verdicts --write docs/memory.md   # replace both in the document
-    python -m recipe.stapo.memory.verdicts --check docs/memory.md   # exit 1 when the document's differ
+    python -m stapo_memory.verdicts                          # print the table and the written count
+    python -m stapo_memory.verdicts --write docs/memory.md   # replace both in the document
+    python -m stapo_memory.verdicts --check docs/memory.md   # exit 1 when the document's differ
 
 Each cell is one run: a method and model config as its run script composes it (``method=<m>
 model=<model>``), on 1 or 8 nodes of 8 GPUs, with ``recipe.gpu_mem_gb`` set to the card's memory as
@@ -26,32 +26,37 @@ from typing import Optional
 from omegaconf import OmegaConf, open_dict
 
 from recipe.stapo.driver import compose, ensure_loss_statistics
-from recipe.stapo.memory import model as mm
 from recipe.stapo.methods import methods
-from recipe.stapo.preflight import PreflightError, check
-from recipe.stapo.preflight.memory import model_path, verified_plans
+from recipe.stapo.preflight import problems_of
+from recipe.stapo.preflight.context import model_path
+from recipe.stapo.preflight.problem import ACTOR, REF, ROLLOUT
 
-#: the cards of the table: (column name, GiB as CUDA reports them)
-CARDS = (("40 GB", 39.4), ("48 GB", 44.4), ("80 GB", 79.1), ("96 GB", 95.0), ("141 GB", 139.8))
+from . import model as mm
+from .advice import Plan
+from .preflight import verified_plans
+from .shape import builtin_shape
+
+#: the cards of the table: (column name, GiB as CUDA reports them), the memory model's ``GPU_CAPACITY_GIB``
+CARDS = tuple((card.split()[-1].replace("GB", " GB"), gib) for card, gib in mm.GPU_CAPACITY_GIB.items())
 NODES = (1, 8)
 GPUS_PER_NODE = 8
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 #: short names of the keys a cell's changes set (the table's legend)
-SHORT = {f"{mm.ROLLOUT}.gpu_memory_utilization": "util",
-         f"{mm.ACTOR}.ppo_max_token_len_per_gpu": "update",
-         f"{mm.ROLLOUT}.log_prob_max_token_len_per_gpu": "log-prob",
-         f"{mm.REF}.log_prob_max_token_len_per_gpu": "ref",
-         f"{mm.ACTOR}.ulysses_sequence_parallel_size": "sp",
-         f"{mm.REF}.ulysses_sequence_parallel_size": None,
-         f"{mm.ACTOR}.fsdp_config.optimizer_offload": "optimizer-offload",
-         f"{mm.ACTOR}.fsdp_config.param_offload": "param-offload",
-         f"{mm.ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation": "no-sync",
+SHORT = {f"{ROLLOUT}.gpu_memory_utilization": "util",
+         f"{ACTOR}.ppo_max_token_len_per_gpu": "update",
+         f"{ROLLOUT}.log_prob_max_token_len_per_gpu": "log-prob",
+         f"{REF}.log_prob_max_token_len_per_gpu": "ref",
+         f"{ACTOR}.ulysses_sequence_parallel_size": "sp",
+         f"{REF}.ulysses_sequence_parallel_size": None,
+         f"{ACTOR}.fsdp_config.optimizer_offload": "optimizer-offload",
+         f"{ACTOR}.fsdp_config.param_offload": "param-offload",
+         f"{ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation": "no-sync",
          "trainer.nnodes": "nodes",
          "trainer.n_gpus_per_node": "gpus/node"}
-BEGIN, END = "<!-- verdicts: python -m recipe.stapo.memory.verdicts --write docs/memory.md -->", "<!-- verdicts end -->"
+BEGIN, END = "<!-- verdicts: python -m stapo_memory.verdicts --write docs/memory.md -->", "<!-- verdicts end -->"
 #: the run whose count docs/memory.md writes out term by term
 TERMS_RUN = ("stapo", "qwen3_8b", 8, 79.1)
-TERMS_BEGIN = ("<!-- terms: python -m recipe.stapo.memory.verdicts --write docs/memory.md "
+TERMS_BEGIN = ("<!-- terms: python -m stapo_memory.verdicts --write docs/memory.md "
                f"(method={TERMS_RUN[0]} model={TERMS_RUN[1]}, {TERMS_RUN[2]} nodes, {TERMS_RUN[3]} GiB) -->")
 TERMS_END = "<!-- terms end -->"
 SUBMIT = {"LAUNCH": "submit"}
@@ -78,7 +83,7 @@ class Cell:
         return f"{head}: only " + " or ".join(others) if others else f"{head}: no fit"
 
 
-def short(plan: mm.Plan) -> str:
+def short(plan: Plan) -> str:
     parts = []
     for key, value in plan.overrides.items():
         name = SHORT.get(key, key)
@@ -98,25 +103,17 @@ def run_config(method: str, model: str, nnodes: int, gpu_gib: float, workdir: st
     return config
 
 
-def problems_of(config, environ=SUBMIT) -> list:
-    """Every problem the whole preflight finds (none: it passes)."""
-    try:
-        check(config, environ, log=lambda _: None, advise=False)
-    except PreflightError as e:
-        return e.problems
-    return []
-
-
 def cell(config) -> Cell:
     """The verdict of one prepared config (see the module docstring)."""
     gpu = float(OmegaConf.select(config, "recipe.gpu_mem_gb")) * mm.GIB
-    shape = mm.builtin_shape(model_path(config))
+    shape = builtin_shape(model_path(config))
     est = mm.estimate(shape, mm.settings_from_config(config), gpu)
-    found = problems_of(config)
+    found = problems_of(config, SUBMIT)
     other = [p for p in found if not p.key.startswith("GPU memory")]
     if other:
         raise ValueError("the preflight refuses the run for another reason: " + "; ".join(map(str, other)))
-    plans = {} if not found else verified_plans(config, est, gpu, GPUS_PER_NODE, problems_of)
+    plans = {} if not found else verified_plans(config, est, gpu, GPUS_PER_NODE,
+                                                     lambda changed: problems_of(changed, SUBMIT))
     training = max((p for p in est.passes if p.name != "rollout"), key=lambda p: p.total)
     return Cell(est.passes[0].total, training.name, training.total, not found, plans)
 
@@ -162,7 +159,7 @@ def terms(method: str, model: str, nnodes: int, gpu_gib: float) -> str:
     code it follows, and the update's every moment."""
     with tempfile.TemporaryDirectory() as tmp:
         config = run_config(method, model, nnodes, gpu_gib, tmp)
-    shape = mm.builtin_shape(model_path(config))
+    shape = builtin_shape(model_path(config))
     est = mm.estimate(shape, mm.settings_from_config(config), gpu_gib * mm.GIB)
     lines = ["| pass (moment) | component | GiB | follows |", "|---|---|---|---|"]
     for p in est.passes:
@@ -185,7 +182,7 @@ def replace_in(document: str, table: str, begin: str = BEGIN, end: str = END) ->
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m stapo_memory.verdicts", description=__doc__.split("\n\n")[0])
     group = p.add_mutually_exclusive_group()
     group.add_argument("--write", metavar="DOC", help="replace the table in this markdown document")
     group.add_argument("--check", metavar="DOC", help="exit 1 when this document's table differs")
@@ -203,7 +200,7 @@ def main(argv=None) -> int:
         path = Path(args.check)
         if updated(path.read_text()) != path.read_text():
             print(f"{path}: the verdict table or the written count differs from the model's; regenerate them with "
-                  f"python -m recipe.stapo.memory.verdicts --write {path}", file=sys.stderr)
+                  f"python -m stapo_memory.verdicts --write {path}", file=sys.stderr)
             return 1
     else:
         print(table + "\n\n" + written)

@@ -1,6 +1,6 @@
-"""The table of verdicts in docs/memory.md (``python -m recipe.stapo.memory.verdicts``): the paper's
+"""The table of verdicts in docs/memory.md (``python -m stapo_memory.verdicts``): the paper's
 run scripts on 40 / 48 / 80 / 96 / 141 GB cards, on one node and on eight. The document's table is
-the one the command makes; every run the count (tests/recipe/memory/test_count_on_cpu.py) fits passes
+the one the command makes; every run the count (tests/stapo_memory/test_count_on_cpu.py) fits passes
 the preflight, every run it does not is refused, and the changes a refusal names fit by the count and
 pass the whole preflight and verl's validation on a stand-in for the cluster's storage."""
 
@@ -15,10 +15,13 @@ import sys
 import pytest
 from omegaconf import OmegaConf, open_dict
 
-from benchmarks.bench_layer_memory import counted_totals
 from recipe.stapo.driver import compose, prepare
-from recipe.stapo.memory import model as mm
-from recipe.stapo.memory import verdicts
+from recipe.stapo.preflight import problems_of
+from stapo_memory import model as mm
+from stapo_memory import verdicts
+from stapo_memory.bench_layer_memory import counted_totals
+from stapo_memory.shape import builtin_shape
+from stapo_memory.terms import GIB
 from tests.helpers.cluster_files import use_fake_cluster
 from tests.helpers.paths import REPO
 
@@ -44,8 +47,8 @@ def fits_by_the_count(est: mm.Estimate, gpu: float) -> bool:
 
 
 def _estimate(config) -> tuple[mm.Estimate, float]:
-    gpu = float(OmegaConf.select(config, "recipe.gpu_mem_gb")) * mm.GIB
-    shape = mm.builtin_shape(str(config.actor_rollout_ref.model.path))
+    gpu = float(OmegaConf.select(config, "recipe.gpu_mem_gb")) * GIB
+    shape = builtin_shape(str(config.actor_rollout_ref.model.path))
     return mm.estimate(shape, mm.settings_from_config(config), gpu), gpu
 
 
@@ -55,7 +58,7 @@ def test_the_documents_tables_are_the_ones_the_command_makes(table, tmp_path, mo
     computed a second time): it changes nothing (the table of verdicts and the written count are
     current)."""
     document = DOC.read_text()
-    (command,) = re.findall(r"^python -m recipe\.stapo\.memory\.verdicts --write docs/memory\.md$", document, re.M)
+    (command,) = re.findall(r"^python -m stapo_memory\.verdicts --write docs/memory\.md$", document, re.M)
     (tmp_path / "docs").mkdir()
     copy_ = tmp_path / "docs" / "memory.md"
     copy_.write_text(document)
@@ -63,16 +66,18 @@ def test_the_documents_tables_are_the_ones_the_command_makes(table, tmp_path, mo
     monkeypatch.setattr(verdicts, "cells", lambda workdir=None: table)
     assert verdicts.main(command.split()[3:]) == 0
     assert copy_.read_text() == document, \
-        "docs/memory.md's tables are stale: python -m recipe.stapo.memory.verdicts --write docs/memory.md"
+        "docs/memory.md's tables are stale: python -m stapo_memory.verdicts --write docs/memory.md"
     assert len(table) == 12 * len(verdicts.CARDS) * len(verdicts.NODES)
 
 
 def test_the_command_runs_as_a_module(tmp_path):
-    """``python -m recipe.stapo.memory.verdicts`` reaches ``main`` (its usage, without computing a table)."""
-    proc = subprocess.run([sys.executable, "-m", "recipe.stapo.memory.verdicts", "--help"], cwd=tmp_path,
+    """``python -m stapo_memory.verdicts`` reaches ``main`` (its usage, under its own name, without computing
+    a table)."""
+    proc = subprocess.run([sys.executable, "-m", "stapo_memory.verdicts", "--help"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--write DOC" in proc.stdout and "--check DOC" in proc.stdout
+    assert proc.stdout.startswith("usage: python -m stapo_memory.verdicts ")
 
 
 def test_the_check_command_fails_on_a_stale_table(tmp_path, monkeypatch, table):
@@ -132,9 +137,9 @@ def test_a_refused_run_still_refused_without_the_changes_is_not_silently_passed(
     is refused by the whole preflight, and passes once its changes are applied (no other key changed)."""
     (model, method, nodes, card), cell = next((k, c) for k, c in table.items() if not c.passes and "settings" in c.plans)
     config = verdicts.run_config(method, model, nodes, dict(verdicts.CARDS)[card], str(tmp_path))
-    assert any(p.key.startswith("GPU memory") for p in verdicts.problems_of(config))
+    assert any(p.key.startswith("GPU memory") for p in problems_of(config, verdicts.SUBMIT))
     changed = copy.deepcopy(config)
     with open_dict(changed):
         for key, value in cell.plans["settings"].overrides.items():
             OmegaConf.update(changed, key, value)
-    assert verdicts.problems_of(changed) == []
+    assert problems_of(changed, verdicts.SUBMIT) == []

@@ -30,46 +30,35 @@ Every token-dependent term is per GPU: with remove-padding a micro-batch packs a
 on each GPU (with Ulysses sequence parallelism of size ``sp`` a micro-batch holds ``budget x sp``
 tokens split over ``sp`` GPUs). :func:`estimate` gives each pass's components at its peak phase;
 :func:`problems` names every pass that does not fit within :func:`margin_bytes` of the GPU's capacity;
-:func:`plans` proposes the changes that make every pass fit, each re-estimated (the preflight then
+:func:`stapo_memory.advice.plans` proposes the changes that make every pass fit, each re-estimated (the preflight then
 runs each one through the whole preflight before it prints it).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
-from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Mapping, Optional
+from dataclasses import dataclass, field
+from typing import Optional
 
 from omegaconf import OmegaConf
 
 from recipe.stapo.policy_loss import settings_of
+from recipe.stapo.preflight.problem import ACTOR, REF, ROLLOUT
 
-GIB = 1024**3
-#: bytes of the dtypes involved
-FP32, BF16 = 4, 2
-#: per GPU, beside what the passes allocate: the trainer's and vLLM's CUDA contexts, NCCL buffers,
-#: vLLM's residue while it sleeps (CUDA graphs), the caching allocator's rounding: 3 to 6 GiB, the
-#: middle of that range counted
-OVERHEAD_BYTES = 4.5 * GIB
+from .shape import ModelShape
+from .terms import (BF16, ENTROPY_CHUNK_ROWS, FP32, GIB, NORM_BACKWARD_TEMPORARIES, OVERHEAD_BYTES,
+                    SUM_PI_SQUARED_CHUNK_ROWS, entropy_extra_bytes, entropy_with_grad_bytes,
+                    layer_backward_bytes_per_token, layer_forward_bytes_per_token, layer_inputs_bytes_per_token,
+                    no_grad_layer_bytes_per_token, norm_saved_bytes, sum_pi_squared_extra_bytes)
+
 #: the estimate's stated uncertainty, the margin a pass must leave below the GPU's capacity: the rest
 #: of the overhead's range, plus a share of everything the estimate computes beside vLLM's share (which
 #: vLLM enforces itself) and the overhead
 MARGIN_FIXED_BYTES = 1.5 * GIB
 MARGIN_FRACTION = 0.10
-#: the chunk (rows of logits) of the recipe's sum of squared probabilities: a copy of
-#: ``verl_patches.sum_pi_squared.CHUNK_ROWS`` (no torch import here; a test ties the two)
-SUM_PI_SQUARED_CHUNK_ROWS = 2048
-#: the chunk of verl's ``entropy_from_logits_with_chunking``: a copy of its ``chunk_size`` default and of
-#: ``actor.entropy_from_logits_chunk_size``'s (a test ties them)
-ENTROPY_CHUNK_ROWS = 2048
 #: vLLM's share must hold, beside its weights and the KV cache of one longest sequence, the activations
 #: of its profiling run (``max_num_batched_tokens`` tokens) and its CUDA graphs: 1 GiB counted
 VLLM_RUNTIME_BYTES = 1.0 * GIB
-#: the lowest ``gpu_memory_utilization`` the advice proposes, in steps of 0.05
-UTILISATION_STEP = 0.05
 
 #: what CUDA reports as a card's total memory (GiB, ``torch.cuda.get_device_properties(0).total_memory``),
 #: the meaning of ``GPU_MEM_GB``; vLLM's ``gpu_memory_utilization`` is a share of the same number
@@ -82,213 +71,6 @@ GPU_CAPACITY_GIB = {
 }
 #: ``GPU_MEM_GB``'s default: an 80 GB card as CUDA reports it
 DEFAULT_GPU_MEM_GIB = 79.1
-
-
-# ------------------------------------------------------------------------------------------------
-# the model's shape
-# ------------------------------------------------------------------------------------------------
-
-
-class ShapeError(ValueError):
-    """A ``config.json`` field the estimate cannot use; ``field`` names it (``None``: the file itself)."""
-
-    def __init__(self, source: str, field: Optional[str], problem: str):
-        self.source, self.field, self.problem = source, field, problem
-        super().__init__(f"{source or 'config.json'}: " + (f"{field}: " if field else "") + problem)
-
-
-class NotEstimated(ValueError):
-    """A model the estimate does not cover (a Mixture-of-Experts model); ``field`` is what says so."""
-
-    def __init__(self, source: str, field: str, problem: str):
-        self.source, self.field, self.problem = source, field, problem
-        super().__init__(f"{source or 'config.json'}: {field}: {problem}")
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the estimate needs from a dense decoder-only model's ``config.json``.
-
-    ``qk_norm``: per-head RMSNorm of queries and keys (Qwen3); ``qkv_bias``: biases on the query, key
-    and value projections (Qwen2); ``max_position_embeddings``: the context vLLM serves by default
-    (None: not given); ``source``: where the numbers come from (a file or a built-in).
-    """
-
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    qk_norm: bool = False
-    qkv_bias: bool = False
-    model_type: str = "qwen3"
-    max_position_embeddings: Optional[int] = None
-    source: str = ""
-
-    @property
-    def q_width(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_width(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def layer_params(self) -> int:
-        """Parameters of one decoder layer: attention, MLP (gate, up, down), two RMSNorms."""
-        h, q, kv = self.hidden_size, self.q_width, self.kv_width
-        attention = h * q + 2 * h * kv + q * h
-        if self.qkv_bias:
-            attention += q + 2 * kv
-        if self.qk_norm:
-            attention += 2 * self.head_dim
-        return attention + 3 * h * self.intermediate_size + 2 * h
-
-    @property
-    def embedding_params(self) -> int:
-        """Token embedding plus the LM head (once when tied) and the final norm: the parameters FSDP
-        keeps in its root unit (every decoder layer is its own unit)."""
-        heads = 1 if self.tie_word_embeddings else 2
-        return heads * self.vocab_size * self.hidden_size + self.hidden_size
-
-    @property
-    def params(self) -> int:
-        return self.num_layers * self.layer_params + self.embedding_params
-
-
-#: fields whose presence (with a positive value) makes a config a Mixture-of-Experts model
-MOE_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_per_tok",
-              "moe_intermediate_size", "n_shared_experts")
-
-
-def _positive_int(cfg: Mapping, key: str, source: str, minimum: int = 1, required: bool = True) -> Optional[int]:
-    """``cfg[key]`` as a whole number >= ``minimum``; None when absent and not ``required``;
-    :class:`ShapeError` naming the field otherwise."""
-    if key not in cfg or cfg[key] is None:
-        if required:
-            raise ShapeError(source, key, "missing (the memory estimate needs it)")
-        return None
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ShapeError(source, key, f"{value!r} is not a whole number (transformers builds its layers from it)")
-    if value < minimum:
-        raise ShapeError(source, key, f"{value!r} must be at least {minimum}")
-    return value
-
-
-def _moe_params(cfg: Mapping, shape_fields: dict) -> Optional[int]:
-    """Parameters of a Mixture-of-Experts config with its experts (every layer sparse; a shared
-    expert when named), or None when the expert width is not given."""
-    experts = next((cfg.get(k) for k in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
-                    if isinstance(cfg.get(k), int) and cfg.get(k) > 0), None)
-    width = cfg.get("moe_intermediate_size") or (cfg.get("intermediate_size") if cfg.get("num_local_experts") else None)
-    if not experts or not isinstance(width, int) or width <= 0:
-        return None
-    h = shape_fields["hidden_size"]
-    q, kv = shape_fields["num_heads"] * shape_fields["head_dim"], shape_fields["num_kv_heads"] * shape_fields["head_dim"]
-    shared = cfg.get("shared_expert_intermediate_size") or 0
-    layer = 2 * h * q + 2 * h * kv + h * experts + experts * 3 * h * width + 3 * h * int(shared) + 2 * h
-    heads = 1 if cfg.get("tie_word_embeddings") else 2
-    return shape_fields["num_layers"] * layer + heads * shape_fields["vocab_size"] * h + h
-
-
-def shape_from_hf_config(config: Mapping, source: str = "") -> ModelShape:
-    """:class:`ModelShape` of a Hugging Face ``config.json`` (a nested ``text_config`` is used when
-    present), every field checked: whole numbers >= 1 (the vocabulary >= 2), key-value heads dividing
-    the attention heads, a head size given or dividing the width. :class:`ShapeError` names the first
-    field that is not; :class:`NotEstimated` a Mixture-of-Experts config (its experts are not modelled,
-    and a dense estimate of its width would be several times too low)."""
-    if not isinstance(config, Mapping):
-        raise ShapeError(source, None, "not a JSON object")
-    text = config.get("text_config")
-    cfg = dict(text) if isinstance(text, Mapping) else dict(config)
-    source = source or "config.json"
-    f = {"hidden_size": _positive_int(cfg, "hidden_size", source),
-         "num_layers": _positive_int(cfg, "num_hidden_layers", source),
-         "num_heads": _positive_int(cfg, "num_attention_heads", source),
-         "intermediate_size": _positive_int(cfg, "intermediate_size", source),
-         "vocab_size": _positive_int(cfg, "vocab_size", source, minimum=2)}
-    kv = _positive_int(cfg, "num_key_value_heads", source, required=False) or f["num_heads"]
-    if f["num_heads"] % kv:
-        raise ShapeError(source, "num_key_value_heads", f"{kv} does not divide num_attention_heads="
-                         f"{f['num_heads']} (grouped-query attention shares each key-value head among whole groups)")
-    head_dim = _positive_int(cfg, "head_dim", source, required=False)
-    if head_dim is None:
-        if f["hidden_size"] % f["num_heads"]:
-            raise ShapeError(source, "head_dim", f"missing, and hidden_size={f['hidden_size']} is not a multiple of "
-                             f"num_attention_heads={f['num_heads']}")
-        head_dim = f["hidden_size"] // f["num_heads"]
-    f.update(num_kv_heads=kv, head_dim=head_dim)
-    max_positions = _positive_int(cfg, "max_position_embeddings", source, required=False)
-    tied = cfg.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
-    if not isinstance(tied, bool):
-        raise ShapeError(source, "tie_word_embeddings", f"{tied!r} is not true or false")
-    bias = cfg.get("attention_bias", False)
-    if not isinstance(bias, bool):
-        raise ShapeError(source, "attention_bias", f"{bias!r} is not true or false")
-    model_type = str(cfg.get("model_type") or config.get("model_type") or "")
-    for key in MOE_FIELDS:
-        value = cfg.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-            total = _moe_params(cfg, f)
-            size = f" (about {total / 1e9:.1f}B parameters with its experts)" if total else ""
-            raise NotEstimated(source, key, f"{value!r}: a Mixture-of-Experts model{size}; the memory model "
-                               "estimates dense decoders only, and estimating it as the dense model of the same "
-                               "width would count a fraction of its parameters")
-    if "moe" in model_type.lower():
-        raise NotEstimated(source, "model_type", f"{model_type!r}: a Mixture-of-Experts model; the memory model "
-                           "estimates dense decoders only")
-    return ModelShape(
-        hidden_size=f["hidden_size"], num_layers=f["num_layers"], num_heads=f["num_heads"], num_kv_heads=kv,
-        head_dim=head_dim, intermediate_size=f["intermediate_size"], vocab_size=f["vocab_size"],
-        tie_word_embeddings=tied, qk_norm=model_type.startswith("qwen3"),
-        qkv_bias=model_type.startswith("qwen2") or bias, model_type=model_type,
-        max_position_embeddings=max_positions, source=source,
-    )
-
-
-def _qwen3(hidden, layers, heads, intermediate, tied, name) -> ModelShape:
-    return ModelShape(hidden_size=hidden, num_layers=layers, num_heads=heads, num_kv_heads=8, head_dim=128,
-                      intermediate_size=intermediate, vocab_size=151936, tie_word_embeddings=tied, qk_norm=True,
-                      model_type="qwen3", max_position_embeddings=32768, source=f"built-in {name} architecture")
-
-
-#: the paper's models (their ``config.json``), for a model path the launching machine cannot read
-#: (a hub id, or cluster storage not mounted here); the base and post-trained models share them
-BUILTIN_SHAPES = {
-    "qwen3-1.7b": _qwen3(2048, 28, 16, 6144, True, "Qwen3-1.7B"),
-    "qwen3-8b": _qwen3(4096, 36, 32, 12288, False, "Qwen3-8B"),
-    "qwen3-14b": _qwen3(5120, 40, 40, 17408, False, "Qwen3-14B"),
-}
-
-
-def builtin_shape(model_path: str) -> Optional[ModelShape]:
-    """The built-in shape whose name the path's last component carries (``.../Qwen3-8B-Base``), or None."""
-    name = re.sub(r"[-_](base|instruct)$", "", Path(str(model_path).rstrip("/")).name.lower())
-    return BUILTIN_SHAPES.get(name)
-
-
-class Unreadable(ValueError):
-    """``config.json`` is missing or not JSON (a folder the launching machine may not see)."""
-
-
-def load_shape(model_path: str) -> ModelShape:
-    """The shape from ``<model_path>/config.json``: :class:`Unreadable` when the file cannot be read
-    or parsed; :class:`ShapeError` / :class:`NotEstimated` (naming the field) when it can but its
-    shape cannot be used."""
-    path = Path(model_path) / "config.json"
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise Unreadable(f"{path}: {e.strerror or e}") from None
-    try:
-        config = json.loads(text)
-    except ValueError as e:
-        raise Unreadable(f"{path}: not JSON ({e})") from None
-    return shape_from_hf_config(config, source=str(path))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -348,7 +130,6 @@ class Pass:
     setting: str
     tokens: Optional[int] = None
     bytes_per_token: float = 0.0
-    note: str = ""
     phase: str = ""
     phases: dict[str, float] = field(default_factory=dict)
 
@@ -366,140 +147,6 @@ class Estimate:
     @property
     def peak(self) -> Pass:
         return max(self.passes, key=lambda p: p.total)
-
-
-# ------------------------------------------------------------------------------------------------
-# the logits side (checked against a measurement: benchmarks/bench_logits_memory.py)
-# ------------------------------------------------------------------------------------------------
-
-
-def logits_bytes(tokens: int, vocab: int, dtype_bytes: int = BF16) -> float:
-    """The logits of ``tokens`` positions: ``tokens x vocab`` in the compute dtype."""
-    return float(tokens) * vocab * dtype_bytes
-
-
-def sum_pi_squared_extra_bytes(tokens: int, vocab: int, logits_dtype_bytes: int = BF16,
-                               chunk: Optional[int] = None, autocast_fp32: bool = True) -> float:
-    """Peak bytes ``sum_n pi_n^2`` allocates beside the logits.
-
-    verl's unchunked ``exp(logsumexp(2 x) - 2 logsumexp(x))`` holds ``2 x`` (logits dtype) while its
-    ``logsumexp`` runs; under CUDA autocast ``logsumexp`` is a float32 op, so it first casts its
-    input to float32 and then subtracts the row maximum into a second float32 temporary:
-    ``tokens x vocab x (b + 4 + 4)`` bytes for logits of ``b`` bytes (float32 logits need no cast).
-    Chunked (the recipe's patch): one float32 copy of ``chunk`` rows, its double and the
-    ``logsumexp`` temporary, ``12 x chunk x vocab`` bytes, whatever the dtype.
-    """
-    if chunk is not None:
-        return 3.0 * FP32 * min(chunk, tokens) * vocab
-    cast = FP32 if (autocast_fp32 and logits_dtype_bytes < FP32) else 0
-    return float(tokens) * vocab * (logits_dtype_bytes + cast + FP32)
-
-
-def entropy_extra_bytes(tokens: int, vocab: int, chunk: Optional[int] = 2048) -> float:
-    """Peak bytes verl's entropy allocates beside the logits, without autograd: per chunk a float32
-    copy, its softmax and one more float32 temporary (the ``logsumexp`` or the product
-    ``softmax x logits``): ``12 x rows x vocab`` (rows: the chunk, or every token unchunked).
-    ``torch.compile`` (verl's default) fuses some of them: an upper bound."""
-    rows = tokens if chunk is None else min(chunk, tokens)
-    return 3.0 * FP32 * rows * vocab
-
-
-def entropy_with_grad_bytes(tokens: int, vocab: int, chunk: Optional[int] = 2048, backward: bool = False) -> float:
-    """What verl's chunked entropy with grad (an entropy bonus) holds: every chunk's float32 copy and
-    softmax, kept for the backward (``8 x tokens x vocab``), plus one chunk's float32 product while the
-    forward runs, two of its float32 gradients while the backward runs (eager; an upper bound under
-    ``torch.compile``)."""
-    rows = tokens if chunk is None else min(chunk, tokens)
-    return 2.0 * FP32 * tokens * vocab + (2 if backward else 1) * FP32 * rows * vocab
-
-
-# ------------------------------------------------------------------------------------------------
-# the activations, per token, as the model code allocates them (bytes; b: the compute dtype's)
-# ------------------------------------------------------------------------------------------------
-
-#: float32 temporaries of an RMSNorm's backward, each of its width: the gradient cast to float32, the
-#: two products' gradients, the mean's and the square's (``Qwen3RMSNorm.forward`` differentiated by
-#: autograd)
-NORM_BACKWARD_TEMPORARIES = 5
-
-
-def norm_saved_bytes(width: int, b: int) -> float:
-    """An RMSNorm with grad (``Qwen3RMSNorm.forward``) keeps the float32 copy of its input (read by
-    ``pow`` and the product with ``rsqrt``) and the normalised tensor in the input dtype (read by the
-    product with the weight): ``(4 + b) x width``."""
-    return (FP32 + b) * width
-
-
-def layer_inputs_bytes_per_token(shape: ModelShape, b: int) -> float:
-    """What gradient checkpointing keeps through the whole backward: each decoder layer's input
-    (``L x h x b``: the embedding's output and every layer's output but the last)."""
-    return shape.num_layers * shape.hidden_size * b
-
-
-def checkpoint_bytes_per_token(shape: ModelShape, b: int) -> float:
-    """The layer inputs and the final norm, outside the checkpointed layers, with its saved tensors
-    and its output (the LM head's saved input): what the update keeps from the end of its forward
-    until the final norm's backward."""
-    h = shape.hidden_size
-    return layer_inputs_bytes_per_token(shape, b) + norm_saved_bytes(h, b) + h * b
-
-
-def layer_saved_bytes_per_token(shape: ModelShape, b: int) -> tuple[float, float]:
-    """(attention's, MLP's) tensors one recomputed decoder layer keeps for its backward.
-
-    Attention: the input norm's saved tensors and its output (the input of the q/k/v projections);
-    with per-head q/k norms (Qwen3) theirs (their outputs only pass through the rotary embedding,
-    which keeps ``cos`` and ``sin``); flash-attn's saved queries and keys after the rotary embedding,
-    values, output (also ``o_proj``'s input) and its float32 log-sum-exp per head. MLP: the second
-    norm's tensors and output, the gate, its activation, the up projection and their product (the
-    inputs of ``act_fn``, of the product and of ``down_proj``)."""
-    h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
-    attention = norm_saved_bytes(h, b) + h * b
-    if shape.qk_norm:
-        attention += norm_saved_bytes(q, b) + norm_saved_bytes(kv, b)
-    attention += b * (q + 2 * kv) + b * q + FP32 * shape.num_heads
-    mlp = norm_saved_bytes(h, b) + h * b + 4 * b * i
-    return attention, mlp
-
-
-def layer_backward_bytes_per_token(shape: ModelShape, b: int) -> float:
-    """One recomputed layer's peak in its backward, per token: what it saved plus the gradients alive
-    at the largest of three moments. The MLP's backward (the peak for Qwen3): everything saved, the
-    gradient from above, the product's gradient and the first of its factors' gradients. The second
-    norm's backward (the MLP's tensors freed): the attention's tensors, the norm's float32 copy, the
-    gradient from above and :data:`NORM_BACKWARD_TEMPORARIES` float32 temporaries. The attention's:
-    its tensors, the incoming and output gradients and flash-attn's backward buffers (dq, dk, dv, the
-    float32 ``dq_accum`` and ``softmax_d`` and, with grouped-query attention, dk and dv for every head
-    before they are summed)."""
-    h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
-    attention, mlp = layer_saved_bytes_per_token(shape, b)
-    in_mlp = attention + mlp + h * b + 2 * b * i
-    in_norm = attention + FP32 * h + h * b + NORM_BACKWARD_TEMPORARIES * FP32 * h
-    flash_backward = b * (q + 2 * kv) + FP32 * q + FP32 * shape.num_heads
-    if shape.num_kv_heads != shape.num_heads:
-        flash_backward += 2 * b * q
-    in_attention = attention + h * b + b * q + flash_backward
-    return float(max(in_mlp, in_norm, in_attention))
-
-
-def layer_forward_bytes_per_token(shape: ModelShape, b: int) -> float:
-    """A decoder layer's tensors while it runs without keeping any (no grad, or the first forward of a
-    checkpointed layer), beside its input: the larger of the MLP's moment (the residual after the
-    attention, the norm's output, the activation, the up projection and their product) and the
-    attention's (the norm's output, a projection and the float32 copy and product of its per-head
-    norm, the key and value projections); the rotary embedding's ``cos`` and ``sin`` in both."""
-    h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
-    rotary = 2 * b * shape.head_dim
-    mlp = 2 * h * b + 3 * i * b
-    attention = h * b + (b + 2 * FP32) * q + 2 * kv * b
-    return float(max(mlp, attention) + rotary)
-
-
-def no_grad_layer_bytes_per_token(shape: ModelShape, b: int) -> float:
-    """A decoder layer without grad, per token: its working set (:func:`layer_forward_bytes_per_token`)
-    beside the layer's input and the embedding's output (``Qwen3Model.forward`` keeps
-    ``inputs_embeds`` until it returns)."""
-    return layer_forward_bytes_per_token(shape, b) + 2 * shape.hidden_size * b
 
 
 # ------------------------------------------------------------------------------------------------
@@ -649,7 +296,7 @@ def update_activation_phases(shape: ModelShape, s: Settings) -> dict[str, Terms]
 
 
 def _pass_from_phases(name: str, phases: dict[str, list[tuple[str, float, float]]], tokens: int,
-                      fixed: dict[str, float], setting: str, note: str = "",
+                      fixed: dict[str, float], setting: str,
                       extra: Optional[dict[str, list[tuple[str, float, float]]]] = None) -> Pass:
     """The pass at its largest phase: ``fixed`` components (resident state, gathered parameters,
     overhead) plus the phase's; ``extra``: components some phases add beside the model code's (FSDP's
@@ -668,13 +315,13 @@ def _pass_from_phases(name: str, phases: dict[str, list[tuple[str, float, float]
     merged.update(components)
     if overhead is not None:
         merged["overhead"] = overhead
-    return Pass(name, merged, setting, tokens, per_token, note, phase, totals)
+    return Pass(name, merged, setting, tokens, per_token, phase, totals)
 
 
 def _forward_pass(name: str, shape: ModelShape, s: Settings, tokens: int, setting: str, *, entropy: bool,
-                  sum_pi_squared: bool, fixed: dict[str, float], note: str = "") -> Pass:
+                  sum_pi_squared: bool, fixed: dict[str, float]) -> Pass:
     phases = forward_activation_phases(shape, s, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared)
-    return _pass_from_phases(name, phases, tokens, fixed, setting, note)
+    return _pass_from_phases(name, phases, tokens, fixed, setting)
 
 
 def vllm_floor_bytes(shape: ModelShape, s: Settings) -> float:
@@ -716,14 +363,12 @@ def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
         passes.append(_forward_pass("reference", shape, s, s.ref_tokens,
                                     "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", entropy=False,
                                     sum_pi_squared=False, fixed=forward_fixed(reference=True)))
-    if s.current_tokens is not None:
+    if s.current_tokens is not None:  # S2T's current-policy statistics, at verl's log-prob pass settings
         passes.append(_forward_pass("current", shape, s, s.current_tokens, log_prob_setting, entropy=True,
-                                    sum_pi_squared=False, fixed=forward_fixed(),
-                                    note="S2T's current-policy statistics (verl's log-prob pass settings)"))
-    if s.update_effect_tokens is not None:
+                                    sum_pi_squared=False, fixed=forward_fixed()))
+    if s.update_effect_tokens is not None:  # the update effect's forward of the measured responses
         passes.append(_forward_pass("update_effect", shape, s, s.update_effect_tokens, log_prob_setting,
-                                    entropy=False, sum_pi_squared=False, fixed=forward_fixed(),
-                                    note="the update effect's forward of the measured responses"))
+                                    entropy=False, sum_pi_squared=False, fixed=forward_fixed()))
     # the update: one micro-batch, at the largest of its moments
     fixed = _resident(shape, s, update=True)
     fixed["gathered parameters"] = _gathered(shape, s)
@@ -739,7 +384,8 @@ def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
         ("layer gradient: unsharded, float32 copy, shard", _reduce_scatter_bytes(shape.layer_params, s), 0.0)]
     passes.append(_pass_from_phases("update", phases, s.update_tokens, fixed,
                                     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", extra=fsdp))
-    # ... its end: the root unit's reduction (the embedding's gradient beside the LM head's)
+    # ... its end: the root unit's reduction (the embedding's gradient beside the LM head's); more GPUs shard
+    # the state further
     end = _resident(shape, s, update=True)
     end["gathered parameters"] = float(b * shape.embedding_params)
     end["root unit gradient: unsharded, float32 copy, shard"] = _reduce_scatter_bytes(shape.embedding_params, s)
@@ -747,14 +393,13 @@ def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
     if s.no_sync_gradients:
         end["unsharded gradients (no_sync)"] = float(b * shape.params)
     end["overhead"] = float(s.overhead_bytes)
-    passes.append(Pass("update_end", end, "trainer.nnodes", phase="root unit reduce-scatter",
-                       note="gradient reduction at the end of the backward: more GPUs shard the state further"))
-    # ... and the optimizer step: AdamW's foreach update allocates one float32 temporary per parameter
+    passes.append(Pass("update_end", end, "trainer.nnodes", phase="root unit reduce-scatter"))
+    # ... and the optimizer step: AdamW's foreach update allocates one float32 temporary per parameter (more
+    # GPUs shard the state further; optimizer_offload does not lower it)
     step = _resident(shape, s, update=True)
     step["AdamW foreach temporary (fp32, sharded)"] = FP32 * shape.params / s.world_size
     step["overhead"] = float(s.overhead_bytes)
-    passes.append(Pass("optimizer_step", step, "trainer.nnodes", phase="AdamW step",
-                       note="more GPUs shard the state further; optimizer_offload does not lower it"))
+    passes.append(Pass("optimizer_step", step, "trainer.nnodes", phase="AdamW step"))
     return Estimate(shape, s, passes)
 
 
@@ -764,7 +409,6 @@ def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
 
 #: what makes verl build the reference model (a KL loss or a KL penalty in the reward)
 _KL_KEYS = ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward")
-ACTOR, ROLLOUT, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 
 
 def settings_from_config(config) -> Settings:
@@ -871,9 +515,6 @@ def all_fit(est: Estimate, gpu_bytes: float) -> bool:
     return vllm_share_fits(est, gpu_bytes) and all(fits(p, gpu_bytes) for p in est.passes)
 
 
-def _pass_named(est: Estimate, name: str) -> Optional[Pass]:
-    return next((p for p in est.passes if p.name == name), None)
-
 
 def problems(est: Estimate, gpu_bytes: float) -> list[tuple[str, str, str]]:
     """``(pass, setting, problem)`` for every pass whose estimated peak plus its margin exceeds
@@ -898,185 +539,6 @@ def problems(est: Estimate, gpu_bytes: float) -> list[tuple[str, str, str]]:
                     f"{s.longest}-token sequence's KV cache need ({gib(vllm_floor_bytes(est.shape, s))} GiB with "
                     f"tensor parallel size {s.rollout_tp}): vLLM would refuse to start"))
     return out
-
-
-# ------------------------------------------------------------------------------------------------
-# advice: changes that make every pass fit, each re-estimated
-# ------------------------------------------------------------------------------------------------
-
-#: a token budget the advice proposes is a multiple of this (or the floor itself)
-BUDGET_STEP = 1024
-_NO_SYNC_KEY = f"{ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation"
-
-
-@dataclass
-class Plan:
-    """Changes after which every pass fits by the estimate: ``overrides`` (config key -> value, as
-    Hydra overrides), ``kind`` (``settings``: budgets, utilisation, sequence parallelism; ``offload``;
-    ``gpus``) and the estimate with them."""
-
-    kind: str
-    overrides: dict[str, object]
-    estimate: Estimate
-
-    def text(self) -> str:
-        return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides.items())
-
-
-def _budget_knobs(s: Settings) -> list[tuple[str, tuple[str, ...], str]]:
-    """(settings field, passes it sizes, config key) of every token budget the run has."""
-    budget = lambda dynamic_key, micro_key: dynamic_key if s.dynamic_bsz else micro_key  # noqa: E731
-    knobs = [("update_tokens", ("update", "update_end"),
-              budget(f"{ACTOR}.ppo_max_token_len_per_gpu", f"{ACTOR}.ppo_micro_batch_size_per_gpu")),
-             ("log_prob_tokens", ("log_prob", "current", "update_effect"),
-              budget(f"{ROLLOUT}.log_prob_max_token_len_per_gpu", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"))]
-    if s.ref_tokens is not None:
-        knobs.append(("ref_tokens", ("reference",),
-                      budget(f"{REF}.log_prob_max_token_len_per_gpu", f"{REF}.log_prob_micro_batch_size_per_gpu")))
-    return knobs
-
-
-def _with_budget(s: Settings, knob: str, tokens: int) -> Settings:
-    if knob == "log_prob_tokens":
-        return replace(s, log_prob_tokens=tokens,
-                       current_tokens=tokens if s.current_tokens is not None else None,
-                       update_effect_tokens=min(tokens, s.update_effect_tokens)
-                       if s.update_effect_tokens is not None else None)
-    return replace(s, **{knob: tokens})
-
-
-def _fit(shape: ModelShape, s: Settings, gpu_bytes: float, names: tuple[str, ...]) -> bool:
-    est = estimate(shape, s, gpu_bytes)
-    return all(fits(p, gpu_bytes) for p in est.passes if p.name in names)
-
-
-def _budget_candidates(s: Settings, current: int, floor: int) -> list[int]:
-    """Budgets from ``floor`` up to ``current`` (multiples of :data:`BUDGET_STEP`, or of the longest
-    sequence without dynamic batching), ascending."""
-    if not s.dynamic_bsz:
-        step = max(1, s.longest)
-        return [k * step for k in range(1, max(1, current // step) + 1)]
-    first = math.ceil(floor / BUDGET_STEP) * BUDGET_STEP
-    return sorted({floor, *range(first, current + 1, BUDGET_STEP)})
-
-
-def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str, names: tuple[str, ...],
-                    floor: int) -> Optional[int]:
-    """The largest budget (at least ``floor``, at most the current one) at which ``names`` fit, the
-    model re-run at each candidate (the passes grow with their tokens); None when ``floor`` does not fit."""
-    current = getattr(s, knob)
-    candidates = [c for c in _budget_candidates(s, current, floor) if floor <= c <= current]
-    if not candidates or not _fit(shape, _with_budget(s, knob, candidates[0]), gpu_bytes, names):
-        return None
-    lo, hi = 0, len(candidates) - 1
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _fit(shape, _with_budget(s, knob, candidates[mid]), gpu_bytes, names):
-            lo = mid
-        else:
-            hi = mid - 1
-    return candidates[lo]
-
-
-def _utilisation(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[float]:
-    """The largest ``gpu_memory_utilization`` (a multiple of :data:`UTILISATION_STEP`) with which the
-    rollout fits and vLLM's share holds its weights and one longest sequence; None when none does."""
-    for k in range(round(0.95 / UTILISATION_STEP), 0, -1):
-        u = round(k * UTILISATION_STEP, 2)
-        est = estimate(shape, replace(s, gpu_memory_utilization=u), gpu_bytes)
-        if fits(_pass_named(est, "rollout"), gpu_bytes) and vllm_share_fits(est, gpu_bytes):
-            return u
-    return None
-
-
-def _sequence_parallel_sizes(shape: ModelShape, s: Settings) -> list[int]:
-    """Sizes above the current one that verl accepts: dividing the GPUs and the attention heads, the
-    key-value heads dividing it or it dividing them."""
-    return [sp for sp in (2, 4, 8) if sp > s.sp and s.world_size % sp == 0 and shape.num_heads % sp == 0
-            and (shape.num_kv_heads % sp == 0 or sp % shape.num_kv_heads == 0)]
-
-
-def settings_plan(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[tuple[Settings, dict[str, object]]]:
-    """Settings and overrides that make every pass fit with the GPUs and offload of ``s``, changing only
-    what does not fit: deferred gradient sync off, the largest ``gpu_memory_utilization`` that fits, the
-    largest budget of each pass that does not fit (never below one longest sequence over the sequence
-    parallel size), a larger sequence parallel size only where the recipe allows one and no budget fits.
-    None when no such change fits (a token-independent part alone is too large)."""
-    est = estimate(shape, s, gpu_bytes)
-    failing = {p.name for p in est.passes if not fits(p, gpu_bytes)}
-    overrides: dict[str, object] = {}
-    if s.no_sync_gradients and failing & {"update", "update_end"}:
-        s = replace(s, no_sync_gradients=False)
-        overrides[_NO_SYNC_KEY] = False
-    if "rollout" in failing or not vllm_share_fits(est, gpu_bytes):
-        u = _utilisation(shape, s, gpu_bytes)
-        if u is None:
-            return None
-        s = replace(s, gpu_memory_utilization=u)
-        overrides[f"{ROLLOUT}.gpu_memory_utilization"] = u
-    if failing & {"update_end", "optimizer_step"} and not _fit(shape, s, gpu_bytes, ("update_end", "optimizer_step")):
-        return None
-    for sp in [s.sp] + (_sequence_parallel_sizes(shape, s) if s.sequence_parallel_allowed and s.longest else []):
-        trial, changes, ok = replace(s, sp=sp), {}, True
-        floor = math.ceil(s.longest / sp) if s.longest else 1
-        for knob, names, key in _budget_knobs(trial):
-            if _fit(shape, trial, gpu_bytes, names):
-                continue
-            budget = _largest_budget(shape, trial, gpu_bytes, knob, names, floor)
-            if budget is None:
-                ok = False
-                break
-            trial = _with_budget(trial, knob, budget)
-            changes[key] = budget if s.dynamic_bsz else budget // max(1, s.longest)
-        if ok and all_fit(estimate(shape, trial, gpu_bytes), gpu_bytes):
-            if sp != s.sp:
-                overrides[f"{ACTOR}.ulysses_sequence_parallel_size"] = sp
-                if s.ref_tokens is not None:
-                    overrides[f"{REF}.ulysses_sequence_parallel_size"] = sp
-            overrides.update(changes)
-            return trial, overrides
-    return None
-
-
-def _plan(kind: str, shape: ModelShape, s: Settings, gpu_bytes: float, overrides: dict) -> Optional[Plan]:
-    """``overrides`` alone when every pass fits with them, else with the settings changes
-    (:func:`settings_plan`) still needed; None when neither fits."""
-    est = estimate(shape, s, gpu_bytes)
-    if all_fit(est, gpu_bytes):
-        return Plan(kind, dict(overrides), est)
-    found = settings_plan(shape, s, gpu_bytes)
-    if found is None:
-        return None
-    return Plan(kind, {**overrides, **found[1]}, estimate(shape, found[0], gpu_bytes))
-
-
-def plans(shape: ModelShape, s: Settings, gpu_bytes: float, gpus_per_node: int = 8, max_gpus: int = 512):
-    """Candidate :class:`Plan` s for a run that does not fit, in the order the preflight tries them: the
-    settings alone (:func:`settings_plan`), then optimizer offload, parameter and optimizer offload, and
-    more GPUs (whole nodes of ``gpus_per_node``, or up to a node of 8 when the run uses fewer), each
-    alone when that fits, else with the settings changes it still needs. A generator: the preflight
-    verifies each through the whole preflight and keeps the first of each kind that passes."""
-    found = settings_plan(shape, s, gpu_bytes)
-    if found:
-        yield Plan("settings", found[1], estimate(shape, found[0], gpu_bytes))
-    for change in ({"optimizer_offload": True}, {"param_offload": True, "optimizer_offload": True}):
-        if all(getattr(s, k) for k in change):
-            continue
-        plan = _plan("offload", shape, replace(s, **change), gpu_bytes,
-                     {f"{ACTOR}.fsdp_config.{k}": v for k, v in change.items() if not getattr(s, k)})
-        if plan:
-            yield plan
-    nodes = s.world_size // gpus_per_node if gpus_per_node and s.world_size % gpus_per_node == 0 else None
-    worlds = []
-    if gpus_per_node < 8 and nodes == 1:
-        worlds += [(1, g) for g in (2, 4, 8) if g > gpus_per_node]
-    if nodes:
-        worlds += [(n, gpus_per_node) for n in range(nodes + 1, max_gpus // gpus_per_node + 1)]
-    for n, g in worlds:  # the fewest GPUs, as the run is or with the settings changes it still needs
-        plan = _plan("gpus", shape, replace(s, world_size=n * g), gpu_bytes,
-                     {"trainer.nnodes": n} if g == gpus_per_node else {"trainer.n_gpus_per_node": g})
-        if plan:
-            yield plan
 
 
 def table(est: Estimate, gpu_bytes: float) -> str:
@@ -1127,7 +589,7 @@ COMPONENT_SOURCES = {
     "vLLM (gpu_memory_utilization)": "vLLM's requested memory = gpu_memory_utilization x total; "
                                      "verl/workers/engine_workers.py:823 resumes its KV cache each step",
     "overhead": "CUDA contexts, NCCL, vLLM's residue asleep, the allocator's rounding (measured: "
-                "python -m recipe.stapo.memory.calibration)",
+                "python -m stapo_memory.calibration)",
     "layer working set (no grad)": "transformers/models/qwen3/modeling_qwen3.py:82 (MLP) and :392 (inputs_embeds "
                                    "kept by the model's forward)",
     "final hidden states": "transformers/models/qwen3/modeling_qwen3.py:505 the LM head's input",

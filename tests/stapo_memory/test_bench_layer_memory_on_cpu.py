@@ -1,4 +1,4 @@
-"""The memory model's activation terms against a CPU measurement (benchmarks/bench_layer_memory.py),
+"""The memory model's activation terms against a CPU measurement (stapo_memory/bench_layer_memory.py),
 each in a fresh process, with the commands docs/memory.md shows: a micro-batch traced tensor by tensor
 at the full size on the meta device; the trace's accounting against the resident memory of the same
 code on real CPU tensors; one recomputed decoder layer's resident memory per token (Qwen3-8B's layer
@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from recipe.stapo.memory import model as mm
+from stapo_memory.shape import BUILTIN_SHAPES
+from stapo_memory.terms import BF16, GIB, layer_backward_bytes_per_token, logits_bytes
 from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 def _bench(tmp_path, *args) -> dict:
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_layer_memory", *args, "--json", str(out)],
+    proc = subprocess.run([sys.executable, "-m", "stapo_memory.bench_layer_memory", *args, "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
@@ -33,7 +34,7 @@ def _bench(tmp_path, *args) -> dict:
 def _documented(subcommand: str) -> list[str]:
     """The ``bench_layer_memory <subcommand>`` commands docs/memory.md shows, as written."""
     text = (REPO / "docs" / "memory.md").read_text()
-    return re.findall(rf"python -m benchmarks\.bench_layer_memory {subcommand}[^`\n]*", text)
+    return re.findall(rf"python -m stapo_memory\.bench_layer_memory {subcommand}[^`\n]*", text)
 
 
 def test_the_documented_traces_agree_with_the_model_phase_by_phase():
@@ -69,25 +70,33 @@ def test_layer_backward_per_token_matches_the_model(tmp_path):
     assert result["peak_bytes"][1] > 2 * result["peak_bytes"][0]
     # within 2% of the model's 18h + 10q + 10kv + 12I bytes per token
     assert abs(result["ratio"] - 1) <= 0.02, result
-    assert result["model_bytes_per_token_8b"] == mm.layer_backward_bytes_per_token(mm.BUILTIN_SHAPES["qwen3-8b"], 2)
+    assert result["model_bytes_per_token_8b"] == layer_backward_bytes_per_token(BUILTIN_SHAPES["qwen3-8b"], 2)
 
 
 def test_the_logits_gradient_not_written_in_place_is_one_more_logits_tensor(tmp_path):
     """verl's log-probs with inplace_backward=False (the update computing the entropy): the backward
     allocates the logits' gradient, tokens x vocab in bfloat16, the model's term (9.3 GiB at 32,768
     tokens for Qwen3's vocabulary)."""
-    result = _bench(tmp_path, "logits-grad", "--tokens", "2048")
+    (command,) = _documented("logits-grad")  # 2048 tokens
+    result = _bench(tmp_path, *shlex.split(command.split("#")[0])[3:])
     assert result["grad_dtype"] == "torch.bfloat16"
     assert abs(result["ratio"] - 1) <= 0.05, result
-    assert round(mm.logits_bytes(32768, 151936, mm.BF16) / mm.GIB, 1) == 9.3
+    assert round(logits_bytes(32768, 151936, BF16) / GIB, 1) == 9.3
 
 
 def test_fsdp1_leaves_the_root_unit_unsharded_after_a_forward_without_grad(tmp_path):
-    result = _bench(tmp_path, "fsdp-root", "--port", "29541")
+    (command,) = _documented("fsdp-root")
+    result = _bench(tmp_path, *shlex.split(command.split("#")[0])[3:])
     assert result["world_size"] == 2
     # the decoder layers' units free their unsharded parameters after the forward ...
     assert result["layer_unsharded_bytes"] == [0, 0]
     # ... the root's stay, whole (not a 1/world shard), in the compute dtype: the model's term
-    assert result["root_unsharded_bytes"] == mm.BF16 * result["root_params"]
+    assert result["root_unsharded_bytes"] == BF16 * result["root_params"]
     # verl's eval context frees them only when fsdp_size > 1
     assert result["root_after_reshard_bytes"] == 0
+
+
+def test_the_command_names_itself():
+    proc = subprocess.run([sys.executable, "-m", "stapo_memory.bench_layer_memory", "--help"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m stapo_memory.bench_layer_memory ")

@@ -1,0 +1,84 @@
+"""The model and its context: the model's ``config.json`` read (:func:`model_config_json`, also the
+memory check's source of the model's shape) and prompt + response within the context vLLM serves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from omegaconf import DictConfig
+
+from .problem import ROLLOUT, Problem, is_int, pick
+
+#: rollouts served by an engine whose context is the model's ``max_position_embeddings`` unless
+#: ``rollout.max_model_len`` says otherwise (verl's ``_validate_configs``)
+CONTEXT_ROLLOUTS = ("vllm", "sglang")
+
+
+def model_path(config: DictConfig) -> str:
+    return str(pick(config, "actor_rollout_ref.model.hf_config_path", "") or pick(config, "actor_rollout_ref.model.path", ""))
+
+
+#: the key under which :func:`model_config_json` reports a file that is not a JSON object
+UNUSABLE = "__unusable__"
+
+
+def model_config_json(config: DictConfig) -> tuple[Optional[dict], str]:
+    """(the parsed ``config.json`` of the run's model, its path), (None, why not) when it cannot be read
+    here, or ({UNUSABLE: why}, its path) when it is read but is not a JSON object."""
+    file = Path(model_path(config)) / "config.json"
+    try:
+        data = json.loads(file.read_text())
+    except OSError as e:
+        return None, f"{file}: {e.strerror or e}"
+    except ValueError as e:
+        return {UNUSABLE: f"not JSON ({e})"}, str(file)
+    if not isinstance(data, dict):
+        return {UNUSABLE: "not a JSON object"}, str(file)
+    return data, str(file)
+
+
+def check_context(config: DictConfig, found: list[Problem]) -> None:
+    """Prompt + response fit the context vLLM serves: verl sets ``max_model_len`` to the model's
+    ``max_position_embeddings`` unless ``rollout.max_model_len`` is set (and refuses one above it after
+    Ray starts), then clamps every request's new tokens to ``max_model_len`` minus the prompt, so a
+    shorter context silently cuts the responses below ``data.max_response_length``."""
+    if str(pick(config, f"{ROLLOUT}.name", "")) not in CONTEXT_ROLLOUTS:
+        return
+    raw, source = model_config_json(config)
+    if raw is None or UNUSABLE in raw:
+        return
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else None
+    positions = raw.get("max_position_embeddings", (text or {}).get("max_position_embeddings"))
+    if positions is None:
+        found.append(Problem(f"{source}: max_position_embeddings", "missing: verl reads it to size vLLM's context "
+                             "and raises when it is absent (after Ray starts)",
+                             "use the model's own config.json, which has it"))
+        return
+    if not is_int(positions) or positions < 1:
+        found.append(Problem(f"{source}: max_position_embeddings", f"{positions!r} is not a whole number >= 1",
+                             "use the model's own config.json"))
+        return
+    prompt, response = pick(config, "data.max_prompt_length"), pick(config, "data.max_response_length")
+    longest = prompt + response
+    served = pick(config, f"{ROLLOUT}.max_model_len")
+    if served is not None:
+        if not is_int(served) or served < 1:
+            found.append(Problem(f"{ROLLOUT}.max_model_len", "must be a whole number >= 1 or null",
+                                 f"leave it null (the model's max_position_embeddings, {positions})", served))
+            return
+        if served > positions:
+            found.append(Problem(f"{ROLLOUT}.max_model_len", f"above the model's max_position_embeddings={positions} "
+                                 f"({source}): verl refuses it when the rollout starts",
+                                 f"set it to at most {positions}, or leave it null", served))
+            return
+    context, named = (served, f"{ROLLOUT}.max_model_len={served}") if served is not None else (
+        positions, f"the model's max_position_embeddings={positions} ({source})")
+    if longest > context:
+        found.append(Problem(
+            "data.max_response_length", f"data.max_prompt_length + data.max_response_length = {prompt} + {response} "
+            f"= {longest} tokens exceed {named}: vLLM serves at most that context, and verl clamps each request's "
+            f"new tokens to it minus the prompt, so responses would stop before {response} tokens",
+            f"set data.max_response_length to at most {context - prompt} (or shorten data.max_prompt_length), or "
+            "use a model whose context holds prompt + response", response))

@@ -1,0 +1,191 @@
+"""The memory model's advice: changes after which every pass of a run that does not fit does, each
+re-estimated (:func:`plans`; the preflight then runs each through the whole preflight before it
+prints it, :mod:`stapo_memory.preflight`): lower budgets, vLLM's share and sequence parallelism
+(:func:`settings_plan`), then offload and more GPUs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from recipe.stapo.preflight.problem import ACTOR, REF, ROLLOUT
+
+from .model import Estimate, Settings, all_fit, estimate, fits, vllm_share_fits
+from .shape import ModelShape
+
+#: the lowest ``gpu_memory_utilization`` the advice proposes, in steps of 0.05
+UTILISATION_STEP = 0.05
+#: a token budget the advice proposes is a multiple of this (or the floor itself)
+BUDGET_STEP = 1024
+_NO_SYNC_KEY = f"{ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation"
+
+
+@dataclass
+class Plan:
+    """Changes after which every pass fits by the estimate: ``overrides`` (config key -> value, as
+    Hydra overrides), ``kind`` (``settings``: budgets, utilisation, sequence parallelism; ``offload``;
+    ``gpus``) and the estimate with them."""
+
+    kind: str
+    overrides: dict[str, object]
+    estimate: Estimate
+
+    def text(self) -> str:
+        return " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self.overrides.items())
+
+
+def _budget_knobs(s: Settings) -> list[tuple[str, tuple[str, ...], str]]:
+    """(settings field, passes it sizes, config key) of every token budget the run has."""
+    budget = lambda dynamic_key, micro_key: dynamic_key if s.dynamic_bsz else micro_key  # noqa: E731
+    knobs = [("update_tokens", ("update", "update_end"),
+              budget(f"{ACTOR}.ppo_max_token_len_per_gpu", f"{ACTOR}.ppo_micro_batch_size_per_gpu")),
+             ("log_prob_tokens", ("log_prob", "current", "update_effect"),
+              budget(f"{ROLLOUT}.log_prob_max_token_len_per_gpu", f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu"))]
+    if s.ref_tokens is not None:
+        knobs.append(("ref_tokens", ("reference",),
+                      budget(f"{REF}.log_prob_max_token_len_per_gpu", f"{REF}.log_prob_micro_batch_size_per_gpu")))
+    return knobs
+
+
+def _with_budget(s: Settings, knob: str, tokens: int) -> Settings:
+    if knob == "log_prob_tokens":
+        return replace(s, log_prob_tokens=tokens,
+                       current_tokens=tokens if s.current_tokens is not None else None,
+                       update_effect_tokens=min(tokens, s.update_effect_tokens)
+                       if s.update_effect_tokens is not None else None)
+    return replace(s, **{knob: tokens})
+
+
+def _fit(shape: ModelShape, s: Settings, gpu_bytes: float, names: tuple[str, ...]) -> bool:
+    est = estimate(shape, s, gpu_bytes)
+    return all(fits(p, gpu_bytes) for p in est.passes if p.name in names)
+
+
+def _budget_candidates(s: Settings, current: int, floor: int) -> list[int]:
+    """Budgets from ``floor`` up to ``current`` (multiples of :data:`BUDGET_STEP`, or of the longest
+    sequence without dynamic batching), ascending."""
+    if not s.dynamic_bsz:
+        step = max(1, s.longest)
+        return [k * step for k in range(1, max(1, current // step) + 1)]
+    first = math.ceil(floor / BUDGET_STEP) * BUDGET_STEP
+    return sorted({floor, *range(first, current + 1, BUDGET_STEP)})
+
+
+def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str, names: tuple[str, ...],
+                    floor: int) -> Optional[int]:
+    """The largest budget (at least ``floor``, at most the current one) at which ``names`` fit, the
+    model re-run at each candidate (the passes grow with their tokens); None when ``floor`` does not fit."""
+    current = getattr(s, knob)
+    candidates = [c for c in _budget_candidates(s, current, floor) if floor <= c <= current]
+    if not candidates or not _fit(shape, _with_budget(s, knob, candidates[0]), gpu_bytes, names):
+        return None
+    lo, hi = 0, len(candidates) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _fit(shape, _with_budget(s, knob, candidates[mid]), gpu_bytes, names):
+            lo = mid
+        else:
+            hi = mid - 1
+    return candidates[lo]
+
+
+def _utilisation(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[float]:
+    """The largest ``gpu_memory_utilization`` (a multiple of :data:`UTILISATION_STEP`) with which the
+    rollout fits and vLLM's share holds its weights and one longest sequence; None when none does."""
+    for k in range(round(0.95 / UTILISATION_STEP), 0, -1):
+        u = round(k * UTILISATION_STEP, 2)
+        est = estimate(shape, replace(s, gpu_memory_utilization=u), gpu_bytes)
+        if fits(est.passes[0], gpu_bytes) and vllm_share_fits(est, gpu_bytes):  # the rollout: the first pass
+            return u
+    return None
+
+
+def _sequence_parallel_sizes(shape: ModelShape, s: Settings) -> list[int]:
+    """Sizes above the current one that verl accepts: dividing the GPUs and the attention heads, the
+    key-value heads dividing it or it dividing them."""
+    return [sp for sp in (2, 4, 8) if sp > s.sp and s.world_size % sp == 0 and shape.num_heads % sp == 0
+            and (shape.num_kv_heads % sp == 0 or sp % shape.num_kv_heads == 0)]
+
+
+def settings_plan(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[tuple[Settings, dict[str, object]]]:
+    """Settings and overrides that make every pass fit with the GPUs and offload of ``s``, changing only
+    what does not fit: deferred gradient sync off, the largest ``gpu_memory_utilization`` that fits, the
+    largest budget of each pass that does not fit (never below one longest sequence over the sequence
+    parallel size), a larger sequence parallel size only where the recipe allows one and no budget fits.
+    None when no such change fits (a token-independent part alone is too large)."""
+    est = estimate(shape, s, gpu_bytes)
+    failing = {p.name for p in est.passes if not fits(p, gpu_bytes)}
+    overrides: dict[str, object] = {}
+    if s.no_sync_gradients and failing & {"update", "update_end"}:
+        s = replace(s, no_sync_gradients=False)
+        overrides[_NO_SYNC_KEY] = False
+    if "rollout" in failing or not vllm_share_fits(est, gpu_bytes):
+        u = _utilisation(shape, s, gpu_bytes)
+        if u is None:
+            return None
+        s = replace(s, gpu_memory_utilization=u)
+        overrides[f"{ROLLOUT}.gpu_memory_utilization"] = u
+    if failing & {"update_end", "optimizer_step"} and not _fit(shape, s, gpu_bytes, ("update_end", "optimizer_step")):
+        return None
+    for sp in [s.sp] + (_sequence_parallel_sizes(shape, s) if s.sequence_parallel_allowed and s.longest else []):
+        trial, changes, ok = replace(s, sp=sp), {}, True
+        floor = math.ceil(s.longest / sp) if s.longest else 1
+        for knob, names, key in _budget_knobs(trial):
+            if _fit(shape, trial, gpu_bytes, names):
+                continue
+            budget = _largest_budget(shape, trial, gpu_bytes, knob, names, floor)
+            if budget is None:
+                ok = False
+                break
+            trial = _with_budget(trial, knob, budget)
+            changes[key] = budget if s.dynamic_bsz else budget // max(1, s.longest)
+        if ok and all_fit(estimate(shape, trial, gpu_bytes), gpu_bytes):
+            if sp != s.sp:
+                overrides[f"{ACTOR}.ulysses_sequence_parallel_size"] = sp
+                if s.ref_tokens is not None:
+                    overrides[f"{REF}.ulysses_sequence_parallel_size"] = sp
+            overrides.update(changes)
+            return trial, overrides
+    return None
+
+
+def _plan(kind: str, shape: ModelShape, s: Settings, gpu_bytes: float, overrides: dict) -> Optional[Plan]:
+    """``overrides`` alone when every pass fits with them, else with the settings changes
+    (:func:`settings_plan`) still needed; None when neither fits."""
+    est = estimate(shape, s, gpu_bytes)
+    if all_fit(est, gpu_bytes):
+        return Plan(kind, dict(overrides), est)
+    found = settings_plan(shape, s, gpu_bytes)
+    if found is None:
+        return None
+    return Plan(kind, {**overrides, **found[1]}, estimate(shape, found[0], gpu_bytes))
+
+
+def plans(shape: ModelShape, s: Settings, gpu_bytes: float, gpus_per_node: int = 8, max_gpus: int = 512):
+    """Candidate :class:`Plan` s for a run that does not fit, in the order the preflight tries them: the
+    settings alone (:func:`settings_plan`), then optimizer offload, parameter and optimizer offload, and
+    more GPUs (whole nodes of ``gpus_per_node``, or up to a node of 8 when the run uses fewer), each
+    alone when that fits, else with the settings changes it still needs. A generator: the preflight
+    verifies each through the whole preflight and keeps the first of each kind that passes."""
+    found = settings_plan(shape, s, gpu_bytes)
+    if found:
+        yield Plan("settings", found[1], estimate(shape, found[0], gpu_bytes))
+    for change in ({"optimizer_offload": True}, {"param_offload": True, "optimizer_offload": True}):
+        if all(getattr(s, k) for k in change):
+            continue
+        plan = _plan("offload", shape, replace(s, **change), gpu_bytes,
+                     {f"{ACTOR}.fsdp_config.{k}": v for k, v in change.items() if not getattr(s, k)})
+        if plan:
+            yield plan
+    nodes = s.world_size // gpus_per_node if gpus_per_node and s.world_size % gpus_per_node == 0 else None
+    worlds = []
+    if gpus_per_node < 8 and nodes == 1:
+        worlds += [(1, g) for g in (2, 4, 8) if g > gpus_per_node]
+    if nodes:
+        worlds += [(n, gpus_per_node) for n in range(nodes + 1, max_gpus // gpus_per_node + 1)]
+    for n, g in worlds:  # the fewest GPUs, as the run is or with the settings changes it still needs
+        plan = _plan("gpus", shape, replace(s, world_size=n * g), gpu_bytes,
+                     {"trainer.nnodes": n} if g == gpus_per_node else {"trainer.n_gpus_per_node": g})
+        if plan:
+            yield plan
