@@ -49,7 +49,7 @@ DEFAULT_TIMEOUT_S = 5.0
 
 symbolic_check: Callable[..., bool] = symbolic_equal
 """The function the guard runs for the symbolic stage (module attribute so tests can substitute
-it); called as ``symbolic_check(pred, gold, norm_pred, norm_gold, inner_timeout_s)``."""
+it); called as ``symbolic_check(pred, gold, norm_pred, norm_gold)``."""
 
 _WARM_UP = "recipe.stapo.reward.answers:warm_up_symbolic"
 
@@ -107,8 +107,7 @@ def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_
         return Graded(True, pred)
     if interval_set_mismatch(norm_pred, norm_gold):  # math_verify alone counts (1,2) equal to {1,2}
         return Graded(False, pred)
-    inner = max(1, int(timeout_s / 3))
-    verdict, status = check_symbolic(_WARM_UP, symbolic_check, (pred, gold, norm_pred, norm_gold, inner), timeout_s,
+    verdict, status = check_symbolic(_WARM_UP, symbolic_check, (pred, gold, norm_pred, norm_gold), timeout_s,
                                      "lenient grader")
     return Graded(verdict, pred, status)
 
