@@ -672,15 +672,6 @@ def _put_back_manifest(out_dir: Path, previous: Optional[dict]) -> None:
         atomic_write_json(path, previous)
 
 
-def update_manifest(out_dir: Path, results: Sequence[PrepareResult]) -> Path:
-    """Merge ``results`` into ``out_dir/manifest.json`` (atomic; other entries are kept).
-
-    Raises:
-        ValueError: the manifest there is corrupt (:func:`read_manifest`); it is left as it is.
-    """
-    return _write_manifest(out_dir, read_manifest(out_dir), results)
-
-
 # ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------

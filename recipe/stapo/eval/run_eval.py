@@ -14,9 +14,10 @@ Outputs under ``OUT``: ``generations/<bench>__<decoding>.jsonl`` (one line per s
 and flushed as generated), ``grades/`` and ``verifier/`` (answer grades and verifier verdicts, each
 keyed by the sample and what decided it), ``run_config.json``, ``summary.json`` and ``summary.md``.
 
-A run first checks everything it can without writing (the output folder, ``run_config.json``,
-every saved sample against the data, the model path when something is left to generate, the
-verifier prompt, rendered once), then generates. Rerunning the same command resumes: only
+A run first checks everything it can without writing (the settings, the output folder and what
+the run writes in it, ``run_config.json``, every saved sample against the data, the model when
+something is left to generate, the verifier prompt, rendered once, and the verifier model: a hub
+id must be cached or reachable), then generates. Rerunning the same command resumes: only
 missing samples are generated; a run on a different model or setting in the same ``OUT`` is
 refused (``run_config.json`` names the key that differs). Saved samples are matched to problems by
 problem id and prompt hash, not by row. ``summary.json`` covers every benchmark and decoding

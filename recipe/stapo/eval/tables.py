@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from recipe.stapo.data.prepare import PROMPT_SUFFIX
-from stapo_core.fileio import atomic_write_text
+from stapo_core.fileio import atomic_write_text, check_output_folder
 
 COLUMNS = ("AIME24", "AIME25", "AMC23", "MATH500", "Minerva", "Olympiad")
 AVG = "Avg"
@@ -724,16 +724,12 @@ def report(rows: Sequence[Row], fmt: str = "markdown", stapo_method: str = "STAP
 
 
 def check_out_file(out: str | Path) -> None:
-    """Raise ValueError when the report cannot be written to ``out``: it is a folder, or a folder
-    above it is a file. An existing file is replaced."""
+    """Raise ValueError when the report cannot be written to ``out``: it is a folder, or its folder
+    cannot be written (:func:`stapo_core.fileio.output_folder_problem`). An existing file is replaced."""
     out = Path(out)
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; pass a file path (e.g. {out / 'table.md'})")
-    for folder in out.parents:
-        if folder.exists():
-            if not folder.is_dir():
-                raise ValueError(f"--out {out}: {folder} is a file, not a folder")
-            return
+    check_output_folder("--out", out.parent)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -5,7 +5,7 @@
   reward for the rest).
 - :mod:`~recipe.stapo.reward.strict`: ``strict_score``, the training reward (JustRL's: verl's
   ``math_dapo`` with strict box verification).
-- :mod:`~recipe.stapo.reward.lenient`: ``compute_score_lenient`` / ``grade_solution``, normalised or
+- :mod:`~recipe.stapo.reward.lenient`: ``compute_score_lenient`` / ``grade_answer``, normalised or
   symbolic equality, time-bounded; one of the evaluation's rule-based graders, and a training option.
 - :mod:`~recipe.stapo.reward.answers`: ground-truth validation, answer extraction, normalisation.
 - :mod:`~recipe.stapo.reward.guard`: the process guard (hard wall-clock limit from any thread).
@@ -40,7 +40,6 @@ from recipe.stapo.reward.lenient import (
     answers_equivalent,
     compute_score_lenient,
     grade_answer,
-    grade_solution,
 )
 from recipe.stapo.reward.strict import CORRECT_SCORE, WRONG_SCORE, strict_score
 from recipe.stapo.reward.dispatch import SCORE_BY_SOURCE, compute_score, math_verify_score
@@ -62,7 +61,6 @@ __all__ = [
     "compute_score_lenient",
     "get_runner",
     "grade_answer",
-    "grade_solution",
     "ground_truth_conversion",
     "ground_truth_problem",
     "ground_truth_text",

@@ -1,22 +1,11 @@
 """The recipe's verl reward function: JustRL's reward for each row, chosen by its ``data_source``.
 
-JustRL's verl fork picks a row's reward by its data source (``default_compute_score`` in its
-``verl/utils/reward_score/__init__.py``): its training rows (``math_dapo``) get the strict DAPO
-reward, its validation benchmarks (``AIME24``, ``AIME25``, ``AMC23``) Math-Verify. The recipe does
-the same through one table, :data:`SCORE_BY_SOURCE`: the benchmarks the data preparation writes
-(their ``data_source`` is the benchmark's name) get :func:`math_verify_score`, every other row
-(training ``math_dapo``, the tiny task's ``stapo_tiny_addition``, any other) the strict reward
-(:func:`recipe.stapo.reward.strict.strict_score`).
-
-Math-Verify as JustRL calls it (its ``reward_score/math_verify.py``): ``math_metric`` with the
-gold read as LaTeX from ``\\boxed{ground truth}`` and the whole response read as an expression or
-LaTeX, 1.0 when some reading of the response equals the gold, else 0.0 (also on a parse error or
-one of ``math_verify``'s own time limits, 5 s per parse and per comparison). Those limits are
-signal-based, which works only in a process's main thread, and verl 0.9.1 calls rewards from
-executor threads; so the check runs in a guard helper's main thread (:mod:`recipe.stapo.reward.guard`)
-with a hard limit of :data:`MATH_VERIFY_TIMEOUT_S` on top. A check that does not end in time scores
-JustRL's ``timeout_score``, 0.0 (logged). Every row returns the same keys, ``score``, ``acc`` and
-``pred``, so that verl can gather one batch's extra info whatever its sources.
+As JustRL's verl fork chooses (``default_compute_score``): the rows of the benchmarks the data
+preparation writes get Math-Verify (:data:`SCORE_BY_SOURCE`), every other row (training
+``math_dapo``, the tiny task's) the strict reward (:func:`recipe.stapo.reward.strict.strict_score`).
+Math-Verify's own time limits are signal-based and verl calls rewards from executor threads, so the
+check runs in a guard helper's main thread (:mod:`recipe.stapo.reward.guard`). docs/reward.md,
+"Which reward a row gets".
 
 verl entry point: ``reward.custom_reward_function.path=pkg://recipe.stapo.reward``,
 ``.name=compute_score`` (the recipe's default).
@@ -41,14 +30,10 @@ _MATH_VERIFY = "recipe.stapo.reward.dispatch:math_verify_match"
 
 
 def math_verify_match(solution: str, gold: str) -> tuple[float, Optional[str]]:
-    """``(score, pred)`` of JustRL's Math-Verify check (runs in a guard helper's main thread).
-
-    Args:
-        solution: the whole response.
-        gold: the ground truth text.
-    Returns:
-        1.0 or 0.0, and the first reading of the response (None when there is none or the check failed).
-    """
+    """``(score, pred)`` of JustRL's Math-Verify check, run in a guard helper: ``math_metric`` with
+    the gold read as LaTeX from ``\\boxed{gold}`` and the whole ``solution`` as an expression or
+    LaTeX; 1.0 or 0.0 (also on any failure, ``math_verify``'s own time limits included), and the
+    first reading of the solution (None when there is none)."""
     # math_verify (sympy, seconds) loads in the helper, on its warm-up
     from math_verify.metric import math_metric
     from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig
@@ -63,16 +48,13 @@ def math_verify_match(solution: str, gold: str) -> tuple[float, Optional[str]]:
 
 
 def math_verify_score(solution_str: Any, ground_truth: Any) -> dict:
-    """JustRL's validation reward: Math-Verify, 1.0 correct / 0.0 wrong.
-
-    Returns:
-        ``{"score": 1.0 or 0.0, "acc": bool, "pred": str | None}``; never raises for any answer.
-    """
+    """JustRL's validation reward: ``{"score": 1.0 or 0.0, "acc": bool, "pred": str | None}``
+    (:func:`math_verify_match`); a check past :data:`MATH_VERIFY_TIMEOUT_S` scores JustRL's
+    timeout score, 0.0. Never raises for any answer."""
     gold = ground_truth_text(ground_truth)
     if gold is None:
         return {"score": 0.0, "acc": False, "pred": None}
-    text = solution_str if isinstance(solution_str, str) else str(solution_str)
-    status, value = get_runner(_WARM_UP).call(_MATH_VERIFY, (text, gold), MATH_VERIFY_TIMEOUT_S)
+    status, value = get_runner(_WARM_UP).call(_MATH_VERIFY, (str(solution_str), gold), MATH_VERIFY_TIMEOUT_S)
     if status != "ok":
         logger.warning("Math-Verify reward: the check did not finish (%s: %s); scoring 0", status, value)
         value = (0.0, None)
@@ -86,15 +68,7 @@ SCORE_BY_SOURCE = {name: math_verify_score for name in ("aime24", "aime25", "amc
 
 def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> dict:
     """verl custom reward function: the reward :data:`SCORE_BY_SOURCE` names for ``data_source``,
-    else the strict training reward (+1 / -1).
-
-    Args:
-        data_source: the row's ``data_source``.
-        solution_str: decoded response text.
-        ground_truth: reference answer (see :func:`~recipe.stapo.reward.answers.ground_truth_text`).
-        extra_info: per-row info from the parquet (unused).
-        **kwargs: anything else verl passes (``reward_router_address``, ...) is ignored.
-    Returns:
-        ``{"score", "acc", "pred"}`` (see :func:`strict_score`, :func:`math_verify_score`).
-    """
+    else the strict training reward (+1 / -1). Every row returns the keys ``score``, ``acc`` and
+    ``pred``, so a batch of several sources gathers one set of extra info; ``extra_info`` and
+    anything else verl passes (``reward_router_address``, ...) are ignored."""
     return SCORE_BY_SOURCE.get(data_source, strict_score)(solution_str, ground_truth)

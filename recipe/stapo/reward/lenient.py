@@ -132,12 +132,6 @@ def grade_answer(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAUL
     return answers_equivalent(pred, gold, timeout_s)
 
 
-def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Optional[bool], Optional[str]]:
-    """``(correct, pred)`` of :func:`grade_answer` (``correct`` None: ungraded)."""
-    graded = grade_answer(solution_str, ground_truth, timeout_s)
-    return graded.correct, graded.pred
-
-
 def compute_score_lenient(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> dict:
     """verl custom reward function: the lenient reward (+1 correct / -1 wrong).
 
