@@ -501,7 +501,7 @@ def test_each_benchmark_has_one_size_everywhere():
     method_md = (REPO / "docs" / "method.md").read_text()
     for name, size in sizes.items():
         row = next(line for line in eval_md.splitlines() if line.startswith(f"| {name} | "))
-        assert row.rstrip().endswith(f"| {size} |"), row
+        assert [cell.strip() for cell in row.split("|")][5] == str(size), row  # its "problems" column
     labels = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
               "olympiadbench": "OlympiadBench"}
     protocol = method_md[method_md.index("## Evaluation protocol"):]
