@@ -727,8 +727,9 @@ def run_bench(args: argparse.Namespace) -> list[PrepareResult]:
         results.append(prepare_dataset(spec, out_dir / f"{name}.parquet", sources.get(name), args.drop_invalid,
                                        manifest_dir=out_dir))
         if name in VALIDATION_BENCHMARKS:  # the trainer's validation copy, in JustRL's training prompt
-            results.append(prepare_dataset(replace(spec, name=f"{name}_val", expected_rows=None), out_dir / f"{name}_val.parquet",
-                                           sources.get(name), args.drop_invalid, name, manifest_dir=out_dir, form="train"))
+            validation = replace(spec, name=f"{name}_val", expected_rows=None)
+            results.append(prepare_dataset(validation, out_dir / f"{validation.name}.parquet", sources.get(name),
+                                           args.drop_invalid, name, manifest_dir=out_dir, form="train"))
     return results
 
 
