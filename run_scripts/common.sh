@@ -8,7 +8,7 @@
 #   RAY_API_SERVER_ADDRESS [http://127.0.0.1:8265]  submit: the Ray dashboard of the head node (Ray's own
 #                                       variable for the jobs CLI; RAY_ADDRESS stays free for local runs)
 #   NNODES [8]  GPUS_PER_NODE [8]       the paper used 64 GPUs; one node: NNODES=1 (docs/memory.md, "One node")
-#   STAPO_DATA_DIR [data/stapo]         train.parquet, aime24.parquet from `python -m recipe.stapo.data.prepare`
+#   STAPO_DATA_DIR [data/stapo]         train.parquet, aime24_val.parquet from `python -m recipe.stapo.data.prepare`
 #   STAPO_MODEL_DIR [Qwen]              folder holding Qwen3-*-Base (or the hub org name)
 #   CKPT_DIR [checkpoints]              the run's folder is CKPT_DIR/<project>/<experiment>: checkpoints,
 #                                       metrics.jsonl, tensorboard/; on a cluster, storage every node sees

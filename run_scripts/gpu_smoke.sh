@@ -11,7 +11,7 @@
 # Environment (defaults in brackets):
 #   MODEL                  local Hugging Face folder of the model (GPU mode; required)
 #   GPUS [1]               GPUs of this node to use
-#   STAPO_DATA_DIR [data/stapo]  train.parquet and aime24.parquet (`python -m recipe.stapo.data.prepare`)
+#   STAPO_DATA_DIR [data/stapo]  train.parquet, aime24_val.parquet and aime24.parquet (`python -m recipe.stapo.data.prepare`)
 #   METHODS [the paper's: recipe.stapo.methods.PAPER_METHODS]   STEPS [2]
 #   LENGTHS [short]        short: prompt / response 512 / 1024 tokens, 16 prompts x 4 responses (minutes);
 #                          paper: the paper's 1024 / 15360 tokens with the model config's token budgets,

@@ -64,7 +64,7 @@ def fake_cluster(root: Path) -> dict[str, str]:
     """Data, models and a checkpoint root under ``root``; returns the environment pointing at them."""
     data, models, ckpt = root / "data", root / "models", root / "checkpoints"
     write_dataset(data / "train.parquet")
-    write_dataset(data / "aime24.parquet", rows=2)
+    write_dataset(data / "aime24_val.parquet", rows=2)
     for name, config in QWEN3_CONFIGS.items():
         write_model(models / name, config)
     ckpt.mkdir(parents=True, exist_ok=True)

@@ -120,9 +120,9 @@ def bench_dir(root, rows, names=("aime24",), manifest=False):
     root.mkdir(parents=True, exist_ok=True)
     source = root / "source.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    results = [prepare.prepare_dataset(prepare.BENCHMARK_SPECS[n], root / f"{n}.parquet", str(source)) for n in names]
-    if manifest:
-        prepare.update_manifest(root, results)
+    for name in names:
+        prepare.prepare_dataset(prepare.BENCHMARK_SPECS[name], root / f"{name}.parquet", str(source),
+                                manifest_dir=root if manifest else None)
     return root
 
 

@@ -106,7 +106,7 @@ def test_config_verl_receives_is_resolved_in_the_launching_shell(tmp_path, monke
     from recipe.stapo import main_stapo
 
     write_model(tmp_path / "models" / "Qwen3-8B-Base", QWEN3_CONFIGS["Qwen3-8B-Base"])
-    for name in ("train", "aime24"):
+    for name in ("train", "aime24_val"):
         write_dataset(tmp_path / "rel" / "data" / f"{name}.parquet")
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("LAUNCH", raising=False)
@@ -125,7 +125,7 @@ def test_config_verl_receives_is_resolved_in_the_launching_shell(tmp_path, monke
     raw = OmegaConf.to_container(config, resolve=False)
     assert "${" not in OmegaConf.to_yaml(raw)
     assert config.data.train_files == str(tmp_path / "rel/data/train.parquet")
-    assert config.data.val_files == str(tmp_path / "rel/data/aime24.parquet")
+    assert config.data.val_files == str(tmp_path / "rel/data/aime24_val.parquet")
     assert config.actor_rollout_ref.model.path == str(tmp_path / "models/Qwen3-8B-Base")
     assert config.trainer.default_local_dir == str(tmp_path / "ckpt/run1")
     env_vars = config.ray_kwargs.ray_init.runtime_env.env_vars

@@ -117,11 +117,11 @@ def test_missing_data_files_are_refused(cluster, monkeypatch):
     monkeypatch.setenv("STAPO_DATA_DIR", str(empty))
     err = refused(paper(cluster))
     problem(err, "data.train_files", f"{empty}/train.parquet does not exist", "recipe.stapo.data.prepare train")
-    problem(err, "data.val_files", f"{empty}/aime24.parquet does not exist", "recipe.stapo.data.prepare bench")
+    problem(err, "data.val_files", f"{empty}/aime24_val.parquet does not exist", "recipe.stapo.data.prepare bench")
 
 
 def test_data_file_that_is_not_parquet_or_lacks_columns_is_refused(cluster):
-    (cluster["data"] / "aime24.parquet").write_text("id,problem\n1,2+2\n")
+    (cluster["data"] / "aime24_val.parquet").write_text("id,problem\n1,2+2\n")
     write_dataset(cluster["data"] / "train.parquet", drop=("reward_model",))
     err = refused(paper(cluster))
     problem(err, "data.val_files", "is not a parquet file")
@@ -501,8 +501,8 @@ def test_a_second_launch_while_the_metrics_file_has_a_writer_is_refused_before_r
 def test_a_data_file_without_rows_is_named_as_empty_not_as_missing_columns(cluster):
     import pandas as pd
 
-    pd.DataFrame([]).to_parquet(cluster["data"] / "aime24.parquet")  # 0 rows, and so no columns
-    problem(refused(paper(cluster)), "data.val_files", f"{cluster['data']}/aime24.parquet has no rows")
+    pd.DataFrame([]).to_parquet(cluster["data"] / "aime24_val.parquet")  # 0 rows, and so no columns
+    problem(refused(paper(cluster)), "data.val_files", f"{cluster['data']}/aime24_val.parquet has no rows")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -141,7 +141,7 @@ def test_dry_run_check_validates_with_the_launching_shells_paths(tmp_path):
     from tests.helpers.cluster_files import QWEN3_CONFIGS, write_dataset, write_model
 
     write_model(tmp_path / "models" / "Qwen3-1.7B-Base", QWEN3_CONFIGS["Qwen3-1.7B-Base"])
-    for name in ("train", "aime24"):  # the preflight reads them (docs/preflight.md)
+    for name in ("train", "aime24_val"):  # the preflight reads them (docs/preflight.md)
         write_dataset(tmp_path / "rel" / "data" / f"{name}.parquet")
     proc = _run(COMMON, "stapo", "qwen3_1_7b", cwd=tmp_path, STAPO_DRY_RUN="check", PYTHON=sys.executable,
                 STAPO_DATA_DIR="rel/data", STAPO_MODEL_DIR="models", CKPT_DIR="ck",

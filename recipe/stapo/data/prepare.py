@@ -7,11 +7,14 @@ CLI::
         [--source aime24=path/to/aime24.jsonl ...] [--drop-invalid]
 
 Each source is a Hugging Face dataset id (loaded with ``datasets.load_dataset``) or a local
-``.parquet`` / ``.jsonl`` / ``.json`` file (works offline). Every row is validated: problem present,
+``.parquet`` / ``.jsonl`` / ``.json`` file (works offline), in the dataset's own layout or in verl's
+(:data:`VERL_FIELDS`: JustRL's benchmark files, this preparation's own output; an instruction in
+either prompt form at the end of the problem is removed). Every row is validated: problem present,
 text (not a number, NaN, dict...) and non-empty; answer present, a string, finite number or list of
 them, non-empty and at most ``recipe.stapo.reward.MAX_GROUND_TRUTH_CHARS`` characters, converted
 to text by the rewards' own rule (``recipe.stapo.reward.answers.ground_truth_conversion``: a list
-is joined with ", "); id a string or an integer, unique; every text valid Unicode (a JSONL line
+is joined with ", "; surrounding ``$`` removed from training answers only, benchmark answers kept
+as written, as JustRL grades them); id a string or an integer, unique; every text valid Unicode (a JSONL line
 that is not UTF-8, or a lone surrogate escape such as ``"\\ud800"``, is a bad row). A bad row is an
 error naming the file and the row (1-based), unless ``--drop-invalid`` drops and counts it. The
 answer is only ever taken from an answer field, never from a worked solution.
@@ -35,10 +38,12 @@ Output schema (one row per problem; what verl's RLHFDataset reads)::
     reward_model: {"style": "rule", "ground_truth": answer}
     extra_info:  {"index": int (row in this file), "id": str (source id), "split": str}
 
-The joiner is the prompt form of the data's use, each as its reference writes it: training rows
-join the problem and the instruction with ``"\n\n"`` (:data:`TRAIN_PROMPT_JOINER`, JustRL's training
-data), benchmark rows with one space (:data:`EVAL_PROMPT_JOINER`, JustRL's ``evals/gen_vllm.py``,
-the evaluation the paper's Table 2 follows). The manifest records each dataset's ``prompt_form``.
+The joiner is the prompt form of the data's use, each as its reference writes it: training rows,
+and the in-training validation copies ``<name>_val.parquet`` of :data:`VALIDATION_BENCHMARKS`, join
+the problem and the instruction with ``"\n\n"`` (:data:`TRAIN_PROMPT_JOINER`, JustRL's training
+prompt, which its trainer also gives its validation sets), benchmark rows with one space
+(:data:`EVAL_PROMPT_JOINER`, JustRL's ``evals/gen_vllm.py``, the evaluation the paper's Table 2
+follows). The manifest records each dataset's ``prompt_form``.
 """
 
 from __future__ import annotations
@@ -72,6 +77,12 @@ PROMPT_FORMS = {"justrl-eval": EVAL_PROMPT_JOINER, "train": TRAIN_PROMPT_JOINER}
 """The two prompt forms by name (recorded in the manifest and in every evaluation summary)."""
 MANIFEST_NAME = "manifest.json"
 TRAIN_DATA_SOURCE = "math_dapo"
+VALIDATION_BENCHMARKS = ("aime24", "aime25", "amc23")
+"""JustRL's in-training validation sets: ``bench`` also writes each as ``<name>_val.parquet`` in the
+training prompt form (the trainer YAML's ``data.val_files``)."""
+VERL_FIELDS = (("prompt",), ("reward_model.ground_truth",), ("extra_info.id", "extra_info.index"))
+"""Problem, answer and id fields of verl's row layout, read from every source after the dataset's
+own (``prompt``: the content of its last user message)."""
 
 # DAPO-Math-17k wraps each problem in its own "Answer:" instruction; STAPO uses \boxed{} instead.
 DAPO_PREFIX = (
@@ -100,19 +111,26 @@ class SourceSpec:
     strip_prefix: str = ""
     strip_suffix: str = ""
     dedupe: bool = False  # drop exact repeats of (problem, answer): DAPO-Math-17k ships ~100x copies
+    strip_dollars: bool = False  # remove an answer's surrounding $ (training answers; JustRL grades benchmarks' as written)
     expected_rows: Optional[int] = None  # rows of the default source (a preparation notes another count)
+
+    def fields(self, role: int) -> tuple[str, ...]:
+        """The candidate fields of ``role`` (0 problem, 1 answer, 2 id): the dataset's, then verl's."""
+        own = (self.problem_fields, self.answer_fields, self.id_fields)[role]
+        return own + tuple(f for f in VERL_FIELDS[role] if f not in own)
 
 
 TRAIN_SPEC = SourceSpec(
     name="train",
     hf_id="BytedTsinghua-SIA/DAPO-Math-17k",
     split="train",
-    problem_fields=("prompt.0.content", "problem", "question"),
+    problem_fields=("prompt", "problem", "question"),
     answer_fields=("reward_model.ground_truth", "answer"),  # never "solution": a worked solution is no answer
     id_fields=("extra_info.index", "id"),
     strip_prefix=DAPO_PREFIX,
     strip_suffix=DAPO_SUFFIX,
     dedupe=True,
+    strip_dollars=True,
 )
 
 BENCHMARK_SPECS: dict[str, SourceSpec] = {
@@ -277,11 +295,11 @@ def _first_present(row: Any, paths: Sequence[str]) -> tuple[Optional[str], Any]:
     return empty_cell
 
 
-def answer_to_text(value: Any) -> str:
+def answer_to_text(value: Any, strip_dollars: bool = False) -> str:
     """Ground truth as written to the parquet file: the rewards' text of it
     (:func:`recipe.stapo.reward.answers.ground_truth_conversion`: ints stay ints, ``5.0`` -> ``"5"``,
     ``0.5`` -> ``"0.5"``, a one-element list is its element, a longer one is joined with ``", "``),
-    with surrounding spaces and ``$`` stripped.
+    with surrounding spaces stripped, and surrounding ``$`` too when ``strip_dollars``.
 
     Raises:
         ValueError: naming the problem, for a value that is not a string, a finite number or a
@@ -291,11 +309,20 @@ def answer_to_text(value: Any) -> str:
     text, why = ground_truth_conversion(value)
     if text is None:
         raise ValueError(why)
-    return text.strip().strip("$").strip()
+    return text.strip().strip("$").strip() if strip_dollars else text.strip()
 
 
 def _describe(value: Any) -> str:
     return f"{type(value).__name__} {value!r:.40}"
+
+
+def _user_message(value: Any) -> Any:
+    """The content of the last user message when ``value`` is a list of chat messages (verl's
+    ``prompt``), else ``value``."""
+    if isinstance(value, (str, dict)) or not hasattr(value, "__len__"):
+        return value
+    users = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == "user"]
+    return users[-1] if users else value
 
 
 def _problem_text(value: Any, field: str) -> tuple[Optional[str], Optional[str]]:
@@ -337,24 +364,26 @@ def _extract(spec: SourceSpec, number: int, row: Any) -> tuple[Optional[_Record]
         return None, row.message
     if not isinstance(row, dict):
         return None, f"not an object (got {type(row).__name__})"
-    problem_path, problem = _first_present(row, spec.problem_fields)
+    problem_path, problem = _first_present(row, spec.fields(0))
     if problem is None:
-        return None, f"missing problem (looked for {', '.join(spec.problem_fields)})"
-    problem, why = _problem_text(problem, problem_path)
+        return None, f"missing problem (looked for {', '.join(spec.fields(0))})"
+    problem, why = _problem_text(_user_message(problem), problem_path)
     if problem is None:
         return None, why
     if spec.strip_prefix and problem.startswith(spec.strip_prefix):
         problem = problem[len(spec.strip_prefix) :]
     if spec.strip_suffix and problem.endswith(spec.strip_suffix):
         problem = problem[: -len(spec.strip_suffix)]
+    if prompt_form(problem) != "custom":  # a prepared file as the source: its instruction is added again
+        problem = problem[: -len(PROMPT_FORMS[prompt_form(problem)] + PROMPT_SUFFIX)]
     problem = problem.strip()
     if not problem:
         return None, f"empty problem (field {problem_path})"
-    answer_path, answer = _first_present(row, spec.answer_fields)
+    answer_path, answer = _first_present(row, spec.fields(1))
     if answer is None:
-        return None, f"missing answer (looked for {', '.join(spec.answer_fields)})"
+        return None, f"missing answer (looked for {', '.join(spec.fields(1))})"
     try:
-        answer = answer_to_text(answer)
+        answer = answer_to_text(answer, spec.strip_dollars)
     except ValueError as exc:
         return None, f"invalid answer (field {answer_path}): {exc}"
     if not answer:
@@ -362,7 +391,7 @@ def _extract(spec: SourceSpec, number: int, row: Any) -> tuple[Optional[_Record]
     unusable = ground_truth_problem(answer)  # e.g. longer than MAX_GROUND_TRUTH_CHARS: a solution, not an answer
     if unusable:
         return None, f"invalid answer (field {answer_path}): {unusable}"
-    id_path, source_id = _first_present(row, spec.id_fields)
+    id_path, source_id = _first_present(row, spec.fields(2))
     source_id, why = _id_text(source_id, id_path, number)
     if source_id is None:
         return None, why
@@ -643,15 +672,6 @@ def _put_back_manifest(out_dir: Path, previous: Optional[dict]) -> None:
         atomic_write_json(path, previous)
 
 
-def update_manifest(out_dir: Path, results: Sequence[PrepareResult]) -> Path:
-    """Merge ``results`` into ``out_dir/manifest.json`` (atomic; other entries are kept).
-
-    Raises:
-        ValueError: the manifest there is corrupt (:func:`read_manifest`); it is left as it is.
-    """
-    return _write_manifest(out_dir, read_manifest(out_dir), results)
-
-
 # ----------------------------------------------------------------------------------------------
 # CLI
 # ----------------------------------------------------------------------------------------------
@@ -706,6 +726,10 @@ def run_bench(args: argparse.Namespace) -> list[PrepareResult]:
         spec = BENCHMARK_SPECS[name]
         results.append(prepare_dataset(spec, out_dir / f"{name}.parquet", sources.get(name), args.drop_invalid,
                                        manifest_dir=out_dir))
+        if name in VALIDATION_BENCHMARKS:  # the trainer's validation copy, in JustRL's training prompt
+            validation = replace(spec, name=f"{name}_val", expected_rows=None)
+            results.append(prepare_dataset(validation, out_dir / f"{validation.name}.parquet", sources.get(name),
+                                           args.drop_invalid, name, manifest_dir=out_dir, form="train"))
     return results
 
 
@@ -718,7 +742,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--split", default=None, help="hub split (default train)")
     for role in ("problem", "answer", "id"):
         train.add_argument(f"--{role}-field", default=None, help=f"dotted field path(s) of the {role}, comma-separated")
-    bench = sub.add_parser("bench", help="the six benchmarks -> OUT/<name>.parquet")
+    bench = sub.add_parser("bench", help="the six benchmarks -> OUT/<name>.parquet (and OUT/<name>_val.parquet for training)")
     bench.add_argument("--out-dir", required=True)
     bench.add_argument("--benchmarks", default=",".join(BENCHMARK_SPECS))
     bench.add_argument("--source", action="append", help="NAME=PATH_OR_ID (repeatable), overrides the default hub id")

@@ -171,9 +171,3 @@ def grade_answer(solution_str: Any, ground_truth: Any, timeout_s: float) -> Grad
         return Graded(True, pred)
     verdict, status = check_symbolic(WARM_UP, sympy_equal, (pred, gold), timeout_s, "justrl grader")
     return Graded(verdict, pred, status)
-
-
-def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float) -> tuple[Optional[bool], Optional[str]]:
-    """``(correct, pred)`` of :func:`grade_answer` (``correct`` None: ungraded)."""
-    graded = grade_answer(solution_str, ground_truth, timeout_s)
-    return graded.correct, graded.pred

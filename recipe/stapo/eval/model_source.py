@@ -1,7 +1,7 @@
 """The model an evaluation reads, checked before anything is written: a local path must be a
 complete Hugging Face model folder (config, weights whole, tokenizer), and its context is read as
 vLLM derives it. Reads only ``config.json`` and file headers (milliseconds, whatever the model's size).
-A hub id (``ORG/NAME``) is left to the backend."""
+A hub id (``ORG/NAME``) must be in the Hugging Face cache, or the hub must answer for it (not offline)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Optional
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HUB_TIMEOUT_S = 10.0
+"""How long the hub may take to answer for a model that is not in the cache."""
 
 
 def check_model_source(model: str, what: str = "--model") -> None:
@@ -19,18 +21,23 @@ def check_model_source(model: str, what: str = "--model") -> None:
 
     A string is taken as a local path when it is absolute, starts with ``.`` or ``~``, exists,
     names a ``global_step_N`` folder, or has more than one ``/``; anything else (``Qwen/Qwen3-8B``)
-    is a hub id and is not checked here.
+    is a hub id (:func:`hub_model_problem`).
 
     Raises:
         FileNotFoundError: the path does not exist.
         ValueError: it is not a folder, is a verl checkpoint (FSDP shards), or lacks
-            ``config.json`` or weight files; the message says what is missing.
+            ``config.json`` or weight files; a hub id that is neither cached nor reachable. The
+            message says what is missing.
     """
     path = Path(model).expanduser()
     local = path.is_absolute() or model.startswith((".", "~")) or path.exists() or "global_step_" in model or (
         "/" in model and not _HUB_ID.match(model)
     )
     if not local:
+        problem = hub_model_problem(model)
+        if problem:
+            raise ValueError(f"{what} {model}: {problem}; download it where there is internet (`hf download {model}`, into "
+                             "this machine's Hugging Face cache), or pass a local model folder; nothing was written")
         return
     if not path.exists():
         base = "" if path.is_absolute() else f" (relative paths are taken from {Path.cwd()}, this process's working folder)"
@@ -57,6 +64,24 @@ def check_model_source(model: str, what: str = "--model") -> None:
         raise ValueError(f"{what} {model}: {problem}; redo the copy, or, for the copy run_scripts/eval.sh converts a verl "
                          f"checkpoint into (global_step_N/merged_hf), remove {path} and rerun eval.sh on the checkpoint: "
                          "it converts it again; nothing was written")
+
+
+def hub_model_problem(model: str) -> Optional[str]:
+    """Why the hub id ``model`` cannot be loaded here (one line), or None: its ``config.json`` is in
+    the Hugging Face cache, or the hub answers for it within :data:`HUB_TIMEOUT_S`."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache  # only for a hub id: a second to import
+
+    where = f"not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
+    try:
+        if isinstance(try_to_load_from_cache(model, "config.json"), str):
+            return None
+        if constants.HF_HUB_OFFLINE:
+            return f"{where}, and HF_HUB_OFFLINE is set"
+        HfApi().model_info(model, timeout=HUB_TIMEOUT_S)
+    except Exception as exc:  # noqa: BLE001 - no network, no such model, a gated one, a malformed id: said in one line
+        detail = (str(exc).splitlines() or [""])[0][:200]
+        return f"{where}, and the hub does not give it ({type(exc).__name__}: {detail})"
+    return None
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -14,9 +14,10 @@ Outputs under ``OUT``: ``generations/<bench>__<decoding>.jsonl`` (one line per s
 and flushed as generated), ``grades/`` and ``verifier/`` (answer grades and verifier verdicts, each
 keyed by the sample and what decided it), ``run_config.json``, ``summary.json`` and ``summary.md``.
 
-A run first checks everything it can without writing (the output folder, ``run_config.json``,
-every saved sample against the data, the model path when something is left to generate, the
-verifier prompt, rendered once), then generates. Rerunning the same command resumes: only
+A run first checks everything it can without writing (the settings, the output folder and what
+the run writes in it, ``run_config.json``, every saved sample against the data, the model when
+something is left to generate, the verifier prompt, rendered once, and the verifier model: a hub
+id must be cached or reachable), then generates. Rerunning the same command resumes: only
 missing samples are generated; a run on a different model or setting in the same ``OUT`` is
 refused (``run_config.json`` names the key that differs). Saved samples are matched to problems by
 problem id and prompt hash, not by row. ``summary.json`` covers every benchmark and decoding
@@ -87,6 +88,11 @@ _BENCH_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
 DEFAULT_MAX_NEW_TOKENS = 20480
 _FINGERPRINT_KEYS = ("model", "max_new_tokens", "seed", "backend")
 VERIFIERS = ("auto", "compass", "none")
+VERIFIER_DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""``--verifier-dtype``: ``auto`` is the verifier checkpoint's own."""
+OUT_FOLDERS = ("generations", "grades", "verifier", parallel.WORKERS_DIR)
+OUT_FILES = ("run_config.json", "summary.json", "summary.md")
+"""What a run writes under ``--out`` (checked before anything is written)."""
 DEFAULT_PROMPT_LOCATION = Path("compassverifier") / "prompts.py"
 """Where, under ``--benchmarks-dir``, the verifier prompt is looked for when no file is given."""
 
@@ -143,6 +149,12 @@ class EvalConfig:
         if self.verifier not in VERIFIERS:
             raise ValueError(f"--verifier must be one of {list(VERIFIERS)}, got {self.verifier!r}")
         get_protocol(self.grading_protocol)
+        if self.verifier_dtype not in VERIFIER_DTYPES:
+            raise ValueError(f"--verifier-dtype {self.verifier_dtype!r} is not a dtype; one of {', '.join(VERIFIER_DTYPES)}")
+        named = self.gpu_list() if self.gpus else []
+        if len(set(named)) < len(named):
+            raise ValueError(f"--gpus {self.gpus}: names GPU {next(g for g in named if named.count(g) > 1)} more than once; "
+                             "list each GPU once")
         if self.backend not in ("vllm", "hf"):
             raise ValueError(f"--backend must be 'vllm' or 'hf', got {self.backend!r}")
         if self.tensor_parallel_size < 1:
@@ -352,7 +364,11 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
     """
     config.validate()
     out = Path(config.out)
-    check_output_folder("--out", out)
+    for folder in ("", *OUT_FOLDERS):
+        check_output_folder("--out", out / folder)
+    taken = [out / name for name in OUT_FILES if (out / name).is_dir()]
+    if taken:
+        raise ValueError(f"--out {out}: {taken[0]} is a folder where the run writes a file; move it away or use another --out")
     parallel.OutputLock(out).check_free()
     stored = read_run_config(out)
     check_fingerprint(out, stored, config)
@@ -585,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="justrl (default, the paper's: JustRL's grader, empty question, only 'A' counts) or "
                              "compassverifier (lenient grader, the bare problem, CompassVerifier's verdict format)")
     parser.add_argument("--verifier-dtype", default="auto",
-                        help="dtype the verifier is loaded in (default auto: its checkpoint's own)")
+                        help=f"dtype the verifier is loaded in: {', '.join(VERIFIER_DTYPES)} (default auto: its checkpoint's own)")
     parser.add_argument("--benchmarks", default=",".join(BENCHMARKS))
     parser.add_argument("--n-samples", default=None, help="N for all benchmarks, or NAME=N,... (default 32 for AIME24/25, AMC23; 4 otherwise)")
     parser.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
@@ -638,6 +654,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         summary = run_evaluation(config)
     except (ValueError, FileNotFoundError, parallel.WorkerFailed) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a full disk (ENOSPC), a read-only file system: the file, in one line
+        print(f"error: {exc}; what was written is kept: fix it and rerun the same command to resume", file=sys.stderr)
         return 2
     print(summary_markdown(summary))
     print(f"summary: {Path(config.out) / 'summary.json'}")

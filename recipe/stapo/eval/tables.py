@@ -18,9 +18,9 @@ differs from the mean of their six cells.
 
 Rows of one table share one protocol (:func:`protocol_of`): per benchmark the N of mean@N and
 the problems (count and content hash), the temperature/top-p of each decoding setting,
-``max_new_tokens``, the prompt form (JustRL's evaluation prompt, or another) and the grading
-(rule-only, or the rule-based answer grader plus a verifier; grader code, verifier model and
-prompt). A row that differs is refused naming the row and the field; with
+``max_new_tokens`` and the grading (rule-only, or the rule-based answer grader plus a verifier;
+grader code, verifier model and prompt). The report names the prompt and the grading under the
+table. A row that differs is refused naming the row and the field; with
 ``--allow-mixed-protocol`` it is shown marked with a double dagger, never bolded, and left out of
 the headline. Rule-only and verified rows are never mixed: ``--grading rule-only`` builds the
 table from the rule-only mean@N (``grader_mean_at_n``) every summary also carries. Every value
@@ -30,7 +30,9 @@ fractions (a row of zeros is a score of 0).
 A Table 2 row needs all six benchmarks under both decoding settings, as finite numbers, from a
 full run with every answer graded. An input that is partial -- a smoke-test summary (``limit``
 set, or ``complete: false``), a benchmark or decoding setting missing, a value that is NaN,
-infinite or not a number, answers left ungraded (their check could not run) -- is
+infinite or not a number, answers left ungraded (their check could not run), prompts in
+another form than JustRL's evaluation prompt (``justrl-eval``; also a summary from before forms
+were recorded) -- is
 refused with an error naming the file, the row and what is wrong. With ``--allow-partial`` such a
 row is shown marked with a dagger (its unusable cells as "-"), never bolded, and left out of the
 headline of the decoding settings it is partial in; every headline line names the rows (and the
@@ -48,7 +50,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-from stapo_core.fileio import atomic_write_text
+from recipe.stapo.data.prepare import PROMPT_SUFFIX
+from stapo_core.fileio import atomic_write_text, check_output_folder
 
 COLUMNS = ("AIME24", "AIME25", "AMC23", "MATH500", "Minerva", "Olympiad")
 AVG = "Avg"
@@ -68,6 +71,9 @@ GRADINGS = ("as-run", "rule-only")
 ``rule-only``: the rule-only mean@N of every summary."""
 PRINTED = "a printed table (protocol not recorded)"
 UNRECORDED_FORM = "unrecorded (a summary from before prompt forms were recorded)"
+EVAL_FORM = "justrl-eval"
+"""The prompt form of Table 2's rows: JustRL's evaluation prompt (``evals/gen_vllm.py``)."""
+EVAL_PROMPT = f"JustRL's evaluation prompt ({EVAL_FORM}: the problem, one space, \"{PROMPT_SUFFIX}\")"
 _CELL = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?|-|–)\s*(?:\(\s*([-+]?\d+(?:\.\d+)?|-|–)\s*\))?\s*$")
 
 
@@ -87,6 +93,7 @@ class Row:
     protocol: dict[str, object] = field(default_factory=dict)
     protocol_issues: list[str] = field(default_factory=list)
     grading: str = PRINTED
+    prompt: str = PRINTED
 
     def partial(self, decoding: Optional[str] = None) -> bool:
         """Whether the row has issues under ``decoding`` (any decoding when None)."""
@@ -283,15 +290,12 @@ def grading_protocol_of(summary: dict) -> str:
 
 def protocol_of(summary: dict, grading: str = "as-run") -> dict[str, object]:
     """The protocol fields of a summary, each compared across the rows of a table: ``protocol``
-    (recorded, against a printed table's unrecorded one), ``max_new_tokens``, ``prompt form``
-    (``justrl-eval``; ``unrecorded`` for a summary written before the form was recorded, whose
-    prompts joined problem and instruction with a blank line), ``grading``, ``decoding <label>``
+    (recorded, against a printed table's unrecorded one), ``max_new_tokens``, ``grading``, ``decoding <label>``
     (temperature/top-p), ``N (<column>)``, ``problems (<column>)`` (count and content hash; under
     the first decoding that has it)."""
     protocol: dict[str, object] = {
         "protocol": "recorded in a run summary",
         "max_new_tokens": summary.get("max_new_tokens"),
-        "prompt form": summary.get("prompt_form", UNRECORDED_FORM),
         "grading": grading_of(summary, grading)[0],
         "grading protocol": grading_protocol_of(summary),
     }
@@ -315,7 +319,7 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
     ``complete: false``, a decoding setting or benchmark missing, a value that is not a finite
     number or not a percentage in [0, 100] (that cell is left empty and no Avg is computed),
     every value at most 1 (fractions), or one value in (0, 1] among percentages that is not a whole
-    number of correct samples (a fraction).
+    number of correct samples (a fraction), prompts in another form than :data:`EVAL_FORM`.
 
     Args:
         grading: ``as-run`` (``mean_at_n``) or ``rule-only`` (``grader_mean_at_n``).
@@ -338,8 +342,9 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
             raise ValueError(f"{source}: {where} is {json.dumps(what)[:40]} ({type(what).__name__}), not an object; "
                              "not a summary written by recipe.stapo.eval.run_eval (rerun the evaluation or fix the file)")
     key = "grader_mean_at_n" if grading == "rule-only" else "mean_at_n"
+    form = summary.get("prompt_form", UNRECORDED_FORM)
     row = Row(scale=str(scale).strip(), method=str(method).strip(), source=source, protocol=protocol_of(summary, grading),
-              grading=grading_of(summary, grading)[1])
+              grading=grading_of(summary, grading)[1], prompt=EVAL_PROMPT if form == EVAL_FORM else f"prompt form {form}")
     issues: dict[str, list[str]] = {d: [] for d in DECODING_ORDER}
     unusable: dict[str, set] = {d: set() for d in DECODING_ORDER}
     limit = summary.get("limit")
@@ -387,6 +392,8 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
     for decoding in DECODING_ORDER:
         if limit is not None:
             issues[decoding].insert(0, f"limit={limit}: a smoke test on the first {limit} problems")
+        if form != EVAL_FORM:
+            issues[decoding].append(f"prompt form {form}, not JustRL's evaluation prompt ({EVAL_FORM})")
         block = summary["decodings"].get(decoding) or {}
         if block.get("complete") is False and not issues[decoding]:
             issues[decoding].append(f"complete=false ({_label(decoding)})")
@@ -516,7 +523,7 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
         listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {'; '.join(r.protocol_issues)}" for r in mixed)
         raise ValueError(
             f"rows with another protocol refused: {listed}. Rows of one table share N per benchmark, decoding, "
-            "max_new_tokens, prompt form and grading (a changed answer grader or verifier: rerun eval.sh on the older folders to regrade, "
+            "max_new_tokens and grading (a changed answer grader or verifier: rerun eval.sh on the older folders to regrade, "
             "generations and cached verdicts are reused); pass --allow-mixed-protocol to show such rows marked "
             "and left out of the headline"
         )
@@ -688,8 +695,9 @@ def report(rows: Sequence[Row], fmt: str = "markdown", stapo_method: str = "STAP
     """Table, partial-row notes, headline per decoding setting (naming what it left out) and
     average-consistency notes."""
     parts = [render(rows, fmt), ""]
-    gradings = [r.grading for r in rows if not r.protocol_issues] or [r.grading for r in rows]
-    parts.append(f"Grading: {max(set(gradings), key=gradings.count)}")
+    for name, values in (("Prompt", [r.prompt for r in rows]), ("Grading", [r.grading for r in rows])):
+        shared = [v for r, v in zip(rows, values) if not r.protocol_issues] or values
+        parts.append(f"{name}: {max(set(shared), key=shared.count)}")
     for row in rows:
         if row.partial():
             parts.append(f"{MARK} {row.scale} {row.method} is partial: {'; '.join(dict.fromkeys(i for v in row.issues.values() for i in v))} ({row.source})")
@@ -716,16 +724,12 @@ def report(rows: Sequence[Row], fmt: str = "markdown", stapo_method: str = "STAP
 
 
 def check_out_file(out: str | Path) -> None:
-    """Raise ValueError when the report cannot be written to ``out``: it is a folder, or a folder
-    above it is a file. An existing file is replaced."""
+    """Raise ValueError when the report cannot be written to ``out``: it is a folder, or its folder
+    cannot be written (:func:`stapo_core.fileio.output_folder_problem`). An existing file is replaced."""
     out = Path(out)
     if out.is_dir():
         raise ValueError(f"--out {out} is a folder; pass a file path (e.g. {out / 'table.md'})")
-    for folder in out.parents:
-        if folder.exists():
-            if not folder.is_dir():
-                raise ValueError(f"--out {out}: {folder} is a file, not a folder")
-            return
+    check_output_folder("--out", out.parent)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -37,7 +37,7 @@ from typing import Any, Optional, Sequence
 from recipe.stapo.eval.backends import GenerationBackend, LazyBackend, build_backend, render_chat
 from recipe.stapo.eval.generate import text_sha256
 from stapo_core.fileio import atomic_write_text
-from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, GradingProtocol, compass_judgement
+from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, GradingProtocol
 
 DEFAULT_COMPASS_MODEL = "opencompass/CompassVerifier-3B"
 OFFICIAL_REPOSITORY = "open-compass/CompassVerifier"
@@ -107,11 +107,6 @@ class AnswerVerifier(ABC):
 
     def close(self) -> None:
         """Free the model the verifier runs on (vLLM: its engine processes); none by default."""
-
-
-def parse_judgement(text: str) -> bool:
-    """True when a CompassVerifier output judges CORRECT (:func:`compass_judgement` gives "A")."""
-    return compass_judgement(text) == "A"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,11 @@
 """Rewards of the STAPO recipe (re-exports only; each idea lives in its own module).
 
-- :mod:`~recipe.stapo.reward.strict`: ``compute_score``, the training reward (JustRL's: verl's
-  ``math_dapo`` with strict box verification). The recipe's YAML names it.
-- :mod:`~recipe.stapo.reward.lenient`: ``compute_score_lenient`` / ``grade_solution``, normalised or
+- :mod:`~recipe.stapo.reward.dispatch`: ``compute_score``, the function the recipe's YAML names:
+  JustRL's reward for each row by its ``data_source`` (Math-Verify for the benchmarks, the strict
+  reward for the rest).
+- :mod:`~recipe.stapo.reward.strict`: ``strict_score``, the training reward (JustRL's: verl's
+  ``math_dapo`` with strict box verification).
+- :mod:`~recipe.stapo.reward.lenient`: ``compute_score_lenient`` / ``grade_answer``, normalised or
   symbolic equality, time-bounded; one of the evaluation's rule-based graders, and a training option.
 - :mod:`~recipe.stapo.reward.answers`: ground-truth validation, answer extraction, normalisation.
 - :mod:`~recipe.stapo.reward.guard`: the process guard (hard wall-clock limit from any thread).
@@ -37,9 +40,9 @@ from recipe.stapo.reward.lenient import (
     answers_equivalent,
     compute_score_lenient,
     grade_answer,
-    grade_solution,
 )
-from recipe.stapo.reward.strict import CORRECT_SCORE, WRONG_SCORE, compute_score
+from recipe.stapo.reward.strict import CORRECT_SCORE, WRONG_SCORE, strict_score
+from recipe.stapo.reward.dispatch import SCORE_BY_SOURCE, compute_score, math_verify_score
 
 __all__ = [
     "CORRECT_SCORE",
@@ -50,6 +53,7 @@ __all__ = [
     "WORKERS_ENV",
     "WRONG_SCORE",
     "RewardConfigError",
+    "SCORE_BY_SOURCE",
     "TimeLimitedRunner",
     "UNGRADED_STATUSES",
     "answers_equivalent",
@@ -57,13 +61,14 @@ __all__ = [
     "compute_score_lenient",
     "get_runner",
     "grade_answer",
-    "grade_solution",
     "ground_truth_conversion",
     "ground_truth_problem",
     "ground_truth_text",
     "interval_set_mismatch",
     "last_boxed_content",
+    "math_verify_score",
     "normalize_answer",
+    "strict_score",
     "symbolic_equal",
     "workers_from_env",
 ]

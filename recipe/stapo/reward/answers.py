@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import re
-import threading
 import unicodedata
 from decimal import Decimal
 from typing import Any, Optional
@@ -90,23 +89,27 @@ def plain_digits_and_spaces(text: str) -> str:
 # ----------------------------------------------------------------------------------------------
 def _unbox(value: Any) -> Any:
     """A numpy scalar or 0-d array as the Python value it stands for, a 1-d array as a list of its
-    cells; anything else unchanged. A numpy float becomes the Python float of its shortest decimal
-    form (``np.float32(0.1)`` -> ``0.1``, not the ``0.10000000149011612`` of ``.tolist()``)."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None or isinstance(value, str):
+    cells; anything else unchanged."""
+    if getattr(value, "dtype", None) is None or isinstance(value, str):
         return value
-    if getattr(value, "ndim", 0) == 0:
-        return float(str(value)) if dtype.kind == "f" else value.item()
-    return list(value)
+    return value.item() if getattr(value, "ndim", 0) == 0 else list(value)
 
 
 def _number_text(value: float) -> str:
     """A finite float as a plain decimal: ``5.0`` -> ``"5"``, ``0.5`` -> ``"0.5"``, ``1e-07`` ->
     ``"0.0000001"``, ``1e+20`` -> ``"100000000000000000000"`` (the shortest digits that read back
-    as the same float, written without an exponent)."""
+    as the same float, written without an exponent). A float that a float32 holds exactly is read as
+    that float32, with its shortest digits: a float32 cell (a parquet ``float`` column,
+    ``np.float32``) reaches Python as such a float, so ``0.10000000149011612`` -> ``"0.1"``."""
     if value == 0:
         return "0"
-    text = format(Decimal(repr(value)), "f")
+    import numpy  # a second's import at most, only for a float ground truth
+
+    text = repr(value)
+    single = numpy.float32(value) if abs(value) < 3.4e38 else None  # beyond: no float32
+    if single is not None and float(single) == value and len(str(single)) < len(text):
+        text = str(single)
+    text = format(Decimal(text), "f")
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
@@ -359,26 +362,25 @@ def _shape(norm: str) -> str:
 # ----------------------------------------------------------------------------------------------
 # symbolic equivalence (runs inside a guard helper process)
 # ----------------------------------------------------------------------------------------------
-def symbolic_equal(pred: str, gold: str, norm_pred: str, norm_gold: str, inner_timeout_s: int = 2) -> bool:
+def symbolic_equal(pred: str, gold: str, norm_pred: str, norm_gold: str) -> bool:
     """``math_verify`` equivalence of two answers, tried on the raw and on the normalised forms.
 
-    Meant to run in a guard helper's main thread, where ``math_verify``'s signal-based
-    ``inner_timeout_s`` works; the guard adds the hard limit. The normalised forms are passed in
-    (computed by the caller) so that a helper never imports verl. Returns False on any parse error.
+    Runs in a guard helper, whose hard limit is the only one: ``math_verify``'s own time limits are
+    off, since one that ran out would read as "not equal" (``(x+1)^{40}`` against its expansion
+    parses in about 2 s), where the guard's makes the answer ungraded. The normalised forms are
+    passed in (computed by the caller) so that a helper never imports verl. Returns False on any
+    parse error.
     """
     # math_verify (sympy, seconds) loads on the first lenient check
     from math_verify import parse, verify
 
-    main_thread = threading.current_thread() is threading.main_thread()
-    kwargs = {"parsing_timeout": inner_timeout_s if main_thread else None}
-    verify_timeout = inner_timeout_s if main_thread else None
     for gold_text, pred_text in ((gold, pred), (norm_gold, norm_pred)):
         if not gold_text or not pred_text:
             continue
         try:
-            gold_parsed = parse("\\boxed{" + gold_text + "}", **kwargs)
-            pred_parsed = parse("\\boxed{" + pred_text + "}", **kwargs)
-            if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=verify_timeout):
+            gold_parsed = parse("\\boxed{" + gold_text + "}", parsing_timeout=None)
+            pred_parsed = parse("\\boxed{" + pred_text + "}", parsing_timeout=None)
+            if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None):
                 return True
         except Exception:  # noqa: BLE001 - any failure of the symbolic stage means "not shown equal"
             continue

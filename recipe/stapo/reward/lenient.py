@@ -49,7 +49,7 @@ DEFAULT_TIMEOUT_S = 5.0
 
 symbolic_check: Callable[..., bool] = symbolic_equal
 """The function the guard runs for the symbolic stage (module attribute so tests can substitute
-it); called as ``symbolic_check(pred, gold, norm_pred, norm_gold, inner_timeout_s)``."""
+it); called as ``symbolic_check(pred, gold, norm_pred, norm_gold)``."""
 
 _WARM_UP = "recipe.stapo.reward.answers:warm_up_symbolic"
 
@@ -107,8 +107,7 @@ def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_
         return Graded(True, pred)
     if interval_set_mismatch(norm_pred, norm_gold):  # math_verify alone counts (1,2) equal to {1,2}
         return Graded(False, pred)
-    inner = max(1, int(timeout_s / 3))
-    verdict, status = check_symbolic(_WARM_UP, symbolic_check, (pred, gold, norm_pred, norm_gold, inner), timeout_s,
+    verdict, status = check_symbolic(_WARM_UP, symbolic_check, (pred, gold, norm_pred, norm_gold), timeout_s,
                                      "lenient grader")
     return Graded(verdict, pred, status)
 
@@ -131,12 +130,6 @@ def grade_answer(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAUL
     if pred is None or gold is None:
         return Graded(False, pred)
     return answers_equivalent(pred, gold, timeout_s)
-
-
-def grade_solution(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[Optional[bool], Optional[str]]:
-    """``(correct, pred)`` of :func:`grade_answer` (``correct`` None: ungraded)."""
-    graded = grade_answer(solution_str, ground_truth, timeout_s)
-    return graded.correct, graded.pred
 
 
 def compute_score_lenient(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> dict:

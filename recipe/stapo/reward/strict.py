@@ -1,5 +1,8 @@
 """The training reward: JustRL's, i.e. verl's own ``math_dapo.compute_score`` with strict box verification.
 
+:func:`strict_score` is what :func:`recipe.stapo.reward.dispatch.compute_score` (the function the
+recipe's YAML names) gives every training row and every row that is not a benchmark's.
+
 verl 0.9.1's ``verl.utils.reward_score.math_dapo.compute_score(solution_str, ground_truth,
 strict_box_verify=True)`` keeps the last 300 characters of the response, takes the last
 ``\\boxed{...}`` inside their final 100 characters and compares its content with the ground truth
@@ -21,10 +24,9 @@ Time: verl's function only ever looks at 300 characters of the response and comp
 so a call takes microseconds whatever the input's length; no helper process is involved, and the
 paper's reward never depends on one.
 
-verl entry point: ``reward.custom_reward_function.path=pkg://recipe.stapo.reward``,
-``.name=compute_score`` (the recipe's default). verl 0.9.1's reward managers call
-``compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...,
-**reward_kwargs)`` and log every key of the returned dict as ``reward_extra_info``.
+verl 0.9.1's reward managers call the configured function with ``data_source=...,
+solution_str=..., ground_truth=..., extra_info=..., **reward_kwargs`` and log every key of the
+returned dict as ``reward_extra_info``.
 """
 
 from __future__ import annotations
@@ -40,15 +42,12 @@ CORRECT_SCORE = 1.0
 WRONG_SCORE = -1.0
 
 
-def compute_score(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> dict:
-    """verl custom reward function: JustRL's strict DAPO reward (+1 correct / -1 wrong).
+def strict_score(solution_str: Any, ground_truth: Any) -> dict:
+    """JustRL's strict DAPO reward (+1 correct / -1 wrong).
 
     Args:
-        data_source: dataset name (unused: every source is graded by the same rule).
         solution_str: decoded response text (a non-string is converted with ``str``).
         ground_truth: reference answer (see :func:`~recipe.stapo.reward.answers.ground_truth_text`).
-        extra_info: per-row info from the parquet (unused).
-        **kwargs: anything else verl passes (``reward_router_address``, ...) is ignored.
     Returns:
         ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None}``: verl's result; ``pred``
         is the content of the box verl found. Never raises.

@@ -9,6 +9,7 @@ import pytest
 
 from recipe.stapo.data import prepare
 from recipe.stapo.data.prepare import PROMPT_SUFFIX, main
+from recipe.stapo.driver import compose
 from recipe.stapo.reward import MAX_GROUND_TRUTH_CHARS
 
 FIXTURES = Path(prepare.__file__).parent / "fixtures"
@@ -49,8 +50,9 @@ JUSTRL_EVAL_TEMPLATE = """{problem} Please reason step by step, and put your fin
 
 def test_benchmark_prompts_are_justrls_evaluation_template_and_training_prompts_keep_the_blank_line(tmp_path):
     """JustRL evaluates with ``problem + " " + instruction`` and trains on ``problem + "\\n\\n" +
-    instruction``: the benchmark rows hold the first, the training rows the second, and the manifest
-    names each dataset's form."""
+    instruction``, which its trainer also gives its validation sets: the benchmark rows hold the
+    first, the training rows and the trainer's validation copy (``aime24_val``, the YAML's
+    ``data.val_files``) the second, and the manifest names each dataset's form."""
     assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "aime24",
                  "--source", f"aime24={FIXTURES / 'bench_sample.jsonl'}"]) == 0
     assert main(["train", "--out-dir", str(tmp_path), "--source", str(FIXTURES / "dapo_sample.jsonl")]) == 0
@@ -64,8 +66,16 @@ def test_benchmark_prompts_are_justrls_evaluation_template_and_training_prompts_
     problem = raw[len(prepare.DAPO_PREFIX) : -len(prepare.DAPO_SUFFIX)]
     assert train.iloc[0]["prompt"][0]["content"] == (
         problem + "\n\nPlease reason step by step, and put your final answer within \\boxed{}.")
+    validation = pd.read_parquet(tmp_path / "aime24_val.parquet")
+    for prompt, row in zip(validation["prompt"], bench.itertuples()):
+        assert prompt[0]["content"] == row.prompt[0]["content"][: -len(" " + PROMPT_SUFFIX)] + "\n\n" + PROMPT_SUFFIX
+    assert list(validation["data_source"]) == list(bench["data_source"]) == ["aime24"] * len(bench)
+    assert list(validation["reward_model"]) == list(bench["reward_model"])
     datasets = json.loads((tmp_path / "manifest.json").read_text())["datasets"]
     assert (datasets["aime24"]["prompt_form"], datasets["train"]["prompt_form"]) == ("justrl-eval", "train")
+    assert datasets["aime24_val"]["prompt_form"] == "train"
+    config = compose(["method=stapo", "model=qwen3_8b"])
+    assert Path(config.data.val_files).name == "aime24_val.parquet"
     assert prepare.prompt_form(bench.iloc[0]["prompt"][0]["content"]) == "justrl-eval"
     assert prepare.prompt_form(train.iloc[0]["prompt"][0]["content"]) == "train"
     assert prepare.prompt_form("What is 2?") == "custom"
@@ -89,7 +99,7 @@ def test_bench_from_parquet_and_jsonl_manifest_merges(tmp_path):
         assert entry["rows"] == entry["source_rows"] == len(rows)
     # a later train preparation into the same folder keeps the bench entries
     main(["train", "--out-dir", str(out), "--source", str(FIXTURES / "dapo_sample.jsonl")])
-    assert set(json.loads((out / "manifest.json").read_text())["datasets"]) == {"aime24", "math500", "train"}
+    assert set(json.loads((out / "manifest.json").read_text())["datasets"]) == {"aime24", "aime24_val", "math500", "train"}
 
 
 def test_invalid_rows_error_names_file_and_rows_and_writes_nothing(tmp_path):
@@ -127,7 +137,7 @@ def test_failure_keeps_earlier_outputs_and_old_file(tmp_path):
     assert code == 2
     assert _sha(tmp_path / "aime24.parquet") == before  # the failed rewrite left the old file
     manifest = json.loads((tmp_path / "manifest.json").read_text())["datasets"]
-    assert set(manifest) == {"aime24", "aime25"}  # aime25 (done before the failure) is recorded
+    assert set(manifest) == {"aime24", "aime24_val", "aime25", "aime25_val"}  # aime25 (done before the failure) is recorded
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
@@ -141,7 +151,8 @@ def test_truncated_jsonl_line_is_a_named_invalid_row(tmp_path):
 def test_answer_to_text_and_field_lookup():
     assert prepare.answer_to_text(9) == "9"
     assert prepare.answer_to_text(5.0) == "5"
-    assert prepare.answer_to_text(["$x=3$"]) == "x=3"
+    assert prepare.answer_to_text(["$x=3$"]) == "$x=3$"  # a benchmark's answer as written (JustRL grades it so)
+    assert prepare.answer_to_text(["$x=3$"], strip_dollars=True) == "x=3"  # a training answer, compared exactly
     assert prepare.answer_to_text(["1", "2"]) == "1, 2"
     row = {"prompt": [{"content": "hi"}], "reward_model": {"ground_truth": "4"}}
     assert prepare._lookup(row, "prompt.0.content") == "hi"
@@ -359,14 +370,14 @@ def test_out_dir_that_is_a_file_is_a_clear_error(tmp_path, capsys, command):
     assert afile.read_text() == "not a folder"
 
 
-ANSWERS = [  # (answer cell, ground truth written): the rewards' rule (ground_truth_text), then stripped
+ANSWERS = [  # (answer cell, ground truth written): the rewards' rule (ground_truth_text), then stripped of spaces
     (0.5, "0.5"),
     (1e-7, "0.0000001"),
     (5.0, "5"),
     (12, "12"),
     ([1, 2], "1, 2"),
     (["$1$", " 2 "], "1, 2"),
-    (["  $x=3$ "], "x=3"),
+    (["  $x=3$ "], "$x=3$"),
 ]
 
 
@@ -378,7 +389,7 @@ def test_answers_are_written_by_the_rewards_rule(tmp_path):
                  "--source", f"amc23={_write_jsonl(tmp_path / 'amc.jsonl', rows)}"]) == 0
     written = [r["ground_truth"] for r in pd.read_parquet(tmp_path / "amc23.parquet")["reward_model"]]
     assert written == [text for _, text in ANSWERS]
-    assert written == [ground_truth_text(value).strip().strip("$").strip() for value, _ in ANSWERS]
+    assert written == [ground_truth_text(value).strip() for value, _ in ANSWERS]
 
 
 def test_list_answers_from_a_parquet_list_column(tmp_path):
@@ -405,8 +416,8 @@ def test_overlapping_preparations_into_one_folder_keep_both_manifest_entries(tmp
     monkeypatch.setattr(prepare, "collect_records", collect_while_another_run_finishes)
     assert main(["bench", "--out-dir", str(out), "--benchmarks", "aime24", "--source", f"aime24={good}"]) == 0
     datasets = json.loads((out / "manifest.json").read_text())["datasets"]
-    assert set(datasets) == {"aime24", "amc23"}
-    for name in ("aime24", "amc23"):
+    assert set(datasets) == {"aime24", "amc23", "aime24_val", "amc23_val"}
+    for name in ("aime24", "amc23", "aime24_val", "amc23_val"):
         assert datasets[name]["output_sha256"] == _sha(out / f"{name}.parquet")
 
 
@@ -490,7 +501,7 @@ def test_each_benchmark_has_one_size_everywhere():
     method_md = (REPO / "docs" / "method.md").read_text()
     for name, size in sizes.items():
         row = next(line for line in eval_md.splitlines() if line.startswith(f"| {name} | "))
-        assert row.rstrip().endswith(f"| {size} |"), row
+        assert [cell.strip() for cell in row.split("|")][5] == str(size), row  # its "problems" column
     labels = {"aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23", "math500": "MATH500", "minerva": "Minerva",
               "olympiadbench": "OlympiadBench"}
     protocol = method_md[method_md.index("## Evaluation protocol"):]
@@ -514,7 +525,7 @@ def test_a_kill_between_the_manifests_update_and_its_rename_leaves_nothing_behin
     assert main(["bench", "--out-dir", str(out), "--benchmarks", "amc23", "--source", f"amc23={small}"]) == 0
     assert not list(out.glob(".*.tmp"))
     manifest = json.loads((out / "manifest.json").read_text())
-    assert set(manifest["datasets"]) == {"aime24", "amc23"} and manifest["datasets"]["aime24"]["rows"] == 1
+    assert set(manifest["datasets"]) == {"aime24", "aime24_val", "amc23", "amc23_val"} and manifest["datasets"]["aime24"]["rows"] == 1
     assert manifest["datasets"]["aime24"]["output_sha256"] == _sha(out / "aime24.parquet")
 
 
@@ -538,7 +549,84 @@ def test_two_concurrent_preparations_into_one_folder_keep_every_dataset(tmp_path
     for run in runs:
         assert run.wait(timeout=300) == 0, run.stderr.read()
     manifest = json.loads((out / "manifest.json").read_text())
-    assert set(manifest["datasets"]) == {"aime24", "math500", "amc23"} and "pending" not in manifest
+    assert set(manifest["datasets"]) == {"aime24", "math500", "amc23", "aime24_val", "amc23_val"} and "pending" not in manifest
     for name, entry in manifest["datasets"].items():
         assert entry["output_sha256"] == _sha(out / f"{name}.parquet")
     assert not list(out.glob(".*.tmp"))
+
+
+# rows as JustRL's data/Olympiad-Bench/test.parquet holds them: verl's layout, the bare problem as the
+# one chat message (its trainer adds the instruction), the answer with its $...$ as written there
+JUSTRL_ROWS = [
+    ("Xenia and Sergey play a game. How many moves does Sergey need?", "2"),
+    ("Find the largest $k$ such that $2^k$ divides the sum.", "$2^{1009}$"),
+    ("Find the angles.", "$\\angle B E A_{1}=90$,$\\angle A E B_{1}=90$"),
+]
+
+
+def _justrl_parquet(path, system=False):
+    rows = [{"prompt": ([{"role": "system", "content": "Be brief."}] if system else []) + [{"role": "user", "content": p}],
+             "data_source": "Olympiad-Bench", "ability": "math", "reward_model": {"ground_truth": a, "style": "rule"},
+             "extra_info": {"index": f"Olympiad-Bench-{i}", "split": "test"}} for i, (p, a) in enumerate(JUSTRL_ROWS)]
+    pd.DataFrame(rows).to_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("system", [False, True])
+def test_a_benchmark_in_verls_row_layout_is_prepared_as_written(tmp_path, system):
+    """JustRL's benchmark files (verl's layout: prompt messages, reward_model.ground_truth,
+    extra_info.index) give exactly their problems and answers, `$...$` kept as JustRL grades them;
+    the preparation's own output as a source gives the same rows again (its instruction is not doubled)."""
+    source = _justrl_parquet(tmp_path / "test.parquet", system)
+    out = tmp_path / "out"
+    assert main(["bench", "--out-dir", str(out), "--benchmarks", "olympiadbench", "--source", f"olympiadbench={source}"]) == 0
+    frame = pd.read_parquet(out / "olympiadbench.parquet")
+    assert [list(p) for p in frame["prompt"]] == [[{"role": "user", "content": f"{p} {PROMPT_SUFFIX}"}] for p, _ in JUSTRL_ROWS]
+    assert [r["ground_truth"] for r in frame["reward_model"]] == [a for _, a in JUSTRL_ROWS]
+    assert [e["id"] for e in frame["extra_info"]] == [f"Olympiad-Bench-{i}" for i in range(len(JUSTRL_ROWS))]
+    assert list(frame["data_source"]) == ["olympiadbench"] * len(JUSTRL_ROWS)
+    again = tmp_path / "again"
+    assert main(["bench", "--out-dir", str(again), "--benchmarks", "olympiadbench",
+                 "--source", f"olympiadbench={out / 'olympiadbench.parquet'}"]) == 0
+    assert _sha(again / "olympiadbench.parquet") == _sha(out / "olympiadbench.parquet")
+
+
+def test_dollars_are_stripped_from_training_answers_only_which_decides_justrls_verdict(tmp_path):
+    """A benchmark answer keeps its `$...$` (JustRL's copy of OlympiadBench writes 265 of its 674 so):
+    JustRL's grader then finds `x = 2^{1009}` wrong against `$2^{1009}$`, as JustRL's evaluation does;
+    the stripped text would flip it to right. Training answers are stripped (the strict reward
+    compares them character for character)."""
+    from recipe.stapo.eval import justrl_grader
+
+    source = _justrl_parquet(tmp_path / "test.parquet")
+    assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "olympiadbench", "--source", f"olympiadbench={source}"]) == 0
+    assert main(["train", "--out-dir", str(tmp_path), "--source", str(source)]) == 0
+    bench = [r["ground_truth"] for r in pd.read_parquet(tmp_path / "olympiadbench.parquet")["reward_model"]]
+    train = [r["ground_truth"] for r in pd.read_parquet(tmp_path / "train.parquet")["reward_model"]]
+    assert bench[1:] == ["$2^{1009}$", "$\\angle B E A_{1}=90$,$\\angle A E B_{1}=90$"]
+    assert train[1:] == ["2^{1009}", "\\angle B E A_{1}=90$,$\\angle A E B_{1}=90"]
+    response = "so \\boxed{x = 2^{1009}}"
+    assert justrl_grader.grade_answer(response, bench[1], 5.0).correct is False
+    assert justrl_grader.grade_answer(response, train[1], 5.0).correct is True
+
+
+def test_a_float32_answer_column_is_written_as_its_shortest_digits(tmp_path):
+    """A parquet float32 column reaches Python as 0.10000000149011612: written as 0.1, its value as the
+    file's author wrote it, at the top level and inside verl's reward_model."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    flat = tmp_path / "flat.parquet"
+    pd.DataFrame({"id": ["a", "b"], "problem": ["p", "q"], "answer": np.array([0.1, 2.5], dtype=np.float32)}).to_parquet(flat)
+    nested = tmp_path / "nested.parquet"
+    schema = pa.schema([("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+                        ("reward_model", pa.struct([("ground_truth", pa.float32())]))])
+    pq.write_table(pa.table({"prompt": [[{"role": "user", "content": "r"}]], "reward_model": [{"ground_truth": 0.3}]},
+                            schema=schema), nested)
+    assert main(["bench", "--out-dir", str(tmp_path), "--benchmarks", "amc23,minerva",
+                 "--source", f"amc23={flat}", "--source", f"minerva={nested}"]) == 0
+    assert [r["ground_truth"] for r in pd.read_parquet(tmp_path / "amc23.parquet")["reward_model"]] == ["0.1", "2.5"]
+    assert [r["ground_truth"] for r in pd.read_parquet(tmp_path / "minerva.parquet")["reward_model"]] == ["0.3"]
+    assert prepare.answer_to_text(0.1) == prepare.answer_to_text(np.float64(0.1)) == "0.1"  # a float64 is its own digits
+    assert prepare.answer_to_text(0.30000000000000004) == "0.30000000000000004"

@@ -280,7 +280,8 @@ def test_grader_identity_hashes_the_grader_code(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------------------------
 # the paper's grading by default, its prompt, checked before any generation
 # ----------------------------------------------------------------------------------------------
-def test_default_grading_is_the_verifiers_and_needs_its_prompt(bench, tmp_path):
+def test_default_grading_is_the_verifiers_and_needs_its_prompt(bench, tmp_path, hub):
+    _cache(hub, verifier_mod.DEFAULT_COMPASS_MODEL)
     backend = CountingScripted(answers(bench))
     config = scripted_config(bench, tmp_path / "out", verifier="auto")
     with pytest.raises(ValueError, match=r"fetch-prompt.*--verifier none"):
@@ -426,7 +427,7 @@ def test_a_record_missing_a_field_is_named_then_regenerated_once_deleted(bench, 
     assert backend.calls == 1
 
 
-def test_a_missing_model_path_is_refused_before_anything_is_written(bench, tmp_path):
+def test_a_missing_model_path_is_refused_before_anything_is_written(bench, tmp_path, hub):
     for model in (str(tmp_path / "ck" / "run" / "global_step_200"), "ck/run/global_step_200"):
         config = scripted_config(bench, tmp_path / "out", model=model)
         with pytest.raises(FileNotFoundError, match="global_step_200: no such folder"):
@@ -442,7 +443,8 @@ def test_a_missing_model_path_is_refused_before_anything_is_written(bench, tmp_p
     with pytest.raises(ValueError, match="verl checkpoint .*eval.sh"):
         run_evaluation(scripted_config(bench, tmp_path / "out", model=str(shards.parent)))
     assert not (tmp_path / "out").exists()
-    model_source.check_model_source("Qwen/Qwen3-8B")  # a hub id is left to the backend
+    _cache(hub, "Qwen/Qwen3-8B")
+    model_source.check_model_source("Qwen/Qwen3-8B")  # a hub id in the cache is left to the backend
 
 
 def test_a_finished_folder_needs_no_model(bench, tmp_path):
@@ -506,6 +508,107 @@ def test_gpu_memory_utilization_outside_0_1_is_refused(bench, tmp_path, value):
     config = scripted_config(bench, tmp_path / "out", gpu_memory_utilization=value)
     with pytest.raises(ValueError, match=r"--gpu-memory-utilization .* in \(0, 1\]"):
         config.validate()
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(verifier_dtype="bf16"), "--verifier-dtype 'bf16' is not a dtype; one of auto, bfloat16, float16, float32"),
+    (dict(gpus="0,1,0"), "--gpus 0,1,0: names GPU 0 more than once"),
+])
+def test_settings_known_to_fail_are_refused_before_anything_is_written(bench, tmp_path, capsys, change, message):
+    """Each would have failed only after every sample was generated (the verifier's load) or taken
+    one GPU twice."""
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run_evaluation(scripted_config(bench, out, **change), lambda: ScriptedBackend(answers(bench)))
+    assert not out.exists()
+    option, value = {"verifier_dtype": "--verifier-dtype", "gpus": "--gpus"}[next(iter(change))], next(iter(change.values()))
+    assert _cli(bench, out, option, value) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
+@pytest.mark.parametrize("taken", ["grades", "generations", "workers", "summary.json"])
+def test_an_output_path_the_run_cannot_write_is_refused_before_generating(bench, tmp_path, taken):
+    """A file where the run writes a folder (or a folder where it writes a file) failed after the
+    whole generation; it is named first."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / taken).mkdir() if taken.endswith(".json") else (out / taken).write_text("not a folder")
+    with pytest.raises(ValueError, match=re.escape(str(out / taken))):
+        run_evaluation(scripted_config(bench, out), lambda: ScriptedBackend(answers(bench)))
+    assert sorted(p.name for p in out.iterdir()) == [taken]
+
+
+@pytest.fixture()
+def hub(tmp_path, monkeypatch):
+    """An empty Hugging Face cache and a hub that cannot be reached (nothing listens on port 9)."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    return constants
+
+
+def _cache(constants, model_id):
+    """``model_id``'s config.json in the cache, as ``hf download`` leaves it."""
+    repo = Path(constants.HF_HUB_CACHE) / f"models--{model_id.replace('/', '--')}"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "snapshots" / "abc" / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_verifier_model_neither_cached_nor_reachable_is_refused_before_generating(bench, tmp_path, capsys, hub,
+                                                                                    monkeypatch, offline):
+    """Offline, a hub id failed when the verifier loaded, after every sample, with a long traceback;
+    it is one line before anything is written. A cached one passes."""
+    monkeypatch.setattr(hub, "HF_HUB_OFFLINE", offline)
+    prompt = _prompts_py(tmp_path / "prompts.py")
+    out = tmp_path / "out"
+    config = scripted_config(bench, out, verifier="compass", verifier_prompt_file=str(prompt),
+                             verifier_model="opencompass/CompassVerifier-3B")
+    why = "HF_HUB_OFFLINE is set" if offline else "the hub does not give it (ConnectError"
+    with pytest.raises(ValueError, match=re.escape(f"--verifier-model opencompass/CompassVerifier-3B: not in the Hugging "
+                                                   f"Face cache ({tmp_path / 'hub'}), and {why}")):
+        run_evaluation(config, lambda: ScriptedBackend(answers(bench)))
+    assert not out.exists()
+    monkeypatch.setattr(run_eval, "run_evaluation", lambda config: run_evaluation(config, lambda: ScriptedBackend(answers(bench))))
+    assert _cli(bench, out, "--verifier", "compass", "--verifier-prompt-file", str(prompt),
+                "--verifier-model", "opencompass/CompassVerifier-3B") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --verifier-model") and not out.exists()  # one line
+    _cache(hub, "opencompass/CompassVerifier-3B")
+    assert model_source.hub_model_problem("opencompass/CompassVerifier-3B") is None
+    assert run_eval.plan_run(config, injected_backend=True).verifier_name == "compass" and not out.exists()
+
+
+def test_a_full_disk_is_one_line_and_the_rerun_resumes(bench, tmp_path, capsys, monkeypatch):
+    import errno
+
+    from recipe.stapo.eval import generate
+
+    out = tmp_path / "out"
+    real_append, real_run = generate.append_lines, run_evaluation
+    written = []
+
+    def fills_up(path, lines):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        written.append(path)
+        real_append(path, lines)
+
+    monkeypatch.setattr(generate, "append_lines", fills_up)
+    monkeypatch.setattr(run_eval, "run_evaluation", lambda config: real_run(config, lambda: ScriptedBackend(answers(bench))))
+    assert _cli(bench, out, "--batch-size", "4") == 2
+    err = capsys.readouterr().err  # the progress bar, then one line
+    (line,) = [line for line in err.splitlines() if "error" in line.lower()]
+    assert line.startswith("error: [Errno 28] No space left on device") and "rerun the same command" in line
+    assert "Traceback" not in err
+    assert len((out / "generations" / "aime24__train.jsonl").read_text().splitlines()) == 4  # the first batch is kept
+    monkeypatch.setattr(generate, "append_lines", real_append)  # space freed: the same command finishes
+    assert _cli(bench, out, "--batch-size", "4") == 0
+    problems = len(run_eval.load_problems(bench / "aime24.parquet"))
+    assert len((out / "generations" / "aime24__train.jsonl").read_text().splitlines()) == problems * 32
 
 
 # ----------------------------------------------------------------------------------------------

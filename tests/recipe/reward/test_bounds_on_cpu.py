@@ -2,7 +2,7 @@
 and a missing or empty ground truth never matches.
 
 Paths: the configured training reward (``compute_score``), the lenient option
-(``compute_score_lenient`` / ``grade_solution``) and the evaluation's answer grading (``grade_answers``).
+(``compute_score_lenient`` / ``grade_answer``) and the evaluation's answer grading (``grade_answers``).
 Each call runs in a non-main thread (where verl's reward managers call rewards, and where
 signal-based timeouts cannot work) and must return before a deadline.
 """
