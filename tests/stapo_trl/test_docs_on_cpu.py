@@ -29,8 +29,8 @@ def python_block(heading: str) -> str:
 def test_the_cpu_example_runs_as_written(assets, tmp_path):
     """The block, written to a file and run by Python in a folder laid out as the repository's root
     (the shipped assets, here the session's copy of them), with the hub switched off."""
-    (tmp_path / "recipe" / "stapo" / "cpu").mkdir(parents=True)
-    (tmp_path / "recipe" / "stapo" / "cpu" / "shipped_assets").symlink_to(assets, target_is_directory=True)
+    (tmp_path / "stapo_cpu").mkdir()
+    (tmp_path / "stapo_cpu" / "shipped_assets").symlink_to(assets, target_is_directory=True)
     block = python_block("### On a CPU, offline")
     (tmp_path / "example.py").write_text(block)
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_HOME=str(tmp_path / "hf"),
