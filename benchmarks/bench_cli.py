@@ -8,7 +8,7 @@ A last row times the preflight of a paper run (``STAPO_DRY_RUN=check``): every c
 Ray starts, most of it importing verl with the recipe's patches, which a run pays anyway.
 
 The tools are found, not listed: ``python -m recipe.stapo.main_stapo`` and every module of
-``recipe/`` and ``benchmarks/`` that runs as a program with argparse. Each round runs the reference
+``recipe/``, ``stapo_cpu/`` and ``benchmarks/`` that runs as a program with argparse. Each round runs the reference
 (``python -c "import torch"``) and every tool once, in a rotated order; a tool's ratio is the median
 over rounds of its time over the same round's reference. A tool that loads verl, composes a Hydra
 config or builds a model before answering shows as a ratio of several.
@@ -36,9 +36,9 @@ EXTRA_TOOLS = ("recipe.stapo.main_stapo", "recipe.stapo.driver")
 
 def tools(root: Path = REPO_ROOT) -> list[str]:
     """Every ``python -m`` tool of the project: :data:`EXTRA_TOOLS` and each module of ``recipe/``,
-    ``stapo_memory/`` and ``benchmarks/`` that has a ``__main__`` block and uses argparse."""
+    ``stapo_cpu/``, ``stapo_memory/`` and ``benchmarks/`` that has a ``__main__`` block and uses argparse."""
     found = set(EXTRA_TOOLS)
-    for folder in ("recipe", "stapo_memory", "benchmarks"):
+    for folder in ("recipe", "stapo_cpu", "stapo_memory", "benchmarks"):
         for path in sorted((root / folder).rglob("*.py")):
             text = path.read_text()
             if "__name__ == \"__main__\"" in text and "argparse" in text:

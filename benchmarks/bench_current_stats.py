@@ -81,8 +81,8 @@ def logged_median(steps: dict[int, dict], key: str, warmup_steps: int = 1) -> fl
 
 
 def train(out: Path, steps: int, mini_batches: int, name: str):
-    from recipe.stapo.cpu import run_cpu_trainer
-    from recipe.stapo.cpu.assets import build_assets
+    from stapo_cpu.trainer import run_cpu_trainer
+    from stapo_cpu.assets import build_assets
 
     assets = build_assets(out / "assets").root
     prompts = 2 * mini_batches

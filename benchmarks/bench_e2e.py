@@ -132,11 +132,11 @@ def report(baseline_run: str | Path, method_run: str | Path, warmup_steps: int =
 
 def run_both(out: Path, steps: int, extra: Sequence[str] = ()) -> Optional[Path]:
     """Train JustRL and STAPO on CPU with identical settings and seeds through the quickstart
-    (:mod:`recipe.stapo.quickstart`, reusing finished runs; ``extra``: its options). Returns the
+    (:mod:`stapo_cpu.quickstart`, reusing finished runs; ``extra``: its options). Returns the
     quickstart folder, or None (after printing how to do it by hand) when the CPU path is not
     available. RuntimeError when a run failed, naming a run stopped at its limit."""
     try:
-        from recipe.stapo.quickstart import main as quickstart_main
+        from stapo_cpu.quickstart import main as quickstart_main
     except ImportError as e:
         print(f"the CPU path is not available here ({e}); run the two trainings by hand:\n"
               f"  bash run_scripts/quickstart.sh --methods {BASELINE},{METHOD} --steps {steps} --out {out}\n"

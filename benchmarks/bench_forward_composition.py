@@ -18,7 +18,7 @@ in one forward and not the other (:func:`stapo_core.s2t.silenced_set_difference`
         [--tau-p 0.002,0.05] [--seed 0] [--json]
 
 ``--model`` defaults to the CPU assets' tiny Qwen3 (``$STAPO_CPU_ASSETS_DIR/model``, built by
-``python -m recipe.stapo.cpu.assets`` when missing).
+``python -m stapo_cpu.assets`` when missing).
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def load_model(path: Optional[str], dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
     if path is None:
-        from recipe.stapo.cpu.assets import build_assets
+        from stapo_cpu.assets import build_assets
 
         root = Path(os.environ.get("STAPO_CPU_ASSETS_DIR") or "results/cpu_assets")
         path = str(build_assets(root).root / "model")

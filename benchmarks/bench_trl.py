@@ -7,7 +7,7 @@
     # options: --model DIR --data FILE.parquet --batch N --max-completion-length N
 
 Trains, with the same seed, data and settings (TRL 1.16, the shipped tiny Qwen3 and its addition
-task, ``recipe/stapo/cpu/shipped_assets/``, the paper's ``epsilon_high=0.28``, ``delta=10``):
+task, ``stapo_cpu/shipped_assets/``, the paper's ``epsilon_high=0.28``, ``delta=10``):
 
 * ``grpo``: ``GRPOTrainer`` (the reference);
 * ``stapo``: ``STAPOTrainer`` with the paper's ``tau_p=0.002``, ``q=0.75`` and the statistics
@@ -168,7 +168,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # the measured stack and the shipped assets, imported once the arguments are known (a fast --help)
     import torch
     from datasets import load_dataset
-    from recipe.stapo.cpu.assets import SHIPPED_DIR
+    from stapo_cpu.assets import SHIPPED_DIR
 
     torch.set_num_threads(args.threads)
     model = args.model or str(SHIPPED_DIR / "model")

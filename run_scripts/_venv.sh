@@ -7,7 +7,7 @@ fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
 stamp=.venv/.stapo-installed
-plugin=verl_patches/cpu/vllm_plugin_dist
+plugin=stapo_cpu/patches/vllm_plugin_dist
 want="$(cat requirements-cpu.txt pyproject.toml "$plugin/pyproject.toml" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "[stapo] installing CPU requirements into .venv (first run takes a few minutes)" >&2

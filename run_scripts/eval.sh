@@ -19,7 +19,7 @@
 # Extra args go to run_eval (e.g. --data-parallel-size 4, --gpus 0,1,2,3); an --out or --benchmarks-dir
 # among them replaces OUT or STAPO_DATA_DIR.
 # PRESET=cpu: the quickstart's tiny model on a CPU, in about two minutes: MODEL defaults to the shipped
-# tiny model (recipe/stapo/cpu/shipped_assets/model), STAPO_DATA_DIR to the shipped tiny assets (their
+# tiny model (stapo_cpu/shipped_assets/model), STAPO_DATA_DIR to the shipped tiny assets (their
 # 64 held-out problems, `val`), 4 samples each at 0.7/0.9, at most 160 new tokens, batches of 64 (the
 # progress bar moves per batch), rule-only grading,
 # OUT results/eval/cpu_<name>; every other setting as above.
@@ -41,7 +41,7 @@ preset_args=()
 case "${PRESET:-}" in
   "") ;;
   cpu)
-    shipped=recipe/stapo/cpu/shipped_assets
+    shipped=stapo_cpu/shipped_assets
     : "${MODEL:=$repo/$shipped/model}"
     [ -n "${STAPO_DATA_DIR:-}" ] || STAPO_DATA_DIR=$repo/$shipped
     : "${DECODING:=justrl}" "${VERIFIER:=none}"

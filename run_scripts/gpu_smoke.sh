@@ -20,7 +20,7 @@
 #   OUT [results/gpu_smoke]  per-method run folders (metrics.jsonl, log, checkpoints) and eval/
 #   PYTHON [python3 with the requirements, else the project's .venv]  interpreter with requirements.txt installed
 #   SMOKE_DEVICE [gpu]     cpu: the same script without a GPU: the tiny model in ASSETS [the shipped
-#                          set, recipe/stapo/cpu/shipped_assets; another folder is built], verl's real
+#                          set, stapo_cpu/shipped_assets; another folder is built], verl's real
 #                          trainer on CPU with verl's vLLM rollout on vLLM's CPU build, HF evaluation
 #                          (the project's tests run this mode)
 #   STAPO_DRY_RUN=1        print the training commands only
@@ -57,12 +57,12 @@ case "$device" in
     [ "$lengths" = paper ] && eval_tokens=15360
     ;;
   cpu)
-    assets=$(abs "${ASSETS:-recipe/stapo/cpu/shipped_assets}" "$([ -n "${ASSETS:-}" ] && echo "$launch_dir" || echo "$PWD")")
-    "$python" -m recipe.stapo.cpu.assets "$assets" >&2   # reused when already built
+    assets=$(abs "${ASSETS:-stapo_cpu/shipped_assets}" "$([ -n "${ASSETS:-}" ] && echo "$launch_dir" || echo "$PWD")")
+    "$python" -m stapo_cpu.assets "$assets" >&2   # reused when already built
     # the CPU path's environment (VERL_PLATFORM=cpu, the CPU shims in every verl process...)
     exports=$("$python" -c '
 import os, shlex
-from recipe.stapo.cpu import cpu_env
+from stapo_cpu.trainer import cpu_env
 for key, value in cpu_env().items():
     if os.environ.get(key) != value:
         print(f"export {key}={shlex.quote(value)}")')
@@ -86,7 +86,7 @@ overrides() {
   if [ "$device" = cpu ]; then
     "$python" -c '
 import sys
-from recipe.stapo.cpu import cpu_overrides
+from stapo_cpu.trainer import cpu_overrides
 print("\n".join(cpu_overrides(sys.argv[1], sys.argv[2], steps=int(sys.argv[3]), save_freq=int(sys.argv[3]))))' \
       "$assets" "$run_dir" "$steps"
   else

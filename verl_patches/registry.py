@@ -34,8 +34,6 @@ VERL_VERSION = "0.9.1"
 VERSION_OVERRIDE_ENV = "STAPO_ALLOW_VERL_VERSION"
 #: attribute a wrapper carries: the name of the patch that installed it
 MARKER = "__stapo_patch__"
-#: patch scopes: ``recipe`` (every process), ``cpu`` (only when the CPU path is selected)
-SCOPES = ("recipe", "cpu")
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,6 @@ class Patch:
         wrapper: ``"module:function"``, ``function(original) -> replacement`` (a wrap).
         register: ``"module:function"``, an idempotent zero-argument registration (instead of
             ``wrapper``); ``registered`` (``"module:function"``) tells whether it is in place.
-        scope: ``recipe`` or ``cpu``.
         applies: ``"module:function"`` returning False where the patch must stay off in this
             process (e.g. a CUDA machine for a CPU-only fix); None: always.
 
@@ -72,12 +69,9 @@ class Patch:
     wrapper: Optional[str] = None
     register: Optional[str] = None
     registered: Optional[str] = None
-    scope: str = "recipe"
     applies: Optional[str] = None
 
     def __post_init__(self):
-        if self.scope not in SCOPES:
-            raise ValueError(f"patch {self.name}: scope {self.scope!r} not in {SCOPES}")
         if (self.wrapper is None) == (self.register is None):
             raise ValueError(f"patch {self.name}: give exactly one of wrapper= and register=")
         if self.register is not None and self.registered is None:
@@ -241,7 +235,7 @@ def render_table(patches, title: str, command: str, source: str, intro: list[str
     for patch in patches:
         how = f"wraps with `{patch.wrapper}`" if patch.kind == "wrap" else f"registers with `{patch.register}`"
         lines += [
-            f"## `{patch.name}` ({patch.scope})",
+            f"## `{patch.name}`",
             "",
             f"- **target**: `{patch.target}` ({how})",
             f"- **changes**: {patch.changes}",

@@ -82,12 +82,14 @@ RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 #: the project's root, so ``recipe/stapo/data/`` is shipped while the top-level ``data/`` is not); the
 #: tiny CPU assets the repository ships serve CPU runs only, never a cluster job
 WORKING_DIR_EXCLUDES = ("/.git", "/.venv", "/data", "/results", "/checkpoints", "/assets", "/wandb", "/outputs",
-                        "/runs", "/recipe/stapo/cpu/shipped_assets", "__pycache__", ".pytest_cache", "*.egg-info",
+                        "/runs", "/stapo_cpu/shipped_assets", "__pycache__", ".pytest_cache", "*.egg-info",
                         "*.parquet", "*.safetensors")
 
 
 def ensure_patch_module_env(environ: Optional[dict] = None) -> None:
-    """Put :data:`PATCH_MODULE` first in ``VERL_USE_EXTERNAL_MODULES`` (other modules the user set are kept).
+    """Put :data:`PATCH_MODULE` first in ``VERL_USE_EXTERNAL_MODULES`` when it is not listed (other modules
+    the user set are kept, after it); where it is listed it keeps its place, so a module listed before it
+    is imported before the recipe's patches (a platform they need registered first, docs/cpu.md).
 
     ``environ`` defaults to ``os.environ``; it must be set before ``import verl``.
     """

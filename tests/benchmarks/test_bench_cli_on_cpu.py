@@ -30,7 +30,7 @@ print(json.dumps(seen))
 
 def test_tools_are_found_not_listed():
     found = bench_cli.tools()
-    for expected in ("recipe.stapo.main_stapo", "recipe.stapo.quickstart", "recipe.stapo.eval.run_eval",
+    for expected in ("recipe.stapo.main_stapo", "stapo_cpu.quickstart", "stapo_cpu.assets", "recipe.stapo.eval.run_eval",
                      "recipe.stapo.data.prepare", "benchmarks.bench_loss", "benchmarks.bench_cli",
                      "stapo_memory.verdicts", "stapo_memory.calibration", "stapo_memory.bench_layer_memory"):
         assert expected in found

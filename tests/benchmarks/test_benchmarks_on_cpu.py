@@ -241,7 +241,7 @@ def test_bench_e2e_run_trains_both_through_the_quickstart(tmp_path, monkeypatch,
     without the CPU path it prints how to do it by hand."""
     import sys
 
-    import recipe.stapo.quickstart as quickstart
+    import stapo_cpu.quickstart as quickstart
 
     calls = []
 
@@ -260,7 +260,7 @@ def test_bench_e2e_run_trains_both_through_the_quickstart(tmp_path, monkeypatch,
     rows = table_rows(capsys.readouterr().out)
     assert rows and all(float(r[3]) == pytest.approx(1.5) and r[4] == "2" for r in rows)
 
-    monkeypatch.setitem(sys.modules, "recipe.stapo.quickstart", None)  # the CPU path missing
+    monkeypatch.setitem(sys.modules, "stapo_cpu.quickstart", None)  # the CPU path missing
     assert bench_e2e.main(["--run", "--out", str(tmp_path / "q2")]) == 1
     assert "run_scripts/quickstart.sh --methods justrl,stapo" in capsys.readouterr().out
 
@@ -269,7 +269,7 @@ def test_bench_e2e_names_a_run_the_quickstart_stopped_at_its_limit(tmp_path, mon
     """A stopped run (its record, written as the quickstart writes it) is compared over the steps it
     logged, with a note; stopped before its first step, the error says so instead of advising; ``--run``
     passes ``--timeout`` on and names the stopped run when the quickstart stopped one."""
-    import recipe.stapo.quickstart as quickstart
+    import stapo_cpu.quickstart as quickstart
 
     for method in ("justrl", "stapo"):
         (tmp_path / method).mkdir()

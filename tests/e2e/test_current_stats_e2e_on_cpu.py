@@ -44,8 +44,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from recipe.stapo.cpu import read_metrics, run_cpu_trainer
-from recipe.stapo.cpu.assets import asset_paths
+from recipe.stapo.metrics import read_metrics
+from stapo_cpu.assets import asset_paths
+from stapo_cpu.trainer import EXTERNAL_MODULES, run_cpu_trainer
 from stapo_core import DEFAULT_Q
 from tests.helpers.paths import REPO
 
@@ -76,7 +77,7 @@ ROW_FIELDS = ("responses", "advantages", "old_log_probs", "entropy", "response_m
 def records(assets, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("current_stats") / f"{RANKS}-ranks"
     record_dir = run_dir / "records"
-    modules = f"verl_patches.activate,{RECORDER}"
+    modules = ",".join([*EXTERNAL_MODULES, RECORDER])
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STAPO_TEST_RECORD_DIR", str(record_dir))
         mp.setenv("STAPO_TEST_NO_POSITIVE_AT", f"{NO_POSITIVE_CALL}:1")

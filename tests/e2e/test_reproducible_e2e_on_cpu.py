@@ -17,8 +17,8 @@ import sys
 import pytest
 import torch
 
-from recipe.stapo.cpu import read_metrics
-from recipe.stapo.cpu.reproducibility import seeded_metrics
+from recipe.stapo.metrics import read_metrics
+from stapo_cpu.reproducibility import seeded_metrics
 from tests.helpers.shared_runs import run as shared_run
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.stapo.cpu import read_metrics
+from recipe.stapo.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

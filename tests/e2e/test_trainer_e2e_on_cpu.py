@@ -1,7 +1,7 @@
 """verl 0.9.1's real trainer, end to end on CPU: every method trains and logs what it should.
 
 Each run is ``python -m recipe.stapo.main_stapo method=<m>`` with the CPU overrides of
-:mod:`recipe.stapo.cpu` and the tiny assets, 2 steps; the runs are the suite's shared runs
+:mod:`stapo_cpu` and the tiny assets, 2 steps; the runs are the suite's shared runs
 (tests/helpers/shared_runs.py, each made once per session): GRPO, 20-Entropy and STAPO on verl's
 default TransferQueue trainer (``trainer.use_v1=true``), JustRL and STAPO (on verl's GSPO loss) on
 the legacy trainer. Resuming from the checkpoints (a relaunch of the same command, the same wandb
@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from recipe.stapo.cpu import read_metrics
+from recipe.stapo.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

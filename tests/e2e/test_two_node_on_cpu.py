@@ -39,7 +39,7 @@ from pathlib import Path
 import pytest
 
 from recipe.stapo.driver import wandb_run_id
-from recipe.stapo.cpu import cpu_env, cpu_overrides
+from stapo_cpu.trainer import cpu_env, cpu_overrides
 from tests.e2e.test_trainer_e2e_on_cpu import MAX_PROB_DIFF
 from tests.helpers.paths import REPO
 from tests.helpers.wandb_offline import offline_runs

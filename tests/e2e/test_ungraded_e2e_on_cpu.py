@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe.stapo.cpu import read_metrics
+from recipe.stapo.metrics import read_metrics
 from tests.helpers.shared_runs import RANKS, RESPONSES_PER_STEP
 from tests.helpers.ungraded_reward import UNGRADED_SCORE
 

@@ -1,4 +1,4 @@
-"""What is particular to verl's vLLM server rollout on CPU (``cpu_rollout/vllm.yaml``: vLLM's CPU build, an
+"""What is particular to verl's vLLM server rollout on CPU (``stapo_cpu.trainer.cpu_overrides``: vLLM's CPU build, an
 ``AsyncLLM`` server per replica, verl's worker extension, the weight sync from the trainer every step
 through shared memory; docs/cpu.md). Every method training on it, with the rollout's log-probs checked
 against the trainer's, is tests/e2e/test_trainer_e2e_on_cpu.py; same seed, same numbers is
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from recipe.stapo.cpu import read_metrics
+from recipe.stapo.metrics import read_metrics
 from tests.e2e.test_trainer_e2e_on_cpu import check_training_happened
 from tests.helpers.vllm_watch import watched_run
 

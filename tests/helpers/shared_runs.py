@@ -34,7 +34,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from recipe.stapo.cpu import CPURun
+from stapo_cpu.trainer import CPURun
 from tests.helpers import ungraded_reward
 from tests.helpers.vllm_watch import watched_run
 from verl_patches.token_dump import settings as token_dump_settings
@@ -85,7 +85,7 @@ class RunSpec:
     ungraded: bool = False
 
     def overrides(self, run_dir: Path) -> list[str]:
-        """The Hydra overrides beyond :func:`recipe.stapo.cpu.cpu_overrides`'s, for a run in ``run_dir``."""
+        """The Hydra overrides beyond :func:`stapo_cpu.trainer.cpu_overrides`'s, for a run in ``run_dir``."""
         dump = [f"recipe.token_dump.dir={run_dir}", f"recipe.token_dump.responses={DUMP_RESPONSES}",
                 f"recipe.token_dump.context={DUMP_CONTEXT}",
                 f"++ray_kwargs.ray_init.runtime_env.env_vars.{token_dump_settings.IDS_ENV}='1'"] if self.dump else []

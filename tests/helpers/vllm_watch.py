@@ -10,8 +10,8 @@ import os
 import re
 from pathlib import Path
 
-from recipe.stapo.cpu import CPURun, run_cpu_trainer
-from verl_patches.cpu.vllm_cpu import run_vllm_kernels
+from stapo_cpu.trainer import CPURun, run_cpu_trainer
+from stapo_cpu.patches.vllm_cpu import run_vllm_kernels
 
 #: the line in which the driver names the run's folder for vLLM's socket files
 SCRATCH_LINE = re.compile(r"\[stapo\] vLLM's socket files: (\S+)")
@@ -33,7 +33,7 @@ def unmapped_shm_segments() -> set[str]:
 
 
 def watched_run(method: str, assets, run_dir: Path, **kwargs) -> CPURun:
-    """:func:`recipe.stapo.cpu.run_cpu_trainer` (same arguments), the result carrying ``vllm_kernels``
+    """:func:`stapo_cpu.trainer.run_cpu_trainer` (same arguments), the result carrying ``vllm_kernels``
     (set of library file names), ``left_shm`` (set of segment names) and ``scratch`` (list of paths)."""
     before = unmapped_shm_segments()
     kernels: set[str] = set()

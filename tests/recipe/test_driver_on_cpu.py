@@ -167,6 +167,18 @@ def test_submitted_job_carries_exactly_the_allowed_variables():
     assert {"/.git", "/.venv", "/data", "/checkpoints"} <= set(runtime_env["excludes"])  # anchored at the root
 
 
+def test_the_patch_module_goes_first_unless_a_module_is_listed_before_it():
+    """The recipe's patch module is put first when missing; where it is listed, a module before it (a
+    platform the patches need registered first, docs/cpu.md) keeps its place."""
+    from recipe.stapo.driver import ensure_patch_module_env
+
+    for given, expected in (("", "verl_patches.activate"), ("mymod", "verl_patches.activate,mymod"),
+                            ("first.mod,verl_patches.activate,mymod", "first.mod,verl_patches.activate,mymod")):
+        environ = {"VERL_USE_EXTERNAL_MODULES": given} if given else {}
+        ensure_patch_module_env(environ)
+        assert environ["VERL_USE_EXTERNAL_MODULES"] == expected
+
+
 def _run_env(overrides, environ):
     from recipe.stapo.driver import ensure_wandb_resume
 

@@ -426,7 +426,7 @@ def test_a_run_stopped_at_the_quickstarts_limit_is_named_not_advised(run, tmp_pa
     steps it dumped, the report covers them and a note says where it stopped."""
     import shutil
 
-    from recipe.stapo.quickstart import record_stop
+    from stapo_cpu.quickstart import record_stop
 
     stopped = tmp_path / "stopped"
     stopped.mkdir()

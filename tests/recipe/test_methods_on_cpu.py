@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 
 from recipe.stapo import driver
 from recipe.stapo import methods as methods_module
-from recipe.stapo import quickstart as qs
-from recipe.stapo import quickstart_report
+from stapo_cpu import quickstart as qs
+from stapo_cpu import quickstart_report
 from recipe.stapo.driver import compose, prepare
 from recipe.stapo.methods import METHOD_DIR, PAPER_METHODS, TOKEN_SELECTION_KEY, methods
 from stapo_core.rules import token_selections

@@ -241,7 +241,7 @@ def test_cli_writes_the_update_effect_figure_docs_inspect_md_promises(two_runs, 
 def test_cli_names_a_run_the_quickstart_stopped_at_its_limit(two_runs, tmp_path, capsys):
     """With the steps it logged, the stopped run is plotted and named; stopped before its first step,
     the error says so, not how to configure a logger that was configured."""
-    from recipe.stapo.quickstart import record_stop
+    from stapo_cpu.quickstart import record_stop
 
     runs, _ = two_runs
     record_stop(runs["stapo"], "stapo", 1200.2, 1200, 8, 16)

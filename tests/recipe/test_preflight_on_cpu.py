@@ -604,15 +604,6 @@ def test_verl_logging_level_is_read_as_verls_modules_read_it(raw, refused_):
         assert f"VERL_LOGGING_LEVEL={raw!r} is not a logging level" in found[0].problem
 
 
-def test_the_cpu_paths_threads_are_read_where_the_cpu_path_runs():
-    from recipe.stapo.preflight.values import check_run_environment
-
-    assert check_run_environment(_minimal(), {"STAPO_CPU_THREADS": "abc"}) == []  # a GPU run never reads it
-    (found,) = check_run_environment(_minimal(), {"STAPO_CPU_THREADS": "abc", "VERL_PLATFORM": "cpu"})
-    assert found.key == "STAPO_CPU_THREADS" and "expected a whole number >= 1" in found.problem
-    assert check_run_environment(_minimal(), {"STAPO_CPU_THREADS": "2", "VERL_PLATFORM": "cpu"}) == []
-
-
 def test_a_metrics_file_verls_logger_cannot_open_is_refused_before_ray(cluster, monkeypatch):
     """VERL_FILE_LOGGER_PATH (the driver passes it to the trainer in the runtime env) naming a folder, or a
     file under a file: verl's logger would fail when the trainer starts, after Ray."""
@@ -673,13 +664,10 @@ def test_gpu_mem_gb_travels_with_a_submitted_job():
     assert forwarded_env({"GPU_MEM_GB": "95", "PATH": "/bin"}) == {"GPU_MEM_GB": "95"}
 
 
-def test_the_cpu_rollout_off_a_cpu_device_is_refused(cluster):
-    """+cpu_rollout=vllm on the 64-GPU config: a float32, eager rollout keeping its KV cache through the
-    update would run silently."""
-    problem(refused(paper(cluster, "+cpu_rollout=vllm")), "+cpu_rollout", "on trainer.device=cuda",
-            "drop +cpu_rollout=... on GPUs")
+def test_verls_cpu_platform_off_a_cpu_device_is_refused(cluster):
+    """VERL_PLATFORM=cpu on the 64-GPU config selected a CPU platform in every process of a GPU run."""
     problem(refused(paper(cluster), environ={"VERL_PLATFORM": "cpu"}), "VERL_PLATFORM",
-            "selects the CPU path's platform", "unset VERL_PLATFORM")
+            "selects verl's CPU platform", "unset VERL_PLATFORM", "docs/cpu.md")
 
 
 def test_an_empty_reward_path_is_refused_not_left_to_verls_default(cluster):
@@ -917,14 +905,12 @@ def test_a_random_strategy_seed_no_generator_takes_is_refused_at_the_bound_the_l
             select(seed)
 
 
-def test_the_cpu_device_without_the_cpu_path_is_refused(cluster):
+def test_the_cpu_device_without_verls_cpu_platform_is_refused(cluster):
     """trainer.device=cpu on the 64-GPU config passed, skipping the memory check; verl's GPU code paths
-    would have run on the CPU."""
-    problem(refused(paper(cluster, "trainer.device=cpu")), "trainer.device", "VERL_PLATFORM=cpu", "+cpu_rollout=vllm",
-            "the CPU path is trainer.device=cpu with VERL_PLATFORM=cpu and +cpu_rollout=vllm together")
-    text = problem(refused(paper(cluster, "trainer.device=cpu", "+cpu_rollout=vllm")), "trainer.device")
-    assert "without VERL_PLATFORM=cpu" in text and "without VERL_PLATFORM=cpu (the CPU platform and its patches in " \
-        "every process) and" not in text
+    would have run on the CPU. With VERL_PLATFORM=cpu the device is not refused."""
+    problem(refused(paper(cluster, "trainer.device=cpu")), "trainer.device", "without VERL_PLATFORM=cpu",
+            "a CPU run sets trainer.device=cpu, VERL_PLATFORM=cpu", "docs/cpu.md")
+    passes(paper(cluster, "trainer.device=cpu"), environ={"VERL_PLATFORM": "cpu"})
 
 
 def test_a_metrics_files_writer_lock_the_logger_cannot_take_is_refused(cluster):

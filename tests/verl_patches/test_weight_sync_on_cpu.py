@@ -15,7 +15,8 @@ from tests.helpers.paths import REPO
 SEND_WITHOUT_RECEIVER = textwrap.dedent("""
     import asyncio, json, sys, time
     import torch
-    import verl_patches.activate  # the patch table (CPU path: vLLM's CPU build answers verl's version lookup)
+    import stapo_cpu.activate  # the CPU path (its wing answers verl's version lookup for vLLM's CPU build)
+    import verl_patches.activate  # the recipe's patch table
     from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
     from verl_patches.registry import MARKER
     from verl_patches.weight_sync import WeightSyncTimeout

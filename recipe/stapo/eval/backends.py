@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import psutil
 
-from verl_patches.cpu.shm import remove_orphaned_shm_segments, shm_segments
+from recipe.stapo.eval.shm import remove_orphaned_shm_segments, shm_segments
 
 logger = logging.getLogger(__name__)
 

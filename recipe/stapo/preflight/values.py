@@ -7,7 +7,7 @@ trainer, workers and config dataclasses). :func:`check_environment` parses the e
 the YAML reads as numbers (``GPU_MEM_GB``) once, before the config is resolved, so that a bad one is
 named instead of failing inside omegaconf. :func:`check_run_environment` reads every variable the
 run's processes read later (:data:`RUN_ENV_CHECKS`: the weight sync's timeout, the reward's helper
-count, the secrets file, the CPU path's threads, the metrics file), with the readers those processes
+count, the secrets file, the metrics file), with the readers those processes
 use and the value they will see (the config's ``ray_kwargs.ray_init.runtime_env.env_vars``, else
 the launching environment).
 
@@ -249,40 +249,23 @@ def check_booleans(config: DictConfig) -> list[Problem]:
 
 
 def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """The CPU path's settings only on the CPU device, and the CPU device only with the CPU path:
-    ``+cpu_rollout=vllm`` (``recipe.cpu_rollout``: a float32, eager rollout that keeps its KV cache
-    through the update) and ``VERL_PLATFORM=cpu`` (the CPU platform and its patches in every process)
-    off ``trainer.device=cpu`` would run a GPU job silently slower and larger, or on the CPU shims;
-    ``trainer.device=cpu`` without both runs verl's GPU code paths on the CPU (failing after Ray) and
-    is not memory-checked."""
+    """verl's CPU device and verl's platform variable together or not at all: ``trainer.device=cpu``
+    without ``VERL_PLATFORM=cpu`` runs verl's GPU code paths on the CPU (failing after Ray) and is not
+    memory-checked; ``VERL_PLATFORM=cpu`` on another device selects a CPU platform in every process of a
+    GPU run. A CPU run needs more than both (docs/cpu.md)."""
     device = str(OmegaConf.select(config, "trainer.device", default="cuda"))
-    cpu_rollout = OmegaConf.select(config, "recipe.cpu_rollout", default=None)
     platform = (seen_by_workers(config, environ)("VERL_PLATFORM") or "").strip().lower()
-    found: list[Problem] = []
-    if device != "cpu" and cpu_rollout:
-        found.append(Problem(
-            "+cpu_rollout", f"the CPU path's rollout settings (recipe/stapo/config/cpu_rollout/{cpu_rollout}.yaml: "
-            "float32, eager, no sleep mode, the KV cache kept through the update) on trainer.device="
-            f"{device}: the GPU run would be slower and need far more memory than the memory check assumes",
-            "drop +cpu_rollout=... on GPUs (it belongs to the CPU path: trainer.device=cpu, VERL_PLATFORM=cpu, "
-            "recipe.stapo.cpu.cpu_overrides)", cpu_rollout))
-    if device == "cpu" and (platform != "cpu" or not cpu_rollout):
-        missing = [what for what, absent in (("VERL_PLATFORM=cpu (the CPU platform and its patches in every process)",
-                                              platform != "cpu"),
-                                             ("+cpu_rollout=vllm (the rollout's CPU settings)", not cpu_rollout))
-                   if absent]
-        found.append(Problem(
-            "trainer.device", f"the CPU device without {' and '.join(missing)}: verl would run its GPU code paths on "
-            "the CPU and fail after Ray starts (on a machine with GPUs verl replaces cpu by its accelerator), and the "
-            "memory check skips a CPU run", "the CPU path is trainer.device=cpu with VERL_PLATFORM=cpu and "
-            "+cpu_rollout=vllm together (recipe.stapo.cpu: cpu_env and cpu_overrides, docs/cpu.md); for GPUs, "
-            "drop trainer.device", device))
+    if device == "cpu" and platform != "cpu":
+        return [Problem("trainer.device", "the CPU device without VERL_PLATFORM=cpu: verl would run its GPU code "
+                        "paths on the CPU and fail after Ray starts (on a machine with GPUs verl replaces cpu by its "
+                        "accelerator), and the memory check skips a CPU run", "a CPU run sets trainer.device=cpu, "
+                        "VERL_PLATFORM=cpu and the CPU path's environment and overrides together (docs/cpu.md); for "
+                        "GPUs, drop trainer.device", device)]
     if device != "cpu" and platform == "cpu":
-        found.append(Problem(
-            origin(config, "VERL_PLATFORM"), f"selects the CPU path's platform and patches in every process of a "
-            f"run on trainer.device={device}", "unset VERL_PLATFORM for a GPU run (it belongs to the CPU path, with "
-            "trainer.device=cpu)", "cpu"))
-    return found
+        return [Problem(origin(config, "VERL_PLATFORM"), f"selects verl's CPU platform in every process of a run on "
+                        f"trainer.device={device}", "unset VERL_PLATFORM for a GPU run (it belongs to a CPU run, with "
+                        "trainer.device=cpu; docs/cpu.md)", "cpu")]
+    return []
 
 
 def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Mapping[str, str]) -> None:
@@ -421,25 +404,14 @@ def external_modules_problem(value: str) -> Optional[str]:
             "that does not name the module)")
 
 
-def _load_secrets_reader():
-    """``verl_patches.env_file``'s parser, loaded from its file: importing it through its package would
-    run the package's patches, and with them ``import verl``, which reads the file being checked."""
-    spec = importlib.util.find_spec("verl_patches")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "env_file.py"
-    loader_spec = importlib.util.spec_from_file_location("_stapo_preflight_env_file", path)
-    module = importlib.util.module_from_spec(loader_spec)
-    loader_spec.loader.exec_module(module)
-    return module.parse_env_file
-
-
 def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
     """What ``import verl`` reads in the driver, checked before Hydra loads verl's config (a failure
     there surfaces as Hydra's "Could not load 'ppo_trainer'" or a "target not found" that names
     neither the variable nor the cause): ``VERL_USE_EXTERNAL_MODULES`` (every module exists) and
     ``STAPO_SECRETS_FILE`` (the recipe's patches load it on import), ``VERL_LOGGING_LEVEL`` (every verl
-    module sets its logger to it on import). Imports nothing of verl."""
+    module sets its logger to it on import). When all of that passes and ``environ`` is this process's
+    own, the modules of ``VERL_USE_EXTERNAL_MODULES`` are imported, in order, as ``import verl`` is about
+    to: an error one raises on import (a setting it reads refused) is reported with its message."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
     modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
@@ -457,13 +429,20 @@ def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> lis
     secrets = environ.get("STAPO_SECRETS_FILE", "").strip()
     if secrets:
         try:
-            reader = _load_secrets_reader()
-            if reader is not None:
-                reader(secrets)
+            parse_env_file(secrets)
         except (ValueError, OSError) as e:
             found.append(Problem("STAPO_SECRETS_FILE", f"{e} (every verl process loads it when it imports the "
                                  "recipe's patches)", "point it to a NAME=value file only you can read (chmod 600), or "
                                  "unset it", secrets))
+    if found or not modules or environ is not os.environ:
+        return found
+    for module in modules.split(","):
+        try:
+            importlib.import_module(module.strip())
+        except Exception as e:  # noqa: BLE001  (any error: verl would raise it inside Hydra, naming nothing)
+            return [Problem("VERL_USE_EXTERNAL_MODULES", f"lists {module.strip()!r}, whose import fails: {e} (every "
+                            "verl process imports it when it imports verl)", "correct what the error names, or drop "
+                            "the module from the list", modules)]
     return found
 
 
@@ -491,14 +470,12 @@ def check_gpu_mem_source(config: DictConfig, environ: Mapping[str, str]) -> list
 @dataclass(frozen=True)
 class EnvCheck:
     """An environment variable a run's processes read (``who``), the reader they use (``read``: raises
-    ``ValueError`` naming the variable, its value and what it must be), the fix, and when the run
-    reads it at all (``applies``, given the value every process sees of each variable)."""
+    ``ValueError`` naming the variable, its value and what it must be), and the fix."""
 
     name: str
     who: str
     read: Callable[[str], object]
     fix: str
-    applies: Callable[[Callable[[str], Optional[str]]], bool] = lambda seen: True
 
 
 def _weight_sync_timeout(raw: str) -> float:
@@ -516,14 +493,6 @@ def _external_modules(raw: str) -> None:
     problem = external_modules_problem(raw)
     if problem:
         raise ValueError(f"VERL_USE_EXTERNAL_MODULES={raw!r} {problem}")
-
-
-def _cpu_threads(raw: str) -> int:
-    text = raw.strip()
-    if text and not (text.isascii() and text.isdigit() and int(text) >= 1):
-        raise ValueError(f"STAPO_CPU_THREADS={raw!r}: expected a whole number >= 1 (torch threads in every process "
-                         "of a CPU run)")
-    return int(text) if text else 0
 
 
 def _secrets_file(raw: str) -> dict:
@@ -548,10 +517,6 @@ def _metrics_file(raw: str) -> None:
                          "this user access")
 
 
-def _on_cpu(seen: Callable[[str], Optional[str]]) -> bool:
-    return (seen("VERL_PLATFORM") or "").strip().lower() == "cpu"
-
-
 #: what a run's processes read from the environment, beyond the config (``GPU_MEM_GB`` is
 #: :data:`NUMBER_ENV`'s, the token dump's variables are the config's ``recipe.token_dump``, checked
 #: in :func:`recipe.stapo.preflight.paths.check_token_dump`)
@@ -563,8 +528,6 @@ RUN_ENV_CHECKS: tuple[EnvCheck, ...] = (
              "set it to a whole number >= 1, e.g. 4, or unset it for min(4, CPUs)"),
     EnvCheck("STAPO_SECRETS_FILE", "every verl process, when it imports the recipe's patches", _secrets_file,
              "point it to a NAME=value file only you can read (chmod 600), or unset it"),
-    EnvCheck("STAPO_CPU_THREADS", "every process of a CPU run (VERL_PLATFORM=cpu)", _cpu_threads,
-             "set it to a whole number >= 1, e.g. 1, or unset it", applies=_on_cpu),
     EnvCheck("VERL_USE_EXTERNAL_MODULES", "every verl process, when it imports verl", _external_modules,
              "install the missing module (pip install -e .) or drop it from the list"),
     EnvCheck("VERL_LOGGING_LEVEL", "every verl process, when it imports verl's modules", _logging_level,
@@ -608,7 +571,7 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
     found: list[Problem] = []
     for env_check in RUN_ENV_CHECKS:
         raw = seen(env_check.name)
-        if raw is None or not env_check.applies(seen):
+        if raw is None:
             continue
         try:
             env_check.read(raw)

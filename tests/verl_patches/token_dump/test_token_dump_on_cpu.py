@@ -428,8 +428,8 @@ REAL_RESPONSES = shared_runs_table.DUMP_RESPONSES  # every response of the first
 def real_run(shared_runs):
     """The suite's shared STAPO run (tests/helpers/shared_runs.py), which dumps every response of
     each step's first mini-batch with token ids, 8 tokens of context, ``tau_p=0.5``."""
-    from recipe.stapo.cpu import read_metrics
-    from recipe.stapo.cpu.assets import asset_paths
+    from recipe.stapo.metrics import read_metrics
+    from stapo_cpu.assets import asset_paths
 
     run = shared_runs.get("stapo_v1")
     assert run.ok, f"{run} failed; log tail:\n{run.tail()}"

