@@ -49,7 +49,7 @@ case "${PRESET:-}" in
     ;;
   *) echo "error: PRESET=$PRESET: unknown preset (cpu: the quickstart's tiny model on a CPU)" >&2; exit 2 ;;
 esac
-: "${MODEL:?set MODEL to a checkpoint (HF folder, verl global_step_N folder) or hub id}"
+: "${MODEL:?set MODEL to a checkpoint (HF folder, verl global_step_N folder) or hub id; PRESET=cpu: the quickstart tiny model on a CPU}"
 
 # an --out or --benchmarks-dir among the extra arguments is the output or data folder (announced and used once)
 extra=()

@@ -80,14 +80,17 @@ if [ "${STAPO_DRY_RUN:-0}" = "0" ]; then
   if [ "$device" = cpu ]; then mkdir -p "$bench_dir" && cp "$assets/val.parquet" "$bench_dir/aime24.parquet"; fi
 fi
 
-# overrides RUN_DIR: this device's settings for one short run saving a checkpoint at its last step
+# overrides RUN_DIR: this device's settings for one short run saving a checkpoint at its last step (the run's
+# names come from PROJECT and EXPERIMENT, which common.sh reads)
 overrides() {
   local run_dir=$1
   if [ "$device" = cpu ]; then
     "$python" -c '
 import sys
 from stapo_cpu.trainer import cpu_overrides
-print("\n".join(cpu_overrides(sys.argv[1], sys.argv[2], steps=int(sys.argv[3]), save_freq=int(sys.argv[3]))))' \
+names = ("trainer.project_name=", "trainer.experiment_name=")
+print("\n".join(o for o in cpu_overrides(sys.argv[1], sys.argv[2], steps=int(sys.argv[3]), save_freq=int(sys.argv[3]))
+                if not o.startswith(names)))' \
       "$assets" "$run_dir" "$steps"
   else
     if [ "$lengths" = paper ]; then   # the paper's lengths (stapo_trainer.yaml), the model config's budgets
@@ -103,21 +106,20 @@ print("\n".join(cpu_overrides(sys.argv[1], sys.argv[2], steps=int(sys.argv[3]), 
       "trainer.val_before_train=false" "trainer.resume_mode=disable" "trainer.logger=[console,file]" \
       "trainer.default_local_dir=$run_dir/checkpoints"
   fi
-  printf '%s\n' "trainer.project_name=stapo_smoke" "trainer.experiment_name=smoke_${run_dir##*/}"
 }
 
 for m in "${methods[@]}"; do
   run_dir=$out/$m
   mapfile -t run_overrides < <(overrides "$run_dir")
   if [ "${STAPO_DRY_RUN:-0}" != "0" ]; then   # print each run's command (common.sh), nothing else
-    NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python LAUNCH=local \
+    NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python LAUNCH=local PROJECT=stapo_smoke EXPERIMENT=smoke_$m \
       bash "$here/common.sh" "$m" qwen3_1_7b "${run_overrides[@]}" "$@"
     continue
   fi
   mkdir -p "$run_dir"
   echo "[smoke] $m: $steps step(s), log in $run_dir/train.log" >&2
   if ! VERL_FILE_LOGGER_PATH=$run_dir/metrics.jsonl STAPO_DATA_DIR=${data:-} LAUNCH=local \
-       NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python \
+       NNODES=1 GPUS_PER_NODE=${gpus:-1} PYTHON=$python PROJECT=stapo_smoke EXPERIMENT=smoke_$m \
        bash "$here/common.sh" "$m" qwen3_1_7b "${run_overrides[@]}" "$@" > "$run_dir/train.log" 2>&1; then
     echo "[smoke] $m FAILED: see $run_dir/train.log" >&2
     tail -n 40 "$run_dir/train.log" >&2

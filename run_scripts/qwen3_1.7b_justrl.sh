@@ -4,4 +4,4 @@
 # GPUs: NNODES [8] x GPUS_PER_NODE [8]. One node of 8 80 GB GPUs (docs/memory.md, "One node"; its
 # "Verdicts on common cards" has 40 to 141 GB cards, and the preflight names what to change for any setup):
 #   NNODES=1, nothing else
-exec bash "$(dirname "$0")/common.sh" justrl qwen3_1_7b "$@"
+source "$(dirname "$0")/common.sh" justrl qwen3_1_7b "$@"

@@ -9,7 +9,7 @@ never the reverse. Everything here runs in the launching process, before Ray sta
   the loss needs switched on, every interpolation resolved with the launching shell's environment,
   data / model / checkpoint paths made absolute, a wandb run id a resumed run continues, Ray's
   environment variables as strings, the preflight (:mod:`recipe.stapo.preflight`: what would fail
-  on the cluster, GPU memory included), then :func:`validate`; :func:`describe`: what it will run.
+  on the cluster, GPU memory included), then :func:`validate`.
 - :func:`job_runtime_env`: the Ray job runtime environment of ``LAUNCH=submit``
   (``run_scripts/common.sh``): the only way secrets reach the workers (never the Hydra config,
   which verl logs to wandb).
@@ -34,7 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from recipe.stapo.methods import METHODS, methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
-from recipe.stapo.preflight import PreflightError, Problem, check_environment, summary
+from recipe.stapo.preflight import PreflightError, Problem, check_environment
 from recipe.stapo.preflight import check as preflight_check
 
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
@@ -104,8 +104,9 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     """The config ``python -m recipe.stapo.main_stapo <overrides>`` would run with (interpolations
     unresolved, as Hydra gives it to the entry point).
 
-    Raises ``ValueError`` naming the group for an unknown ``method=`` or ``model=``, and with
-    Hydra's message for an override it refuses (a key that does not exist, bad syntax).
+    Raises ``ValueError`` naming the group for an unknown ``method=`` or ``model=``, naming the override
+    for one :func:`override_problems` refuses, and with Hydra's message for an override Hydra refuses (a
+    key that does not exist, bad syntax).
     """
     # hydra (a second to import) loads only when a config is composed: jobs and the quickstart import this
     # module for helpers that need none
@@ -117,6 +118,9 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         for group, valid in (("method", tuple(methods())), ("model", MODELS)):
             if override.startswith(group + "=") and override.split("=", 1)[1] not in valid:
                 raise ValueError(f"unknown {group} {override.split('=', 1)[1]!r}: expected one of {list(valid)}")
+    refused = override_problems(overrides)
+    if refused:
+        raise ValueError("override refused: " + "; ".join(refused))
     from hydra.errors import ConfigCompositionException, OverrideParseException  # as above: hydra only here
 
     try:
@@ -125,9 +129,6 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     except MissingConfigException as e:
         raise ValueError(str(e)) from e
     except (ConfigCompositionException, OverrideParseException) as e:  # a bad override: its message, no traceback
-        named = override_problems(overrides)
-        if named:
-            raise ValueError("override refused: " + "; ".join(named)) from None
         cause = f" ({e.__cause__})" if e.__cause__ is not None else ""
         raise ValueError(f"override refused: {str(e).strip()}{cause}".replace("\n", " ")) from None
 
@@ -190,22 +191,46 @@ def override_problem(override: str) -> Optional[str]:
             f"ASCII only; {fix}")
 
 
+#: a key's last part naming a credential, upper case, ``_`` between its words: API_KEY, SECRET or PASSWORD as words,
+#: TOKEN as the last word (not ppo_max_token_len_per_gpu, STAPO_TOKEN_DUMP_DIR, tokenizer_path, STAPO_SECRETS_FILE)
+_CREDENTIAL = re.compile(r"(^|_)(API_?KEY|SECRET|PASSWORD|PASSWD)(_|$)|(^|_)TOKEN$")
+
+
+def credential_keys(key: str, value: object = None) -> list[str]:
+    """``key`` and the keys of a dict ``value`` (nested) that name a credential (WANDB_API_KEY, HF_TOKEN,
+    aws_secret_access_key, db.password, in any case)."""
+    name = re.sub(r"[^A-Z0-9]+", "_", key.rsplit(".", 1)[-1].upper())
+    found = [key] if _CREDENTIAL.search(name) else []
+    for sub, item in (value.items() if isinstance(value, dict) else ()):
+        found += credential_keys(f"{key}.{sub}", item)
+    return found
+
+
 def override_problems(overrides: Sequence[str]) -> list[str]:
-    """:func:`override_problem` of each ``key=value`` of ``overrides`` that Hydra's override parser
-    refuses (the command line's flags are left alone)."""
+    """What the driver refuses in ``overrides`` (``key=value``; flags left alone), each with its fix: a
+    credential (a key naming one, also in a dict value: :func:`credential_keys`), and :func:`override_problem`
+    of one Hydra's parser refuses."""
     from hydra.core.override_parser.overrides_parser import OverridesParser  # hydra only here: as in compose
 
     parser = OverridesParser.create()
     found = []
     for override in overrides:
-        if override.startswith("-") or "=" not in override:
+        if override.startswith(("-", "~")) or "=" not in override:
             continue
+        value, problem = None, None
         try:
-            parser.parse_override(override)
+            value = parser.parse_override(override).value()
         except Exception:  # noqa: BLE001  (Hydra's grammar errors differ by version; the override is named below)
             problem = override_problem(override)
-            if problem:
-                found.append(problem)
+        credentials = credential_keys(override.split("=", 1)[0].lstrip("+"), value)
+        if credentials:  # named by its keys only: the override's text holds the credential
+            name = credentials[0].rsplit(".", 1)[-1]
+            found.append(f"{', '.join(credentials)}: names a credential, which no override may carry (`ray job list`, "
+                         f"the config verl prints and wandb's run config would show it); export {name}=... instead "
+                         f"(LAUNCH=submit forwards {', '.join(SECRET_ENV_NAMES)}), or write {name}=... in the file "
+                         f"{SECRETS_FILE_ENV} names, which every verl process reads (docs/cluster.md, \"Secrets\")")
+        elif problem:
+            found.append(problem)
     return found
 
 
@@ -469,11 +494,6 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     return config
 
 
-def describe(config: DictConfig) -> str:
-    """What a prepared config will run, in ``key = value`` lines (printed by ``--check``)."""
-    return summary(config)
-
-
 # ------------------------------------------------------------------------------------------------
 # LAUNCH=submit: the Ray job's runtime environment
 # ------------------------------------------------------------------------------------------------
@@ -487,12 +507,6 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     skip = set(NOT_FORWARDED_ENV_NAMES) | (set(SECRET_ENV_NAMES) if environ.get(SECRETS_FILE_ENV) else set())
     return {k: v for k, v in sorted(environ.items()) if k not in skip
             and (k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES))}
-
-
-def visible_secrets(env_vars: Mapping[str, str]) -> list[str]:
-    """The names of ``env_vars`` that are secrets (:data:`SECRET_ENV_NAMES`): whoever reaches the Ray
-    dashboard reads their values in the job's runtime env (``ray job list``, the dashboard's job page)."""
-    return [name for name in SECRET_ENV_NAMES if name in env_vars]
 
 
 def job_runtime_env(environ: Mapping[str, str]) -> dict:
@@ -510,17 +524,22 @@ def job_runtime_env(environ: Mapping[str, str]) -> dict:
 
 
 def _main(argv: Sequence[str]) -> int:
-    """``python -m recipe.stapo.driver runtime-env``: print :func:`job_runtime_env` as JSON, and on
-    stderr a warning naming the secrets it carries in plain text."""
-    usage = "usage: python -m recipe.stapo.driver runtime-env   (the Ray job runtime env of LAUNCH=submit, as JSON)"
+    """``python -m recipe.stapo.driver runtime-env [OVERRIDE...]``: print :func:`job_runtime_env` as JSON (on stderr
+    a warning naming the secrets it carries), or refuse the job's overrides (:func:`override_problems`, exit 1)."""
+    usage = "usage: python -m recipe.stapo.driver runtime-env [OVERRIDE...]   (the Ray job runtime env of LAUNCH=submit)"
     if list(argv) in (["--help"], ["-h"]):
         print(usage)
         return 0
-    if list(argv) != ["runtime-env"]:
+    if list(argv[:1]) != ["runtime-env"]:
         print(usage, file=sys.stderr)
         return 2
+    refused = override_problems(argv[1:])
+    if refused:
+        print("[stapo] override refused (nothing was submitted):\n" + "\n".join(f"  - {r}" for r in refused),
+              file=sys.stderr)
+        return 1
     runtime_env = job_runtime_env(os.environ)
-    shown = visible_secrets(runtime_env["env_vars"])
+    shown = [name for name in SECRET_ENV_NAMES if name in runtime_env["env_vars"]]  # readable in `ray job list`
     if shown:
         print(f"[stapo] warning: {', '.join(shown)} travel in the job's runtime env, which `ray job list` and the "
               f"dashboard show in plain text to anyone who reaches the dashboard; {SECRETS_FILE_ENV}=<file only you "

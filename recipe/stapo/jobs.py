@@ -38,11 +38,6 @@ class JobRunning(RuntimeError):
         self.submission_id, self.status = submission_id, status
 
 
-def run_submission_id(project: str, experiment: str) -> str:
-    """The id of a run's first job (the run's wandb id)."""
-    return wandb_run_id(project, experiment)
-
-
 def launch_number(submission_id: str, base: str) -> Optional[int]:
     """1 for ``base``, ``k`` for ``base-k`` (k >= 2), None for a job of another run."""
     if submission_id == base:
@@ -92,7 +87,7 @@ def _main(argv: Sequence[str]) -> int:
     nxt.add_argument("--offline", action="store_true", help="the run's id, without asking the cluster")
     args = parser.parse_args(argv)
 
-    base = run_submission_id(args.project, args.experiment)
+    base = wandb_run_id(args.project, args.experiment)  # the id of the run's first job
     if args.offline:
         print(base)
         return 0

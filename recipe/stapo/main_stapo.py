@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import sys
 
-from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, MODELS, PreflightError, check_environment, describe,
+from recipe.stapo.driver import (CONFIG_DIR, CONFIG_NAME, MODELS, PreflightError, check_environment,
                                  ensure_patch_module_env, override_problems, prepare)
+from recipe.stapo.preflight import summary
 from recipe.stapo.methods import METHODS
 
 ensure_patch_module_env()  # before verl is imported: local Ray workers inherit it
@@ -56,9 +57,9 @@ def run(config, check: bool = False) -> None:
     auto_set_device(config)
     prepare(config)
     if check:
-        print(f"[stapo] config OK (nothing started):\n{describe(config)}")
+        print(f"[stapo] config OK (nothing started):\n{summary(config)}")
         return
-    print(f"[stapo] starting:\n{describe(config)}")
+    print(f"[stapo] starting:\n{summary(config)}")
     if config.trainer.use_v1:
         run_ppo(config, task_runner_class=TaskRunnerV1)
     else:
@@ -80,9 +81,9 @@ def main() -> None:
         print(usage(), end="")
         return
     check = check_requested(sys.argv)
-    unreadable = override_problems(sys.argv[1:])  # Hydra's own message: a lexer error and a caret, naming no fix
-    if unreadable:
-        print("[stapo] override refused (nothing was started):\n" + "\n".join(f"  - {u}" for u in unreadable),
+    refused = override_problems(sys.argv[1:])  # before Hydra records the overrides (or names no fix for them)
+    if refused:
+        print("[stapo] override refused (nothing was started):\n" + "\n".join(f"  - {r}" for r in refused),
               file=sys.stderr)
         raise SystemExit(1)
     early = check_environment()  # what `import verl` inside Hydra's config loading reads: a failure there names nothing

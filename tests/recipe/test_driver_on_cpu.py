@@ -274,3 +274,75 @@ def test_a_value_verls_config_classes_refuse_is_a_problem_naming_the_section(clu
     (found,) = info.value.problems
     assert found.key == "actor_rollout_ref.actor" and "Invalid loss_agg_mode: bogus" in found.problem, found
     assert no_ray == []
+
+
+# ------------------------------------------------------------------------------------------------
+# credentials never come as overrides
+# ------------------------------------------------------------------------------------------------
+
+SECRET = "wandb-secret-0123456789abcdef"
+
+
+@pytest.mark.parametrize("key", ["ray_kwargs.ray_init.runtime_env.env_vars.WANDB_API_KEY", "x.HF_TOKEN", "x.hf_token",
+                                 "x.RAY_AUTH_TOKEN", "x.aws_secret_access_key", "db.password", "x.OpenAI-Api-Key",
+                                 "x.apikey", "x.token", "x.CLIENT_SECRET"])
+def test_a_key_naming_a_credential_is_one(key):
+    from recipe.stapo.driver import credential_keys
+
+    assert credential_keys(key) == [key]
+
+
+def test_no_key_of_the_recipes_configs_is_taken_for_a_credential():
+    """TOKEN only as a key's last word: token budgets, the token dump and the tokenizer are not credentials."""
+    from recipe.stapo.driver import MODELS, credential_keys
+    from recipe.stapo.methods import METHODS
+
+    def keys(node, prefix=""):
+        for key, value in node.items():
+            yield f"{prefix}{key}"
+            if isinstance(value, dict):
+                yield from keys(value, f"{prefix}{key}.")
+
+    checked = set()
+    for method in METHODS:
+        for model in MODELS:
+            checked |= set(keys(OmegaConf.to_container(compose([f"method={method}", f"model={model}"]))))
+    assert {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "recipe.token_dump.dir",
+            "ray_kwargs.ray_init.runtime_env.env_vars.STAPO_TOKEN_DUMP_DIR", "data.tokenizer"} <= checked
+    assert [k for k in sorted(checked) if credential_keys(k)] == []
+    for key in ("STAPO_SECRETS_FILE", "WANDB_IDENTITY_TOKEN_FILE", "max_num_batched_tokens", "token_selection"):
+        assert credential_keys(f"ray_kwargs.ray_init.runtime_env.env_vars.{key}") == []
+
+
+@pytest.mark.parametrize("override, keys", [
+    (f"+ray_kwargs.ray_init.runtime_env.env_vars.WANDB_API_KEY={SECRET}",
+     "ray_kwargs.ray_init.runtime_env.env_vars.WANDB_API_KEY"),
+    (f"++ray_kwargs.ray_init.runtime_env.env_vars={{HF_TOKEN:{SECRET},A:{{db_password:{SECRET}}}}}",
+     "ray_kwargs.ray_init.runtime_env.env_vars.HF_TOKEN, ray_kwargs.ray_init.runtime_env.env_vars.A.db_password"),
+    (f"+x.hf_token={SECRET}８", "x.hf_token"),  # also unreadable to Hydra: named without repeating the value
+])
+def test_an_override_carrying_a_credential_is_refused_naming_its_key_and_the_ways_to_pass_it(override, keys):
+    """What verl receives (and prints, and gives wandb as the run's config) is composed here: refused."""
+    with pytest.raises(ValueError) as info:
+        compose(["method=stapo", override])
+    text = str(info.value)
+    assert f"override refused: {keys}: names a credential" in text and SECRET not in text
+    assert "export " in text and "STAPO_SECRETS_FILE" in text and "WANDB_API_KEY, HF_TOKEN, VLLM_API_KEY" in text
+
+
+def test_main_refuses_a_credential_before_hydra_records_the_overrides(tmp_path):
+    """Hydra writes every override to <launch dir>/outputs/.../.hydra/overrides.yaml once it starts."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers.paths import REPO
+
+    override = f"+ray_kwargs.ray_init.runtime_env.env_vars.WANDB_API_KEY={SECRET}"
+    proc = subprocess.run([sys.executable, "-m", "recipe.stapo.main_stapo", "method=stapo", override, "--check"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "STAPO_LAUNCH_DIR": str(tmp_path)})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "override refused (nothing was started)" in proc.stderr and "WANDB_API_KEY: names a credential" in proc.stderr
+    assert SECRET not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no outputs/ folder: Hydra never started

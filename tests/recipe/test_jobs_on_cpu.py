@@ -7,13 +7,13 @@ from __future__ import annotations
 import pytest
 
 from recipe.stapo.driver import wandb_run_id
-from recipe.stapo.jobs import JobRunning, launch_number, next_submission_id, run_submission_id
+from recipe.stapo.jobs import JobRunning, launch_number, next_submission_id
 
-BASE = run_submission_id("stapo", "qwen3_8b_stapo")
+BASE = wandb_run_id("stapo", "qwen3_8b_stapo")
 
 
 def test_the_first_job_of_a_run_carries_the_runs_wandb_id():
-    assert BASE == wandb_run_id("stapo", "qwen3_8b_stapo")
+    # (that `next-id` starts from the run's wandb id: tests/run_scripts/test_launch_on_cpu.py's submit dry run)
     assert next_submission_id([], BASE) == BASE
     assert next_submission_id([("raysubmit_abc", "RUNNING"), (BASE + "x", "RUNNING")], BASE) == BASE
 
@@ -36,7 +36,7 @@ def test_a_run_with_a_pending_or_running_job_is_refused(status):
 
 
 def test_only_this_runs_ids_count():
-    other = run_submission_id("stapo", "qwen3_8b_stapo_2")
+    other = wandb_run_id("stapo", "qwen3_8b_stapo_2")
     assert launch_number(other, BASE) is None and launch_number(BASE + "-1", BASE) is None
     assert launch_number(BASE + "-12", BASE) == 12 and launch_number(BASE, BASE) == 1
     assert next_submission_id([(other, "RUNNING")], BASE) == BASE

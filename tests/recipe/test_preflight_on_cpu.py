@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from recipe.stapo.driver import compose, describe, prepare
-from recipe.stapo.preflight import PreflightError, probe_writable
+from recipe.stapo.driver import compose, prepare
+from recipe.stapo.preflight import PreflightError, probe_writable, summary
 from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, use_fake_cluster, write_dataset, write_model
 from tests.helpers.paths import REPO
 
@@ -79,7 +79,7 @@ def test_paper_config_passes_with_summary_and_memory_table(cluster):
     for name in ("rollout", "log_prob", "current", "update", "update_end"):
         assert f"  {name} " in logged, logged  # one row per pass of the step
     assert "target 79.1 GiB" in logged and "DOES NOT FIT" not in logged and "TIGHT" not in logged
-    text = describe(config)
+    text = summary(config)
     for line in (f"{PL}.loss_mode = vanilla", f"{PL}.token_selection = s2t", f"{PL}.tau_p = 0.002", f"{PL}.q = 0.75",
                  f"{PL}.stats_from = current", f"{PL}.scope = mini_batch",
                  "reward.custom_reward_function = pkg://recipe.stapo.reward:compute_score", "GPUs = 64",
@@ -189,7 +189,7 @@ def test_method_that_does_not_select_its_tokens_is_refused_unless_named_so(clust
     named = paper(cluster, f"{PL}.token_selection={selection}", f"trainer.experiment_name=qwen3_8b_{method}_{selection}",
                   method=method)
     passes(named)
-    assert f"{PL}.token_selection = {selection}" in describe(named)
+    assert f"{PL}.token_selection = {selection}" in summary(named)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ def test_a_pool_of_ranks_that_does_not_divide_the_data_parallel_ranks_is_refused
     problem(err, f"{PL}.ranks_per_pool", "run's 32 data-parallel ranks")
     config = paper(cluster, *authors, f"{PL}.ranks_per_pool=8", method="entropy20")
     passes(config)
-    assert "token selection pool = up to 180,224 tokens per threshold" in describe(config)
+    assert "token selection pool = up to 180,224 tokens per threshold" in summary(config)
 
 
 def test_reference_budget_is_checked_where_a_reference_model_runs(cluster):

@@ -38,9 +38,12 @@ def _run(script: Path, *args: str, cwd: Path, **env) -> subprocess.CompletedProc
     return subprocess.run(["bash", str(script), *args], cwd=cwd, env=_env(**env), capture_output=True, text=True)
 
 
-def _value(argv: list[str], key: str) -> str:
-    (value,) = [a.split("=", 1)[1] for a in argv if a.startswith(key + "=")]
-    return value
+def _value(argv: list[str], key: str):
+    """The value of ``key`` in ``argv`` as Hydra's override parser reads it (the key given once)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    (arg,) = [a for a in argv if a.startswith(key + "=")]
+    return OverridesParser.create().parse_override(arg).value()
 
 
 def _submit_dry_run(tmp_path, **env):
@@ -71,7 +74,7 @@ def test_submit_mode_submits_a_detached_job_named_after_the_run(tmp_path):
     assert env_vars["STAPO_DATA_DIR"] == str(tmp_path / "rel/data") and env_vars["STAPO_LAUNCH_DIR"] == str(tmp_path)
     assert entry[:3] == [sys.executable, "-m", "recipe.stapo.main_stapo"]
     assert _value(entry, "trainer.default_local_dir") == str(tmp_path / "ck/stapo/qwen3_8b_stapo")
-    assert _value(entry, "actor_rollout_ref.actor.policy_loss.q") == "0.5"
+    assert _value(entry, "actor_rollout_ref.actor.policy_loss.q") == 0.5
 
 
 def test_a_dashboard_address_in_ray_address_still_reaches_the_jobs_client(tmp_path):
@@ -104,7 +107,32 @@ def test_with_a_secrets_file_the_job_carries_no_secret(tmp_path):
     proc, _, _, names = _submit_dry_run(tmp_path, WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET,
                                         STAPO_SECRETS_FILE="/shared/home/me/secrets.env")
     assert "WANDB_API_KEY" not in names and "HF_TOKEN" not in names and "STAPO_SECRETS_FILE" in names
-    assert "warning" not in proc.stderr
+    assert "travel in the job's runtime env" not in proc.stderr
+
+
+@pytest.mark.parametrize("override", [f"+ray_kwargs.ray_init.runtime_env.env_vars.WANDB_API_KEY={SECRET}",
+                                      f"+ray_kwargs.ray_init.runtime_env.env_vars={{HF_TOKEN:{SECRET}}}"])
+def test_a_credential_override_is_refused_before_the_job_exists(tmp_path, override):
+    """`ray job list` shows a job's command line: the launcher refuses it before asking Ray anything."""
+    calls = tmp_path / "ray_calls"
+    ray = tmp_path / "ray"
+    ray.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    ray.chmod(0o755)
+    for dry in ("0", "1"):
+        proc = _run(REPO / "run_scripts" / "qwen3_8b_stapo.sh", override, cwd=tmp_path, LAUNCH="submit",
+                    STAPO_DRY_RUN=dry, PYTHON=sys.executable, RAY=str(ray), TMPDIR=str(tmp_path))
+        assert proc.returncode == 1 and proc.stdout == "", proc.stderr
+        assert "override refused (nothing was submitted)" in proc.stderr and "names a credential" in proc.stderr
+        assert SECRET not in proc.stderr
+    assert not calls.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ray"]  # the runtime env file is gone too
+
+
+def test_a_local_launch_refuses_a_credential_override_before_hydra_starts(tmp_path):
+    override = f"+ray_kwargs.ray_init.runtime_env.env_vars.WANDB_API_KEY={SECRET}"
+    proc = _run(REPO / "run_scripts" / "qwen3_1.7b_stapo.sh", override, cwd=tmp_path, PYTHON=sys.executable)
+    assert proc.returncode == 1 and "override refused (nothing was started)" in proc.stderr, proc.stderr[-3000:]
+    assert SECRET not in proc.stdout + proc.stderr and list(tmp_path.iterdir()) == []  # no Hydra outputs/
 
 
 def _env_printer(tmp_path: Path) -> Path:
@@ -156,6 +184,121 @@ def test_dry_run_check_validates_with_the_launching_shells_paths(tmp_path):
     assert bad.returncode != 0 and "actor_rollout_ref.actor.policy_loss.loss_mode='stapoo'" in bad.stderr
 
 
+def test_the_jobs_interpreter_outside_the_project_is_not_warned_about(tmp_path):
+    python = _python3(tmp_path / "env", with_requirements=True) / "python3"  # an environment outside the project
+    proc = _run(COMMON, "stapo", "qwen3_8b", cwd=tmp_path, LAUNCH="submit", STAPO_DRY_RUN="1", PYTHON=str(python))
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    assert argv[argv.index("--") + 1] == str(python) and "is not uploaded with the job" not in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# the run's names, the script's identity, each key once
+# ------------------------------------------------------------------------------------------------
+
+
+def _dry_command(tmp_path: Path, *args: str, script: str = "qwen3_8b_stapo.sh", **env) -> list[str]:
+    """The overrides a run script hands Hydra (``STAPO_DRY_RUN=1``, local mode)."""
+    proc = _run(REPO / "run_scripts" / script, *args, cwd=tmp_path, STAPO_DRY_RUN="1", PYTHON=sys.executable, **env)
+    assert proc.returncode == 0, proc.stderr
+    argv = shlex.split(proc.stdout)
+    assert argv[:3] == [sys.executable, "-m", "recipe.stapo.main_stapo"]
+    return argv[3:]
+
+
+@pytest.mark.parametrize("name", ["lr=1e-6", "it's a \"run\", v2", "null", "1e-6", "données", "a/b", "$x"])
+def test_names_reach_hydra_as_written(tmp_path, name):
+    """Hydra's grammar would read `=`, `,`, quotes and spaces, and type null or 1e-6: the names come quoted."""
+    overrides = _dry_command(tmp_path, EXPERIMENT=name, PROJECT=f"p {name}", CKPT_DIR="ck")
+    cfg = compose(overrides)
+    OmegaConf.resolve(cfg)
+    assert (cfg.trainer.project_name, cfg.trainer.experiment_name) == (f"p {name}", name)
+    assert cfg.trainer.default_local_dir == f"{tmp_path}/ck/p {name}/{name}"
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"EXPERIMENT": "${oc.env:HOME}"}, "EXPERIMENT=${oc.env:HOME}: '${' would be read as an interpolation"),
+    ({"PROJECT": "a\\b"}, "PROJECT=a\\b: a backslash would be read as an escape"),
+    ({"EXPERIMENT": "../.."}, "EXPERIMENT=../..: an absolute name or a '.' or '..' part would put the run's folder"),
+    ({"PROJECT": ".."}, "PROJECT=..: an absolute name"),
+    ({"EXPERIMENT": "/tmp/elsewhere"}, "EXPERIMENT=/tmp/elsewhere: an absolute name"),
+    ({"EXPERIMENT": "runs/./x"}, "EXPERIMENT=runs/./x: an absolute name"),
+    ({"CKPT_DIR": "ck${x}"}, "CKPT_DIR="),
+])
+def test_a_name_hydra_or_the_folder_cannot_keep_is_refused_naming_its_variable(tmp_path, env, named):
+    for mode in ("local", "submit"):
+        proc = _run(REPO / "run_scripts" / "qwen3_8b_stapo.sh", cwd=tmp_path, STAPO_DRY_RUN="1", LAUNCH=mode,
+                    PYTHON=sys.executable, **env)
+        assert proc.returncode == 2 and proc.stderr.startswith(named) and proc.stdout == "", proc.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script, override, instead", [
+    ("qwen3_8b_stapo.sh", "method=grpo", "run run_scripts/qwen3_8b_grpo.sh instead"),
+    ("qwen3_8b_stapo.sh", "model=qwen3_1_7b", "run run_scripts/qwen3_1.7b_stapo.sh instead"),
+    ("qwen3_1.7b_grpo.sh", "model=qwen3_14b", "run run_scripts/qwen3_14b_grpo.sh instead"),
+    ("qwen3_14b_justrl.sh", "~method", "drop the override"),
+])
+def test_a_run_script_refuses_an_override_contradicting_its_name(tmp_path, script, override, instead):
+    proc = _run(REPO / "run_scripts" / script, override, cwd=tmp_path, STAPO_DRY_RUN="1", PYTHON=sys.executable)
+    key = override.lstrip("~").split("=")[0]
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.startswith(f"{script} runs {key}=") and f"the override {override} would train another {key}" in proc.stderr
+    assert instead in proc.stderr
+    agreeing = _dry_command(tmp_path, "method=stapo", "model=qwen3_8b")
+    assert [o for o in agreeing if o.startswith(("method=", "model="))] == ["method=stapo", "model=qwen3_8b"]
+
+
+@pytest.mark.parametrize("override, variable", [("trainer.experiment_name=mine", "EXPERIMENT"),
+                                                ("+trainer.project_name=team", "PROJECT")])
+def test_the_runs_names_come_from_their_variables_only(tmp_path, override, variable):
+    """An override would rename the wandb run but leave the folder and the Ray job those of the default name."""
+    proc = _run(REPO / "run_scripts" / "qwen3_8b_stapo.sh", override, cwd=tmp_path, STAPO_DRY_RUN="1",
+                PYTHON=sys.executable)
+    assert proc.returncode == 2 and proc.stderr.startswith(f"{override}: the run's names come from PROJECT and")
+    assert f"set {variable} instead" in proc.stderr
+
+
+def test_every_run_script_is_the_method_and_model_it_is_named_for(tmp_path):
+    """What each of the 12 scripts hands the interpreter (a stand-in printing its arguments)."""
+    fake = _fake_python(tmp_path)
+    scripts = sorted((REPO / "run_scripts").glob("qwen3_*_*.sh"))
+    assert len(scripts) == 12
+    for script in scripts:
+        proc = _run(script, cwd=tmp_path, PYTHON=str(fake))
+        assert proc.returncode == 0, proc.stderr
+        size, method = script.stem[len("qwen3_"):].split("_")
+        argv = proc.stdout.splitlines()
+        assert [a for a in argv if a.startswith(("method=", "model="))] == [f"method={method}",
+                                                                           f"model=qwen3_{size.replace('.', '_')}"]
+
+
+def test_a_dry_run_prints_each_key_once_with_its_final_value(tmp_path):
+    overrides = _dry_command(tmp_path, "trainer.logger=[console,file]", "trainer.nnodes=2", "trainer.nnodes=1",
+                             f"trainer.default_local_dir={tmp_path}/mine", "+trainer.extra=1", NNODES="4")
+    keys = [o.split("=", 1)[0] for o in overrides]
+    assert len(keys) == len(set(keys)), keys
+    assert _value(overrides, "trainer.logger") == ["console", "file"] and _value(overrides, "trainer.nnodes") == 1
+    assert _value(overrides, "trainer.default_local_dir") == f"{tmp_path}/mine"
+    cfg = compose(overrides)
+    assert (cfg.trainer.nnodes, list(cfg.trainer.logger), cfg.trainer.extra) == (1, ["console", "file"], 1)
+
+
+def test_the_check_prints_what_the_config_runs_each_key_once(tmp_path):
+    """STAPO_DRY_RUN=check: the summary of the validated config, not the command beside it."""
+    from tests.helpers.cluster_files import fake_cluster
+
+    proc = _run(REPO / "run_scripts" / "qwen3_1.7b_stapo.sh", "trainer.logger=[console,file]", cwd=tmp_path,
+                STAPO_DRY_RUN="check", PYTHON=sys.executable, EXPERIMENT="lr=1e-6, it's", **fake_cluster(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == ""
+    out = proc.stderr
+    for key, value in [("trainer.logger", "['console', 'file']"), ("trainer.experiment_name", "lr=1e-6, it's"),
+                       ("trainer.project_name", "stapo"), ("recipe.model", "qwen3_1_7b")]:
+        assert out.count(f"{key} =") == 1 and f"  {key} = {value}\n" in out, out[-3000:]
+    assert "trainer.logger=" not in out and "model=qwen3_1_7b" not in out
+
+
 def test_unknown_launch_mode_fails(tmp_path):
     proc = _run(COMMON, "stapo", "qwen3_8b", cwd=tmp_path, LAUNCH="slurm", STAPO_DRY_RUN="1")
     assert proc.returncode == 2 and "LAUNCH: unknown mode 'slurm'" in proc.stderr
@@ -200,6 +343,12 @@ def test_eval_uses_python_not_a_stray_venv(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines()[:2] == ["-m", "recipe.stapo.eval.run_eval"]
     assert f"[stapo] python: {env_bin}/python3 (python3 on PATH, not the project's .venv" in proc.stderr
+
+
+def test_eval_without_a_model_names_the_cpu_preset(tmp_path):
+    proc = _run(EVAL, cwd=tmp_path, PYTHON=str(_fake_python(tmp_path)))
+    assert proc.returncode != 0 and proc.stdout == ""
+    assert "set MODEL to a checkpoint" in proc.stderr and "PRESET=cpu: the quickstart tiny model on a CPU" in proc.stderr
 
 
 @pytest.mark.parametrize("model, env, expected", [
@@ -356,7 +505,7 @@ def test_ablations_take_the_model_config_from_model_config_not_model(tmp_path):
     assert proc.returncode == 0, proc.stderr
     commands = [shlex.split(line) for line in proc.stdout.strip().splitlines()]
     assert [(_value(c, "model"), _value(c, "trainer.experiment_name"), _value(c, "actor_rollout_ref.actor.policy_loss.q"))
-            for c in commands] == [("qwen3_8b", "qwen3_8b_stapo_q_0.5", "0.5"), ("qwen3_8b", "qwen3_8b_stapo_q_0.9", "0.9")]
+            for c in commands] == [("qwen3_8b", "qwen3_8b_stapo_q_0.5", 0.5), ("qwen3_8b", "qwen3_8b_stapo_q_0.9", 0.9)]
     assert "/shared/models" not in proc.stdout
     old = _run(ABLATIONS, "q", cwd=tmp_path, STAPO_DRY_RUN="1", MODEL="qwen3_8b")
     assert old.returncode == 2 and "MODEL_CONFIG" in old.stderr and not old.stdout
@@ -371,8 +520,8 @@ def test_a_failed_ablation_run_does_not_stop_the_others(tmp_path):
                     'case "$*" in *tau_p=0.005*) exit 0;; *) exit 1;; esac\n')
     fake.chmod(0o755)
     proc = _run(ABLATIONS, "tau_p", cwd=tmp_path, PYTHON=str(fake))
-    assert proc.stdout.split() == ["qwen3_1_7b_stapo_tau_p_0.001", "qwen3_1_7b_stapo_tau_p_0.005",
-                                   "qwen3_1_7b_stapo_tau_p_0.01"]
+    assert proc.stdout.split() == ["'qwen3_1_7b_stapo_tau_p_0.001'", "'qwen3_1_7b_stapo_tau_p_0.005'",
+                                   "'qwen3_1_7b_stapo_tau_p_0.01'"]  # as Hydra receives them, quoted
     assert proc.returncode == 1
     assert "2 run(s) failed or were refused: qwen3_1_7b_stapo_tau_p_0.001 qwen3_1_7b_stapo_tau_p_0.01" in proc.stderr
 
@@ -424,6 +573,9 @@ def test_from_a_shell_without_the_venv_the_scripts_find_the_projects_venv(tmp_pa
     venv_python = str(checkout / ".venv" / "bin" / "python")
     assert argv[argv.index("--") + 1:][:3] == [venv_python, "-m", "recipe.stapo.main_stapo"]
     assert "[stapo] python:" not in proc.stderr
+    # the upload leaves .venv out: the job starts only where the head node has this very path
+    assert (f"[stapo] warning: the job runs {venv_python}, the project's .venv, which is not uploaded with the job"
+            in proc.stderr)
     model = tmp_path / "Qwen3-1.7B-Base"
     model.mkdir()
     (model / "config.json").write_text("{}")

@@ -73,3 +73,18 @@ def test_outside_the_checkout_it_says_where_to_run_it(tmp_path):
     proc = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, env={**env, "SLURM_SUBMIT_DIR": str(tmp_path)},
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "not the project's checkout" in proc.stderr
+
+
+def test_off_a_slurm_host_it_says_it_needs_scontrol(tmp_path):
+    """It was `nodes[0]: unbound variable`: the node list's expansion failed unseen."""
+    bare = tmp_path / "bin"  # a PATH without Slurm's tools
+    bare.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("STAPO_", "SLURM_"))}
+    env.update(PATH=str(bare), SLURM_SUBMIT_DIR=str(REPO), STAPO_DRY_RUN="1", HOME=str(tmp_path))
+    run = lambda **extra: subprocess.run(["/bin/bash", str(SBATCH)], cwd=tmp_path, env={**env, **extra},  # noqa: E731
+                                         capture_output=True, text=True)
+    proc = run(SLURM_JOB_NODELIST="gpu[01-02]")
+    assert proc.returncode == 2 and proc.stderr.startswith("scontrol not found: stapo.sbatch runs on a Slurm host")
+    assert "unbound variable" not in proc.stderr and proc.stdout == ""
+    unset = run()
+    assert unset.returncode == 2 and unset.stderr.startswith("SLURM_JOB_NODELIST is not set: run it with sbatch")
