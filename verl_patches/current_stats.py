@@ -67,7 +67,7 @@ def current_policy_statistics(worker, view: MiniBatchView) -> CurrentStatistics:
     cfg = view.cfg
     prefix = forward_metric_prefix(cfg)
     start = time.perf_counter()
-    if cfg.forwards_positive_advantage_only:
+    if cfg.forwards_current_policy and cfg.rule.positive_advantage_only and cfg.current_forward == "positive_advantage":
         current = forward_positive_advantage(worker, view, prefix=prefix)
     else:
         log_prob, entropy = (t[:, : view.mask.shape[1]].to(view.device).float()  # padded like the view's fields

@@ -42,6 +42,8 @@ from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils import losses as verl_losses
 from verl.workers.utils.padding import no_padding_2_padding
 
+from stapo_core.rules import RANK_MICRO_BATCH
+
 from .layout import ROLLOUT_ENTROPY_FIELD, UNSELECTED_MASK_FIELD, add_per_row, multiply_like, padded_float, to_padded
 from .policy_loss_config import KEY_PREFIX, TokenSelectionLossConfig
 from .selection_pool import pool_group
@@ -105,15 +107,17 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
     """Fold this micro-batch's keep mask into ``data["response_mask"]``; return the loss re-weighting
     and the selection's metrics."""
     loss_agg_mode = config.loss_agg_mode
-    if cfg.pools_over_ranks:  # every rank's micro-batch, or its group of ranks_per_pool ranks
+    per_rank = cfg.resolved_scope == RANK_MICRO_BATCH
+    if not per_rank:  # every rank's micro-batch, or its group of ranks_per_pool ranks
         group = pool_group(cfg, group)
-    else:  # 20-Entropy's authors' code: this rank's micro-batch alone
+    else:  # this rank's micro-batch alone, weighted as the authors' verl fork did
         group = None
         if loss_agg_mode != "token-mean" or config.use_kl_loss or config.entropy_coeff:
             raise ValueError(
-                f"{KEY_PREFIX}.entropy_topk_reading=authors_code reproduces the authors' token-mean loss without "
-                f"KL loss or entropy bonus; got loss_agg_mode={loss_agg_mode}, use_kl_loss={config.use_kl_loss}, "
-                f"entropy_coeff={config.entropy_coeff}: use entropy_topk_reading=pooled for other settings"
+                f"{KEY_PREFIX}.token_selection={cfg.token_selection} selects on each rank's micro-batch with the "
+                f"weights of its authors' token-mean loss without KL loss or entropy bonus; got loss_agg_mode="
+                f"{loss_agg_mode}, use_kl_loss={config.use_kl_loss}, entropy_coeff={config.entropy_coeff}: use a "
+                "rule pooled over the ranks for other settings"
             )
     response_mask = data["response_mask"]
     width = to_padded(response_mask).shape[1]
@@ -123,8 +127,8 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
         entropy = model_output.get("entropy", None)
         if entropy is None:
             raise RuntimeError(
-                "token selection from the update's own statistics (stats_from=current with scope=micro_batch, or "
-                "entropy_topk_reading=authors_code) needs the update's entropy: set "
+                f"token selection from the update's own statistics ({KEY_PREFIX}.token_selection="
+                f"{cfg.token_selection}, scope {cfg.resolved_scope}) needs the update's entropy: set "
                 "actor_rollout_ref.actor.calculate_entropy=true (the recipe's driver does)"
             )
         log_prob = no_padding_2_padding(model_output["log_probs"], data).detach().float()[:, :width]
@@ -140,7 +144,7 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
         metrics.update(rollout_agreement(cfg, selection, log_prob=old_log_prob, entropy=rollout_entropy,
                                          advantages=advantages, response_mask=mask, group=group))
     data["response_mask"] = multiply_like(response_mask, selection.keep.to(mask.device))
-    if not cfg.pools_over_ranks:
+    if per_rank:
         # verl's token-mean is sum / batch_num_tokens * dp_size and FSDP averages over the dp_size ranks; the
         # authors' code weights each micro-batch's mean over its selected tokens by its share of the sequences
         batch_num_tokens = tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=None)

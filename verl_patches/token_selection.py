@@ -207,8 +207,8 @@ def s2t_sets(mask: torch.Tensor, selection: RuleResult) -> S2TSets:
 
 def as_s2t(cfg: TokenSelectionLossConfig, **changes) -> TokenSelectionLossConfig:
     """``cfg`` with S2T as its token selection, pooled over the whole mini-batch (the monitor's selector)."""
-    return dataclasses.replace(cfg, token_selection=S2T.name, scope=None, entropy_topk_reading="pooled",
-                               ranks_per_pool=None, update_effect_responses=0, **changes)
+    return dataclasses.replace(cfg, token_selection=S2T.name, scope=None, ranks_per_pool=None,
+                               update_effect_responses=0, **changes)
 
 
 def select_mini_batch(view: MiniBatchView) -> MiniBatchSelection:

@@ -39,10 +39,13 @@ UNGRADED_METRIC = "reward/ungraded"
 
 
 def needs_rollout_entropy(config) -> bool:
-    """The driver's question to the policy-loss settings (it holds them as a DictConfig): does the
-    actor need the rollout-time entropy in its batch? Only the recipe's token selection does."""
-    settings = omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)
-    return isinstance(settings, TokenSelectionLossConfig) and settings.needs_rollout_entropy
+    """Whether the actor needs the rollout-time entropy in its batch (``config``: the driver's
+    DictConfig): only the recipe's token selection does, for its statistic (``stats_from=rollout``), for
+    a step's first mini-batch at the mini-batch scope (the policy has not moved yet: the rollout
+    statistics are the current ones), or for the S2T monitor."""
+    s = omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)
+    return isinstance(s, TokenSelectionLossConfig) and (
+        (s.selects_tokens and (s.statistics_source == "rollout" or s.folds_into_mini_batch)) or s.monitors_s2t)
 
 
 def bypasses_old_log_prob(config) -> bool:
