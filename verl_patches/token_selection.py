@@ -39,7 +39,7 @@ from verl.utils import tensordict_utils as tu
 
 from stapo_core.rules import S2T, RuleResult
 
-from .layout import ROLLOUT_ENTROPY_FIELD, UNSELECTED_MASK_FIELD, multiply_like, padded_float
+from .layout import UNSELECTED_MASK_FIELD, multiply_like, padded_float
 from .mini_batch_view import (CurrentStatistics, MiniBatchPosition, MiniBatchSelection, MiniBatchView, S2TSets,
                               read_view)
 from .policy_loss_config import TokenSelectionLossConfig
@@ -155,28 +155,15 @@ def _widen(cfg: TokenSelectionLossConfig, selection: RuleResult, part: torch.Ten
     return dataclasses.replace(selection, keep=keep, tokens=tokens, kept=tokens - silenced_count, stats=metrics)
 
 
-def _statistics(view: MiniBatchView, current: Optional[CurrentStatistics], who: str):
-    """``(log_prob, entropy)`` the selection reads: the current policy's, else the rollout ones; a
-    ``KeyError`` naming ``who`` and the missing fields when the mini-batch lacks them."""
-    needed = {"advantages": view.advantages}
-    if current is None:
-        needed.update({"old_log_probs": view.old_log_prob, ROLLOUT_ENTROPY_FIELD: view.rollout_entropy})
-    missing = [name for name, t in needed.items() if t is None]
-    if missing:
-        raise KeyError(
-            f"{who} needs the fields {missing} in the actor's mini-batch; the rollout entropy is kept by the "
-            "recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches.activate set in the driver?"
-        )
-    return (view.old_log_prob, view.rollout_entropy) if current is None else (current.log_prob, current.entropy)
-
-
 def _select(cfg: TokenSelectionLossConfig, view: MiniBatchView, current: Optional[CurrentStatistics],
-            who: str, group) -> tuple[RuleResult, dict]:
-    """The rule of ``cfg`` on the mini-batch, pooled over ``group``: its selection over every response
-    token, and its metrics (the rule's, the drift from the rollout statistics, the gradient norms of its
-    sets), each over ``group``."""
+            group) -> tuple[RuleResult, dict]:
+    """The rule of ``cfg`` on the mini-batch, pooled over ``group``, from ``current`` (else the rollout
+    statistics, which :func:`~verl_patches.mini_batch_view.read_view` checked): its selection over every
+    response token, and its metrics (the rule's, the drift from the rollout statistics, the gradient
+    norms of its sets), each over ``group``."""
     rule = cfg.rule
-    log_prob, entropy = _statistics(view, current, who)
+    log_prob, entropy = (view.old_log_prob, view.rollout_entropy) if current is None else (current.log_prob,
+                                                                                         current.entropy)
     mask, part = view.mask, view.mask
     if current is not None:
         if not bool(current.forwarded.all()) and not rule.positive_advantage_only:
@@ -218,14 +205,13 @@ def select_mini_batch(view: MiniBatchView) -> MiniBatchSelection:
     sets for the token dump where it asks for others."""
     cfg, current, selection = view.cfg, view.current, view.selection
     if view.selects and cfg.monitors_s2t:  # the monitor's runs never apply S2T: their forward covers every sequence
-        result, metrics = _select(as_s2t(cfg), view, current if cfg.stats_from == "current" else None,
-                                  "the S2T monitor (s2t_monitor=true)", view.group)
+        result, metrics = _select(as_s2t(cfg), view, current if cfg.stats_from == "current" else None, view.group)
         if current is not None and not cfg.forwards_current_policy:
             metrics.update(current.metrics)  # the forward served the monitor alone
         metrics[APPLIED_METRIC] = 0.0
         selection.s2t, selection.metrics = s2t_sets(view.mask, result), metrics
     if view.selects and cfg.folds_into_mini_batch:
-        result, metrics = _select(cfg, view, current, "token selection (scope=mini_batch)", view.pool_group)
+        result, metrics = _select(cfg, view, current, view.pool_group)
         if current is not None:
             metrics.update(current.metrics)
         selection.keep = result.keep
