@@ -1,14 +1,12 @@
-"""One PPO mini-batch as the recipe reads it: its position in the step, its fields read once, and
-what is computed on it before the update.
+"""One PPO mini-batch as the recipe reads it: its place in the step, its fields read once, and what is
+computed on it before the update.
 
-verl's ``TrainingWorker.train_mini_batch`` splits a step's batch into mini-batches and calls
-``train_batch`` once per mini-batch, flagging the step's last one with ``update_lr_scheduler=True``
-(the only step boundary a worker sees). :func:`read_view` reads one of them, in either of verl's
-layouts (:mod:`verl_patches.layout`), into a :class:`MiniBatchView`: every per-token field the recipe
-reads, float32 ``(batch, width)`` padded on the engine's device. The current-policy forward
-(:mod:`verl_patches.current_stats`) adds the current statistics to it, the token selection
-(:mod:`verl_patches.token_selection`) its :class:`MiniBatchSelection`; the update effect and the
-token dump read it, the dump through its host copy (:meth:`MiniBatchView.host`, made once).
+The current-policy forward, the selections, the update's probe and the token dump all read the same
+mini-batch, which verl holds in either of two layouts (:mod:`verl_patches.layout`); :func:`read_view`
+reads it once into a :class:`MiniBatchView` (every per-token field float32 ``(batch, width)`` on the
+engine's device, checked for what the selections read, a host copy made on first use) that each of them
+extends or reads. verl calls ``train_batch`` once per mini-batch and flags only the step's last
+(``update_lr_scheduler=True``), so the worker counts the position itself (:func:`position_of`).
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The process group the run's token selection pools over (``policy_loss.ranks_per_pool``).
 
-By default a rule's statistic (20-Entropy's top-k threshold) is pooled over every data-parallel rank:
-the whole PPO mini-batch, or each micro-batch of every rank (``scope=micro_batch``). With
+20-Entropy's authors took their threshold within one sequence-parallel group of 8 GPUs; with
 ``ranks_per_pool=k`` the data-parallel ranks form groups of ``k`` contiguous ranks
-(:func:`stapo_core.distributed.contiguous_subgroups`), and each group computes its own threshold over
-its own tokens: the pool of 20-Entropy's authors, one sequence-parallel group of 8 GPUs, at any number
-of nodes (docs/method.md).
-
-The groups are made once per worker process, on every rank in the same order, when the actor is built
-(:func:`wrap_init_model`, installed by :mod:`verl_patches.install`); :func:`pool_group` then finds them
-(the mini-batch fold and the loss ask it). Only the run's own selection pools per group: verl's token and
-sequence counts, the S2T monitor (the paper's mini-batch pool) and every other collective of the recipe
-stay over the whole data-parallel group.
+(:func:`stapo_core.distributed.contiguous_subgroups`), each computing its own threshold over its own
+tokens, which is their pool at any node count (docs/method.md). Making a group is collective over the
+world, so every rank makes every group once, in one order, when the actor is built
+(:func:`wrap_init_model`); :func:`pool_group` then finds them. Only the run's own selection pools per
+group: verl's counts, the S2T monitor and every other collective stay over the data-parallel group.
 """
 
 from __future__ import annotations

@@ -58,7 +58,14 @@ def _group_max(value: int, group, device) -> int:
 
 def probe_before(worker, view: MiniBatchView, rows: list) -> Optional[Probe]:
     """Forward ``rows`` of the mini-batch before its update, on every rank alike (one all-reduce of the
-    row counts; None, with no forward, when no rank has a row to probe)."""
+    row counts first).
+
+    Args:
+        worker: the ``TrainingWorker``. view: the mini-batch. rows: this rank's rows to probe.
+
+    Returns:
+        The :class:`Probe`, or None, with no forward, when no rank has a row to probe.
+    """
     start = time.perf_counter()
     count = _group_max(len(rows), view.group, view.device)
     if count == 0:
