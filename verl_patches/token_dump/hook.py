@@ -4,10 +4,11 @@ mini-batch, scored under the policy about to be updated, and what the update did
 Only the actor holds the policy's logits (each token's entropy, top-5 alternatives and gradient norm)
 when S2T decides, and a step's first mini-batch is still the rollout policy's, so its p and H are the
 ones S2T used. Each data-parallel rank scores its sampled responses (:func:`score_mini_batch`, before
-verl's update) and takes each token's ``dlogp`` from the update's probe (:mod:`verl_patches.update_effect`);
-rank 0 writes every rank's records (:mod:`stapo_core.token_records`) to
-``<dir>/s2t_tokens/step_XXXXXX.jsonl`` (:func:`finish_mini_batch`, after it). Off by default:
-``recipe.token_dump.dir`` (:mod:`verl_patches.token_dump.settings`); the records: docs/inspect.md.
+verl's update) and takes each token's ``dlogp`` from the update's probe
+(:mod:`verl_patches.update_effect`); rank 0 writes every rank's records
+(:mod:`stapo_core.token_records`) to ``<dir>/s2t_tokens/step_XXXXXX.jsonl`` (:func:`finish_mini_batch`,
+after it; the folder need only exist on its node). Off by default: ``recipe.token_dump.dir``
+(:mod:`verl_patches.token_dump.settings`); the records: docs/inspect.md.
 """
 
 from __future__ import annotations
