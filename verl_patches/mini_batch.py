@@ -71,10 +71,10 @@ def before_update(worker, data) -> tuple[dict, Optional[PendingUpdate]]:
         pending.effect_rows = update_effect.choose_rows(view.selection.s2t, cfg.update_effect_responses)
     if dumps:
         pending.dump = token_dump.score_mini_batch(worker, view)
-    if pending.effect_rows is not None or dumps:
+    if pending.effect_rows is not None or pending.dump is not None:  # the same on every rank: the probe is collective
         rows = pending.effect_rows or []
-        rows = rows + [row for row in (pending.dump.picked if dumps else []) if row not in rows]
-        pending.probe = update_effect.probe_before(worker, view, rows)
+        dumped = pending.dump.picked if pending.dump is not None else []
+        pending.probe = update_effect.probe_before(worker, view, rows + [row for row in dumped if row not in rows])
     return view.selection.metrics, pending
 
 
