@@ -9,7 +9,7 @@ differently. This benchmark measures it on a real (tiny) policy: it samples resp
 them (a) all in one padded batch, as the full forward does, (b) only the positive-advantage ones in
 one padded batch, as the positive-advantage forward does, and (c) each alone, in float32 and
 bfloat16, and prints per dtype the largest change of ``log p`` and ``H`` and the tokens S2T silences
-in one forward and not the other (:func:`stapo_core.s2t.silenced_set_difference`), at the paper's
+in one forward and not the other (:func:`silenced_set_difference`), at the paper's
 ``tau_p`` and at a larger ``tau_p`` that makes many tokens candidates (and so many near a threshold).
 
 ::
@@ -32,7 +32,21 @@ from typing import Optional, Sequence
 
 import torch
 
-from stapo_core.s2t import s2t_mask, silenced_set_difference
+from stapo_core.s2t import s2t_mask
+
+
+def silenced_set_difference(keep_a: torch.Tensor, keep_b: torch.Tensor, response_mask: torch.Tensor) -> int:
+    """Tokens silenced by exactly one of two keep masks of the same tokens (the size of the symmetric
+    difference of the two silenced sets), counting only tokens of ``response_mask``.
+
+    Raises:
+        ValueError: the three shapes differ.
+    """
+    if not (keep_a.shape == keep_b.shape == response_mask.shape):
+        raise ValueError(f"silenced_set_difference: shapes differ: keep_a {tuple(keep_a.shape)}, "
+                         f"keep_b {tuple(keep_b.shape)}, response_mask {tuple(response_mask.shape)}")
+    differs = (keep_a != 0) != (keep_b != 0)
+    return int((differs & (response_mask != 0)).sum())
 
 
 @dataclass

@@ -121,6 +121,14 @@ def all_reduce_sum(t: torch.Tensor, group) -> torch.Tensor:
     return t
 
 
+def all_reduce_max(t: torch.Tensor, group) -> torch.Tensor:
+    """An element-wise maximum over the ranks, copied (``t`` itself when ``group`` is None)."""
+    if group is not None:
+        t = t.clone()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return t
+
+
 def gather_objects(obj, group) -> list:
     if group is None:
         return [obj]

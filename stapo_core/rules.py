@@ -5,8 +5,9 @@ mini-batch fold, the loss wrapper, the current-policy forward, the token dump), 
 the preflight and the memory model ask the table, never a rule's name: adding a rule is a mask
 function, one :func:`register_rule` call, a method YAML and its tests.
 
-Shipped: ``s2t`` (STAPO, :func:`stapo_core.s2t_mask`) and ``entropy_topk`` (20-Entropy,
-:func:`stapo_core.entropy_topk_mask`). ``token_selection: none`` selects nothing and is not a rule.
+Shipped: ``s2t`` (STAPO, :func:`stapo_core.s2t_mask`), ``entropy_topk`` (20-Entropy,
+:func:`stapo_core.entropy_topk_mask`) and ``entropy_topk_authors_code`` (20-Entropy as its authors'
+code computes it: per rank and micro-batch). ``token_selection: none`` selects nothing and is not a rule.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ from .s2t import STRATEGIES, s2t_keep_at, s2t_mask
 
 #: ``token_selection`` value that selects nothing (not a rule)
 NO_SELECTION = "none"
+#: the scope of a rule evaluated inside the loss on each rank's micro-batch alone, from the update's own
+#: statistics, each micro-batch's mean over its kept tokens weighted by its share of the mini-batch's
+#: sequences: the loss of 20-Entropy's authors' verl fork (a token-mean without KL loss or entropy bonus)
+RANK_MICRO_BATCH = "rank_micro_batch"
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,9 @@ class SelectionRule:
         forward of those responses gives the selection of a forward of every response.
     fields: the policy-loss config fields the rule reads, with what each must be (for messages).
     check: ``check(settings) -> [(field, expected), ...]``, the fields whose values are invalid.
+    scope: where the rule must be evaluated: None, where ``policy_loss.scope`` says (the PPO
+        mini-batch, or each micro-batch pooled over the ranks); :data:`RANK_MICRO_BATCH`, each rank's
+        micro-batch alone.
     """
 
     name: str
@@ -72,6 +80,7 @@ class SelectionRule:
     positive_advantage_only: bool
     fields: dict
     check: Callable[[object], list]
+    scope: Optional[str] = None
 
 
 RULES: dict[str, SelectionRule] = {}
@@ -152,9 +161,8 @@ S2T = register_rule(SelectionRule(
 # --------------------------------------------------------------------------------------------
 
 
-def _select_entropy_topk(settings, *, log_prob, entropy, advantages, response_mask, group=None,
-                         generator=None) -> RuleResult:
-    rounding = "authors_code" if getattr(settings, "entropy_topk_reading", "pooled") == "authors_code" else "ceil"
+def _select_entropy_topk(settings, *, log_prob, entropy, advantages, response_mask, group=None, generator=None,
+                         rounding: str = "ceil") -> RuleResult:
     keep, threshold = entropy_topk_selection(entropy, response_mask, ratio=settings.entropy_top_ratio, group=group,
                                              rounding=rounding)
     counts = torch.stack([response_mask.float().sum(), keep.sum()])
@@ -185,6 +193,17 @@ ENTROPY_TOPK = register_rule(SelectionRule(
     check=_check_entropy_topk,
 ))
 
+ENTROPY_TOPK_AUTHORS_CODE = register_rule(SelectionRule(
+    name="entropy_topk_authors_code",
+    metric_prefix="entropy_topk_authors_code/",
+    select=functools.partial(_select_entropy_topk, rounding="authors_code"),
+    reads_log_prob=False,
+    positive_advantage_only=False,
+    fields=ENTROPY_TOPK.fields,
+    check=_check_entropy_topk,
+    scope=RANK_MICRO_BATCH,
+))
 
-__all__ = ["ENTROPY_TOPK", "NO_SELECTION", "RULES", "RuleResult", "S2T", "SelectionRule", "get_rule",
-           "register_rule", "token_selections", "unregister_rule"]
+
+__all__ = ["ENTROPY_TOPK", "ENTROPY_TOPK_AUTHORS_CODE", "NO_SELECTION", "RANK_MICRO_BATCH", "RULES", "RuleResult",
+           "S2T", "SelectionRule", "get_rule", "register_rule", "token_selections", "unregister_rule"]

@@ -319,17 +319,3 @@ def s2t_keep_at(log_prob: torch.Tensor, entropy: torch.Tensor, advantages: torch
 
 __all__ = ["DEFAULT_Q", "DEFAULT_TAU_P", "S2TResult", "STRATEGIES", "quantile_sorted_padded", "s2t_candidates",
            "s2t_keep_at", "s2t_mask"]
-
-
-def silenced_set_difference(keep_a: torch.Tensor, keep_b: torch.Tensor, response_mask: torch.Tensor) -> int:
-    """Tokens silenced by exactly one of two keep masks of the same tokens (the size of the symmetric
-    difference of the two silenced sets), counting only tokens of ``response_mask``.
-
-    Raises:
-        ValueError: the three shapes differ.
-    """
-    if not (keep_a.shape == keep_b.shape == response_mask.shape):
-        raise ValueError(f"silenced_set_difference: shapes differ: keep_a {tuple(keep_a.shape)}, "
-                         f"keep_b {tuple(keep_b.shape)}, response_mask {tuple(response_mask.shape)}")
-    differs = (keep_a != 0) != (keep_b != 0)
-    return int((differs & (response_mask != 0)).sum())

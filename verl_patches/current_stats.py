@@ -1,18 +1,15 @@
-"""Statistics under the policy being updated: the no-grad forwards of the mini-batch's sequences.
+"""Statistics under the policy being updated: no-grad forwards of the mini-batch's sequences through
+verl's own inference pass.
 
-* :func:`current_policy_statistics`: the current policy's ``(log_prob, entropy)`` of a mini-batch
-  (``stats_from=current``, the paper's Algorithm 1; mini-batch scope; called by
-  :mod:`verl_patches.mini_batch` for every mini-batch of a step after the first), through verl's own
-  inference pass. For S2T it forwards only the sequences with a positive advantage
-  (``current_forward=positive_advantage``): no other token can be a candidate, and ``tau_h`` is a
-  quantile over candidates only, so the silenced set and ``tau_h`` are those of a forward of the whole
-  mini-batch. Those sequences are spread over the data-parallel ranks by tokens
-  (:func:`stapo_core.balance.plan_forward`): each rank sends the sequences it holds to the rank that
-  forwards them and gets their statistics back.
-* :func:`infer`: one such forward of a few sequences, also the update effect's
-  (:mod:`verl_patches.update_effect`).
-* :func:`wrap_set_loss_fn`: with the micro-batch scope, the update's own forward supplies the
-  entropy; when it serves only as a statistic (no entropy bonus), it is computed without autograd.
+The paper's Algorithm 1 reads ``p`` and ``H`` of the current policy on every mini-batch
+(``stats_from=current``), and the update's own forward cannot supply them before verl counts the loss
+tokens, so each mini-batch of a step after the first gets one forward (:func:`current_policy_statistics`).
+For S2T only the positive-advantage sequences can hold a candidate, and ``tau_h`` is a quantile over the
+candidates alone, so forwarding those gives the whole mini-batch's selection (``current_forward``);
+spread over the ranks by tokens (:func:`stapo_core.balance.plan_forward`) the busiest rank carries about
+a quarter of a full forward (docs/method.md). :func:`infer` is the same pass on a few sequences (the
+update's probe); :func:`wrap_set_loss_fn` keeps the update's own entropy, when only a statistic, out of
+autograd.
 """
 
 from __future__ import annotations
@@ -60,14 +57,23 @@ def micro_batch_limit(engine_config) -> dict:
 
 def current_policy_statistics(worker, view: MiniBatchView) -> CurrentStatistics:
     """The current policy's statistics of this rank's part of the mini-batch, from no-grad forwards
-    through ``TrainingWorker.infer_batch`` (the old-log-prob pass) on copies of the sequences, so
-    that nothing verl adds leaks into the update: every sequence on its own rank, or only the
-    positive-advantage ones (:func:`forward_positive_advantage`). ``current_forward_s``: this rank's
-    wall time, exchanges included."""
+    through ``TrainingWorker.infer_batch`` (the old-log-prob pass) on copies of the sequences, so that
+    nothing verl adds leaks into the update: every sequence on its own rank, or, for a rule the
+    positive-advantage sequences decide with ``current_forward=positive_advantage``, only those
+    (:func:`forward_positive_advantage`).
+
+    Args:
+        worker: the ``TrainingWorker``. view: the mini-batch (its settings forward the current policy).
+
+    Returns:
+        :class:`~verl_patches.mini_batch_view.CurrentStatistics`: float32 ``(batch, width)`` on the
+        view's device, with the forward's metrics (``current_forward_s``: this rank's wall time,
+        exchanges included).
+    """
     cfg = view.cfg
     prefix = forward_metric_prefix(cfg)
     start = time.perf_counter()
-    if cfg.forwards_positive_advantage_only:
+    if cfg.forwards_current_policy and cfg.rule.positive_advantage_only and cfg.current_forward == "positive_advantage":
         current = forward_positive_advantage(worker, view, prefix=prefix)
     else:
         log_prob, entropy = (t[:, : view.mask.shape[1]].to(view.device).float()  # padded like the view's fields
@@ -86,9 +92,16 @@ def forward_metric_prefix(cfg) -> str:
 
 
 def infer(worker, data, *, entropy: bool) -> list[torch.Tensor]:
-    """``[log_prob]`` (and ``entropy``), padded ``(len(data), max response length)``: one inference
-    pass over a shallow copy of ``data``, with the pass's own settings (a micro-batch size that divides
-    the batch)."""
+    """One no-grad inference pass (``TrainingWorker.infer_batch``) over a shallow copy of ``data``, with
+    the pass's own settings (a micro-batch size that divides the batch).
+
+    Args:
+        worker: the ``TrainingWorker``. data: verl's TensorDict of the sequences.
+        entropy: also compute the entropy.
+
+    Returns:
+        ``[log_prob]`` (and ``entropy``): ``(len(data), max response length)``, padded, the pass's dtype.
+    """
     batch = data.copy()
     engine_config = worker.engine_config
     micro = engine_config.infer_micro_batch_size_per_gpu or len(data)

@@ -5,10 +5,6 @@ text by ``ray job list`` and the dashboard. With ``STAPO_SECRETS_FILE=<path>`` t
 that path: every verl process (driver, task runner, workers) loads the file when it imports
 ``verl_patches.activate`` (through ``VERL_USE_EXTERNAL_MODULES``, before any of them needs a secret). The
 file must be readable by its owner only (``chmod 600``) and on storage every node sees.
-
-Format: one ``NAME=value`` per line (``export NAME=value`` too), ``#`` comments and blank lines
-ignored, a value may be quoted with ``'`` or ``"``. A variable already set in the process wins.
-Errors name the file and the line number, never a value.
 """
 
 from __future__ import annotations
@@ -25,10 +21,12 @@ _LINE = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 
 
 def parse_env_file(path: str | os.PathLike) -> dict[str, str]:
-    """``{name: value}`` of an env file (format in the module docstring).
+    """``{name: value}`` of an env file: one ``NAME=value`` per line (``export NAME=value`` too), ``#``
+    comments and blank lines ignored, a value may be quoted with ``'`` or ``"``.
 
-    Raises ``ValueError`` naming the file for a missing file, a file others can read, or a
-    malformed line (by its number).
+    Raises:
+        ValueError: naming the file, never a value: a missing file, a file others can read, or a
+            malformed line (by its number).
     """
     path = Path(path)
     try:
@@ -56,7 +54,7 @@ def parse_env_file(path: str | os.PathLike) -> dict[str, str]:
 
 def load_secrets_file(environ: Optional[MutableMapping[str, str]] = None) -> list[str]:
     """Set the variables of ``$STAPO_SECRETS_FILE`` that ``environ`` (default ``os.environ``) does not
-    have; returns their names (``[]`` without the variable)."""
+    have (a variable already set wins); returns their names (``[]`` without the variable)."""
     environ = os.environ if environ is None else environ
     path = environ.get(SECRETS_FILE_ENV, "").strip()
     if not path:

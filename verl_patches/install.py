@@ -36,8 +36,8 @@ PATCHES: tuple[Patch, ...] = (
         name="ppo_loss_token_selection",
         target=f"{_ENGINE_WORKERS}:ppo_loss",
         wrapper="verl_patches.losses:wrap_ppo_loss",
-        changes="token selection inside the loss (scope=micro_batch; 20-Entropy's entropy_topk_reading=authors_code, "
-                "per rank with the authors' weighting); a sequence-level ratio over every response token "
+        changes="token selection inside the loss (scope=micro_batch; a rule of its own scope: 20-Entropy's "
+                "entropy_topk_authors_code, per rank with the authors' weighting); a sequence-level ratio over every response token "
                 "(sequence_ratio=all_tokens); a mini-batch whose every token is silenced gets a token/sequence "
                 "count of 1 instead of 0 (all-zero sums give a loss of 0, not NaN)",
         why="verl's ppo_loss hands the policy loss no entropy and no extra batch field",
@@ -51,8 +51,8 @@ PATCHES: tuple[Patch, ...] = (
         changes="before each mini-batch's update: its position in the step, the keep mask folded into "
                 "response_mask/loss_mask (scope=mini_batch), the current-policy forward (stats_from=current; S2T: "
                 "the positive-advantage sequences only, spread over the data-parallel ranks by tokens), "
-                "the S2T monitor (s2t_monitor), the update effect's and the token dump's forward; after it: "
-                "their second forward; their metrics join verl's",
+                "the S2T monitor (s2t_monitor), the token dump's scoring, the probe of the update (the update "
+                "effect's and the token dump's rows); after it: the probe's second forward; their metrics join verl's",
         why="S2T's quantile is pooled over the whole mini-batch, and verl counts the loss tokens before the "
             "first micro-batch: the mask must be in place before that count",
         relies_on="train_mini_batch calling train_batch once per mini-batch, flagging the last with "

@@ -1,34 +1,14 @@
-"""The one wrapper of verl's ``ppo_loss``: guards for silenced mini-batches, and the micro-batch scope.
+"""The one wrapper of verl's ``ppo_loss``: token selection inside the loss, and what a selection
+needs of verl's losses.
 
-verl's ``ppo_loss`` (``verl/workers/utils/losses.py``) hands the policy loss only ``old_log_prob``,
-``log_prob``, ``advantages``, ``response_mask`` and the actor config. :func:`wrap_ppo_loss` wraps it
-(same signature; installed in place of the name verl's actor binds by :mod:`verl_patches.install`;
-:func:`ppo_loss_with_token_selection` is the wrap of verl's own function, for direct use):
-
-* ``scope=mini_batch`` (the default): the keep mask was already folded into ``response_mask`` and
-  into verl's token and sequence counts by :mod:`verl_patches.token_selection`,
-  so verl's loss runs unchanged. The only guard: a mini-batch whose every token was silenced has
-  ``batch_num_tokens == 0``, and the count is raised to 1 so that the all-zero masked sums give 0.
-* ``scope=micro_batch``: the keep mask is computed here, per micro-batch, pooled over the
-  data-parallel group's current micro-batches (or those of this rank's group of ``ranks_per_pool``
-  ranks, :mod:`verl_patches.selection_pool`, whose counts the re-weighting below then reads), from
-  the current log-probs and entropy of ``model_output`` (``stats_from=current``) or the rollout ones
-  in the batch. It is multiplied into
-  the micro-batch's ``response_mask``, then verl's own loss runs, whatever its ``loss_mode``. verl
-  normalises by the mini-batch's token (or sequence) count taken before the selection, so the loss
-  is re-weighted by ``tokens / kept`` (``sequences / kept sequences`` for seq-mean modes) of this
-  micro-batch: each micro-batch contributes the mean over its remaining tokens (sequences) times its
-  share of the mini-batch. With one micro-batch per mini-batch this is exactly the mini-batch mean.
-* ``entropy_topk_reading=authors_code`` (20-Entropy exactly as its authors' code): the top tokens of
-  this rank's micro-batch alone, by the update's own entropy, and the loss re-weighted so that each
-  micro-batch contributes the mean over its selected tokens times its share of the mini-batch's
-  sequences (docs/method.md).
-* ``sequence_ratio=all_tokens`` (``gspo``, ``geo_mean``): the sequence-level ratio covers every
-  response token, the silenced ones carrying no gradient (:func:`_sequence_ratio_over_all_tokens`).
-* ``geo_mean`` over the kept tokens (the default): a sequence whose every token was silenced leaves
-  the mean over sequences (:func:`_geo_mean_over_kept_sequences`).
-
-Every loss mode without token selection runs bit-identically through the wrapper (tested).
+verl's ``ppo_loss`` hands the policy loss only ``old_log_prob``, ``log_prob``, ``advantages``,
+``response_mask`` and the actor config, so what a selection needs of the micro-batch is done around it
+(:func:`wrap_ppo_loss`, installed by :mod:`verl_patches.install`): a selection inside the loss
+(``scope=micro_batch``, or a rule with a scope of its own: :func:`_select_in_micro_batch`), a
+sequence-level ratio over every response token (``sequence_ratio=all_tokens``), ``geo_mean``'s mean over
+the sequences that keep a token, and a count of 1 for a mini-batch whose every token was silenced (its
+all-zero sums then give 0, not NaN). Every loss mode without token selection runs through it bit for bit
+(tested).
 """
 
 from __future__ import annotations
@@ -41,6 +21,8 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 from verl.workers.utils import losses as verl_losses
 from verl.workers.utils.padding import no_padding_2_padding
+
+from stapo_core.rules import RANK_MICRO_BATCH
 
 from .layout import ROLLOUT_ENTROPY_FIELD, UNSELECTED_MASK_FIELD, add_per_row, multiply_like, padded_float, to_padded
 from .policy_loss_config import KEY_PREFIX, TokenSelectionLossConfig
@@ -102,18 +84,33 @@ ppo_loss_with_token_selection = wrap_ppo_loss(verl_losses.ppo_loss)
 
 
 def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, data, group):
-    """Fold this micro-batch's keep mask into ``data["response_mask"]``; return the loss re-weighting
-    and the selection's metrics."""
+    """Fold this micro-batch's keep mask into ``data["response_mask"]``, from the update's own
+    statistics in ``model_output`` (``stats_from=current``) or the rollout ones in ``data``.
+
+    With ``scope=micro_batch`` the selection pools the current micro-batch of every rank of ``group``
+    (or of this rank's group of ``ranks_per_pool``, :mod:`verl_patches.selection_pool`); verl normalises by
+    the mini-batch's token (sequence) count taken before the selection, so the loss is re-weighted by
+    ``tokens / kept`` (``sequences / kept sequences`` for seq-mean modes) of the pool: each micro-batch
+    contributes the mean over its remaining tokens times its share of the mini-batch (the mini-batch mean
+    with one micro-batch per mini-batch). A rule of scope :data:`~stapo_core.rules.RANK_MICRO_BATCH`
+    selects on this rank's micro-batch alone and re-weights each micro-batch's mean over its kept tokens
+    by its share of the mini-batch's sequences, as its authors' code (docs/method.md).
+
+    Returns:
+        ``(scale, metrics)``: the factor verl's loss is multiplied by, and the selection's metrics.
+    """
     loss_agg_mode = config.loss_agg_mode
-    if cfg.pools_over_ranks:  # every rank's micro-batch, or its group of ranks_per_pool ranks
+    per_rank = cfg.resolved_scope == RANK_MICRO_BATCH
+    if not per_rank:  # every rank's micro-batch, or its group of ranks_per_pool ranks
         group = pool_group(cfg, group)
-    else:  # 20-Entropy's authors' code: this rank's micro-batch alone
+    else:  # this rank's micro-batch alone, weighted as the authors' verl fork did
         group = None
         if loss_agg_mode != "token-mean" or config.use_kl_loss or config.entropy_coeff:
             raise ValueError(
-                f"{KEY_PREFIX}.entropy_topk_reading=authors_code reproduces the authors' token-mean loss without "
-                f"KL loss or entropy bonus; got loss_agg_mode={loss_agg_mode}, use_kl_loss={config.use_kl_loss}, "
-                f"entropy_coeff={config.entropy_coeff}: use entropy_topk_reading=pooled for other settings"
+                f"{KEY_PREFIX}.token_selection={cfg.token_selection} selects on each rank's micro-batch with the "
+                f"weights of its authors' token-mean loss without KL loss or entropy bonus; got loss_agg_mode="
+                f"{loss_agg_mode}, use_kl_loss={config.use_kl_loss}, entropy_coeff={config.entropy_coeff}: use a "
+                "rule pooled over the ranks for other settings"
             )
     response_mask = data["response_mask"]
     width = to_padded(response_mask).shape[1]
@@ -123,8 +120,8 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
         entropy = model_output.get("entropy", None)
         if entropy is None:
             raise RuntimeError(
-                "token selection from the update's own statistics (stats_from=current with scope=micro_batch, or "
-                "entropy_topk_reading=authors_code) needs the update's entropy: set "
+                f"token selection from the update's own statistics ({KEY_PREFIX}.token_selection="
+                f"{cfg.token_selection}, scope {cfg.resolved_scope}) needs the update's entropy: set "
                 "actor_rollout_ref.actor.calculate_entropy=true (the recipe's driver does)"
             )
         log_prob = no_padding_2_padding(model_output["log_probs"], data).detach().float()[:, :width]
@@ -140,7 +137,7 @@ def _select_in_micro_batch(cfg: TokenSelectionLossConfig, config, model_output, 
         metrics.update(rollout_agreement(cfg, selection, log_prob=old_log_prob, entropy=rollout_entropy,
                                          advantages=advantages, response_mask=mask, group=group))
     data["response_mask"] = multiply_like(response_mask, selection.keep.to(mask.device))
-    if not cfg.pools_over_ranks:
+    if per_rank:
         # verl's token-mean is sum / batch_num_tokens * dp_size and FSDP averages over the dp_size ranks; the
         # authors' code weights each micro-batch's mean over its selected tokens by its share of the sequences
         batch_num_tokens = tu.get_non_tensor_data(data=data, key="batch_num_tokens", default=None)

@@ -1,14 +1,12 @@
-"""One PPO mini-batch as the recipe reads it: its position in the step, its fields read once, and
-what is computed on it before the update.
+"""One PPO mini-batch as the recipe reads it: its place in the step, its fields read once, and what is
+computed on it before the update.
 
-verl's ``TrainingWorker.train_mini_batch`` splits a step's batch into mini-batches and calls
-``train_batch`` once per mini-batch, flagging the step's last one with ``update_lr_scheduler=True``
-(the only step boundary a worker sees). :func:`read_view` reads one of them, in either of verl's
-layouts (:mod:`verl_patches.layout`), into a :class:`MiniBatchView`: every per-token field the recipe
-reads, float32 ``(batch, width)`` padded on the engine's device. The current-policy forward
-(:mod:`verl_patches.current_stats`) adds the current statistics to it, the token selection
-(:mod:`verl_patches.token_selection`) its :class:`MiniBatchSelection`; the update effect and the
-token dump read it, the dump through its host copy (:meth:`MiniBatchView.host`, made once).
+The current-policy forward, the selections, the update's probe and the token dump all read the same
+mini-batch, which verl holds in either of two layouts (:mod:`verl_patches.layout`); :func:`read_view`
+reads it once into a :class:`MiniBatchView` (every per-token field float32 ``(batch, width)`` on the
+engine's device, checked for what the selections read, a host copy made on first use) that each of them
+extends or reads. verl calls ``train_batch`` once per mini-batch and flags only the step's last
+(``update_lr_scheduler=True``), so the worker counts the position itself (:func:`position_of`).
 """
 
 from __future__ import annotations
@@ -197,12 +195,37 @@ def selects(cfg) -> bool:
 
 
 def read_view(data, position: MiniBatchPosition, cfg, *, group=None, pool_group=..., device=None) -> MiniBatchView:
-    """Read the mini-batch ``data`` (verl's TensorDict, padded or jagged) once: its fields as the
-    recipe computes on them, on ``device``. ``pool_group``: the run's selection pool (default ``group``)."""
+    """Read one mini-batch once, and check that it carries what its selections read.
+
+    Args:
+        data: verl's TensorDict of the mini-batch, padded or jagged (:mod:`verl_patches.layout`).
+        position: its place in the step. cfg: the worker's policy-loss settings.
+        group: the data-parallel group. pool_group: the run's selection pool (default ``group``).
+        device: where the fields go (the engine's).
+
+    Returns:
+        The :class:`MiniBatchView`: every per-token field float32 ``(batch, width)`` on ``device``.
+
+    Raises:
+        KeyError: naming the fields and who reads them, when the mini-batch lacks the advantages or,
+            for a selection on the rollout statistics (``stats_from=rollout``, or a step's first
+            mini-batch), ``old_log_probs`` or the rollout entropy: the only check of them.
+    """
     width = to_padded(data["response_mask"]).shape[1]
     mask, advantages, old_log_prob, rollout_entropy, sum_pi_squared = (
         padded_float(data[name], width, device) if name in data else None
         for name in ("response_mask", "advantages", "old_log_probs", ROLLOUT_ENTROPY_FIELD, SUM_PI_SQUARED_FIELD))
     pool_group = group if pool_group is ... else pool_group
-    return MiniBatchView(data, position, cfg, group, pool_group, device, mask, advantages, old_log_prob, rollout_entropy,
-                         sum_pi_squared)
+    view = MiniBatchView(data, position, cfg, group, pool_group, device, mask, advantages, old_log_prob,
+                         rollout_entropy, sum_pi_squared)
+    if view.selects:
+        needed = {"advantages": advantages}
+        if not view.forwards_current_policy:
+            needed.update({"old_log_probs": old_log_prob, ROLLOUT_ENTROPY_FIELD: rollout_entropy})
+        missing = [name for name, t in needed.items() if t is None]
+        if missing:
+            who = "the S2T monitor (s2t_monitor=true)" if cfg.monitors_s2t else "token selection (scope=mini_batch)"
+            raise KeyError(f"{who} needs the fields {missing} in the actor's mini-batch; the rollout entropy is kept "
+                           "by the recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches.activate set "
+                           "in the driver?")
+    return view

@@ -1,13 +1,11 @@
 """`TokenSelectionLossConfig`: verl's policy-loss settings plus which tokens carry gradient.
 
-Named by ``_target_`` in the recipe YAML (``actor_rollout_ref.actor.policy_loss``), so verl builds
-it in the driver and again in every worker: a bad value fails in the driver, before any worker
-starts, naming the key. Every decision about where the selection statistics come from is a
-property here, so the actor hook, the loss wrapper, the trainers' patches and the driver ask it the
-same way.
-
+verl builds it from ``actor_rollout_ref.actor.policy_loss`` (its ``_target_``) in the driver and again
+in every worker, so a bad value fails in the driver, before any worker starts, naming the key; and the
+actor hook, the loss wrapper, the trainers' patches, the preflight and the memory model all ask its
+properties where a selection runs and what it reads, so none of them decides it from the keys alone.
 Token selection is independent of the loss: ``token_selection`` picks the tokens, ``loss_mode`` (any
-policy loss verl registers: vanilla, gspo, cispo, clip_cov, ...) computes the loss over them.
+policy loss verl registers) computes the loss over them.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
-from stapo_core.rules import ENTROPY_TOPK, NO_SELECTION, RULES, S2T, SelectionRule, get_rule, token_selections
+from stapo_core.rules import NO_SELECTION, RANK_MICRO_BATCH, RULES, S2T, SelectionRule, get_rule, token_selections
 from verl.workers.config import PolicyLossConfig
 
 #: config path of this block, used in error messages
@@ -24,14 +22,12 @@ KEY_PREFIX = "actor_rollout_ref.actor.policy_loss"
 
 #: where p and H come from: the old (rollout) policy, or the policy being updated
 STATS_FROM = ("rollout", "current")
-#: what the statistic is pooled over: the whole PPO mini-batch, or one micro-batch of every rank
+#: what the statistic is pooled over: the whole PPO mini-batch, or one micro-batch of every rank (a rule
+#: may have a scope of its own: :attr:`stapo_core.rules.SelectionRule.scope`)
 SCOPES = ("mini_batch", "micro_batch")
 #: the current-policy forward of S2T (stats_from=current, mini-batch scope): the sequences with a
 #: positive advantage (the only ones that can hold a candidate), or every sequence
 CURRENT_FORWARDS = ("positive_advantage", "full")
-#: 20-Entropy's readings: the top ratio of the whole mini-batch (pooled over micro-batches and ranks, the
-#: paper's), or the authors' code (per rank and micro-batch, the update's entropy, sequence-share weights)
-ENTROPY_TOPK_READINGS = ("pooled", "authors_code")
 #: what a sequence-level ratio (gspo, geo_mean) is taken over once tokens are selected: the kept tokens
 #: (the folded mask), or every response token, the silenced ones carrying no gradient
 SEQUENCE_RATIOS = ("kept_tokens", "all_tokens")
@@ -42,9 +38,12 @@ SEQUENCE_RATIO_LOSS_MODES = ("gspo", "geo_mean")
 LOCAL_NORMALISING_LOSS_MODES = ("geo_mean", "sapo")
 
 
-def pool_sizes(dp_size: int) -> list[int]:
-    """The values ``ranks_per_pool`` may take with ``dp_size`` data-parallel ranks: its divisors."""
-    return [d for d in range(1, dp_size + 1) if dp_size % d == 0]
+def policy_loss_of(worker):
+    """The policy-loss settings of a ``TrainingWorker``, read from the loss function verl bound to it
+    (None for a worker without one, e.g. a critic)."""
+    loss_fn = getattr(worker, "loss_fn", None)
+    config = getattr(loss_fn, "keywords", {}).get("config") if loss_fn is not None else None
+    return getattr(config, "policy_loss", None)
 
 
 @dataclass
@@ -65,18 +64,17 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             driver sets ``actor.calculate_entropy=true`` for it).
         scope: what the statistic is pooled over: the whole PPO mini-batch over every data-parallel
             rank (``mini_batch``, the default: the mask is folded in before verl counts the mini-batch's
-            tokens), or one micro-batch of every rank, inside the loss (``micro_batch``).
+            tokens), or one micro-batch of every rank, inside the loss (``micro_batch``); null or
+            ``micro_batch`` for a rule with a scope of its own (``entropy_topk_authors_code``).
         current_forward: which sequences that no-grad forward covers: ``positive_advantage`` (the only
             ones that can hold an S2T candidate, so the silenced set and ``tau_h`` are a full
             forward's; spread over the ranks by tokens) or ``full`` (always, for 20-Entropy).
-        entropy_topk_reading: ``pooled`` as ``stats_from``/``scope`` say, or ``authors_code``: per rank
-            and micro-batch from the update's forward, weighted by sequence share (the authors' code).
         ranks_per_pool: what the selection pools over across data-parallel ranks: null, every rank (the
             whole mini-batch, or each micro-batch of every rank), or ``k``: groups of ``k`` contiguous
             data-parallel ranks, each group with its own threshold over its own tokens (20-Entropy's
-            authors pooled within one sequence-parallel group of 8 GPUs; :meth:`check_data_parallel_size`
-            checks that ``k`` divides the data-parallel size). Not for S2T, whose ``tau_h`` is the paper's
-            mini-batch statistic, nor for ``entropy_topk_reading=authors_code`` (per rank already).
+            authors pooled within one sequence-parallel group of 8 GPUs; :meth:`pool_ranks` checks that
+            ``k`` divides the data-parallel size). Not for S2T, whose ``tau_h`` is the paper's mini-batch
+            statistic, nor for a rule evaluated per rank (``entropy_topk_authors_code``).
         sequence_ratio: for ``gspo``/``geo_mean``: the sequence ratio over the ``kept_tokens`` or over
             ``all_tokens`` (silenced ones carrying no gradient).
         seed: seed of S2T's ``random`` strategy.
@@ -96,7 +94,6 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     stats_from: str = "rollout"
     scope: Optional[str] = None
     current_forward: str = "positive_advantage"
-    entropy_topk_reading: str = "pooled"
     ranks_per_pool: Optional[int] = None
     sequence_ratio: str = "kept_tokens"
     seed: int = 0
@@ -120,25 +117,30 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             fail("scope", self.scope, f"one of {list(SCOPES)} or null")
         if self.current_forward not in CURRENT_FORWARDS:
             fail("current_forward", self.current_forward, f"one of {list(CURRENT_FORWARDS)}")
-        if self.entropy_topk_reading not in ENTROPY_TOPK_READINGS:
-            fail("entropy_topk_reading", self.entropy_topk_reading, f"one of {list(ENTROPY_TOPK_READINGS)}")
-        if self.entropy_topk_reading == "authors_code":
-            if self.token_selection != ENTROPY_TOPK.name:
-                fail("entropy_topk_reading", self.entropy_topk_reading,
-                     f"pooled with token_selection={self.token_selection} (authors_code is 20-Entropy's: "
-                     "token_selection=entropy_topk)")
-            if self.scope == "mini_batch":
-                fail("scope", self.scope, "null or micro_batch with entropy_topk_reading=authors_code (the authors' "
-                     "code selects per micro-batch)")
-        self._check_ranks_per_pool(fail)
+        own_scope = self.resolved_scope == RANK_MICRO_BATCH
+        if own_scope and self.scope == "mini_batch":
+            fail("scope", self.scope, f"null or micro_batch with token_selection={self.token_selection} (its rule "
+                 "selects on each rank's micro-batch)")
+        k = self.ranks_per_pool
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+                fail("ranks_per_pool", k, "null (every data-parallel rank) or a whole number >= 1 of contiguous "
+                     "data-parallel ranks per pool")
+            if not self.selects_tokens:
+                fail("ranks_per_pool", k, "null with token_selection=none (there is no selection to pool)")
+            if self.applies_s2t:
+                fail("ranks_per_pool", k, "null with token_selection=s2t: S2T's tau_h is pooled over the whole "
+                     "mini-batch, the paper's statistic (ranks_per_pool reproduces 20-Entropy's authors' pool)")
+            if own_scope:
+                fail("ranks_per_pool", k, f"null with token_selection={self.token_selection} (it selects per rank "
+                     "and micro-batch already; ranks_per_pool applies to the pooled rules)")
         if self.sequence_ratio not in SEQUENCE_RATIOS:
             fail("sequence_ratio", self.sequence_ratio, f"one of {list(SEQUENCE_RATIOS)}")
         if self.sequence_ratio == "all_tokens" and self.loss_mode not in SEQUENCE_RATIO_LOSS_MODES:
             fail("sequence_ratio", self.sequence_ratio, f"kept_tokens with loss_mode={self.loss_mode} (its ratio is "
                  f"per token; all_tokens applies to {list(SEQUENCE_RATIO_LOSS_MODES)})")
         if self.selects_in_loss and self.loss_mode in LOCAL_NORMALISING_LOSS_MODES:
-            key, value = ("entropy_topk_reading", self.entropy_topk_reading) if self.authors_code_reading \
-                else ("scope", self.scope)
+            key, value = ("token_selection", self.token_selection) if own_scope else ("scope", self.scope)
             fail(key, value, f"a mini-batch reading with loss_mode={self.loss_mode}: it normalises per "
                  "micro-batch itself, so only the mini-batch fold gives the mean over the remaining tokens")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
@@ -148,7 +150,7 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         if (not isinstance(self.update_effect_responses, int) or isinstance(self.update_effect_responses, bool)
                 or self.update_effect_responses < 0):
             fail("update_effect_responses", self.update_effect_responses, "an integer >= 0 (0: off)")
-        if self.measures_update_effect and not self.s2t_selection_before_update:
+        if self.measures_update_effect and not ((self.applies_s2t and self.folds_into_mini_batch) or self.monitors_s2t):
             if self.token_selection == S2T.name:
                 fail("update_effect_responses", self.update_effect_responses,
                      "0 with scope=micro_batch: S2T then silences tokens inside the loss, per micro-batch, so the "
@@ -157,38 +159,24 @@ class TokenSelectionLossConfig(PolicyLossConfig):
                  f"0 without S2T's selection: set {KEY_PREFIX}.s2t_monitor=true (or token_selection=s2t) to measure "
                  "how the update moves the tokens S2T singles out")
 
-    def _check_ranks_per_pool(self, fail) -> None:
+    def pool_ranks(self, dp_size: int) -> int:
+        """The data-parallel ranks one selection pool spans, out of the run's ``dp_size`` (GPUs /
+        ``ulysses_sequence_parallel_size``): 1 for a rule evaluated on each rank's micro-batch,
+        ``ranks_per_pool`` when set, else every rank.
+
+        Raises:
+            ValueError: naming the key, when ``ranks_per_pool`` does not divide ``dp_size`` (the pools
+                would not cover the ranks evenly).
+        """
         k = self.ranks_per_pool
         if k is None:
-            return
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            fail("ranks_per_pool", k, "null (every data-parallel rank) or a whole number >= 1 of contiguous "
-                 "data-parallel ranks per pool")
-        if not self.selects_tokens:
-            fail("ranks_per_pool", k, "null with token_selection=none (there is no selection to pool)")
-        if self.applies_s2t:
-            fail("ranks_per_pool", k, "null with token_selection=s2t: S2T's tau_h is pooled over the whole "
-                 "mini-batch, the paper's statistic (ranks_per_pool reproduces 20-Entropy's authors' pool)")
-        if self.authors_code_reading:
-            fail("ranks_per_pool", k, "null with entropy_topk_reading=authors_code (it selects per rank and "
-                 "micro-batch already; ranks_per_pool applies to the pooled reading)")
-
-    def check_data_parallel_size(self, dp_size: int) -> None:
-        """``ValueError`` naming the key when ``ranks_per_pool`` does not divide ``dp_size``, the run's
-        data-parallel ranks (GPUs / sequence-parallel size): the pools would not cover the ranks evenly."""
-        k = self.ranks_per_pool
-        if k is not None and k not in pool_sizes(dp_size):
+            return 1 if self.resolved_scope == RANK_MICRO_BATCH else dp_size
+        if dp_size % k:
+            divisors = [d for d in range(1, dp_size + 1) if dp_size % d == 0]
             raise ValueError(
                 f"{KEY_PREFIX}.ranks_per_pool={k!r} is invalid: expected a divisor of the run's {dp_size} "
-                f"data-parallel ranks (GPUs / ulysses_sequence_parallel_size): one of {pool_sizes(dp_size)}, or "
-                "null (every rank)")
-
-    def pool_ranks(self, dp_size: int) -> int:
-        """Data-parallel ranks one selection pool spans, out of ``dp_size``: 1 for the authors' code reading
-        (each rank alone), ``ranks_per_pool`` when set, else every rank."""
-        if self.authors_code_reading:
-            return 1
-        return dp_size if self.ranks_per_pool is None else self.ranks_per_pool
+                f"data-parallel ranks (GPUs / ulysses_sequence_parallel_size): one of {divisors}, or null (every rank)")
+        return k
 
     # -- the decisions, each asked in one place --------------------------------------------------
 
@@ -203,22 +191,16 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         return get_rule(self.token_selection) if self.selects_tokens else None
 
     @property
-    def authors_code_reading(self) -> bool:
-        """20-Entropy exactly as its authors' code: per rank and micro-batch, inside the loss."""
-        return self.token_selection == ENTROPY_TOPK.name and self.entropy_topk_reading == "authors_code"
-
-    @property
     def resolved_scope(self) -> str:
-        return "micro_batch" if self.authors_code_reading else (self.scope or "mini_batch")
+        """Where the selection runs: its rule's own scope (:attr:`~stapo_core.rules.SelectionRule.scope`),
+        else ``scope`` (default ``mini_batch``)."""
+        own = self.rule.scope if self.selects_tokens else None
+        return own or self.scope or "mini_batch"
 
     @property
     def statistics_source(self) -> str:
-        """Where ``p`` and ``H`` come from (the authors' code reading: the update's own forward)."""
-        return "current" if self.authors_code_reading else self.stats_from
-
-    @property
-    def pools_over_ranks(self) -> bool:
-        return not self.authors_code_reading
+        """Where ``p`` and ``H`` come from (a rule evaluated per rank: the update's own forward)."""
+        return "current" if self.resolved_scope == RANK_MICRO_BATCH else self.stats_from
 
     @property
     def folds_into_mini_batch(self) -> bool:
@@ -228,28 +210,12 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     @property
     def selects_in_loss(self) -> bool:
         """The keep mask is computed per micro-batch, inside the loss wrapper."""
-        return self.selects_tokens and self.resolved_scope == "micro_batch"
-
-    @property
-    def needs_rollout_entropy(self) -> bool:
-        """The actor needs the rollout-time entropy in its batch: the statistic itself
-        (``stats_from=rollout``), or S2T's first mini-batch of a step (``current``, mini-batch
-        scope: the policy has not moved yet, so the rollout statistics are the current ones), for
-        the run's own selection or for the S2T monitor."""
-        return ((self.selects_tokens and (self.statistics_source == "rollout" or self.folds_into_mini_batch))
-                or self.monitors_s2t)
+        return self.selects_tokens and self.resolved_scope != "mini_batch"
 
     @property
     def forwards_current_policy(self) -> bool:
         """Each mini-batch after the first gets one extra no-grad forward of the current policy."""
         return self.folds_into_mini_batch and self.stats_from == "current"
-
-    @property
-    def forwards_positive_advantage_only(self) -> bool:
-        """That forward covers only the sequences with a positive advantage (``current_forward``; for a
-        rule whose selection those sequences decide alone, e.g. S2T)."""
-        return (self.forwards_current_policy and self.rule.positive_advantage_only
-                and self.current_forward == "positive_advantage")
 
     @property
     def needs_update_entropy(self) -> bool:
@@ -275,11 +241,6 @@ class TokenSelectionLossConfig(PolicyLossConfig):
     def monitor_forwards_current_policy(self) -> bool:
         """The monitor needs the current policy's statistics on each mini-batch after the first."""
         return self.monitors_s2t and self.stats_from == "current"
-
-    @property
-    def s2t_selection_before_update(self) -> bool:
-        """S2T's selection (applied or monitored) is known before each mini-batch's update."""
-        return (self.applies_s2t and self.folds_into_mini_batch) or self.monitors_s2t
 
     @property
     def measures_update_effect(self) -> bool:

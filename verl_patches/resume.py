@@ -1,33 +1,11 @@
 """A relaunched run continues what the earlier launches left: the metrics file and checkpoint retention.
 
 Resuming a run is relaunching the same command (verl's ``resume_mode=auto`` loads the newest
-checkpoint). Two things of verl's would lose or keep too much across launches:
-
-- verl's file logger opens its file with ``"wb"``: a relaunch wipes every step logged before.
-  :func:`wrap_file_logger` replaces it by a logger that keeps the file and writes each step once:
-  the first step a process logs, ``s``, ends the earlier launches' history at ``s``: their records
-  after ``s`` (steps trained past the last checkpoint, which the relaunch trains again; or a whole
-  earlier run, when the relaunch found no checkpoint and starts at step 0 or 1) leave the file; a
-  step logged again (the validation a relaunch runs at its resume step, or two calls for one step)
-  is merged into that step's record, the new values winning. Nothing of an earlier launch is
-  deleted: the records a relaunch replaces (the later steps, and step ``s``'s record when a new
-  value overwrites one of its values) are first copied to ``<file>.superseded.<n>`` (``n`` = 1, 2,
-  ... one file per relaunch that replaced something), with a warning naming the steps and the copy.
-  A line that is not a step record (a last line cut by a killed process, a line that is not JSON,
-  JSON that is not a ``{"step": <int>, ...}`` object) is moved to ``<file>.unreadable`` with a
-  warning naming its line and what it is; the records after it are kept (a record holding
-  ``NaN`` / ``Infinity``, as Python's json writes them, is a record; one whose ``data`` is not an
-  object is not, as :func:`recipe.stapo.metrics.read_metrics` reads it; a byte-order mark an editor
-  put before the first line is dropped). One process writes a file at
-  a time: a second logger of the same file (another launch into the same folder, also through a
-  symbolic or hard link of another name) stops at its start, naming the file and the writer's pid.
-- verl's checkpoint manager prunes (``trainer.max_actor_ckpt_to_keep``) only the checkpoints its
-  own process saved, so those of earlier launches are never removed.
-  :func:`wrap_checkpoint_save` counts them: before a manager's first save, the
-  ``global_step_<k>/<role>`` folders of earlier launches with ``k`` below the step being saved join
-  its list, oldest first, and verl's own pruning then keeps the newest ones. Pruning removes only
-  ``global_step_<k>/<role>``, as verl does: the data-loader state and the Hugging Face copy
-  ``run_scripts/eval.sh`` writes to ``global_step_<k>/merged_hf`` stay.
+checkpoint), but verl's file logger opens its file with ``"wb"``, so a relaunch would wipe every step
+logged before, and verl's checkpoint manager prunes (``trainer.max_actor_ckpt_to_keep``) only the
+checkpoints its own process saved, so those of earlier launches would never be removed.
+:func:`wrap_file_logger` keeps the file, each step once, losing nothing (:class:`ResumableFileLog`);
+:func:`wrap_checkpoint_save` counts the earlier checkpoints in verl's pruning.
 """
 
 from __future__ import annotations
@@ -285,10 +263,21 @@ def _same_value(a: Any, b: Any) -> bool:
 
 
 class ResumableFileLog:
-    """A metrics file of ``{"step": s, "data": {...}}`` lines in which every step appears once (the
-    module docstring's rules). Opening keeps the file as it is: nothing is lost if the process dies
-    before its first step. ``path`` is followed to the real file (a rewrite replaces the file a
-    link points to, not the link)."""
+    """A metrics file of ``{"step": s, "data": {...}}`` lines in which every step appears once.
+
+    Opening keeps the file as it is: nothing is lost if the process dies before its first step. The
+    first step this process logs, ``s``, ends the earlier launches' history at ``s``: their records
+    after ``s`` (steps trained past the last checkpoint, which the relaunch trains again; or a whole
+    earlier run, when the relaunch found no checkpoint) leave the file, and a step logged again (the
+    validation a relaunch runs at its resume step, or two calls for one step) is merged into that
+    step's record, the new values winning. Nothing of an earlier launch is deleted: the records a
+    relaunch replaces are first copied to ``<file>.superseded.<n>`` (one per relaunch that replaced
+    something), with a warning naming the steps and the copy. A line that is not a step record
+    (:func:`scan_step_lines`) is moved to ``<file>.unreadable`` with a warning naming its line and what
+    it is; the records after it are kept. One process writes a file at a time
+    (:func:`claim_metrics_file`, under any name of the file). ``path`` is followed to the real file (a
+    rewrite replaces the file a link points to, not the link).
+    """
 
     def __init__(self, path: str | os.PathLike):
         self.path = real_metrics_path(path)
@@ -440,8 +429,10 @@ def _local_path_argument(args: tuple, kwargs: dict) -> Any:
 
 def wrap_checkpoint_save(original):
     """``CheckpointManager.save_checkpoint`` -> the same, after the manager's list of saved
-    checkpoints (what verl prunes from) got those of earlier launches (:func:`earlier_checkpoints`),
-    once per manager."""
+    checkpoints (what verl prunes from) got those of earlier launches (:func:`earlier_checkpoints`,
+    oldest first), once per manager, so verl's own pruning keeps the newest ones. Pruning removes
+    ``global_step_<k>/<role>`` only, as verl does: the data-loader state and the Hugging Face copy
+    ``run_scripts/eval.sh`` writes to ``global_step_<k>/merged_hf`` stay."""
 
     def save_checkpoint(self, *args, **kwargs):
         local_path = _local_path_argument(args, kwargs)

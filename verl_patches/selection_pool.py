@@ -1,17 +1,12 @@
 """The process group the run's token selection pools over (``policy_loss.ranks_per_pool``).
 
-By default a rule's statistic (20-Entropy's top-k threshold) is pooled over every data-parallel rank:
-the whole PPO mini-batch, or each micro-batch of every rank (``scope=micro_batch``). With
+20-Entropy's authors took their threshold within one sequence-parallel group of 8 GPUs; with
 ``ranks_per_pool=k`` the data-parallel ranks form groups of ``k`` contiguous ranks
-(:func:`stapo_core.distributed.contiguous_subgroups`), and each group computes its own threshold over
-its own tokens: the pool of 20-Entropy's authors, one sequence-parallel group of 8 GPUs, at any number
-of nodes (docs/method.md).
-
-The groups are made once per worker process, on every rank in the same order, when the actor is built
-(:func:`wrap_init_model`, installed by :mod:`verl_patches.install`); :func:`pool_group` then finds them
-(the mini-batch fold and the loss ask it). Only the run's own selection pools per group: verl's token and
-sequence counts, the S2T monitor (the paper's mini-batch pool) and every other collective of the recipe
-stay over the whole data-parallel group.
+(:func:`stapo_core.distributed.contiguous_subgroups`), each computing its own threshold over its own
+tokens, which is their pool at any node count (docs/method.md). Making a group is collective over the
+world, so every rank makes every group once, in one order, when the actor is built
+(:func:`wrap_init_model`); :func:`pool_group` then finds them. Only the run's own selection pools per
+group: verl's counts, the S2T monitor and every other collective stay over the data-parallel group.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ import torch.distributed as dist
 
 from stapo_core.distributed import contiguous_subgroups, split_contiguous
 
-from .policy_loss_config import TokenSelectionLossConfig
+from .policy_loss_config import TokenSelectionLossConfig, policy_loss_of
 
 #: ``(global ranks of a data-parallel group, ranks_per_pool)`` -> this process's pool group
 _POOLS: dict[tuple[tuple[int, ...], int], object] = {}
@@ -36,27 +31,17 @@ def pool_group(cfg, dp_group):
     The first call for a ``(dp_group, ranks_per_pool)`` creates the groups and is collective over every rank
     of the world (:func:`stapo_core.distributed.contiguous_subgroups`); in a run it is the worker's
     :func:`wrap_init_model`, so no rank creates a group during training. ``ValueError`` naming the key
-    when ``ranks_per_pool`` does not divide the data-parallel size.
+    when ``ranks_per_pool`` does not divide the data-parallel size
+    (:meth:`~verl_patches.policy_loss_config.TokenSelectionLossConfig.pool_ranks`).
     """
-    k = getattr(cfg, "ranks_per_pool", None)
-    if k is None or dp_group is None:
+    if getattr(cfg, "ranks_per_pool", None) is None or dp_group is None:
         return dp_group
     members = tuple(dist.get_process_group_ranks(dp_group))
-    cfg.check_data_parallel_size(len(members))
+    k = cfg.pool_ranks(len(members))
     key = (members, k)
     if key not in _POOLS:
         _POOLS[key] = contiguous_subgroups(dp_group, k)
     return _POOLS[key]
-
-
-def actor_policy_loss(worker):
-    """The policy-loss settings of an ``ActorRolloutRefWorker``'s actor (None without an actor or without
-    the recipe's settings)."""
-    actor = getattr(worker, "actor", None)
-    loss_fn = getattr(actor, "loss_fn", None)
-    config = getattr(loss_fn, "keywords", {}).get("config") if loss_fn is not None else None
-    policy_loss = getattr(config, "policy_loss", None)
-    return policy_loss if isinstance(policy_loss, TokenSelectionLossConfig) else None
 
 
 def wrap_init_model(init_model):
@@ -67,8 +52,8 @@ def wrap_init_model(init_model):
     @functools.wraps(init_model)  # keeps verl's dispatch attributes
     def wrapped(self, *args, **kwargs):
         result = init_model(self, *args, **kwargs)
-        cfg = actor_policy_loss(self)
-        if cfg is not None and cfg.ranks_per_pool is not None and dist.is_initialized():
+        cfg = policy_loss_of(getattr(self, "actor", None))  # the ActorRolloutRefWorker's actor
+        if isinstance(cfg, TokenSelectionLossConfig) and cfg.ranks_per_pool is not None and dist.is_initialized():
             dp_group = self.actor.engine.get_data_parallel_group()
             pool_group(cfg, dp_group)
             if dist.get_rank() == 0:

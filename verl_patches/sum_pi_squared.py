@@ -1,17 +1,12 @@
 """The sum of squared probabilities ``sum_n pi_n^2`` per position, in chunks of rows.
 
-verl 0.9.1 computes it (``actor.calculate_sum_pi_squared=true``; the recipe reads it for the
-closed-form gradient-norm metrics ``actor/s2t/grad_norm_*``) as
-``exp(logsumexp(2 x) - 2 logsumexp(x))`` over the whole ``(tokens, vocab)`` logits of a micro-batch
-at once. Under CUDA autocast ``logsumexp`` runs in float32, so each call first makes a float32 copy
-of its input and then a float32 temporary of the same size: at the log-prob pass's 49,152-token
-budget and Qwen3's 151,936-token vocabulary that is about 75 GB beside the logits
-(``stapo_memory/terms.py``; docs/memory.md).
-
-:func:`sum_pi_squared_chunked` computes the same formula on ``CHUNK_ROWS`` rows at a time, in float32
-(so also more exactly than verl's bfloat16 ``2 x``), with a peak of about ``12 x CHUNK_ROWS x vocab``
-bytes whatever the number of tokens. With autograd (verl never needs it: the log-prob pass runs
-without) each chunk is recomputed in the backward instead of kept.
+verl 0.9.1 computes it (``actor.calculate_sum_pi_squared=true``, for the closed-form gradient-norm
+metrics ``actor/s2t/grad_norm_*``) as ``exp(logsumexp(2 x) - 2 logsumexp(x))`` over a micro-batch's whole
+``(tokens, vocab)`` logits at once, and under CUDA autocast each ``logsumexp`` makes float32 copies of
+its input: about 75 GB beside the logits at the log-prob pass's 49,152-token budget and Qwen3's
+151,936-token vocabulary (docs/memory.md). :func:`sum_pi_squared_chunked` computes the same formula
+``CHUNK_ROWS`` rows at a time in float32 (also more exactly than verl's bfloat16 ``2 x``), with a peak
+of about ``12 x CHUNK_ROWS x vocab`` bytes whatever the number of tokens.
 """
 
 from __future__ import annotations
@@ -31,7 +26,15 @@ def _sum_pi_squared_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sum_pi_squared_chunked(logits: torch.Tensor, chunk_rows: int = CHUNK_ROWS) -> torch.Tensor:
-    """``sum_n softmax(logits)_n^2``: ``(..., vocab)`` logits of any float dtype -> float32 ``(...)``."""
+    """``sum_n softmax(logits)_n^2``, ``chunk_rows`` rows of logits at a time; with autograd (verl's
+    log-prob pass runs without) each chunk is recomputed in the backward instead of kept.
+
+    Args:
+        logits: ``(..., vocab)``, any float dtype. chunk_rows: rows per chunk (>= 1).
+
+    Returns:
+        float32 ``(...)``.
+    """
     if chunk_rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
     flat = logits.reshape(-1, logits.shape[-1])

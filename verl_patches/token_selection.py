@@ -1,31 +1,14 @@
-"""Which response tokens carry policy gradient, on verl's padded tensors: the rule table's entry
-(:data:`stapo_core.rules.RULES`) named by ``token_selection``, pooled over the data-parallel group
-(or over groups of ``ranks_per_pool`` of its ranks: :mod:`verl_patches.selection_pool`).
+"""Which response tokens carry policy gradient, on verl's padded tensors: the rule ``token_selection``
+names (:data:`stapo_core.rules.RULES`), pooled over the data-parallel group or a group of its ranks.
 
-The selection is independent of the policy loss: it only shrinks the mask the loss runs over, so it
-composes with every loss mode verl registers. Two places select:
-
-* once per PPO mini-batch, before verl counts its loss tokens (``scope=mini_batch``):
-  :func:`select_mini_batch` computes, from the mini-batch's view (:mod:`verl_patches.mini_batch_view`),
-  into one :class:`~verl_patches.mini_batch_view.MiniBatchSelection`
-
-  - the run's keep mask, which :func:`apply_selection` folds into ``response_mask`` and ``loss_mask``
-    before verl counts the mini-batch's loss tokens, so verl's own ``batch_num_tokens`` (the token-mean
-    denominator, all-reduced over data-parallel ranks) counts only the tokens that remain: the loss is
-    exactly the paper's ``sum(M L) / sum(M)`` over the mini-batch, whatever the micro-batch size or the
-    number of ranks. For the seq-mean modes, verl's sequence count becomes the count of sequences that
-    keep a token;
-  - S2T's token sets (:class:`~verl_patches.mini_batch_view.S2TSets`): the ones the run applies
-    (STAPO), or, with ``s2t_monitor`` in a run that does not apply S2T, the ones STAPO would have
-    silenced, computed exactly as STAPO computes them (same ``tau_p``, ``q``, ``strategy`` and
-    ``stats_from``, pooled over the mini-batch and the data-parallel group) and not applied. The update
-    effect and the token dump read them. ``actor/s2t/applied`` says which the S2T metrics describe (1:
-    applied, 0: monitored only).
-
-  Each rule runs once per mini-batch. With statistics from a forward of part of the mini-batch (a rule
-  whose ``positive_advantage_only`` holds, e.g. S2T: the sequences with a positive advantage), the rule
-  runs over those sequences' tokens and every other token is kept;
-* once per micro-batch, inside the loss (``scope=micro_batch``): :mod:`verl_patches.losses`.
+A selection only shrinks the mask the loss runs over, so it composes with every verl loss; at the
+mini-batch scope it must be in place before verl counts the mini-batch's loss tokens, because verl's
+own ``batch_num_tokens`` (the token-mean's denominator, all-reduced over the ranks) then counts only the
+tokens that remain, and the loss is exactly the paper's ``sum(M L) / sum(M)`` over the mini-batch
+whatever the micro-batch size or the number of ranks. So each rule runs once per mini-batch on its view
+(:func:`select_mini_batch`: the run's keep mask and S2T's sets, applied or monitored, which the fold,
+the update effect and the token dump read) and :func:`apply_selection` folds the mask in; inside the
+loss, per micro-batch: :mod:`verl_patches.losses`.
 """
 
 from __future__ import annotations
@@ -39,7 +22,7 @@ from verl.utils import tensordict_utils as tu
 
 from stapo_core.rules import S2T, RuleResult
 
-from .layout import ROLLOUT_ENTROPY_FIELD, UNSELECTED_MASK_FIELD, multiply_like, padded_float
+from .layout import UNSELECTED_MASK_FIELD, multiply_like, padded_float
 from .mini_batch_view import (CurrentStatistics, MiniBatchPosition, MiniBatchSelection, MiniBatchView, S2TSets,
                               read_view)
 from .policy_loss_config import TokenSelectionLossConfig
@@ -69,12 +52,17 @@ def select_tokens(
     response_mask: torch.Tensor,
     group=None,
 ) -> RuleResult:
-    """The tokens ``cfg.token_selection``'s rule (:data:`stapo_core.rules.RULES`) keeps, its
-    ``stats`` named as metrics (``<rule's metric prefix><stat>``, the undefined ones left out).
+    """The tokens ``cfg.token_selection``'s rule (:data:`stapo_core.rules.RULES`) keeps.
 
     Args:
-        log_prob, entropy, advantages, response_mask: ``(batch, resp_len)`` padded tensors.
-        group: data-parallel process group to pool the statistic over (None: this process only).
+        cfg: the policy-loss settings (a rule selected).
+        log_prob, entropy, advantages: float ``(batch, resp_len)``, padded (``advantages`` also ``(batch,)``).
+        response_mask: ``(batch, resp_len)``, nonzero marks the tokens to select among.
+        group: the process group to pool the statistic over (None: this process only).
+
+    Returns:
+        The rule's :class:`~stapo_core.rules.RuleResult` (``keep`` float32 ``(batch, resp_len)``), its
+        ``stats`` named as metrics (``<rule's metric prefix><stat>``, the undefined ones left out).
     """
     rule = cfg.rule
 
@@ -91,13 +79,19 @@ def select_tokens(
 def rollout_agreement(cfg: TokenSelectionLossConfig, selection: RuleResult, *, log_prob, entropy, advantages,
                       response_mask, group=None) -> dict[str, float]:
     """How far the current-policy statistics drifted from the rollout ones, at the selection's own
-    thresholds (diagnostic; no second selection, no pooling beyond one count).
+    thresholds (a diagnostic: no second selection, no pooling beyond one count).
 
-    ``<rule's prefix>rollout_agreement``: |A & B| / |A | B| over ``group`` of the tokens ``selection`` (of
-    ``cfg.token_selection``'s rule) dropped
-    (A, current statistics) and of the tokens its thresholds drop on the rollout statistics
-    ``log_prob``, ``entropy`` (B, :attr:`~stapo_core.rules.RuleResult.keep_at`); 1.0 when neither
-    drops any; nothing for a selection without thresholds (S2T's ``random``).
+    Args:
+        cfg: the settings whose rule made ``selection``, on the current statistics.
+        log_prob, entropy, advantages: the rollout statistics, float ``(batch, resp_len)``.
+        response_mask: float ``(batch, resp_len)``, the tokens ``selection`` selected among.
+        group: the process group ``selection`` was pooled over.
+
+    Returns:
+        ``{<rule's prefix>rollout_agreement: |A & B| / |A | B|}`` over ``group``, A the tokens
+        ``selection`` dropped, B those its thresholds drop on the rollout statistics
+        (:attr:`~stapo_core.rules.RuleResult.keep_at`); 1.0 when neither drops any; ``{}`` for a
+        selection without thresholds (S2T's ``random``).
     """
     if selection.keep_at is None:
         return {}
@@ -113,15 +107,22 @@ def rollout_agreement(cfg: TokenSelectionLossConfig, selection: RuleResult, *, l
 
 def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, candidate=None, group=None,
                       prefix: str = "s2t/") -> dict[str, float]:
-    """Mean closed-form gradient norm of silenced, of kept, and of kept candidate response tokens
-    (docs/method.md, "Why these tokens").
+    """Mean closed-form gradient norm ``||d log pi_k / d logits|| = sqrt(1 - 2 pi_k + sum_n pi_n^2)``
+    (per unit weight; docs/method.md, "Why these tokens") of the silenced, kept and kept-candidate
+    tokens. The paper reports silenced tokens about 17% above the rest.
 
-    ``||d log pi_k / d logits|| = sqrt(1 - 2 pi_k + sum_n pi_n^2)`` per unit weight, from the
-    rollout-time ``sum_pi_squared`` (verl computes it with ``actor.calculate_sum_pi_squared=true``).
-    Returns ``s2t/grad_norm_silenced``, ``s2t/grad_norm_kept`` (every kept token) and, with
-    ``candidate`` (S2T's candidate set, bool), ``s2t/grad_norm_kept_candidates`` (the low-probability
-    tokens S2T keeps because their entropy is high); pooled over ``group``, a mean over no token
-    omitted. The paper reports silenced tokens about 17% above the rest.
+    Args:
+        log_prob: float ``(batch, resp_len)``, the rollout log-probabilities.
+        sum_pi_squared: float ``(batch, resp_len)``, verl's rollout-time ``sum_n pi_n^2``
+            (``actor.calculate_sum_pi_squared=true``).
+        response_mask, keep: float ``(batch, resp_len)``: the response tokens, and 1 where kept.
+        candidate: bool ``(batch, resp_len)``, S2T's candidate set, or None.
+        group: the process group to pool over. prefix: the metrics' prefix.
+
+    Returns:
+        ``<prefix>grad_norm_silenced``, ``<prefix>grad_norm_kept`` (every kept token) and, with
+        ``candidate``, ``<prefix>grad_norm_kept_candidates`` (the rare tokens kept for their high
+        entropy), pooled over ``group``; a mean over no token is left out.
     """
     norm = torch.sqrt((1.0 - 2.0 * log_prob.exp() + sum_pi_squared).clamp(min=0.0))
     inside = response_mask.float()
@@ -155,28 +156,15 @@ def _widen(cfg: TokenSelectionLossConfig, selection: RuleResult, part: torch.Ten
     return dataclasses.replace(selection, keep=keep, tokens=tokens, kept=tokens - silenced_count, stats=metrics)
 
 
-def _statistics(view: MiniBatchView, current: Optional[CurrentStatistics], who: str):
-    """``(log_prob, entropy)`` the selection reads: the current policy's, else the rollout ones; a
-    ``KeyError`` naming ``who`` and the missing fields when the mini-batch lacks them."""
-    needed = {"advantages": view.advantages}
-    if current is None:
-        needed.update({"old_log_probs": view.old_log_prob, ROLLOUT_ENTROPY_FIELD: view.rollout_entropy})
-    missing = [name for name, t in needed.items() if t is None]
-    if missing:
-        raise KeyError(
-            f"{who} needs the fields {missing} in the actor's mini-batch; the rollout entropy is kept by the "
-            "recipe's trainer patches: is VERL_USE_EXTERNAL_MODULES=verl_patches.activate set in the driver?"
-        )
-    return (view.old_log_prob, view.rollout_entropy) if current is None else (current.log_prob, current.entropy)
-
-
 def _select(cfg: TokenSelectionLossConfig, view: MiniBatchView, current: Optional[CurrentStatistics],
-            who: str, group) -> tuple[RuleResult, dict]:
-    """The rule of ``cfg`` on the mini-batch, pooled over ``group``: its selection over every response
-    token, and its metrics (the rule's, the drift from the rollout statistics, the gradient norms of its
-    sets), each over ``group``."""
+            group) -> tuple[RuleResult, dict]:
+    """The rule of ``cfg`` on the mini-batch, pooled over ``group``, from ``current`` (else the rollout
+    statistics, which :func:`~verl_patches.mini_batch_view.read_view` checked): its selection over every
+    response token, and its metrics (the rule's, the drift from the rollout statistics, the gradient
+    norms of its sets), each over ``group``."""
     rule = cfg.rule
-    log_prob, entropy = _statistics(view, current, who)
+    log_prob, entropy = (view.old_log_prob, view.rollout_entropy) if current is None else (current.log_prob,
+                                                                                         current.entropy)
     mask, part = view.mask, view.mask
     if current is not None:
         if not bool(current.forwarded.all()) and not rule.positive_advantage_only:
@@ -199,7 +187,8 @@ def _select(cfg: TokenSelectionLossConfig, view: MiniBatchView, current: Optiona
 
 
 def s2t_sets(mask: torch.Tensor, selection: RuleResult) -> S2TSets:
-    """S2T's sets of ``selection`` (S2T's rule on the tokens of ``mask``)."""
+    """S2T's sets of ``selection`` (S2T's rule, its stats named as metrics) on the tokens of ``mask``
+    (float ``(batch, width)``)."""
     inside = mask != 0
     tau_h = selection.stats.get(S2T.metric_prefix + "tau_h")
     return S2TSets(mask=inside, silenced=inside & (selection.keep == 0), candidate=selection.candidate, tau_h=tau_h)
@@ -207,8 +196,8 @@ def s2t_sets(mask: torch.Tensor, selection: RuleResult) -> S2TSets:
 
 def as_s2t(cfg: TokenSelectionLossConfig, **changes) -> TokenSelectionLossConfig:
     """``cfg`` with S2T as its token selection, pooled over the whole mini-batch (the monitor's selector)."""
-    return dataclasses.replace(cfg, token_selection=S2T.name, scope=None, entropy_topk_reading="pooled",
-                               ranks_per_pool=None, update_effect_responses=0, **changes)
+    return dataclasses.replace(cfg, token_selection=S2T.name, scope=None, ranks_per_pool=None,
+                               update_effect_responses=0, **changes)
 
 
 def select_mini_batch(view: MiniBatchView) -> MiniBatchSelection:
@@ -218,14 +207,13 @@ def select_mini_batch(view: MiniBatchView) -> MiniBatchSelection:
     sets for the token dump where it asks for others."""
     cfg, current, selection = view.cfg, view.current, view.selection
     if view.selects and cfg.monitors_s2t:  # the monitor's runs never apply S2T: their forward covers every sequence
-        result, metrics = _select(as_s2t(cfg), view, current if cfg.stats_from == "current" else None,
-                                  "the S2T monitor (s2t_monitor=true)", view.group)
+        result, metrics = _select(as_s2t(cfg), view, current if cfg.stats_from == "current" else None, view.group)
         if current is not None and not cfg.forwards_current_policy:
             metrics.update(current.metrics)  # the forward served the monitor alone
         metrics[APPLIED_METRIC] = 0.0
         selection.s2t, selection.metrics = s2t_sets(view.mask, result), metrics
     if view.selects and cfg.folds_into_mini_batch:
-        result, metrics = _select(cfg, view, current, "token selection (scope=mini_batch)", view.pool_group)
+        result, metrics = _select(cfg, view, current, view.pool_group)
         if current is not None:
             metrics.update(current.metrics)
         selection.keep = result.keep
@@ -275,10 +263,19 @@ def apply_selection(view: MiniBatchView) -> None:
 
 def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device=None, current=None,
                          pool_group=...) -> dict[str, float]:
-    """The mini-batch fold on its own (tests, benchmarks): ``data`` read as a step's first mini-batch,
-    or with ``current`` (a ``(log_prob, entropy)`` pair, padded ``(batch, resp_len)``, of every row) as
-    a later one; :func:`select_mini_batch` then :func:`apply_selection`. ``pool_group``: the run's
-    selection pool (default :func:`verl_patches.selection_pool.pool_group` of ``group``). Returns the metrics."""
+    """The mini-batch fold on its own (tests, benchmarks): :func:`select_mini_batch`, then
+    :func:`apply_selection` on ``data`` in place.
+
+    Args:
+        cfg: the policy-loss settings. data: verl's TensorDict of one mini-batch.
+        group: the data-parallel group. device: where the view's fields go.
+        current: ``(log_prob, entropy)``, float ``(batch, resp_len)`` of every row: the current
+            statistics of a step's later mini-batch (None: a step's first).
+        pool_group: the run's selection pool (default :func:`verl_patches.selection_pool.pool_group`).
+
+    Returns:
+        The selections' metrics.
+    """
     pool = selection_pool.pool_group(cfg, group) if pool_group is ... else pool_group
     view = read_view(data, MiniBatchPosition(1, 0 if current is None else 1), cfg, group=group, pool_group=pool,
                      device=device)

@@ -1,23 +1,12 @@
 """What the recipe adds to verl's two PPO trainers (the driver side of a step).
 
-Both trainers compute the rollout policy's log-probs and entropies once per step (the
-"old log-prob" pass). The recipe reads that pass's entropy for every method (per-step entropy
-quantiles, :mod:`verl_patches.step_metrics`) and ships it to the actor where token selection uses
-the rollout statistics:
-
-* legacy trainer (``trainer.use_v1=false``, ``RayPPOTrainer``): :func:`wrap_legacy_old_log_prob`
-  keeps a copy of the entropy (verl drops ``entropys`` after logging its mean) and
-  :func:`wrap_legacy_update_actor` logs the quantiles, then drops the copy unless the actor needs it;
-* TransferQueue trainer (``trainer.use_v1=true``, ``PPOTrainer``, which keeps ``entropy`` itself):
-  :func:`wrap_v1_old_log_prob` logs the quantiles and honours ``actor.calculate_sum_pi_squared``
-  as the legacy trainer does (for the closed-form gradient-norm metrics ``actor/s2t/grad_norm_*``).
-
-Both trainers also log, per training step, how many of the step's responses the reward could not
-check (``reward/ungraded``: the lenient reward's ``"ungraded": true``, docs/reward.md). verl turns the
-reward's extra info into validation metrics only; in training it keeps it beside each response: in the
-batch's non-tensor fields (legacy trainer, :func:`wrap_legacy_data_metrics`) or in each response's
-TransferQueue field ``extra_fields["reward_extra_info"]`` (TransferQueue trainer,
-:func:`wrap_v1_compute_metrics`).
+Both trainers compute the rollout policy's log-probs and entropies once per step (the "old log-prob"
+pass) and keep the reward's extra info beside each response, each in places of its own: the legacy
+trainer (``trainer.use_v1=false``, ``RayPPOTrainer``, the ``wrap_legacy_*`` wraps) and the TransferQueue
+trainer (``PPOTrainer``, ``wrap_v1_*``). The recipe reads that entropy for every method's per-step
+entropy quantiles (:mod:`verl_patches.step_metrics`), ships it to the actor where token selection reads
+the rollout statistics, and counts each step's responses the reward could not check
+(``reward/ungraded``, docs/reward.md), which verl turns into validation metrics only.
 """
 
 from __future__ import annotations
@@ -39,10 +28,13 @@ UNGRADED_METRIC = "reward/ungraded"
 
 
 def needs_rollout_entropy(config) -> bool:
-    """The driver's question to the policy-loss settings (it holds them as a DictConfig): does the
-    actor need the rollout-time entropy in its batch? Only the recipe's token selection does."""
-    settings = omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)
-    return isinstance(settings, TokenSelectionLossConfig) and settings.needs_rollout_entropy
+    """Whether the actor needs the rollout-time entropy in its batch (``config``: the driver's
+    DictConfig): only the recipe's token selection does, for its statistic (``stats_from=rollout``), for
+    a step's first mini-batch at the mini-batch scope (the policy has not moved yet: the rollout
+    statistics are the current ones), or for the S2T monitor."""
+    s = omega_conf_to_dataclass(config.actor_rollout_ref.actor.policy_loss)
+    return isinstance(s, TokenSelectionLossConfig) and (
+        (s.selects_tokens and (s.statistics_source == "rollout" or s.folds_into_mini_batch)) or s.monitors_s2t)
 
 
 def bypasses_old_log_prob(config) -> bool:

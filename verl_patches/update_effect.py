@@ -1,19 +1,12 @@
-"""What each update does to the tokens S2T singles out: their log-probability just before and just
-after the mini-batch's update (``update_effect_responses > 0``).
+"""The probe of an update: chosen responses of a mini-batch forwarded just before and just after it.
 
-For every PPO mini-batch with S2T's sets known before the update (applied by STAPO, or monitored
-in any other run), up to ``update_effect_responses`` responses of each rank (:func:`choose_rows`)
-get one no-grad forward through verl's own inference pass (``TrainingWorker.infer_batch``, the
-rollout temperature) before verl's ``train_batch`` and the same forward after it, so
-``dlogp = log pi_after(y_t) - log pi_before(y_t)`` is the update's effect alone (same code path,
-same batch, one optimizer step apart). Every rank forwards the same number of responses (FSDP
-forwards are collective: a rank with fewer repeats its first one and discards it). The sums are
-pooled over the step's mini-batches and the data-parallel group into the step's
-``s2t/dlogp_{silenced,kept_candidates,all}`` means (docs/metrics.md).
-
-Cost: two forwards of at most ``update_effect_responses`` responses per rank and mini-batch and
-nothing else: no gradient, no optimizer state, the peak memory of verl's inference pass on that
-many responses.
+``dlogp = log pi_after(y_t) - log pi_before(y_t)``, from verl's own inference pass
+(``TrainingWorker.infer_batch``, the rollout temperature) on the same rows one optimizer step apart, is
+what the update did to each token and nothing else. One :class:`Probe` per mini-batch serves both
+readers: the update effect (``update_effect_responses > 0``: the responses holding S2T's silenced, or
+would-be-silenced, tokens and kept candidates, pooled into the step's ``s2t/dlogp_*`` metrics,
+docs/metrics.md) and the token dump (the per-token ``dlogp`` of its sampled responses). Its cost: two
+no-grad forwards of the probed responses, the peak memory of verl's inference pass on that many.
 """
 
 from __future__ import annotations
@@ -37,6 +30,63 @@ SETS = ("silenced", "kept_candidates", "all")
 METRIC_PREFIX = S2T.metric_prefix + "dlogp_"
 
 
+@dataclass
+class Probe:
+    """Rows of one rank's mini-batch forwarded before and after its update.
+
+    rows: this rank's probed rows (the sub-batch's first ``len(rows)``; the rest repeat a row, so that
+    every rank runs the same forwards: FSDP forwards are collective). sub: the sub-batch (verl's
+    TensorDict). before: float32 ``(len(rows), width)`` response log-probs before the update, on the
+    host. dlogp: float32 ``(len(rows), width)``, after minus before (None until :func:`probe_after`).
+    seconds: this rank's wall time of both forwards.
+    """
+
+    rows: list
+    sub: object
+    before: torch.Tensor
+    seconds: float
+    dlogp: Optional[torch.Tensor] = None
+
+
+def _group_max(value: int, group, device) -> int:
+    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+def probe_before(worker, view: MiniBatchView, rows: list) -> Optional[Probe]:
+    """Forward ``rows`` of the mini-batch before its update, on every rank alike (one all-reduce of the
+    row counts first).
+
+    Args:
+        worker: the ``TrainingWorker``. view: the mini-batch. rows: this rank's rows to probe.
+
+    Returns:
+        The :class:`Probe`, or None, with no forward, when no rank has a row to probe.
+    """
+    start = time.perf_counter()
+    count = _group_max(len(rows), view.group, view.device)
+    if count == 0:
+        return None
+    sub = tu.index_select_tensor_dict(view.data, rows + [rows[0] if rows else 0] * (count - len(rows)))
+    if "input_ids" in sub and sub["input_ids"].is_nested:  # the per-sequence counts of verl's throughput estimate
+        tu.assign_non_tensor(sub, global_token_num=sub["input_ids"].offsets().diff().tolist())
+    before = infer(worker, sub, entropy=False)[0].float()
+    return Probe(rows, sub, before[: len(rows)].cpu(), time.perf_counter() - start)
+
+
+def probe_after(worker, probe: Optional[Probe]) -> None:
+    """Forward the probed rows again after the update and set ``probe.dlogp``."""
+    if probe is None:
+        return
+    start = time.perf_counter()
+    after = infer(worker, probe.sub, entropy=False)[0].float()
+    probe.dlogp = after[: len(probe.rows)].cpu() - probe.before
+    probe.seconds += time.perf_counter() - start
+
+
 def choose_rows(sets: S2TSets, limit: int) -> list[int]:
     """Up to ``limit`` rows (ascending within each group): the rows holding a silenced token, then
     the rows holding only kept candidates."""
@@ -48,22 +98,6 @@ def choose_rows(sets: S2TSets, limit: int) -> list[int]:
 
 
 @dataclass
-class Measurement:
-    """One mini-batch's measurement between its two forwards.
-
-    rows: this rank's measured rows (the sub-batch's first ``len(rows)`` rows; the rest are
-    repeats). masks: set name -> bool ``(len(rows), width)`` on the host. before: float32
-    ``(len(rows), width)`` log-probs before the update.
-    """
-
-    rows: list
-    sub: object
-    masks: dict
-    before: torch.Tensor
-    seconds: float
-
-
-@dataclass
 class StepTotals:
     """Running sums of one worker's current step (dlogp sums in float64)."""
 
@@ -72,78 +106,31 @@ class StepTotals:
     responses: int = 0
     seconds: float = 0.0
 
-    def add(self, dlogp: torch.Tensor, masks: dict, responses: int, seconds: float) -> None:
-        for name in SETS:
-            selected = masks[name]
-            self.sums[name] += float(dlogp.double()[selected].sum())
-            self.counts[name] += int(selected.sum())
-        self.responses += responses
-        self.seconds += seconds
 
-
-def _totals(worker) -> StepTotals:
+def add_update_effect(worker, probe: Optional[Probe], rows: list, sets: S2TSets) -> None:
+    """Add the probe's change of ``rows`` (the probe's first rows, :func:`choose_rows` of ``sets``), per
+    token set of ``sets``, to the worker's step sums (:func:`step_metrics`); nothing without a probe."""
+    if probe is None:
+        return
     totals = getattr(worker, STATE_ATTR, None)
     if totals is None:
         totals = StepTotals()
         setattr(worker, STATE_ATTR, totals)
-    return totals
-
-
-def _group_max(value: int, group, device) -> int:
-    if group is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return value
-    t = torch.tensor([value], dtype=torch.long, device=device)
-    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=group)
-    return int(t.item())
-
-
-def response_log_probs(worker, sub) -> torch.Tensor:
-    """``(len(sub), width)`` float32 log-probs of the response tokens of ``sub`` (verl's TensorDict)
-    under the worker's current policy: one no-grad pass through verl's inference path
-    (:func:`verl_patches.current_stats.infer`, no entropy, no loss)."""
-    return infer(worker, sub, entropy=False)[0].float()
-
-
-def measure_before(worker, view: MiniBatchView) -> Optional[Measurement]:
-    """Choose this rank's responses among those holding S2T's sets and forward them before the update
-    (every rank runs the same number of forwards; None, with no forward, when no rank has a response
-    to measure)."""
-    start = time.perf_counter()
-    sets = view.selection.s2t
-    rows = choose_rows(sets, view.cfg.update_effect_responses)
-    count = _group_max(len(rows), view.group, view.device)
-    if count == 0:
-        return None
-    padded_rows = rows + [rows[0] if rows else 0] * (count - len(rows))
-    sub = tu.index_select_tensor_dict(view.data, padded_rows)
-    if "input_ids" in sub and sub["input_ids"].is_nested:  # the per-sequence counts of verl's throughput estimate
-        tu.assign_non_tensor(sub, global_token_num=sub["input_ids"].offsets().diff().tolist())
-    before = response_log_probs(worker, sub)
-    width = min(before.shape[1], sets.mask.shape[1])
+    width = min(probe.dlogp.shape[1], sets.mask.shape[1])
+    dlogp = probe.dlogp[: len(rows), :width].double()
     index = torch.tensor(rows, dtype=torch.long)
-    masks = {
-        "silenced": sets.silenced.cpu()[index, :width],
-        "kept_candidates": sets.kept_candidates.cpu()[index, :width],
-        "all": sets.mask.cpu()[index, :width],
-    }
-    return Measurement(rows, sub, masks, before[: len(rows), :width].cpu(), time.perf_counter() - start)
-
-
-def measure_after(worker, measurement: Optional[Measurement]) -> None:
-    if measurement is None:
-        return
-    start = time.perf_counter()
-    after = response_log_probs(worker, measurement.sub)
-    n, width = measurement.before.shape
-    dlogp = after[:n, :width].cpu() - measurement.before
-    _totals(worker).add(dlogp, measurement.masks, len(measurement.rows),
-                        measurement.seconds + time.perf_counter() - start)
+    for name, tokens in zip(SETS, (sets.silenced, sets.kept_candidates, sets.mask)):
+        selected = tokens.cpu()[index, :width]
+        totals.sums[name] += float(dlogp[selected].sum())
+        totals.counts[name] += int(selected.sum())
+    totals.responses += len(rows)
+    totals.seconds += probe.seconds
 
 
 def step_metrics(worker, *, group=None, device=None) -> dict[str, float]:
     """The step's ``s2t/dlogp_*`` metrics pooled over the data-parallel group; resets the sums.
     Called on every rank at the step's last mini-batch (one all-reduce)."""
-    totals = _totals(worker)
+    totals = getattr(worker, STATE_ATTR, None) or StepTotals()
     setattr(worker, STATE_ATTR, StepTotals())
     values = [v for name in SETS for v in (totals.sums[name], float(totals.counts[name]))]
     values += [float(totals.responses), totals.seconds, 1.0]

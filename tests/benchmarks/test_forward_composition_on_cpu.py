@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import bench_forward_composition as bench
-from stapo_core.s2t import silenced_set_difference
+from benchmarks.bench_forward_composition import silenced_set_difference
 
 
 def test_silenced_set_difference_counts_tokens_silenced_by_exactly_one_mask():

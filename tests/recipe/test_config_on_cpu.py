@@ -50,7 +50,7 @@ ALLOWED_VS_JUSTRL = {
     "stapo": {f"{PL}.token_selection", f"{PL}.tau_p", f"{PL}.q", f"{PL}.strategy", f"{PL}.stats_from",
               f"{PL}.scope", f"{PL}.current_forward", f"{PL}.sequence_ratio", f"{PL}.seed"},
     "entropy20": {f"{PL}.token_selection", f"{PL}.entropy_top_ratio", f"{PL}.stats_from", f"{PL}.scope",
-                  f"{PL}.entropy_topk_reading", f"{PL}.sequence_ratio"},
+                  f"{PL}.sequence_ratio"},
     "grpo": {f"{ACTOR}.loss_agg_mode", f"{ACTOR}.clip_ratio_high", f"{ACTOR}.clip_ratio_c", f"{ACTOR}.use_kl_loss",
              f"{ACTOR}.kl_loss_coef", f"{ACTOR}.kl_loss_type"},
     "justrl": set(),
@@ -183,7 +183,7 @@ def test_unknown_method_fails_clearly():
      ("stapo", f"{PL}.seed=0.5", "seed"), ("entropy20", f"{PL}.entropy_top_ratio=0", "entropy_top_ratio"),
      ("stapo", f"{PL}.current_forward=some", "current_forward"),
      ("stapo", f"{PL}.sequence_ratio=all_tokens", "sequence_ratio"),  # vanilla's ratio is per token
-     ("entropy20", f"{PL}.entropy_topk_reading=paper", "entropy_topk_reading")],
+     ("entropy20", f"{PL}.token_selection=entropy_topk_paper", "token_selection")],
 )
 def test_bad_s2t_value_fails_in_driver_naming_the_key(method, override, key):
     cfg = compose([f"method={method}", override])

@@ -24,13 +24,13 @@ NEAREST = ["actor_rollout_ref.actor.policy_loss.stats_from=current", "actor_roll
 
 
 def test_the_authors_pool_against_the_recipes_micro_batches():
-    """Their pool: 180,224 tokens; the recipe's authors_code pools, per model: 5.5x (1.7B, 8B) and
+    """Their pool: 180,224 tokens; the recipe's entropy_topk_authors_code pools, per model: 5.5x (1.7B, 8B) and
     11x (14B) smaller, without sequence parallelism."""
     assert AUTHORS_POOL == 180224
     ratios = {}
     for model in ("qwen3_1_7b", "qwen3_8b", "qwen3_14b"):
         actor = compose(["method=entropy20", f"model={model}",
-                         "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code"]).actor_rollout_ref.actor
+                         "actor_rollout_ref.actor.policy_loss.token_selection=entropy_topk_authors_code"]).actor_rollout_ref.actor
         assert actor.ulysses_sequence_parallel_size == 1
         ratios[model] = AUTHORS_POOL / actor.ppo_max_token_len_per_gpu
     assert ratios == {"qwen3_1_7b": 5.5, "qwen3_8b": 5.5, "qwen3_14b": 11.0}
@@ -43,8 +43,8 @@ def test_the_nearest_reading_pools_each_micro_batch_over_the_ranks(model):
     8 x 22,528 tokens, theirs."""
     actor = compose(["method=entropy20", f"model={model}", *NEAREST]).actor_rollout_ref.actor
     cfg = omega_conf_to_dataclass(actor.policy_loss)
-    assert (cfg.token_selection, cfg.entropy_top_ratio, cfg.entropy_topk_reading) == ("entropy_topk", 0.2, "pooled")
-    assert cfg.resolved_scope == "micro_batch" and cfg.statistics_source == "current" and cfg.pools_over_ranks
+    assert (cfg.token_selection, cfg.entropy_top_ratio) == ("entropy_topk", 0.2)
+    assert cfg.resolved_scope == "micro_batch" and cfg.statistics_source == "current" and cfg.pool_ranks(8) == 8
     assert 8 * actor.ppo_max_token_len_per_gpu == AUTHORS_POOL
 
 
@@ -83,9 +83,9 @@ def test_the_authors_pool_with_ranks_per_pool_8_at_every_node_count(nodes):
     assert p.text().startswith("up to 180,224 tokens per threshold: one micro-batch of ")
 
 
-def test_the_authors_code_reading_pools_one_ranks_micro_batch():
+def test_the_authors_code_rule_pools_one_ranks_micro_batch():
     for nodes in (1, 8):
-        p = pool(nodes, "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code", model="qwen3_14b")
+        p = pool(nodes, "actor_rollout_ref.actor.policy_loss.token_selection=entropy_topk_authors_code", model="qwen3_14b")
         assert (p.tokens, p.ranks) == (16384, 1) and "one data-parallel rank" in p.text()
 
 
@@ -100,12 +100,11 @@ def test_the_summary_prints_the_pool_in_tokens():
 def test_ranks_per_pool_must_divide_the_data_parallel_size():
     cfg = omega_conf_to_dataclass(compose(["method=entropy20", *AUTHORS]).actor_rollout_ref.actor.policy_loss)
     for dp in (8, 16, 64):
-        cfg.check_data_parallel_size(dp)
+        assert cfg.pool_ranks(dp) == 8
     for dp in (4, 12, 20):
         with pytest.raises(ValueError, match=r"policy_loss\.ranks_per_pool=8 is invalid: expected a divisor of the "
                                              rf"run's {dp} data-parallel ranks"):
-            cfg.check_data_parallel_size(dp)
-    assert (cfg.pool_ranks(64), cfg.pool_ranks(8)) == (8, 8)
+            cfg.pool_ranks(dp)
 
 
 @pytest.mark.parametrize("overrides, phrase", [
@@ -114,8 +113,8 @@ def test_ranks_per_pool_must_divide_the_data_parallel_size():
     (["method=entropy20", "actor_rollout_ref.actor.policy_loss.ranks_per_pool=true"], "a whole number >= 1"),
     (["method=stapo", "actor_rollout_ref.actor.policy_loss.ranks_per_pool=8"], "S2T's tau_h is pooled over the whole"),
     (["method=justrl", "actor_rollout_ref.actor.policy_loss.ranks_per_pool=8"], "token_selection=none"),
-    (["method=entropy20", "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code",
-      "actor_rollout_ref.actor.policy_loss.ranks_per_pool=8"], "authors_code"),
+    (["method=entropy20", "actor_rollout_ref.actor.policy_loss.token_selection=entropy_topk_authors_code",
+      "actor_rollout_ref.actor.policy_loss.ranks_per_pool=8"], "token_selection=entropy_topk_authors_code"),
 ])
 def test_the_config_refuses_a_pool_it_cannot_make(overrides, phrase):
     with pytest.raises(ValueError) as info:

@@ -238,8 +238,9 @@ def test_sequence_parallelism_lets_a_budget_go_below_the_longest_sequence(cluste
 
 @pytest.mark.parametrize("method, overrides, what", [
     ("stapo", (), "s2t from the current policy (stats_from=current)"),
-    ("entropy20", (f"{PL}.entropy_topk_reading=authors_code",),
-     "entropy_topk from the current policy (stats_from=current, entropy_topk_reading=authors_code)"),
+    ("entropy20", (f"{PL}.token_selection=entropy_topk_authors_code",  # named so: the identity check
+                   "trainer.experiment_name=qwen3_8b_entropy20_entropy_topk_authors_code"),
+     "entropy_topk_authors_code from the current policy (scope rank_micro_batch)"),
     ("justrl", (f"{PL}.s2t_monitor=true", f"{PL}.stats_from=current"), "the S2T monitor with stats_from=current"),
     ("stapo", (f"{PL}.stats_from=rollout", f"{PL}.update_effect_responses=2"), "update_effect_responses=2"),
 ])

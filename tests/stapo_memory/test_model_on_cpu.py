@@ -295,7 +295,7 @@ def test_entropy_in_the_update_writes_the_logits_gradient_beside_the_logits():
     """20-Entropy's authors' code reading (micro-batch scope, current statistics) needs the update's
     entropy: verl then calls its log-prob kernel with inplace_backward=False, +T V b (9.3 GiB at
     32,768) at the cross entropy's backward; the entropy itself runs without grad (the recipe's patch)."""
-    est = _estimate("qwen3_8b", "entropy20", "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code")
+    est = _estimate("qwen3_8b", "entropy20", "actor_rollout_ref.actor.policy_loss.token_selection=entropy_topk_authors_code")
     assert est.settings.update_entropy and not est.settings.update_entropy_grad
     update = _pass(est, "update")
     assert update.components["logits gradient (not in place)"] == 32768 * 151936 * 2

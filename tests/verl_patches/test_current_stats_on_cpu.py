@@ -131,7 +131,7 @@ def test_entropy_topk_forwards_every_sequence():
     """20-Entropy ranks every token's entropy: current_forward does not apply."""
     config = omega_conf_to_dataclass(compose(["method=entropy20", "model=qwen3_1_7b", f"{PL}.stats_from=current"]
                                              ).actor_rollout_ref.actor)
-    assert not config.policy_loss.forwards_positive_advantage_only
+    assert config.policy_loss.forwards_current_policy and not config.policy_loss.rule.positive_advantage_only
     data, current, _, _ = mini_batch(list(range(B)))
     worker = FakeWorker(config, current)
     metrics, _ = second_mini_batch(worker, data)

@@ -7,8 +7,6 @@ TensorDict in the layout verl's actor hands the loss.
 
 from __future__ import annotations
 
-import dataclasses
-
 import re
 
 import pytest
@@ -278,7 +276,7 @@ def test_current_statistics_compute_the_update_entropy_without_grad(stats_from, 
 
 
 # --------------------------------------------------------------------------------------------
-# 20-Entropy exactly as its authors' code (entropy_topk_reading=authors_code), on 2 ranks
+# 20-Entropy exactly as its authors' code (token_selection=entropy_topk_authors_code), on 2 ranks
 # --------------------------------------------------------------------------------------------
 
 AUTHORS_ROWS = 8  # sequences per rank and mini-batch
@@ -288,7 +286,7 @@ AUTHORS_CASES = {
     "dynamic-micro-batches-0.37": dict(ratio=0.37, splits=([3, 5], [2, 6])),
 }
 READINGS = {
-    "authors_code": ("actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code",),
+    "authors_code": ("actor_rollout_ref.actor.policy_loss.token_selection=entropy_topk_authors_code",),
     "pooled": ("actor_rollout_ref.actor.policy_loss.stats_from=current", MICRO),
 }
 
@@ -331,7 +329,7 @@ def _authors_on_rank(rank, group, payload):
                                                               dp_group=group)
                 loss.backward()
                 total = total + loss.detach()
-                kept.append(metrics["entropy_topk/kept"].aggregate())
+                kept.append(metrics[config.policy_loss.rule.metric_prefix + "kept"].aggregate())
             out[(name, reading)] = {"loss": total, "grad": lp.grad, "kept": kept}
     return out
 
@@ -377,24 +375,28 @@ def test_entropy_topk_authors_code_reading_equals_the_authors_code_on_two_ranks(
                for rank in range(2))
 
 
-def test_authors_code_reading_is_one_switch_and_refuses_other_settings():
-    """entropy_topk_reading=authors_code alone selects in the loss, from the update's entropy, per
-    rank; it refuses S2T, a mini-batch scope, and (at the loss) a loss aggregation other than token-mean."""
-    policy = actor_config("entropy20", "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code").policy_loss
-    assert policy.stats_from == "rollout"  # the method's YAML value, not read by this reading
-    assert policy.selects_in_loss and policy.needs_update_entropy and not policy.pools_over_ranks
-    assert not policy.folds_into_mini_batch
-    # only the S2T monitor (on in every method's YAML) reads the rollout statistics
-    assert policy.monitors_s2t and policy.needs_rollout_entropy
-    assert not dataclasses.replace(policy, s2t_monitor=False).needs_rollout_entropy
+def test_authors_code_rule_is_one_switch_and_refuses_other_settings():
+    """token_selection=entropy_topk_authors_code alone selects in the loss, from the update's entropy, per
+    rank (its rule's own scope); it refuses a mini-batch scope, a pool of ranks, and (at the loss) a loss
+    aggregation other than token-mean; the key of the reading it replaces is refused naming the key."""
+    from stapo_core.rules import RANK_MICRO_BATCH
     from verl_patches.policy_loss_config import TokenSelectionLossConfig
+    from verl_patches.trainers import needs_rollout_entropy
 
-    with pytest.raises(ValueError, match="entropy_topk_reading='authors_code'.*token_selection=s2t"):
-        TokenSelectionLossConfig(token_selection="s2t", entropy_topk_reading="authors_code")
-    with pytest.raises(ValueError, match="scope='mini_batch'"):
-        TokenSelectionLossConfig(token_selection="entropy_topk", entropy_topk_reading="authors_code", scope="mini_batch")
-    config = actor_config("entropy20", "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code",
-                          "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
+    policy = actor_config("entropy20", "actor_rollout_ref.actor.policy_loss.token_selection=entropy_topk_authors_code").policy_loss
+    assert policy.stats_from == "rollout"  # the method's YAML value, not read by this rule
+    assert policy.selects_in_loss and policy.needs_update_entropy and policy.resolved_scope == RANK_MICRO_BATCH
+    assert not policy.folds_into_mini_batch and policy.pool_ranks(8) == 1
+    # only the S2T monitor (on in every method's YAML) reads the rollout statistics
+    assert policy.monitors_s2t and needs_rollout_entropy(compose(["method=entropy20", "actor_rollout_ref.actor.policy_loss.token_selection=entropy_topk_authors_code"]))
+    assert not needs_rollout_entropy(compose(["method=entropy20", "actor_rollout_ref.actor.policy_loss.token_selection=entropy_topk_authors_code",
+                                              "actor_rollout_ref.actor.policy_loss.s2t_monitor=false"]))
+    with pytest.raises(ValueError, match="scope='mini_batch'.*token_selection=entropy_topk_authors_code"):
+        TokenSelectionLossConfig(token_selection="entropy_topk_authors_code", scope="mini_batch")
+    with pytest.raises(ValueError, match="override refused: Could not override "
+                                         r"'actor_rollout_ref\.actor\.policy_loss\.entropy_topk_reading'"):
+        compose(["method=entropy20", "actor_rollout_ref.actor.policy_loss.entropy_topk_reading=authors_code"])
+    config = actor_config("entropy20", "actor_rollout_ref.actor.policy_loss.token_selection=entropy_topk_authors_code", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean")
     mask, old, log_prob, entropy, adv = random_batch(seed=12)
     with pytest.raises(ValueError, match="authors_code.*loss_agg_mode=seq-mean-token-mean"):
         run_ppo_loss(config, mask, old, log_prob, adv, current_entropy=entropy)

@@ -52,7 +52,7 @@ def toy_rule():
 
 def test_an_unregistered_rule_is_refused_naming_the_valid_ones():
     with pytest.raises(ValueError, match=r"token_selection='toy_rare' is invalid: expected one of \['none', 's2t', "
-                                         r"'entropy_topk'\]"):
+                                         r"'entropy_topk', 'entropy_topk_authors_code'\]"):
         TokenSelectionLossConfig(token_selection="toy_rare")
     with pytest.raises(KeyError, match="not a registered rule"):
         get_rule("toy_rare")
@@ -68,7 +68,7 @@ def test_the_table_refuses_a_taken_name_or_prefix(toy_rule):
 
 
 def test_a_registered_rule_runs_through_config_fold_and_loss(toy_rule):
-    assert token_selections() == ("none", "s2t", "entropy_topk", "toy_rare")
+    assert token_selections() == ("none", "s2t", "entropy_topk", "entropy_topk_authors_code", "toy_rare")
     config = actor_config("method=justrl", f"{PL}.token_selection=toy_rare", f"{PL}.tau_p=0.01",
                           f"{PL}.stats_from=rollout")
     cfg = config.policy_loss
@@ -110,8 +110,8 @@ def test_the_table_decides_the_current_forward(toy_rule):
     toy = TokenSelectionLossConfig(token_selection="toy_rare", stats_from="current")
     s2t = TokenSelectionLossConfig(token_selection="s2t", stats_from="current")
     monitor = TokenSelectionLossConfig(token_selection="none", stats_from="current", s2t_monitor=True)
-    assert toy.forwards_current_policy and not toy.forwards_positive_advantage_only
-    assert s2t.forwards_positive_advantage_only
+    assert toy.forwards_current_policy and not toy.rule.positive_advantage_only
+    assert s2t.forwards_current_policy and s2t.rule.positive_advantage_only and s2t.current_forward == "positive_advantage"
     assert [forward_metric_prefix(c) for c in (toy, s2t, monitor)] == ["toy_rare/", "s2t/", "s2t/"]
 
 

@@ -135,16 +135,17 @@ def test_monitor_with_current_statistics_forwards_later_mini_batches():
 
 def test_settings_say_whether_s2t_is_applied():
     monitor = TokenSelectionLossConfig(s2t_monitor=True)
-    assert monitor.monitors_s2t and not monitor.applies_s2t and monitor.needs_rollout_entropy
+    assert monitor.monitors_s2t and not monitor.applies_s2t
     stapo = TokenSelectionLossConfig(token_selection="s2t", stats_from="current", s2t_monitor=True)
     assert stapo.applies_s2t and not stapo.monitors_s2t  # nothing to monitor: S2T is applied
     plain = TokenSelectionLossConfig()
-    assert not plain.monitors_s2t and not plain.needs_rollout_entropy
+    assert not plain.monitors_s2t
     current = TokenSelectionLossConfig(s2t_monitor=True, stats_from="current")
     assert current.monitor_forwards_current_policy and not current.forwards_current_policy
     with pytest.raises(ValueError, match=f"{PL}.s2t_monitor='yes' is invalid: expected true or false"):
         TokenSelectionLossConfig(s2t_monitor="yes")
-    # the legacy trainer keeps the rollout entropy for the actor of every monitored baseline
+    # the legacy trainer keeps the rollout entropy for the actor of every monitored baseline, and for no
+    # baseline without the monitor
     for method in ("justrl", "grpo"):
         assert needs_rollout_entropy(compose([f"method={method}"]))
         assert not needs_rollout_entropy(compose([f"method={method}", f"{PL}.s2t_monitor=false"]))

@@ -96,6 +96,8 @@ class TinyWorker:
         self.engine = SimpleNamespace(module=model, get_data_parallel_group=lambda: None)
         self.engine_config = SimpleNamespace(infer_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
                                              infer_max_token_len_per_gpu=None)
+        self.model_config = SimpleNamespace(tokenizer=SimpleNamespace(
+            decode=lambda ids, skip_special_tokens=False: " ".join(str(int(i)) for i in ids)))
         self.infer_sizes, self.updates = [], []
         self.train_batch = wrap_train_batch(TinyWorker._update)
 
@@ -285,3 +287,25 @@ def test_off_by_default(model):
     worker, _, metrics = _run_step(copy.deepcopy(model), cfg, seeds=(1, 2))
     assert worker.infer_sizes == [] and not any(k.startswith("s2t/dlogp") for m in metrics for k in m)
     assert math.isfinite(metrics[0]["s2t/tau_h"])  # the monitor itself ran
+
+
+def test_the_token_dump_reads_the_same_probe(model, tmp_path, monkeypatch):
+    """With the token dump on, one probe (one forward before and one after the update, of the measured
+    and the dumped responses together) serves both: every dumped token's dlogp is the reference change
+    of its log-probability across the update, and the step's metrics stay those of the measured rows."""
+    from stapo_core import token_records as td
+    from verl_patches.token_dump import settings
+
+    monkeypatch.setenv(settings.DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(settings.RESPONSES_ENV, "3")
+    model = copy.deepcopy(model)
+    cfg = TokenSelectionLossConfig(token_selection="s2t", tau_p=TAU_P, stats_from="rollout", update_effect_responses=2)
+    worker, (rows,), (metrics,) = _run_step(model, cfg, seeds=(1,))
+    assert len(worker.infer_sizes) == 2 and worker.infer_sizes[0] >= 2  # before and after, every probed row
+    assert metrics["s2t/dlogp_responses"] == 2 and metrics["token_dump/responses"] == 3
+    update = worker.updates[0]
+    want = (_reference_log_probs(model, update["after"], rows) - _reference_log_probs(model, update["before"], rows))
+    tokens = td.read_dump(tmp_path, progress=False).tokens
+    assert tokens
+    for t in tokens:
+        assert t["dlogp"] == pytest.approx(float(want[t["row"], t["position"]]), abs=1e-5)

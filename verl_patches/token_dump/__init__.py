@@ -1,11 +1,8 @@
-"""The training-time spurious-token dump, actor side.
+"""The training-time spurious-token dump, actor side: which tokens S2T silences (or would silence), in
+context, with the policy's alternatives, for any method (docs/inspect.md).
 
-* :mod:`.settings`: switched on and configured by ``recipe.token_dump.*`` (environment variables
-  in every Ray worker);
-* :mod:`.scoring`: per sampled response, p, H, the closed-form gradient norm and the top-5
-  alternatives, turned into records;
-* :mod:`.hook`: called by the actor once per mini-batch (first of each step), writes the step file.
-
-The record format, writer and reader are :mod:`stapo_core.token_records` (shared with the
-inspector and the plots).
+It is configured by ``recipe.token_dump.*`` (:mod:`.settings`, environment variables in every Ray worker),
+scores a few sampled responses per step (:mod:`.scoring`, plain PyTorch) where the actor's hook calls it
+(:mod:`.hook`), and writes the record format of :mod:`stapo_core.token_records`, which the inspector and
+the plots read.
 """

@@ -1,50 +1,14 @@
-"""The actor-side hook of the token dump: the candidate tokens of a few sampled responses per step.
+"""The token dump's actor side: the candidate tokens of a few sampled responses of each step's first
+mini-batch, scored under the policy about to be updated, and what the update did to them.
 
-Off by default; switched on by :mod:`verl_patches.token_dump.settings`
-(``recipe.token_dump.dir=<run folder>``), for any method (baselines too). Once per training step,
-data-parallel rank 0 writes the records of every rank (:mod:`stapo_core.token_records`: one
-``response`` record per sampled response, one ``token`` record per candidate token; docs/inspect.md)
-to ``<dir>/s2t_tokens/step_XXXXXX.jsonl``, so the folder only needs to exist on its node.
-
-Where the numbers come from:
-
-* Only the FIRST mini-batch of each step is dumped: its policy is the rollout policy, so p and H
-  are the ones S2T used (``old_log_probs``). The actor runs one extra no-grad forward per sampled
-  response (batch of one, prompt + response, no padding) through the FSDP module, keeps only the
-  response positions' logits (``logits_to_keep``) and computes p, H, top-5 and the gradient norm in
-  float32, ``CHUNK_POSITIONS`` positions at a time, at the rollout temperature. The largest gap
-  between these p and ``exp(old_log_probs)`` is logged as ``token_dump/max_prob_diff``.
-* ``tau_p``: the policy loss's ``tau_p`` (S2T methods), else the paper's 0.002. ``q``: the loss's
-  ``q``, else 0.75.
-* ``tau_h``: S2T's entropy threshold of the mini-batch on the rollout statistics, pooled over the
-  data-parallel group (the fold's ``s2t/tau_h`` of that mini-batch; ``actor/s2t/tau_h`` is the mean
-  over the step's): the mini-batch selection's own (applied or monitored) when it used the dump's
-  strategy, else S2T run for the dump by that selection (:mod:`verl_patches.token_selection`) on
-  the same statistics; both in the mini-batch's view. Strategy:
-  the loss's own when it is ``low_entropy`` / ``high_entropy``, else ``low_entropy`` (what STAPO
-  would have used). Without a rollout ``entropy`` (legacy trainer, non-S2T methods) it is computed
-  over the sampled responses of every rank with the dump's own p and H (``tau_h_source =
-  "sampled"``, else ``"mini_batch"``).
-* ``silenced``: from the mask the update used (original response mask 1, folded mask 0: exact for
-  STAPO and 20-Entropy with ``scope=mini_batch``; never for the baselines). With S2T inside the
-  loss (``scope=micro_batch``) the mask is not visible here, so S2T recomputed over the mini-batch
-  stands in for it (``silenced_from = "s2t_recomputed"``, approximate: the loss pools per
-  micro-batch); otherwise ``silenced_from = "update_mask"``.
-
-Sampling: :func:`select_responses`, seeded by step and rank; the responses with advantage <= 0 it
-mixes in have no candidates but fill the quadrant table. Every rank runs the same number of
-forwards (FSDP forwards are collective): a rank with fewer responses repeats its first one and
-discards it.
-
-Step number: the actor's lr-scheduler count + 1 (one scheduler step per training step, restored
-with checkpoints), else the worker's own step count.
-
-Two phases around verl's update of the step's first mini-batch (:func:`dumps`): :func:`score_mini_batch`
-before it (the forward above, ``tau_h``, ``silenced``, from the mini-batch's view and its host copy),
-:func:`finish_mini_batch` after it (the same forward again, for ``dlogp``; then the records are built
-and the step file written).
-
-Non-first mini-batches return no metric and cost nothing.
+Only the actor holds the policy's logits (each token's entropy, top-5 alternatives and gradient norm)
+when S2T decides, and a step's first mini-batch is still the rollout policy's, so its p and H are the
+ones S2T used. Each data-parallel rank scores its sampled responses (:func:`score_mini_batch`, before
+verl's update) and takes each token's ``dlogp`` from the update's probe
+(:mod:`verl_patches.update_effect`); rank 0 writes every rank's records
+(:mod:`stapo_core.token_records`) to ``<dir>/s2t_tokens/step_XXXXXX.jsonl`` (:func:`finish_mini_batch`,
+after it; the folder need only exist on its node). Off by default: ``recipe.token_dump.dir``
+(:mod:`verl_patches.token_dump.settings`); the records: docs/inspect.md.
 """
 
 from __future__ import annotations
@@ -59,13 +23,15 @@ import torch
 from verl.utils import tensordict_utils as tu
 
 from stapo_core import s2t_mask
+from stapo_core.distributed import all_reduce_max, gather_objects, group_rank
 from stapo_core.rules import S2T
 from stapo_core.token_records import write_step
 
 from ..mini_batch_view import HostFields, MiniBatchPosition, MiniBatchView
 from ..policy_loss_config import TokenSelectionLossConfig
 from ..token_selection import as_s2t
-from .scoring import SampledResponse, build_records, select_responses, target_log_probs, token_stats
+from ..update_effect import Probe
+from .scoring import SampledResponse, build_records, select_responses, token_stats
 from .settings import enabled, settings_from_env
 
 METRIC_PREFIX = "token_dump/"
@@ -112,8 +78,9 @@ def _response_logits(engine, input_ids: torch.Tensor, position_ids: torch.Tensor
 
 
 def s2t_settings(cfg) -> TokenSelectionLossConfig:
-    """The S2T settings the dump records for the policy-loss config ``cfg`` (the paper's without the
-    recipe's config): ``tau_p``, ``q``, and the strategy (module docstring)."""
+    """The S2T settings the dump records for the policy-loss settings ``cfg``: its ``tau_p`` and ``q``
+    (the paper's without the recipe's settings), and its strategy where it applies S2T with a threshold
+    (``low_entropy``, ``high_entropy``), else ``low_entropy``, what STAPO would use."""
     if not isinstance(cfg, TokenSelectionLossConfig):
         return TokenSelectionLossConfig(token_selection=S2T.name)
     strategy = cfg.strategy if cfg.applies_s2t and cfg.strategy in ("low_entropy", "high_entropy") else "low_entropy"
@@ -134,34 +101,6 @@ def _uids_and_indices(data, batch: int, step: int, rank: int) -> tuple[list, lis
     return uids, indices
 
 
-class _Group:
-    """The data-parallel group and the device its collectives use."""
-
-    def __init__(self, group, device: torch.device):
-        self.group, self.device = group, device
-        dist = torch.distributed
-        self.active = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if self.active else 0
-        self.size = dist.get_world_size(group) if self.active else 1
-
-    def max(self, values: list) -> list:
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        if self.active and self.size > 1:
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        return t.tolist()
-
-    def gather_objects(self, obj) -> list:
-        if not (self.active and self.size > 1):
-            return [obj]
-        out = [None] * self.size
-        torch.distributed.all_gather_object(out, obj, group=self.group)
-        return out
-
-    @property
-    def s2t_group(self):
-        return self.group if self.active else None
-
-
 class _Decoder:
     """``decode(ids) -> str`` with the model's tokenizer, single tokens cached."""
 
@@ -180,7 +119,8 @@ class _Decoder:
 
 
 def _step_number(worker, position: MiniBatchPosition) -> int:
-    """1-based (module docstring, "Step number")."""
+    """The 1-based training step: the actor's lr-scheduler count + 1 (one scheduler step per training
+    step, restored with checkpoints), else the worker's own count."""
     scheduler = getattr(getattr(worker, "engine", None), "lr_scheduler", None)
     last = getattr(scheduler, "last_epoch", None)
     return int(last) + 1 if isinstance(last, int) and last >= 0 else position.step
@@ -215,16 +155,15 @@ class DumpRows:
 
 @dataclass
 class PendingDump:
-    """A step's dump between :func:`score_mini_batch` and :func:`finish_mini_batch`."""
+    """A step's dump between :func:`score_mini_batch` and :func:`finish_mini_batch`: this rank's picked
+    rows and their scored responses, the records' settings and thresholds."""
 
     settings: object
     step: int
     method: str
-    group: "_Group"
-    rows: DumpRows
+    group: object
+    device: torch.device
     picked: list
-    n_forward: int
-    temperature: float
     sampled: list
     tau_p: float
     tau_h: Optional[float]
@@ -233,14 +172,24 @@ class PendingDump:
 
 
 def score_mini_batch(worker, view: MiniBatchView) -> PendingDump:
-    """Phase 1 of the dump, before verl's update, on every data-parallel rank: sample a few responses
-    of the mini-batch (its view, the selection done, with S2T's sets for the dump) and score them under
-    the policy about to be updated."""
+    """Phase 1, before verl's update, on every data-parallel rank: pick a few responses of the
+    mini-batch (:func:`~verl_patches.token_dump.scoring.select_responses`, seeded by step and rank) and
+    score them under the policy about to be updated, one no-grad forward each (every rank the same
+    number: a rank with fewer repeats its first and discards it).
+
+    ``tau_h``: S2T's threshold of the mini-batch's rollout statistics with the dump's settings
+    (:func:`s2t_settings`), pooled over the data-parallel group: the selection's own where it used
+    them, else S2T run for the dump on the same statistics (:mod:`verl_patches.token_selection`);
+    without rollout statistics, S2T over every rank's sampled responses with the dump's own p and H
+    (``tau_h_source`` ``sampled``, else ``mini_batch``). ``silenced``: where the update's folded mask
+    dropped the token (``silenced_from`` ``update_mask``); with S2T inside the loss, where that
+    recomputed S2T silences it (``s2t_recomputed``, approximate: the loss pools per micro-batch).
+    """
     start = time.perf_counter()
     settings = settings_from_env()
     _check_supported(worker)
     step = _step_number(worker, view.position)
-    group = _Group(view.group, view.device)
+    rank = group_rank(view.group)
     cfg, s2t = view.cfg, view.dump_s2t
     s2t_in_loss = isinstance(cfg, TokenSelectionLossConfig) and cfg.applies_s2t and cfg.selects_in_loss
     method = settings.method or str(getattr(cfg, "loss_mode", "unknown"))
@@ -249,43 +198,40 @@ def score_mini_batch(worker, view: MiniBatchView) -> PendingDump:
                     list(data["responses"].unbind()) if "responses" in data else None)
     inside = host.mask != 0
     advantage = torch.where(inside, host.advantages, 0.0).double().sum(-1) / inside.sum(-1).clamp(min=1)
-    picked = select_responses(advantage.tolist(), settings.responses, (step, group.rank))
-    n_forward = int(group.max([len(picked)])[0])
+    picked = select_responses(advantage.tolist(), settings.responses, (step, rank))
+    n_forward = int(all_reduce_max(torch.tensor([len(picked)], device=view.device), view.group))
     temperature = float(_scalar_setting(data, "temperature", 1.0))
-    uids, indices = _uids_and_indices(data, len(rows.input_ids), step, group.rank)
+    uids, indices = _uids_and_indices(data, len(rows.input_ids), step, rank)
     sampled = []
     for j in range(n_forward):
         row = picked[j] if j < len(picked) else picked[0]  # same forward count on every rank
-        resp = _score_row(worker.engine, group.device, rows, row, temperature)
+        resp = _score_row(worker.engine, view.device, rows, row, temperature)
         if j < len(picked):
-            resp.uid, resp.response_index, resp.rank = uids[row], indices[row], group.rank
+            resp.uid, resp.response_index, resp.rank = uids[row], indices[row], rank
             sampled.append(resp)
 
     sets = view.selection.dump
     if sets is not None:  # the mini-batch's rollout statistics
         tau_h, tau_h_source, silenced = sets.tau_h, "mini_batch", {row: sets.silenced[row].cpu() for row in picked}
     else:
-        tau_h, tau_h_source, silenced = _sampled_threshold(sampled, picked, group, s2t, view.mask.shape[1])
+        tau_h, tau_h_source, silenced = _sampled_threshold(sampled, picked, view, s2t)
     if s2t_in_loss:
         for resp, row in zip(sampled, picked):
             resp.silenced = silenced[row]
     extra = {"tau_h_source": tau_h_source, "silenced_from": "s2t_recomputed" if s2t_in_loss else "update_mask"}
-    return PendingDump(settings, step, method, group, rows, picked, n_forward, temperature, sampled, s2t.tau_p, tau_h,
-                       extra, time.perf_counter() - start)
+    return PendingDump(settings, step, method, view.group, view.device, picked, sampled, s2t.tau_p, tau_h, extra,
+                       time.perf_counter() - start)
 
 
-def finish_mini_batch(worker, pending: PendingDump) -> dict:
-    """Phase 2 of the dump, after verl's update of the same mini-batch: score the same responses
-    again (``dlogp``), then build the records and write the step file. Metrics: ``seconds`` (both
-    phases, this rank), ``records`` and ``responses`` (all ranks), ``max_prob_diff``."""
+def finish_mini_batch(worker, pending: PendingDump, probe: Optional[Probe]) -> dict:
+    """Phase 2, after verl's update of the same mini-batch: each token's ``dlogp`` from ``probe`` (the
+    update's, holding every picked row), then the records, written by rank 0 for every rank. Metrics:
+    ``seconds`` (both phases and the probe, this rank), ``records`` and ``responses`` (all ranks),
+    ``max_prob_diff`` (the largest gap between the dump's p and the rollout's, all ranks)."""
     start = time.perf_counter()
-    group, rows = pending.group, pending.rows
-    for j in range(pending.n_forward):
-        row = pending.picked[j] if j < len(pending.picked) else pending.picked[0]
-        after = _row_log_probs(worker.engine, group.device, rows, row, pending.temperature)
-        if j < len(pending.picked):
-            resp = pending.sampled[j]
-            resp.dlogp = after - resp.stats["log_prob"]
+    if probe is not None:
+        for resp in pending.sampled:
+            resp.dlogp = probe.dlogp[probe.rows.index(resp.row), : len(resp.response_ids)]
     records = []
     decode = _Decoder(getattr(worker.model_config, "tokenizer", None))
     for resp in pending.sampled:
@@ -293,15 +239,15 @@ def finish_mini_batch(worker, pending: PendingDump) -> dict:
                                  tau_h=pending.tau_h, context=pending.settings.context, decode=decode,
                                  ids=pending.settings.ids, extra=pending.extra)
     diff = max([_prob_diff(r) for r in pending.sampled] + [0.0])
-    diff = group.max([diff])[0]
-    gathered = group.gather_objects(records)
+    diff = float(all_reduce_max(torch.tensor([diff], dtype=torch.float64, device=pending.device), pending.group))
+    gathered = gather_objects(records, pending.group)
     total = sum(len(r) for r in gathered)
-    if group.rank == 0:
+    if group_rank(pending.group) == 0:
         write_step(pending.settings.run_dir, pending.step, [rec for part in gathered for rec in part])
     n_responses = sum(1 for part in gathered for rec in part if rec["kind"] == "response")
-    seconds = pending.seconds + time.perf_counter() - start
+    seconds = pending.seconds + (probe.seconds if probe is not None else 0.0) + time.perf_counter() - start
     return {METRIC_PREFIX + "seconds": seconds, METRIC_PREFIX + "records": float(total),
-            METRIC_PREFIX + "responses": float(n_responses), METRIC_PREFIX + "max_prob_diff": float(diff)}
+            METRIC_PREFIX + "responses": float(n_responses), METRIC_PREFIX + "max_prob_diff": diff}
 
 
 def _score_row(engine, device, rows: DumpRows, row: int, temperature: float) -> SampledResponse:
@@ -324,23 +270,16 @@ def _score_row(engine, device, rows: DumpRows, row: int, temperature: float) -> 
         uid="", response_index=0, rank=0, row=row)
 
 
-def _row_log_probs(engine, device, rows: DumpRows, row: int, temperature: float) -> torch.Tensor:
-    """``(R,)`` float32 log-probs of one row's response tokens under the engine's current weights."""
-    n = int(rows.host.lengths[row])
-    seq = rows.input_ids[row]
-    logits = _response_logits(engine, seq, rows.position_ids[row], n, device)
-    return target_log_probs(logits, seq[-n:], temperature).cpu()
-
-
-def _sampled_threshold(sampled: list, picked: list, group: _Group, s2t: TokenSelectionLossConfig,
-                       width: int) -> tuple[Optional[float], str, dict]:
+def _sampled_threshold(sampled: list, picked: list, view: MiniBatchView,
+                       s2t: TokenSelectionLossConfig) -> tuple[Optional[float], str, dict]:
     """``(tau_h, "sampled", silenced)`` without rollout statistics: S2T over the sampled responses of
     every rank with the dump's own p and H (``tau_h`` None when undefined; ``silenced``: each picked
     row's silenced tokens)."""
-    log_prob, entropy, adv, mask = (_stack_padded([_stat(r, name) for r in sampled], width).to(group.device)
+    width = view.mask.shape[1]
+    log_prob, entropy, adv, mask = (_stack_padded([_stat(r, name) for r in sampled], width).to(view.device)
                                     for name in ("log_prob", "entropy", "advantages", "mask"))
     result = s2t_mask(log_prob, entropy, adv, mask, tau_p=s2t.tau_p, q=s2t.q, strategy=s2t.strategy,
-                      group=group.s2t_group)
+                      group=view.group)
     tau_h, silenced = result.stats["tau_h"], (mask != 0) & (result.keep == 0)
     return (tau_h if math.isfinite(tau_h) else None), "sampled", {row: silenced[j].cpu() for j, row in enumerate(picked)}
 

@@ -84,25 +84,6 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float 
     return out
 
 
-def target_log_probs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                     chunk_size: int = CHUNK_POSITIONS) -> torch.Tensor:
-    """``(T,)`` float32 ``log_softmax(logits / temperature)[targets]``, ``chunk_size`` positions at a
-    time: the ``log_prob`` of :func:`token_stats` alone.
-
-    Args:
-        logits: ``(T, V)`` any float dtype. targets: ``(T,)`` integer ids. temperature: > 0.
-    """
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"target_log_probs: logits (T, V) and targets (T,) expected, got {tuple(logits.shape)} "
-                         f"and {tuple(targets.shape)}")
-    parts = []
-    for start in range(0, logits.shape[0], chunk_size):
-        a = logits[start : start + chunk_size].float() / temperature
-        tgt = targets[start : start + chunk_size].to(a.device).long()
-        parts.append(a.gather(-1, tgt[:, None]).squeeze(-1) - torch.logsumexp(a, -1))
-    return torch.cat(parts) if parts else logits.new_zeros(0, dtype=torch.float32)
-
-
 @dataclass
 class SampledResponse:
     """One sampled response, everything on the host.

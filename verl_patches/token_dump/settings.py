@@ -1,21 +1,9 @@
 """Settings of the training-time token dump, read from the environment of every Ray worker.
 
-Off by default. ``recipe.token_dump.dir=<run folder>`` turns it on for any method (baselines too,
-so their spurious tokens can be inspected); the recipe passes the settings to every Ray worker as
-environment variables:
-
-=============================  ================================  =========================================
-variable                       config key                        meaning
-=============================  ================================  =========================================
-``STAPO_TOKEN_DUMP_DIR``       ``recipe.token_dump.dir``         run folder; empty = off
-``STAPO_TOKEN_DUMP_RESPONSES`` ``recipe.token_dump.responses``   responses sampled per data-parallel rank and step (>= 1)
-``STAPO_TOKEN_DUMP_CONTEXT``   ``recipe.token_dump.context``     tokens of context each side of a token (>= 0)
-``STAPO_TOKEN_DUMP_IDS``       ``recipe.token_dump.ids``         ``true``: response records also carry
-                                                                 ``prompt_ids`` / ``response_ids`` (for exact
-                                                                 offline re-scoring; larger files)
-``STAPO_TOKEN_DUMP_METHOD``    ``recipe.method``                 ``method`` written in the records
-                                                                 (default: the policy loss mode)
-=============================  ================================  =========================================
+The dump runs in the actor's workers, which see the driver's config only through verl, so the recipe
+passes ``recipe.token_dump.*`` (and ``recipe.method``) to every Ray worker as the environment variables
+below. Off by default: ``recipe.token_dump.dir=<run folder>`` turns it on for any method (baselines
+too, so that their spurious tokens can be inspected).
 """
 
 from __future__ import annotations
@@ -25,11 +13,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-#: run folder; empty or unset: the dump is off
+#: ``recipe.token_dump.dir``: the run folder; empty or unset: the dump is off
 DIR_ENV = "STAPO_TOKEN_DUMP_DIR"
+#: ``recipe.token_dump.responses``: responses sampled per data-parallel rank and step (>= 1)
 RESPONSES_ENV = "STAPO_TOKEN_DUMP_RESPONSES"
+#: ``recipe.token_dump.context``: tokens of context each side of a token (>= 0)
 CONTEXT_ENV = "STAPO_TOKEN_DUMP_CONTEXT"
+#: ``recipe.token_dump.ids``: ``true``: response records also carry ``prompt_ids`` / ``response_ids``
+#: (for exact offline re-scoring; larger files)
 IDS_ENV = "STAPO_TOKEN_DUMP_IDS"
+#: ``recipe.method``: the records' ``method`` (default: the policy loss mode)
 METHOD_ENV = "STAPO_TOKEN_DUMP_METHOD"
 DEFAULT_RESPONSES = 4
 DEFAULT_CONTEXT = 16

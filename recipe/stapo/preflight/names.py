@@ -100,8 +100,8 @@ def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:
         return
     uses = []
     if cfg.selects_tokens and cfg.statistics_source == "current":
-        uses.append(f"{cfg.token_selection} from the current policy (stats_from=current"
-                    + (", entropy_topk_reading=authors_code" if cfg.authors_code_reading else "") + ")")
+        why = "stats_from=current" if cfg.stats_from == "current" else f"scope {cfg.resolved_scope}"
+        uses.append(f"{cfg.token_selection} from the current policy ({why})")
     if cfg.monitor_forwards_current_policy:
         uses.append("the S2T monitor with stats_from=current")
     if cfg.measures_update_effect:

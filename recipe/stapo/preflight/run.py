@@ -72,8 +72,8 @@ def data_parallel_size(config: DictConfig) -> Optional[int]:
 
 def check_ranks_per_pool(config: DictConfig, found: list[Problem]) -> None:
     """``policy_loss.ranks_per_pool`` divides the run's data-parallel ranks (the config class's own check,
-    :meth:`~verl_patches.policy_loss_config.TokenSelectionLossConfig.check_data_parallel_size`, which the
-    workers would otherwise run after Ray, the model load and the vLLM start)."""
+    :meth:`~verl_patches.policy_loss_config.TokenSelectionLossConfig.pool_ranks`, which the workers would
+    otherwise run after Ray, the model load and the vLLM start)."""
     try:
         cfg = settings_of(config)
     except ValueError:  # check_names reports an invalid policy-loss config
@@ -82,7 +82,7 @@ def check_ranks_per_pool(config: DictConfig, found: list[Problem]) -> None:
     if cfg is None or cfg.ranks_per_pool is None or dp is None:
         return
     try:
-        cfg.check_data_parallel_size(dp)
+        cfg.pool_ranks(dp)
     except ValueError as e:
         found.append(Problem(f"{POLICY_LOSS}.ranks_per_pool", str(e).split(" is invalid: ", 1)[-1],
                              f"set it to a divisor of {dp} (8 gives 20-Entropy's authors' pool, docs/method.md), "
@@ -111,7 +111,7 @@ def selection_pool(config: DictConfig) -> Optional[SelectionPool]:
     with ``scope=mini_batch`` the response tokens of the PPO mini-batch's sequences held by one pool's
     ranks (``ranks_per_pool``, default every rank); with ``scope=micro_batch`` one micro-batch of each of
     those ranks (the token budget with dynamic batch size, prompts included; else the micro-batch's
-    sequences at the full response length); with ``entropy_topk_reading=authors_code`` one rank's micro-batch."""
+    sequences at the full response length); for a rule evaluated per rank, one rank's micro-batch."""
     try:
         cfg = settings_of(config)
     except ValueError:
@@ -120,7 +120,6 @@ def selection_pool(config: DictConfig) -> Optional[SelectionPool]:
     if cfg is None or not cfg.selects_tokens or dp is None:
         return None
     try:
-        cfg.check_data_parallel_size(dp)
         ranks = cfg.pool_ranks(dp)
         response = int(pick(config, "data.max_response_length"))
         sp = int(pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1)

@@ -220,6 +220,17 @@ def _mini_batch(rows, layout: str, *, last: bool, with_entropy: bool = True):
     return data
 
 
+@torch.no_grad()
+def _infer_batch(model, data):
+    """verl's inference pass (the update's probe): every sequence's log-probs in verl's flat layout,
+    entry k of a sequence being log p(seq[k+1] | seq[:k+1])."""
+    flat = []
+    for seq in data["input_ids"].unbind():
+        logp = torch.log_softmax(model(input_ids=seq[None]).logits[0, :-1].float(), -1)
+        flat += [logp.gather(-1, seq[1:, None]).squeeze(-1), logp.new_zeros(1)]
+    return {"log_probs": torch.cat(flat)}
+
+
 def _hook(model, cfg, last_epoch: int):
     """verl_patches' wrapped ``train_batch`` and a stand-in TrainingWorker around ``model``."""
     from verl.utils import tensordict_utils as tu
@@ -232,6 +243,9 @@ def _hook(model, cfg, last_epoch: int):
     worker = SimpleNamespace(
         engine=SimpleNamespace(module=model, get_data_parallel_group=lambda: None,
                                lr_scheduler=SimpleNamespace(last_epoch=last_epoch)),
+        engine_config=SimpleNamespace(infer_micro_batch_size_per_gpu=2, use_dynamic_bsz=False,
+                                      infer_max_token_len_per_gpu=None),
+        infer_batch=functools.partial(_infer_batch, model),
         model_config=SimpleNamespace(tokenizer=CharTokenizer()), config=SimpleNamespace(model_type="language_model"),
         loss_fn=functools.partial(lambda **kw: None, config=SimpleNamespace(policy_loss=cfg)))
     return wrap_train_batch(train_batch), worker
@@ -316,6 +330,8 @@ def test_dump_matches_independent_forward(model, batch, dump_env, layout, monkey
             assert t["silenced"] == bool(original[row, pos] != 0 and folded[row, pos] == 0)
             assert t["silenced"] == (t["entropy"] < rec["tau_h"] - 1e-6) or abs(t["entropy"] - rec["tau_h"]) < 1e-6
         assert rec["tau_h_source"] == "mini_batch" and rec["silenced_from"] == "update_mask"
+    # every token's dlogp comes from the update's probe; this stand-in update leaves the weights unchanged
+    assert all(t["dlogp"] == 0.0 for t in tokens)
     # a later mini-batch of the same step: no dump, no cost
     again = _metrics_of(hook(worker, _mini_batch(batch, layout, last=True)))
     assert not any(k.startswith("token_dump/") for k in again)
