@@ -131,7 +131,6 @@ for override in "$@"; do
   esac
 done
 source run_scripts/_python.sh   # sets python (PYTHON, else python3 or the project's .venv)
-export VERL_USE_EXTERNAL_MODULES="${VERL_USE_EXTERNAL_MODULES:-verl_patches.activate}"
 
 # each key once, with its final value: a plain key=value is left out when a later argument sets its key
 # again (Hydra would apply both, the later winning); +key (add) and ~key (delete) are kept as given

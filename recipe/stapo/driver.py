@@ -517,7 +517,10 @@ def job_runtime_env(environ: Mapping[str, str]) -> dict:
     the job's (Ray merges the two variable by variable, the driver's winning).
     """
     env = dict(environ)
-    ensure_patch_module_env(env)
+    if env.get("VERL_USE_EXTERNAL_MODULES"):
+        ensure_patch_module_env(env)
+    # else the job leaves the variable to the node's environment (the CPU path names its platform module
+    # there), and the driver puts the recipe's patches first itself (main_stapo)
     env_vars = forwarded_env(env)
     env_vars["RAY_OVERRIDE_JOB_RUNTIME_ENV"] = "1"
     return {"env_vars": env_vars, "excludes": list(WORKING_DIR_EXCLUDES)}

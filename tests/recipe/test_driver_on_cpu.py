@@ -165,6 +165,9 @@ def test_submitted_job_carries_exactly_the_allowed_variables():
                                        "STAPO_MODEL_DIR": "/m", "VERL_USE_EXTERNAL_MODULES": "verl_patches.activate,mymod",
                                        "WANDB_API_KEY": "k", "RAY_OVERRIDE_JOB_RUNTIME_ENV": "1"}
     assert {"/.git", "/.venv", "/data", "/checkpoints"} <= set(runtime_env["excludes"])  # anchored at the root
+    # without a list of the submitting shell's, the node's own list (the CPU path's platform first) reaches the driver
+    del environ["VERL_USE_EXTERNAL_MODULES"]
+    assert "VERL_USE_EXTERNAL_MODULES" not in job_runtime_env(environ)["env_vars"]
 
 
 def test_the_patch_module_goes_first_unless_a_module_is_listed_before_it():

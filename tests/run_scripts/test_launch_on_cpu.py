@@ -29,7 +29,7 @@ def _env(**extra) -> dict:
     """The test process's environment without what a launch would forward (those come from each test)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("WANDB_", "HF_", "LAUNCH", "CKPT_DIR", *FORWARDED_ENV_PREFIXES))
-           and (k not in FORWARDED_ENV_NAMES or k == "VERL_USE_EXTERNAL_MODULES")}
+           and k not in FORWARDED_ENV_NAMES}
     env.update(extra)
     return env
 
@@ -94,8 +94,8 @@ def test_submit_mode_forwards_only_the_allow_list(tmp_path):
     dropped = {"AWS_SECRET_ACCESS_KEY": "aws", "CUDA_VISIBLE_DEVICES": "0,1", "VLLM_HOST_IP": "10.0.0.1",
                "RAY_AUTH_TOKEN": "ray-token", "PATH_TO_NOTHING": "x"}
     proc, _, _, names = _submit_dry_run(tmp_path, WANDB_API_KEY=SECRET, HF_TOKEN="hf_" + SECRET, **forwarded, **dropped)
-    assert set(names) == set(forwarded) | {"WANDB_API_KEY", "HF_TOKEN", "STAPO_LAUNCH_DIR", "VERL_USE_EXTERNAL_MODULES",
-                                      "RAY_OVERRIDE_JOB_RUNTIME_ENV"}
+    # no VERL_USE_EXTERNAL_MODULES: the node's own list reaches the driver, which puts the recipe's patches first
+    assert set(names) == set(forwarded) | {"WANDB_API_KEY", "HF_TOKEN", "STAPO_LAUNCH_DIR", "RAY_OVERRIDE_JOB_RUNTIME_ENV"}
     assert SECRET not in proc.stdout + proc.stderr
     assert names["WANDB_API_KEY"] == names["HF_TOKEN"] == "<secret, not shown>"
     assert {k: names[k] for k in forwarded if k != "STAPO_DATA_DIR"} == {k: v for k, v in forwarded.items()
