@@ -240,3 +240,15 @@ def test_nothing_imports_the_bare_verl_patches_package():
     files = [p for layer in (*ALLOWED, "tests") for p in (REPO / layer).rglob("*.py")]
     found = [str(p.relative_to(REPO)) for p in files if bare.search(p.read_text())]
     assert not found, "`import verl_patches` applies nothing, use `import verl_patches.activate`:\n" + "\n".join(found)
+
+
+def test_the_front_door_and_every_module_stay_small():
+    """README.md is a front door of at most 140 lines (the rest lives in docs/), and no tracked Python
+    module outside tests/ reaches 800 lines (a module that long is two modules)."""
+    import subprocess
+
+    assert len((REPO / "README.md").read_text().splitlines()) <= 140
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True)
+    lengths = {path: len((REPO / path).read_text().splitlines()) for path in tracked.stdout.split()
+               if not path.startswith("tests/")}
+    assert lengths and all(n <= 800 for n in lengths.values()), {p: n for p, n in lengths.items() if n > 800}
