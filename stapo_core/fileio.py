@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 #: what a path that is not a regular file is, as a refusal says it
 _KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 #: what ``os.open`` met when it refuses with these errors under ``O_NOFOLLOW | O_NONBLOCK``
 _OPEN_REFUSALS = {errno.ELOOP: stat.S_IFLNK, errno.ENXIO: stat.S_IFIFO}
 
@@ -38,7 +38,7 @@ class FileError(OSError):
 
 
 def _not_regular(path: str | os.PathLike, mode: int) -> FileError:
-    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    kind = next((name for test, name in _KINDS if test(mode)), "another kind of file")
     return FileError(errno.EINVAL, f"{path} is {kind}, not a regular file: refused; give the path of a regular "
                                    "file, or move that one away")
 
