@@ -73,6 +73,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from stapo_core.fileio import atomic_write
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
 #: resolution of the peak-memory measurement (MiB) and the relative tolerance of "no more memory"
@@ -680,7 +682,7 @@ def run(args: argparse.Namespace) -> None:
     print(markdown_table(rows))
     print("\n".join(notes))
     if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        atomic_write(args.json, json.dumps([asdict(r) for r in rows], indent=1))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

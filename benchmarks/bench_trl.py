@@ -34,6 +34,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
+from stapo_core.fileio import atomic_write
+
 #: trainer name -> (STAPO's settings, or None for GRPOTrainer)
 TRAINERS = {
     "grpo": None,
@@ -184,8 +186,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"{args.max_completion_length} tokens per step, {args.threads} torch thread(s), model {model}")
     print(table(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+        atomic_write(args.json, json.dumps([asdict(r) for r in rows], indent=1))
     return 0 if all(math.isfinite(r.step_ratio) for r in rows) else 1
 
 

@@ -9,7 +9,7 @@
 
 Statistics pooled over a ``torch.distributed`` group use :mod:`stapo_core.distributed`. Also here,
 because every layer shares them and none of them needs verl: the token-dump record format
-(:mod:`stapo_core.token_records`) and small file helpers (:mod:`stapo_core.fileio`).
+(:mod:`stapo_core.token_records`) and the one way files are written (:mod:`stapo_core.fileio`).
 """
 
 from .checks import is_number

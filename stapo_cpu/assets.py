@@ -56,7 +56,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stapo_core.fileio import sha256_file
+from stapo_core.fileio import atomic_write, sha256_file
 
 from .isa import isa_env
 from .tiny_config import AssetConfig
@@ -196,7 +196,7 @@ def build_assets(out_dir: str | os.PathLike, cfg: AssetConfig = AssetConfig(), f
     tmp = Path(tempfile.mkdtemp(prefix=f".{paths.root.name}.tmp-", dir=paths.root.parent))
     try:
         manifest = _build_into(tmp, cfg)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True))
+        atomic_write(tmp / MANIFEST, json.dumps(manifest, indent=2, sort_keys=True))
         if paths.root.exists():
             old = paths.root.with_name(f".{paths.root.name}.old-{os.getpid()}")
             paths.root.rename(old)

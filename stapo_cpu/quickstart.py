@@ -61,7 +61,7 @@ from typing import Optional
 from recipe.stapo.methods import PAPER_METHODS, methods
 from recipe.stapo.metrics import read_metrics
 from recipe.stapo.plots import STOPPED_FILE, plot_bands, plot_runs, plot_update_effect
-from stapo_core.fileio import output_folder_problem
+from stapo_core.fileio import atomic_write, output_folder_problem
 
 from . import reproducibility
 from .assets import SHIPPED_DIR, AssetConfig, asset_paths, build_assets, is_built, verify_assets
@@ -251,7 +251,7 @@ def initial_validation(metrics_file: Path) -> Optional[dict]:
 def share_initial_validation(metrics_file: Path, validation: dict, source: str) -> None:
     """Prepend ``validation`` (another run's step-0 record) to ``metrics_file``, marked with its source."""
     line = json.dumps({"step": 0, "data": validation, SHARED_FROM: source})
-    metrics_file.write_text(line + "\n" + metrics_file.read_text())
+    atomic_write(metrics_file, line + "\n" + metrics_file.read_text())
 
 
 def run_kwargs(opts: QuickstartOptions, seed: int) -> dict:
@@ -292,8 +292,8 @@ def record_stop(run_dir: Path, label: str, wall_s: float, timeout: float, logged
     folder, and the numbers); returns the reason for the summary."""
     reason = (f"stopped after {wall_s:.0f} s (the quickstart's limit per run, --timeout {timeout:g}) with {logged} "
               f"of {steps} steps logged: raise --timeout")
-    (run_dir / STOPPED_FILE).write_text(json.dumps({"message": f"run {label} {reason}", "wall_s": wall_s,
-                                                    "timeout_s": timeout, "steps_logged": logged, "steps": steps}))
+    atomic_write(run_dir / STOPPED_FILE, json.dumps({"message": f"run {label} {reason}", "wall_s": wall_s,
+                                                     "timeout_s": timeout, "steps_logged": logged, "steps": steps}))
     return reason
 
 
@@ -347,7 +347,7 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
         return {**summarise(method, steps, run.wall_s, error=f"FAILED: exit {run.returncode}, see {run.log}"),
                 "seed": seed}
     cpu_s = round(_children_cpu_seconds() - cpu_before, 1)
-    (run_dir / DONE).write_text(json.dumps({"settings": settings, "wall_s": run.wall_s, "cpu_s": cpu_s}))
+    atomic_write(run_dir / DONE, json.dumps({"settings": settings, "wall_s": run.wall_s, "cpu_s": cpu_s}))
     print(f"{tag}: done in {run.wall_s} s ({cpu_s} CPU s)", flush=True)
     return {**summarise(method, steps, run.wall_s), "seed": seed, "cpu_s": cpu_s}
 
@@ -456,13 +456,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (FileNotFoundError, ValueError) as exc:
             extra_md += f"\n(no token quadrants: {exc})\n"
     provenance = reproducibility.collect(list(opts.seeds), assets)  # what it takes to repeat these numbers
-    (out / "summary.md").write_text(f"# STAPO {'study' if study else 'quickstart'} (CPU, tiny model, {opts.steps} steps, "
-                                    f"{len(opts.seeds)} seed(s), verl {opts.trainer} trainer)\n\n"
-                                    f"{learning_md}{table}\n{extra_md}\n"
-                                    f"{reproducibility.markdown(provenance)}")
-    (out / "summary.json").write_text(json.dumps({"methods": rows, "learning": check, "update_effect": by_method,
-                                                  "reproducibility": provenance}, indent=2))
-    (out / SETTINGS_FILE).write_text(json.dumps({"stapo": settings, "paper": paper_settings()}, indent=2, default=str))
+    atomic_write(out / "summary.md", f"# STAPO {'study' if study else 'quickstart'} (CPU, tiny model, {opts.steps} steps, "
+                                     f"{len(opts.seeds)} seed(s), verl {opts.trainer} trainer)\n\n"
+                                     f"{learning_md}{table}\n{extra_md}\n"
+                                     f"{reproducibility.markdown(provenance)}")
+    atomic_write(out / "summary.json", json.dumps({"methods": rows, "learning": check, "update_effect": by_method,
+                                                   "reproducibility": provenance}, indent=2))
+    atomic_write(out / SETTINGS_FILE, json.dumps({"stapo": settings, "paper": paper_settings()}, indent=2, default=str))
     groups = {m: [opts.run_dir(m, r["seed"]) for r in finished if r["method"] == m] for m in opts.methods}
     groups = {m: dirs for m, dirs in groups.items() if dirs}
     if study:

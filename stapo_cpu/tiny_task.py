@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+from stapo_core.fileio import atomic_write
+
 from .tiny_config import INSTRUCTION, AssetConfig
 
 DATA_SOURCE = "stapo_tiny_addition"
@@ -116,7 +118,7 @@ def write_parquet(pairs: list[tuple[int, int]], split: str, path: Path) -> None:
     # pandas (a second) only when a split is written
     import pandas as pd
 
-    pd.DataFrame(_rows(pairs, split)).to_parquet(path, index=False)
+    atomic_write(path, lambda tmp: pd.DataFrame(_rows(pairs, split)).to_parquet(tmp, index=False))
 
 
 def is_correct(text: str, truth: str) -> bool:

@@ -24,6 +24,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from recipe.stapo.driver import METHODS, PATCH_MODULE
 from recipe.stapo.eval.backends import CPU_VLLM_ENV
 from recipe.stapo.metrics import METRICS_FILE, read_metrics
+from stapo_core.fileio import open_regular
 
 from .assets import asset_paths
 from .isa import DEFAULT_ISA, isa_env
@@ -71,7 +72,7 @@ def machine_turn(log: Callable[[str], None] = print, poll_s: float = 2.0):
         yield 0.0
         return
     slots, start, said = run_slots(), time.time(), False
-    handles = [open(f"{path}.{i}", "a") for i in range(slots)]
+    handles = [open_regular(f"{path}.{i}", os.O_WRONLY | os.O_APPEND | os.O_CREAT) for i in range(slots)]
     try:
         while True:
             held = next((h for h in handles if _try_lock(h)), None)
@@ -88,7 +89,7 @@ def machine_turn(log: Callable[[str], None] = print, poll_s: float = 2.0):
             fcntl.flock(held, fcntl.LOCK_UN)
     finally:
         for handle in handles:
-            handle.close()
+            os.close(handle)
 
 
 def _try_lock(handle) -> bool:
@@ -313,7 +314,7 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     # does not report a previous run's steps
     if not (overrides_kwargs.get("resume") or overrides_kwargs.get("resume_from")):
         metrics.unlink(missing_ok=True)
-    with machine_turn() as waited_s, open(log, "w") as out:
+    with machine_turn() as waited_s, os.fdopen(open_regular(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as out:
         start, timed_out = time.time(), False
         proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file, threads=threads, isa=isa),
                                 stdout=out,

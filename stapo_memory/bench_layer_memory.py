@@ -67,6 +67,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from stapo_core.fileio import atomic_write
 from verl_patches.sum_pi_squared import sum_pi_squared_chunked
 
 from .bench_logits_memory import _mmap_large_allocations, peak_extra_bytes
@@ -553,10 +554,9 @@ def _fsdp_root_worker(rank: int, world: int, port: int, out: str) -> None:
     fsdp._handle.reshard(True)  # what verl's eval context does when fsdp_size > 1
     after = unsharded(fsdp)
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"root_unsharded_bytes": root, "layer_unsharded_bytes": layers,
-                       "root_after_reshard_bytes": after, "root_params": _TinyLM.root_params(),
-                       "world_size": world}, f)
+        atomic_write(out, json.dumps({"root_unsharded_bytes": root, "layer_unsharded_bytes": layers,
+                                      "root_after_reshard_bytes": after, "root_params": _TinyLM.root_params(),
+                                      "world_size": world}))
     dist.destroy_process_group()
 
 
@@ -642,8 +642,7 @@ def main(argv=None) -> int:
         result = measure_fsdp_root(args.port)
         print(json.dumps(result, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f)
+        atomic_write(args.json, json.dumps(result))
     return 0
 
 

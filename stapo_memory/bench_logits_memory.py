@@ -39,6 +39,8 @@ from typing import Callable
 
 import torch
 
+from stapo_core.fileio import atomic_write
+
 from .terms import BF16, SUM_PI_SQUARED_CHUNK_ROWS, entropy_extra_bytes, logits_bytes, sum_pi_squared_extra_bytes
 
 MIB = 1024**2
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
         print(f"| {r['case']} | {r['tokens']} x {r['vocab']} | {r['measured_bytes'] / MIB:.0f} | "
               f"{r['model_bytes'] / MIB:.0f} | {r['ratio']:.2f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        atomic_write(args.json, json.dumps(rows, indent=1))
     return 0
 
 

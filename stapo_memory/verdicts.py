@@ -30,6 +30,7 @@ from recipe.stapo.methods import methods
 from recipe.stapo.preflight import problems_of
 from recipe.stapo.preflight.context import model_path
 from recipe.stapo.preflight.problem import ACTOR, REF, ROLLOUT
+from stapo_core.fileio import atomic_write
 
 from . import model as mm
 from .advice import Plan
@@ -195,7 +196,7 @@ def main(argv=None) -> int:
 
     if args.write:
         path = Path(args.write)
-        path.write_text(updated(path.read_text()))
+        atomic_write(path, updated(path.read_text()))
     elif args.check:
         path = Path(args.check)
         if updated(path.read_text()) != path.read_text():

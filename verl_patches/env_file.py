@@ -15,6 +15,8 @@ import stat
 from pathlib import Path
 from typing import MutableMapping, Optional
 
+from stapo_core.fileio import FileError, read_bytes
+
 #: the variable naming the file
 SECRETS_FILE_ENV = "STAPO_SECRETS_FILE"
 _LINE = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
@@ -25,12 +27,15 @@ def parse_env_file(path: str | os.PathLike) -> dict[str, str]:
     comments and blank lines ignored, a value may be quoted with ``'`` or ``"``.
 
     Raises:
-        ValueError: naming the file, never a value: a missing file, a file others can read, or a
-            malformed line (by its number).
+        ValueError: naming the file, never a value: a missing file, one that is not a regular file (a
+            FIFO is refused, never waited on), a file others can read, or a malformed line (by its number).
     """
     path = Path(path)
     try:
         mode = path.stat().st_mode
+        text = read_bytes(path).decode("utf-8")
+    except FileError as exc:
+        raise ValueError(f"{SECRETS_FILE_ENV}={exc}") from None
     except OSError as exc:
         raise ValueError(f"{SECRETS_FILE_ENV}={path}: cannot read it ({exc.strerror}); the file must exist on "
                          f"every node (shared storage)") from None
@@ -38,7 +43,7 @@ def parse_env_file(path: str | os.PathLike) -> dict[str, str]:
         raise ValueError(f"{SECRETS_FILE_ENV}={path}: group or others may access it (mode {stat.S_IMODE(mode):o}); "
                          f"run `chmod 600 {path}`")
     values = {}
-    for number, raw in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+    for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.strip()
         if not line or line.startswith("#"):
             continue

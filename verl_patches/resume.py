@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import orjson
 
-from stapo_core.fileio import atomic_write
+from stapo_core.fileio import append_lines, atomic_write, open_regular, read_bytes, write_end
 
 #: a checkpoint folder verl writes: ``<default_local_dir>/global_step_<k>``
 STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
@@ -77,8 +77,7 @@ def scan_step_lines(path: str | os.PathLike) -> tuple[list[tuple[int, bytes]], l
     non-blank line, in file order. A bad line anywhere is listed on its own: the records after it are
     still read."""
     try:
-        with open(path, "rb") as handle:
-            raw = handle.read()
+        raw = read_bytes(path)
     except FileNotFoundError:
         return [], []
     records, unreadable = [], []
@@ -171,9 +170,10 @@ def _flock_holder(fd: int) -> str:
 
 def _lock_file_inode(path: Path, shown: str | os.PathLike) -> Optional[int]:
     """An fd holding a ``flock`` on the metrics file itself (its inode: a hard link of another name,
-    with a lock file of its own, is the same inode), None when there is no file yet."""
+    with a lock file of its own, is the same inode), None when there is no file yet. ``FileError``
+    when it is not a regular file (a FIFO is refused, never waited on)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
     try:
@@ -215,11 +215,12 @@ class MetricsFileClaim:
 def claim_metrics_file(path: str | os.PathLike) -> MetricsFileClaim:
     """Take the one-writer lock of ``path`` (:class:`MetricsFileClaim`). ``MetricsFileBusy`` when
     another process (or another open logger of this one) holds it, under this name or another
-    (a symbolic or hard link)."""
+    (a symbolic or hard link). ``FileError`` when the file or its lock file is not a regular file (a
+    lock file planted as a link is refused, its target never written)."""
     real = real_metrics_path(path)
     lock = writer_lock_path(real)
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_regular(lock, os.O_RDWR | os.O_CREAT)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -238,11 +239,11 @@ def claim_metrics_file(path: str | os.PathLike) -> MetricsFileClaim:
 
 def check_no_writer(path: str | os.PathLike) -> None:
     """``MetricsFileBusy`` when a process holds the writer lock of ``path`` (its lock file or the
-    file's inode); creates nothing (the preflight's check)."""
+    file's inode); creates nothing (the preflight's check). ``FileError`` as :func:`claim_metrics_file`."""
     real = real_metrics_path(path)
     lock = writer_lock_path(real)
-    if lock.is_file():
-        fd = os.open(lock, os.O_RDONLY)
+    if os.path.lexists(lock):
+        fd = open_regular(lock, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -287,16 +288,7 @@ class ResumableFileLog:
         self._first = True
         self._last: Optional[tuple[int, dict, int]] = None  # step, data, byte offset of its line
         self._inherited: Optional[bytes] = None  # the earlier launch's line of step _last[0], not yet copied
-        self.fp = None
-
-    def _rewrite(self, lines: list[bytes]) -> None:
-        def write(tmp: str) -> None:
-            with open(tmp, "wb") as handle:
-                handle.writelines(lines)
-                handle.flush()
-                os.fsync(handle.fileno())
-
-        atomic_write(self.path, write)
+        self.fd: Optional[int] = None
 
     def _start(self, step: int) -> None:
         """First record of this process: keep the earlier records up to ``step`` (those after it
@@ -312,9 +304,9 @@ class ResumableFileLog:
             self._supersede(step, ([(step, inherited)] if inherited is not None else []) + later)
             self._inherited = None
         if len(kept) != len(self._records) or sum(len(line) for _, line in kept) != on_disk:
-            self._rewrite([line for _, line in kept])
-        self.fp = open(self.path, "ab", buffering=0)
-        self._claim.hold(self.fp.fileno())
+            atomic_write(self.path, b"".join(line for _, line in kept))
+        self.fd = open_regular(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        self._claim.hold(self.fd)
         if inherited is not None:
             offset = sum(len(line) for _, line in kept[:-1])
             self._last = (step, record_data(_parse_line(inherited)), offset)
@@ -325,10 +317,7 @@ class ResumableFileLog:
         :func:`superseded_copy_path` (before the file changes, so a kill in between loses nothing)
         and say so."""
         target = superseded_copy_path(self.path)
-        with open(target, "xb") as handle:
-            handle.writelines(line for _, line in records)
-            handle.flush()
-            os.fsync(handle.fileno())
+        atomic_write(target, b"".join(line for _, line in records))
         print(f"WARNING: {self.path}: this launch logs step {step} first, so it replaces what an earlier launch "
               f"logged for step(s) {step_ranges([s for s, _ in records])}; those records are copied to {target}. "
               f"A launch resumes at its checkpoint's step, or at step 0 when it loads none (trainer.resume_mode="
@@ -339,10 +328,7 @@ class ResumableFileLog:
         """Append the unreadable lines to :func:`unreadable_lines_path` (before the file is rewritten
         without them, so a kill in between loses nothing) and say what each is."""
         target = unreadable_lines_path(self.path)
-        with open(target, "ab") as handle:
-            handle.writelines(line if line.endswith(b"\n") else line + b"\n" for _, line, _ in self._unreadable)
-            handle.flush()
-            os.fsync(handle.fileno())
+        append_lines(target, [line.removesuffix(b"\n") for _, line, _ in self._unreadable])
         by_kind: dict[str, list[int]] = {}
         for number, _, what in self._unreadable:
             by_kind.setdefault(what, []).append(number)
@@ -361,18 +347,17 @@ class ResumableFileLog:
                 self._supersede(step, [(step, self._inherited)])
                 self._inherited = None
             data = {**old, **data}
-            offset = self._last[2]
-            self.fp.truncate(offset)
+            at = self._last[2]
         else:
             self._inherited = None
-            offset = self.fp.seek(0, os.SEEK_END)
-        self.fp.write(orjson.dumps({"step": step, "data": data}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n")
-        self._last = (step, data, offset)
+            at = None
+        line = orjson.dumps({"step": step, "data": data}, option=orjson.OPT_SERIALIZE_NUMPY) + b"\n"
+        self._last = (step, data, write_end(self.fd, self.path, line, at))
 
     def close(self) -> None:
-        if self.fp is not None:
-            self.fp.close()
-            self.fp = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         if self._claim is not None:
             self._claim.close()
             self._claim = None

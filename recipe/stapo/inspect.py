@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from recipe.stapo.plots import check_out_dir, stopped_message
-from stapo_core.fileio import atomic_write_text
+from stapo_core.fileio import atomic_write
 from stapo_core.token_records import QUADRANTS, TOKEN_DUMP_DIR, read_dump
 
 QUADRANT_LABELS = {
@@ -432,8 +432,8 @@ def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None, top:
     (default ``run_dir/inspect``), each atomically. Returns their paths."""
     report = build_report(run_dir, top=top, seed=seed)
     out = Path(out_dir) if out_dir is not None else Path(run_dir) / "inspect"
-    return (atomic_write_text(out / "report.md", render_markdown(report)),
-            atomic_write_text(out / "report.html", render_html(report)))
+    return (atomic_write(out / "report.md", render_markdown(report)),
+            atomic_write(out / "report.html", render_html(report)))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from stapo_core.checks import is_number
-from stapo_core.fileio import iter_jsonl
+from stapo_core.fileio import iter_jsonl, open_regular
 from stapo_core.token_records import TOKEN_DUMP_DIR
 
 #: where the recipe's CPU path points verl's file logger
@@ -41,7 +41,7 @@ def _is_step_record(obj) -> bool:
 
 def _first_record(path: Path):
     try:
-        with open(path, "r", encoding="utf-8") as handle:
+        with os.fdopen(open_regular(path, os.O_RDONLY), encoding="utf-8") as handle:
             return json.loads(handle.readline())
     except (OSError, UnicodeDecodeError, ValueError):
         return None

@@ -17,7 +17,7 @@ from typing import Iterable
 
 from tqdm import tqdm
 
-from ..fileio import atomic_write_text, iter_jsonl
+from ..fileio import atomic_write, iter_jsonl
 from .schema import Record, RecordError, validate_record
 
 #: folder of the per-step dump files inside a run folder
@@ -49,7 +49,7 @@ def write_step(run_dir: str | os.PathLike, step: int, records: Iterable[Record])
     """Write ``records`` as the step's file, replacing it atomically (a resumed run rewrites the
     steps it trains again); a bad record raises ValueError and leaves the file as it was."""
     path = step_file(run_dir, step)
-    return atomic_write_text(path, _encode(path, records))
+    return atomic_write(path, _encode(path, records))
 
 
 def dump_files(run_dir: str | os.PathLike) -> list[Path]:

@@ -37,6 +37,7 @@ import sys
 from pathlib import Path
 
 from recipe.stapo.metrics import read_metrics
+from stapo_core.fileio import atomic_write
 from stapo_cpu.assets import SHIPPED_DIR
 from stapo_cpu.reproducibility import isa_settings, seeded_metrics
 from stapo_cpu.trainer import cpu_env, run_cpu_trainer
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
               f"native ({capability['native']}) {1e3 * native_s:.1f} ms: {pinned_s / native_s:.2f}x")
         rows.append({"name": "kernel", "pinned_s": times["avx2"], "native_s": times["native"], "ratio": pinned_s / native_s})
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "metrics"} for r in rows], indent=2))
+        atomic_write(args.json, json.dumps([{k: v for k, v in r.items() if k != "metrics"} for r in rows], indent=2))
     return 0
 
 

@@ -28,7 +28,8 @@ import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
+
+from stapo_core.fileio import atomic_write
 
 SETTINGS = ("together", "together_again", "reversed", "one_by_one", "unseeded")
 
@@ -115,7 +116,7 @@ def main(argv=None) -> int:
         dl = row["max_abs_dlogprob_where_tokens_equal"]
         print(f"| {setting} | {row['identical_tokens']}/{row['completions']} | {'-' if dl is None else f'{dl:.3g}'} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        atomic_write(args.json, json.dumps(rows, indent=1))
     return 0
 
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 from omegaconf import open_dict
 
 from recipe.stapo.eval.shm import SHM_DIR, remove_orphaned_shm_segments, remove_unused, shm_segments
+from stapo_core.fileio import atomic_write
 
 from .ordering import request_seed
 from .vllm_plugin import RPC_BASE_PATH_ENV
@@ -280,8 +281,7 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
     remove_left_by_killed_runs()
     shm_before = shm_segments()
     folder = Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX))
-    (folder / f"{DRIVER_FILE}.tmp").write_text(_process_identity(os.getpid()))
-    os.replace(folder / f"{DRIVER_FILE}.tmp", folder / DRIVER_FILE)  # whole or absent to a run sweeping now
+    atomic_write(folder / DRIVER_FILE, _process_identity(os.getpid()))  # whole or absent to a run sweeping now
     print(f"[stapo] vLLM's socket files: {folder} (removed when the run ends)", flush=True)
     previous = os.environ.get(RPC_BASE_PATH_ENV)
     os.environ[RPC_BASE_PATH_ENV] = str(folder)

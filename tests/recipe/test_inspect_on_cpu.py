@@ -467,7 +467,7 @@ def _response(**over):
 @pytest.mark.parametrize("damage, phrase", [
     ("garbage_line", "line 2 is not valid JSON"),
     ("foreign_record", "line 1: field 'kind' must be 'token' or 'response'"),
-    ("folder", "Is a directory"),
+    ("folder", "is a folder, not a regular file"),
 ])
 def test_a_damaged_step_file_is_named_with_what_to_do(tmp_path, capsys, damage, phrase):
     """The dump writes each step file whole: one that does not read is damaged or foreign, and the

@@ -55,7 +55,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -63,7 +62,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
-from stapo_core.fileio import atomic_write_json, check_output_folder, sha256_file
+from stapo_core.fileio import atomic_write, atomic_write_json, check_output_folder, open_regular, read_bytes, sha256_file
 from recipe.stapo.reward.answers import ground_truth_conversion, ground_truth_problem, unicode_problem
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -523,11 +522,10 @@ def prepare_dataset(
         # manifest is read now, so an entry it wrote meanwhile is kept
         previous = read_manifest(manifest_dir, _locked=True) if manifest_dir is not None else None
         remove_stale_temps(out_path.parent)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out_path.name}.", suffix=".tmp", dir=out_path.parent)
-        os.close(fd)
-        try:
-            pd.DataFrame(table).to_parquet(tmp, index=False)
-            result = PrepareResult(
+        results, pending = [], []
+
+        def record(tmp: str) -> None:
+            results.append(PrepareResult(
                 name=spec.name,
                 output=out_path.name,
                 rows=len(records),
@@ -539,22 +537,22 @@ def prepare_dataset(
                 duplicates_removed=duplicates,
                 invalid_examples=invalid[:20],
                 prompt_form=form,
-            )
+            ))
             if manifest_dir is not None:
-                # the entry names its temp file as pending: a kill before the rename below is
-                # finished by the next reader of the manifest (:func:`read_manifest`)
-                _write_manifest(manifest_dir, previous, [result], pending={out_path.name: Path(tmp).name})
-            try:
-                os.replace(tmp, out_path)
-            except BaseException:
-                if manifest_dir is not None:
-                    _put_back_manifest(manifest_dir, previous)
-                raise
-            if manifest_dir is not None:
-                _write_manifest(manifest_dir, previous, [result])
-        finally:
-            if os.path.exists(tmp):
-                os.remove(tmp)
+                # the entry names its temp file as pending: a kill before the rename is finished
+                # by the next reader of the manifest (:func:`read_manifest`)
+                _write_manifest(manifest_dir, previous, results, pending={out_path.name: Path(tmp).name})
+                pending.append(tmp)
+
+        try:
+            atomic_write(out_path, lambda tmp: pd.DataFrame(table).to_parquet(tmp, index=False), record)
+        except BaseException:
+            if pending:
+                _put_back_manifest(manifest_dir, previous)
+            raise
+        if manifest_dir is not None:
+            _write_manifest(manifest_dir, previous, results)
+    result = results[0]
     if spec.expected_rows is not None and len(records) != spec.expected_rows:
         print(f"[prepare] note: {spec.name} has {len(records)} rows, its default source has {spec.expected_rows} "
               "(docs/eval.md)", file=sys.stderr)
@@ -568,12 +566,12 @@ LOCK_NAME = ".prepare.lock"
 @contextmanager
 def _folder_lock(out_dir: Path) -> Iterator[None]:
     """Hold the output folder's lock (:data:`LOCK_NAME`; waits for another preparation's write)."""
-    with open(Path(out_dir) / LOCK_NAME, "a+b") as handle:
-        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+    fd = open_regular(Path(out_dir) / LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # which releases the lock
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -641,7 +639,7 @@ def _read_manifest_file(out_dir: Path) -> Optional[dict]:
     fix = ("move it aside (the next preparation then writes a new manifest that records only the datasets "
            "it prepares) or restore it from a copy; nothing was written")
     try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
+        manifest = json.loads(read_bytes(path).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: corrupt manifest, not UTF-8 JSON ({exc}); {fix}") from None
     except OSError as exc:

@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 from recipe.stapo.data.prepare import PROMPT_FORMS, PROMPT_SUFFIX, prompt_form
 from recipe.stapo.eval.backends import GenerationBackend, SamplingConfig
-from stapo_core.fileio import append_lines
+from stapo_core.fileio import append, append_lines, open_regular, read_bytes
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,7 @@ class JsonlStore:
         """``(records, bytes of the good prefix, last record lacks only its newline)``."""
         if not self.path.exists():
             return [], 0, False
-        raw = self.path.read_bytes()
+        raw = read_bytes(self.path)
         lines = raw.split(b"\n")
         complete, tail = lines[:-1], lines[-1]  # tail: bytes after the last newline
         records: list[tuple[int, dict]] = []
@@ -171,7 +171,7 @@ class JsonlStore:
     def _last_line_ok(self) -> bool:
         """Whether the file is empty or ends with a newline after a valid record (reads only the
         last line)."""
-        with open(self.path, "rb") as handle:
+        with os.fdopen(open_regular(self.path, os.O_RDONLY), "rb") as handle:
             size = handle.seek(0, os.SEEK_END)
             if size == 0:
                 return True
@@ -191,12 +191,7 @@ class JsonlStore:
         if not self.path.exists() or self._last_line_ok():
             return
         _, good_bytes, needs_newline = self._scan()
-        if needs_newline:
-            with open(self.path, "ab") as handle:
-                handle.write(b"\n")
-        elif self.path.exists() and good_bytes != self.path.stat().st_size:
-            with open(self.path, "r+b") as handle:
-                handle.truncate(good_bytes)
+        append(self.path, b"\n" if needs_newline else b"", at=None if needs_newline else good_bytes)
 
     @staticmethod
     def _parse(line: bytes) -> Optional[dict]:

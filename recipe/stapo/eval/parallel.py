@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from stapo_core.fileio import atomic_write, open_regular
+
 WORKERS_DIR = "workers"
 LOCK_NAME = ".lock"
 
@@ -76,7 +78,7 @@ class OutputLock:
         """Raise ValueError when another process holds the lock (writes nothing)."""
         if not self.path.exists():
             return
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = open_regular(self.path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             if not self._flock(fd):
                 raise ValueError(self.busy_message())
@@ -90,7 +92,7 @@ class OutputLock:
             ValueError: another process holds it.
         """
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
         if not self._flock(fd):
             os.close(fd)
             raise ValueError(self.busy_message())
@@ -202,8 +204,8 @@ def run_workers(launches: Sequence[WorkerLaunch], plans: Sequence[dict], lock: O
     procs = []
     for launch, plan in zip(launches, plans):
         launch.folder.mkdir(parents=True, exist_ok=True)
-        (launch.folder / "plan.json").write_text(json.dumps(plan, ensure_ascii=False) + "\n", encoding="utf-8")
-        log = open(launch.folder / "worker.log", "ab")
+        atomic_write(launch.folder / "plan.json", json.dumps(plan, ensure_ascii=False) + "\n")
+        log = os.fdopen(open_regular(launch.folder / "worker.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT), "ab")
         env = {**os.environ, **launch.env}
         print(f"[eval] worker {launch.rank}: {len(plan['items'])} samples, CUDA_VISIBLE_DEVICES={launch.env['CUDA_VISIBLE_DEVICES']!r}, "
               f"log {launch.folder / 'worker.log'}", file=sys.stderr)

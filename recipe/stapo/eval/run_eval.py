@@ -78,7 +78,7 @@ from recipe.stapo.eval.verifier import (
     load_verifier_prompt,
 )
 from recipe.stapo.reward.answers import ground_truth_text
-from stapo_core.fileio import atomic_write_json, atomic_write_text, check_output_folder, sha256_file
+from stapo_core.fileio import atomic_write, atomic_write_json, check_output_folder, sha256_file
 
 DEFAULT_N_SAMPLES = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4}
 OTHER_N_SAMPLES = 4
@@ -557,7 +557,7 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
         if built:  # its vLLM engine processes end here, not whenever the verifier is collected
             verifier.close()
     atomic_write_json(out / "summary.json", summary)
-    atomic_write_text(out / "summary.md", summary_markdown(summary))
+    atomic_write(out / "summary.md", summary_markdown(summary))
     return summary
 
 

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from recipe.stapo.data.prepare import PROMPT_SUFFIX
-from stapo_core.fileio import atomic_write_text, check_output_folder
+from stapo_core.fileio import atomic_write, check_output_file
 
 COLUMNS = ("AIME24", "AIME25", "AMC23", "MATH500", "Minerva", "Olympiad")
 AVG = "Avg"
@@ -723,15 +723,6 @@ def report(rows: Sequence[Row], fmt: str = "markdown", stapo_method: str = "STAP
     return "\n".join(parts) + "\n"
 
 
-def check_out_file(out: str | Path) -> None:
-    """Raise ValueError when the report cannot be written to ``out``: it is a folder, or its folder
-    cannot be written (:func:`stapo_core.fileio.output_folder_problem`). An existing file is replaced."""
-    out = Path(out)
-    if out.is_dir():
-        raise ValueError(f"--out {out} is a folder; pass a file path (e.g. {out / 'table.md'})")
-    check_output_folder("--out", out.parent)
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.eval.tables", description=__doc__.split("\n\n")[0])
     parser.add_argument("inputs", nargs="+", help="summary.json files ([SCALE:METHOD=]path) and/or markdown tables")
@@ -751,15 +742,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.out:
-            check_out_file(args.out)
+            check_output_file("--out", args.out)
         rows = load_inputs(args.inputs, args.allow_partial, args.allow_mixed_protocol, args.grading)
         text = report(rows, args.format, args.stapo_method)
         if args.out:
-            try:
-                atomic_write_text(args.out, text)
-            except OSError as exc:
-                raise ValueError(f"--out {args.out}: cannot write the report ({exc.strerror or exc})") from None
-    except (ValueError, FileNotFoundError) as exc:
+            atomic_write(args.out, text)
+    except (ValueError, OSError) as exc:  # an OSError of writing --out names the file
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(text, end="")

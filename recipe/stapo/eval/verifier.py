@@ -36,7 +36,7 @@ from typing import Any, Optional, Sequence
 
 from recipe.stapo.eval.backends import GenerationBackend, LazyBackend, build_backend, render_chat
 from recipe.stapo.eval.generate import text_sha256
-from stapo_core.fileio import atomic_write_text
+from stapo_core.fileio import atomic_write
 from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, PROTOCOLS, GradingProtocol
 
 DEFAULT_COMPASS_MODEL = "opencompass/CompassVerifier-3B"
@@ -342,8 +342,7 @@ def fetch_prompt(out: str | Path, source: Optional[str] = None) -> VerifierPromp
         text = Path(source).read_text(encoding="utf-8")
     out = Path(out)
     staged = out.with_name(f".{out.name}.check.py")
-    staged.parent.mkdir(parents=True, exist_ok=True)
-    staged.write_text(text, encoding="utf-8")
+    atomic_write(staged, text)
     try:
         prompt = load_verifier_prompt(staged, DEFAULT_PROMPT_NAME)
     finally:
@@ -353,7 +352,7 @@ def fetch_prompt(out: str | Path, source: Optional[str] = None) -> VerifierPromp
             f"{source or OFFICIAL_URL}: its CV_PROMPT has sha256 {prompt.sha256}, not the official "
             f"{OFFICIAL_PROMPT_SHA256[DEFAULT_PROMPT_NAME]} ({OFFICIAL_REPOSITORY}@{OFFICIAL_COMMIT[:7]}); nothing written"
         )
-    atomic_write_text(out, text)
+    atomic_write(out, text)
     return VerifierPrompt(prompt.template, f"{out}:{DEFAULT_PROMPT_NAME}", prompt.sha256, prompt.official)
 
 

@@ -446,6 +446,31 @@ def test_out_at_a_folder_or_below_a_file_is_a_named_error_written_nowhere(tmp_pa
     assert "Headline" in afile.read_text()
 
 
+@pytest.mark.parametrize("kind", ["character device", "FIFO (named pipe)", "symbolic link"])
+def test_out_at_a_device_a_fifo_or_a_link_is_refused_and_left_as_it_was(tmp_path, capsys, kind):
+    """As root, --out at a device node replaced the node with the report."""
+    import os
+    import stat
+
+    paths = _eight_b(tmp_path, _summary("8B", "GRPO", [45.0] * 6, [45.0] * 6))
+    out, target = tmp_path / "out", tmp_path / "target.md"
+    target.write_text("keep")
+    if kind == "character device":
+        if os.geteuid() != 0:
+            out = Path("/dev/null")  # a process that cannot make a device node is given the machine's
+        else:
+            os.mknod(out, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    elif kind == "FIFO (named pipe)":
+        os.mkfifo(out)
+    else:
+        out.symlink_to(target)
+    before = os.lstat(out)
+    assert tables.main(paths + ["--out", str(out)]) == 2
+    assert f"error: --out {out} is a {kind}, not a regular file" in capsys.readouterr().err
+    after = os.lstat(out)
+    assert (after.st_mode, after.st_ino) == (before.st_mode, before.st_ino) and target.read_text() == "keep"
+
+
 def test_two_rows_that_differ_are_both_marked_whatever_their_order(tmp_path):
     one = _write(tmp_path, "one", _run_summary("8B", "JustRL", 40.0, n={"aime24": 1}))
     many = _write(tmp_path, "many", _run_summary("8B", "STAPO", 50.0))
