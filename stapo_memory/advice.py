@@ -1,7 +1,8 @@
 """The memory model's advice, each change re-estimated: for a run that does not fit, the changes after
 which every pass does (:func:`plans`: lower budgets, vLLM's share and sequence parallelism, then offload
 and more GPUs; the preflight runs each through the whole preflight before it prints it), and the least
-a GPU can hold of the run (:func:`one_sequence`)."""
+a GPU can hold of the run (:func:`one_sequence`); for one that fits, what its room could buy
+(:func:`room`)."""
 
 from __future__ import annotations
 
@@ -64,22 +65,23 @@ def _fit(shape: ModelShape, s: Settings, gpu_bytes: float, names: tuple[str, ...
     return all(fits(p, gpu_bytes) for p in est.passes if p.name in names)
 
 
-def _budget_candidates(s: Settings, current: int, floor: int) -> list[int]:
-    """Budgets from ``floor`` up to ``current`` (multiples of :data:`BUDGET_STEP`, or of the longest
-    sequence without dynamic batching), ascending."""
+def _budget_candidates(s: Settings, ceiling: int, floor: int) -> list[int]:
+    """Budgets from ``floor`` up to ``ceiling`` (both, and the multiples of :data:`BUDGET_STEP` between,
+    or of the longest sequence without dynamic batching), ascending."""
     if not s.dynamic_bsz:
         step = max(1, s.longest)
-        return [k * step for k in range(1, max(1, current // step) + 1)]
+        return [k * step for k in range(1, max(1, ceiling // step) + 1)]
     first = math.ceil(floor / BUDGET_STEP) * BUDGET_STEP
-    return sorted({floor, *range(first, current + 1, BUDGET_STEP)})
+    return sorted({floor, ceiling, *range(first, ceiling + 1, BUDGET_STEP)})
 
 
 def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str, names: tuple[str, ...],
-                    floor: int) -> Optional[int]:
-    """The largest budget (at least ``floor``, at most the current one) at which ``names`` fit, the
-    model re-run at each candidate (the passes grow with their tokens); None when ``floor`` does not fit."""
-    current = getattr(s, knob)
-    candidates = [c for c in _budget_candidates(s, current, floor) if floor <= c <= current]
+                    floor: int, ceiling: Optional[int] = None) -> Optional[int]:
+    """The largest budget from ``floor`` to ``ceiling`` (default: the current one) at which ``names``
+    fit, the model re-run at each candidate (the passes grow with their tokens); None when ``floor``
+    does not fit."""
+    ceiling = getattr(s, knob) if ceiling is None else ceiling
+    candidates = [c for c in _budget_candidates(s, ceiling, floor) if floor <= c <= ceiling]
     return largest(candidates, lambda c: _fit(shape, _with_budget(s, knob, c), gpu_bytes, names))
 
 
@@ -219,3 +221,15 @@ def one_sequence(shape: ModelShape, s: Settings, gpu_bytes: float, longest: Opti
     steps = math.ceil(round(vllm_floor_bytes(shape, t) / gpu_bytes / UTILISATION_STEP, 6))
     return replace(t, gpu_memory_utilization=min(MAX_UTILISATION, round(steps * UTILISATION_STEP, 2)))
 
+
+def room(shape: ModelShape, s: Settings, gpu_bytes: float, ceilings: dict[str, int]) -> Settings:
+    """For a run that fits: ``s`` with the largest ``gpu_memory_utilization`` and token budgets with which
+    every pass still fits, none below its own (each budget at most its ``ceilings`` entry, by settings
+    field: beyond the tokens a GPU gets at once a larger budget buys nothing). Each sizes passes of its
+    own (the rollout, the update, the forwards), so they hold together."""
+    t = replace(s, gpu_memory_utilization=max(s.gpu_memory_utilization, _utilisation(shape, s, gpu_bytes) or 0))
+    for knob, names, _ in _budget_knobs(s):
+        current = getattr(s, knob)
+        t = _with_budget(t, knob, _largest_budget(shape, s, gpu_bytes, knob, names, current,
+                                                  max(current, ceilings.get(knob, 0))) or current)
+    return t

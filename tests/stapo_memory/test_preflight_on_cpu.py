@@ -248,7 +248,7 @@ def test_config_json_parse_errors_are_named(cluster):
 
 
 # ------------------------------------------------------------------------------------------------
-# far from fitting, inside the margin only
+# far from fitting, inside the margin only, room to spare
 # ------------------------------------------------------------------------------------------------
 
 
@@ -344,3 +344,24 @@ def test_advice_is_verified_apart_from_problems_the_config_already_has(cluster):
     assert first.startswith("run with ") and "no setting" not in first
     assert "preflight passed" in run(cluster, "recipe.gpu_mem_gb=22", *_advised(first), nnodes=32)
 
+
+def test_a_card_with_room_to_spare_names_what_the_room_buys(cluster):
+    """Qwen3-8B on 141 GB cards (139.8 GiB), 64 of them: the table names the largest vLLM share and
+    budgets with which every pass fits (the update's capped at the mini-batch a GPU gets: 64 prompts x 8
+    responses x 16,384 tokens / 64 GPUs); with them the preflight passes, and one step more does not."""
+    logged = run(cluster, "recipe.gpu_mem_gb=139.8")
+    (room,) = [line for line in logged.splitlines() if line.startswith("  room to spare: ")]
+    named = dict(o.split("=") for o in room.split("still fits with ", 1)[1].split(": ", 1)[0].split())
+    assert named[f"{ROLLOUT}.gpu_memory_utilization"] == "0.9"
+    assert named[f"{ACTOR}.ppo_max_token_len_per_gpu"] == str(64 * 8 * 16384 // 64)
+    assert "vLLM's share 125.8 GiB instead of 97.9" in room
+    assert "8 longest sequences instead of 2: the whole mini-batch a GPU gets" in room
+    log_prob = int(named[f"{ROLLOUT}.log_prob_max_token_len_per_gpu"])
+    with_room = run(cluster, "recipe.gpu_mem_gb=139.8", *[f"{k}={v}" for k, v in named.items()])
+    assert "preflight passed" in with_room and "TIGHT" not in with_room and "room to spare" not in with_room
+    doc = " ".join((REPO / "docs" / "memory.md").read_text().split())  # docs/memory.md says the same
+    share = re.search(r"vLLM's share ([0-9.]+) GiB instead of ([0-9.]+)", room).groups()
+    assert f"vLLM at 0.9 (a {share[0]} GiB share instead of {share[1]}" in doc
+    assert f"the whole mini-batch a GPU gets ({int(named[f'{ACTOR}.ppo_max_token_len_per_gpu']):,} tokens)" in doc
+    refused(cluster, "recipe.gpu_mem_gb=139.8", f"{ROLLOUT}.gpu_memory_utilization=0.95")
+    refused(cluster, "recipe.gpu_mem_gb=139.8", f"{ROLLOUT}.log_prob_max_token_len_per_gpu={log_prob + 1024}")
