@@ -1,21 +1,24 @@
-"""The memory model's advice: changes after which every pass of a run that does not fit does, each
-re-estimated (:func:`plans`; the preflight then runs each through the whole preflight before it
-prints it, :mod:`stapo_memory.preflight`): lower budgets, vLLM's share and sequence parallelism
-(:func:`settings_plan`), then offload and more GPUs."""
+"""The memory model's advice, each change re-estimated: for a run that does not fit, the changes after
+which every pass does (:func:`plans`: lower budgets, vLLM's share and sequence parallelism, then offload
+and more GPUs; the preflight runs each through the whole preflight before it prints it), and the least
+a GPU can hold of the run (:func:`one_sequence`); for one that fits, what its room could buy
+(:func:`room`)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from recipe.stapo.preflight.problem import ACTOR, REF, ROLLOUT
 
-from .model import Estimate, Settings, all_fit, estimate, fits, vllm_share_fits
+from .model import Estimate, Settings, all_fit, estimate, fits, vllm_floor_bytes, vllm_share_fits
 from .shape import ModelShape
 
 #: the lowest ``gpu_memory_utilization`` the advice proposes, in steps of 0.05
 UTILISATION_STEP = 0.05
+#: the highest ``gpu_memory_utilization`` the advice proposes
+MAX_UTILISATION = 0.95
 #: a token budget the advice proposes is a multiple of this (or the floor itself)
 BUDGET_STEP = 1024
 _NO_SYNC_KEY = f"{ACTOR}.fsdp_config.use_no_sync_for_gradient_accumulation"
@@ -62,38 +65,56 @@ def _fit(shape: ModelShape, s: Settings, gpu_bytes: float, names: tuple[str, ...
     return all(fits(p, gpu_bytes) for p in est.passes if p.name in names)
 
 
-def _budget_candidates(s: Settings, current: int, floor: int) -> list[int]:
-    """Budgets from ``floor`` up to ``current`` (multiples of :data:`BUDGET_STEP`, or of the longest
-    sequence without dynamic batching), ascending."""
+def _budget_candidates(s: Settings, ceiling: int, floor: int) -> list[int]:
+    """Budgets from ``floor`` up to ``ceiling`` (both, and the multiples of :data:`BUDGET_STEP` between,
+    or of the longest sequence without dynamic batching), ascending."""
     if not s.dynamic_bsz:
         step = max(1, s.longest)
-        return [k * step for k in range(1, max(1, current // step) + 1)]
+        return [k * step for k in range(1, max(1, ceiling // step) + 1)]
     first = math.ceil(floor / BUDGET_STEP) * BUDGET_STEP
-    return sorted({floor, *range(first, current + 1, BUDGET_STEP)})
+    return sorted({floor, ceiling, *range(first, ceiling + 1, BUDGET_STEP)})
 
 
 def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str, names: tuple[str, ...],
-                    floor: int) -> Optional[int]:
-    """The largest budget (at least ``floor``, at most the current one) at which ``names`` fit, the
-    model re-run at each candidate (the passes grow with their tokens); None when ``floor`` does not fit."""
-    current = getattr(s, knob)
-    candidates = [c for c in _budget_candidates(s, current, floor) if floor <= c <= current]
-    if not candidates or not _fit(shape, _with_budget(s, knob, candidates[0]), gpu_bytes, names):
+                    floor: int, ceiling: Optional[int] = None) -> Optional[int]:
+    """The largest budget from ``floor`` to ``ceiling`` (default: the current one) at which ``names``
+    fit, the model re-run at each candidate (the passes grow with their tokens); None when ``floor``
+    does not fit."""
+    ceiling = getattr(s, knob) if ceiling is None else ceiling
+    candidates = [c for c in _budget_candidates(s, ceiling, floor) if floor <= c <= ceiling]
+    return largest(candidates, lambda c: _fit(shape, _with_budget(s, knob, c), gpu_bytes, names))
+
+
+def largest(candidates: list[int], ok: Callable[[int], bool]) -> Optional[int]:
+    """The largest of ascending ``candidates`` for which ``ok`` holds, ``ok`` holding up to some point and
+    not beyond (a pass grows with its tokens); None when it fails on the first."""
+    if not candidates or not ok(candidates[0]):
         return None
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fit(shape, _with_budget(s, knob, candidates[mid]), gpu_bytes, names):
+        if ok(candidates[mid]):
             lo = mid
         else:
             hi = mid - 1
     return candidates[lo]
 
 
+def budget_overrides(s: Settings, t: Settings) -> dict[str, object]:
+    """The config overrides that change ``s``'s vLLM share and token budgets into ``t``'s."""
+    out: dict[str, object] = {}
+    if t.gpu_memory_utilization != s.gpu_memory_utilization:
+        out[f"{ROLLOUT}.gpu_memory_utilization"] = t.gpu_memory_utilization
+    for knob, _, key in _budget_knobs(s):
+        if getattr(t, knob) != getattr(s, knob):
+            out[key] = getattr(t, knob) if s.dynamic_bsz else getattr(t, knob) // max(1, s.longest)
+    return out
+
+
 def _utilisation(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[float]:
     """The largest ``gpu_memory_utilization`` (a multiple of :data:`UTILISATION_STEP`) with which the
     rollout fits and vLLM's share holds its weights and one longest sequence; None when none does."""
-    for k in range(round(0.95 / UTILISATION_STEP), 0, -1):
+    for k in range(round(MAX_UTILISATION / UTILISATION_STEP), 0, -1):
         u = round(k * UTILISATION_STEP, 2)
         est = estimate(shape, replace(s, gpu_memory_utilization=u), gpu_bytes)
         if fits(est.passes[0], gpu_bytes) and vllm_share_fits(est, gpu_bytes):  # the rollout: the first pass
@@ -129,9 +150,9 @@ def settings_plan(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[
     if failing & {"update_end", "optimizer_step"} and not _fit(shape, s, gpu_bytes, ("update_end", "optimizer_step")):
         return None
     for sp in [s.sp] + (_sequence_parallel_sizes(shape, s) if s.sequence_parallel_allowed and s.longest else []):
-        trial, changes, ok = replace(s, sp=sp), {}, True
+        trial, ok = replace(s, sp=sp), True
         floor = math.ceil(s.longest / sp) if s.longest else 1
-        for knob, names, key in _budget_knobs(trial):
+        for knob, names, _ in _budget_knobs(trial):
             if _fit(shape, trial, gpu_bytes, names):
                 continue
             budget = _largest_budget(shape, trial, gpu_bytes, knob, names, floor)
@@ -139,13 +160,12 @@ def settings_plan(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[
                 ok = False
                 break
             trial = _with_budget(trial, knob, budget)
-            changes[key] = budget if s.dynamic_bsz else budget // max(1, s.longest)
         if ok and all_fit(estimate(shape, trial, gpu_bytes), gpu_bytes):
             if sp != s.sp:
                 overrides[f"{ACTOR}.ulysses_sequence_parallel_size"] = sp
                 if s.ref_tokens is not None:
                     overrides[f"{REF}.ulysses_sequence_parallel_size"] = sp
-            overrides.update(changes)
+            overrides.update(budget_overrides(s, trial))
             return trial, overrides
     return None
 
@@ -189,3 +209,27 @@ def plans(shape: ModelShape, s: Settings, gpu_bytes: float, gpus_per_node: int =
                      {"trainer.nnodes": n} if g == gpus_per_node else {"trainer.n_gpus_per_node": g})
         if plan:
             yield plan
+
+
+def one_sequence(shape: ModelShape, s: Settings, gpu_bytes: float, longest: Optional[int] = None) -> Settings:
+    """The least of the run a GPU can hold: every budget at one sequence of ``longest`` tokens (the run's
+    own by default) over the sequence parallel size, and vLLM's share the least step of
+    :data:`UTILISATION_STEP` that holds its weights and that sequence."""
+    t = replace(s, longest=longest or s.longest)
+    for knob, _, _ in _budget_knobs(t):
+        t = _with_budget(t, knob, math.ceil(t.longest / t.sp) if t.dynamic_bsz else t.longest)
+    steps = math.ceil(round(vllm_floor_bytes(shape, t) / gpu_bytes / UTILISATION_STEP, 6))
+    return replace(t, gpu_memory_utilization=min(MAX_UTILISATION, round(steps * UTILISATION_STEP, 2)))
+
+
+def room(shape: ModelShape, s: Settings, gpu_bytes: float, ceilings: dict[str, int]) -> Settings:
+    """For a run that fits: ``s`` with the largest ``gpu_memory_utilization`` and token budgets with which
+    every pass still fits, none below its own (each budget at most its ``ceilings`` entry, by settings
+    field: beyond the tokens a GPU gets at once a larger budget buys nothing). Each sizes passes of its
+    own (the rollout, the update, the forwards), so they hold together."""
+    t = replace(s, gpu_memory_utilization=max(s.gpu_memory_utilization, _utilisation(shape, s, gpu_bytes) or 0))
+    for knob, names, _ in _budget_knobs(s):
+        current = getattr(s, knob)
+        t = _with_budget(t, knob, _largest_budget(shape, s, gpu_bytes, knob, names, current,
+                                                  max(current, ceilings.get(knob, 0))) or current)
+    return t

@@ -1,24 +1,10 @@
-"""The memory model's estimate next to what a run measured, term by term, for calibrating the model
-on the first GPU run (docs/memory.md, "Calibrating on a GPU").
+"""The memory model's estimate next to what a calibration run measured, term by term, so the first GPU
+run can correct the model (docs/memory.md, "Calibrating on a GPU", says what each line compares): it reads
+the preflight's table and the probes' lines (:mod:`stapo_memory.peaks`) from the driver's log, vLLM's own
+report of its CUDA graphs, and verl's run-wide peaks from ``metrics.jsonl``.
 
     python -m stapo_memory.calibration results/gpu_smoke/stapo [more run folders...]
     python -m stapo_memory.calibration --log train.log [--metrics metrics.jsonl]
-
-A run folder holds the driver's log (``train.log``: the preflight's memory table, one row per pass
-with its tokens and bytes per token, and the workers' ``[stapo] memory peak: pass=...`` lines of a
-calibration run, :mod:`stapo_memory.probes`) and, optionally, verl's file logger output
-(``metrics.jsonl``: verl's run-wide ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb``).
-Each term of the model is set beside its measurement, with the error (estimate / measured - 1):
-
-* each training pass: the estimate less the fixed overhead, at the largest micro-batch the pass
-  measured (the estimate moved along its bytes per token from its budget), against PyTorch's
-  allocated peak;
-* bytes per token: where a pass was measured at token counts at least 10% apart, the slope of the
-  allocated peaks over the tokens (least squares);
-* the fixed overhead: the memory outside PyTorch's allocator while vLLM sleeps (CUDA contexts, NCCL,
-  vLLM's residue) plus the allocator's rounding (reserved - allocated), the largest over the passes;
-* vLLM's share: the memory outside the trainer's allocator with vLLM awake (the rollout's line,
-  after the weight sync) less that while it sleeps, against ``gpu_memory_utilization`` x the GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +31,9 @@ MEASURED_KEYS = ("max_memory_allocated_gb", "max_memory_reserved_gb")
 #: a worker's per-pass line (stapo_memory.peaks), with Ray's prefix before it
 PROBE = re.compile(r"\[stapo\] memory peak: pass=([a-z_]+) allocated_gib=([0-9.]+) reserved_gib=([0-9.]+)"
                    r"(?: device_gib=([0-9.]+) outside_gib=(-?[0-9.]+) tokens=(\d+) micro_batches=(\d+))?")
+#: vLLM's report of its CUDA graphs' pool, per GPU (``capture_model``: the device's free memory before less
+#: after the capture); the pool stays allocated while vLLM sleeps (its sleep frees weights and KV cache only)
+GRAPHS = re.compile(r"Graph capturing finished in \d+ secs, took ([0-9.]+) GiB")
 #: token counts this far apart (relative) let a slope be fitted
 SLOPE_SPREAD = 0.10
 #: passes the probe's update line covers beside the update itself (its backward's end, the optimizer step)
@@ -180,24 +169,26 @@ def compare(log: Path, metrics: Optional[Path] = None) -> str:
             at -= row.kib_per_token * 1024 * (row.tokens - peak.tokens) / GIB
             where = f" at {peak.tokens} tokens"
         out.append(f"  {name:<14} estimate less the overhead{where} {at:6.1f} GiB, allocated {peak.allocated:6.1f}: "
-                   f"{_error(at, peak.allocated)}")
+                   f"{_error(at, peak.allocated)} (and cached by the allocator beside it, not counted: "
+                   f"{peak.reserved - peak.allocated:.1f})")
         fitted = slope([(m.tokens, m.allocated) for m in measured if m.tokens])
         if fitted is not None and row.kib_per_token is not None:
             kib = fitted * GIB / 1024
             out.append(f"  {'':<14} bytes per token: estimate {row.kib_per_token:.0f} KiB, measured {kib:.0f} KiB: "
                        f"{_error(row.kib_per_token, kib)}")
+    graphs = max((float(g) for g in GRAPHS.findall(text)), default=0.0)
     asleep = [m for m in lines if m.name != "rollout" and m.outside is not None]
     if asleep:
-        worst = max(asleep, key=lambda m: m.outside + m.reserved - m.allocated)
-        fixed = worst.outside + worst.reserved - worst.allocated
-        out.append(f"  overhead       estimate {overhead:.1f} GiB, measured {fixed:.1f} (outside PyTorch's allocator "
-                   f"{worst.outside:.1f} + its rounding {worst.reserved - worst.allocated:.1f}, pass {worst.name}): "
-                   f"{_error(overhead, fixed)}")
+        worst = max(asleep, key=lambda m: m.outside)
+        out.append(f"  overhead       estimate {overhead:.1f} GiB, measured {worst.outside:.1f} (outside PyTorch's allocator "
+                   f"with vLLM asleep, pass {worst.name}; vLLM's CUDA graphs {graphs:.1f} of it): "
+                   f"{_error(overhead, worst.outside)}")
     awake = [m for m in lines if m.name == "rollout" and m.outside is not None]
     if awake and asleep and rows.get("rollout") and rows["rollout"].vllm is not None:
-        share = max(m.outside for m in awake) - min(m.outside for m in asleep)
-        out.append(f"  vLLM's share   estimate {rows['rollout'].vllm:.1f} GiB, measured {share:.1f} (outside the "
-                   f"trainer's allocator awake less asleep): {_error(rows['rollout'].vllm, share)}")
+        woken = max(m.outside for m in awake) - min(m.outside for m in asleep)
+        out.append(f"  vLLM's share   estimate {rows['rollout'].vllm:.1f} GiB, measured {woken + graphs:.1f} (outside the "
+                   f"trainer's allocator awake less asleep {woken:.1f}, its CUDA graphs {graphs:.1f}): "
+                   f"{_error(rows['rollout'].vllm, woken + graphs)}")
     elif "rollout" in rows:
         out.append("  vLLM's share   not measured (no rollout line: the probe logs it after each weight sync)")
     if metrics is not None:

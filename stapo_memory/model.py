@@ -588,8 +588,8 @@ COMPONENT_SOURCES = {
                            "and the prefetched layer",
     "vLLM (gpu_memory_utilization)": "vLLM's requested memory = gpu_memory_utilization x total; "
                                      "verl/workers/engine_workers.py:823 resumes its KV cache each step",
-    "overhead": "CUDA contexts, NCCL, vLLM's residue asleep, the allocator's rounding (measured: "
-                "python -m stapo_memory.calibration)",
+    "overhead": "unmeasured: CUDA contexts, NCCL communicators and NVLS buffers, vLLM's CUDA graphs asleep "
+                "(pinned by python -m stapo_memory.calibration)",
     "layer working set (no grad)": "transformers/models/qwen3/modeling_qwen3.py:82 (MLP) and :392 (inputs_embeds "
                                    "kept by the model's forward)",
     "final hidden states": "transformers/models/qwen3/modeling_qwen3.py:505 the LM head's input",

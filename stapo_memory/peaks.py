@@ -1,29 +1,15 @@
-"""The measured GPU memory of each pass, one line per pass on rank 0, which
-``python -m stapo_memory.calibration`` reads back from the driver's log and sets beside the
-memory model's estimate, term by term (docs/memory.md, "Calibrating on a GPU"): the probes of
-:mod:`stapo_memory.probes`.
-
-verl's own ``perf/max_memory_*`` metrics are PyTorch's allocator peaks since the process started
-(never reset), so they give one number for all passes. Here:
-
-* ``TrainingWorker.infer_batch`` (the actor's log-prob pass; a forward-only engine: the reference
-  pass) and ``TrainingWorker.train_mini_batch`` (the update) reset the peak before they run and log it
-  after. A forward inside the update (the recipe's current-policy statistics: ``calculate_entropy``
-  set; the update effect's: not set) is logged as its own pass, ``current`` or ``update_effect``, with
-  its own peak; the update's line still covers the whole update (the larger of its own moments and
-  the nested pass's peak).
-* ``ActorRolloutRefWorker.update_weights`` (vLLM woken up with its weights and KV cache: the rollout's
-  footprint) logs the device-wide figure when it returns.
-
-Each line carries PyTorch's allocated and reserved peaks, the device-wide figure at the end of the
-pass (``torch.cuda.mem_get_info``: used = total - free, every process on the GPU), what lies outside
-this process's allocator then (device-wide minus this process's reserved memory: the CUDA contexts,
-NCCL, vLLM's share or its residue while asleep), the most tokens one micro-batch held on this GPU and
-the number of micro-batches:
+"""The measured GPU memory of each pass, one line per pass on rank 0 of a calibration run (the probes of
+:mod:`stapo_memory.probes`; ``python -m stapo_memory.calibration`` reads the lines back). verl's own
+``perf/max_memory_*`` are allocator peaks never reset, one number for all passes; here each forward
+(``infer_batch``: log-prob, reference, and inside the update the current-policy and update-effect
+forwards, each its own pass) and each update (``train_mini_batch``, its line covering its nested
+forwards) resets the peak before it runs, and the weight sync (``update_weights``: vLLM awake) logs
+after it. A line holds PyTorch's allocated and reserved peaks (their difference is the allocator's
+cache), the device-wide memory used at the end (``mem_get_info``: every process on the GPU), what lies
+outside this process's allocator then (device-wide less its reserved memory: CUDA contexts, NCCL,
+vLLM), the largest micro-batch's tokens on this GPU and the number of micro-batches; only on CUDA:
 
     [stapo] memory peak: pass=log_prob allocated_gib=23.41 reserved_gib=25.02 device_gib=31.20 outside_gib=6.18 tokens=48913 micro_batches=12
-
-Only on CUDA; nothing else changes.
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
 """:func:`check`, the one function of this package the preflight calls (``MEMORY_CHECK`` in
-recipe/stapo/preflight/run.py): the model's shape from its ``config.json`` (every shape field named when
-it cannot be used; Mixture-of-Experts models refused as not estimated) and the estimate per pass, with
-its margin, against ``recipe.gpu_mem_gb`` (``GPU_MEM_GB``: GiB as CUDA reports them, default 79.1 for an
-80 GB card). A pass that does not fit is refused with the changes that make every pass fit, each set
-run through the whole preflight before it is printed."""
+recipe/stapo/preflight/run.py): the estimate per pass against ``recipe.gpu_mem_gb`` (``GPU_MEM_GB``, GiB
+as CUDA reports them). A refusal names the changes that make every pass fit, each run through the whole
+preflight first, or, where none does, the least a GPU needs and what can lower it; a run with room to
+spare is told what the room could buy."""
 
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import replace
 from typing import Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recipe.stapo.preflight.context import UNUSABLE, model_config_json, model_path
-from recipe.stapo.preflight.problem import ROLLOUT, Problem, pick
+from recipe.stapo.preflight.problem import ACTOR, ROLLOUT, Problem, pick
 
 from . import advice, model
 from .shape import ModelShape, NotEstimated, ShapeError, builtin_shape, shape_from_hf_config
@@ -22,6 +23,8 @@ from .shape import ModelShape, NotEstimated, ShapeError, builtin_shape, shape_fr
 MAX_TRIES_PER_KIND = 12
 
 Recheck = Callable[[DictConfig], list[Problem]]
+#: whether the whole preflight passes a config changed by some overrides
+Verify = Callable[[dict], bool]
 
 
 def _shape(config: DictConfig, raw: Optional[dict], source: str, found: list[Problem], notes: list[str],
@@ -64,10 +67,17 @@ def _apply(config: DictConfig, overrides: dict) -> DictConfig:
     return changed
 
 
-def verified_plans(config: DictConfig, estimate: model.Estimate, gpu: float, gpus_per_node: int,
-                   recheck: Recheck) -> dict[str, advice.Plan]:
-    """The first plan of each kind (``settings``, ``offload``, ``gpus``) with which the whole preflight
-    passes (``recheck`` runs it on the changed config); at most :data:`MAX_TRIES_PER_KIND` tries a kind."""
+def verifier(config: DictConfig, recheck: Recheck, known: list[Problem] = ()) -> Verify:
+    """Whether the whole preflight (``recheck``) finds nothing in ``config`` changed by some overrides but
+    the ``known`` problems, the config's own outside the memory check (a missing data file must not
+    refuse a change that does not touch it)."""
+    seen = {str(p) for p in known}
+    return lambda overrides: all(str(p) in seen for p in recheck(_apply(config, overrides)))
+
+
+def verified_plans(estimate: model.Estimate, gpu: float, gpus_per_node: int, verify: Verify) -> dict[str, advice.Plan]:
+    """The first plan of each kind (``settings``, ``offload``, ``gpus``) that ``verify`` passes; at most
+    :data:`MAX_TRIES_PER_KIND` tries a kind."""
     chosen: dict[str, advice.Plan] = {}
     tries: dict[str, int] = {}
     for plan in advice.plans(estimate.shape, estimate.settings, gpu, gpus_per_node):
@@ -76,14 +86,66 @@ def verified_plans(config: DictConfig, estimate: model.Estimate, gpu: float, gpu
                 break
             continue
         tries[plan.kind] = tries.get(plan.kind, 0) + 1
-        if not recheck(_apply(config, plan.overrides)):
+        if verify(plan.overrides):
             chosen[plan.kind] = plan
     return chosen
 
 
-def fix_text(chosen: dict[str, advice.Plan]) -> str:
+def _need(est: model.Estimate) -> tuple[float, model.Pass]:
+    """The most any pass of ``est`` needs with the estimate's margin, and that pass."""
+    peak = max(est.passes, key=lambda p: p.total + model.margin_bytes(p))
+    return peak.total + model.margin_bytes(peak), peak
+
+
+def floor_text(config: DictConfig, estimate: model.Estimate, gpu: float, verify: Verify) -> str:
+    """The fix of a refusal no change the preflight makes can lift: what a GPU needs at the least of the
+    run (:func:`advice.one_sequence`), then, in order, what can lower it or hold it: shorter responses,
+    a larger card, offload; or, where that least fits the card without the margin, that."""
+    shape, s = estimate.shape, estimate.settings
+
+    def least(longest: int = s.longest, card: float = gpu, **change) -> model.Estimate:
+        return model.estimate(shape, advice.one_sequence(shape, replace(s, **change), card, longest), card)
+
+    at_least = least()
+    need, peak = _need(at_least)
+    text = (f"no setting the preflight can change makes it fit, nor more GPUs: with one {s.longest}-token sequence "
+            f"per micro-batch and vLLM's share at its least ({at_least.settings.gpu_memory_utilization:g}) a GPU "
+            f"still needs {model.gib(need)} GiB with the estimate's margin (pass '{peak.name}'), more than the "
+            f"{model.gib(gpu)} GiB of the target GPU")
+    overrides = advice.budget_overrides(s, at_least.settings)
+    if (all(p.total <= gpu for p in at_least.passes) and model.vllm_share_fits(at_least, gpu)
+            and verify({**overrides, "recipe.memory_accept_tight": True})):
+        return (f"{text}, though not without it: run with {advice.Plan('', overrides, at_least).text()} "
+                "recipe.memory_accept_tight=true to run inside the margin, which is there for what the estimate "
+                "may miss (the whole preflight then passes)")
+    step, prompt = advice.BUDGET_STEP, int(pick(config, "data.max_prompt_length"))
+    longest = advice.largest(list(range(prompt + step, s.longest, step)), lambda n: model.all_fit(least(n), gpu))
+    if longest:
+        levers = [f"shorter responses: data.max_response_length={longest - prompt} fits with every budget at one "
+                  f"{longest}-token sequence"]
+    else:
+        short_need, short_peak = _need(least(prompt + step))
+        levers = [f"not shorter responses: at {step}-token ones pass '{short_peak.name}' still needs "
+                  f"{model.gib(short_need)} GiB"]
+    tenths = advice.largest(list(range(round(gpu / model.GIB * 10), 2000)),
+                            lambda g: not model.all_fit(least(card=g / 10 * model.GIB), g / 10 * model.GIB))
+    if tenths is not None and tenths + 1 < 2000:
+        card = (tenths + 1) / 10
+        named = [name for name, capacity in model.GPU_CAPACITY_GIB.items() if capacity >= card]
+        levers.append(f"a larger card: {card:.1f} GiB as CUDA reports it fits at one sequence"
+                      + (f" (an {named[0]} or larger)" if named else ""))
+    offloaded, _ = _need(least(param_offload=True, optimizer_offload=True))
+    if offloaded < need - model.GIB / 20:
+        levers.append(f"offload ({ACTOR}.fsdp_config.param_offload=true {ACTOR}.fsdp_config.optimizer_offload=true) "
+                      f"lowers the need to {model.gib(offloaded)} GiB")
+    else:
+        levers.append(f"not offload: pass '{peak.name}' holds the actor's whole state with it too")
+    return f"{text}. What can, by the estimate and in this order: " + "; ".join(levers)
+
+
+def fix_text(chosen: dict[str, advice.Plan], floor: Callable[[], str]) -> str:
     """The fix text: the settings that make every pass fit (with more GPUs or offload as alternatives),
-    or, when only those do, them first."""
+    or, when only those do, them first, or, when nothing does, ``floor()``."""
     checked = "every pass then fits by the estimate and the whole preflight passes"
     others = [chosen[k] for k in ("gpus", "offload") if k in chosen]
     if "settings" in chosen:
@@ -93,16 +155,46 @@ def fix_text(chosen: dict[str, advice.Plan]) -> str:
         return text
     if others:
         return f"only offload or more GPUs make it fit: run with {' or with '.join(p.text() for p in others)} ({checked})"
-    return ("no setting the preflight can change makes it fit: a smaller model, shorter sequences (prompt + response) "
-            "or GPUs with more memory")
+    return floor()
+
+
+#: how a budget's room reads (settings field -> whose micro-batches, what one holds at most)
+_ROOM = {"update_tokens": ("the update's", "the whole mini-batch a GPU gets"),
+         "log_prob_tokens": ("the log-prob passes'", "the whole batch a GPU gets"),
+         "ref_tokens": ("the reference's", "the whole batch a GPU gets")}
+
+
+def room_text(config: DictConfig, estimate: model.Estimate, gpu: float) -> Optional[str]:
+    """What the room of a run that fits could buy by the estimate (:func:`advice.room`); None without room."""
+    s = estimate.settings
+    n = int(pick(config, f"{ROLLOUT}.n", 1) or 1)
+    per_gpu = lambda prompts: math.ceil(int(pick(config, prompts)) * n * s.longest / s.world_size)  # noqa: E731
+    ceilings = {"update_tokens": per_gpu(f"{ACTOR}.ppo_mini_batch_size"), "log_prob_tokens": per_gpu("data.train_batch_size"),
+                "ref_tokens": per_gpu("data.train_batch_size")}
+    t = advice.room(estimate.shape, s, gpu, ceilings)
+    overrides = advice.budget_overrides(s, t)
+    if not overrides:
+        return None
+    bought = []
+    if t.gpu_memory_utilization != s.gpu_memory_utilization:
+        bought.append(f"vLLM's share {model.gib(t.gpu_memory_utilization * gpu)} GiB instead of "
+                      f"{model.gib(s.gpu_memory_utilization * gpu)} (more KV cache: more sequences generated at once)")
+    for knob, (whose, whole) in _ROOM.items():
+        if getattr(s, knob) is not None and getattr(t, knob) != getattr(s, knob):
+            bought.append(f"{whose} micro-batches of {getattr(t, knob)} tokens instead of {getattr(s, knob)} "
+                          f"({getattr(t, knob) // s.longest} longest sequences instead of {getattr(s, knob) // s.longest}"
+                          + (f": {whole}" if getattr(t, knob) == ceilings[knob] else "") + ", so fewer micro-batches)")
+    return (f"  room to spare: by the estimate every pass still fits with "
+            f"{advice.Plan('', overrides, estimate).text()}: " + "; ".join(bought))
 
 
 def check(config: DictConfig, found: list[Problem], notes: list[str], recheck: Optional[Recheck] = None) -> Optional[str]:
     """The memory table for the target GPU (returned) and a problem per pass that does not
     fit (``recipe.memory_check``: ``refuse``; ``warn`` makes them notes, ``off`` skips the estimate).
     ``recheck`` (the whole preflight on a changed config, returning its problems): with it, each
-    refusal names the changes that make every pass fit, verified; without it (the preflight re-run
-    for a candidate), none."""
+    refusal names the changes that make every pass fit, verified, or what can (:func:`floor_text`), and
+    a run with room is told what it could buy (:func:`room_text`); without it (the preflight re-run for
+    a candidate), none."""
     mode = pick(config, "recipe.memory_check", "refuse")
     if mode == "off":
         notes.append("GPU memory not checked (recipe.memory_check=off)")
@@ -132,7 +224,9 @@ def check(config: DictConfig, found: list[Problem], notes: list[str], recheck: O
     refusing = [(n, st, pr) for n, st, pr in failing
                 if mode != "warn" and not (accept_tight and model.verdict(passes[n], gpu) == "TIGHT"
                                            and model.vllm_share_fits(estimate, gpu))]
-    fix = fix_text(verified_plans(config, estimate, gpu, gpus_per_node, recheck)) if refusing and recheck else None
+    verify = verifier(config, recheck, found) if recheck else None
+    chosen = verified_plans(estimate, gpu, gpus_per_node, verify) if refusing and verify else {}
+    fix = fix_text(chosen, lambda: floor_text(config, estimate, gpu, verify)) if refusing and verify else None
     first = None
     for name, setting, problem in failing:
         if (name, setting, problem) not in refusing:
@@ -141,10 +235,12 @@ def check(config: DictConfig, found: list[Problem], notes: list[str], recheck: O
             continue
         tight = model.verdict(passes[name], gpu) == "TIGHT"
         key = f"GPU memory, pass '{name}' ({setting})"
-        shown = fix if first is None else (f"the changes named for {first} make every pass fit" if fix else None)
+        then = f"the changes named for {first} make every pass fit" if chosen else f"{first} says what can"
+        shown = fix if first is None else (then if fix else None)
         first = first or key
         found.append(Problem(key, problem, (f"{shown}; " if shown else "") + "or set GPU_MEM_GB to your GPU's memory as CUDA reports it"
                              + (", or recipe.memory_accept_tight=true to run inside the margin" if tight else "")
                              + ", or recipe.memory_check=warn if you know the estimate is wrong for your setup "
                              "(docs/memory.md)"))
-    return model.table(estimate, gpu)
+    room = room_text(config, estimate, gpu) if recheck and not failing else None
+    return model.table(estimate, gpu) + (f"\n{room}" if room else "")

@@ -13,9 +13,9 @@ from .shape import ModelShape
 GIB = 1024**3
 #: bytes of the dtypes involved
 FP32, BF16 = 4, 2
-#: per GPU, beside what the passes allocate: the trainer's and vLLM's CUDA contexts, NCCL buffers,
-#: vLLM's residue while it sleeps (CUDA graphs), the caching allocator's rounding: 3 to 6 GiB, the
-#: middle of that range counted
+#: per GPU, outside PyTorch's allocator: the CUDA contexts, NCCL's communicators and NVLS buffers,
+#: vLLM's residue asleep (its CUDA graphs); the model's largest unmeasured term (docs/memory.md gives
+#: its public range and the calibration run that pins it)
 OVERHEAD_BYTES = 4.5 * GIB
 #: the chunk (rows of logits) of the recipe's sum of squared probabilities: a copy of
 #: ``verl_patches.sum_pi_squared.CHUNK_ROWS`` (no torch import here; a test ties the two)

@@ -34,7 +34,7 @@ from stapo_core.fileio import atomic_write
 
 from . import model as mm
 from .advice import Plan
-from .preflight import verified_plans
+from .preflight import verified_plans, verifier
 from .shape import builtin_shape
 
 #: the cards of the table: (column name, GiB as CUDA reports them), the memory model's ``GPU_CAPACITY_GIB``
@@ -113,8 +113,8 @@ def cell(config) -> Cell:
     other = [p for p in found if not p.key.startswith("GPU memory")]
     if other:
         raise ValueError("the preflight refuses the run for another reason: " + "; ".join(map(str, other)))
-    plans = {} if not found else verified_plans(config, est, gpu, GPUS_PER_NODE,
-                                                     lambda changed: problems_of(changed, SUBMIT))
+    plans = {} if not found else verified_plans(est, gpu, GPUS_PER_NODE,
+                                                verifier(config, lambda changed: problems_of(changed, SUBMIT)))
     training = max((p for p in est.passes if p.name != "rollout"), key=lambda p: p.total)
     return Cell(est.passes[0].total, training.name, training.total, not found, plans)
 

@@ -6,16 +6,19 @@ that the preflight itself accepts."""
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
 import pytest
 
-from recipe.stapo.driver import compose, prepare
+from recipe.stapo.driver import compose, ensure_loss_statistics, prepare
 from recipe.stapo.preflight import PreflightError
+from recipe.stapo.preflight.context import model_path
 from stapo_memory import advice
 from stapo_memory import model as mm
 from stapo_memory import preflight as memory_check
+from stapo_memory.shape import builtin_shape
 from tests.helpers.cluster_files import QWEN3_CONFIGS, use_fake_cluster, write_model
 from tests.helpers.paths import REPO
 
@@ -242,3 +245,123 @@ def test_config_json_parse_errors_are_named(cluster):
     (folder / "config.json").write_text(json.dumps([1, 2]))
     err = refused(cluster, f"actor_rollout_ref.model.path={folder}")
     assert any("not a JSON object" in str(p) for p in err.problems), str(err)
+
+
+# ------------------------------------------------------------------------------------------------
+# far from fitting, inside the margin only, room to spare
+# ------------------------------------------------------------------------------------------------
+
+
+def _memory_fixes(err: PreflightError) -> list[str]:
+    return [p.fix for p in err.problems if p.key.startswith("GPU memory")]
+
+
+@functools.lru_cache(maxsize=None)
+def _run_settings(model: str, nnodes: int, response: int = 15360) -> tuple[mm.ModelShape, mm.Settings]:
+    config = compose([f"model={model}", "method=stapo", f"trainer.nnodes={nnodes}", "trainer.n_gpus_per_node=8",
+                      f"data.max_response_length={response}"])
+    ensure_loss_statistics(config, log=lambda _: None)
+    return builtin_shape(model_path(config)), mm.settings_from_config(config)
+
+
+def _floor(model: str, gpu_mem_gb: float, nnodes: int, response: int = 15360) -> mm.Estimate:
+    """The run at its least (every budget at one sequence, vLLM's share at its least), by the model."""
+    shape, settings = _run_settings(model, nnodes, response)
+    gpu = gpu_mem_gb * mm.GIB
+    return mm.estimate(shape, advice.one_sequence(shape, settings, gpu), gpu)
+
+
+@pytest.mark.parametrize("nnodes", [8, 32])
+def test_qwen3_8b_on_16gb_cards_states_the_floor_and_the_levers_in_order(cluster, nnodes):
+    """64 or 256 cards of 14.6 GiB (a 16 GB card as CUDA reports it): no change the preflight makes
+    fits, so instead of advice the refusal states what a GPU needs at one 16,384-token sequence per
+    micro-batch, then shorter responses, a larger card, offload, in that order; the other passes
+    point at it. The larger card it names runs the run at one sequence."""
+    err = refused(cluster, "recipe.gpu_mem_gb=14.6", nnodes=nnodes)
+    first, *others = _memory_fixes(err)
+    floor = _floor("qwen3_8b", 14.6, nnodes)
+    need = max(p.total + mm.margin_bytes(p) for p in floor.passes)
+    assert first.startswith("no setting the preflight can change makes it fit, nor more GPUs: with one 16384-token "
+                            f"sequence per micro-batch and vLLM's share at its least (0.7) a GPU still needs "
+                            f"{mm.gib(need)} GiB with the estimate's margin (pass 'update'), more than the 14.6 GiB")
+    levers = first.split("What can, by the estimate and in this order: ", 1)[1]
+    assert levers.index("not shorter responses: at 1024-token ones") < levers.index("a larger card: ") \
+        < levers.index("not offload: pass 'update' holds the actor's whole state")
+    assert "run with" not in first and others and all("says what can" in f for f in others)
+    card = float(re.search(r"a larger card: ([0-9.]+) GiB as CUDA reports it fits at one sequence", levers).group(1))
+    on_card = _floor("qwen3_8b", card, nnodes)
+    least = [f"{ROLLOUT}.gpu_memory_utilization={on_card.settings.gpu_memory_utilization}",
+             f"{ACTOR}.ppo_max_token_len_per_gpu=16384", f"{ROLLOUT}.log_prob_max_token_len_per_gpu=16384"]
+    assert "preflight passed" in run(cluster, f"recipe.gpu_mem_gb={card}", *least, nnodes=nnodes)
+    refused(cluster, f"recipe.gpu_mem_gb={card - 0.1:.1f}", *least, nnodes=nnodes)
+    if nnodes == 32:  # more cards lower it by the sharded state they split
+        assert need < max(p.total + mm.margin_bytes(p) for p in _floor("qwen3_8b", 14.6, 8).passes)
+    doc = " ".join((REPO / "docs" / "memory.md").read_text().split())
+    assert (f"{mm.gib(need)} GiB per GPU on 64 of them" if nnodes == 8 else f"and {mm.gib(need)} on 256") in doc
+
+
+def test_shorter_responses_come_first_where_they_fit(cluster):
+    """Qwen3-1.7B on 13 GiB cards, 64 of them: the response length the refusal names runs with every
+    budget at one sequence; 1,024 tokens more does not."""
+    err = refused(cluster, "recipe.gpu_mem_gb=13", model="qwen3_1_7b")
+    (first, *_) = _memory_fixes(err)
+    response, longest = map(int, re.search(r"What can, by the estimate and in this order: shorter responses: "
+                                           r"data.max_response_length=(\d+) fits with every budget at one "
+                                           r"(\d+)-token sequence; a larger card", first).groups())
+    assert longest == response + 1024
+
+    def at(response: int) -> list[str]:
+        floor = _floor("qwen3_1_7b", 13, 8, response)
+        return [f"data.max_response_length={response}", "recipe.gpu_mem_gb=13",
+                f"{ROLLOUT}.gpu_memory_utilization={floor.settings.gpu_memory_utilization}",
+                *[f"{k}={response + 1024}" for k in (f"{ACTOR}.ppo_max_token_len_per_gpu",
+                                                      f"{ROLLOUT}.log_prob_max_token_len_per_gpu")]]
+
+    assert "preflight passed" in run(cluster, *at(response), model="qwen3_1_7b")
+    refused(cluster, *at(response + 1024), model="qwen3_1_7b")
+
+
+def test_a_run_that_fits_only_inside_the_margin_says_so(cluster):
+    """Qwen3-8B on 21.3 GiB cards, 64 of them: at one sequence it needs more than the card with the
+    margin but not without; the refusal says so, and the changes it names pass."""
+    err = refused(cluster, "recipe.gpu_mem_gb=21.3")
+    (first, *_) = _memory_fixes(err)
+    assert ", though not without it: run with " in first
+    named = first.split(", though not without it: run with ", 1)[1].split(" to run inside the margin")[0].split()
+    assert named[-1] == "recipe.memory_accept_tight=true"
+    logged = run(cluster, "recipe.gpu_mem_gb=21.3", *named)
+    assert "preflight passed" in logged and "DOES NOT FIT" not in logged and "TIGHT" in logged
+
+
+def test_advice_is_verified_apart_from_problems_the_config_already_has(cluster):
+    """Qwen3-8B on 256 cards of 24 GB (22.0 GiB as CUDA reports an L4's), its training data missing: the
+    plan that fits is still named (checked against every problem but the missing file), not 'no
+    setting'; with the data there, it passes."""
+    missing = f"data.train_files={cluster['data']}/missing.parquet"
+    err = refused(cluster, "recipe.gpu_mem_gb=22", missing, nnodes=32)
+    assert any(p.key == "data.train_files" for p in err.problems)
+    (first, *_) = _memory_fixes(err)
+    assert first.startswith("run with ") and "no setting" not in first
+    assert "preflight passed" in run(cluster, "recipe.gpu_mem_gb=22", *_advised(first), nnodes=32)
+
+
+def test_a_card_with_room_to_spare_names_what_the_room_buys(cluster):
+    """Qwen3-8B on 141 GB cards (139.8 GiB), 64 of them: the table names the largest vLLM share and
+    budgets with which every pass fits (the update's capped at the mini-batch a GPU gets: 64 prompts x 8
+    responses x 16,384 tokens / 64 GPUs); with them the preflight passes, and one step more does not."""
+    logged = run(cluster, "recipe.gpu_mem_gb=139.8")
+    (room,) = [line for line in logged.splitlines() if line.startswith("  room to spare: ")]
+    named = dict(o.split("=") for o in room.split("still fits with ", 1)[1].split(": ", 1)[0].split())
+    assert named[f"{ROLLOUT}.gpu_memory_utilization"] == "0.9"
+    assert named[f"{ACTOR}.ppo_max_token_len_per_gpu"] == str(64 * 8 * 16384 // 64)
+    assert "vLLM's share 125.8 GiB instead of 97.9" in room
+    assert "8 longest sequences instead of 2: the whole mini-batch a GPU gets" in room
+    log_prob = int(named[f"{ROLLOUT}.log_prob_max_token_len_per_gpu"])
+    with_room = run(cluster, "recipe.gpu_mem_gb=139.8", *[f"{k}={v}" for k, v in named.items()])
+    assert "preflight passed" in with_room and "TIGHT" not in with_room and "room to spare" not in with_room
+    doc = " ".join((REPO / "docs" / "memory.md").read_text().split())  # docs/memory.md says the same
+    share = re.search(r"vLLM's share ([0-9.]+) GiB instead of ([0-9.]+)", room).groups()
+    assert f"vLLM at 0.9 (a {share[0]} GiB share instead of {share[1]}" in doc
+    assert f"the whole mini-batch a GPU gets ({int(named[f'{ACTOR}.ppo_max_token_len_per_gpu']):,} tokens)" in doc
+    refused(cluster, "recipe.gpu_mem_gb=139.8", f"{ROLLOUT}.gpu_memory_utilization=0.95")
+    refused(cluster, "recipe.gpu_mem_gb=139.8", f"{ROLLOUT}.log_prob_max_token_len_per_gpu={log_prob + 1024}")
