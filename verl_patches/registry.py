@@ -26,7 +26,6 @@ import importlib
 import importlib.abc
 import importlib.util
 import os
-import re
 import sys
 import warnings
 from importlib.metadata import PackageNotFoundError, version
@@ -235,10 +234,6 @@ def check_verl_version(installed: Optional[str] = None, environ: Optional[Mappin
         f"{VERSION_OVERRIDE_ENV}={installed}.")
 
 
-#: an anchor in another file than the target's module: ``"verl/path/file.py: text"``
-_IN_FILE = re.compile(r"([\w/]+\.py): (.+)", re.S)
-
-
 def _source(where: str, verl_source: Optional[str]) -> tuple[str, Optional[str]]:
     """``(path, text)`` of a module (``"verl.trainer.main_ppo"``) or a file (``"verl/trainer/main_ppo.py"``),
     read, never imported: verl's under ``verl_source`` when given, another package's beside its installed
@@ -261,9 +256,9 @@ def _source(where: str, verl_source: Optional[str]) -> tuple[str, Optional[str]]
 def _missing(anchor: str, module: str, verl_source: Optional[str]) -> Optional[str]:
     """None when ``anchor`` is in its file (``module``'s unless it names one; a run of whitespace counts
     as one space), else what is missing."""
-    match = _IN_FILE.fullmatch(anchor)
-    path, text = _source(match.group(1) if match else module, verl_source)
-    wanted = match.group(2) if match else anchor
+    file, in_file, rest = anchor.partition(".py: ")
+    where, wanted = (f"{file}.py", rest) if in_file else (module, anchor)
+    path, text = _source(where, verl_source)
     if text is None:
         return f"no file {path}"
     return None if " ".join(wanted.split()) in " ".join(text.split()) else f"{wanted!r} not in {path}"
