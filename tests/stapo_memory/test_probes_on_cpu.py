@@ -39,6 +39,8 @@ PROBE = textwrap.dedent(
         out["applied"] = {p.name: is_applied(p) for p in PROBES}
         out["resolves"] = [callable(resolve(p.wrapper)) and hasattr(*_owner_and_attr(p.target)) for p in PROBES]
         out["texts"] = [min(len(t) for t in (p.changes, p.why, p.relies_on, p.drop_when)) for p in PROBES]
+        from tests.helpers.anchors import anchor_problem
+        out["anchor_problems"] = [anchor_problem(p) for p in PROBES]
     print(json.dumps(out))
     """
 )
@@ -65,7 +67,7 @@ def test_only_a_process_that_imports_the_probe_module_has_the_probes():
     probes = set(calibration["applied"])
     assert len(probes) == 3 and all(calibration["applied"].values()), calibration
     assert probes <= set(calibration["marks"]) and "stapo_memory.probes" in calibration["loaded"]
-    assert all(calibration["resolves"]) and min(calibration["texts"]) > 10
+    assert all(calibration["resolves"]) and min(calibration["texts"]) > 10 and calibration["anchor_problems"] == [None] * 3
     # the recipe's own patches are in place in both: what tells a probe from them is the module list alone
     assert production["marks"] and set(production["marks"]) == set(calibration["marks"]) - probes, production
     assert production["loaded"] == [], production
@@ -79,6 +81,16 @@ def test_the_docs_page_is_the_commands_output():
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == page, "docs/probes.md is stale: python -m stapo_memory.probes > docs/probes.md"
     assert proc.stdout.count("\n## `probe_") == 3
+
+
+def test_every_probe_applies_to_the_installed_verl():
+    """``python -m stapo_memory.probes check`` finds every probe's anchors in the installed
+    verl 0.9.1, and applies nothing."""
+    proc = subprocess.run([sys.executable, "-m", "stapo_memory.probes", "check"], cwd=REPO, env=_clean_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.splitlines() == [f"applies  probe_{p}" for p in ("infer", "update", "rollout")] + [
+        "3 apply, 0 break, 0 obsolete (verl: installed)"]
 
 
 def test_the_driver_carries_a_user_added_module_to_the_workers_and_the_job(monkeypatch):

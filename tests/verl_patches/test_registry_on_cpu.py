@@ -1,5 +1,7 @@
-"""The patch table (verl_patches.install.PATCHES) and its wrap-once helper (verl_patches.registry); the
-CPU wing's table (stapo_cpu.patches.install.PATCHES) stays out of it.
+"""The patch table (verl_patches.install.PATCHES), its wrap-once helper (verl_patches.registry) and its
+check against a verl's source (``python -m verl_patches check [VERL_SOURCE]``: the installed verl, a copy
+with one anchor gone, one def line changed, one upstream fix); the CPU wing's table
+(stapo_cpu.patches.install.PATCHES) stays out of it.
 
 Which patches are in place is process-global state, so it is probed in fresh interpreters.
 """
@@ -15,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from tests.helpers.anchors import anchor_problem
 from tests.helpers.paths import REPO
 
 
@@ -188,8 +191,8 @@ def test_a_malformed_patch_is_refused(kwargs, match):
 
 def test_every_reference_in_the_table_resolves():
     """Targets, wrappers, registrations and conditions all name existing objects in verl 0.9.1, and
-    every entry says what, why, what it relies on and when to drop it (verl's vLLM rollout imports in
-    this process: tests/conftest.py)."""
+    every entry says what, why, what it relies on (its anchors first the ``def`` line of the function it
+    wraps) and when to drop it (verl's vLLM rollout imports in this process: tests/conftest.py)."""
     from verl_patches.install import PATCHES
     from verl_patches.registry import _owner_and_attr, resolve
 
@@ -202,6 +205,7 @@ def test_every_reference_in_the_table_resolves():
         owner, attr = _owner_and_attr(patch.target)
         assert hasattr(owner, attr) or patch.kind == "register", patch.target
         assert all(len(text) > 10 for text in (patch.changes, patch.why, patch.relies_on, patch.drop_when))
+        assert anchor_problem(patch) is None, anchor_problem(patch)  # what python -m verl_patches check reads
 
 
 def test_docs_table_matches_the_code():
@@ -229,13 +233,13 @@ def test_other_verl_versions_are_refused_unless_allowed():
     warnings = []
     assert check_verl_version(VERL_VERSION, environ={}, warn=warnings.append) == VERL_VERSION and not warnings
     with pytest.raises(RuntimeError, match=rf"verl 0\.9\.2 is installed.*pip install verl=={VERL_VERSION}.*"
-                                           rf"{VERSION_OVERRIDE_ENV}=0\.9\.2"):
+                                           rf"python -m verl_patches check.*{VERSION_OVERRIDE_ENV}=0\.9\.2"):
         check_verl_version("0.9.2", environ={})
     with pytest.raises(RuntimeError):  # an override for another version does not count
         check_verl_version("0.9.2", environ={VERSION_OVERRIDE_ENV: "0.10.0"})
     for allowed in ("0.9.2", "any"):
         assert check_verl_version("0.9.2", environ={VERSION_OVERRIDE_ENV: allowed}, warn=warnings.append) == "0.9.2"
-    assert len(warnings) == 2 and all("relies_on" in w for w in warnings)
+    assert len(warnings) == 2 and all("python -m verl_patches check" in w for w in warnings)
 
 
 def test_importing_the_patches_on_another_verl_fails_clearly():
@@ -253,3 +257,92 @@ def test_importing_the_patches_on_another_verl_fails_clearly():
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert "refused: verl_patches: the recipe patches verl 0.9.1, but verl 0.8.0 is installed" in out.stdout, \
         out.stderr[-2000:]
+
+
+def _check(package: str, *args: str) -> tuple[int, list[str], str]:
+    out = subprocess.run([sys.executable, "-m", package, "check", *args], cwd=REPO, capture_output=True, text=True,
+                         timeout=300)
+    return out.returncode, out.stdout.splitlines(), out.stderr
+
+
+def test_every_entry_applies_to_the_installed_verl():
+    """``python -m verl_patches check`` finds every anchor in the installed verl 0.9.1: one
+    ``applies`` line per entry, in the table's order, exit 0."""
+    from verl_patches.install import PATCHES
+
+    rc, lines, err = _check("verl_patches")
+    assert rc == 0, lines + [err]
+    assert lines == [f"applies  {p.name}" for p in PATCHES] + ["15 apply, 0 break, 0 obsolete (verl: installed)"]
+
+
+def test_the_core_check_reads_sources_and_imports_neither_verl_nor_a_wing():
+    """The core's check reads verl's files as text: the process imports no verl, torch or vLLM, and no
+    module of either wing."""
+    code = textwrap.dedent("""
+        import json, runpy, sys
+        sys.argv = ["verl_patches", "check"]
+        try:
+            runpy.run_module("verl_patches", run_name="__main__")
+        except SystemExit as exc:
+            status = exc.code
+        loaded = sorted({m.split(".")[0] for m in sys.modules} & {"verl", "torch", "vllm", "stapo_cpu", "stapo_memory"})
+        print(json.dumps({"status": status, "loaded": loaded}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"status": 0, "loaded": []}, out.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def verl_copy(tmp_path_factory):
+    """A copy of the installed verl's source tree, as a checkout holds it: ``<copy>/verl/...``."""
+    import importlib.util
+    import shutil
+
+    root = tmp_path_factory.mktemp("verl_checkout")
+    (installed,) = importlib.util.find_spec("verl").submodule_search_locations
+    shutil.copytree(installed, root / "verl", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+@pytest.mark.parametrize("file, old, new, expected", [
+    # an anchor gone: the mini-batch hook's call site
+    ("workers/engine_workers.py", "actor_output = self.train_batch(mini_batch_td)",
+     "actor_output = self.run_batch(mini_batch_td)",
+     ["breaks   mini_batch_fold: 'actor_output = self.train_batch(mini_batch_td)' not in "
+      "verl/workers/engine_workers.py"]),
+    # a changed def line: the v1 trainer's old-log-prob pass takes another parameter
+    ("trainer/ppo/v1/trainer_base.py", "def _compute_old_log_prob(self, batch: KVBatchMeta, metrics: dict)",
+     "def _compute_old_log_prob(self, batch: KVBatchMeta, metrics: dict, timing: dict)",
+     ["breaks   v1_old_log_prob_stats: 'def _compute_old_log_prob(self, batch: KVBatchMeta, metrics: dict)' not in "
+      "verl/trainer/ppo/v1/trainer_base.py"]),
+    # upstream's own fix: the weight sync's socket bounded by verl
+    ("workers/rollout/vllm_rollout/bucketed_weight_transfer.py", "self.socket.bind(self.zmq_handle)",
+     "self.socket.setsockopt(zmq.RCVTIMEO, 60000)\n        self.socket.bind(self.zmq_handle)",
+     [f"obsolete {name}: upstream has 'zmq.RCVTIMEO' (verl bounds the weight sync's waits)"
+      for name in ("weight_sync_timeout", "weight_sync_timeout_error")]),
+])
+def test_the_check_names_what_a_changed_verl_breaks(verl_copy, file, old, new, expected):
+    """``python -m verl_patches check VERL_SOURCE`` on a copy of verl 0.9.1 with one change: the entries
+    it concerns are reported (the missing anchor, the changed def line, the upstream fix), every other
+    entry applies, and the exit status is 1."""
+    path = verl_copy / "verl" / file
+    text = path.read_text()
+    assert text.count(old) == 1
+    path.write_text(text.replace(old, new))
+    try:
+        rc, lines, err = _check("verl_patches", str(verl_copy))
+    finally:
+        path.write_text(text)
+    assert rc == 1, lines + [err]
+    assert [line for line in lines[:-1] if not line.startswith("applies ")] == expected
+    assert len(lines) == 15 + 1 and lines[-1].endswith(f"(verl: {verl_copy})")
+    rc, lines, _ = _check("verl_patches", str(verl_copy))  # the copy unchanged: every entry applies
+    assert rc == 0 and lines[-1].startswith("15 apply, 0 break, 0 obsolete")
+
+
+def test_the_check_refuses_a_folder_without_verl(tmp_path):
+    rc, lines, err = _check("verl_patches", str(tmp_path))
+    assert rc == 2 and not lines and f"no verl source tree in {tmp_path}" in err
+    out = subprocess.run([sys.executable, "-m", "verl_patches", "verify"], cwd=REPO,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "usage: python -m verl_patches [check [VERL_SOURCE]]" in out.stderr

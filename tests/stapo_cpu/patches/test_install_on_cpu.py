@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+from tests.helpers.anchors import anchor_problem
 from tests.helpers.paths import REPO
 
 #: in the CPU environment ``import verl`` imports both activation modules (VERL_USE_EXTERNAL_MODULES)
@@ -60,8 +61,8 @@ def test_in_the_cpu_environment_every_wing_patch_is_applied_once_before_the_core
 
 def test_every_reference_in_the_wing_table_resolves():
     """Targets, wrappers, registrations and conditions all name existing objects in verl 0.9.1 and vLLM's
-    CPU build, and every entry says what, why, what it relies on and when to drop it; no name is also
-    the core table's."""
+    CPU build, and every entry says what, why, what it relies on (its anchors first the ``def`` line of
+    the function it wraps) and when to drop it; no name is also the core table's."""
     from stapo_cpu.patches.install import PATCHES
     from verl_patches.install import PATCHES as CORE
     from verl_patches.registry import _owner_and_attr, resolve
@@ -75,6 +76,19 @@ def test_every_reference_in_the_wing_table_resolves():
         owner, attr = _owner_and_attr(patch.target)
         assert hasattr(owner, attr) or patch.kind == "register", patch.target
         assert all(len(text) > 10 for text in (patch.changes, patch.why, patch.relies_on, patch.drop_when))
+        assert anchor_problem(patch) is None, anchor_problem(patch)  # what python -m stapo_cpu.patches check reads
+
+
+def test_every_entry_applies_to_the_installed_verl_vllm_and_torch():
+    """``python -m stapo_cpu.patches check`` finds every anchor in the installed verl 0.9.1,
+    vLLM's CPU build and torch: one ``applies`` line per entry, in the table's order, exit 0."""
+    from stapo_cpu.patches.install import PATCHES
+
+    out = subprocess.run([sys.executable, "-m", "stapo_cpu.patches", "check"], cwd=REPO, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert out.stdout.splitlines() == [f"applies  {p.name}" for p in PATCHES] + [
+        f"{len(PATCHES)} apply, 0 break, 0 obsolete (verl: installed)"]
 
 
 def test_docs_page_is_what_python_m_stapo_cpu_patches_prints():
