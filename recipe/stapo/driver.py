@@ -4,12 +4,12 @@ Imports flow one way: :mod:`recipe.stapo.main_stapo` (the Hydra entry point) imp
 never the reverse. Everything here runs in the launching process, before Ray starts:
 
 - :func:`compose`: the config ``python -m recipe.stapo.main_stapo <overrides>`` runs with (tests,
-  scripts); :func:`validate`: verl's own validation.
+  scripts); :func:`validate`: verl's own validation of it alone.
 - :func:`prepare`: what the driver does to a composed config before handing it to verl: statistics
   the loss needs switched on, every interpolation resolved with the launching shell's environment,
   data / model / checkpoint paths made absolute, a wandb run id a resumed run continues, Ray's
   environment variables as strings, the preflight (:mod:`recipe.stapo.preflight`: what would fail
-  on the cluster, GPU memory included), then :func:`validate`.
+  on the cluster, verl's own validation and GPU memory included).
 - :func:`job_runtime_env`: the Ray job runtime environment of ``LAUNCH=submit``
   (``run_scripts/common.sh``): the only way secrets reach the workers (never the Hydra config,
   which verl logs to wandb).
@@ -36,6 +36,7 @@ from recipe.stapo.methods import METHODS, methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
 from recipe.stapo.preflight import PreflightError, Problem, check_environment
 from recipe.stapo.preflight import check as preflight_check
+from recipe.stapo.preflight.verl_config import check_verl_configs
 
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
@@ -235,26 +236,13 @@ def override_problems(overrides: Sequence[str]) -> list[str]:
 
 
 def validate(config: DictConfig) -> None:
-    """verl's own validation (as in ``verl.trainer.main_ppo.main``): instantiates the actor config
-    dataclass, so S2T settings are checked here, in the driver, before any worker starts."""
-    from hydra.errors import InstantiationException  # hydra only here: as in compose
-
-    # verl loads only after ensure_patch_module_env set VERL_USE_EXTERNAL_MODULES
-    from verl.trainer.ppo.utils import need_critic, need_reference_policy
-    from verl.utils.config import validate_config
-
-    try:
-        validate_config(config=config, use_reference_policy=need_reference_policy(config), use_critic=need_critic(config))
-    except InstantiationException as e:
-        if isinstance(e.__cause__, (ValueError, AssertionError)):  # a bad value in a config dataclass: its message
-            section = re.search(r"full_key: (\S+)", str(e))
-            key = section.group(1) if section else "the config"
-            raise PreflightError([Problem(key, f"verl's config refuses it: {e.__cause__}",
-                                          "correct the value verl names (docs/preflight.md)")]) from None
-        raise
-    except AssertionError as e:  # one of validate_config's own checks
-        raise PreflightError([Problem("the config", f"verl's config validation refuses it: {e}",
-                                      "correct the value verl names (docs/preflight.md)")]) from None
+    """verl's own validation of a composed config alone, no file read (the preflight runs it on every launch):
+    the types verl declares, its config classes built as its workers build them, its ``validate_config``
+    (:func:`recipe.stapo.preflight.verl_config.check_verl_configs`). Raises :class:`PreflightError`."""
+    found: list[Problem] = []
+    check_verl_configs(config, found)
+    if found:
+        raise PreflightError(found)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -473,8 +461,9 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     1. statistics the loss reads are switched on (:func:`ensure_loss_statistics`); 2. interpolations
     resolved, paths absolute (:func:`resolve_paths`); 3. with wandb, a run id that a resumed run
     continues (:func:`ensure_wandb_resume`); 4. Ray env vars as strings; 5. the preflight
-    (:func:`recipe.stapo.preflight.check`: numbers, names, identity, paths, GPU memory; its report is
-    logged through ``log``); 6. verl's :func:`validate`. Any mistake raises ``ValueError`` (the
+    (:func:`recipe.stapo.preflight.check`: numbers, names, identity, paths, verl's own validation, the
+    data files' first rows through verl's dataset, GPU memory; its report is logged through ``log``).
+    Any mistake raises ``ValueError`` (the
     preflight's :class:`~recipe.stapo.preflight.PreflightError` lists every problem it found, each
     naming the key or path and the fix), before Ray starts. ``environ`` (default ``os.environ``) tells
     the preflight whether it runs for ``LAUNCH=submit``.
@@ -490,7 +479,6 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     ensure_wandb_resume(config)
     stringify_ray_env_vars(config)
     preflight_check(config, environ=environ, log=log)
-    validate(config)
     return config
 
 

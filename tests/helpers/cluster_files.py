@@ -1,16 +1,23 @@
 """A stand-in for a cluster's shared storage: data files, model folders and a checkpoint root laid
 out as the paper runs expect them (``STAPO_DATA_DIR``, ``STAPO_MODEL_DIR``, ``CKPT_DIR``), small
 enough for a test. The model folders carry the real ``config.json`` of the paper's Qwen3 base models
-(as published with them) with stand-in tokenizer and weight files: the preflight reads the config
-and checks that the others exist."""
+(as published with them), the tiny tokenizer the CPU path ships (a real one with a chat template: the
+preflight loads it as verl does and runs verl's dataset with it on the data files' first rows) and a
+stand-in weights file (the preflight checks that it exists)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from stapo_cpu.assets import SHIPPED_DIR
+
+#: the shipped tiny model's tokenizer files (a Qwen-style chat template)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
 def _qwen3(hidden: int, layers: int, heads: int, intermediate: int, tied: bool) -> dict:
@@ -49,12 +56,12 @@ def write_dataset(path: Path, rows: int = PAPER_BATCH, drop: tuple[str, ...] = (
 
 
 def write_model(folder: Path, config: dict, tokenizer: bool = True, weights: bool = True) -> Path:
-    """A model folder: ``config.json``, stand-in tokenizer files and a stand-in weights file."""
+    """A model folder: ``config.json``, the shipped tiny tokenizer and a stand-in weights file."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
     if tokenizer:
-        (folder / "tokenizer.json").write_text("{}")
-        (folder / "tokenizer_config.json").write_text("{}")
+        for name in TOKENIZER_FILES:
+            shutil.copy(SHIPPED_DIR / "model" / name, folder / name)
     if weights:
         (folder / "model.safetensors").write_bytes(b"")
     return folder

@@ -266,7 +266,7 @@ def test_an_interpolation_that_cannot_be_resolved_is_a_problem_naming_its_key(cl
     assert no_ray == []
 
 
-def test_a_value_verls_config_classes_refuse_is_a_problem_naming_the_section(cluster, no_ray):
+def test_a_value_verls_config_classes_refuse_is_a_problem_naming_the_key(cluster, no_ray):
     """verl's own validation (its config dataclasses) raised a ValueError main_stapo showed as a traceback."""
     from recipe.stapo import main_stapo
     from recipe.stapo.preflight import PreflightError
@@ -275,7 +275,7 @@ def test_a_value_verls_config_classes_refuse_is_a_problem_naming_the_section(clu
         main_stapo.run(compose(["method=stapo", "model=qwen3_1_7b", "trainer.nnodes=1", "trainer.n_gpus_per_node=8",
                                 "trainer.logger=[console]", "actor_rollout_ref.actor.loss_agg_mode=bogus"]))
     (found,) = info.value.problems
-    assert found.key == "actor_rollout_ref.actor" and "Invalid loss_agg_mode: bogus" in found.problem, found
+    assert found.key == "actor_rollout_ref.actor.loss_agg_mode" and "Invalid loss_agg_mode: bogus" in found.problem, found
     assert no_ray == []
 
 

@@ -446,9 +446,9 @@ def test_check_command_refuses_hostile_values_before_ray(tmp_path):
 
 
 @pytest.mark.parametrize("override, key, phrase", [
-    (f"{ACTOR}.optim.lr=abc", f"{ACTOR}.optim.lr", "='abc': must be a number >= 0"),
+    (f"{ACTOR}.optim.lr=abc", f"{ACTOR}.optim.lr", "='abc': must be a number (verl's FSDPOptimizerConfig.lr is a number)"),
     (f"{ACTOR}.ppo_epochs=0", f"{ACTOR}.ppo_epochs", "=0: must be a whole number >= 1"),
-    ("trainer.test_freq=abc", "trainer.test_freq", "='abc': must be a whole number"),
+    ("trainer.test_freq=abc", "trainer.test_freq", "='abc': must be a whole number (verl's default for it is -1)"),
     ("trainer.total_training_steps=abc", "trainer.total_training_steps", "='abc': must be a whole number >= 1"),
     ("trainer.resume_mode=bogus", "trainer.resume_mode", "='bogus': must be one of auto, disable, resume_path"),
     (f"{ROLLOUT}.top_p=0", f"{ROLLOUT}.top_p", "=0: must be a number in (0, 1]"),
@@ -843,8 +843,8 @@ def test_a_bool_given_as_another_value_is_refused(cluster, override, key):
 
 @pytest.mark.parametrize("override, key, phrase", [
     (f"{ACTOR}.strategy=bogus", f"{ACTOR}.strategy", "must be fsdp or fsdp2"),
-    (f"{ROLLOUT}.name=bogus", f"{ROLLOUT}.name", "must be one of vllm, sglang, trtllm"),
-    (f"{ROLLOUT}.mode=sync", f"{ROLLOUT}.mode", "must be async"),
+    (f"{ROLLOUT}.name=bogus", f"{ROLLOUT}.name", "verl has no rollout 'bogus' in mode 'async'"),
+    (f"{ROLLOUT}.mode=sync", f"{ROLLOUT}.mode", "verl has no rollout 'vllm' in mode 'sync'"),
 ])
 def test_an_engine_verl_looks_up_after_ray_is_refused(cluster, override, key, phrase):
     problem(refused(paper(cluster, override)), key, phrase, "after Ray")

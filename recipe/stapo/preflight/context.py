@@ -1,5 +1,6 @@
 """The model and its context: the model's ``config.json`` read (:func:`model_config_json`, also the
-memory check's source of the model's shape) and prompt + response within the context vLLM serves."""
+memory check's source of the model's shape), prompt + response within the context vLLM serves, and
+the model's heads split over the tensor-parallel and sequence-parallel groups."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Optional
 
 from omegaconf import DictConfig
 
-from .problem import ROLLOUT, Problem, is_int, pick
+from .problem import ACTOR, ROLLOUT, Problem, is_int, pick
 
 #: rollouts served by an engine whose context is the model's ``max_position_embeddings`` unless
 #: ``rollout.max_model_len`` says otherwise (verl's ``_validate_configs``)
@@ -50,6 +51,7 @@ def check_context(config: DictConfig, found: list[Problem]) -> None:
     if raw is None or UNUSABLE in raw:
         return
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else None
+    check_heads({**raw, **(text or {})}, source, config, found)
     positions = raw.get("max_position_embeddings", (text or {}).get("max_position_embeddings"))
     if positions is None:
         found.append(Problem(f"{source}: max_position_embeddings", "missing: verl reads it to size vLLM's context "
@@ -82,3 +84,26 @@ def check_context(config: DictConfig, found: list[Problem]) -> None:
             f"new tokens to it minus the prompt, so responses would stop before {response} tokens",
             f"set data.max_response_length to at most {context - prompt} (or shorten data.max_prompt_length), or "
             "use a model whose context holds prompt + response", response))
+
+
+def check_heads(shape: dict, source: str, config: DictConfig, found: list[Problem]) -> None:
+    """The model's attention heads and key-value heads (``shape``: its ``config.json``) split over vLLM's
+    tensor-parallel group (vLLM refuses heads its size does not divide, and key-value heads unless one of
+    the two divides the other: it replicates them) and over the Ulysses sequence-parallel group (verl
+    asserts the same when it patches the model). Both refusals come after Ray, the model load and, for
+    vLLM, the workers' start."""
+    heads = shape.get("num_attention_heads")
+    kv_heads = shape.get("num_key_value_heads", heads)
+    if not (is_int(heads) and is_int(kv_heads) and heads > 0 and kv_heads > 0):
+        return  # the memory check names the field
+    for key, who in ((f"{ROLLOUT}.tensor_model_parallel_size", "vLLM"),
+                     (f"{ACTOR}.ulysses_sequence_parallel_size", "verl's sequence parallelism")):
+        size = pick(config, key, 1)
+        if not is_int(size) or size < 2:
+            continue
+        if heads % size or (kv_heads % size and size % kv_heads):
+            divisors = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]
+            found.append(Problem(key, f"the model has {heads} attention heads and {kv_heads} key-value heads ({source}): "
+                                 f"{who} splits the heads over the group, and refuses a size that does not divide them "
+                                 "(or, for the key-value heads, that they do not divide), after Ray starts",
+                                 f"use a size among {divisors}", size))

@@ -72,13 +72,21 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                              "choose a divisor of the GPU count", sp))
         n.ok = False
     if world and tp:
-        infer = tp * int(pick(config, f"{ROLLOUT}.data_parallel_size", 1) or 1) * int(
-            pick(config, f"{ROLLOUT}.pipeline_model_parallel_size", 1) or 1)
+        infer = tp * math.prod(size if is_int(size) and size > 0 else 1 for size in (  # verl's types check the rest
+            pick(config, f"{ROLLOUT}.data_parallel_size", 1), pick(config, f"{ROLLOUT}.pipeline_model_parallel_size", 1)))
         if world % infer:
             found.append(Problem(f"{ROLLOUT}.tensor_model_parallel_size",
                                  f"vLLM's {infer} GPUs per replica do not divide the {world} GPUs (verl asserts it when "
                                  "the workers start)", "choose a divisor of the GPU count (the paper's configs: 1, 2 "
                                  "or 4)", tp))
+            n.ok = False
+        elif tp > gpus or gpus % tp:
+            found.append(Problem(f"{ROLLOUT}.tensor_model_parallel_size",
+                                 f"vLLM's tensor-parallel group must sit within one node of {gpus} GPUs: a larger group "
+                                 "is refused by vLLM ('Tensor parallel size ... cannot be larger than the number of "
+                                 "available GPUs'), and one that does not divide a node straddles two (verl starts each "
+                                 "replica on one node)", f"choose a divisor of trainer.n_gpus_per_node={gpus} (the paper's "
+                                 "configs: 1, 2 or 4)", tp))
             n.ok = False
     if world and batch and rollout_n:
         step = world // math.gcd(world, rollout_n)

@@ -190,12 +190,70 @@ def check_paths(config: DictConfig, found: list[Problem], notes: list[str], subm
             found.append(Problem(key, f"{path} cannot be created or written: {reason}",
                                  "choose a folder this user can write, on storage every node sees"
                                  + (" (CKPT_DIR in the run scripts)" if key == "trainer.default_local_dir" else "")))
-    if pick(config, "trainer.resume_mode") == "resume_path":
+    check_resume(config, found, submit)
+
+
+#: verl's checkpoint tracker in ``trainer.default_local_dir``: the step of the last checkpoint saved
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def check_resume(config: DictConfig, found: list[Problem], submit: bool = False) -> None:
+    """The checkpoint a run resumes from, found as verl's trainer finds it (after Ray, the model load and
+    vLLM's start): with ``resume_mode=auto``, the step in :data:`TRACKER`, read as verl reads it (``int()`` of
+    the file's text: text, nothing or a folder name stop the trainer there), and its ``global_step_<k>``
+    folder (when it is missing verl trains from step 0 without a word); with ``resume_mode=resume_path``,
+    the folder named, a ``global_step_<k>`` folder (verl takes k from the path). The folder holds the
+    actor's shards for this run's GPU count (verl's FSDP checkpoint files are named by it)."""
+    mode, run_dir = pick(config, "trainer.resume_mode"), str(pick(config, "trainer.default_local_dir", "") or "")
+    if mode == "auto" and run_dir and "://" not in run_dir and (Path(run_dir) / TRACKER).exists():
+        tracker, key = Path(run_dir) / TRACKER, "trainer.default_local_dir"
+        steps = sorted(int(p.name.split("_")[-1]) for p in Path(run_dir).glob("global_step_*")
+                       if p.name.split("_")[-1].isdigit())
+        restart = (f"write the step of a checkpoint of {run_dir} into it ({', '.join(map(str, steps)) or 'none'} "
+                   "there), or trainer.resume_mode=disable to train from step 0 (the checkpoints there are then "
+                   "overwritten)")
+        try:
+            step = int(tracker.read_bytes().decode())
+        except (OSError, ValueError) as e:
+            found.append(Problem(key, f"{tracker} tells verl which checkpoint to resume, read as int() of its text, and "
+                                 f"{type(e).__name__}: {e}: the trainer would stop there, after Ray, the model load and "
+                                 "vLLM's start", restart))
+            return
+        folder = Path(run_dir) / f"global_step_{step}"
+        if not folder.is_dir():
+            found.append(Problem(key, f"{tracker} names step {step}, but {folder} does not exist: verl would train from "
+                                 "step 0 without a word", restart))
+            return
+    elif mode == "resume_path":
         resume = str(pick(config, "trainer.resume_from_path", "") or "")
-        if not resume or not (Path(resume).is_dir() or (submit or "://" in resume)):
+        if submit and not Path(resume).exists() or "://" in resume:
+            return
+        if not resume or not Path(resume).is_dir():
             found.append(Problem("trainer.resume_from_path", f"{resume!r} is not a checkpoint folder "
                                  "(trainer.resume_mode=resume_path)", "point it to a global_step_<k> folder, or use "
                                  "trainer.resume_mode=auto"))
+            return
+        try:
+            int(resume.split("global_step_")[-1] if "global_step_" in resume else None)
+        except (TypeError, ValueError):
+            found.append(Problem("trainer.resume_from_path", "verl takes the step to resume at from the folder's name, "
+                                 "int() of what follows its last 'global_step_', and refuses any other folder after "
+                                 "Ray, the model load and vLLM's start", "point it to the global_step_<k> folder "
+                                 "itself, e.g. <trainer.default_local_dir>/global_step_100", resume))
+            return
+        folder = Path(resume)
+    else:
+        return
+    nnodes, gpus = pick(config, "trainer.nnodes"), pick(config, "trainer.n_gpus_per_node")
+    world = nnodes * gpus if is_int(nnodes) and is_int(gpus) else None
+    saved = sorted({p.name.split("_world_size_")[1].split("_")[0] for p in (folder / "actor").glob("model_world_size_*")})
+    if world and str(world) not in saved:
+        found.append(Problem("trainer.resume_from_path" if mode == "resume_path" else "trainer.default_local_dir",
+                             f"{folder / 'actor'} holds no model shards for {world} GPUs (model_world_size_{world}_rank_*"
+                             f".pt; saved for: {', '.join(saved) or 'none'}): verl's FSDP checkpoint loads one shard per "
+                             "rank of the run's GPU count and would fail after Ray and the model load",
+                             f"resume on the GPU count it was saved with ({', '.join(saved) or 'none'}), or from another "
+                             "checkpoint, or trainer.resume_mode=disable", str(folder)))
 
 
 def check_token_dump(config: DictConfig, found: list[Problem]) -> None:

@@ -20,6 +20,7 @@ from .numbers import check_numbers, check_step_host_memory, uses_reference
 from .paths import check_paths, check_token_dump
 from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, is_int, pick
 from .values import check_values
+from .verl_config import check_model_and_data, check_verl_configs
 
 #: the launcher's environment variable naming submit mode (run_scripts/common.sh)
 LAUNCH_ENV = "LAUNCH"
@@ -50,6 +51,8 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, probl
     check_identity(config, found)
     check_paths(config, found, report.notes, submit)
     check_token_dump(config, found)
+    numbers_ok &= check_verl_configs(config, found, numbers_ok)  # verl's own validation: types, config classes
+    check_model_and_data(config, found)  # verl's model config, and its dataset on the data files' first rows
     if numbers_ok:
         check_context(config, found)
         recheck = (lambda changed: problems_of(changed, environ)) if advise else None

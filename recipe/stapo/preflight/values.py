@@ -16,13 +16,11 @@ Importing this module imports no verl.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import math
 import os
 import re
-import typing
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,95 +76,65 @@ def _one_of(*choices: str) -> Callable[[object], bool]:
     return lambda v: isinstance(v, str) and v in choices
 
 
-def _is_bool(value) -> bool:
-    return isinstance(value, bool)
-
-
 #: verl 0.9.1's rollouts (``verl.workers.rollout.base``) and the package each one's engine needs
 ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
 
 _FRACTION = _number_in(0.0, 1.0, True, False)
 _NON_NEGATIVE = _number_in(0.0, math.inf, False, True)
-_POSITIVE = _number_in(0.0, math.inf, True, True)
+_VLLM = "vLLM refuses it when its engine starts, after Ray (verl passes it on unchecked)"
 
+#: the limits verl itself does not check (its config classes, validate_config and the optimizer it builds
+#: check the rest: :mod:`.verl_config`), each with what verl does with a value outside them: vLLM's
+#: sampling and memory limits (vLLM checks them only when its engine starts), values verl uses unchecked
+#: where they run silently wrong or fail after Ray, and the engines the recipe is written for
 VALUE_CHECKS: tuple[ValueCheck, ...] = (
-    # the optimiser (verl's FSDP engine builds it in every worker)
-    ValueCheck(f"{ACTOR}.optim.lr", _NON_NEGATIVE, "a number >= 0",
-         "the workers' optimiser fails with a TypeError minutes after Ray starts", "the paper: 1e-6"),
-    ValueCheck(f"{ACTOR}.optim.weight_decay", _NON_NEGATIVE, "a number >= 0",
-         "the workers' optimiser refuses it after Ray starts", "the paper: 0.1"),
-    ValueCheck(f"{ACTOR}.optim.lr_warmup_steps", _int_at_least(-1), "a whole number >= -1 (-1: use lr_warmup_steps_ratio)",
-         "the workers' scheduler fails after Ray starts", "the paper: 10", optional=True),
+    ValueCheck(f"{ACTOR}.optim.clip_grad", _number_in(0.0, math.inf, True, True), "a number > 0",
+               "verl clips every gradient's norm to it unchecked: 0 zeroes every update, a negative value flips it",
+               "the paper: 1.0"),
     ValueCheck(f"{ACTOR}.optim.lr_warmup_steps_ratio", _number_in(0.0, 1.0, False, False), "a number in [0, 1]",
-         "the workers' scheduler fails after Ray starts", "e.g. 0.0"),
-    ValueCheck(f"{ACTOR}.optim.clip_grad", _POSITIVE, "a number > 0",
-         "gradient clipping fails in the workers after Ray starts", "the paper: 1.0"),
-    ValueCheck(f"{ACTOR}.optim.lr_scheduler_type", _one_of("constant", "cosine"), "'constant' or 'cosine'",
-         "verl's FSDP engine refuses it when the workers start", "the paper: constant"),
-    # the update
+               "verl warms up for this share of the training steps unchecked: above 1 the warm-up never ends", "e.g. 0.0"),
     ValueCheck(f"{ACTOR}.ppo_epochs", _int_at_least(1), "a whole number >= 1",
-         "with no update the trainer fails at the end of the first step (KeyError: 'actor/mfu')", "the paper: 1"),
+               "with no update the trainer fails at the end of the first step, after Ray (KeyError: 'actor/mfu')", "the paper: 1"),
     ValueCheck(f"{ACTOR}.clip_ratio_low", _number_in(0.0, 1.0, False, True), "a number in [0, 1)",
-         "the ratio's lower clip bound 1 - clip_ratio_low must stay above 0, or the clip never acts",
-         "the paper: 0.2 (bounds [0.8, 1.28])", optional=True),
+               "the ratio's lower clip bound 1 - clip_ratio_low must stay above 0, or the clip never acts",
+               "the paper: 0.2 (bounds [0.8, 1.28])", optional=True),
     ValueCheck(f"{ACTOR}.clip_ratio_high", _NON_NEGATIVE, "a number >= 0",
-         "the ratio's upper clip bound 1 + clip_ratio_high would fall below 1 and clip every improving token",
-         "the paper: 0.28", optional=True),
+               "the ratio's upper clip bound 1 + clip_ratio_high would fall below 1 and clip every improving token",
+               "the paper: 0.28", optional=True),
     ValueCheck(f"{ACTOR}.clip_ratio", _NON_NEGATIVE, "a number >= 0",
-         "the clip bounds would be wrong in every update", "verl's default: 0.2"),
+               "the clip bounds would be wrong in every update", "verl's default: 0.2"),
     ValueCheck(f"{ACTOR}.clip_ratio_c", _number_in(1.0, math.inf, True, True), "a number > 1",
-         "verl's policy loss asserts it in the first update, after the first rollout", "the paper's runs: 10.0"),
-    ValueCheck(f"{ACTOR}.entropy_coeff", _is_number, "a number", "the loss fails in the first update", "the paper: 0"),
-    ValueCheck(f"{ACTOR}.kl_loss_coef", _NON_NEGATIVE, "a number >= 0", "the loss fails in the first update", "e.g. 0.001"),
-    # sampling
-    ValueCheck(f"{ROLLOUT}.temperature", _POSITIVE, "a number > 0",
-         "the log-probabilities divide by it (0 gives infinities) or vLLM refuses it after Ray starts", "the paper: 1.0"),
-    ValueCheck(f"{ROLLOUT}.top_p", _FRACTION, "a number in (0, 1]", "vLLM refuses it when the rollout starts, after Ray",
-         "the paper: 1.0"),
+               "verl's policy loss asserts it in the first update, after the first rollout", "the paper's runs: 10.0"),
+    ValueCheck(f"{ACTOR}.kl_loss_coef", _NON_NEGATIVE, "a number >= 0",
+               "verl adds coef x KL to the loss unchecked: a negative one pushes the policy away from the reference",
+               "e.g. 0.001"),
+    ValueCheck(f"{ROLLOUT}.temperature", _number_in(0.0, math.inf, True, True), "a number > 0",
+               "the log-probabilities divide by it (0 gives infinities) or vLLM refuses it after Ray starts", "the paper: 1.0"),
+    ValueCheck(f"{ROLLOUT}.top_p", _FRACTION, "a number in (0, 1]", _VLLM, "the paper: 1.0"),
     ValueCheck(f"{ROLLOUT}.top_k", _int_at_least(-1), "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)",
-         "vLLM refuses it when the rollout starts, after Ray", "-1"),
+               _VLLM, "-1"),
     ValueCheck(f"{ROLLOUT}.gpu_memory_utilization", _FRACTION, "a number in (0, 1]",
-         "vLLM refuses it when its engine starts, after Ray (a fraction of each GPU's memory)", "e.g. 0.6"),
+               f"{_VLLM}: a fraction of each GPU's memory", "e.g. 0.6"),
     ValueCheck(f"{ROLLOUT}.val_kwargs.n", _int_at_least(1), "a whole number >= 1",
-         "validation fails at its first batch, after Ray starts", "the paper: 32"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.top_p", _FRACTION, "a number in (0, 1]", "vLLM refuses it at the first validation",
-         "the paper: 0.9"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.temperature", _NON_NEGATIVE, "a number >= 0",
-         "vLLM refuses it at the first validation", "the paper: 0.7"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.top_k", _int_at_least(-1), "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)",
-         "vLLM refuses it at the first validation", "-1"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.do_sample", _is_bool, "true or false", "validation reads it as a truth value",
-         "the paper: true"),
-    # the trainer loop
+               "validation fails at its first batch, after Ray starts", "the paper: 32"),
+    ValueCheck(f"{ROLLOUT}.val_kwargs.top_p", _FRACTION, "a number in (0, 1]", _VLLM, "the paper: 0.9"),
+    ValueCheck(f"{ROLLOUT}.val_kwargs.temperature", _NON_NEGATIVE, "a number >= 0", _VLLM, "the paper: 0.7"),
+    ValueCheck(f"{ROLLOUT}.val_kwargs.top_k", _int_at_least(-1),
+               "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)", _VLLM, "-1"),
     ValueCheck("trainer.total_training_steps", _int_at_least(1), "a whole number >= 1 (or null: total_epochs decides)",
-         "the trainer fails computing its schedule, after Ray starts", "the paper: 3000", optional=True),
+               "the trainer fails computing its schedule, after Ray starts", "the paper: 3000", optional=True),
     ValueCheck("trainer.total_epochs", _int_at_least(1), "a whole number >= 1",
-         "the trainer fails computing its schedule, after Ray starts", "e.g. 1000"),
-    ValueCheck("trainer.test_freq", _int_at_least(-1), "a whole number (-1 or 0: never validate)",
-         "the trainer compares it with the step after the first step, after Ray starts", "the paper: 20"),
-    ValueCheck("trainer.save_freq", _int_at_least(-1), "a whole number (-1 or 0: never save)",
-         "the trainer compares it with the step after the first step, after Ray starts", "the paper: 100"),
+               "with total_training_steps null the trainer would run no step", "e.g. 1000"),
     ValueCheck("trainer.resume_mode", _one_of("auto", "disable", "resume_path"), "one of auto, disable, resume_path",
-         "the trainer ignores or refuses an unknown mode when it loads checkpoints, after Ray starts", "auto"),
-    ValueCheck("trainer.val_before_train", _is_bool, "true or false", "the trainer reads it as a truth value", "true"),
+               "the trainer logs an unknown mode and fails on it when it loads checkpoints, after Ray starts", "auto"),
     ValueCheck("trainer.max_actor_ckpt_to_keep", _int_at_least(1), "a whole number >= 1 (or null: keep all)",
-         "checkpoint pruning fails at the first save", "the recipe: 3", optional=True),
-    ValueCheck("data.shuffle", _is_bool, "true or false", "the data loader reads it as a truth value", "true"),
+               "checkpoint pruning fails at the first save", "the recipe: 3", optional=True),
     ValueCheck("data.truncation", _one_of("error", "left", "right", "middle"), "one of error, left, right, middle",
-         "the dataset refuses it at its first long prompt", "the recipe: error"),
-    # the engines
+               "the rollout refuses it at its first long prompt", "the recipe: error"),
     ValueCheck(f"{ACTOR}.strategy", _one_of("fsdp", "fsdp2"), "fsdp or fsdp2",
-         "verl's workers look its engine up when they start, after Ray; the recipe's patches and memory estimate are "
-         "written for verl's FSDP engine", "the recipe: fsdp (fsdp2 on the CPU path)"),
-    ValueCheck(f"{ROLLOUT}.name", _one_of(*ROLLOUT_PACKAGES), f"one of {', '.join(ROLLOUT_PACKAGES)}",
-         "verl looks its rollout up when the rollout workers start, after Ray", "the recipe: vllm"),
-    ValueCheck(f"{ROLLOUT}.mode", _one_of("async"), "async", "verl 0.9.1 has only server (async) rollouts and "
-         "asserts it when the rollout workers start, after Ray", "async"),
+               "verl's workers look its engine up when they start, after Ray; the recipe's patches and memory estimate "
+               "are written for verl's FSDP engine", "the recipe: fsdp (fsdp2 on the CPU path)"),
 )
-#: booleans of the config sections verl reads without a config class (the others: :func:`check_booleans`)
-PLAIN_BOOLEANS = ("trainer.balance_batch", "trainer.val_only", "trainer.del_local_ckpt_after_load", "trainer.use_v1",
-                  "data.validation_shuffle", "data.filter_overlong_prompts", "data.trust_remote_code", "data.use_shm",
-                  "data.return_raw_chat", "actor_rollout_ref.hybrid_engine")
 
 
 def _shown(value) -> object:
@@ -190,9 +158,17 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
         if not value_check.test(value):
             found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
                                  f"set {value_check.key} to {value_check.what}; {value_check.fix}", _shown(value)))
-    found += check_booleans(config)
-    engine = OmegaConf.select(config, f"{ROLLOUT}.name", default=None)
-    if engine in ROLLOUT_PACKAGES and importlib.util.find_spec(ROLLOUT_PACKAGES[engine]) is None:
+    # verl's table of rollouts, which its workers look (name, mode) up in after Ray (verl loads only here)
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+
+    engine, mode = OmegaConf.select(config, f"{ROLLOUT}.name"), OmegaConf.select(config, f"{ROLLOUT}.mode", default="async")
+    if engine is not None and (engine, mode) not in _ROLLOUT_REGISTRY:
+        key = f"{ROLLOUT}.mode" if engine in {name for name, _ in _ROLLOUT_REGISTRY} else f"{ROLLOUT}.name"
+        found.append(Problem(key, f"verl has no rollout {engine!r} in mode {mode!r} (it looks the pair up when the rollout "
+                             f"workers start, after Ray; its rollouts: {sorted(_ROLLOUT_REGISTRY)})",
+                             f"use {ROLLOUT}.name=vllm, {ROLLOUT}.mode=async (the recipe's)",
+                             _shown(OmegaConf.select(config, key))))
+    elif engine in ROLLOUT_PACKAGES and importlib.util.find_spec(ROLLOUT_PACKAGES[engine]) is None:
         found.append(Problem(f"{ROLLOUT}.name", f"the {engine} rollout needs the package {ROLLOUT_PACKAGES[engine]}, "
                              "which is not installed here (verl imports it when the rollout workers start, after Ray)",
                              f"install it, or use {ROLLOUT}.name=vllm (requirements.txt)", engine))
@@ -200,51 +176,6 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
     found += check_gpu_mem_source(config, environ)
     found += check_run_environment(config, environ)
     found += check_device(config, environ)
-    return found
-
-
-def _bool_fields(target: str) -> list[str]:
-    """The fields a config class (``_target_``) declares ``bool`` (or ``Optional[bool]``); none for a
-    target that is not an importable dataclass."""
-    module, _, name = target.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-        hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
-    except Exception:  # noqa: BLE001  (an unknown target is verl's validation's to report)
-        return []
-    return [f.name for f in dataclasses.fields(cls) if hints.get(f.name) in (bool, Optional[bool])]
-
-
-def check_booleans(config: DictConfig) -> list[Problem]:
-    """Every value verl declares ``bool`` is true or false: each field a section's config class
-    (its ``_target_``) declares ``bool``, and :data:`PLAIN_BOOLEANS`. verl reads any other value by
-    its truth, so ``use_kl_loss=flase`` (a typo, a string) runs with the KL loss and a reference model."""
-    # the config classes are verl's: verl loads only after VERL_USE_EXTERNAL_MODULES is set
-    import verl_patches.activate  # noqa: F401  (the patches every worker runs with)
-
-    found: list[Problem] = []
-
-    def refuse(key: str, value, declared: str) -> None:
-        found.append(Problem(key, f"must be true or false ({declared}); verl reads any other value by its truth, so "
-                             f"{value!r} would run as {bool(value)}", f"set {key}=true or {key}=false", value))
-
-    def walk(node: DictConfig, prefix: str) -> None:
-        target = node.get("_target_") if "_target_" in node else None
-        fields = _bool_fields(target) if isinstance(target, str) else []
-        for key in node:
-            if OmegaConf.is_missing(node, key):
-                continue
-            full, value = f"{prefix}.{key}" if prefix else str(key), node[key]
-            if key in fields and not isinstance(value, bool) and value is not None:
-                refuse(full, value, f"{target.rsplit('.', 1)[-1]}.{key} is a bool")
-            elif isinstance(value, DictConfig):
-                walk(value, full)
-
-    walk(config, "")
-    for key in PLAIN_BOOLEANS:
-        value = OmegaConf.select(config, key, default=None)
-        if value is not None and not isinstance(value, bool):
-            refuse(key, value, "verl's config gives it as a bool")
     return found
 
 
