@@ -154,6 +154,7 @@ def test_summary_row_carries_the_update_effect():
     assert (row["reward_first_half"], row["reward_second_half"]) == (pytest.approx(-0.125), pytest.approx(0.375))
     table = report.update_effect_table([row])
     assert "| justrl | monitored | 0.200 (5) | - (0) | 0.250 (400) | 0.020 |" in table
+    assert report.update_effect_table([{**row, "error": "stopped after 1200 s"}]) == ""  # no run measured it: no table
     assert report.summarise("stapo", _effect_steps(1.0, [0.1], [1]), 1.0)["s2t"] == "applied"
     assert "| monitored | n/a / n/a | n/a | n/a -> n/a | n/a | 5.0 | 12.3 |" in report.markdown_table([{**row, "cpu_s": 12.3}])
     assert report.summarise("grpo", {1: {report.REWARD: 0.0}}, 1.0)["s2t"] is None  # S2T neither applied nor monitored
