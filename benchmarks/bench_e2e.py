@@ -84,13 +84,20 @@ def _seconds(data: dict, phase: str) -> Optional[float]:
     return float(value)
 
 
+def timed_steps(baseline: dict[int, dict], method: dict[int, dict]) -> list[int]:
+    """The training steps both runs logged, in order: steps with a ``timing_s/*`` metric in each (a
+    validation before training, the quickstart's step 0, is no training step)."""
+    timed = lambda run: {s for s, data in run.items() if any(k.startswith(TIMING_PREFIX) for k in data)}  # noqa: E731
+    return sorted(timed(baseline) & timed(method))
+
+
 def compare(baseline: dict[int, dict], method: dict[int, dict], *, warmup_steps: int = 1) -> list[PhaseRow]:
-    """Per-phase medians and paired ratios over the steps both runs logged, the first
-    ``warmup_steps`` of them skipped. A step whose baseline time is 0 gives no ratio (never
+    """Per-phase medians and paired ratios over the training steps both runs logged
+    (:func:`timed_steps`), the first ``warmup_steps`` of them skipped. A step whose baseline time is 0 gives no ratio (never
     inf/NaN); a phase with no usable step gets NaN medians and n = 0."""
     if warmup_steps < 0:
         raise ValueError(f"--warmup-steps={warmup_steps}: expected >= 0")
-    steps = sorted(set(baseline) & set(method))[warmup_steps:]
+    steps = timed_steps(baseline, method)[warmup_steps:]
     rows = []
     for phase in phases(baseline, method):
         pairs = [(_seconds(baseline[s], phase), _seconds(method[s], phase)) for s in steps]
@@ -115,7 +122,7 @@ def report(baseline_run: str | Path, method_run: str | Path, warmup_steps: int =
     """The comparison of two runs as printed by the CLI (header, notes and table)."""
     baseline, method = load_run(baseline_run), load_run(method_run)
     lines = [f"bench_e2e: {METHOD} {find_metrics_file(method_run)} vs {BASELINE} {find_metrics_file(baseline_run)}; "
-             f"median over steps, step(s) {sorted(set(baseline) & set(method))[:warmup_steps]} skipped as warm-up; "
+             f"median over steps, step(s) {timed_steps(baseline, method)[:warmup_steps]} skipped as warm-up; "
              "ratio = median of per-step ratios"]
     for name, run in ((BASELINE, baseline_run), (METHOD, method_run)):
         stopped = stopped_message(run)

@@ -46,6 +46,8 @@ case "${PRESET:-}" in
     [ -n "${STAPO_DATA_DIR:-}" ] || STAPO_DATA_DIR=$repo/$shipped
     : "${DECODING:=justrl}" "${VERIFIER:=none}"
     preset_args=(--benchmarks val --n-samples 4 --max-new-tokens 160 --batch-size 64)
+    starting="[stapo] a worker process starts vLLM's CPU engine first (three processes each load torch and vLLM:
+    about a minute on a 2-core machine, two when it is busy, the bar at 0/256 meanwhile), then samples in batches of 64"
     ;;
   *) echo "error: PRESET=$PRESET: unknown preset (cpu: the quickstart's tiny model on a CPU)" >&2; exit 2 ;;
 esac
@@ -163,4 +165,5 @@ args=(--model "$model" --benchmarks-dir "$data_dir" --out "$OUT"
 [ -n "${SCALE:-}" ] && args+=(--scale "$SCALE")
 [ -n "${METHOD:-}" ] && args+=(--method "$METHOD")
 echo "[stapo] evaluating $model on $data_dir -> $OUT" >&2
+[ -z "${starting:-}" ] || echo "$starting" >&2
 exec "$python" -m recipe.stapo.eval.run_eval "${args[@]}" "${preset_args[@]}" "${extra[@]}"

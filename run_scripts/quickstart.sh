@@ -2,6 +2,7 @@
 # Quickstart on a machine without a GPU (README's main command):
 #   bash run_scripts/quickstart.sh [--steps 16] [--out results/quickstart] [--methods grpo,stapo] ...
 #   bash run_scripts/quickstart.sh --out results/study --seeds 3 --test-freq 8   # the study (docs/miniature.md)
+#   bash run_scripts/quickstart.sh --evaluate   # also each method's final checkpoint, merged, evaluated, Table 2
 # Creates/refreshes .venv (CPU stack), takes the tiny assets the repository ships (stapo_cpu/shipped_assets),
 # then trains GRPO, 20-Entropy, JustRL and STAPO with verl's real trainer on CPU, identical settings
 # and seeds, STAPO at the paper's S2T settings (tau_p = 0.002, q = 0.75; refused otherwise), and

@@ -1,63 +1,47 @@
-"""Quickstart on a machine without a GPU: GRPO, 20-Entropy, JustRL and STAPO, a few steps each.
+"""Quickstart on a machine without a GPU: GRPO, 20-Entropy, JustRL and STAPO, a few steps each
+(docs/miniature.md: what it shows, its options, its measured numbers).
 
 ::
 
-    python -m stapo_cpu.quickstart [--out results/quickstart] [--assets FOLDER] [--steps 16]
+    python -m stapo_cpu.quickstart [--out results/quickstart] [--assets FOLDER] [--steps 16] [--evaluate]
     bash run_scripts/quickstart.sh --out results/study --seeds 3 --test-freq 8       # the study (docs/miniature.md)
 
-Uses the tiny assets the repository ships (:mod:`stapo_cpu.assets`; ``--assets`` builds or
-reuses a set in another folder), then trains every method
-with verl's real trainer on CPU (:mod:`stapo_cpu.trainer`) under identical settings and seeds, one
-after the other, validating on the held-out problems before training and after the last step.
+Trains every method with verl's real trainer on CPU (:mod:`stapo_cpu.trainer`) on the shipped tiny
+assets (:mod:`stapo_cpu.assets`), under identical settings and seeds, one after the other,
+validating before training and after the last step. The validation before training is measured by
+each seed's first run and copied into the others' ``metrics.jsonl`` as their step 0, marked
+``"shared_from": "<method>"`` (same weights, same samples: the same numbers, ~30 s saved per run).
+STAPO's composed config must carry the paper's S2T settings, clip range, loss aggregation and
+reward (:mod:`stapo_cpu.quickstart_settings`; exit 2 otherwise). ``--evaluate`` then saves each
+run's final checkpoint and evaluates it as a paper run's (:func:`evaluate`).
 
-The validation before training is measured once per seed, by that seed's first run: every method
-starts from the same weights and the validation draws the same samples (same seed, same step), so
-the other runs would repeat the same numbers (~30 s each). Its record is copied into the other
-runs' ``metrics.jsonl`` as the step-0 line, marked ``"shared_from": "<method>"``.
-
-STAPO runs with the paper's S2T settings (tau_p = 0.002, q = 0.75), clip range, loss aggregation
-and reward: the quickstart composes the exact config of the STAPO run, records those settings in
-the summary and refuses to train (exit 2) when any differs from the paper's. Only scale settings
-(batch sizes, lengths, learning rate, steps, model) differ; the summary lists each of them next to
-the paper-scale value of the recipe's config.
-
-Every method logs S2T's statistics (``actor/s2t/*``): STAPO applies S2T, the others only monitor it
-(``s2t_monitor``, on in the recipe's config for every method). Every run also measures the update
-effect (``actor/s2t/dlogp_*``, :mod:`verl_patches.update_effect`): how each update changes the
-log-probability of the tokens S2T silences (or would silence), of the candidates it keeps and of
-all tokens of the responses holding them.
-
-Writes into ``--out``: one run folder per method (verl's file-logger ``metrics.jsonl``, the run log,
-the S2T token dump, checkpoints off), ``summary.md`` (its first lines say whether the baselines
-learned: validation accuracy and training reward both rose by more than two standard errors), ``summary.json`` (``methods``: the rows,
-``learning``: that check, ``update_effect``: per method over seeds, ``reproducibility``: seeds,
-asset hash, library versions, thread counts), ``settings.json``, PNG curves and
-``update_effect.png``. With
-``--seeds K > 1`` (study mode) the runs go to ``seed<k>/<method>`` and the curves show one band per
-method across seeds (:func:`recipe.stapo.plots.plot_bands`), and the summary adds the inspector's
-quadrant table over all STAPO runs.
-
-Every option is checked before anything is built or trained (:class:`QuickstartOptions`): a bad
-one exits with status 2 and a message naming it and the fix. A method whose run folder already
-holds a finished run with the same settings is not rerun (``--force`` reruns everything); a failed
-method is reported in the summary and the others still run. A run still going after ``--timeout``
-seconds (default 1200) is stopped and reported as stopped, with the limit to raise; its folder keeps
-what it wrote and a record of the stop (``stopped.json``), which ``python -m recipe.stapo.inspect``,
-``python -m recipe.stapo.plots`` and ``benchmarks/bench_e2e.py`` report. Exit status 1 when any
-method failed or was stopped.
+Writes into ``--out``: one run folder per method (in study mode, ``--seeds K > 1``,
+``seed<k>/<method>``), ``summary.md`` and ``summary.json`` (:mod:`stapo_cpu.quickstart_report`'s
+tables and learning check, the provenance of :mod:`stapo_cpu.reproducibility`), ``settings.json``
+and the figures. Every option is checked before anything is built (:class:`QuickstartOptions`). A
+finished run with the same settings is reused (``--force`` reruns); a failed run is reported and the
+others still run; a run past ``--timeout`` seconds is stopped and its folder records the stop
+(``stopped.json``, which the inspector, the plots and ``benchmarks/bench_e2e.py`` report). Exit
+status 1 when a run failed or was stopped, or an evaluation failed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import math
+import os
 import resource
+import shutil
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from recipe.stapo.eval import tables
 from recipe.stapo.methods import PAPER_METHODS, methods
 from recipe.stapo.metrics import read_metrics
 from recipe.stapo.plots import STOPPED_FILE, plot_bands, plot_runs, plot_update_effect
@@ -69,7 +53,7 @@ from .quickstart_report import (APPLIED, DLOGP_SILENCED, ENTROPY, REWARD, SILENC
                                 learning_markdown, markdown_table, quadrant_markdown, summarise,
                                 update_effect_by_method, update_effect_markdown, update_effect_table)
 from .quickstart_settings import ACTOR, VAL_N, paper_settings, run_settings, s2t_differences, settings_markdown
-from .trainer import CPU_ROLLOUT, cpu_overrides, run_cpu_trainer
+from .trainer import CPU_ROLLOUT, REPO_ROOT, cpu_overrides, machine_turn, run_cpu_trainer
 
 DONE = "quickstart_done.json"
 #: key marking a step-0 validation record copied from the seed's first run (see the module docstring)
@@ -84,6 +68,11 @@ DEFAULT_STEPS, DEFAULT_PROMPTS, DEFAULT_N, DEFAULT_LR = 16, 4, 4, 1e-4
 DEFAULT_TIMEOUT = 1200
 #: the largest seed: verl's full-determinism setup seeds numpy with it, which takes [0, 2**32)
 MAX_SEED = 2**32 - 1
+#: seconds a run takes on an idle 2-core machine before its first step (Ray, verl's workers, vLLM's CPU engine), and
+#: its validation before training (measured: docs/miniature.md)
+STARTUP_S, VALIDATION_S = 50, 20
+#: the tiny model's row label in Table 2 (its model column), and the table's file in ``--out/eval``
+TINY_SCALE, TABLE_FILE = "tiny", "table2.md"
 
 
 class OptionError(ValueError):
@@ -131,6 +120,7 @@ class QuickstartOptions:
     overrides: tuple[str, ...]
     timeout: float
     force: bool
+    evaluate: bool = False
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -176,6 +166,8 @@ class QuickstartOptions:
             if not _is_hydra_override(override):
                 problems.append(f"--override {override!r} is not a Hydra override; give key=value, +key=value, "
                                 "++key=value or ~key")
+        if self.evaluate and len(self.seeds) > 1:
+            problems.append("--evaluate with --seeds: Table 2 has one row per method; evaluate one seed (--seed K)")
         if not (math.isfinite(self.timeout) and self.timeout > 0):
             problems.append(f"--timeout must be a positive number of seconds, got {self.timeout} (the default is "
                             f"{DEFAULT_TIMEOUT:g} per run)")
@@ -198,7 +190,7 @@ class QuickstartOptions:
                    n=args.n, lr=args.lr, response_length=args.response_length, prompt_length=args.prompt_length,
                    seeds=tuple(args.seed + k for k in range(max(args.seeds, 0))),
                    test_freq=args.test_freq, trainer=args.trainer, overrides=tuple(args.override),
-                   timeout=args.timeout, force=args.force)
+                   timeout=args.timeout, force=args.force, evaluate=args.evaluate)
 
     @property
     def study(self) -> bool:
@@ -208,6 +200,10 @@ class QuickstartOptions:
     def run_dir(self, method: str, seed: int) -> Path:
         """The run folder of ``method`` with ``seed``: ``out/<method>``, in study mode ``out/seed<k>/<method>``."""
         return self.out / f"seed{seed}" / method if self.study else self.out / method
+
+    def checkpoint(self, method: str, seed: int) -> Path:
+        """The verl checkpoint a run saves after its last step with ``--evaluate``."""
+        return self.run_dir(method, seed) / "checkpoints" / f"global_step_{self.steps}"
 
 
 def validation_samples(assets: Path, settings: dict) -> int:
@@ -258,7 +254,7 @@ def run_kwargs(opts: QuickstartOptions, seed: int) -> dict:
     """Keyword arguments of :func:`stapo_cpu.trainer.cpu_overrides` for one run."""
     return dict(steps=opts.steps, prompts=opts.prompts, n=opts.n, mini_batch_prompts=opts.mini_batch,
                 response_length=opts.response_length, prompt_length=opts.prompt_length, lr=opts.lr, seed=seed,
-                use_v1=opts.trainer == "v1", validate=True)
+                use_v1=opts.trainer == "v1", validate=True, save_freq=opts.steps if opts.evaluate else -1)
 
 
 def check_stapo_settings(opts: QuickstartOptions, assets: Path) -> tuple[dict, list[str]]:
@@ -305,11 +301,15 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     run_dir, settings = opts.run_dir(method, seed), _settings(opts, seed, validate_before=shared is None)
     tag = f"[quickstart] ({index}/{total}) {method}" + (f" seed {seed}" if opts.study else "")
     done = None if opts.force else _finished(run_dir, settings)
+    if done is not None and opts.evaluate and not opts.checkpoint(method, seed).is_dir():
+        done = None  # finished without --evaluate: trained again, saving its checkpoint
     if done is not None:
         print(f"{tag}: reusing the finished run in {run_dir}", flush=True)
         return {**summarise(method, read_metrics(run_dir / "metrics.jsonl"), done["wall_s"]), "seed": seed,
                 "cpu_s": done.get("cpu_s")}
-    print(f"{tag}: training {opts.steps} steps (log: {run_dir / 'metrics.log'})", flush=True)
+    print(f"{tag}: training {opts.steps} steps (log: {run_dir / 'metrics.log'}); first Ray, verl's workers and vLLM's "
+          f"CPU engine start (about {STARTUP_S} s on an idle 2-core machine, minutes on a busy one)"
+          + (f", then it validates before training (about {VALIDATION_S} s)" if shared is None else ""), flush=True)
 
     def on_step(step: int, data: dict) -> None:
         validation = {k: v for k, v in data.items() if k.startswith("val-core/")}
@@ -329,6 +329,8 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
               f"{fmt(data.get(ENTROPY))}{extra}, {fmt(data.get(STEP_TIME), 2)} s", flush=True)
 
     (run_dir / STOPPED_FILE).unlink(missing_ok=True)  # a record of an earlier run stopped at its limit
+    for stale in (run_dir / "checkpoints", opts.out / "eval" / method):  # an earlier run's checkpoint and its evaluation
+        shutil.rmtree(stale, ignore_errors=True)
     cpu_before = _children_cpu_seconds()
     run = run_cpu_trainer(method, assets, run_dir, timeout=opts.timeout, on_step=on_step,
                           extra=method_overrides(opts, run_dir, validate_before=shared is None),
@@ -350,6 +352,47 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
     atomic_write(run_dir / DONE, json.dumps({"settings": settings, "wall_s": run.wall_s, "cpu_s": cpu_s}))
     print(f"{tag}: done in {run.wall_s} s ({cpu_s} CPU s)", flush=True)
     return {**summarise(method, steps, run.wall_s), "seed": seed, "cpu_s": cpu_s}
+
+
+def evaluate(checkpoints: dict[str, Path], out: Path) -> tuple[str, list[str]]:
+    """Evaluate each method's verl checkpoint as the paper's are, then build Table 2.
+
+    Each checkpoint goes through ``PRESET=cpu bash run_scripts/eval.sh`` (``MODEL`` the checkpoint:
+    verl's model merger converts it into ``merged_hf`` beside its ``actor/``, then vLLM's CPU build
+    samples the tiny task's held-out problems) into ``out/<method>``; Table 2 is
+    ``python -m recipe.stapo.eval.tables`` over their summaries, into ``out/table2.md``. Its rows are
+    marked partial (``--allow-partial``): the tiny task is not the paper's six benchmarks, and its
+    prompts are its training form. Returns the markdown (one line per evaluation with mean@N and its
+    standard error, then the table's report) and one error per evaluation that failed.
+    """
+    lines, errors, summaries = [], [], []
+    for method, checkpoint in checkpoints.items():
+        folder = out / method
+        settings = {"PRESET": "cpu", "MODEL": str(checkpoint), "SCALE": TINY_SCALE, "METHOD": method, "OUT": str(folder)}
+        print(f"[quickstart] evaluating {method}'s checkpoint: " + " ".join(f"{k}={v}" for k, v in settings.items())
+              + " bash run_scripts/eval.sh", flush=True)
+        with machine_turn():
+            code = subprocess.run(["bash", str(REPO_ROOT / "run_scripts" / "eval.sh")], cwd=REPO_ROOT,
+                                  env={**os.environ, **settings, "PYTHON": sys.executable}).returncode
+        if code != 0:
+            errors.append(f"the evaluation of {checkpoint} failed (exit {code}; its messages are above)")
+            continue
+        summaries.append(folder / "summary.json")
+        for decoding in json.loads(summaries[-1].read_text())["decodings"].values():
+            for bench, result in decoding["benchmarks"].items():
+                lines.append(f"- {method}: {bench} mean@{result['n_samples']} {result['mean_at_n']:.2f} (standard error "
+                             f"{fmt(result['mean_at_n_se'], 2)}, {result['problems']} problems, temperature "
+                             f"{decoding['temperature']}): {folder}")
+    if not summaries:
+        return "", errors
+    argv = [*map(str, summaries), "--allow-partial", "--stapo-method", "stapo", "--out", str(out / TABLE_FILE)]
+    print("[quickstart] Table 2: python -m recipe.stapo.eval.tables " + " ".join(argv), flush=True)
+    with contextlib.redirect_stdout(io.StringIO()):  # the report is printed with the quickstart's summary
+        code = tables.main(argv)
+    if code != 0:
+        errors.append("Table 2 could not be built (the message is above)")
+        return "\n".join(lines) + "\n", errors
+    return "\n".join(lines) + "\n\n" + (out / TABLE_FILE).read_text(), errors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -383,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"seconds each run may take before it is stopped (default {DEFAULT_TIMEOUT:g}: a run "
                              "takes 1.5-2 minutes on a 2-core machine)")
     parser.add_argument("--force", action="store_true", help="rerun methods that already finished")
+    parser.add_argument("--evaluate", action="store_true",
+                        help="also save each run's checkpoint after its last step, evaluate it with the CPU evaluation "
+                             "(PRESET=cpu bash run_scripts/eval.sh) and build Table 2 (python -m recipe.stapo.eval.tables) "
+                             "in OUT/eval; about 2.5 minutes per method on a 2-core machine")
     return parser
 
 
@@ -437,14 +484,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     check = learning_check(rows, validation_samples(assets, settings))
     learning_md = learning_markdown(check)
     by_method = update_effect_by_method(rows)
+    effect = update_effect_table(by_seed if study else rows)
     effect_md = ("## Update effect: the change of log-probability across each update\n\n"
                  "Mean over every step of `actor/s2t/dlogp_*` (token-weighted): tokens S2T silenced (STAPO) or "
                  "would have silenced (the other methods, where S2T is only monitored), the candidates it keeps, "
                  "and all tokens of the measured responses (the positive-advantage responses holding a candidate); "
                  "token counts in brackets. A positive value: the update made the tokens more likely.\n\n"
-                 + (update_effect_markdown(by_method) + "\nPer run:\n\n" if study else "")
-                 + update_effect_table(by_seed if study else rows))
-    extra_md = effect_md + "\n" + settings_markdown(settings)
+                 + (update_effect_markdown(by_method) + "\nPer run:\n\n" if study else "") + effect) if effect else ""
+    evaluation_md, eval_errors = "", []
+    if opts.evaluate and finished:
+        evaluation_md, eval_errors = evaluate({r["method"]: opts.checkpoint(r["method"], r["seed"]) for r in finished},
+                                              out / "eval")
+        evaluation_md = ("## Evaluation: each method's final checkpoint, and Table 2 on the tiny task\n\n"
+                         + evaluation_md) if evaluation_md else ""
+    extra_md = effect_md + "\n" + evaluation_md + "\n" + settings_markdown(settings)
     if shared:
         extra_md = ("Validation before training: measured once per seed, by "
                     + ", ".join(f"{m} (seed {sd})" for sd, (m, _) in sorted(shared.items()))
@@ -470,7 +523,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     else:
         plots = plot_runs({r["method"]: out / r["method"] for r in finished}, out) if finished else []
     plots += plot_update_effect(groups, out) if finished else []
-    print("\n" + learning_md + table + "\n" + effect_md, flush=True)
+    print("\n" + learning_md + table + "\n" + effect_md + "\n" + evaluation_md, flush=True)
     print(f"[quickstart] wrote {out / 'summary.md'}" + "".join(f", {p.name}" for p in plots), flush=True)
     for run_dir in stapo_dirs:
         print(f"[quickstart] silenced tokens: python -m recipe.stapo.inspect {run_dir}", flush=True)
@@ -478,7 +531,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if r["error"]:
             print(f"[quickstart] {r['method']}" + (f" seed {r['seed']}" if study else "") + f": {r['error']}",
                   file=sys.stderr, flush=True)
-    return 1 if any(r["error"] for r in rows) else 0
+    for error in eval_errors:
+        print(f"[quickstart] {error}", file=sys.stderr, flush=True)
+    return 1 if eval_errors or any(r["error"] for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -96,7 +96,8 @@ def _effect_cell(effect: dict) -> str:
 def update_effect_table(rows: list[dict]) -> str:
     """Per run: the mean change of log-probability across the update of the tokens S2T silenced
     (STAPO) or would have silenced (monitored), of the candidates it keeps and of all tokens of the
-    measured responses (token counts in brackets), and the measurement's cost."""
+    measured responses (token counts in brackets), and the measurement's cost; empty when no run
+    measured it (every run failed or was stopped)."""
     head = ("| method | S2T | dlogp silenced (tokens) | dlogp kept candidates (tokens) | dlogp all (tokens) "
             "| measurement s / step | step s |\n|---|---|---|---|---|---|---|\n")
     lines = []
@@ -107,7 +108,7 @@ def update_effect_table(rows: list[dict]) -> str:
         lines.append(f"| {r['method']} | {r.get('s2t') or 'n/a'} | {_effect_cell(e['silenced'])} | "
                      f"{_effect_cell(e['kept_candidates'])} | {_effect_cell(e['all'])} | "
                      f"{fmt(r.get('mean_dlogp_seconds'), 3)} | {fmt(r['mean_step_s'], 2)} |")
-    return head + "\n".join(lines) + "\n"
+    return head + "\n".join(lines) + "\n" if lines else ""
 
 
 def update_effect_by_method(rows: list[dict]) -> dict[str, dict]:

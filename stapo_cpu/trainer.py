@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
@@ -334,14 +335,18 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
                   waited_s=round(waited_s, 1))
 
 
+@dataclass
 class CPURun:
-    """Outcome of :func:`run_cpu_trainer`."""
+    """Outcome of :func:`run_cpu_trainer`; ``timeout``: the limit that stopped it (None: not stopped)."""
 
-    def __init__(self, method: str, returncode: int, wall_s: float, run_dir: Path, metrics: Path, log: Path,
-                 timeout: Optional[float] = None, waited_s: float = 0.0):
-        self.method, self.returncode, self.wall_s = method, returncode, wall_s
-        self.run_dir, self.metrics, self.log = run_dir, metrics, log
-        self.timeout, self.waited_s = timeout, waited_s  # timeout: the limit that stopped it (None: not stopped)
+    method: str
+    returncode: int
+    wall_s: float
+    run_dir: Path
+    metrics: Path
+    log: Path
+    timeout: Optional[float] = None
+    waited_s: float = 0.0
 
     @property
     def timed_out(self) -> bool:
@@ -359,8 +364,3 @@ class CPURun:
             text = (f"run {self.method} stopped after {self.wall_s:.0f} s: its time limit is {self.timeout:g} s "
                     f"(raise the timeout, or give it a machine of its own); last lines of {self.log}:\n{text}")
         return text
-
-    def __repr__(self) -> str:
-        stopped = f", stopped at its {self.timeout:g} s limit" if self.timed_out else ""
-        return (f"CPURun({self.method!r}, returncode={self.returncode}, wall_s={self.wall_s}{stopped}, "
-                f"run_dir={self.run_dir})")

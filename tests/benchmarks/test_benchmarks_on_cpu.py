@@ -177,8 +177,9 @@ FACTORS = {"gen": 1.0, "old_log_prob": 1.1, "update_actor": 1.25, "step": 1.125}
 
 
 def write_run(path, factor_of, steps=5, warmup_factor=10.0):
-    """A run logged by verl's own FileLogger: per phase ``base * factor * (1 + 0.01 * step)``;
-    step 1 is ``warmup_factor`` times slower (a warm-up step the median must skip)."""
+    """A run logged by verl's own FileLogger as the quickstart's are: a validation before training
+    (step 0, no timing), then per phase ``base * factor * (1 + 0.01 * step)``; step 1 is
+    ``warmup_factor`` times slower (a warm-up step the median must skip)."""
     import os
 
     from verl.utils.tracking import FileLogger
@@ -188,6 +189,7 @@ def write_run(path, factor_of, steps=5, warmup_factor=10.0):
         logger = FileLogger("bench", "e2e")
     finally:
         del os.environ["VERL_FILE_LOGGER_PATH"]
+    logger.log(data={"val-core/tiny/acc/mean@1": 0.5}, step=0)
     for step in range(1, steps + 1):
         slow = warmup_factor if step == 1 else 1.0
         data = {f"timing_s/{p}": base * factor_of(p) * (1 + 0.01 * step) * slow for p, base in PHASES.items()}
@@ -202,7 +204,9 @@ def test_bench_e2e_ratios_from_verl_file_logger(tmp_path, capsys):
     write_run(tmp_path / "justrl" / "metrics.jsonl", lambda p: 1.0)
     write_run(tmp_path / "stapo" / "metrics.jsonl", FACTORS.get, warmup_factor=1.0)
     assert bench_e2e.main(["--from-quickstart", str(tmp_path)]) == 0
-    rows = {r[0]: r for r in table_rows(capsys.readouterr().out)}
+    out = capsys.readouterr().out
+    assert "step(s) [1] skipped as warm-up" in out  # the first training step, not the validation before it
+    rows = {r[0]: r for r in table_rows(out)}
     assert list(rows) == ["gen", "old_log_prob", "update_actor", "step"]
     for phase, r in rows.items():
         assert float(r[3]) == pytest.approx(FACTORS[phase], abs=5e-4) and r[4] == "4"

@@ -11,7 +11,8 @@ checkpoint). The table, and which modules read each run:
                               candidates), checkpoint at step 2, token dump of the first mini-batch:
                               tests/e2e/test_trainer_e2e_on_cpu.py, test_reproducible_e2e_on_cpu.py
                               (its first run), tests/verl_patches/token_dump/test_token_dump_on_cpu.py,
-                              tests/e2e/test_vllm_rollout_e2e_on_cpu.py
+                              tests/e2e/test_vllm_rollout_e2e_on_cpu.py,
+                              tests/stapo_cpu/test_quickstart_evaluate_on_cpu.py (its checkpoint)
 ``grpo_v1``                   GRPO on the TransferQueue trainer: test_trainer_e2e_on_cpu.py
 ``entropy20_v1``              20-Entropy on the TransferQueue trainer, two data-parallel ranks with
                               ``ranks_per_pool=1``, the ungraded-answer reward and a rollout dump:
@@ -50,6 +51,7 @@ READERS = (
     "tests/verl_patches/token_dump/test_token_dump_on_cpu.py::test_real_run",
     "tests/e2e/test_ungraded_e2e_on_cpu.py::",
     "tests/e2e/test_vllm_rollout_e2e_on_cpu.py::",
+    "tests/stapo_cpu/test_quickstart_evaluate_on_cpu.py::",
 )
 
 

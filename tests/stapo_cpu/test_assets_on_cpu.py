@@ -161,6 +161,29 @@ def test_shipped_assets_match_their_manifest_and_the_default_config():
     assert json.loads((SHIPPED_DIR / "model" / "config.json").read_text())["head_dim"] >= 32
 
 
+def test_the_docs_give_the_shipped_models_parameter_count():
+    """One count everywhere: each parameter count docs/miniature.md gives is the shipped model's, counted
+    (the tied embedding once), which its manifest records; the CLI prints it without a warning."""
+    import re
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.paths import REPO
+
+    model = AutoModelForCausalLM.from_pretrained(SHIPPED_DIR / "model")
+    count = sum(p.numel() for p in model.parameters())
+    assert count == json.loads((SHIPPED_DIR / "manifest.json").read_text())["n_params"] == 319_936
+    text = (REPO / "docs" / "miniature.md").read_text()
+    given = re.findall(r"([\d,.]+k?)[ -]parameter", text)
+    assert len(given) == 3 and set(given) == {f"{count:,}"}, given
+    proc = subprocess.run([sys.executable, "-m", "stapo_cpu.assets", str(SHIPPED_DIR)], capture_output=True, text=True,
+                          timeout=120, cwd=REPO)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert proc.stdout == f"[assets] reused {SHIPPED_DIR}: warm-up 500 steps, success rate at T=1.0: 0.59, {count} parameters\n"
+
+
 def test_verify_assets_names_every_changed_missing_or_extra_file(tmp_path):
     root = build_assets(tmp_path / "set", QUICK).root
     assert verify_assets(root, QUICK) == root

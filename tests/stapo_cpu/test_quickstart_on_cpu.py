@@ -154,6 +154,7 @@ def test_summary_row_carries_the_update_effect():
     assert (row["reward_first_half"], row["reward_second_half"]) == (pytest.approx(-0.125), pytest.approx(0.375))
     table = report.update_effect_table([row])
     assert "| justrl | monitored | 0.200 (5) | - (0) | 0.250 (400) | 0.020 |" in table
+    assert report.update_effect_table([{**row, "error": "stopped after 1200 s"}]) == ""  # no run measured it: no table
     assert report.summarise("stapo", _effect_steps(1.0, [0.1], [1]), 1.0)["s2t"] == "applied"
     assert "| monitored | n/a / n/a | n/a | n/a -> n/a | n/a | 5.0 | 12.3 |" in report.markdown_table([{**row, "cpu_s": 12.3}])
     assert report.summarise("grpo", {1: {report.REWARD: 0.0}}, 1.0)["s2t"] is None  # S2T neither applied nor monitored
@@ -268,6 +269,58 @@ def test_validation_before_training_runs_once_per_seed_and_is_shared(fake_assets
     assert qs.main(["--out", str(out), "--assets", str(fake_assets), "--methods", "grpo,stapo", "--seeds", "2",
                     "--steps", "1"]) == 0
     assert calls == []
+
+
+def _checkpointing_trainer(calls):
+    """A stub trainer writing verl-style metrics and, when asked to save at its last step, verl's
+    checkpoint folder for it; records each call's method and ``save_freq``."""
+
+    def stub(method, assets, run_dir, **kwargs):
+        from stapo_cpu.trainer import CPURun
+
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        calls.append((method, kwargs["save_freq"]))
+        if kwargs["save_freq"] > 0:
+            (run_dir / "checkpoints" / f"global_step_{kwargs['steps']}" / "actor").mkdir(parents=True)
+        (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "data": {report.REWARD: 0.5}}) + "\n")
+        return CPURun(method, 0, 1.0, run_dir, run_dir / "metrics.jsonl", run_dir / "x.log")
+
+    return stub
+
+
+def test_evaluate_saves_each_final_checkpoint_and_evaluates_it(fake_assets, tmp_path, monkeypatch):
+    """``--evaluate``: every run saves verl's checkpoint at its last step (and only then), each method's
+    checkpoint goes to :func:`stapo_cpu.quickstart.evaluate` (its real work: the slow test below), whose
+    section ends up in summary.md; a run finished without a checkpoint is trained again, one finished
+    with it is reused, and the plain quickstart saves none."""
+    calls, evaluated = [], []
+    monkeypatch.setattr(qs, "run_cpu_trainer", _checkpointing_trainer(calls))
+    monkeypatch.setattr(qs, "evaluate", lambda checkpoints, out: evaluated.append((checkpoints, out)) or ("TABLE 2\n", []))
+    for name in ("plot_runs", "plot_update_effect"):
+        monkeypatch.setattr(qs, name, lambda *a, **k: [])
+    monkeypatch.setattr(qs, "quadrant_markdown", lambda dirs: "")
+    out = tmp_path / "out"
+    argv = ["--out", str(out), "--assets", str(fake_assets), "--methods", "grpo,stapo", "--steps", "3"]
+    assert qs.main(argv) == 0
+    assert calls == [("grpo", -1), ("stapo", -1)] and evaluated == []  # the plain quickstart: no checkpoint
+    assert not (out / "stapo" / "checkpoints").exists()
+    calls.clear()
+    assert qs.main([*argv, "--evaluate"]) == 0
+    assert calls == [("grpo", 3), ("stapo", 3)]  # finished without a checkpoint: trained again, saving one
+    assert evaluated == [({m: out / m / "checkpoints" / "global_step_3" for m in ("grpo", "stapo")}, out / "eval")]
+    assert "## Evaluation: each method's final checkpoint, and Table 2 on the tiny task\n\nTABLE 2\n" in (
+        out / "summary.md").read_text()
+    calls.clear()
+    assert qs.main([*argv, "--evaluate"]) == 0 and qs.main(argv) == 0
+    assert calls == []  # runs holding their checkpoint serve both
+    monkeypatch.setattr(qs, "evaluate", lambda checkpoints, out: ("", ["the evaluation of X failed (exit 2)"]))
+    assert qs.main([*argv, "--evaluate"]) == 1  # a failed evaluation fails the command
+
+
+def test_evaluate_takes_one_seed(tmp_path, capsys):
+    err = _refused(["--evaluate", "--seeds", "2"], tmp_path, capsys)
+    assert "--evaluate with --seeds: Table 2 has one row per method; evaluate one seed (--seed K)" in err
 
 
 # ------------------------------------------------------------------------------------------------
@@ -418,6 +471,26 @@ def test_the_study_is_one_command_that_every_document_shows(tmp_path, monkeypatc
     assert opts.out == tmp_path / "results" / "study"
 
 
+EVALUATE = "bash run_scripts/quickstart.sh --evaluate"
+
+
+def test_the_whole_pipeline_is_one_documented_command(tmp_path, monkeypatch):
+    """docs/miniature.md shows ``--evaluate`` as a command; as written it is the quickstart's four runs,
+    each saving its final checkpoint, then their evaluation (the work itself: the tests above and
+    tests/stapo_cpu/test_quickstart_evaluate_on_cpu.py; its numbers: docs/miniature.md)."""
+    import shlex
+
+    from recipe.stapo.methods import PAPER_METHODS
+    from tests.helpers.paths import REPO
+
+    assert EVALUATE in _bash_lines(REPO / "docs" / "miniature.md")
+    monkeypatch.chdir(tmp_path)
+    opts = qs.parse_options(shlex.split(EVALUATE)[2:])
+    assert (opts.evaluate, opts.seeds, opts.steps, opts.methods) == (True, (0,), 16, PAPER_METHODS)
+    assert qs.run_kwargs(opts, 0)["save_freq"] == 16 and opts.checkpoint("stapo", 0) == (
+        tmp_path / "results" / "quickstart" / "stapo" / "checkpoints" / "global_step_16")
+
+
 # ------------------------------------------------------------------------------------------------
 # the per-run limit (--timeout): a run past it is stopped, named as stopped, and the tools reading
 # its folder say so
@@ -450,6 +523,7 @@ def test_a_run_past_its_limit_is_reported_stopped_and_the_tools_reading_it_say_s
         assert re.fullmatch(rf"run {method} {reason}", record["message"])
         assert (record["timeout_s"], record["steps_logged"], record["steps"]) == (1, 0, 2) and record["wall_s"] >= 1
     assert "FAILED" not in summary and "exit -9" not in summary
+    assert "Update effect" not in summary and "Update effect" not in printed.out  # no run measured it
 
     assert insp.main([str(out / "stapo")]) == 1
     err = capsys.readouterr().err

@@ -412,7 +412,8 @@ def collect_records(
     invalid: list[str] = []
     duplicates = 0
     source_rows = 0
-    for number, row in tqdm(rows, desc=f"read {spec.name}", unit="row", leave=False):
+    # a bar on a terminal only: in a log (stderr not a terminal) its cursor escapes are noise
+    for number, row in tqdm(rows, desc=f"read {spec.name}", unit=" rows", leave=False, disable=None):
         source_rows += 1
         record, reason = _extract(spec, number, row)
         if record is not None and spec.dedupe:

@@ -24,6 +24,8 @@ grades again; an interrupted grading resumes.
 from __future__ import annotations
 
 import hashlib
+import math
+import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
@@ -218,16 +220,19 @@ def apply_verifier(
     return grades, len(todo)
 
 
-def mean_at_n(graded: dict[tuple[int, int], GradedSample], problems: Sequence[Problem], n_samples: int, use_verifier: bool = True) -> float:
-    """mean@N in percent: per-problem mean accuracy over its N samples, averaged over problems (an
-    ungraded sample counts as not correct here; the summary counts them beside it).
+def mean_at_n(graded: dict[tuple[int, int], GradedSample], problems: Sequence[Problem], n_samples: int,
+              use_verifier: bool = True) -> tuple[float, Optional[float]]:
+    """mean@N in percent and its standard error: per-problem mean accuracy over its N samples,
+    averaged over problems (an ungraded sample counts as not correct here; the summary counts them
+    beside it); the standard error is the problems' spread, ``stdev(accuracies) / sqrt(problems)``
+    (both the draw of the problems and of their samples; None for one problem).
 
     Raises:
         ValueError: a (problem, sample) among the first ``n_samples`` has no grade.
     """
     if not problems:
         raise ValueError("mean_at_n: no problems")
-    total = 0.0
+    accuracies = []
     for problem in problems:
         hits = 0
         for sample in range(n_samples):
@@ -235,5 +240,6 @@ def mean_at_n(graded: dict[tuple[int, int], GradedSample], problems: Sequence[Pr
             if grade is None:
                 raise ValueError(f"mean_at_n: problem {problem.index} sample {sample} is not graded")
             hits += grade.correct if use_verifier else bool(grade.grader_correct)
-        total += hits / n_samples
-    return 100.0 * total / len(problems)
+        accuracies.append(hits / n_samples)
+    spread = 100.0 * statistics.stdev(accuracies) / math.sqrt(len(accuracies)) if len(accuracies) > 1 else None
+    return 100.0 * sum(accuracies) / len(accuracies), spread

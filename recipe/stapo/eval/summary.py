@@ -118,9 +118,11 @@ def summarise(config, blocks: Sequence[Block], records: dict, verifier: Optional
             used = [recs[p.index, s] for p in probs for s in range(n)]
             failures = [g for g in graded.values() if not g.grader_correct]
             used_grades = [graded[p.index, s] for p in probs for s in range(n)]
+            mean, standard_error = mean_at_n(graded, probs, n)
             benches[block.bench] = {
-                "mean_at_n": mean_at_n(graded, probs, n),
-                "grader_mean_at_n": mean_at_n(graded, probs, n, use_verifier=False),
+                "mean_at_n": mean,
+                "mean_at_n_se": standard_error,
+                "grader_mean_at_n": mean_at_n(graded, probs, n, use_verifier=False)[0],
                 "n_samples": n,
                 "problems": len(probs),
                 "limit": block.limit,

@@ -8,7 +8,9 @@ CLI::
 Each INPUT is a ``summary.json`` written by ``recipe.stapo.eval.run_eval`` (its ``scale`` and
 ``method`` label the row; override with ``SCALE:METHOD=path``), or a markdown file holding a
 table in the paper's layout (``| model | method | AIME24 | ... | Avg |`` with cells
-``"1.0/1.0 (0.7/0.9)"``, e.g. ``recipe/stapo/data/fixtures/paper_table2.md``).
+``"1.0/1.0 (0.7/0.9)"``, e.g. ``recipe/stapo/data/fixtures/paper_table2.md``). A benchmark outside
+the paper's six (the tiny task's ``val``) is shown in a column of its own after Avg; a row without
+the six is partial (below).
 
 Headline (the paper's evaluation protocol): per decoding setting, the mean over model scales of STAPO's
 relative gain ``100 * (Avg_STAPO - Avg_best) / Avg_best`` where ``Avg_best`` is the highest Avg
@@ -304,8 +306,8 @@ def protocol_of(summary: dict, grading: str = "as-run") -> dict[str, object]:
             continue
         protocol[f"decoding {_label(decoding)}"] = f"temperature {block.get('temperature')}, top-p {block.get('top_p')}"
         for bench, result in (block.get("benchmarks") or {}).items():
-            if bench in BENCH_TO_COLUMN and isinstance(result, dict):
-                column = BENCH_TO_COLUMN[bench]
+            if isinstance(result, dict):
+                column = BENCH_TO_COLUMN.get(bench, bench)
                 protocol[f"N ({column}, {_label(decoding)})"] = result.get("n_samples")
                 data = result.get("data_sha256")
                 protocol.setdefault(f"problems ({column})", f"{result.get('problems')}" + (f" [{data[:12]}]" if data else ""))
@@ -352,9 +354,7 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
     for decoding, block in summary["decodings"].items():
         values = {}
         for bench, result in (block.get("benchmarks") or {}).items():
-            if bench not in BENCH_TO_COLUMN:
-                continue
-            column = BENCH_TO_COLUMN[bench]
+            column = BENCH_TO_COLUMN.get(bench, bench)
             counts = [result.get(k) for k in ("problems", "n_samples")] if isinstance(result, dict) else []
             if len(counts) == 2 and all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts):
                 samples[(decoding, column)] = counts[0] * counts[1]
@@ -648,11 +648,13 @@ def _fmt(value: Optional[float], best: Optional[float], bold: tuple[str, str]) -
 def render(rows: Sequence[Row], fmt: str = "markdown") -> str:
     """Table 2 layout: rows scale x method, cells ``"1.0/1.0 (0.7/0.9)"``, best per column and
     scale (and decoding) in bold among complete rows of the table's protocol; a partial row's
-    method carries :data:`MARK`, a row of another protocol :data:`MIXED_MARK`."""
+    method carries :data:`MARK`, a row of another protocol :data:`MIXED_MARK`. A benchmark outside
+    the six gets a column of its own after Avg (not in Avg)."""
     if fmt not in ("markdown", "latex"):
         raise ValueError(f"--format must be markdown or latex, got {fmt!r}")
     bold = ("**", "**") if fmt == "markdown" else ("\\textbf{", "}")
-    columns = (*COLUMNS, AVG)
+    others = sorted({c for r in rows for block in r.values.values() for c in block} - {*COLUMNS, AVG})
+    columns = (*COLUMNS, AVG, *others)
     body = []
     for scale in scales(rows):
         for row in (r for r in rows if r.scale == scale):

@@ -23,8 +23,10 @@ def _sha(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
-def test_train_from_dapo_format_jsonl(tmp_path):
+def test_train_from_dapo_format_jsonl(tmp_path, capsys):
     assert main(["train", "--out-dir", str(tmp_path), "--source", str(FIXTURES / "dapo_sample.jsonl")]) == 0
+    err = capsys.readouterr().err  # not a terminal, as in a log: no progress bar, no cursor escapes
+    assert "read train" not in err and "\r" not in err and "\x1b[" not in err
     frame = pd.read_parquet(tmp_path / "train.parquet")
     source = _jsonl("dapo_sample.jsonl")
     unique = {(r["prompt"][0]["content"], r["reward_model"]["ground_truth"]) for r in source}

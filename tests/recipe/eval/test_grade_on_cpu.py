@@ -711,3 +711,15 @@ def test_a_yarn_scaled_context_is_the_scaled_one(tmp_path):
     assert model_source.model_context(tmp_path)[0] == 131072
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
     assert model_source.model_context(tmp_path) == (32768, f"max_position_embeddings in {tmp_path / 'config.json'}")
+
+
+def test_mean_at_n_comes_with_the_standard_error_of_the_problems_spread():
+    """Three problems, 2 samples each, right 2, 1 and 0 times: accuracies 1, 0.5, 0 (mean 50%); their
+    sample standard deviation is 0.5, so the standard error is 100 * 0.5 / sqrt(3) percent."""
+    from recipe.stapo.eval.generate import Problem
+
+    problems = [Problem(i, str(i), ({"role": "user", "content": f"q{i}"},), "1", f"q{i}") for i in range(3)]
+    graded = {(i, s): grade.GradedSample(i, s, "1", s < 2 - i) for i in range(3) for s in range(2)}
+    mean, standard_error = grade.mean_at_n(graded, problems, 2)
+    assert mean == pytest.approx(50.0) and standard_error == pytest.approx(100 * 0.5 / 3 ** 0.5)
+    assert grade.mean_at_n(graded, problems[:1], 2) == (100.0, None)  # one problem: no spread to measure

@@ -296,6 +296,23 @@ def test_a_row_of_another_protocol_is_refused_or_marked(tmp_path, grpo, field):
     assert "+25.00%" in line and "8B GRPO" in line  # vs JustRL; GRPO left out, named
 
 
+def test_a_benchmark_outside_the_six_gets_its_column_after_avg(tmp_path):
+    """The paper's rows and one with another benchmark (the tiny task's ``val``): its column comes after
+    Avg, outside it; only that row has a cell there; its protocol (N, problems) is compared too."""
+    with_val = _run_summary("8B", "GRPO", 45.0)
+    for decoding in with_val["decodings"].values():
+        decoding["benchmarks"]["val"] = {"mean_at_n": 60.94, "n_samples": 4, "problems": 64, "limit": None}
+    paths = _eight_b_rows(tmp_path, with_val)
+    rows = load_inputs(paths)
+    text = render(rows)
+    assert text.splitlines()[0] == "| model | method | AIME24 | AIME25 | AMC23 | MATH500 | Minerva | Olympiad | Avg | val |"
+    grpo = next(line for line in text.splitlines() if line.startswith("| 8B | GRPO"))
+    assert grpo.endswith("| 45.00 (45.00) | **60.94** (**60.94**) |")  # Avg of the six, then val (its best)
+    stapo = next(line for line in text.splitlines() if line.startswith("| 8B | STAPO"))
+    assert stapo.endswith("| **50.00** (**50.00**) | - (-) |")
+    assert rows[2].protocol["N (val, 0.7/0.9)"] == 4 and rows[2].protocol["problems (val)"] == "64"
+
+
 def test_rows_of_one_protocol_pass(tmp_path):
     paths = _eight_b_rows(tmp_path, _run_summary("8B", "GRPO", 45.0))
     rows = load_inputs(paths)
