@@ -1,24 +1,12 @@
 """The memory model's estimate next to what a run measured, term by term, for calibrating the model
-on the first GPU run (docs/memory.md, "Calibrating on a GPU").
+on the first GPU run (docs/memory.md, "Calibrating on a GPU", says what each term is set against).
 
     python -m stapo_memory.calibration results/gpu_smoke/stapo [more run folders...]
     python -m stapo_memory.calibration --log train.log [--metrics metrics.jsonl]
 
-A run folder holds the driver's log (``train.log``: the preflight's memory table, one row per pass
-with its tokens and bytes per token, and the workers' ``[stapo] memory peak: pass=...`` lines of a
-calibration run, :mod:`stapo_memory.probes`) and, optionally, verl's file logger output
-(``metrics.jsonl``: verl's run-wide ``perf/max_memory_allocated_gb`` / ``perf/max_memory_reserved_gb``).
-Each term of the model is set beside its measurement, with the error (estimate / measured - 1):
-
-* each training pass: the estimate less the fixed overhead, at the largest micro-batch the pass
-  measured (the estimate moved along its bytes per token from its budget), against PyTorch's
-  allocated peak;
-* bytes per token: where a pass was measured at token counts at least 10% apart, the slope of the
-  allocated peaks over the tokens (least squares);
-* the fixed overhead: the memory outside PyTorch's allocator while vLLM sleeps (CUDA contexts, NCCL,
-  vLLM's residue) plus the allocator's rounding (reserved - allocated), the largest over the passes;
-* vLLM's share: the memory outside the trainer's allocator with vLLM awake (the rollout's line,
-  after the weight sync) less that while it sleeps, against ``gpu_memory_utilization`` x the GPU.
+A run folder holds the driver's log (``train.log``: the preflight's memory table and the probes'
+``[stapo] memory peak: pass=...`` lines, :mod:`stapo_memory.probes`) and, optionally, verl's
+``metrics.jsonl``. Each term is printed with its error, estimate / measured - 1.
 """
 
 from __future__ import annotations

@@ -1,25 +1,11 @@
 """The measured GPU memory of each pass, one line per pass on rank 0, which
-``python -m stapo_memory.calibration`` reads back from the driver's log and sets beside the
-memory model's estimate, term by term (docs/memory.md, "Calibrating on a GPU"): the probes of
-:mod:`stapo_memory.probes`.
+``python -m stapo_memory.calibration`` sets beside the memory model's estimate (docs/memory.md,
+"Calibrating on a GPU"): the probes of :mod:`stapo_memory.probes`.
 
-verl's own ``perf/max_memory_*`` metrics are PyTorch's allocator peaks since the process started
-(never reset), so they give one number for all passes. Here:
-
-* ``TrainingWorker.infer_batch`` (the actor's log-prob pass; a forward-only engine: the reference
-  pass) and ``TrainingWorker.train_mini_batch`` (the update) reset the peak before they run and log it
-  after. A forward inside the update (the recipe's current-policy statistics: ``calculate_entropy``
-  set; the update effect's: not set) is logged as its own pass, ``current`` or ``update_effect``, with
-  its own peak; the update's line still covers the whole update (the larger of its own moments and
-  the nested pass's peak).
-* ``ActorRolloutRefWorker.update_weights`` (vLLM woken up with its weights and KV cache: the rollout's
-  footprint) logs the device-wide figure when it returns.
-
-Each line carries PyTorch's allocated and reserved peaks, the device-wide figure at the end of the
-pass (``torch.cuda.mem_get_info``: used = total - free, every process on the GPU), what lies outside
-this process's allocator then (device-wide minus this process's reserved memory: the CUDA contexts,
-NCCL, vLLM's share or its residue while asleep), the most tokens one micro-batch held on this GPU and
-the number of micro-batches:
+verl's own ``perf/max_memory_*`` metrics are allocator peaks since the process started, one number
+for all passes. Here ``infer_batch`` and ``train_mini_batch`` reset the peak before they run and log
+it after (a forward nested in the update as its own pass, ``current`` or ``update_effect``), and
+``update_weights`` logs the device-wide figure with vLLM awake:
 
     [stapo] memory peak: pass=log_prob allocated_gib=23.41 reserved_gib=25.02 device_gib=31.20 outside_gib=6.18 tokens=48913 micro_batches=12
 
