@@ -73,11 +73,9 @@ def _unbox(value: Any) -> Any:
 
 
 def _number_text(value: float) -> str:
-    """A finite float as a plain decimal: ``5.0`` -> ``"5"``, ``0.5`` -> ``"0.5"``, ``1e-07`` ->
-    ``"0.0000001"``, ``1e+20`` -> ``"100000000000000000000"`` (the shortest digits that read back
-    as the same float, written without an exponent). A float that a float32 holds exactly is read as
-    that float32, with its shortest digits: a float32 cell (a parquet ``float`` column,
-    ``np.float32``) reaches Python as such a float, so ``0.10000000149011612`` -> ``"0.1"``."""
+    """A finite float as its shortest plain decimal (``1e-07`` -> ``"0.0000001"``), a float a float32
+    holds exactly with the float32's digits (a parquet ``float`` cell: ``0.10000000149011612`` ->
+    ``"0.1"``)."""
     if value == 0:
         return "0"
     import numpy  # a second's import at most, only for a float ground truth
@@ -182,10 +180,7 @@ def ground_truth_text(value: Any) -> Optional[str]:
 
 
 def ground_truth_problem(value: Any) -> Optional[str]:
-    """Why ``value`` is not a usable ground truth (a short message), or None when it is.
-
-    The reasons are :func:`ground_truth_conversion`'s; the data preparation reports them per row.
-    """
+    """Why ``value`` is not a usable ground truth (:func:`ground_truth_conversion`'s reason), or None."""
     why = ground_truth_conversion(value)[1]
     return None if why is None else f"ground truth is {why}"
 

@@ -118,21 +118,16 @@ def grade_answer(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAUL
 
 
 def compute_score_lenient(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> dict:
-    """verl custom reward function: the lenient reward (+1 correct / -1 wrong).
-
-    Select it for training with ``reward.custom_reward_function.name=compute_score_lenient``.
+    """verl custom reward function: the lenient reward (+1 correct / -1 wrong), selected with
+    ``reward.custom_reward_function.name=compute_score_lenient``.
 
     Args:
-        data_source: dataset name (unused).
-        solution_str: decoded response text.
-        ground_truth: reference answer.
-        extra_info: per-row info from the parquet (unused).
-        **kwargs: ``timeout_s`` (float, default ``DEFAULT_TIMEOUT_S``; settable through
-            ``reward.custom_reward_function.reward_kwargs``); anything else verl passes is ignored.
+        solution_str: decoded response text. ground_truth: reference answer.
+        **kwargs: ``timeout_s`` (float, default ``DEFAULT_TIMEOUT_S``); anything else verl passes
+            (``data_source``, ``extra_info``, ...) is ignored.
     Returns:
         ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None, "ungraded": bool}``:
-        ``ungraded`` when the symbolic check could not run (scored -1; verl keeps the key as
-        ``reward_extra_info``, so the count per step and per validation is logged).
+        ``ungraded`` when the symbolic check could not run (scored -1, logged by verl).
     Raises:
         RewardConfigError: ``STAPO_REWARD_WORKERS`` is invalid (never for any response or ground truth).
     """
