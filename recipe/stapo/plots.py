@@ -44,9 +44,8 @@ def stopped_message(run: str | os.PathLike) -> Optional[str]:
 
 
 class RunMetrics(dict):
-    """``{metric: Series}`` of one run (finite values only), and in ``nonfinite`` the values left out:
-    ``{metric: [(step, value), ...]}`` (:func:`recipe.stapo.metrics.nonfinite_values`). A metric whose
-    every value is non-finite has an empty series, so its panel shows the marks, not "not logged"."""
+    """``{metric: Series}`` of one run (finite values only), and in ``nonfinite`` the values left out,
+    ``{metric: [(step, value), ...]}`` (an all-non-finite metric gets an empty series)."""
 
     def __init__(self, series: dict[str, Series], nonfinite: dict[str, list] | None = None):
         super().__init__(series)
@@ -73,8 +72,7 @@ def read_metrics(path: str | os.PathLike) -> RunMetrics:
 
 
 PLOT_LIMIT = 1e300
-"""Largest magnitude drawn as a point of a line: a larger (finite) value, e.g. a diverged loss near the
-float maximum, is marked at the top or bottom like an infinity (an axis spanning it cannot be drawn)."""
+"""Largest magnitude drawn as a point of a line: a larger finite value is marked like an infinity."""
 
 
 def _nonfinite(metrics: Mapping[str, Series], key: str) -> list:
@@ -582,14 +580,9 @@ def load_runs(run_dirs: Mapping[str, Path] | Sequence[Path], progress: bool = Tr
 
 def plot_runs(run_dirs: Mapping[str, Path] | Sequence[Path], out_dir: str | os.PathLike,
               notes: Optional[list] = None) -> list[Path]:
-    """Write ``curves.png`` and one PNG per logged panel into ``out_dir``; return their paths.
-
-    Args:
-        run_dirs: ``{label: run folder or metrics file}``, or a list of them (labels = folder names).
-        out_dir: created if needed (ValueError when it is a file).
-        notes: if a list, the "metric missing" and the non-finite-value notes
-            (:func:`missing_notes`, :func:`nonfinite_notes`) are appended to it (also printed to stderr).
-    """
+    """Write ``curves.png`` and one PNG per logged panel into ``out_dir`` (created if needed); return
+    their paths. ``run_dirs``: ``{label: run folder or metrics file}``, or a list of them (labels:
+    folder names); the notes go to stderr and, if ``notes`` is a list, into it."""
     out = Path(out_dir)
     check_out_dir(out)
     runs = load_runs(run_dirs)
