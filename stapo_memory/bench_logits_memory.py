@@ -157,7 +157,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = run_cases(args.tokens, args.vocab, args.device, tuple(args.cases.split(",")), chunk=args.chunk)
-    print(f"| case | tokens x vocab | measured MiB | model MiB | measured / model |\n|---|---|---|---|---|")
+    print("| case | tokens x vocab | measured MiB | model MiB | measured / model |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['tokens']} x {r['vocab']} | {r['measured_bytes'] / MIB:.0f} | "
               f"{r['model_bytes'] / MIB:.0f} | {r['ratio']:.2f} |")
