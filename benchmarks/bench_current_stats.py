@@ -41,7 +41,9 @@ SECONDS = "actor/s2t/current_forward_s"
 
 
 def expected_share(mini_batches: int, checkpointing: bool = True, forwarded: float = 1.0) -> float:
-    """FLOPs of the extra forwards over the update's forward + backward (see the module docstring)."""
+    """FLOPs of the extra forwards over the update's forward + backward: ``(M - 1) / M x f`` of one
+    old-log-prob pass (the first mini-batch needs none; ``f`` the forwarded share), a forward being
+    ~1/3 of a forward + backward, ~1/4 with gradient checkpointing."""
     return (mini_batches - 1) * forwarded / ((4 if checkpointing else 3) * mini_batches)
 
 
@@ -75,8 +77,9 @@ def simulate(accuracy: float, *, ranks: int = 64, prompts: int = 256, n: int = 8
              sigma: float = 0.7, max_response: int = 15360, seed: int = 0) -> dict[str, float]:
     """Medians over the model's mini-batches: ``f`` (positive-advantage share of the tokens), the full
     forward's busiest rank over its mean rank (verl balances a step's batch, not each mini-batch) and,
-    for the ``own`` and ``balanced`` forwards, the busiest rank's tokens and the micro-batch count
-    relative to the full forward's (see the module docstring)."""
+    for the ``own`` (each rank its own positive-advantage sequences) and ``balanced``
+    (:func:`stapo_core.balance.plan_forward`) forwards, the busiest rank's tokens and the micro-batch
+    count relative to the full forward's."""
     import torch
     from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 

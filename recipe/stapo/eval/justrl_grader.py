@@ -93,7 +93,10 @@ def sympy_normalize(expr: str) -> str:
 
 
 def sympy_equal(pred: str, gold: str) -> bool:
-    """The sympy stage (see the module docstring); runs in a guard helper process."""
+    """The sympy stage, run in a guard helper process: both answers normalised (:func:`sympy_normalize`)
+    are equal strings, or split into tuple elements that pair up, each pair equal as written when both
+    are fractions, wrong when exactly one is an integer, else equal when sympy simplifies their
+    difference to 0."""
     # verl (seconds) loads on the first answer graded, not when the grader module is imported
     from verl.utils.reward_score.prime_math import _is_frac, _str_is_int, are_equal_under_sympy, split_tuple
 
