@@ -6,33 +6,13 @@ modelled at the paper's scale.
     python -m benchmarks.bench_current_stats [--out results/bench_current_stats] [--steps 6] [--mini-batches 4]
     python -m benchmarks.bench_current_stats --simulate [--ranks 64] [--accuracy 0.2,0.5,0.8]
 
-Training (the default): STAPO three times on CPU with verl's real trainer and the tiny assets,
-identical settings and seeds: ``stats_from=rollout`` (no extra forward), ``stats_from=current`` with
-``current_forward=full`` (every sequence of each later mini-batch forwarded) and with the default
-``current_forward=positive_advantage`` (only the sequences that can hold a candidate). It prints,
-from the runs' ``timing_s/*`` metrics (same step: same data), the per-phase median step time of each
-run against the rollout run and of the positive-advantage run against the full one (the extra
-forwards run inside ``update_actor``), and the logged ``actor/s2t/current_forward_tokens_frac`` (tokens
-forwarded / tokens in the mini-batch) and ``actor/s2t/current_forward_s`` (the statistics forward's wall
-time on a rank, exchanges included): the forward's own time, free of the other phases' noise. The
-forwards themselves are verl's inference pass
-(``TrainingWorker.infer_batch``, the one that computes the old log-probs), run outside the update's
-autograd graph, with the pass's micro-batch size or token budget: their peak memory is that pass's.
-
-Cost model: the extra work is ``(M - 1) / M x f`` of one old-log-prob pass per step (``M``
-mini-batches, the first needs no forward; ``f`` the forwarded share of the tokens, 1 for
-``current_forward=full``). A forward is ~1/3 of a forward + backward, so against the update it is
-``(M - 1) f / (3 M)`` without gradient checkpointing and ``(M - 1) f / (4 M)`` with it (the recipe's
-setting), before rollout generation is counted.
-
-``--simulate``: the share ``f`` and the slowest rank's work at the paper's scale, which a CPU run
-cannot show: GRPO groups with binary rewards (prompt accuracies drawn around each mean accuracy),
-response lengths from a log-normal model, a step's batch spread over the ranks by verl's own balancing
-(``get_seqlen_balanced_partitions`` on ``calculate_workload``, as the trainer's ``_balance_batch``),
-each rank's share cut into ``M`` mini-batches. Per mini-batch it compares the busiest rank's tokens
-of three forwards: every sequence (``full``), each rank's own positive-advantage sequences
-(``own``), and the recipe's plan (``balanced``: :func:`stapo_core.balance.plan_forward`), and the
-number of micro-batches within the inference pass's token budget.
+Training (the default) runs STAPO three times with verl's real trainer and identical seeds
+(``stats_from=rollout``, ``current`` with ``current_forward=full`` and with ``positive_advantage``)
+and prints each phase's median step time against the rollout run, with the logged
+``actor/s2t/current_forward_tokens_frac`` and ``actor/s2t/current_forward_s``. ``--simulate`` models
+the forwarded share and the slowest rank's tokens at the paper's scale (GRPO groups, log-normal
+lengths, verl's balancing, :func:`stapo_core.balance.plan_forward`). The cost model and the
+measured numbers: docs/method.md.
 """
 
 from __future__ import annotations
@@ -61,7 +41,9 @@ SECONDS = "actor/s2t/current_forward_s"
 
 
 def expected_share(mini_batches: int, checkpointing: bool = True, forwarded: float = 1.0) -> float:
-    """FLOPs of the extra forwards over the update's forward + backward (see the module docstring)."""
+    """FLOPs of the extra forwards over the update's forward + backward: ``(M - 1) / M x f`` of one
+    old-log-prob pass (the first mini-batch needs none; ``f`` the forwarded share), a forward being
+    ~1/3 of a forward + backward, ~1/4 with gradient checkpointing."""
     return (mini_batches - 1) * forwarded / ((4 if checkpointing else 3) * mini_batches)
 
 
@@ -90,18 +72,14 @@ def train(out: Path, steps: int, mini_batches: int, name: str):
                            extra=[*RUNS[name], "actor_rollout_ref.actor.policy_loss.tau_p=0.5"])
 
 
-# --------------------------------------------------------------------------------------------
-# the paper's scale, modelled
-# --------------------------------------------------------------------------------------------
-
-
 def simulate(accuracy: float, *, ranks: int = 64, prompts: int = 256, n: int = 8, mini_batches: int = 4,
              steps: int = 4, budget: int = 49152, prompt_len: int = 200, median_response: int = 4000,
              sigma: float = 0.7, max_response: int = 15360, seed: int = 0) -> dict[str, float]:
     """Medians over the model's mini-batches: ``f`` (positive-advantage share of the tokens), the full
     forward's busiest rank over its mean rank (verl balances a step's batch, not each mini-batch) and,
-    for the ``own`` and ``balanced`` forwards, the busiest rank's tokens and the micro-batch count
-    relative to the full forward's (see the module docstring)."""
+    for the ``own`` (each rank its own positive-advantage sequences) and ``balanced``
+    (:func:`stapo_core.balance.plan_forward`) forwards, the busiest rank's tokens and the micro-batch
+    count relative to the full forward's."""
     import torch
     from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 

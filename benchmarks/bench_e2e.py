@@ -6,18 +6,10 @@
     python -m benchmarks.bench_e2e --from-quickstart results/quickstart
     python -m benchmarks.bench_e2e --run [--out results/bench_e2e] [--steps 6] [--timeout 1200]   # train both first
 
-Input: verl's file logger (``verl.utils.tracking.FileLogger``): one JSON object per line,
-``{"step": s, "data": {metric: value, ...}}``, read with :func:`recipe.stapo.metrics.read_metrics`.
-The phases are verl's ``timing_s/<name>`` metrics (``compute_timing_metrics`` in
-``verl/trainer/ppo/metric_utils.py``; the names are those of ``marked_timer`` in the trainers):
-``gen`` (rollout), ``reward``, ``old_log_prob``, ``ref``, ``adv``, ``update_actor``,
-``update_weights`` and ``step`` (the whole step), plus any other ``timing_s/*`` both runs log.
-
-For each phase: the median over steps of each run's time, and the median over steps of the paired
-ratio ``t_STAPO(step) / t_JustRL(step)`` (same step number: same data, same seeds), skipping the
-first ``--warmup-steps`` steps (default 1: compilation, caches, allocator warm-up), with the
-number of steps ``n`` it rests on. A run the quickstart stopped at its limit (``--timeout``) is named
-with its logged steps, or, when it logged none, in the error.
+For each of verl's ``timing_s/<phase>`` metrics both runs log: each run's median over steps and the
+median of the paired ratio ``t_STAPO(step) / t_JustRL(step)`` (same step: same data), after
+``--warmup-steps`` steps, with the number of steps it rests on. A run the quickstart stopped at its
+limit is named.
 """
 
 from __future__ import annotations

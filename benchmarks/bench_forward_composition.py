@@ -1,16 +1,10 @@
 """How many S2T decisions change when the same sequences are forwarded in another batch.
 
-A sequence's log-probs and entropies depend, in floating point, on what else is in its forward batch
-(the padded width, the matmul shapes, the reduction order). With ``stats_from=current`` the
-statistics forward of ``current_forward=positive_advantage`` batches only the sequences with a
-positive advantage, while ``current_forward=full`` batches all of them: the two select the same
-tokens exactly in logic, but a token within that noise of ``tau_p`` or ``tau_h`` can fall
-differently. This benchmark measures it on a real (tiny) policy: it samples responses, then forwards
-them (a) all in one padded batch, as the full forward does, (b) only the positive-advantage ones in
-one padded batch, as the positive-advantage forward does, and (c) each alone, in float32 and
-bfloat16, and prints per dtype the largest change of ``log p`` and ``H`` and the tokens S2T silences
-in one forward and not the other (:func:`silenced_set_difference`), at the paper's
-``tau_p`` and at a larger ``tau_p`` that makes many tokens candidates (and so many near a threshold).
+A sequence's log-probs and entropies depend, in floating point, on what else is in its forward batch,
+so ``current_forward=positive_advantage`` and ``full`` can silence different tokens near ``tau_p`` or
+``tau_h``. This forwards sampled responses all in one batch, only the positive-advantage ones, and
+each alone, in float32 and bfloat16, and prints per dtype the largest change of ``log p`` and ``H``
+and the tokens S2T silences in one forward and not the other (:func:`silenced_set_difference`).
 
 ::
 
@@ -51,20 +45,11 @@ def silenced_set_difference(keep_a: torch.Tensor, keep_b: torch.Tensor, response
 
 @dataclass
 class Composition:
-    """One dtype and ``tau_p``: noise and flips between two forwards of the same sequences.
-
-    Attributes:
-        max_dlogp_full_vs_positive, max_dentropy_full_vs_positive: largest change of a positive-advantage
-            response token's log-prob / entropy between the full and the positive-advantage forward.
-        max_dlogp_full_vs_alone: likewise between the full forward and each sequence alone.
-        candidates: S2T's candidates in the full forward.
-        silenced: tokens the full forward's selection silences.
-        flips_full_vs_positive, flips_full_vs_alone: tokens silenced by exactly one of the two forwards.
-        tolerance: the distance to a threshold that counts as "near" (:data:`TOLERANCE`).
-        flips_near_threshold: how many full/positive flips lie within ``tolerance`` of ``tau_p`` (in
-            ``log p``) or of ``tau_h`` (plus the change of ``tau_h`` itself): all of them when floating
-            point is the only cause.
-    """
+    """One dtype and ``tau_p``: noise and flips between two forwards of the same sequences: the largest
+    change of a token's log-prob / entropy between the full forward and the positive-advantage one (or
+    each sequence alone), S2T's candidates and silenced tokens in the full forward, the tokens silenced
+    by exactly one of two forwards, and how many of those lie within ``tolerance`` of a threshold (all
+    of them when floating point is the only cause)."""
 
     dtype: str
     tau_p: float

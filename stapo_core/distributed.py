@@ -1,25 +1,11 @@
 """Pooling a per-token statistic over the ranks of a ``torch.distributed`` process group.
 
-S2T's entropy quantile and 20-Entropy's top-k rank are statistics of the *pooled* batch: the
-union of every rank's tokens. Each rank holds a variable number of relevant tokens (S2T
-candidates, or response tokens), possibly none. The pooling costs:
-
-1. one ``all_gather`` of a small count vector (:func:`exchange_counts`), read on the host once to
-   size the buffers (the only host sync the pooling needs);
-2. one ``all_gather`` of fixed-width buffers (:func:`gather_padded`) in which each rank packs its
-   relevant values first, in flat (row-major) order, then pads with ``fill``.
-
-Row ``r`` of the gathered ``(world, width)`` tensor is rank ``r``'s packed buffer, so the
-flattened result lists every rank's values in the order (rank, flat index): the order a single
-process would see if the ranks' batches were concatenated along the batch dimension.
-
-A statistic can also be pooled over part of a group: :func:`contiguous_subgroups` splits a group
-into groups of ``size`` contiguous ranks (20-Entropy's pool per group of data-parallel ranks), each of
-which then pools as above over its own ranks only.
-
-No function here moves a token tensor to the host or uses boolean indexing, except
-:func:`exchange_objects`, :func:`gather_objects` and :func:`contiguous_subgroups`, which move small
-python objects (or whole sequences, by design) between ranks.
+S2T's entropy quantile and 20-Entropy's top-k rank are statistics of the pooled batch, each rank
+holding a variable number of relevant tokens. The pooling costs one ``all_gather`` of a count vector
+(:func:`exchange_counts`, the only host sync) and one of fixed-width buffers (:func:`gather_padded`),
+whose flattened result lists every rank's values in the order (rank, flat index): the order a single
+process would see with the ranks' batches concatenated. No function here moves a token tensor to
+the host or uses boolean indexing, except those that exchange small python objects.
 """
 
 from __future__ import annotations

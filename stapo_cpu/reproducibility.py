@@ -1,19 +1,9 @@
 """What a CPU run needs to be repeated bit for bit, collected for a run's summary.
 
-A CPU run of the recipe (:mod:`stapo_cpu.trainer`) repeats its numbers exactly when these
-are the same (docs/reproducibility.md explains each):
-
-- the seed (data order, rollout sampling, model init of the engines);
-- the tiny assets: their config hash and the sha256 of their files (model weights, data);
-- the library versions (python, torch, verl, transformers, ray, numpy): kernels and their
-  reduction orders change between releases;
-- the thread count of every process (``STAPO_CPU_THREADS`` and the OpenMP / MKL variables);
-- the instruction set the math libraries are held to (:func:`stapo_cpu.isa.isa_env`:
-  AVX2 on x86, so AVX2-only and AVX-512 machines compute the same), with the CPU's own
-  vector extensions;
-- the CPU model, recorded.
-
-:func:`collect` gathers them into a JSON-ready dict; :func:`markdown` renders it for a summary.
+A CPU run repeats its numbers exactly when the seed, the tiny assets' hashes, the library versions,
+the thread counts and the instruction set the math libraries are held to
+(:func:`stapo_cpu.isa.isa_env`) are the same (docs/reproducibility.md explains each; the CPU model
+is recorded too). :func:`collect` gathers them into a JSON-ready dict; :func:`markdown` renders it.
 """
 
 from __future__ import annotations
@@ -65,13 +55,9 @@ def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, Optional[s
 
 
 def asset_fingerprint(assets_dir: str | os.PathLike) -> dict[str, Any]:
-    """Identity of a tiny-asset folder from its ``manifest.json``.
-
-    Returns ``{"dir", "config_hash", "files": {name: sha256}, "hash"}`` where ``hash`` is the sha256
-    (16 hex chars) of the config hash and the file hashes: equal for two folders holding the same
-    model weights and data, whatever their build time. Raises ValueError naming the file when the
-    manifest is missing or unreadable.
-    """
+    """Identity of a tiny-asset folder from its ``manifest.json``: ``{"dir", "config_hash", "files":
+    {name: sha256}, "hash"}``, ``hash`` (16 hex chars) equal for two folders with the same weights and
+    data. Raises ValueError naming the file when the manifest is missing or unreadable."""
     manifest_path = Path(assets_dir).resolve() / MANIFEST
     try:
         manifest = json.loads(manifest_path.read_text())

@@ -42,11 +42,9 @@ def make_model(cfg: AssetConfig, tokenizer):
 
 @dataclass(frozen=True)
 class SampleStats:
-    """What sampling at temperature 1.0 from the model gives on some problems (one response each).
-
-    ``rare`` counts sampled tokens with p < ``tau_p``; ``rare_in_correct`` those inside responses the
-    reward counts as correct: the tokens S2T can flag (its candidates are rare tokens of responses
-    with a positive advantage, and in a mixed group exactly the correct responses have one)."""
+    """What sampling at temperature 1.0 from the model gives on some problems (one response each):
+    ``rare`` counts sampled tokens with p < ``tau_p``, ``rare_in_correct`` those in correct responses
+    (the tokens S2T can flag)."""
 
     success_rate: float
     responses: int
@@ -108,9 +106,7 @@ def success_rate(model, tokenizer, questions: list[str], truths: list[str], cfg:
 
 def noisy_response(ids: list[int], noise_rate: float, vocab: int, n_special: int, rng: random.Random) -> list[int]:
     """``ids`` with a random ordinary token (id in ``[n_special, vocab)``) inserted before each
-    position with probability ``noise_rate``. Trained on as targets, these teach the model a small
-    probability mass spread over the whole vocabulary (an LLM's long tail) and to carry on after a
-    stray token."""
+    position with probability ``noise_rate`` (the model's long tail, see the module docstring)."""
     out: list[int] = []
     for token in ids:
         if rng.random() < noise_rate:

@@ -24,10 +24,7 @@ SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
 def filler_words(count: int, seed: int) -> list[str]:
-    """``count`` distinct pronounceable pseudo-words (2-3 syllables), drawn with ``seed``.
-
-    They stand for the rest of a language in the tokenizer's training text, so that the vocabulary
-    has thousands of tokens the task never uses: the long tail of a real LLM's vocabulary."""
+    """``count`` distinct pronounceable pseudo-words (2-3 syllables), drawn with ``seed``."""
     onsets = "b c d f g h j k l m n p r s t v w z br cr dr fl gr pl pr st tr sh ch th".split()
     vowels = "a e i o u ai ea oo ou".split()
     codas = ["", "", "", "n", "r", "s", "t", "l", "m", "nd", "st"]

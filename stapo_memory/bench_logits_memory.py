@@ -5,25 +5,11 @@ model's numbers (``stapo_memory/terms.py``).
     python -m stapo_memory.bench_logits_memory --tokens 2048 --json rows.json
     python -m stapo_memory.bench_logits_memory --device cuda --tokens 16384   # under CUDA autocast (bf16)
 
-Each case runs one computation on ``(tokens, vocab)`` bfloat16 logits (normal, scale 3) that exist
-before it, and records the peak bytes it allocates beside them:
-
-* cpu: the resident-set high-water mark ``VmHWM`` (``/proc/self/status``), reset through
-  ``/proc/self/clear_refs`` just before the call, minus the resident set before it; glibc serves every
-  allocation >= 64 KiB with ``mmap`` (``mallopt``), so freed tensors leave the resident set and a later
-  one cannot hide in reused heap. Page granularity; about 1 MiB of noise.
-* cuda: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus
-  ``memory_allocated`` before the call, inside ``torch.autocast("cuda", torch.bfloat16)`` as verl's
-  FSDP engine runs its forward.
-
-CUDA autocast runs ``logsumexp`` in float32 (it is on autocast's float32 list; CPU autocast leaves it
-in bfloat16): on CPU the cases that call it under autocast on a GPU apply that policy by hand (the
-input cast to float32, then the op), which is what the autocast dispatcher does.
-
-Cases: ``logits`` (allocating them), ``sum_pi_squared_verl`` (verl's unchunked
-``calculate_sum_pi_squared_from_logits``), ``sum_pi_squared_chunked`` (the recipe's,
-``verl_patches.sum_pi_squared``), ``entropy_chunked`` (verl's ``entropy_from_logits_with_chunking``,
-``--chunk`` rows, no grad, not compiled), ``log_probs`` (verl's ``logprobs_from_logits``).
+Each case runs one computation on ``(tokens, vocab)`` bfloat16 logits that exist before it and
+records the peak bytes it allocates beside them: on CPU the resident-set high-water mark
+(``VmHWM``, reset through ``/proc/self/clear_refs``, every allocation >= 64 KiB served by ``mmap``;
+about 1 MiB of noise), on CUDA ``max_memory_allocated`` under bfloat16 autocast as verl's engine
+runs. On CPU the cases that CUDA autocast runs in float32 (``logsumexp``) cast by hand.
 """
 
 from __future__ import annotations
@@ -173,7 +159,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = run_cases(args.tokens, args.vocab, args.device, tuple(args.cases.split(",")), chunk=args.chunk)
-    print(f"| case | tokens x vocab | measured MiB | model MiB | measured / model |\n|---|---|---|---|---|")
+    print("| case | tokens x vocab | measured MiB | model MiB | measured / model |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['tokens']} x {r['vocab']} | {r['measured_bytes'] / MIB:.0f} | "
               f"{r['model_bytes'] / MIB:.0f} | {r['ratio']:.2f} |")

@@ -1,37 +1,10 @@
 """GPU memory of one training step, pass by pass: an estimate from the model's shape and the run's
-settings (plain arithmetic, no GPU, no verl import). docs/memory.md writes out every term with the
-lines of verl 0.9.1, transformers, flash-attn and PyTorch it follows.
-
-A step of verl 0.9.1's FSDP actor with a colocated vLLM rollout runs these passes one after the
-other on every GPU, each on top of what stays resident between them:
-
-==================  ===================================================================================
-pass                what is on the GPU at its peak
-==================  ===================================================================================
-``rollout``         the actor's resident state + vLLM at ``gpu_memory_utilization`` x GPU memory
-``log_prob``        resident state + one micro-batch's no-grad forward at the log-prob token budget: the
-                    larger of a layer's working set and the logits with the entropy's or the sum of
-                    squared probabilities' chunk
-``reference``       (a KL loss) the same at the reference budget, no entropy; the actor's and the
-                    reference's FSDP1 root units stay unsharded on the GPU
-``current``         (S2T's current-policy statistics) the actor's no-grad forward, with the entropy
-``update_effect``   (``update_effect_responses``) the no-grad forward of the measured responses
-``update``          parameters, gradients, optimizer state, the layer inputs kept by gradient checkpointing
-                    and the largest moment (phase) of a micro-batch: the last layer's first forward, the
-                    forward's end (logits, the entropy's chunk), the logits' backward (logits and their
-                    gradient when not in place), the LM head's backward, the final norm's backward (the
-                    logits are freed by then), the last layer's recomputed backward, the embedding's
-                    backward, a layer's gradient reduce-scatter
-``update_end``      the root unit's gradient reduce-scatter at the end of the backward
-``optimizer_step``  parameters, gradients, AdamW's moments and its foreach temporary
-==================  ===================================================================================
-
-Every token-dependent term is per GPU: with remove-padding a micro-batch packs at most the token budget
-on each GPU (with Ulysses sequence parallelism of size ``sp`` a micro-batch holds ``budget x sp``
+settings (plain arithmetic, no GPU, no verl import). docs/memory.md lists the passes of a verl 0.9.1
+step (rollout, log_prob, reference, current, update_effect, update, update_end, optimizer_step) and
+writes out every term with the lines of verl, transformers, flash-attn and PyTorch it follows. Token
+terms are per GPU (with sequence parallelism of size ``sp`` a micro-batch holds ``budget x sp``
 tokens split over ``sp`` GPUs). :func:`estimate` gives each pass's components at its peak phase;
-:func:`problems` names every pass that does not fit within :func:`margin_bytes` of the GPU's capacity;
-:func:`stapo_memory.advice.plans` proposes the changes that make every pass fit, each re-estimated (the preflight then
-runs each one through the whole preflight before it prints it).
+:func:`problems` names every pass that does not fit within :func:`margin_bytes` of the GPU's capacity.
 """
 
 from __future__ import annotations
@@ -73,24 +46,12 @@ GPU_CAPACITY_GIB = {
 DEFAULT_GPU_MEM_GIB = 79.1
 
 
-# ------------------------------------------------------------------------------------------------
-# the run's settings
-# ------------------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Settings:
-    """The settings the estimate reads (per GPU unless named otherwise).
-
-    Token budgets are the tokens one micro-batch holds per GPU (dynamic batching: the budget itself;
-    fixed micro-batches: micro-batch size x longest sequence). ``sum_pi_squared_chunk``: rows per chunk
-    of the sum of squared probabilities (None: verl's own unchunked computation); ``entropy_chunk``:
-    rows per chunk of the entropy (None: unchunked). ``longest``: prompt + response tokens (0: not
-    known; then the budgets' floor and vLLM's share are not checked); ``sp``: the sequence parallel
-    size and ``sequence_parallel_allowed``: whether the recipe allows one above 1 (not with its
-    current-policy forwards); ``rollout_tp``: vLLM's tensor parallel size; ``dynamic_bsz``: budgets in
-    tokens (else micro-batches of sequences).
-    """
+    """The settings the estimate reads (per GPU unless named otherwise). Token budgets are the tokens
+    one micro-batch holds per GPU (fixed micro-batches: micro-batch size x longest sequence); a chunk of
+    None is verl's unchunked computation; ``longest`` (prompt + response) 0 means not known, and then
+    the budgets' floor and vLLM's share are not checked."""
 
     world_size: int
     gpu_memory_utilization: float
@@ -149,11 +110,6 @@ class Estimate:
         return max(self.passes, key=lambda p: p.total)
 
 
-# ------------------------------------------------------------------------------------------------
-# the passes
-# ------------------------------------------------------------------------------------------------
-
-
 def _resident(shape: ModelShape, s: Settings, *, rollout: bool = False, update: bool = False) -> dict[str, float]:
     """What stays on the GPU between passes: the actor's sharded state (FSDP over the world size,
     float32 master parameters, AdamW) and, with a reference model under FSDP1, its unsharded root unit."""
@@ -171,10 +127,8 @@ def _resident(shape: ModelShape, s: Settings, *, rollout: bool = False, update: 
 
 
 def reference_root_bytes(shape: ModelShape, s: Settings) -> float:
-    """The reference model's root unit (embeddings, LM head, final norm) in the compute dtype: FSDP1
-    does not free a root's parameters after a forward, and verl's eval context reshards the root only
-    when ``fsdp_size > 1``, so it stays on the GPU from the reference pass through the update, the next
-    rollout and the next log-prob pass (its CPU offload covers only the sharded parameters)."""
+    """The reference model's root unit (embeddings, LM head, final norm) in the compute dtype, which
+    FSDP1 keeps on the GPU from the reference pass on when ``fsdp_size <= 1`` (docs/memory.md)."""
     return float(s.compute_bytes * shape.embedding_params)
 
 
@@ -186,9 +140,8 @@ def _gathered(shape: ModelShape, s: Settings) -> float:
 
 
 def _reduce_scatter_bytes(unit_params: int, s: Settings) -> float:
-    """An FSDP1 unit's gradient reduction: autograd concatenates the views' gradients into the flat
-    gradient (both alive: ``2 b`` per parameter), the post-backward hook casts it to float32 while the
-    bfloat16 one is still referenced (``b + 4``), then reduce-scatters into a new float32 shard."""
+    """An FSDP1 unit's gradient reduction: ``max(2b, b + 4)`` bytes per parameter, then the float32
+    shard (docs/memory.md)."""
     b = s.compute_bytes
     return max(2 * b, b + FP32) * unit_params + FP32 * unit_params / s.world_size
 
@@ -213,13 +166,8 @@ def _chunk_term(name: str, total: float, tokens: int, chunk: Optional[int]) -> t
 def forward_activation_phases(shape: ModelShape, s: Settings, tokens: int, *, entropy: bool,
                               sum_pi_squared: bool) -> dict[str, Terms]:
     """A no-grad micro-batch of ``tokens`` (verl's ``infer_batch``): what the model code allocates at
-    each of its moments, as ``(name, fixed bytes, bytes per token)``. ``layers``: one layer's working
-    set beside its input and the embedding's output; ``LM head``: the final hidden states and the
-    logits; ``logits``: the logits (``forward_step`` keeps the model's output until it returns, so a
-    temperature-scaled copy is a second tensor), the larger of the entropy's and the sum of squares'
-    chunk (computed one after the other; the final hidden states are freed when the model's forward
-    returns) and the per-token outputs (log-probs, entropy, sum of squares, the cross-entropy's
-    log-sum-exp)."""
+    each of its moments (``layers``, ``LM head``, ``logits``; docs/memory.md), as ``(name, fixed bytes,
+    bytes per token)``."""
     b, v, h = s.compute_bytes, shape.vocab_size, shape.hidden_size
     logits = ("logits", 0.0, v * b)
     temporaries = {"entropy chunk": (entropy_extra_bytes(tokens, v, s.entropy_chunk), s.entropy_chunk)
@@ -240,25 +188,9 @@ def forward_activation_phases(shape: ModelShape, s: Settings, tokens: int, *, en
 def update_activation_phases(shape: ModelShape, s: Settings) -> dict[str, Terms]:
     """An update micro-batch of ``s.update_tokens`` (verl's ``forward_step``, then ``loss.backward()``):
     what the model code and autograd hold at each of its moments, as ``(name, fixed bytes, bytes per
-    token)``. The checkpointed layer inputs stay through all of them.
-
-    ``layer forward``: the last layer's first forward (checkpointed: it keeps nothing).
-    ``forward end``: the final norm's saved tensors, the logits (and a temperature-scaled copy), the
-    entropy's chunk when the update computes it without grad (the recipe's patch), or everything the
-    entropy with grad keeps.
-    ``logits backward``: flash-attn's cross entropy keeps the logits for its backward and, with
-    ``inplace_backward=True``, overwrites them with their gradient; with the entropy computed verl
-    passes ``inplace_backward=False`` and the gradient is a second ``T x V`` tensor (as is the
-    gradient of the temperature's division).
-    ``LM head backward``: the logits' gradient, the gradient of the LM head's input and its weight's
-    gradient (FSDP keeps it, and autograd a tied one, until the root unit's reduction at the end).
-    ``final norm backward``: the logits are freed by then (``forward_step`` returned without keeping
-    them, the cross entropy's saved tensors are released by its backward): the norm's float32 copy and
-    its backward's temporaries.
-    ``layer backward``: the last layer recomputed, its saved tensors and gradients
-    (:func:`layer_backward_bytes_per_token`).
-    ``embedding backward``: the embedding's gradient (a second vocabulary x hidden tensor when untied).
-    """
+    token)``. The checkpointed layer inputs stay through all of them; docs/memory.md writes out each
+    moment (layer forward, forward end, logits backward, LM head backward, final norm backward, layer
+    backward, embedding backward)."""
     b, v, h, t = s.compute_bytes, shape.vocab_size, shape.hidden_size, s.update_tokens
     inputs = ("checkpointed layer inputs", 0.0, layer_inputs_bytes_per_token(shape, b))
     final_norm = ("final norm (saved, output)", 0.0, norm_saved_bytes(h, b) + h * b)
@@ -325,9 +257,8 @@ def _forward_pass(name: str, shape: ModelShape, s: Settings, tokens: int, settin
 
 
 def vllm_floor_bytes(shape: ModelShape, s: Settings) -> float:
-    """What vLLM's share must hold on each GPU (vLLM refuses to start otherwise: no KV cache block for
-    a sequence of ``max_model_len``): its bfloat16 weights and the KV cache of one longest sequence,
-    both split over the tensor parallel size (key-value heads are replicated when fewer than it), and
+    """What vLLM's share must hold on each GPU (else vLLM refuses to start): its bfloat16 weights and
+    the KV cache of one longest sequence, split over the tensor parallel size, and
     :data:`VLLM_RUNTIME_BYTES`."""
     tp = max(1, s.rollout_tp)
     weights = BF16 * shape.params / tp
@@ -337,7 +268,7 @@ def vllm_floor_bytes(shape: ModelShape, s: Settings) -> float:
 
 
 def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
-    """Every pass of one step (see the module docstring); ``gpu_bytes`` (what CUDA reports) sizes vLLM's share."""
+    """Every pass of one step; ``gpu_bytes`` (what CUDA reports) sizes vLLM's share."""
     b = s.compute_bytes
     passes = []
     rollout = _resident(shape, s, rollout=True)
@@ -402,10 +333,6 @@ def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
     passes.append(Pass("optimizer_step", step, "trainer.nnodes", phase="AdamW step"))
     return Estimate(shape, s, passes)
 
-
-# ------------------------------------------------------------------------------------------------
-# reading a composed config
-# ------------------------------------------------------------------------------------------------
 
 #: what makes verl build the reference model (a KL loss or a KL penalty in the reward)
 _KL_KEYS = ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward")
@@ -474,11 +401,6 @@ def settings_from_config(config) -> Settings:
         rollout_tp=int(pick(f"{ROLLOUT}.tensor_model_parallel_size", 1) or 1),
         dynamic_bsz=dynamic,
     )
-
-
-# ------------------------------------------------------------------------------------------------
-# verdicts
-# ------------------------------------------------------------------------------------------------
 
 
 def gib(x: float) -> str:

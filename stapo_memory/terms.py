@@ -25,11 +25,6 @@ SUM_PI_SQUARED_CHUNK_ROWS = 2048
 ENTROPY_CHUNK_ROWS = 2048
 
 
-# ------------------------------------------------------------------------------------------------
-# the logits side (checked against a measurement: stapo_memory/bench_logits_memory.py)
-# ------------------------------------------------------------------------------------------------
-
-
 def logits_bytes(tokens: int, vocab: int, dtype_bytes: int = BF16) -> float:
     """The logits of ``tokens`` positions: ``tokens x vocab`` in the compute dtype."""
     return float(tokens) * vocab * dtype_bytes
@@ -37,15 +32,9 @@ def logits_bytes(tokens: int, vocab: int, dtype_bytes: int = BF16) -> float:
 
 def sum_pi_squared_extra_bytes(tokens: int, vocab: int, logits_dtype_bytes: int = BF16,
                                chunk: Optional[int] = None, autocast_fp32: bool = True) -> float:
-    """Peak bytes ``sum_n pi_n^2`` allocates beside the logits.
-
-    verl's unchunked ``exp(logsumexp(2 x) - 2 logsumexp(x))`` holds ``2 x`` (logits dtype) while its
-    ``logsumexp`` runs; under CUDA autocast ``logsumexp`` is a float32 op, so it first casts its
-    input to float32 and then subtracts the row maximum into a second float32 temporary:
-    ``tokens x vocab x (b + 4 + 4)`` bytes for logits of ``b`` bytes (float32 logits need no cast).
-    Chunked (the recipe's patch): one float32 copy of ``chunk`` rows, its double and the
-    ``logsumexp`` temporary, ``12 x chunk x vocab`` bytes, whatever the dtype.
-    """
+    """Peak bytes ``sum_n pi_n^2`` allocates beside the logits: verl's unchunked computation
+    ``tokens x vocab x (b + 4 + 4)`` for logits of ``b`` bytes (float32 logits need no cast), the
+    recipe's chunked one ``12 x chunk x vocab`` (docs/memory.md)."""
     if chunk is not None:
         return 3.0 * FP32 * min(chunk, tokens) * vocab
     cast = FP32 if (autocast_fp32 and logits_dtype_bytes < FP32) else 0
@@ -70,10 +59,6 @@ def entropy_with_grad_bytes(tokens: int, vocab: int, chunk: Optional[int] = 2048
     return 2.0 * FP32 * tokens * vocab + (2 if backward else 1) * FP32 * rows * vocab
 
 
-# ------------------------------------------------------------------------------------------------
-# the activations, per token, as the model code allocates them (bytes; b: the compute dtype's)
-# ------------------------------------------------------------------------------------------------
-
 #: float32 temporaries of an RMSNorm's backward, each of its width: the gradient cast to float32, the
 #: two products' gradients, the mean's and the square's (``Qwen3RMSNorm.forward`` differentiated by
 #: autograd)
@@ -94,14 +79,8 @@ def layer_inputs_bytes_per_token(shape: ModelShape, b: int) -> float:
 
 
 def layer_saved_bytes_per_token(shape: ModelShape, b: int) -> tuple[float, float]:
-    """(attention's, MLP's) tensors one recomputed decoder layer keeps for its backward.
-
-    Attention: the input norm's saved tensors and its output (the input of the q/k/v projections);
-    with per-head q/k norms (Qwen3) theirs (their outputs only pass through the rotary embedding,
-    which keeps ``cos`` and ``sin``); flash-attn's saved queries and keys after the rotary embedding,
-    values, output (also ``o_proj``'s input) and its float32 log-sum-exp per head. MLP: the second
-    norm's tensors and output, the gate, its activation, the up projection and their product (the
-    inputs of ``act_fn``, of the product and of ``down_proj``)."""
+    """(attention's, MLP's) tensors one recomputed decoder layer keeps for its backward, each listed
+    in docs/memory.md."""
     h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
     attention = norm_saved_bytes(h, b) + h * b
     if shape.qk_norm:
@@ -113,13 +92,8 @@ def layer_saved_bytes_per_token(shape: ModelShape, b: int) -> tuple[float, float
 
 def layer_backward_bytes_per_token(shape: ModelShape, b: int) -> float:
     """One recomputed layer's peak in its backward, per token: what it saved plus the gradients alive
-    at the largest of three moments. The MLP's backward (the peak for Qwen3): everything saved, the
-    gradient from above, the product's gradient and the first of its factors' gradients. The second
-    norm's backward (the MLP's tensors freed): the attention's tensors, the norm's float32 copy, the
-    gradient from above and :data:`NORM_BACKWARD_TEMPORARIES` float32 temporaries. The attention's:
-    its tensors, the incoming and output gradients and flash-attn's backward buffers (dq, dk, dv, the
-    float32 ``dq_accum`` and ``softmax_d`` and, with grouped-query attention, dk and dv for every head
-    before they are summed)."""
+    at the largest of three moments: the MLP's backward (the peak for Qwen3), the second norm's and
+    the attention's (docs/memory.md)."""
     h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
     attention, mlp = layer_saved_bytes_per_token(shape, b)
     in_mlp = attention + mlp + h * b + 2 * b * i
@@ -133,10 +107,8 @@ def layer_backward_bytes_per_token(shape: ModelShape, b: int) -> float:
 
 def layer_forward_bytes_per_token(shape: ModelShape, b: int) -> float:
     """A decoder layer's tensors while it runs without keeping any (no grad, or the first forward of a
-    checkpointed layer), beside its input: the larger of the MLP's moment (the residual after the
-    attention, the norm's output, the activation, the up projection and their product) and the
-    attention's (the norm's output, a projection and the float32 copy and product of its per-head
-    norm, the key and value projections); the rotary embedding's ``cos`` and ``sin`` in both."""
+    checkpointed layer), beside its input: the larger of the MLP's moment and the attention's
+    (docs/memory.md)."""
     h, q, kv, i = shape.hidden_size, shape.q_width, shape.kv_width, shape.intermediate_size
     rotary = 2 * b * shape.head_dim
     mlp = 2 * h * b + 3 * i * b

@@ -110,13 +110,9 @@ class STAPOConfig(GRPOConfig):
     the optimizer step; the loss averages over the tokens kept (docs/trl.md gives each
     ``loss_type``'s divisor).
 
-    The names and defaults are the verl recipe's (``tau_p``, ``q``, ``strategy``,
-    ``current_forward``); TRL's own token filter (``top_entropy_quantile``) must stay off, and the
-    batch of one optimizer step must come from one generation (``steps_per_generation`` a multiple
-    of ``gradient_accumulation_steps``) so that its statistics exist when the step begins.
-
-    Also refused, naming the field, the value and the allowed values: the ``GRPOConfig`` values
-    that TRL 1.16 accepts and fails on later, or trains wrong with (:data:`VALUE_RULES`).
+    The names and defaults are the verl recipe's. Refused, naming the field: TRL's own token filter
+    (``top_entropy_quantile``), an optimizer step's batch from several generations, and the values
+    of :data:`VALUE_RULES`.
     """
 
     tau_p: float = field(

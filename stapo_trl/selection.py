@@ -2,11 +2,8 @@
 pure pieces of STAPOTrainer's loss: which completions need statistics, and the kept-token count
 TRL's token-normalised losses divide by.
 
-TRL splits the batch of one optimizer step into gradient-accumulation micro-batches (and over the
-processes). The paper's ``tau_h`` is a statistic of that whole batch, so the micro-batches of a
-step are joined along the batch dimension and ``stapo_core.s2t_mask`` pools the candidates over
-the processes of ``group``. Micro-batches of one process share their completion length (TRL pads a
-generation batch once); processes may differ, which the pooling allows.
+The paper's ``tau_h`` is a statistic of the optimizer step's whole batch, so its micro-batches are
+joined along the batch dimension (TRL pads a generation batch once) and pooled over the processes.
 """
 
 from __future__ import annotations
@@ -101,12 +98,8 @@ def positive_advantage_rows(advantages: torch.Tensor, mask: torch.Tensor) -> tor
 def kept_items(num_items_in_batch: torch.Tensor, kept: int, tokens: int) -> torch.Tensor:
     """TRL's ``num_items_in_batch`` for the loss over the kept tokens: ``N x kept / tokens``.
 
-    TRL's ``dapo``, ``cispo`` and ``vespo`` divide each optimizer step's loss sum by
-    ``N x GA / SPG``, ``N`` (``num_items_in_batch``) the loss tokens of the whole generation over
-    every process: the generation's mean tokens per optimizer step. Scaling ``N`` by the step's
-    kept fraction makes the divisor ``kept x (N x GA / SPG) / tokens``: the step's kept tokens
-    when the generation is one optimizer step (``SPG = GA``, TRL's default), where the loss is
-    the paper's ``J_STAPO = sum(M L) / sum(M)``.
+    TRL's ``dapo``, ``cispo`` and ``vespo`` then divide by the step's kept tokens when the generation
+    is one optimizer step, the paper's ``J_STAPO`` (docs/trl.md).
 
     Args:
         num_items_in_batch: 0-dim integer tensor, TRL's count ``N``.

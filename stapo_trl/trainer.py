@@ -1,39 +1,12 @@
 """``STAPOTrainer``: TRL's ``GRPOTrainer`` with S2T's keep mask in its loss (docs/trl.md).
 
-Only TRL's extension points are used; TRL's loss code runs unchanged:
-
-* at the first micro-batch of each optimizer step, one no-grad forward of the policy being updated
-  over the step's positive-advantage completions (``current_forward="positive_advantage"``, the
-  only ones that can hold a candidate; ``"full"``: every completion) gives ``log p`` and the
-  entropy of their tokens; :func:`stapo_trl.s2t_window` turns them into keep masks ``M``, the
-  entropy quantile pooled over the step's micro-batches and every process. With ``tau_p=0`` no
-  token can be a candidate: nothing is forwarded;
-* when the step silences no token, each micro-batch enters TRL's ``_compute_loss`` untouched: the
-  loss is TRL's, bit for bit. Otherwise each micro-batch enters it with ``M`` multiplied into its
-  ``tool_mask``, the mask TRL applies to every loss term, aggregation and metric (TRL's way to
-  leave tokens out of the loss), and ``num_items_in_batch`` scaled by the step's kept fraction
-  (:func:`stapo_trl.selection.kept_items`).
-
-The loss of one optimizer step, ``L`` the per-token loss of TRL's ``loss_type``, ``M`` the keep mask
-(0 outside TRL's loss mask), ``K`` and ``T`` the step's kept and loss tokens over every process,
-``N`` the loss tokens of the step's generation over every process, ``GA`` the gradient-accumulation
-steps, ``SPG`` ``steps_per_generation`` (the paper: ``J_STAPO = sum(M L) / sum(M)``):
-
-* ``dapo``, ``cispo``, ``vespo``: ``sum(M L) / (K x (N x GA / SPG) / T)``; with ``SPG = GA`` (one
-  optimizer step per generation, TRL's default) ``N = T`` and the divisor is ``K = sum(M)``: J_STAPO;
-* ``bnpo``: per micro-batch ``sum(M L) / sum(M)``, averaged over the ``GA`` micro-batches;
-* ``grpo``, ``sapo``: per completion ``sum_t(M L) / max(sum_t M, 1)``, averaged over the
-  completions of a micro-batch, then over the micro-batches;
-* ``dr_grpo``: ``sum(M L) / (completions x max_completion_length)`` per micro-batch, averaged;
-* ``luspo``: per completion ``sum_t(M L)``, averaged over the completions, then the micro-batches.
-
-Sequence-level ratios (``importance_sampling_level="sequence"``), ``vespo``'s sequence weight, the
-entropy bonus and TRL's logged ``entropy``, ``kl`` and ``clip_ratio/*`` run over the kept tokens.
-
-With a single update per generation (TRL's default) the policy being updated is the one that
-sampled, so the statistics are the sampling policy's; with several optimizer steps per generation
-(``num_iterations > 1`` or ``steps_per_generation > gradient_accumulation_steps``) each step's
-statistics come from the current policy, as the paper's Algorithm 1.
+Only TRL's extension points are used; TRL's loss code runs unchanged. At the first micro-batch of
+each optimizer step one no-grad forward of the policy being updated (over the positive-advantage
+completions, or every one with ``current_forward="full"``) gives ``log p`` and the entropy, and
+:func:`stapo_trl.s2t_window` turns them into keep masks ``M``. A step that silences nothing enters
+TRL's ``_compute_loss`` untouched (TRL's loss bit for bit); otherwise ``M`` is multiplied into its
+``tool_mask`` and ``num_items_in_batch`` scaled by the step's kept fraction
+(:func:`stapo_trl.selection.kept_items`). docs/trl.md gives the resulting loss per ``loss_type``.
 """
 
 from __future__ import annotations

@@ -2,14 +2,10 @@
 verl's own inference pass.
 
 The paper's Algorithm 1 reads ``p`` and ``H`` of the current policy on every mini-batch
-(``stats_from=current``), and the update's own forward cannot supply them before verl counts the loss
-tokens, so each mini-batch of a step after the first gets one forward (:func:`current_policy_statistics`).
-For S2T only the positive-advantage sequences can hold a candidate, and ``tau_h`` is a quantile over the
-candidates alone, so forwarding those gives the whole mini-batch's selection (``current_forward``);
-spread over the ranks by tokens (:func:`stapo_core.balance.plan_forward`) the busiest rank carries about
-a quarter of a full forward (docs/method.md). :func:`infer` is the same pass on a few sequences (the
-update's probe); :func:`wrap_set_loss_fn` keeps the update's own entropy, when only a statistic, out of
-autograd.
+(``stats_from=current``), before verl counts the loss tokens, so each mini-batch of a step after the
+first gets one forward (:func:`current_policy_statistics`); for S2T only the positive-advantage
+sequences need it, spread over the ranks by tokens (docs/method.md). :func:`infer` is the same pass
+on a few sequences (the update's probe).
 """
 
 from __future__ import annotations
@@ -57,10 +53,8 @@ def micro_batch_limit(engine_config) -> dict:
 
 def current_policy_statistics(worker, view: MiniBatchView) -> CurrentStatistics:
     """The current policy's statistics of this rank's part of the mini-batch, from no-grad forwards
-    through ``TrainingWorker.infer_batch`` (the old-log-prob pass) on copies of the sequences, so that
-    nothing verl adds leaks into the update: every sequence on its own rank, or, for a rule the
-    positive-advantage sequences decide with ``current_forward=positive_advantage``, only those
-    (:func:`forward_positive_advantage`).
+    through ``TrainingWorker.infer_batch`` on copies of the sequences: every sequence, or only the
+    positive-advantage ones (:func:`forward_positive_advantage`).
 
     Args:
         worker: the ``TrainingWorker``. view: the mini-batch (its settings forward the current policy).
@@ -200,10 +194,9 @@ def statistic_only_entropy(actor_config) -> bool:
 
 
 def wrap_set_loss_fn(set_loss_fn):
-    """``TrainingWorker.set_loss_fn`` that, when :func:`statistic_only_entropy` holds for the loss's
-    config, makes the engine compute the update's entropy under ``torch.no_grad``: otherwise autograd
-    keeps every chunk's float32 softmax over the vocabulary for a backward that contributes nothing
-    (benchmarks/README.md measures 2.6x -> 1.0x peak memory of the loss path)."""
+    """``TrainingWorker.set_loss_fn`` that, when :func:`statistic_only_entropy` holds, computes the
+    update's entropy under ``torch.no_grad`` (benchmarks/README.md: 2.6x -> 1.0x peak memory of the
+    loss path)."""
 
     @functools.wraps(set_loss_fn)  # keeps verl's dispatch attributes
     def wrapped(self, loss_fn, *args, **kwargs):

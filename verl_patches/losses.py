@@ -1,14 +1,11 @@
 """The one wrapper of verl's ``ppo_loss``: token selection inside the loss, and what a selection
 needs of verl's losses.
 
-verl's ``ppo_loss`` hands the policy loss only ``old_log_prob``, ``log_prob``, ``advantages``,
-``response_mask`` and the actor config, so what a selection needs of the micro-batch is done around it
-(:func:`wrap_ppo_loss`, installed by :mod:`verl_patches.install`): a selection inside the loss
-(``scope=micro_batch``, or a rule with a scope of its own: :func:`_select_in_micro_batch`), a
-sequence-level ratio over every response token (``sequence_ratio=all_tokens``), ``geo_mean``'s mean over
-the sequences that keep a token, and a count of 1 for a mini-batch whose every token was silenced (its
-all-zero sums then give 0, not NaN). Every loss mode without token selection runs through it bit for bit
-(tested).
+verl's ``ppo_loss`` hands the policy loss only a few tensors and the actor config, so
+:func:`wrap_ppo_loss` does around it what a selection needs of the micro-batch: a selection inside
+the loss, a sequence-level ratio over every response token, ``geo_mean``'s mean over the sequences
+that keep a token, and a count of 1 for a mini-batch whose every token was silenced (0, not NaN).
+Every loss mode without token selection runs through it bit for bit (tested).
 """
 
 from __future__ import annotations
@@ -62,21 +59,20 @@ def wrap_ppo_loss(ppo_loss):
 
 
 #: every policy loss verl 0.9.1 registers: whether its ratio is one number per token or per sequence, and
-#: what token selection does to it (docs/method.md, "Token selection under every verl loss")
+#: what token selection does to each: docs/method.md, "Token selection under every verl loss"
 RATIO_LEVEL = {
-    "vanilla": "token",      # PPO clip per token: the silenced tokens leave the aggregation
-    "dppo_tv": "token",      # per-token trust region on the probability difference: likewise
-    "dppo_kl": "token",      # per-token trust region on a KL estimate: likewise
-    "gpg": "token",          # -A log p, no ratio: likewise
-    "dro": "token",          # -(A log p - beta/2 log^2 r): likewise
-    "cispo": "token",        # clipped, detached ratio times log p: likewise
-    "sapo": "token",         # soft gate of the token ratio, seq-mean-token-mean: likewise
-    "clip_cov": "token",     # PPO clip; its covariance statistics and clipped-token budget cover the kept tokens
-    "kl_cov": "token",       # likewise, with its KL penalty on the top-covariance kept tokens
-    "bypass_mode": "token",  # PPO clip / REINFORCE against the rollout policy; a sequence-level rollout IS
-                             # weight or rejection (rollout_correction) is computed over the kept tokens
-    "gspo": "sequence",      # exp(mean log r) over the mask: sequence_ratio
-    "geo_mean": "sequence",  # geometric mean of the clipped token ratios over the mask: sequence_ratio
+    "vanilla": "token",
+    "dppo_tv": "token",
+    "dppo_kl": "token",
+    "gpg": "token",
+    "dro": "token",
+    "cispo": "token",
+    "sapo": "token",
+    "clip_cov": "token",
+    "kl_cov": "token",
+    "bypass_mode": "token",
+    "gspo": "sequence",
+    "geo_mean": "sequence",
 }
 
 #: the wrap of verl's own ``ppo_loss`` (what the patched actor calls)

@@ -1,12 +1,10 @@
 """One PPO mini-batch as the recipe reads it: its place in the step, its fields read once, and what is
 computed on it before the update.
 
-The current-policy forward, the selections, the update's probe and the token dump all read the same
-mini-batch, which verl holds in either of two layouts (:mod:`verl_patches.layout`); :func:`read_view`
-reads it once into a :class:`MiniBatchView` (every per-token field float32 ``(batch, width)`` on the
-engine's device, checked for what the selections read, a host copy made on first use) that each of them
-extends or reads. verl calls ``train_batch`` once per mini-batch and flags only the step's last
-(``update_lr_scheduler=True``), so the worker counts the position itself (:func:`position_of`).
+verl holds a mini-batch in either of two layouts (:mod:`verl_patches.layout`); :func:`read_view`
+reads it once into a :class:`MiniBatchView` that the current-policy forward, the selections, the
+update's probe and the token dump extend or read. verl flags only a step's last mini-batch, so the
+worker counts the position itself (:func:`position_of`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """`TokenSelectionLossConfig`: verl's policy-loss settings plus which tokens carry gradient.
 
-verl builds it from ``actor_rollout_ref.actor.policy_loss`` (its ``_target_``) in the driver and again
-in every worker, so a bad value fails in the driver, before any worker starts, naming the key; and the
-actor hook, the loss wrapper, the trainers' patches, the preflight and the memory model all ask its
-properties where a selection runs and what it reads, so none of them decides it from the keys alone.
-Token selection is independent of the loss: ``token_selection`` picks the tokens, ``loss_mode`` (any
-policy loss verl registers) computes the loss over them.
+verl builds it from ``actor_rollout_ref.actor.policy_loss`` in the driver and in every worker, so a
+bad value fails in the driver naming the key, and every layer asks its properties where a selection
+runs and what it reads. ``token_selection`` picks the tokens, ``loss_mode`` (any verl policy loss)
+computes the loss over them.
 """
 
 from __future__ import annotations
@@ -58,23 +56,17 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             quantile of the candidates (paper: 0.75), and which candidates are silenced
             (``low_entropy``: STAPO; ``high_entropy``, ``random``, ``full``: the paper's ablations).
         entropy_top_ratio: 20-Entropy: the fraction of highest-entropy response tokens kept.
-        stats_from: ``p`` and ``H`` of the old (rollout) policy, computed once per step, or of the
-            ``current`` policy (the paper's Algorithm 1): with ``scope=mini_batch`` one no-grad forward
-            of each mini-batch after the first; with ``micro_batch`` the update's own forward (the
-            driver sets ``actor.calculate_entropy=true`` for it).
-        scope: what the statistic is pooled over: the whole PPO mini-batch over every data-parallel
-            rank (``mini_batch``, the default: the mask is folded in before verl counts the mini-batch's
-            tokens), or one micro-batch of every rank, inside the loss (``micro_batch``); null or
-            ``micro_batch`` for a rule with a scope of its own (``entropy_topk_authors_code``).
-        current_forward: which sequences that no-grad forward covers: ``positive_advantage`` (the only
-            ones that can hold an S2T candidate, so the silenced set and ``tau_h`` are a full
-            forward's; spread over the ranks by tokens) or ``full`` (always, for 20-Entropy).
-        ranks_per_pool: what the selection pools over across data-parallel ranks: null, every rank (the
-            whole mini-batch, or each micro-batch of every rank), or ``k``: groups of ``k`` contiguous
-            data-parallel ranks, each group with its own threshold over its own tokens (20-Entropy's
-            authors pooled within one sequence-parallel group of 8 GPUs; :meth:`pool_ranks` checks that
-            ``k`` divides the data-parallel size). Not for S2T, whose ``tau_h`` is the paper's mini-batch
-            statistic, nor for a rule evaluated per rank (``entropy_topk_authors_code``).
+        stats_from: ``p`` and ``H`` of the old (rollout) policy, or of the ``current`` policy (the
+            paper's Algorithm 1: a no-grad forward of each later mini-batch, or at the micro-batch
+            scope the update's own forward).
+        scope: the statistic pooled over the whole PPO mini-batch of every data-parallel rank
+            (``mini_batch``) or one micro-batch of every rank, inside the loss (``micro_batch``); null
+            or ``micro_batch`` for a rule with a scope of its own (``entropy_topk_authors_code``).
+        current_forward: which sequences that forward covers: ``positive_advantage`` (the only ones
+            that can hold an S2T candidate) or ``full`` (always, for 20-Entropy).
+        ranks_per_pool: null (every data-parallel rank) or ``k``: groups of ``k`` contiguous ranks,
+            each with its own threshold (20-Entropy's authors; :meth:`pool_ranks` checks that ``k``
+            divides the data-parallel size). Not for S2T, nor for a rule evaluated per rank.
         sequence_ratio: for ``gspo``/``geo_mean``: the sequence ratio over the ``kept_tokens`` or over
             ``all_tokens`` (silenced ones carrying no gradient).
         seed: seed of S2T's ``random`` strategy.

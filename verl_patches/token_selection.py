@@ -1,14 +1,11 @@
 """Which response tokens carry policy gradient, on verl's padded tensors: the rule ``token_selection``
 names (:data:`stapo_core.rules.RULES`), pooled over the data-parallel group or a group of its ranks.
 
-A selection only shrinks the mask the loss runs over, so it composes with every verl loss; at the
-mini-batch scope it must be in place before verl counts the mini-batch's loss tokens, because verl's
-own ``batch_num_tokens`` (the token-mean's denominator, all-reduced over the ranks) then counts only the
-tokens that remain, and the loss is exactly the paper's ``sum(M L) / sum(M)`` over the mini-batch
-whatever the micro-batch size or the number of ranks. So each rule runs once per mini-batch on its view
-(:func:`select_mini_batch`: the run's keep mask and S2T's sets, applied or monitored, which the fold,
-the update effect and the token dump read) and :func:`apply_selection` folds the mask in; inside the
-loss, per micro-batch: :mod:`verl_patches.losses`.
+A selection only shrinks the mask the loss runs over, so it composes with every verl loss. At the
+mini-batch scope it is folded in before verl counts the mini-batch's loss tokens, so the loss is
+exactly the paper's ``sum(M L) / sum(M)`` whatever the micro-batch size or number of ranks: each rule
+runs once per mini-batch on its view (:func:`select_mini_batch`) and :func:`apply_selection` folds
+the mask in; inside the loss, per micro-batch: :mod:`verl_patches.losses`.
 """
 
 from __future__ import annotations
@@ -107,9 +104,8 @@ def rollout_agreement(cfg: TokenSelectionLossConfig, selection: RuleResult, *, l
 
 def grad_norm_metrics(*, log_prob, sum_pi_squared, response_mask, keep, candidate=None, group=None,
                       prefix: str = "s2t/") -> dict[str, float]:
-    """Mean closed-form gradient norm ``||d log pi_k / d logits|| = sqrt(1 - 2 pi_k + sum_n pi_n^2)``
-    (per unit weight; docs/method.md, "Why these tokens") of the silenced, kept and kept-candidate
-    tokens. The paper reports silenced tokens about 17% above the rest.
+    """Mean closed-form gradient norm ``sqrt(1 - 2 pi_k + sum_n pi_n^2)`` (docs/method.md, "Why these
+    tokens") of the silenced, kept and kept-candidate tokens.
 
     Args:
         log_prob: float ``(batch, resp_len)``, the rollout log-probabilities.
@@ -201,10 +197,8 @@ def as_s2t(cfg: TokenSelectionLossConfig, **changes) -> TokenSelectionLossConfig
 
 
 def select_mini_batch(view: MiniBatchView) -> MiniBatchSelection:
-    """Every selection of one rank's mini-batch (the data is not changed), computed once into
-    ``view.selection``: the S2T monitor's (pooled over ``view.group``, the paper's mini-batch), the run's
-    (pooled over ``view.pool_group``: its keep mask, and S2T's sets where the run applies S2T), and S2T's
-    sets for the token dump where it asks for others."""
+    """Every selection of one rank's mini-batch, computed once into ``view.selection`` (the data is
+    not changed): the S2T monitor's, the run's (over ``view.pool_group``) and the token dump's."""
     cfg, current, selection = view.cfg, view.current, view.selection
     if view.selects and cfg.monitors_s2t:  # the monitor's runs never apply S2T: their forward covers every sequence
         result, metrics = _select(as_s2t(cfg), view, current if cfg.stats_from == "current" else None, view.group)
@@ -263,8 +257,7 @@ def apply_selection(view: MiniBatchView) -> None:
 
 def fold_into_mini_batch(cfg: TokenSelectionLossConfig, data, group=None, device=None, current=None,
                          pool_group=...) -> dict[str, float]:
-    """The mini-batch fold on its own (tests, benchmarks): :func:`select_mini_batch`, then
-    :func:`apply_selection` on ``data`` in place.
+    """:func:`select_mini_batch`, then :func:`apply_selection` on ``data`` in place (tests, benchmarks).
 
     Args:
         cfg: the policy-loss settings. data: verl's TensorDict of one mini-batch.

@@ -1,24 +1,10 @@
 """Training curves of several runs, one line per method, from verl's file-logger JSON Lines.
 
-CLI::
-
-    python -m recipe.stapo.plots RUN_DIR [RUN_DIR ...] --out DIR [--labels NAME ...]
-
-Writes ``DIR/curves.png`` (all panels) and one ``DIR/<panel>.png`` per panel that some run logged:
-reward, entropy, response length, silenced fraction (log scale), validation accuracy, and the update
-effect (the change of log-probability across each update of the tokens S2T silences or would
-silence, of the candidates it keeps and of all tokens of the measured responses), over steps; and
-``DIR/update_effect.png``: that change per method over the whole run (:func:`plot_update_effect`).
-
-Where a run's metrics are and how they are read: :mod:`recipe.stapo.metrics`. A metric missing from
-a run is skipped for that run with a note; a panel no run logged is left out of the per-panel PNGs
-and marked "not logged" in ``curves.png``. A non-finite value (a diverged step: NaN, +inf, -inf, or
-``null``, how verl's file logger writes NaN and infinity) is never dropped silently: its line breaks
-at that step, a mark stands there (x at the top of the panel for NaN or null, a triangle at the top
-for +inf, at the bottom for -inf; one legend entry per kind and run) and a note names the run,
-metric, steps and values (printed to stderr, and appended to ``notes``). The study figure does the
-same for each method's band. A run the quickstart stopped at its limit (:data:`STOPPED_FILE`) is
-named in a note, or, when it logged no step, in the error.
+CLI: ``python -m recipe.stapo.plots RUN_DIR [RUN_DIR ...] --out DIR [--labels NAME ...]`` writes
+``DIR/curves.png`` (all :data:`PANELS`), one ``DIR/<panel>.png`` per logged panel and
+``DIR/update_effect.png``. A missing metric is skipped with a note; a non-finite value (NaN, inf, or
+verl's ``null``) is never dropped silently: its line breaks there, a mark stands at the panel's edge
+and a note names run, metric, steps and values.
 """
 
 from __future__ import annotations
@@ -57,16 +43,9 @@ def stopped_message(run: str | os.PathLike) -> Optional[str]:
         return None
 
 
-
-# --------------------------------------------------------------------------------------------
-# reading
-# --------------------------------------------------------------------------------------------
-
-
 class RunMetrics(dict):
-    """``{metric: Series}`` of one run (finite values only), and in ``nonfinite`` the values left out:
-    ``{metric: [(step, value), ...]}`` (:func:`recipe.stapo.metrics.nonfinite_values`). A metric whose
-    every value is non-finite has an empty series, so its panel shows the marks, not "not logged"."""
+    """``{metric: Series}`` of one run (finite values only), and in ``nonfinite`` the values left out,
+    ``{metric: [(step, value), ...]}`` (an all-non-finite metric gets an empty series)."""
 
     def __init__(self, series: dict[str, Series], nonfinite: dict[str, list] | None = None):
         super().__init__(series)
@@ -76,9 +55,8 @@ class RunMetrics(dict):
 
 
 def read_metrics(path: str | os.PathLike) -> RunMetrics:
-    """Every numeric metric of a file-logger JSONL, as a series over steps of its finite values
-    (:func:`recipe.stapo.metrics.read_metrics`, then :func:`recipe.stapo.metrics.metric_series`), with
-    its non-finite values in ``.nonfinite``."""
+    """Every numeric metric of a file-logger JSONL as a series of its finite values; the rest in
+    ``.nonfinite``."""
     steps = read_steps(path)
     if not steps:
         raise ValueError(f"{path}: no step records (an empty metrics file: the run logged no step yet, or the file "
@@ -94,18 +72,12 @@ def read_metrics(path: str | os.PathLike) -> RunMetrics:
 
 
 PLOT_LIMIT = 1e300
-"""Largest magnitude drawn as a point of a line: a larger (finite) value, e.g. a diverged loss near the
-float maximum, is marked at the top or bottom like an infinity (an axis spanning it cannot be drawn)."""
+"""Largest magnitude drawn as a point of a line: a larger finite value is marked like an infinity."""
 
 
 def _nonfinite(metrics: Mapping[str, Series], key: str) -> list:
     """``[(step, value)]`` of ``key``'s non-finite values in one run (none for a plain mapping)."""
     return getattr(metrics, "nonfinite", {}).get(key, [])
-
-
-# --------------------------------------------------------------------------------------------
-# panels
-# --------------------------------------------------------------------------------------------
 
 
 def _first_of(*keys: str) -> Callable[[Mapping[str, Series]], dict[str, str]]:
@@ -236,9 +208,8 @@ def with_gaps(steps: Sequence[int], values: Sequence[float], points: Sequence[tu
 
 
 def draw_nonfinite(ax, label: str, points: Sequence[tuple], color: str) -> None:
-    """Mark the non-finite values of one line at their steps (:data:`NONFINITE_MARKERS`; x in data,
-    height in axes coordinates, so the marks never move the y range): one Line2D per kind, labelled
-    ``"<label>: <kind>"``."""
+    """Mark one line's non-finite values (:data:`NONFINITE_MARKERS`; height in axes coordinates, so the
+    marks never move the y range): one Line2D per kind, labelled ``"<label>: <kind>"``."""
     for kind, (marker, height) in NONFINITE_MARKERS.items():
         steps = [step for step, value in points if nonfinite_kind(value) == kind]
         if steps:
@@ -260,10 +231,8 @@ def _symlog_threshold(lines: Mapping[str, Series]) -> float:
 
 def draw_panel(ax, panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapping[str, list]] = None,
                colors: Optional[Mapping[str, str]] = None) -> None:
-    """Plot ``lines`` on ``ax`` (one Line2D per entry, in order, broken at its non-finite steps:
-    :func:`with_gaps`), then the non-finite ``marks`` of each line (:func:`draw_nonfinite`); a "not
-    logged" note when there are no lines. ``colors``: the figure's :func:`label_colors` (default: of
-    this panel's runs)."""
+    """Plot ``lines`` on ``ax`` (one Line2D per entry, broken at :func:`with_gaps`), then their non-finite
+    ``marks``; a "not logged" note when there are no lines. ``colors``: :func:`label_colors`."""
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel("step")
     if not lines:
@@ -334,19 +303,14 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-# --------------------------------------------------------------------------------------------
-# bands across seeds (study mode)
-# --------------------------------------------------------------------------------------------
-
 #: one colour per method (:mod:`recipe.stapo.methods`), the same in every panel and figure
 METHOD_COLORS = {m.name: m.color for m in methods().values()}
 _SPARE_COLORS = ("tab:gray", "tab:olive", "tab:cyan", "tab:pink", "tab:brown", "tab:purple")
 
 
 def label_colors(labels: Sequence[str]) -> dict[str, str]:
-    """One colour per label for a whole figure (every panel): a label naming a method, whatever its case
-    (``STAPO``, ``JustRL``), gets that method's colour (:mod:`recipe.stapo.methods`); every other label
-    the next spare colour no label of ``labels`` already has, in the order given."""
+    """One colour per label for a whole figure: a method's name (any case) gets the method's colour,
+    every other label the next unused spare colour, in order."""
     known = {name.lower(): color for name, color in METHOD_COLORS.items()}
     colors = {label: known[label.lower()] for label in labels if label.lower() in known}
     spares = [c for c in dict.fromkeys(_SPARE_COLORS + tuple(METHOD_COLORS.values())) if c not in colors.values()]
@@ -446,8 +410,7 @@ def band_nonfinite_notes(groups: Mapping[str, Sequence[Mapping[str, Series]]]) -
 
 def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale: bool,
                colors: Mapping[str, str], marks: Optional[Mapping[tuple[str, str], list]] = None) -> None:
-    """One mean line (and a min-max band when several seeds) per entry, coloured by ``colors[method]``
-    (the figure's :func:`label_colors`), then the non-finite ``marks`` of each entry (:func:`draw_nonfinite`)."""
+    """One mean line (and a min-max band when several seeds) per entry, then its non-finite ``marks``."""
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     if not lines:
@@ -492,23 +455,14 @@ def band_figure(groups: Mapping[str, Sequence[Mapping[str, Series]]]):
 
 def plot_bands(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
                name: str = "study_curves.png", notes: Optional[list] = None) -> list[Path]:
-    """Write the study figure (``out_dir/<name>``) from ``{method: [run folder per seed]}``.
-
-    Args:
-        notes: if a list, the non-finite-value notes (:func:`band_nonfinite_notes`) are appended to
-            it (they are also printed to stderr).
-    """
+    """Write the study figure (``out_dir/<name>``) from ``{method: [run folder per seed]}``; the
+    non-finite-value notes go to stderr and, if ``notes`` is a list, into it."""
     check_out_dir(Path(out_dir))
     loaded = {method: [read_metrics(find_metrics_file(run)) for run in runs] for method, runs in groups.items()}
     if not any(loaded.values()):
         raise ValueError("no runs to plot")
     _report(band_nonfinite_notes(loaded), notes)
     return [_save(band_figure(loaded), Path(out_dir) / name)]
-
-
-# --------------------------------------------------------------------------------------------
-# the update effect over whole runs
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -521,9 +475,8 @@ class Effect:
 
 
 def update_effect_of_run(steps: Mapping[int, Mapping]) -> dict[str, Effect]:
-    """``{set: Effect}`` for the sets of :data:`DLOGP_SETS`, from one run's per-step records
-    (:func:`recipe.stapo.metrics.read_metrics`): each step's mean weighted by its token count
-    (``actor/s2t/dlogp_<set>_tokens``); steps with a non-finite value are left out."""
+    """``{set: Effect}`` for :data:`DLOGP_SETS` from one run's per-step records: each step's mean
+    weighted by ``actor/s2t/dlogp_<set>_tokens``; non-finite steps left out."""
     out = {}
     for name, key, _, _ in DLOGP_SETS:
         total, count = 0.0, 0
@@ -539,10 +492,9 @@ def update_effect_of_run(steps: Mapping[int, Mapping]) -> dict[str, Effect]:
 
 def update_effect_figure(effects: Mapping[str, Sequence[Mapping[str, Effect]]],
                          colors: Optional[Mapping[str, str]] = None):
-    """Per method (x), the run-level update effect of each token set (:data:`DLOGP_SETS`, one marker
-    shape each), its measured tokens written beside it: with several seeds one dot per seed and the
-    mean over seeds as a marker with a min-max whisker; with one seed the run's value.
-    ``effects = {method: [per-run effects]}``; ``colors``: the figure's :func:`label_colors`."""
+    """Per method (x), the run-level update effect of each token set (one marker shape each, tokens
+    measured beside it): a dot per seed, the mean with a min-max whisker.
+    ``effects = {method: [per-run effects]}``."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 1.9 * len(effects) + 1.5), 4.2))
     order = list(effects)
@@ -586,9 +538,8 @@ def update_effect_figure(effects: Mapping[str, Sequence[Mapping[str, Effect]]],
 
 def plot_update_effect(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str | os.PathLike,
                        name: str = "update_effect.png") -> list[Path]:
-    """Write :func:`update_effect_figure` (``out_dir/<name>``) from ``{method: [run folder per seed]}``,
-    each method in its colour among all of ``groups`` (as in :func:`plot_runs`' figures); nothing when no
-    run measured the update effect."""
+    """Write :func:`update_effect_figure` (``out_dir/<name>``) from ``{method: [run folder per seed]}``;
+    nothing when no run measured the update effect."""
     check_out_dir(Path(out_dir))
     effects = {method: [update_effect_of_run(read_steps(find_metrics_file(run))) for run in runs]
                for method, runs in groups.items()}
@@ -604,11 +555,6 @@ def _report(found: Sequence[str], notes: Optional[list]) -> None:
         print(f"note: {note}", file=sys.stderr)
     if notes is not None:
         notes.extend(found)
-
-
-# --------------------------------------------------------------------------------------------
-# entry points
-# --------------------------------------------------------------------------------------------
 
 
 def _labelled(run_dirs: Mapping[str, Path] | Sequence[Path]) -> dict[str, Path]:
@@ -634,14 +580,9 @@ def load_runs(run_dirs: Mapping[str, Path] | Sequence[Path], progress: bool = Tr
 
 def plot_runs(run_dirs: Mapping[str, Path] | Sequence[Path], out_dir: str | os.PathLike,
               notes: Optional[list] = None) -> list[Path]:
-    """Write ``curves.png`` and one PNG per logged panel into ``out_dir``; return their paths.
-
-    Args:
-        run_dirs: ``{label: run folder or metrics file}``, or a list of them (labels = folder names).
-        out_dir: created if needed (ValueError when it is a file).
-        notes: if a list, the "metric missing" and the non-finite-value notes
-            (:func:`missing_notes`, :func:`nonfinite_notes`) are appended to it (also printed to stderr).
-    """
+    """Write ``curves.png`` and one PNG per logged panel into ``out_dir`` (created if needed); return
+    their paths. ``run_dirs``: ``{label: run folder or metrics file}``, or a list of them (labels:
+    folder names); the notes go to stderr and, if ``notes`` is a list, into it."""
     out = Path(out_dir)
     check_out_dir(out)
     runs = load_runs(run_dirs)

@@ -60,10 +60,6 @@ class RecordError(ValueError):
     """A record that does not follow the schema (the message names the field)."""
 
 
-# --------------------------------------------------------------------------------------------
-# checks of one field: (field name, value) -> normalised value
-# --------------------------------------------------------------------------------------------
-
 Check = Callable[[str, Any], Any]
 
 
@@ -144,10 +140,6 @@ def _quadrants(key: str, value) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------------------------
-# the field tables
-# --------------------------------------------------------------------------------------------
-
 #: fields of both kinds
 _COMMON_FIELDS = {
     "step": _integer(minimum=0),
@@ -189,11 +181,6 @@ _RESPONSE_FIELDS = {
     "quadrants": _quadrants,
     "entropy_split": _number(low=0.0, nullable=True),
 }
-
-
-# --------------------------------------------------------------------------------------------
-# validation of a whole record
-# --------------------------------------------------------------------------------------------
 
 
 def validate_token_record(rec: Mapping) -> TokenRecord:

@@ -1,14 +1,9 @@
 """A verl platform named ``cpu``, and the two small torch/verl patches the CPU path needs.
 
-verl 0.9.1 resolves its platform once per process (``verl.plugin.platform.get_platform``): from
-``VERL_PLATFORM``, else by probing the registered platforms (nvidia, npu, rocm), else it falls back
-to ``nvidia`` (NCCL, ``torch.cuda``), which fails on a machine without a GPU. This module registers
-:class:`PlatformCPU` under the name ``cpu`` (device ``cpu``, collective backend ``gloo``, device
-module :data:`CPU_DEVICE_MODULE`). It never claims auto-detection (``is_platform_available`` is
-False), so it is used only when ``VERL_PLATFORM=cpu`` selects it.
-
-Nothing happens at import: :func:`register` and the ``wrap_*`` functions are applied through the
-CPU wing's patch table (:mod:`stapo_cpu.patches.install`) when the CPU path is selected.
+verl 0.9.1 falls back to its ``nvidia`` platform when no registered one is detected, which fails
+without a GPU; :class:`PlatformCPU` (device ``cpu``, backend ``gloo``) never claims auto-detection,
+so only ``VERL_PLATFORM=cpu`` selects it. Nothing happens at import: the CPU wing's patch table
+(:mod:`stapo_cpu.patches.install`) applies :func:`register` and the ``wrap_*`` functions.
 """
 
 from __future__ import annotations
@@ -90,13 +85,9 @@ class _CPUDeviceModule(types.ModuleType):
 CPU_DEVICE_MODULE = _CPUDeviceModule()
 
 
+@functools.lru_cache(maxsize=1)
 def platform_class() -> type:
     """Build (once) the ``PlatformBase`` subclass; deferred so importing this module imports no verl."""
-    return _platform_class()
-
-
-@functools.lru_cache(maxsize=1)
-def _platform_class() -> type:
     # verl's platform module loads when the patch is applied (inside `import verl`), not at this module's import
     from verl.plugin.platform import PlatformBase
 
@@ -196,11 +187,6 @@ def is_registered() -> bool:
     return PlatformRegistry.get(PLATFORM_NAME) is platform_class()
 
 
-# ------------------------------------------------------------------------------------------------
-# patches (applied through stapo_cpu.patches.install)
-# ------------------------------------------------------------------------------------------------
-
-
 def normalise_backend(backend: Any) -> Any:
     """``"cpu:gloo,cpu:gloo"`` -> ``"gloo"``; anything else unchanged.
 
@@ -253,13 +239,8 @@ def wrap_offload_policy(original):
 def pin_threads(environ: Optional[dict] = None) -> Optional[int]:
     """Set torch's intra-op thread count of this process to ``$STAPO_CPU_THREADS`` (when set).
 
-    Why: a CPU op that splits a reduction over threads (the weight-gradient sums of a backward,
-    large ``sum`` / ``softmax`` reductions) adds its partial sums in an order that depends on the
-    thread count, so float results differ in the last bits between thread counts. Left alone, the
-    count differs between the processes of a run and between machines: torch defaults to the
-    number of cores, Ray sets ``OMP_NUM_THREADS`` of each actor to its ``num_cpus`` (1 when it
-    requests none) only when unset, and a reused Ray worker keeps what a previous task set. One
-    fixed count in every process (verl imports this package in each of them) removes that.
+    A reduction split over threads sums in an order that depends on the thread count, which
+    otherwise differs between a run's processes (docs/reproducibility.md).
 
     Returns the count set, or None when the variable is unset (nothing changed). Raises ValueError
     naming the variable when it is not a positive integer.

@@ -1,14 +1,11 @@
 """The token dump's actor side: the candidate tokens of a few sampled responses of each step's first
 mini-batch, scored under the policy about to be updated, and what the update did to them.
 
-Only the actor holds the policy's logits (each token's entropy, top-5 alternatives and gradient norm)
-when S2T decides, and a step's first mini-batch is still the rollout policy's, so its p and H are the
-ones S2T used. Each data-parallel rank scores its sampled responses (:func:`score_mini_batch`, before
-verl's update) and takes each token's ``dlogp`` from the update's probe
-(:mod:`verl_patches.update_effect`); rank 0 writes every rank's records
-(:mod:`stapo_core.token_records`) to ``<dir>/s2t_tokens/step_XXXXXX.jsonl`` (:func:`finish_mini_batch`,
-after it; the folder need only exist on its node). Off by default: ``recipe.token_dump.dir``
-(:mod:`verl_patches.token_dump.settings`); the records: docs/inspect.md.
+Only the actor holds the logits when S2T decides, and a step's first mini-batch is still the rollout
+policy's. Each data-parallel rank scores its sampled responses (:func:`score_mini_batch`, before the
+update) and takes each token's ``dlogp`` from the update's probe; rank 0 writes every rank's records
+to ``<dir>/s2t_tokens/step_XXXXXX.jsonl`` (:func:`finish_mini_batch`). Off by default; the records:
+docs/inspect.md.
 """
 
 from __future__ import annotations
@@ -35,10 +32,6 @@ from .scoring import SampledResponse, build_records, select_responses, token_sta
 from .settings import enabled, settings_from_env
 
 METRIC_PREFIX = "token_dump/"
-
-# --------------------------------------------------------------------------------------------
-# verl glue: layouts, the forward, the collectives
-# --------------------------------------------------------------------------------------------
 
 
 def _scalar_setting(data, key: str, default):
@@ -78,9 +71,8 @@ def _response_logits(engine, input_ids: torch.Tensor, position_ids: torch.Tensor
 
 
 def s2t_settings(cfg) -> TokenSelectionLossConfig:
-    """The S2T settings the dump records for the policy-loss settings ``cfg``: its ``tau_p`` and ``q``
-    (the paper's without the recipe's settings), and its strategy where it applies S2T with a threshold
-    (``low_entropy``, ``high_entropy``), else ``low_entropy``, what STAPO would use."""
+    """The S2T settings the dump records for ``cfg``: its ``tau_p``, ``q`` and thresholded strategy,
+    else the paper's (``low_entropy``)."""
     if not isinstance(cfg, TokenSelectionLossConfig):
         return TokenSelectionLossConfig(token_selection=S2T.name)
     strategy = cfg.strategy if cfg.applies_s2t and cfg.strategy in ("low_entropy", "high_entropy") else "low_entropy"
@@ -173,17 +165,14 @@ class PendingDump:
 
 def score_mini_batch(worker, view: MiniBatchView) -> PendingDump:
     """Phase 1, before verl's update, on every data-parallel rank: pick a few responses of the
-    mini-batch (:func:`~verl_patches.token_dump.scoring.select_responses`, seeded by step and rank) and
-    score them under the policy about to be updated, one no-grad forward each (every rank the same
-    number: a rank with fewer repeats its first and discards it).
+    mini-batch (seeded by step and rank) and score them under the policy about to be updated, one
+    no-grad forward each (every rank the same number: a rank with fewer repeats its first).
 
-    ``tau_h``: S2T's threshold of the mini-batch's rollout statistics with the dump's settings
-    (:func:`s2t_settings`), pooled over the data-parallel group: the selection's own where it used
-    them, else S2T run for the dump on the same statistics (:mod:`verl_patches.token_selection`);
-    without rollout statistics, S2T over every rank's sampled responses with the dump's own p and H
-    (``tau_h_source`` ``sampled``, else ``mini_batch``). ``silenced``: where the update's folded mask
-    dropped the token (``silenced_from`` ``update_mask``); with S2T inside the loss, where that
-    recomputed S2T silences it (``s2t_recomputed``, approximate: the loss pools per micro-batch).
+    ``tau_h``: S2T's threshold with the dump's settings (:func:`s2t_settings`) on the mini-batch's
+    rollout statistics (``tau_h_source`` ``mini_batch``), else over every rank's sampled responses
+    (``sampled``). ``silenced``: where the update's folded mask dropped the token (``update_mask``), or
+    where S2T recomputed here silences it (``s2t_recomputed``, approximate: the loss pools per
+    micro-batch).
     """
     start = time.perf_counter()
     settings = settings_from_env()

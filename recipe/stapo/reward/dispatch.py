@@ -1,14 +1,8 @@
 """The recipe's verl reward function: JustRL's reward for each row, chosen by its ``data_source``.
 
-As JustRL's verl fork chooses (``default_compute_score``): the rows of the benchmarks the data
-preparation writes get Math-Verify (:data:`SCORE_BY_SOURCE`), every other row (training
-``math_dapo``, the tiny task's) the strict reward (:func:`recipe.stapo.reward.strict.strict_score`).
-Math-Verify's own time limits are signal-based and verl calls rewards from executor threads, so the
-check runs in a guard helper's main thread (:mod:`recipe.stapo.reward.guard`). docs/reward.md,
-"Which reward a row gets".
-
-verl entry point: ``reward.custom_reward_function.path=pkg://recipe.stapo.reward``,
-``.name=compute_score`` (the recipe's default).
+As JustRL's verl fork: the benchmarks' rows get Math-Verify (:data:`SCORE_BY_SOURCE`, run in a guard
+helper's main thread because its time limits are signal-based), every other row the strict reward
+(docs/reward.md, "Which reward a row gets").
 """
 
 from __future__ import annotations

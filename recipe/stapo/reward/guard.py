@@ -1,13 +1,8 @@
 """Process guard: run a function under a hard wall-clock limit, from any thread.
 
-Signal-based timeouts (``math_verify``'s own) only work in a process's main thread, but verl 0.9.1
-calls reward functions from executor threads (``RewardManager.run_single`` ->
-``loop.run_in_executor``), and a computation stuck in C code (sympy) cannot be interrupted from
-Python at all. So the guard runs the call in a persistent helper process and kills that process
-when the limit passes; a fresh helper is started on demand.
-
-Nothing here knows about answers or rewards: callers pass a picklable top-level function (or its
-``"module:function"`` name) and its arguments.
+Signal-based timeouts only work in a main thread, verl 0.9.1 calls rewards from executor threads,
+and sympy stuck in C cannot be interrupted at all: so the call runs in a persistent helper process,
+killed when the limit passes. Nothing here knows about answers.
 """
 
 from __future__ import annotations
@@ -231,12 +226,9 @@ _RUNNERS_LOCK = threading.Lock()
 
 
 def get_runner(warm_up: str = "") -> TimeLimitedRunner:
-    """The process-wide runner of the helpers warmed up by ``warm_up`` (see
-    :class:`TimeLimitedRunner`), created by the first call with that ``warm_up`` and kept for the
-    life of the process: each grader has its own helpers, started once, so a call never pays for
-    another grader's imports (JustRL's grader needs verl's, the lenient one only ``math_verify``'s)
-    and a helper killed at its limit is replaced by one warmed up for the same grader.
-    :data:`WORKERS_ENV` sets the size of each (:func:`workers_from_env`).
+    """The process-wide runner of the helpers warmed up by ``warm_up``, created on first use: each
+    grader has its own helpers, so a call never pays for another grader's imports.
+    :data:`WORKERS_ENV` sets the size of each.
 
     Raises:
         RewardConfigError: when :data:`WORKERS_ENV` is invalid.

@@ -1,27 +1,12 @@
 """The lenient reward: normalised-string or symbolic equality, time-bounded. Used by the evaluation.
 
-A response is correct when the content of its *last* ``\\boxed{...}`` (or ``\\fbox{...}``) inside
-its final :data:`TAIL_CHARS` characters equals the ground truth after normalisation
-(:func:`~recipe.stapo.reward.answers.normalize_answer`: verl's DAPO normalisation plus LaTeX
-spellings and list-aware commas, so that the list ``2, 3`` never equals the number 23), or, when
-the strings differ, when ``math_verify`` proves the two answers equal, except that an interval (or
-pair) never equals a set (``math_verify`` alone counts ``(1,2)`` equal to ``\\{1,2\\}``). The readings
-of ambiguous spellings are listed in ``docs/reward.md``.
-
-It accepts more answers than the training reward (:mod:`recipe.stapo.reward.strict`): ``0.5``
-for ``\\frac12``, ``5 cm`` for ``5``, a box anywhere in the last 300 characters. The evaluation
-grades with it (:mod:`recipe.stapo.eval.grade`); training can use it with
-``reward.custom_reward_function.name=compute_score_lenient``.
-
-Time bound of one grading, whatever the input: the response is cut to its last ``TAIL_CHARS``
-characters and a ground truth longer than ``MAX_GROUND_TRUTH_CHARS`` never matches, so the work
-done in the caller's thread (extraction, normalisation of both answers, string comparison) is on
-at most ``TAIL_CHARS + MAX_GROUND_TRUTH_CHARS`` characters (tens of milliseconds at worst); the
-symbolic stage, the only one without such a bound, runs in a guard helper process that is killed
-after ``timeout_s`` seconds (:mod:`recipe.stapo.reward.guard`). A check that could not run to its
-end (past its limit, no helper, a helper that died) leaves the answer *ungraded*
-(:class:`Graded` ``correct=None``), never silently wrong: the evaluation retries it and counts what
-stays ungraded; the training reward scores it -1 and reports it (``ungraded`` in its dict).
+A response is correct when the content of its last ``\\boxed{...}`` (or ``\\fbox{...}``) in its final
+:data:`TAIL_CHARS` characters equals the ground truth after
+:func:`~recipe.stapo.reward.answers.normalize_answer`, or ``math_verify`` proves them equal (an
+interval never equals a set). The symbolic stage runs in a guard helper killed after ``timeout_s``
+(:mod:`recipe.stapo.reward.guard`); a check that could not run to its end leaves the answer
+*ungraded* (:class:`Graded` ``correct=None``), never silently wrong. docs/reward.md gives the
+readings of ambiguous spellings and the time bounds.
 """
 
 from __future__ import annotations
@@ -133,21 +118,16 @@ def grade_answer(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAUL
 
 
 def compute_score_lenient(data_source: Any, solution_str: Any, ground_truth: Any, extra_info: Any = None, **kwargs: Any) -> dict:
-    """verl custom reward function: the lenient reward (+1 correct / -1 wrong).
-
-    Select it for training with ``reward.custom_reward_function.name=compute_score_lenient``.
+    """verl custom reward function: the lenient reward (+1 correct / -1 wrong), selected with
+    ``reward.custom_reward_function.name=compute_score_lenient``.
 
     Args:
-        data_source: dataset name (unused).
-        solution_str: decoded response text.
-        ground_truth: reference answer.
-        extra_info: per-row info from the parquet (unused).
-        **kwargs: ``timeout_s`` (float, default ``DEFAULT_TIMEOUT_S``; settable through
-            ``reward.custom_reward_function.reward_kwargs``); anything else verl passes is ignored.
+        solution_str: decoded response text. ground_truth: reference answer.
+        **kwargs: ``timeout_s`` (float, default ``DEFAULT_TIMEOUT_S``); anything else verl passes
+            (``data_source``, ``extra_info``, ...) is ignored.
     Returns:
         ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None, "ungraded": bool}``:
-        ``ungraded`` when the symbolic check could not run (scored -1; verl keeps the key as
-        ``reward_extra_info``, so the count per step and per validation is logged).
+        ``ungraded`` when the symbolic check could not run (scored -1, logged by verl).
     Raises:
         RewardConfigError: ``STAPO_REWARD_WORKERS`` is invalid (never for any response or ground truth).
     """
