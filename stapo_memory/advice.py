@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from recipe.stapo.preflight.problem import ACTOR, REF, ROLLOUT
 
@@ -65,29 +65,33 @@ def _fit(shape: ModelShape, s: Settings, gpu_bytes: float, names: tuple[str, ...
     return all(fits(p, gpu_bytes) for p in est.passes if p.name in names)
 
 
-def _budget_candidates(s: Settings, ceiling: int, floor: int) -> list[int]:
-    """Budgets from ``floor`` up to ``ceiling`` (both, and the multiples of :data:`BUDGET_STEP` between,
-    or of the longest sequence without dynamic batching), ascending."""
-    if not s.dynamic_bsz:
-        step = max(1, s.longest)
-        return [k * step for k in range(1, max(1, ceiling // step) + 1)]
-    first = math.ceil(floor / BUDGET_STEP) * BUDGET_STEP
-    return sorted({floor, ceiling, *range(first, ceiling + 1, BUDGET_STEP)})
-
-
 def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str, names: tuple[str, ...],
                     floor: int, ceiling: Optional[int] = None) -> Optional[int]:
     """The largest budget from ``floor`` to ``ceiling`` (default: the current one) at which ``names``
     fit, the model re-run at each candidate (the passes grow with their tokens); None when ``floor``
-    does not fit."""
+    does not fit. The candidates are ``floor``, ``ceiling`` and the multiples of :data:`BUDGET_STEP`
+    between (without dynamic batching: the multiples of the longest sequence from ``floor`` on),
+    searched as ranges (a ceiling of a billion responses' tokens costs a few dozen estimates)."""
     ceiling = getattr(s, knob) if ceiling is None else ceiling
-    candidates = [c for c in _budget_candidates(s, ceiling, floor) if floor <= c <= ceiling]
-    return largest(candidates, lambda c: _fit(shape, _with_budget(s, knob, c), gpu_bytes, names))
+
+    def ok(tokens: int) -> bool:
+        return _fit(shape, _with_budget(s, knob, tokens), gpu_bytes, names)
+
+    if not s.dynamic_bsz:
+        step = max(1, s.longest)
+        return largest(range(math.ceil(floor / step) * step or step, ceiling + 1, step), ok)
+    if floor > ceiling or not ok(floor):
+        return None
+    if ok(ceiling):
+        return ceiling
+    between = range(math.floor(floor / BUDGET_STEP + 1) * BUDGET_STEP, ceiling, BUDGET_STEP)
+    return largest(between, ok) or floor
 
 
-def largest(candidates: list[int], ok: Callable[[int], bool]) -> Optional[int]:
-    """The largest of ascending ``candidates`` for which ``ok`` holds, ``ok`` holding up to some point and
-    not beyond (a pass grows with its tokens); None when it fails on the first."""
+def largest(candidates: Sequence[int], ok: Callable[[int], bool]) -> Optional[int]:
+    """The largest of ascending ``candidates`` (a list or a range, never listed) for which ``ok`` holds,
+    ``ok`` holding up to some point and not beyond (a pass grows with its tokens); None when it fails
+    on the first."""
     if not candidates or not ok(candidates[0]):
         return None
     lo, hi = 0, len(candidates) - 1

@@ -119,7 +119,7 @@ def floor_text(config: DictConfig, estimate: model.Estimate, gpu: float, verify:
                 "recipe.memory_accept_tight=true to run inside the margin, which is there for what the estimate "
                 "may miss (the whole preflight then passes)")
     step, prompt = advice.BUDGET_STEP, int(pick(config, "data.max_prompt_length"))
-    longest = advice.largest(list(range(prompt + step, s.longest, step)), lambda n: model.all_fit(least(n), gpu))
+    longest = advice.largest(range(prompt + step, s.longest, step), lambda n: model.all_fit(least(n), gpu))
     if longest:
         levers = [f"shorter responses: data.max_response_length={longest - prompt} fits with every budget at one "
                   f"{longest}-token sequence"]
@@ -127,7 +127,7 @@ def floor_text(config: DictConfig, estimate: model.Estimate, gpu: float, verify:
         short_need, short_peak = _need(least(prompt + step))
         levers = [f"not shorter responses: at {step}-token ones pass '{short_peak.name}' still needs "
                   f"{model.gib(short_need)} GiB"]
-    tenths = advice.largest(list(range(round(gpu / model.GIB * 10), 2000)),
+    tenths = advice.largest(range(round(gpu / model.GIB * 10), 2000),
                             lambda g: not model.all_fit(least(card=g / 10 * model.GIB), g / 10 * model.GIB))
     if tenths is not None and tenths + 1 < 2000:
         card = (tenths + 1) / 10
