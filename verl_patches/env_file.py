@@ -15,7 +15,6 @@ import stat
 from pathlib import Path
 from typing import MutableMapping, Optional
 
-from stapo_core.fileio import FileError, read_bytes
 
 #: the variable naming the file
 SECRETS_FILE_ENV = "STAPO_SECRETS_FILE"
@@ -30,6 +29,10 @@ def parse_env_file(path: str | os.PathLike) -> dict[str, str]:
         ValueError: naming the file, never a value: a missing file, one that is not a regular file (a
             FIFO is refused, never waited on), a file others can read, or a malformed line (by its number).
     """
+    # stapo_core's package imports torch: only a process that reads a secrets file loads it (the patch
+    # table imports this module, and `python -m verl_patches check` imports no torch)
+    from stapo_core.fileio import FileError, read_bytes
+
     path = Path(path)
     try:
         mode = path.stat().st_mode

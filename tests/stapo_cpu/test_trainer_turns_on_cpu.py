@@ -92,6 +92,6 @@ def test_a_run_stopped_at_its_limit_says_so_before_its_log(tmp_path):
     assert stopped.timed_out and not stopped.ok
     head = stopped.tail().splitlines()[0]
     assert head.startswith("run stapo stopped after 601 s: its time limit is 600 s")
-    assert "stopped at its 600 s limit" in repr(stopped)
+    assert "returncode=-9" in repr(stopped) and "timeout=600" in repr(stopped)  # timeout: only a run it stopped has one
     failed = CPURun("stapo", 1, 10.0, tmp_path, tmp_path / "metrics.jsonl", log)
     assert not failed.timed_out and failed.tail() == "WARNING something unrelated"
