@@ -5,7 +5,6 @@ from its root, with the project's interpreter first on PATH (an activated enviro
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.eval_models import SessionSegments, outliving
-from tests.helpers.paths import REPO
+from tests.helpers.paths import REPO, tracked_copy
 
 pytestmark = pytest.mark.heavy  # the CPU runs it starts take a machine turn (tests/conftest.py)
 
@@ -38,14 +37,7 @@ def _bash_lines(path: Path) -> list[str]:
 
 def _clone(tmp_path: Path) -> Path:
     """The repository's tracked files, copied (what a fresh clone holds)."""
-    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-z"], capture_output=True, check=True).stdout
-    clone = tmp_path / "clone"
-    for name in filter(None, files.decode().split("\0")):
-        source = REPO / name
-        if source.is_file():
-            (clone / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, clone / name)
-    return clone
+    return tracked_copy(tmp_path / "clone")
 
 
 def _env(**env) -> dict[str, str]:
