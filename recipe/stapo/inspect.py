@@ -6,24 +6,11 @@ CLI::
 
 Reads the token dump of ``RUN_DIR``: the step files ``s2t_tokens/step_*.jsonl`` that
 :mod:`verl_patches.token_dump` writes during training (format: :mod:`stapo_core.token_records`).
-Writes, into ``DIR`` (default ``RUN_DIR/inspect``):
-
-* a summary per step: responses, positive-advantage responses, response tokens, candidates,
-  silenced tokens, kept candidates and tau_h (range over the step's mini-batches);
-* a sample of ``K`` silenced and ``K`` kept candidates, each shown in its context (the HTML report
-  highlights the token: silenced red, kept candidate green; a tooltip and a table give prob,
-  entropy, advantage, gradient norm and the policy's top-5 alternatives);
-* the ``K`` most frequent silenced tokens (count, mean prob, mean entropy);
-* the four-quadrant taxonomy of the tokens of positive-advantage responses: low/high probability
-  (p < tau_p) x low/high entropy (H < tau_h of the step), with count, share, mean closed-form
-  gradient norm per unit weight sqrt(1 - 2 p + sum p^2) and the mean change of the tokens'
-  log-probability across the update of their mini-batch (``dlogp``: what the update did to each
-  quadrant; "-" for a dump without it), summed over the response records;
-* the same change for the dumped candidates: silenced (the update did not train on them) and kept
-  (in a run that does not apply S2T every candidate is kept; its low-p, low-H quadrant holds the
-  tokens S2T would have silenced).
-
-The HTML file is self-contained (inline CSS, no script); every dumped string is HTML-escaped.
+Writes, into ``DIR`` (default ``RUN_DIR/inspect``), a summary per step, a sample of ``K`` silenced
+tokens and ``K`` kept candidates in their context, the ``K`` most frequent silenced tokens, the
+four-quadrant taxonomy of the tokens of positive-advantage responses (:func:`quadrant_table`) and
+the update's effect on the dumped candidates (:func:`candidate_effects`); docs/inspect.md describes
+each. The HTML file is self-contained (inline CSS, no script); every dumped string is HTML-escaped.
 """
 
 from __future__ import annotations
@@ -39,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from recipe.stapo.plots import check_out_dir, stopped_message
-from stapo_core.fileio import atomic_write
+from recipe.stapo.plots import stopped_message
+from stapo_core.fileio import atomic_write, check_output_folder
 from stapo_core.token_records import QUADRANTS, TOKEN_DUMP_DIR, read_dump
 
 QUADRANT_LABELS = {
@@ -447,7 +434,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--top must be a positive integer, got {args.top}")
     stopped = stopped_message(args.run_dir)  # a run the quickstart stopped at its limit: its dump ends there
     try:
-        check_out_dir(args.out if args.out is not None else args.run_dir / "inspect")  # before any reading
+        check_output_folder("--out", args.out if args.out is not None else args.run_dir / "inspect")  # before any reading
         paths = write_report(args.run_dir, args.out, top=args.top, seed=args.seed)
     except (NoRecordsError, FileNotFoundError) as exc:  # no usable dump: a stopped run says why instead
         if stopped is not None:

@@ -223,36 +223,19 @@ def missing_notes(runs: Mapping[str, Mapping[str, Series]]) -> list[str]:
             for label, metrics in runs.items() for panel in PANELS if not panel.select(metrics)]
 
 
-def _symlog_threshold(lines: Mapping[str, Series]) -> float:
-    """Linear range of the symlog axis: the smallest positive value (1e-6 if none), so zeros show at 0."""
-    positive = [v for _, values in lines.values() for v in values if v > 0]
-    return min(positive) if positive else 1e-6
-
-
 def draw_panel(ax, panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapping[str, list]] = None,
                colors: Optional[Mapping[str, str]] = None) -> None:
-    """Plot ``lines`` on ``ax`` (one Line2D per entry, broken at :func:`with_gaps`), then their non-finite
-    ``marks``; a "not logged" note when there are no lines. ``colors``: :func:`label_colors`."""
-    ax.set_title(panel.title, fontsize=10)
-    ax.set_xlabel("step")
-    if not lines:
-        ax.text(0.5, 0.5, f"not logged\n({panel.metric})", ha="center", va="center", transform=ax.transAxes,
-                fontsize=8, color="gray")
-        return
-    colors = colors or label_colors([label.split(" (")[0] for label in lines])
-    marks = marks or {}
-    styles = panel.styles or {}
-    for label, (steps, values) in lines.items():
-        steps, values = with_gaps(steps, values, marks.get(label, ()))
-        suffix = label[len(label.split(" (")[0]) + 2 : -1] if " (" in label else ""
-        ax.plot(steps, values, styles.get(suffix, "-"), marker="." if len(steps) < 30 else None, label=label,
-                color=colors[label.split(" (")[0]])
-    for label, points in marks.items():
-        draw_nonfinite(ax, label, points, colors[label.split(" (")[0]])
-    if panel.log_scale:
-        ax.set_yscale("symlog", linthresh=_symlog_threshold(lines))
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    """Plot ``lines`` on ``ax`` as :func:`draw_bands` plots one seed each (a label ``"<run> (<suffix>)"``
+    is the line ``suffix`` of ``run``, drawn in ``panel.styles[suffix]``); a "not logged" note naming
+    the metric when there are no lines. ``colors``: :func:`label_colors`."""
+    def split(label: str) -> tuple[str, str]:
+        run = label.split(" (")[0]
+        return run, label[len(run) + 2 : -1] if " (" in label else ""
+
+    bands = {split(label): Band(steps, values, values, values, [1] * len(steps)) for label, (steps, values) in lines.items()}
+    draw_bands(ax, panel.title, bands, panel.log_scale, colors or label_colors([run for run, _ in bands]),
+               {split(label): points for label, points in (marks or {}).items()}, panel.styles or {},
+               title_size=10, missing=f"not logged\n({panel.metric})")
 
 
 def _pyplot():
@@ -265,18 +248,21 @@ def _pyplot():
     return plt
 
 
+def _grid(panels: int):
+    """A Figure of ``panels`` axes, three a row (the spares of the last row hidden), and the axes."""
+    rows = math.ceil(panels / 3)
+    fig, axes = _pyplot().subplots(rows, 3, figsize=(15, 3.6 * rows), squeeze=False)
+    for ax in axes.ravel()[panels:]:
+        ax.set_visible(False)
+    return fig, list(axes.ravel()[:panels])
+
+
 def summary_figure(runs: Mapping[str, Mapping[str, Series]]):
     """A matplotlib Figure with one axes per entry of :data:`PANELS` (same order), then spares hidden."""
-    plt = _pyplot()
-    ncols = 3
-    nrows = math.ceil(len(PANELS) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
-    flat = axes.ravel()
+    fig, axes = _grid(len(PANELS))
     colors = label_colors(list(runs))
-    for ax, panel in zip(flat, PANELS):
+    for ax, panel in zip(axes, PANELS):
         draw_panel(ax, panel, panel_lines(panel, runs), panel_marks(panel, runs), colors)
-    for ax in flat[len(PANELS):]:
-        ax.set_visible(False)
     fig.tight_layout()
     return fig
 
@@ -290,11 +276,6 @@ def panel_figure(panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapp
     ax.set_ylabel(panel.metric, fontsize=8)
     fig.tight_layout()
     return fig
-
-
-def check_out_dir(out_dir: Path) -> None:
-    """Raise ValueError when files cannot be written into ``out_dir`` (``--out``; created if missing)."""
-    check_output_folder("--out", out_dir)
 
 
 def _save(fig, path: Path) -> Path:
@@ -409,15 +390,19 @@ def band_nonfinite_notes(groups: Mapping[str, Sequence[Mapping[str, Series]]]) -
 
 
 def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale: bool,
-               colors: Mapping[str, str], marks: Optional[Mapping[tuple[str, str], list]] = None) -> None:
-    """One mean line (and a min-max band when several seeds) per entry, then its non-finite ``marks``."""
-    ax.set_title(title, fontsize=9)
+               colors: Mapping[str, str], marks: Optional[Mapping[tuple[str, str], list]] = None,
+               styles: Optional[Mapping[str, str]] = None, title_size: int = 9, missing: str = "not logged") -> None:
+    """One mean line (broken at :func:`with_gaps`, and a min-max band when several seeds) per entry,
+    then its non-finite ``marks``; the ``missing`` note when there are no lines. ``styles``: line
+    style per variant (default: the :data:`GRAD_NORM_KEYS` and :data:`DLOGP_SETS` ones)."""
+    ax.set_title(title, fontsize=title_size)
     ax.set_xlabel("step")
     if not lines:
-        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, fontsize=8, color="gray")
+        ax.text(0.5, 0.5, missing, ha="center", va="center", transform=ax.transAxes, fontsize=8, color="gray")
         return
-    styles = {variant: style for _, style, variant in GRAD_NORM_KEYS}
-    styles.update({label: style for _, _, style, label in DLOGP_SETS})
+    if styles is None:
+        styles = {variant: style for _, style, variant in GRAD_NORM_KEYS}
+        styles.update({label: style for _, _, style, label in DLOGP_SETS})
     marks = marks or {}
     for (method, variant), b in lines.items():
         color = colors[method]
@@ -438,15 +423,10 @@ def draw_bands(ax, title: str, lines: Mapping[tuple[str, str], Band], log_scale:
 
 def band_figure(groups: Mapping[str, Sequence[Mapping[str, Series]]]):
     """The study figure: one axes per :data:`BAND_PANELS` entry, bands = min-max over seeds."""
-    plt = _pyplot()
-    ncols = 3
-    nrows = math.ceil(len(BAND_PANELS) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5 * ncols, 3.6 * nrows), squeeze=False)
+    fig, axes = _grid(len(BAND_PANELS))
     colors = label_colors(list(groups))
-    for ax, (name, title, _, log_scale) in zip(axes.ravel(), BAND_PANELS):
+    for ax, (name, title, _, log_scale) in zip(axes, BAND_PANELS):
         draw_bands(ax, title, band_lines(name, groups), log_scale, colors, band_marks(name, groups))
-    for ax in axes.ravel()[len(BAND_PANELS):]:
-        ax.set_visible(False)
     seeds = sorted({len(runs) for runs in groups.values()})
     fig.suptitle(f"mean over seeds ({'/'.join(map(str, seeds))} per method), band = min..max", fontsize=10)
     fig.tight_layout()
@@ -457,7 +437,7 @@ def plot_bands(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str |
                name: str = "study_curves.png", notes: Optional[list] = None) -> list[Path]:
     """Write the study figure (``out_dir/<name>``) from ``{method: [run folder per seed]}``; the
     non-finite-value notes go to stderr and, if ``notes`` is a list, into it."""
-    check_out_dir(Path(out_dir))
+    check_output_folder("--out", out_dir)
     loaded = {method: [read_metrics(find_metrics_file(run)) for run in runs] for method, runs in groups.items()}
     if not any(loaded.values()):
         raise ValueError("no runs to plot")
@@ -540,7 +520,7 @@ def plot_update_effect(groups: Mapping[str, Sequence[str | os.PathLike]], out_di
                        name: str = "update_effect.png") -> list[Path]:
     """Write :func:`update_effect_figure` (``out_dir/<name>``) from ``{method: [run folder per seed]}``;
     nothing when no run measured the update effect."""
-    check_out_dir(Path(out_dir))
+    check_output_folder("--out", out_dir)
     effects = {method: [update_effect_of_run(read_steps(find_metrics_file(run))) for run in runs]
                for method, runs in groups.items()}
     effects = {m: runs for m, runs in effects.items() if any(e.tokens for run in runs for e in run.values())}
@@ -584,7 +564,7 @@ def plot_runs(run_dirs: Mapping[str, Path] | Sequence[Path], out_dir: str | os.P
     their paths. ``run_dirs``: ``{label: run folder or metrics file}``, or a list of them (labels:
     folder names); the notes go to stderr and, if ``notes`` is a list, into it."""
     out = Path(out_dir)
-    check_out_dir(out)
+    check_output_folder("--out", out)
     runs = load_runs(run_dirs)
     _report(missing_notes(runs) + nonfinite_notes(runs), notes)
     written = [_save(summary_figure(runs), out / "curves.png")]
