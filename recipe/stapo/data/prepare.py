@@ -6,29 +6,11 @@ CLI::
     python -m recipe.stapo.data.prepare bench --out-dir data/stapo [--benchmarks aime24,amc23]
         [--source aime24=path/to/aime24.jsonl ...] [--drop-invalid]
 
-Each source is a Hugging Face dataset id (loaded with ``datasets.load_dataset``) or a local
-``.parquet`` / ``.jsonl`` / ``.json`` file (works offline), in the dataset's own layout or in verl's
-(:data:`VERL_FIELDS`: JustRL's benchmark files, this preparation's own output; an instruction in
-either prompt form at the end of the problem is removed). Every row is validated: problem present,
-text (not a number, NaN, dict...) and non-empty; answer present, a string, finite number or list of
-them, non-empty and at most ``recipe.stapo.reward.MAX_GROUND_TRUTH_CHARS`` characters, converted
-to text by the rewards' own rule (``recipe.stapo.reward.answers.ground_truth_conversion``: a list
-is joined with ", "; surrounding ``$`` removed from training answers only, benchmark answers kept
-as written, as JustRL grades them); id a string or an integer, unique; every text valid Unicode (a JSONL line
-that is not UTF-8, or a lone surrogate escape such as ``"\\ud800"``, is a bad row). A bad row is an
-error naming the file and the row (1-based), unless ``--drop-invalid`` drops and counts it. The
-answer is only ever taken from an answer field, never from a worked solution.
-
-``OUT/manifest.json`` records row counts and sha256 hashes of output and source. It is read
-before any work (a corrupt one is an error naming it, and nothing is written); each output is
-written to a temp file, recorded in the manifest (with the temp file named as pending), renamed
-into place, and the pending mark dropped, so an error at any point leaves the parquet file and its
-manifest entry as they were, and a kill between the two steps is finished by the next preparation
-(the pending file is renamed into place); every preparation removes the temp files a killed one
-left (a parquet file's or the manifest's own, whatever dataset it was preparing). Writing holds the folder's
-lock (``OUT/.prepare.lock``) and reads the manifest under it, so overlapping preparations into one
-folder take turns and the manifest keeps every dataset written. ``--out-dir`` must be a folder
-(or not exist yet).
+Each source is a Hugging Face dataset id or a local ``.parquet`` / ``.jsonl`` / ``.json`` file, in
+the dataset's own layout or in verl's (:data:`VERL_FIELDS`). docs/eval.md ("Prepare the data") says
+which rows are refused and why, and how ``OUT/manifest.json`` (row counts and sha256 hashes of
+output and source) and the parquet files are written so that an error or a kill leaves them
+consistent.
 
 Output schema (one row per problem; what verl's RLHFDataset reads)::
 
@@ -38,12 +20,9 @@ Output schema (one row per problem; what verl's RLHFDataset reads)::
     reward_model: {"style": "rule", "ground_truth": answer}
     extra_info:  {"index": int (row in this file), "id": str (source id), "split": str}
 
-The joiner is the prompt form of the data's use, each as its reference writes it: training rows,
-and the in-training validation copies ``<name>_val.parquet`` of :data:`VALIDATION_BENCHMARKS`, join
-the problem and the instruction with ``"\n\n"`` (:data:`TRAIN_PROMPT_JOINER`, JustRL's training
-prompt, which its trainer also gives its validation sets), benchmark rows with one space
-(:data:`EVAL_PROMPT_JOINER`, JustRL's ``evals/gen_vllm.py``, the evaluation the paper's Table 2
-follows). The manifest records each dataset's ``prompt_form``.
+The joiner is the prompt form of the data's use (:data:`PROMPT_FORMS`): ``"\n\n"`` for training
+rows and the in-training validation copies ``<name>_val.parquet`` of :data:`VALIDATION_BENCHMARKS`,
+one space for benchmark rows. The manifest records each dataset's ``prompt_form``.
 """
 
 from __future__ import annotations
@@ -296,14 +275,11 @@ def _first_present(row: Any, paths: Sequence[str]) -> tuple[Optional[str], Any]:
 
 def answer_to_text(value: Any, strip_dollars: bool = False) -> str:
     """Ground truth as written to the parquet file: the rewards' text of it
-    (:func:`recipe.stapo.reward.answers.ground_truth_conversion`: ints stay ints, ``5.0`` -> ``"5"``,
-    ``0.5`` -> ``"0.5"``, a one-element list is its element, a longer one is joined with ``", "``),
-    with surrounding spaces stripped, and surrounding ``$`` too when ``strip_dollars``.
+    (:func:`recipe.stapo.reward.answers.ground_truth_conversion`), with surrounding spaces stripped,
+    and surrounding ``$`` too when ``strip_dollars``.
 
     Raises:
-        ValueError: naming the problem, for a value that is not a string, a finite number or a
-            non-empty list of them (None, a bool, NaN, a dict, a list inside a list, ...), or whose
-            text is too long or not valid Unicode.
+        ValueError: naming why ``value`` is no usable ground truth.
     """
     text, why = ground_truth_conversion(value)
     if text is None:
@@ -492,11 +468,9 @@ def prepare_dataset(
         split: value of ``extra_info.split``.
         form: the prompt form (:data:`PROMPT_FORMS`): ``justrl-eval`` for benchmarks, ``train`` for
             the training set.
-        manifest_dir: if given, the result is also recorded in ``manifest_dir/manifest.json``, and the
-            two files stay consistent: the manifest is read (and must be valid) before anything is
-            written; the parquet is written to a temp file, the manifest updated, then the temp file
-            renamed to ``out_path`` (the manifest is put back if that rename fails). An error at any
-            point leaves both files as they were.
+        manifest_dir: if given, the result is also recorded in ``manifest_dir/manifest.json``; the
+            manifest is read (and must be valid) before anything is written, and an error at any
+            point leaves both files as they were (module docstring).
     Raises:
         ValueError: invalid rows (naming the file and rows), a source that cannot be read, a corrupt
             manifest, ``out_path`` inside a file.
@@ -504,7 +478,7 @@ def prepare_dataset(
     """
     import pandas as pd  # pandas (a second to import) only when a dataset is written, not for --help
 
-    check_out_dir(out_path.parent)
+    check_output_folder("--out-dir", out_path.parent)
     if manifest_dir is not None:
         read_manifest(manifest_dir)  # a corrupt manifest fails before the source is read
     source = source or spec.hf_id
@@ -575,18 +549,9 @@ def _folder_lock(out_dir: Path) -> Iterator[None]:
         os.close(fd)  # which releases the lock
 
 
-def check_out_dir(out_dir: Path) -> None:
-    """Raise ValueError when no output can be written into ``out_dir`` (``--out-dir``; created if missing)."""
-    check_output_folder("--out-dir", out_dir)
-
-
 def read_manifest(out_dir: Path, _locked: bool = False) -> Optional[dict]:
-    """``out_dir/manifest.json`` as a dict, or None when there is none.
-
-    A manifest left with ``pending`` renames (a preparation killed between recording a parquet
-    file and renaming it into place) is completed first, under the folder's lock: a pending temp
-    file whose hash is the one recorded is renamed into place; then every stale temp file of a
-    preparation is removed and ``pending`` dropped, so the manifest and the files agree again.
+    """``out_dir/manifest.json`` as a dict, or None when there is none; the ``pending`` renames a
+    killed preparation left are completed first, under the folder's lock (:func:`_finish_pending`).
 
     Raises:
         ValueError: naming the file, when it is not a UTF-8 JSON object whose ``datasets`` is an object.
@@ -612,7 +577,9 @@ def remove_stale_temps(out_dir: Path) -> list[Path]:
 
 
 def _finish_pending(out_dir: Path, manifest: dict) -> dict:
-    """Complete the pending renames of ``manifest`` (see :func:`read_manifest`); the lock is held."""
+    """Complete the pending renames of ``manifest`` (the lock is held): a pending temp file whose hash
+    is the one recorded is renamed into place, an entry whose file matches neither is dropped; then
+    every stale temp file is removed and ``pending`` dropped, so the manifest and the files agree."""
     pending = manifest.pop("pending") or {}
     for output, tmp_name in pending.items() if isinstance(pending, dict) else ():
         tmp, final = out_dir / str(tmp_name), out_dir / str(output)
@@ -696,15 +663,9 @@ def _parse_sources(pairs: Sequence[str]) -> dict[str, str]:
 
 
 def run_train(args: argparse.Namespace) -> list[PrepareResult]:
-    spec = _override_fields(TRAIN_SPEC, args)
     out_dir = Path(args.out_dir)
-    check_out_dir(out_dir)
-    read_manifest(out_dir)  # a corrupt manifest fails before any source is read
-    result = prepare_dataset(
-        spec, out_dir / "train.parquet", args.source, args.drop_invalid, TRAIN_DATA_SOURCE, "train", manifest_dir=out_dir,
-        form="train",
-    )
-    return [result]
+    return [prepare_dataset(_override_fields(TRAIN_SPEC, args), out_dir / "train.parquet", args.source, args.drop_invalid,
+                            TRAIN_DATA_SOURCE, "train", manifest_dir=out_dir, form="train")]
 
 
 def run_bench(args: argparse.Namespace) -> list[PrepareResult]:
@@ -717,9 +678,7 @@ def run_bench(args: argparse.Namespace) -> list[PrepareResult]:
         raise ValueError(f"--benchmarks: unknown {unknown}; known: {list(BENCHMARK_SPECS)}")
     sources = _parse_sources(args.source or [])
     out_dir = Path(args.out_dir)
-    check_out_dir(out_dir)
-    read_manifest(out_dir)  # a corrupt manifest fails before any source is read
-    results = []
+    results = []  # prepare_dataset checks the folder and its manifest before it reads a source
     for name in tqdm(names, desc="benchmarks", unit="bench"):
         # recorded in the manifest with its parquet, so a later failure loses nothing
         spec = BENCHMARK_SPECS[name]
