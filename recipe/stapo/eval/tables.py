@@ -12,33 +12,17 @@ table in the paper's layout (``| model | method | AIME24 | ... | Avg |`` with ce
 the paper's six (the tiny task's ``val``) is shown in a column of its own after Avg; a row without
 the six is partial (below).
 
-Headline (the paper's evaluation protocol): per decoding setting, the mean over model scales of STAPO's
-relative gain ``100 * (Avg_STAPO - Avg_best) / Avg_best`` where ``Avg_best`` is the highest Avg
-among the other methods at that scale. The paper's printed Avg column is used when the input is
-a table (that reproduces its +7.13%); :func:`inconsistent_rows` lists rows whose printed Avg
-differs from the mean of their six cells.
+Headline: per decoding setting, the mean over model scales of STAPO's relative gain
+``100 * (Avg_STAPO - Avg_best) / Avg_best``, ``Avg_best`` the highest Avg among the other methods at
+that scale (a table's printed Avg column when the input is a table: that reproduces the paper's
++7.13%).
 
-Rows of one table share one protocol (:func:`protocol_of`): per benchmark the N of mean@N and
-the problems (count and content hash), the temperature/top-p of each decoding setting,
-``max_new_tokens`` and the grading (rule-only, or the rule-based answer grader plus a verifier;
-grader code, verifier model and prompt). The report names the prompt and the grading under the
-table. A row that differs is refused naming the row and the field; with
-``--allow-mixed-protocol`` it is shown marked with a double dagger, never bolded, and left out of
-the headline. Rule-only and verified rows are never mixed: ``--grading rule-only`` builds the
-table from the rule-only mean@N (``grader_mean_at_n``) every summary also carries. Every value
-must be a percentage in [0, 100]; a row whose nonzero values are all at most 1 is taken for
-fractions (a row of zeros is a score of 0).
-
-A Table 2 row needs all six benchmarks under both decoding settings, as finite numbers, from a
-full run with every answer graded. An input that is partial -- a smoke-test summary (``limit``
-set, or ``complete: false``), a benchmark or decoding setting missing, a value that is NaN,
-infinite or not a number, answers left ungraded (their check could not run), prompts in
-another form than JustRL's evaluation prompt (``justrl-eval``; also a summary from before forms
-were recorded) -- is
-refused with an error naming the file, the row and what is wrong. With ``--allow-partial`` such a
-row is shown marked with a dagger (its unusable cells as "-"), never bolded, and left out of the
-headline of the decoding settings it is partial in; every headline line names the rows (and the
-scales) it left out and why, so it never silently compares STAPO with a weaker baseline.
+Every row must be complete (:func:`row_from_summary` lists what makes one partial) and share the
+table's protocol (:func:`protocol_of`, :func:`check_protocol`); ``--allow-partial`` and
+``--allow-mixed-protocol`` show such rows marked and left out of the headline, which names what it
+left out and why. Rule-only and verified rows are never mixed: ``--grading rule-only`` builds the
+table from the rule-only mean@N every summary also carries. docs/eval.md ("Build Table 2") gives
+the whole contract.
 """
 
 from __future__ import annotations
@@ -50,7 +34,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from recipe.stapo.data.prepare import PROMPT_SUFFIX
 from stapo_core.fileio import atomic_write, check_output_file
@@ -173,7 +157,7 @@ def parse_markdown_table(text: str, source: str = "<table>") -> list[Row]:
                     unusable.setdefault(decoding, set()).add(name)
                 else:
                     row.values.setdefault(decoding, {})[name] = value
-        row.issues = _merge_issues(bad, _missing_issues(row, unusable), _fraction_issue(row), _lone_fraction_issues(row))
+        row.issues = _merge_issues(bad, _missing_issues(row, unusable), _fraction_issues(row))
         rows.append(row)
     if header is None:
         raise ValueError(f"{source}: no '| model | method | ...' table header found")
@@ -197,41 +181,25 @@ def _whole_samples(value: float, total: Optional[int]) -> bool:
     return abs(hits - round(hits)) <= 1e-6 * max(1.0, hits)
 
 
-def _fraction_issue(row: Row, samples: Optional[dict[tuple[str, str], int]] = None) -> dict[str, list[str]]:
-    """An issue for every decoding setting when the row has values in (0, 1] and none above 1:
-    mean@N fractions in [0, 1] instead of percentages (no model of these tables scores <= 1% on
-    MATH500). Zeros are no evidence either way (a model that solves nothing scores 0 in both
-    units), nor is a cell of a run summary that is a whole number of correct samples out of
-    ``samples[(decoding, column)]``."""
-    values = [v for block in row.values.values() for v in block.values()]
-    if not values or max(values) > 1.0:
+def _fraction_issues(row: Row, samples: Optional[dict[tuple[str, str], int]] = None) -> dict[str, list[str]]:
+    """Issues of values in (0, 1] that read as fractions, not percentages: a row whose nonzero values
+    are all at most 1 (mean@N fractions; no model of these tables scores <= 1% on MATH500) gets one
+    for every decoding setting, a cell in (0, 1] among percentages (``0.55`` for 55%) one of its own.
+    Zeros are no evidence (a model that solves nothing scores 0 in both units), nor is a cell of a
+    run summary that is a whole number of correct samples out of ``samples[(decoding, column)]``
+    (problems times N: ``0.83`` = 8 of 960 samples is a genuine small mean@N)."""
+    small = [(d, c, v) for d, block in row.values.items() for c, v in block.items()
+             if c != AVG and 0.0 < v <= 1.0 and not _whole_samples(v, (samples or {}).get((d, c)))]
+    if not small:
         return {}
-    evidence = [v for d, block in row.values.items() for c, v in block.items()
-                if v > 0.0 and c != AVG and not _whole_samples(v, (samples or {}).get((d, c)))]
-    if not evidence:
-        return {}
-    return {d: ["every nonzero value is <= 1: fractions, not percentages? Table 2 takes mean@N in percent"]
-            for d in DECODING_ORDER}
-
-
-def _lone_fraction_issues(row: Row, samples: Optional[dict[tuple[str, str], int]] = None) -> dict[str, list[str]]:
-    """An issue for each cell in (0, 1] of a row whose other values include one above 1: a single
-    fraction among percentages (``0.55`` for 55%), refused like a row of them. A cell of a run
-    summary that is a whole number of correct samples out of ``samples[(decoding, column)]``
-    (problems times N) is a genuine small mean@N and stays (``0.83`` = 8 of 960 samples)."""
-    values = [v for block in row.values.values() for v in block.values()]
-    if not values or max(values) <= 1.0:
-        return {}  # no percentages beside it (a row of fractions is :func:`_fraction_issue`'s)
+    if max(v for block in row.values.values() for v in block.values()) <= 1.0:
+        return {d: ["every nonzero value is <= 1: fractions, not percentages? Table 2 takes mean@N in percent"]
+                for d in DECODING_ORDER}
     issues: dict[str, list[str]] = {}
-    for decoding, block in row.values.items():
-        for column, value in block.items():
-            if column == AVG or not 0.0 < value <= 1.0:
-                continue
-            if _whole_samples(value, (samples or {}).get((decoding, column))):
-                continue
-            issues.setdefault(decoding, []).append(
-                f"{column} ({_label(decoding)}) = {value:g} is <= 1 among percentages: a fraction, not a percentage? "
-                "Table 2 takes mean@N in percent")
+    for decoding, column, value in small:
+        issues.setdefault(decoding, []).append(
+            f"{column} ({_label(decoding)}) = {value:g} is <= 1 among percentages: a fraction, not a percentage? "
+            "Table 2 takes mean@N in percent")
     return issues
 
 
@@ -355,19 +323,17 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
         values = {}
         for bench, result in (block.get("benchmarks") or {}).items():
             column = BENCH_TO_COLUMN.get(bench, bench)
-            counts = [result.get(k) for k in ("problems", "n_samples")] if isinstance(result, dict) else []
-            if len(counts) == 2 and all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts):
+            result = result if isinstance(result, dict) else {}  # not an object: its value is not a number
+            counts = [result.get("problems"), result.get("n_samples")]
+            if all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts):
                 samples[(decoding, column)] = counts[0] * counts[1]
-            if not isinstance(result, dict) or key not in result:
-                if grading == "rule-only":
-                    raise ValueError(f"{source}: {bench} ({_label(decoding)}) has no grader_mean_at_n (a summary from an "
-                                     "older version); rerun eval.sh on its folder (generations are reused)")
-                value = None
-            else:
-                value = result[key]
-            if isinstance(result, dict) and result.get("limit") is not None and limit is None:
-                limit = result["limit"]
-            ungraded = result.get("ungraded") if isinstance(result, dict) else None
+            if grading == "rule-only" and key not in result:
+                raise ValueError(f"{source}: {bench} ({_label(decoding)}) has no grader_mean_at_n (a summary from an "
+                                 "older version); rerun eval.sh on its folder (generations are reused)")
+            value = result.get(key)
+            if limit is None:
+                limit = result.get("limit")
+            ungraded = result.get("ungraded")
             if isinstance(ungraded, int) and not isinstance(ungraded, bool) and ungraded > 0:
                 issues.setdefault(decoding, []).append(
                     f"{column} ({_label(decoding)}): {ungraded} answers ungraded (their check could not run; rerun "
@@ -385,9 +351,7 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
         if all(c in values for c in COLUMNS):
             values[AVG] = sum(values[c] for c in COLUMNS) / len(COLUMNS)
         row.values[decoding] = values
-    found_issues = _merge_issues(_missing_issues(row, unusable), _fraction_issue(row, samples),
-                                 _lone_fraction_issues(row, samples))
-    for decoding, found in found_issues.items():
+    for decoding, found in _merge_issues(_missing_issues(row, unusable), _fraction_issues(row, samples)).items():
         issues[decoding] += found
     for decoding in DECODING_ORDER:
         if limit is not None:
@@ -495,8 +459,7 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
         seen.add((row.scale, row.method))
     labels = {str(r.protocol.get("grading", "")).split(" ")[0] for r in rows}
     if {"rule-only", "rule+verifier"} <= labels:
-        listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {str(r.protocol['grading']).split(' ')[0]}" for r in rows
-                           if "grading" in r.protocol)
+        listed = _listed(rows, lambda r: str(r.protocol.get("grading", "")).split(" ")[0], "grading")
         raise ValueError(
             f"rule-only and verifier-graded rows are never mixed in one table: {listed}. Evaluate the rule-only "
             "runs with the verifier (rerun eval.sh on their folders: generations are reused), or pass "
@@ -504,15 +467,14 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
         )
     protocols = {r.protocol["grading protocol"] for r in rows if "grading protocol" in r.protocol}
     if len(protocols) > 1:
-        listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {r.protocol['grading protocol']}" for r in rows
-                           if "grading protocol" in r.protocol)
+        listed = _listed(rows, lambda r: r.protocol["grading protocol"], "grading protocol")
         raise ValueError(
             f"rows graded under different grading protocols are never mixed in one table: {listed}. Rerun "
             "eval.sh on the odd folders with the table's --grading-protocol (generations are reused)"
         )
     partial = [r for r in rows if r.partial()]
     if partial and not allow_partial:
-        listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {r.describe_issues()}" for r in partial)
+        listed = _listed(partial, Row.describe_issues)
         raise ValueError(
             f"partial results refused: {listed}. Table 2 needs all six benchmarks under both decoding settings "
             "from full runs; pass --allow-partial to show such rows marked and left out of the headline"
@@ -520,7 +482,7 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
     check_protocol(rows)
     mixed = [r for r in rows if r.protocol_issues]
     if mixed and not allow_mixed_protocol:
-        listed = "; ".join(f"{r.source}: {r.scale} {r.method}: {'; '.join(r.protocol_issues)}" for r in mixed)
+        listed = _listed(mixed, lambda r: "; ".join(r.protocol_issues))
         raise ValueError(
             f"rows with another protocol refused: {listed}. Rows of one table share N per benchmark, decoding, "
             "max_new_tokens and grading (a changed answer grader or verifier: rerun eval.sh on the older folders to regrade, "
@@ -528,6 +490,11 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
             "and left out of the headline"
         )
     return rows
+
+
+def _listed(rows: Sequence[Row], what: Callable[[Row], object], field: Optional[str] = None) -> str:
+    """``"<source>: <scale> <method>: <what(row)>"`` of each row (that has protocol ``field``), joined by "; "."""
+    return "; ".join(f"{r.source}: {r.scale} {r.method}: {what(r)}" for r in rows if field is None or field in r.protocol)
 
 
 # ----------------------------------------------------------------------------------------------
