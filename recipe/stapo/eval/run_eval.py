@@ -14,29 +14,16 @@ Outputs under ``OUT``: ``generations/<bench>__<decoding>.jsonl`` (one line per s
 and flushed as generated), ``grades/`` and ``verifier/`` (answer grades and verifier verdicts, each
 keyed by the sample and what decided it), ``run_config.json``, ``summary.json`` and ``summary.md``.
 
-A run first checks everything it can without writing (the settings, the output folder and what
-the run writes in it, ``run_config.json``, every saved sample against the data, the model when
-something is left to generate, the verifier prompt, rendered once, and the verifier model: a hub
-id must be cached or reachable), then generates. Rerunning the same command resumes: only
-missing samples are generated; a run on a different model or setting in the same ``OUT`` is
-refused (``run_config.json`` names the key that differs). Saved samples are matched to problems by
-problem id and prompt hash, not by row. ``summary.json`` covers every benchmark and decoding
-evaluated in ``OUT`` by any invocation, all graded with this invocation's grading.
-
-Grading (``--verifier``): ``compass`` is the paper's (a rule-based answer grader, then
-CompassVerifier-3B with its official prompt on what the grader did not find correct); ``none`` is
-rule-only; ``auto`` (default) is ``compass`` for a full run and ``none`` for a ``--limit`` smoke
-test (which no table accepts). ``--grading-protocol`` (:mod:`recipe.stapo.eval.protocols`):
-``justrl`` (default, as the paper's tables were graded: JustRL's grader, an empty question, only an
-output "A" counts) or ``compassverifier`` (the lenient grader, the bare problem, CompassVerifier's
-verdict format). An answer whose check could not run is counted as ``ungraded`` (retried on every
-run; a block with one is not complete).
-``--verifier-dtype`` (default ``auto``: the verifier checkpoint's own dtype).
-
-``--data-parallel-size`` (default ``auto``: one vLLM replica per ``--tensor-parallel-size``
-visible GPUs) splits the generation over worker processes (:mod:`recipe.stapo.eval.parallel`);
-the records are those one worker makes. vLLM always generates in workers (one at least), so the
-policy's GPU memory is free when the verifier starts in the main process.
+A run first checks everything it can without writing (:func:`plan_run`), then generates.
+Rerunning the same command resumes: only missing samples are generated; a run on a different model
+or setting in the same ``OUT`` is refused (``run_config.json`` names the key that differs).
+``summary.json`` covers every benchmark and decoding evaluated in ``OUT`` by any invocation, all
+graded with this invocation's grading: ``--verifier`` ``compass`` (the paper's: a rule-based answer
+grader, then CompassVerifier-3B on what it did not find correct), ``none`` (rule-only) or ``auto``
+(``none`` for a ``--limit`` smoke test, else ``compass``), under ``--grading-protocol``
+(:mod:`recipe.stapo.eval.protocols`). ``--data-parallel-size`` splits the generation over worker
+processes (:mod:`recipe.stapo.eval.parallel`). docs/eval.md ("Evaluate a checkpoint") gives the
+whole contract.
 """
 
 from __future__ import annotations
@@ -46,7 +33,7 @@ import importlib.util
 import json
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -107,10 +94,6 @@ class EvalConfig:
     decodings: tuple[str, ...] = ("train", "justrl")
     benchmarks: tuple[str, ...] = BENCHMARKS
     n_samples: dict[str, int] = field(default_factory=lambda: dict(DEFAULT_N_SAMPLES))
-
-    def n_of(self, bench: str) -> int:
-        """N of ``bench`` (:data:`OTHER_N_SAMPLES` for one outside the paper's six, unless given)."""
-        return self.n_samples.get(bench, OTHER_N_SAMPLES)
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     seed: int = 0
     backend: str = "vllm"
@@ -140,7 +123,7 @@ class EvalConfig:
             raise ValueError(f"--benchmarks: {bad or 'empty'} is not a benchmark name (the paper's: {','.join(BENCHMARK_SPECS)}; "
                              "any other is the file <name>.parquet of --benchmarks-dir)")
         for name in self.benchmarks:
-            if self.n_samples.get(name, OTHER_N_SAMPLES) < 1:
+            if self.n_of(name) < 1:
                 raise ValueError(f"--n-samples: {name} needs a count >= 1, got {self.n_samples.get(name)}")
         if self.max_new_tokens < 1 or self.batch_size < 1:
             raise ValueError("--max-new-tokens and --batch-size must be >= 1")
@@ -162,6 +145,10 @@ class EvalConfig:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"--gpu-memory-utilization is the fraction of each GPU's memory vLLM may use, in (0, 1]; "
                              f"got {self.gpu_memory_utilization:g} (e.g. 0.85)")
+
+    def n_of(self, bench: str) -> int:
+        """N of ``bench`` (:data:`OTHER_N_SAMPLES` for one outside the paper's six, unless given)."""
+        return self.n_samples.get(bench, OTHER_N_SAMPLES)
 
     def verifier_name(self) -> str:
         """``compass`` or ``none``: ``auto`` is ``none`` for a ``--limit`` smoke test, else ``compass``."""
@@ -619,32 +606,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
+    """The :class:`EvalConfig` of parsed arguments (each option is the field of its name)."""
     benchmarks = tuple(b.strip() for b in args.benchmarks.split(",") if b.strip())
-    return EvalConfig(
-        model=args.model,
-        benchmarks_dir=args.benchmarks_dir,
-        out=args.out,
-        decodings=tuple(DECODINGS) if args.decoding == "both" else (args.decoding,),
-        benchmarks=benchmarks,
-        n_samples=parse_n_samples(args.n_samples, benchmarks),
-        max_new_tokens=args.max_new_tokens,
-        seed=args.seed,
-        backend=args.backend,
-        verifier=args.verifier,
-        verifier_model=args.verifier_model,
-        verifier_prompt_file=args.verifier_prompt_file,
-        verifier_prompt_name=args.verifier_prompt_name,
-        grading_protocol=args.grading_protocol,
-        verifier_dtype=args.verifier_dtype,
-        batch_size=args.batch_size,
-        limit=args.limit,
-        scale=args.scale,
-        method=args.method,
-        tensor_parallel_size=args.tensor_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        data_parallel_size=args.data_parallel_size,
-        gpus=args.gpus,
-    )
+    settings = {f.name: getattr(args, f.name) for f in fields(EvalConfig) if hasattr(args, f.name)}
+    return EvalConfig(**{**settings, "benchmarks": benchmarks, "n_samples": parse_n_samples(args.n_samples, benchmarks),
+                         "decodings": tuple(DECODINGS) if args.decoding == "both" else (args.decoding,)})
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
