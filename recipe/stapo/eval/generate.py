@@ -7,21 +7,10 @@ sample has its own seed, derived from (base seed, benchmark, decoding, problem i
 so a resumed run produces exactly what an uninterrupted one would.
 
 Saved samples belong to problems by identity, never by row position: every record carries the
-problem's id and ``prompt_sha256`` (hash of its prompt messages, :func:`messages_sha256`). On a
-resume each saved record is matched to the problem with that id in the current benchmark data;
-a record whose problem is missing from the data, whose prompt differs, whose seed is not the one
-its (benchmark, decoding, problem, sample) gets, which has no identity at all (written by an
-older version) or which lacks a field (edited by hand) stops the run with a
-:class:`ResumeMismatch` naming the file, line, benchmark and problem -- nothing is generated and
-nothing on disk changes. Data with the same problems in another order, or with problems added,
-resumes correctly (only the missing samples are made).
-
-Record schema (one JSON object per line)::
-
-    {"problem_index": int, "problem_id": str, "prompt_sha256": str, "sample": int, "seed": int,
-     "response": str, "num_tokens": int, "finish_reason": "stop" | "length"}
-
-``problem_index`` is the row at the time the record was written (informative only).
+problem's id and ``prompt_sha256`` (:func:`messages_sha256`). A saved record that does not match
+the current data (its problem missing, its prompt or seed another, a field missing) stops the run
+with a :class:`ResumeMismatch` naming the file, line, benchmark and problem, and nothing on disk
+changes. docs/eval.md ("Resuming on other data") has the cases and the record schema.
 
 Data-parallel workers (:mod:`recipe.stapo.eval.parallel`) write the same records into their own
 part files; :func:`merge_parts` checks them like saved samples and appends them to the main file
@@ -35,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from tqdm import tqdm
 
@@ -315,11 +304,6 @@ def pending_items(problems: Sequence[Problem], n_samples: int, saved: dict[tuple
     return [(p, s) for p in problems for s in range(n_samples) if (p.problem_id, s) not in saved]
 
 
-def _chunks(items: list, size: int) -> Iterator[list]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
-
-
 def generation_record(problem: Problem, sample: int, seed: int, completion: Any) -> dict:
     """The saved record of one completion (schema in the module docstring)."""
     return {
@@ -351,7 +335,8 @@ def generate_items(
     total = len(items) if total is None else total
     made: list[dict] = []
     with tqdm(total=total, initial=total - len(items), desc=f"{benchmark}/{decoding}", unit="sample") as bar:
-        for batch in _chunks(list(items), batch_size):
+        for start in range(0, len(items), batch_size):
+            batch = items[start : start + batch_size]
             seeds = [sample_seed(base_seed, benchmark, decoding, p.problem_id, s) for p, s in batch]
             completions = backend.generate([backend.render(p.messages) for p, _ in batch], seeds, sampling)
             records = [generation_record(p, s, seed, c) for (p, s), seed, c in zip(batch, seeds, completions)]
@@ -388,14 +373,13 @@ def merge_parts(
     decoding: str,
     base_seed: int,
     data_label: str = "the benchmark data",
-    check_only: bool = False,
 ) -> int:
     """Move the records of workers' part files into ``main``, then delete the parts.
 
     Every part record is checked like a saved sample (:func:`saved_samples`); those ``main``
     lacks are appended in catalog order (problem row, then sample), the order one worker writes
     them, and the part files are removed only once that is on disk, so an interrupted merge is
-    simply done again. Returns the number of records appended (``check_only``: that would be).
+    simply done again. Returns the number of records appended.
 
     Raises:
         ResumeMismatch: a part record does not belong to the data (nothing is changed).
@@ -406,8 +390,6 @@ def merge_parts(
         for key, record in saved_samples(part, catalog, benchmark, decoding, base_seed, data_label).items():
             if key not in have:
                 new[key] = record
-    if check_only:
-        return len(new)
     row = {p.problem_id: p.index for p in catalog}
     ordered = sorted(new.values(), key=lambda r: (row[r["problem_id"]], r["sample"]))
     main.append([dict(r, problem_index=row[r["problem_id"]]) for r in ordered])
@@ -420,14 +402,9 @@ class ResultCache:
     """Per-sample grading results (answer grades, verifier verdicts) on disk, each record carrying
     the identity of everything that decided it.
 
-    On disk a :class:`JsonlStore` of ``{"problem_index", "sample", ...result}`` records, each also
-    carrying ``problem_id``, ``prompt_sha256``, ``answer_sha256`` (the reference answer),
-    ``response_sha256`` (the graded response) and ``decided_by_sha256`` (hash of the identity of
-    what decided it: for the verifier its model, prompt text, input, decoding and answer parser; for
-    the answer grader its code and settings). A result is reused only when all of them match now,
-    whatever the problem's row is; any other result in the file is ignored, so a change of the
-    grader or verifier, the reference answer or the response grades that sample again (results of
-    several graders live side by side in one file).
+    On disk a :class:`JsonlStore` of ``{"problem_index", "sample", ...result}`` records, each with
+    the identity fields of :meth:`identity`; a result is reused only when all of them match now,
+    whatever the problem's row is (docs/eval.md, "Every cached grade is keyed by what decides it").
 
     Args:
         store: the cache file.

@@ -1,22 +1,11 @@
 """Data-parallel generation over the GPUs of a node: one worker process per model replica.
 
-The main process (:func:`recipe.stapo.eval.run_eval.run_evaluation`) lists every sample still to
-generate, in the order one worker would generate them, and deals them out round robin
-(``items[rank::workers]``), so each worker gets a similar mix of long and short benchmarks. Each
-worker is ``python -m recipe.stapo.eval.worker --plan OUT/workers/rank<r>/plan.json``, started
-with ``CUDA_VISIBLE_DEVICES`` set to its own ``tensor_parallel_size`` GPUs (vLLM then sees only
-those), and writes the usual generation records (same seeds: a sample's seed depends on its
-benchmark, decoding, problem and index only) into its own part files
-``OUT/workers/rank<r>/generations/<bench>__<decoding>.jsonl``, appended and fsynced per batch.
-When all workers are done the main process moves the part records into the main generation
-files in the order one worker writes them (:func:`recipe.stapo.eval.generate.merge_parts`) and
-grades. An interrupted run (a worker or the main process killed) resumes with the same command:
-the next run first merges whatever part files hold, then deals out what is still missing,
-whatever the number of workers is now.
-
-Workers die with the main process (Linux: ``PR_SET_PDEATHSIG``) and share its lock on the output
-folder (:class:`OutputLock`), so a second evaluation into the same folder is refused while any of
-them runs.
+The main process (:func:`recipe.stapo.eval.run_eval.run_evaluation`) deals the samples still to
+generate out round robin (:func:`deal`); each worker (``python -m recipe.stapo.eval.worker``, on
+its own ``CUDA_VISIBLE_DEVICES``) appends the usual generation records to its own part files, which
+the main process merges in one worker's order (:func:`recipe.stapo.eval.generate.merge_parts`)
+before grading. Workers die with the main process (Linux: ``PR_SET_PDEATHSIG``) and share its lock
+on the output folder (:class:`OutputLock`). docs/eval.md ("All GPUs of a node") gives the details.
 """
 
 from __future__ import annotations

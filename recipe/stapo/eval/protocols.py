@@ -4,18 +4,10 @@ A protocol fixes what decides a grade besides the verifier model and its prompt:
 answer grader that grades every sample first, what the verifier is shown as the question, and how
 its output is read.
 
-- ``justrl``: how JustRL's ``evals/grade.py`` grades, the protocol the STAPO paper says its tables
-  follow, and the default: JustRL's grader (:mod:`recipe.stapo.eval.justrl_grader`), an empty
-  question (JustRL's jsonl inputs carry none, so ``{question}`` is filled with ""), and only an
-  output that is exactly ``A`` once surrounding whitespace is stripped counts as correct.
-- ``compassverifier``: CompassVerifier's README usage: the lenient grader
-  (:mod:`recipe.stapo.reward.lenient`) first, the bare problem as the question (the benchmark's
-  problem without the policy's "Please reason step by step..." instruction), and the verdict read
-  as the README's ``process_judgment`` reads a boxed or bare letter, and otherwise where the
-  prompts' output format puts it (:func:`compass_judgement`).
-
-Both feed the official ``CV_PROMPT`` through the verifier's chat template, greedy, at most 2048 new
-tokens, load the verifier in its checkpoint's own dtype, and show the whole response.
+:data:`PROTOCOLS` defines the two: ``justrl`` (JustRL's ``evals/grade.py``, the paper's, the
+default) and ``compassverifier`` (CompassVerifier's README usage); docs/eval.md tables how they
+differ. Both feed the official ``CV_PROMPT`` through the verifier's chat template and show the
+whole response.
 """
 
 from __future__ import annotations

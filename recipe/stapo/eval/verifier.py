@@ -1,25 +1,14 @@
 """LLM answer verifiers that re-check what the rule-based answer grader did not find correct (docs/eval.md).
 
-The paper grades rule-based first and has CompassVerifier-3B re-check the rule-based failures.
-:class:`AnswerVerifier` is the interface (any model or service can plug in);
-:class:`CompassVerifier` runs CompassVerifier the way its authors do (the README and
-``src/cv_eval.ipynb`` of open-compass/CompassVerifier): their prompt template filled by
-``str.format`` with the question, the reference answer and the model's WHOLE response, sent as
-one user message through the verifier's chat template, greedy decoding with at most 2048 new
-tokens, and their answer parsing for a boxed letter or an output that is exactly A, B or C
-(:func:`~recipe.stapo.eval.protocols.compass_judgement`, which reads any other output where the
-prompts' format puts the verdict); only "A" counts as correct (B incorrect, C invalid).
+:class:`AnswerVerifier` is the interface (any model or service can plug in); :class:`CompassVerifier`
+runs CompassVerifier as its authors do (open-compass/CompassVerifier's README): their template
+filled with the question, the reference answer and the WHOLE response, through the verifier's chat
+template, greedy, at most 2048 new tokens, read as a grading protocol says; only "A" counts as correct.
 
-The prompt is read from a file (:func:`load_verifier_prompt`): CompassVerifier's own
-``src/prompts.py`` (its ``CV_PROMPT`` is read without running the file) or any text template.
-The project does not ship a copy of it: ``python -m recipe.stapo.eval.verifier fetch-prompt``
-downloads the file at a pinned commit and checks its hash. A prompt whose text has the sha256 of
-the official ``CV_PROMPT`` (or ``CV_COT_PROMPT``) is labelled official in summaries; any other is
-labelled custom.
-
-The verifier runs on a :class:`~recipe.stapo.eval.backends.GenerationBackend` (vLLM, on GPUs or on
-CPU with its CPU build, or transformers: the CPU tests drive this same code with tiny local models
-on both).
+The prompt is read from a file (:func:`load_verifier_prompt`), which the project does not ship:
+``python -m recipe.stapo.eval.verifier fetch-prompt`` downloads it at a pinned commit and checks its
+hash (:func:`fetch_prompt`). The verifier runs on a
+:class:`~recipe.stapo.eval.backends.GenerationBackend`.
 """
 
 from __future__ import annotations
@@ -210,10 +199,8 @@ class CompassVerifier(AnswerVerifier):
     ``justrl``, the bare problem for ``compassverifier``) and its parser (an output exactly "A",
     or :func:`~recipe.stapo.eval.protocols.compass_judgement`).
 
-    Neither reference truncates: the whole response is shown. Only a prompt longer than the
-    backend's context (known for vLLM and transformers; CompassVerifier-3B's is 32,768 tokens, which
-    a 20,480-token response and the prompt fit) is shortened, by cutting the start of the response
-    and keeping its end, and the verdict records how many characters were dropped.
+    The whole response is shown; only a prompt longer than the backend's context is shortened
+    (:meth:`fitted_prompt`), and the verdict records how many characters were dropped.
 
     Args:
         backend: runs the judge model (its ``greedy``, ``tokenizer`` and ``context_length``).
