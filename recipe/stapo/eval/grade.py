@@ -66,9 +66,11 @@ RETRY_LIMIT_FACTORS = (2.0, 4.0)
 """An ungraded answer is retried, at once, with these multiples of the per-answer limit."""
 
 
-def _check_grader(grader: str) -> None:
+def _grade_function(grader: str):
+    """The ``grade_answer`` of ``grader`` (ValueError naming the graders for another name)."""
     if grader not in GRADERS:
         raise ValueError(f"unknown answer grader {grader!r}; known {list(GRADERS)}")
+    return lenient_grade_answer if grader == "lenient" else justrl_grade_answer
 
 
 @lru_cache(maxsize=2)
@@ -91,7 +93,7 @@ def grader_identity(timeout_s: float = DEFAULT_TIMEOUT_S, grader: str = "lenient
         except PackageNotFoundError:
             return None
 
-    _check_grader(grader)
+    _grade_function(grader)
     return {
         "grader": grader,
         "code_sha256": _grader_source_sha256(grader),
@@ -100,10 +102,6 @@ def grader_identity(timeout_s: float = DEFAULT_TIMEOUT_S, grader: str = "lenient
         "timeout_s": float(timeout_s),
         "retry_limit_factors": list(RETRY_LIMIT_FACTORS),
     }
-
-
-def _grade_function(grader: str):
-    return lenient_grade_answer if grader == "lenient" else justrl_grade_answer
 
 
 def grade_answers(
@@ -122,7 +120,6 @@ def grade_answers(
             ``timeout_s`` and ``grader``); new grades are appended to it (ungraded ones never).
         grader: ``lenient`` or ``justrl`` (:data:`GRADERS`).
     """
-    _check_grader(grader)
     grade_one = _grade_function(grader)
     truth = {p.index: p.ground_truth for p in problems}
     cached = cache.load() if cache is not None else {}
@@ -145,16 +142,13 @@ def grade_answers(
             fresh.clear()
         return True
 
-    retry = []
-    for key in tqdm(todo, desc=desc, unit="sample"):
-        if not keep(key, grade_one(records[key]["response"], truth[key[0]], timeout_s), False):
-            retry.append(key)
-    for round_number, factor in enumerate(RETRY_LIMIT_FACTORS, start=1):
-        if not retry:
-            break
+    for round_number, factor in enumerate((1.0, *RETRY_LIMIT_FACTORS)):
         last = round_number == len(RETRY_LIMIT_FACTORS)
-        retry = [key for key in tqdm(retry, desc=f"{desc} (retry x{factor:g} limit)", unit="sample")
-                 if not keep(key, grade_one(records[key]["response"], truth[key[0]], timeout_s * factor), last)]
+        label = f"{desc} (retry x{factor:g} limit)" if round_number else desc
+        todo = [key for key in tqdm(todo, desc=label, unit="sample")
+                if not keep(key, grade_one(records[key]["response"], truth[key[0]], timeout_s * factor), last)]
+        if not todo:
+            break
     if cache is not None:
         cache.append(fresh)
     return {key: graded[key] for key in sorted(records)}

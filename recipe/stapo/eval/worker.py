@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from recipe.stapo.eval.backends import SamplingConfig
+from recipe.stapo.eval.backends import LazyBackend, SamplingConfig
 from recipe.stapo.eval.generate import JsonlStore, generate_items
 from recipe.stapo.eval.run_eval import DECODINGS, EvalConfig, backend_factory, load_problems
 
@@ -25,8 +25,7 @@ def run_plan(plan_path: str | Path) -> int:
     plan = json.loads(Path(plan_path).read_text(encoding="utf-8"))
     config = EvalConfig(**{k: tuple(v) if k in ("decodings", "benchmarks") else v for k, v in plan["config"].items()})
     folder = Path(plan_path).parent
-    factory = backend_factory(config)
-    backend = None
+    backend = LazyBackend(backend_factory(config))  # built for the first block
     made = 0
     by_block: dict[tuple[str, str], list[tuple[str, int]]] = {}
     for decoding, bench, problem_id, sample in plan["items"]:
@@ -38,16 +37,13 @@ def run_plan(plan_path: str | Path) -> int:
             if missing:
                 raise ValueError(f"{plan_path}: problem {missing[0]!r} of {bench} is not in {config.benchmarks_dir}")
             temperature, top_p = DECODINGS[decoding]
-            if backend is None:
-                backend = factory()
             made += len(generate_items(
                 backend, [(catalog[pid], s) for pid, s in wanted], SamplingConfig(temperature, top_p, config.max_new_tokens),
                 JsonlStore(folder / "generations" / f"{bench}__{decoding}.jsonl"), bench, decoding, config.seed,
                 config.batch_size,
             ))
-    finally:
-        if backend is not None:  # a vLLM engine's processes end with the worker's work
-            backend.close()
+    finally:  # a vLLM engine's processes end with the worker's work
+        backend.release()
     return made
 
 
