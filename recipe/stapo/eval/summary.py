@@ -39,8 +39,7 @@ def block_prompt_form(problems: Sequence[Problem]) -> str:
     """The prompt form of a benchmark's problems (:func:`recipe.stapo.data.prepare.prompt_form`:
     ``justrl-eval``, JustRL's evaluation prompt and Table 2's, ``train``, or ``custom``), or
     ``mixed`` when its problems do not share one."""
-    forms = {prompt_form(p.question) for p in problems}
-    return forms.pop() if len(forms) == 1 else "mixed"
+    return _shared({prompt_form(p.question) for p in problems})
 
 
 def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float, protocol: str = DEFAULT_PROTOCOL) -> dict:
@@ -164,12 +163,11 @@ def summary_markdown(summary: dict) -> str:
     lines = [f"# {summary['model']}", "", f"Grading: {grading.get('description', summary.get('verifier'))}",
              f"Prompt form: {summary.get('prompt_form', 'unrecorded')}", "", head, "|" + "---|" * (len(benches) + 3)]
     label = grading.get("label", "")
+    rows = [(label, "mean_at_n", "avg")] + ([("rule-only", "grader_mean_at_n", "grader_avg")] if label == "rule+verifier" else [])
     for name, dec in summary["decodings"].items():
-        cells = [f"{dec['benchmarks'][b]['mean_at_n']:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
-        lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | {label} | " + " | ".join(cells) + f" | {dec['avg']:.2f} |")
-        if label == "rule+verifier":
-            cells = [f"{dec['benchmarks'][b]['grader_mean_at_n']:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
-            lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | rule-only | " + " | ".join(cells) + f" | {dec['grader_avg']:.2f} |")
+        for row_label, key, avg in rows:
+            cells = [f"{dec['benchmarks'][b][key]:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
+            lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | {row_label} | " + " | ".join(cells) + f" | {dec[avg]:.2f} |")
     ungraded = sum(dec.get("ungraded", 0) for dec in summary["decodings"].values())
     if ungraded:
         lines += ["", f"**Not finished: {ungraded} answers are ungraded** (their check could not run); rerun the same "

@@ -151,9 +151,9 @@ def parse_markdown_table(text: str, source: str = "<table>") -> list[Row]:
         unusable: dict[str, set] = {}
         for name, cell in zip(header[2:], cells[2:]):
             for decoding, value in _parse_cell(cell, f"{source}: line {number}, column {name}").items():
-                problem = _percent_issue(value)
+                problem = _cell_issue(name, decoding, value)
                 if problem:
-                    bad.setdefault(decoding, []).append(f"{name} ({_label(decoding)}) = {value:g} {problem}")
+                    bad.setdefault(decoding, []).append(problem)
                     unusable.setdefault(decoding, set()).add(name)
                 else:
                     row.values.setdefault(decoding, {})[name] = value
@@ -168,9 +168,15 @@ def _label(decoding: str) -> str:
     return DECODING_LABEL.get(decoding, decoding)
 
 
-def _percent_issue(value: float) -> Optional[str]:
-    """Why ``value`` is not a percentage in [0, 100] (None when it is)."""
-    return None if 0.0 <= value <= 100.0 else "is not a percentage in [0, 100]"
+def _cell_issue(column: str, decoding: str, value: object) -> Optional[str]:
+    """Why the cell's ``value`` is no mean@N in percent: not a number, not finite, or not in [0, 100]
+    (None when it is one)."""
+    where = f"{column} ({_label(decoding)})"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"{where} is not a number"
+    if not math.isfinite(value):
+        return f"{where} is not a finite number"
+    return None if 0.0 <= value <= 100.0 else f"{where} = {value:g} is not a percentage in [0, 100]"
 
 
 def _whole_samples(value: float, total: Optional[int]) -> bool:
@@ -338,16 +344,12 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
                 issues.setdefault(decoding, []).append(
                     f"{column} ({_label(decoding)}): {ungraded} answers ungraded (their check could not run; rerun "
                     "eval.sh on its folder to grade them)")
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                issues.setdefault(decoding, []).append(f"{column} ({_label(decoding)}) is not a number")
-            elif not math.isfinite(value):
-                issues.setdefault(decoding, []).append(f"{column} ({_label(decoding)}) is not a finite number")
-            elif _percent_issue(value):
-                issues.setdefault(decoding, []).append(f"{column} ({_label(decoding)}) = {value:g} {_percent_issue(value)}")
+            problem = _cell_issue(column, decoding, value)
+            if problem:
+                issues.setdefault(decoding, []).append(problem)
+                unusable.setdefault(decoding, set()).add(column)
             else:
                 values[column] = float(value)
-                continue
-            unusable.setdefault(decoding, set()).add(column)
         if all(c in values for c in COLUMNS):
             values[AVG] = sum(values[c] for c in COLUMNS) / len(COLUMNS)
         row.values[decoding] = values
@@ -433,25 +435,24 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
         path = Path(spec)
         if not path.is_file():
             raise FileNotFoundError(f"table input not found: {path}")
-        if path.suffix.lower() == ".json":
-            try:
-                summary = json.loads(path.read_bytes().decode("utf-8"))
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{path}: not UTF-8 text (byte {exc.start + 1}); not a summary written by "
-                                 "recipe.stapo.eval.run_eval") from None
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from exc
-            if not isinstance(summary, dict):
-                raise ValueError(f"{path}: not a summary (a JSON object)")
-            rows.append(row_from_summary(summary, str(path), label, grading))
-        else:
-            if grading == "rule-only":
-                raise ValueError(f"{path}: --grading rule-only needs summary.json inputs (a printed table has one grading)")
-            try:
-                text = path.read_bytes().decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"{path}: not UTF-8 text (byte {exc.start + 1}); expected a markdown table") from None
+        is_summary = path.suffix.lower() == ".json"
+        if not is_summary and grading == "rule-only":
+            raise ValueError(f"{path}: --grading rule-only needs summary.json inputs (a printed table has one grading)")
+        try:
+            text = path.read_bytes().decode("utf-8")
+        except UnicodeDecodeError as exc:
+            expected = "not a summary written by recipe.stapo.eval.run_eval" if is_summary else "expected a markdown table"
+            raise ValueError(f"{path}: not UTF-8 text (byte {exc.start + 1}); {expected}") from None
+        if not is_summary:
             rows.extend(parse_markdown_table(text, str(path)))
+            continue
+        try:
+            summary = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from exc
+        if not isinstance(summary, dict):
+            raise ValueError(f"{path}: not a summary (a JSON object)")
+        rows.append(row_from_summary(summary, str(path), label, grading))
     seen = set()
     for row in rows:
         if (row.scale, row.method) in seen:
