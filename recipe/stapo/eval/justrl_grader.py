@@ -15,9 +15,6 @@ from typing import Any, Optional
 
 from recipe.stapo.reward.lenient import Graded, check_symbolic
 
-GRADER = "justrl"
-"""Name of this grader in grading identities and summaries."""
-
 _UNITS = (
     "degree", "cm", "centimeter", "meter", "mile", "second", "minute", "hour", "day", "week", "month",
     "year", "foot", "feet", "inch", "yard",

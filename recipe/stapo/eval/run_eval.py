@@ -2,12 +2,7 @@
 
 CLI::
 
-    python -m recipe.stapo.eval.run_eval --model CKPT --benchmarks-dir DIR --out OUT \\
-        [--decoding both|train|justrl] [--backend vllm|hf] [--verifier auto|compass|none] \\
-        [--grading-protocol justrl|compassverifier] [--verifier-dtype auto] \\
-        [--benchmarks aime24,aime25,...] [--n-samples 32 | --n-samples aime24=64,math500=8] \\
-        [--max-new-tokens 20480] [--seed 0] [--scale 8B --method STAPO] \\
-        [--data-parallel-size auto|K] [--tensor-parallel-size T] [--gpus 0,1,...]
+    python -m recipe.stapo.eval.run_eval --model CKPT --benchmarks-dir DIR --out OUT [options: --help]
 
 ``DIR`` holds ``<benchmark>.parquet`` files written by ``python -m recipe.stapo.data.prepare bench``.
 Outputs under ``OUT``: ``generations/<bench>__<decoding>.jsonl`` (one line per sample, appended
@@ -208,8 +203,6 @@ def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
         first_row[problem_id] = index
         question = next((m["content"] for m in messages if m["role"] == "user"), messages[-1]["content"])
         problems.append(Problem(index, problem_id, messages, truth, question))
-    if not problems:
-        raise ValueError(f"{path}: no problems")
     return problems[:limit]
 
 
@@ -389,7 +382,7 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
                 f"{exc}. {bench} was evaluated earlier in {out} and summary.json covers every benchmark of the folder: "
                 "pass the --benchmarks-dir the folder was made with"
             ) from None
-    blocks, pending = [], 0
+    blocks = []
     missing_by_block: dict[tuple[str, str], int] = {}
     for decoding in DECODINGS:
         for bench in catalogs:
@@ -409,9 +402,9 @@ def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, inje
                     f"missing from {store(out, 'generations', bench, decoding).path}; rerun with --decoding {decoding} "
                     f"--benchmarks {bench} to complete it"
                 )
-            pending += missing
             missing_by_block[decoding, bench] = missing
             blocks.append(Block(decoding, bench, n, limit, problems, current))
+    pending = sum(missing_by_block.values())
     if pending and not injected_backend:
         check_model_source(config.model)
         check_context(config, blocks, missing_by_block)
@@ -499,12 +492,14 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
                 merge_parts(store(out, "generations", block.bench, block.decoding), parts, plan.catalogs[block.bench],
                             block.bench, block.decoding, config.seed, str(data_dir / f"{block.bench}.parquet"))
 
+    def saved(block: Block) -> dict:
+        return saved_samples(store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
+                             block.bench, block.decoding, config.seed)
+
     merge_all()
     todo: list[tuple[Block, list]] = []
     for block in plan.blocks:
-        saved = saved_samples(store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
-                              block.bench, block.decoding, config.seed)
-        items = pending_items(block.problems, block.n_samples, saved)
+        items = pending_items(block.problems, block.n_samples, saved(block))
         if items:
             todo.append((block, items))
     # vLLM always generates in worker processes: their GPU memory is surely free when they exit,
@@ -528,11 +523,8 @@ def _execute(config, plan: _Plan, factory, verifier, after_batch, lock) -> dict:
     for block in plan.blocks:
         evaluated.setdefault(block.decoding, {})[block.bench] = {"n_samples": block.n_samples, "limit": block.limit}
     atomic_write_json(out / "run_config.json", {**run_config, "evaluated": evaluated})
-    records = {}
-    for block in plan.blocks:
-        saved = saved_samples(store(out, "generations", block.bench, block.decoding), plan.catalogs[block.bench],
-                              block.bench, block.decoding, config.seed)
-        records[block.decoding, block.bench] = collect_records(block.problems, block.n_samples, saved)
+    records = {(block.decoding, block.bench): collect_records(block.problems, block.n_samples, saved(block))
+               for block in plan.blocks}
     built = verifier is None and plan.verifier_name == "compass"
     if built:  # built only now: the policy's GPU memory is free
         kwargs = {} if config.backend == "hf" else {"gpu_memory_utilization": config.gpu_memory_utilization}

@@ -124,10 +124,11 @@ class VerifierPrompt:
         return f"custom prompt {self.sha256[:12]} ({self.source})"
 
 
-def _template_from_python(path: Path, name: str) -> str:
-    """The string literal assigned to ``name`` in a Python file (read with ``ast``; nothing runs)."""
+def _template_from_python(text: str, path: Path, name: str) -> str:
+    """The string literal assigned to ``name`` in the Python file ``path`` holding ``text`` (read with
+    ``ast``; nothing runs)."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        tree = ast.parse(text, filename=str(path))
     except SyntaxError as exc:
         raise ValueError(f"verifier prompt file {path}: not valid Python ({exc.msg}, line {exc.lineno})") from None
     for node in tree.body:
@@ -160,8 +161,14 @@ def load_verifier_prompt(path: str | Path, name: str = DEFAULT_PROMPT_NAME) -> V
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"verifier prompt file {path} not found; {FETCH_HINT}")
-    template = _template_from_python(path, name) if path.suffix == ".py" else path.read_text(encoding="utf-8")
-    source = f"{path}:{name}" if path.suffix == ".py" else str(path)
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".py":
+        return _checked_prompt(_template_from_python(text, path, name), f"{path}:{name}")
+    return _checked_prompt(text, str(path))
+
+
+def _checked_prompt(template: str, source: str) -> VerifierPrompt:
+    """``template`` (from ``source``) as a :class:`VerifierPrompt`, checked as :func:`load_verifier_prompt` says."""
     fix = (
         "a template is filled by str.format: the placeholders are {question}, {gold_answer} and "
         "{llm_response}, and every literal brace is doubled ({{ and }}, e.g. \\boxed{{}} or $\\frac{{1}}{{2}}$)"
@@ -327,20 +334,15 @@ def fetch_prompt(out: str | Path, source: Optional[str] = None) -> VerifierPromp
             ) from None
     else:
         text = Path(source).read_text(encoding="utf-8")
-    out = Path(out)
-    staged = out.with_name(f".{out.name}.check.py")
-    atomic_write(staged, text)
-    try:
-        prompt = load_verifier_prompt(staged, DEFAULT_PROMPT_NAME)
-    finally:
-        staged.unlink(missing_ok=True)
+    source_name = f"{out}:{DEFAULT_PROMPT_NAME}"
+    prompt = _checked_prompt(_template_from_python(text, Path(out), DEFAULT_PROMPT_NAME), source_name)
     if prompt.official != DEFAULT_PROMPT_NAME:
         raise ValueError(
             f"{source or OFFICIAL_URL}: its CV_PROMPT has sha256 {prompt.sha256}, not the official "
             f"{OFFICIAL_PROMPT_SHA256[DEFAULT_PROMPT_NAME]} ({OFFICIAL_REPOSITORY}@{OFFICIAL_COMMIT[:7]}); nothing written"
         )
     atomic_write(out, text)
-    return VerifierPrompt(prompt.template, f"{out}:{DEFAULT_PROMPT_NAME}", prompt.sha256, prompt.official)
+    return prompt
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
