@@ -144,24 +144,21 @@ PANELS = (
 )
 
 
+def _panel_keys(panel: Panel, runs: Mapping[str, Mapping[str, Series]]) -> list[tuple[str, Mapping, str]]:
+    """``(line label, metrics, metric key)`` of each line of one panel over runs ``{label: metrics}``."""
+    return [(f"{label} ({suffix})" if suffix else label, metrics, key)
+            for label, metrics in runs.items() for suffix, key in panel.select(metrics).items()]
+
+
 def panel_lines(panel: Panel, runs: Mapping[str, Mapping[str, Series]]) -> dict[str, Series]:
     """``{line label: series}`` of one panel over runs ``{label: metrics}`` (runs without it left out)."""
-    lines = {}
-    for label, metrics in runs.items():
-        for suffix, key in panel.select(metrics).items():
-            lines[f"{label} ({suffix})" if suffix else label] = metrics[key]
-    return lines
+    return {line: metrics[key] for line, metrics, key in _panel_keys(panel, runs)}
 
 
 def panel_marks(panel: Panel, runs: Mapping[str, Mapping[str, Series]]) -> dict[str, list]:
     """``{line label: [(step, value)]}``: the non-finite values of each line of :func:`panel_lines`
     (lines without any left out)."""
-    marks = {}
-    for label, metrics in runs.items():
-        for suffix, key in panel.select(metrics).items():
-            if points := _nonfinite(metrics, key):
-                marks[f"{label} ({suffix})" if suffix else label] = points
-    return marks
+    return {line: points for line, metrics, key in _panel_keys(panel, runs) if (points := _nonfinite(metrics, key))}
 
 
 def _describe_points(points: Sequence[tuple]) -> str:
@@ -322,32 +319,37 @@ def band(series: Sequence[Series]) -> Band:
                 [max(values[s]) for s in steps], [len(values[s]) for s in steps])
 
 
-#: panels of the study figure: (name, title, selector, log scale); the grad-norm panel is special
-BAND_PANELS = (
-    ("reward", "Training reward (critic/score/mean)", _first_of("critic/score/mean", "critic/rewards/mean"), False),
-    ("val_accuracy", "Validation accuracy", _val_accuracy, False),
-    ("entropy", "Mean entropy (actor/entropy)", _first_of("actor/entropy"), False),
-    ("entropy_p95", "p95 entropy (actor/entropy_p95)", _first_of("actor/entropy_p95"), False),
-    ("silenced_frac", "Silenced fraction (actor/s2t/silenced_frac)", _first_of("actor/s2t/silenced_frac"), True),
-    ("grad_norm", "Closed-form grad norm\nsilenced (dashed), kept candidates (dotted), all kept (solid)", None,
-     False),
-    ("dlogp", "Log-prob change across the update\nsilenced (dashed), kept candidates (dotted), all (solid)", None,
-     False),
-)
 #: the grad-norm panel's lines: (metric, line style, variant label)
 GRAD_NORM_KEYS = (("actor/s2t/grad_norm_kept", "-", "kept"),
                   ("actor/s2t/grad_norm_kept_candidates", ":", "kept candidates"),
                   ("actor/s2t/grad_norm_silenced", "--", "silenced"))
 
 
+def _grad_norm_keys(metrics: Mapping[str, Series]) -> dict[str, str]:
+    """``{label: actor/s2t/grad_norm_<set>}`` for the sets the run logged (:data:`GRAD_NORM_KEYS` order)."""
+    return {variant: key for key, _, variant in GRAD_NORM_KEYS if key in metrics}
+
+
+#: the study panels of several lines: their variants, in legend order (any other panel has one line, variant "")
+BAND_VARIANTS = {"grad_norm": [variant for *_, variant in GRAD_NORM_KEYS], "dlogp": [label for *_, label in DLOGP_SETS]}
+#: panels of the study figure: (name, title, selector, log scale)
+BAND_PANELS = (
+    ("reward", "Training reward (critic/score/mean)", _first_of("critic/score/mean", "critic/rewards/mean"), False),
+    ("val_accuracy", "Validation accuracy", _val_accuracy, False),
+    ("entropy", "Mean entropy (actor/entropy)", _first_of("actor/entropy"), False),
+    ("entropy_p95", "p95 entropy (actor/entropy_p95)", _first_of("actor/entropy_p95"), False),
+    ("silenced_frac", "Silenced fraction (actor/s2t/silenced_frac)", _first_of("actor/s2t/silenced_frac"), True),
+    ("grad_norm", "Closed-form grad norm\nsilenced (dashed), kept candidates (dotted), all kept (solid)",
+     _grad_norm_keys, False),
+    ("dlogp", "Log-prob change across the update\nsilenced (dashed), kept candidates (dotted), all (solid)",
+     _dlogp_keys, False),
+)
+
+
 def _band_keys(name: str, metrics: Mapping[str, Series]) -> dict[str, str]:
-    """``{variant: metric key}`` one run logged for study panel ``name``."""
-    if name == "grad_norm":
-        return {variant: key for key, _, variant in GRAD_NORM_KEYS if key in metrics}
-    if name == "dlogp":
-        return _dlogp_keys(metrics)
-    select = next(p[2] for p in BAND_PANELS if p[0] == name)
-    return {"": key for key in list(select(metrics).values())[:1]}
+    """``{variant: metric key}`` one run logged for study panel ``name`` (a one-line panel: its first key)."""
+    keys = next(p[2] for p in BAND_PANELS if p[0] == name)(metrics)
+    return keys if name in BAND_VARIANTS else {"": key for key in list(keys.values())[:1]}
 
 
 def band_lines(name: str, groups: Mapping[str, Sequence[Mapping[str, Series]]]) -> dict[tuple[str, str], Band]:
@@ -358,10 +360,8 @@ def band_lines(name: str, groups: Mapping[str, Sequence[Mapping[str, Series]]]) 
         for metrics in runs:
             for variant, key in _band_keys(name, metrics).items():
                 series.setdefault((method, variant), []).append(metrics[key])
-    order = ([variant for _, _, variant in GRAD_NORM_KEYS] if name == "grad_norm"
-             else [label for *_, label in DLOGP_SETS] if name == "dlogp" else [""])
     return {(method, variant): band(series[(method, variant)])
-            for method in groups for variant in order if (method, variant) in series}
+            for method in groups for variant in BAND_VARIANTS.get(name, [""]) if (method, variant) in series}
 
 
 def band_marks(name: str, groups: Mapping[str, Sequence[Mapping[str, Series]]]) -> dict[tuple[str, str], list]:
