@@ -183,8 +183,7 @@ def iter_local_rows(path: Path) -> Iterator[tuple[int, Any]]:
             frame = pd.read_parquet(path)
         except (ValueError, OSError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise ValueError(f"{path}: cannot be read as a parquet file ({type(exc).__name__}: {exc})") from None
-        for number, row in enumerate(frame.to_dict(orient="records"), start=1):
-            yield number, row
+        yield from enumerate(frame.to_dict(orient="records"), start=1)
     elif suffix == ".jsonl":
         with open(path, "rb") as handle:
             for number, raw in enumerate(handle, start=1):
@@ -521,17 +520,18 @@ def prepare_dataset(
 
         try:
             atomic_write(out_path, lambda tmp: pd.DataFrame(table).to_parquet(tmp, index=False), record)
-        except BaseException:
-            if pending:
-                _put_back_manifest(manifest_dir, previous)
+        except BaseException:  # the manifest is put back as it was
+            if pending and previous is None:
+                (Path(manifest_dir) / MANIFEST_NAME).unlink(missing_ok=True)
+            elif pending:
+                atomic_write_json(Path(manifest_dir) / MANIFEST_NAME, previous)
             raise
         if manifest_dir is not None:
             _write_manifest(manifest_dir, previous, results)
-    result = results[0]
     if spec.expected_rows is not None and len(records) != spec.expected_rows:
         print(f"[prepare] note: {spec.name} has {len(records)} rows, its default source has {spec.expected_rows} "
               "(docs/eval.md)", file=sys.stderr)
-    return result
+    return results[0]
 
 
 LOCK_NAME = ".prepare.lock"
@@ -628,14 +628,6 @@ def _write_manifest(out_dir: Path, previous: Optional[dict], results: Sequence[P
     if pending:
         manifest["pending"] = pending
     return atomic_write_json(Path(out_dir) / MANIFEST_NAME, manifest)
-
-
-def _put_back_manifest(out_dir: Path, previous: Optional[dict]) -> None:
-    path = Path(out_dir) / MANIFEST_NAME
-    if previous is None:
-        path.unlink(missing_ok=True)
-    else:
-        atomic_write_json(path, previous)
 
 
 # ----------------------------------------------------------------------------------------------
