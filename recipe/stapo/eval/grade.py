@@ -1,12 +1,9 @@
 """Grading of generated samples and the mean@N metric (docs/eval.md).
 
-Stage 1 is the grading protocol's rule-based answer grader (:mod:`recipe.stapo.eval.protocols`),
-with a hard time limit per answer; stage 2, when a verifier is given, re-checks only the samples
-stage 1 did not find correct. An ungraded answer is retried at once with
-:data:`RETRY_LIMIT_FACTORS` times the limit; one past the limit on every try is graded wrong as
-``timed_out``, one whose check never ran stays ungraded and uncached. Both stages cache their
-results (:class:`~recipe.stapo.eval.generate.ResultCache`) keyed by the sample and by the identity of
-what decided it (:func:`grader_identity`, the verifier's ``identity()``).
+Stage 1 is the grading protocol's rule-based answer grader (:mod:`recipe.stapo.eval.protocols`,
+retried with :data:`RETRY_LIMIT_FACTORS` times the limit on an ungraded answer), stage 2 a verifier
+on what stage 1 did not find correct; both cache their results keyed by the sample and by what
+decided them (:func:`grader_identity`, the verifier's ``identity()``).
 """
 
 from __future__ import annotations

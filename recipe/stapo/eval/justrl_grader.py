@@ -1,11 +1,8 @@
 """JustRL's rule-based answer grader, the first stage of the ``justrl`` grading protocol (docs/eval.md).
 
-JustRL's ``grade_answer_verl``, built from verl's copy of the DeepScaleR / PRIME math check: the
-content of the response's last ``\\boxed{...}`` anywhere is correct when it equals the ground truth
-after the MATH ("mathd") normalisation, or when the sympy check accepts the pair
-(:func:`sympy_normalize`, JustRL's version). The sympy stage runs in guard helpers of its own under a
-hard time limit (JustRL's has none): a check that cannot run to its end leaves the answer ungraded,
-never wrong. How it differs from the lenient grader: docs/eval.md.
+JustRL's ``grade_answer_verl`` (docs/eval.md tables how it differs from the lenient grader); its
+sympy stage runs in guard helpers of its own under a hard time limit (JustRL's has none): a check
+that cannot run to its end leaves the answer ungraded, never wrong.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The lenient reward: normalised-string or symbolic equality, time-bounded. Used by the evaluation.
 
-A response is correct when the content of its last ``\\boxed{...}`` (or ``\\fbox{...}``) in its final
-:data:`TAIL_CHARS` characters equals the ground truth after
-:func:`~recipe.stapo.reward.answers.normalize_answer`, or ``math_verify`` proves them equal (an
-interval never equals a set). The symbolic stage runs in a guard helper killed after ``timeout_s``
-(:mod:`recipe.stapo.reward.guard`); a check that could not run to its end leaves the answer
-*ungraded* (:class:`Graded` ``correct=None``), never silently wrong. docs/reward.md gives the
-readings of ambiguous spellings and the time bounds.
+docs/reward.md ("Lenient reward") says when an answer is correct. The symbolic stage runs in a
+guard helper killed after ``timeout_s`` (:mod:`recipe.stapo.reward.guard`); a check that could not
+run to its end leaves the answer *ungraded* (:class:`Graded` ``correct=None``), never wrong.
 """
 
 from __future__ import annotations
