@@ -162,10 +162,7 @@ def worker_launches(out: Path, workers: int, backend: str, tensor_parallel_size:
     launches = []
     for rank in range(workers):
         folder = Path(out) / WORKERS_DIR / f"rank{rank}"
-        if backend == "vllm":
-            devices = ",".join(gpus[rank * tensor_parallel_size : (rank + 1) * tensor_parallel_size])
-        else:
-            devices = ""
+        devices = ",".join(gpus[rank * tensor_parallel_size : (rank + 1) * tensor_parallel_size]) if backend == "vllm" else ""
         argv = [sys.executable, "-m", "recipe.stapo.eval.worker", "--plan", str(folder / "plan.json")]
         launches.append(WorkerLaunch(rank, argv, {"CUDA_VISIBLE_DEVICES": devices}, folder))
     return launches
