@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from recipe.stapo.eval.tables import markdown_table
 from recipe.stapo.plots import stopped_message
 from stapo_core.fileio import atomic_write, check_output_folder
 from stapo_core.token_records import QUADRANTS, TOKEN_DUMP_DIR, read_dump
@@ -309,12 +310,6 @@ def _md_escape(text: str) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n").replace("`", "\\`").replace("*", "\\*").replace("_", "\\_")
 
 
-def _md_table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
 def _md_sample_rows(sample: list) -> list[list[str]]:
     return [[str(t["step"]), _md_escape(f"{t['uid']}#{t['response_index']}"), str(t["position"]),
              _md_escape(t["context_before"]) + " **[" + _md_escape(t["token"]) + "]** " + _md_escape(t["context_after"]),
@@ -328,19 +323,19 @@ def render_markdown(report: Report) -> str:
         f"# S2T spurious-token report\n\nRun: `{report.run_dir}`. {report.n_tokens} token records, "
         f"{report.n_responses} response records.",
         *(["## Notes\n\n" + "\n".join(f"- {_md_escape(n)}" for n in report.notes)] if report.notes else []),
-        "## Summary per step\n\n" + _md_table(STEP_HEADER, _step_rows(report)),
+        "## Summary per step\n\n" + markdown_table(STEP_HEADER, _step_rows(report)),
         *(["## Skipped files\n\n" + "\n".join(f"- `{p}`: {r}" for p, r in report.skipped)] if report.skipped else []),
-        "## Sample of silenced tokens\n\n" + _md_table(SAMPLE_HEADER, _md_sample_rows(report.silenced_sample)),
-        "## Sample of kept candidates\n\n" + _md_table(SAMPLE_HEADER, _md_sample_rows(report.kept_sample)),
-        "## Most frequent silenced tokens\n\n" + _md_table(FREQ_HEADER, [
+        "## Sample of silenced tokens\n\n" + markdown_table(SAMPLE_HEADER, _md_sample_rows(report.silenced_sample)),
+        "## Sample of kept candidates\n\n" + markdown_table(SAMPLE_HEADER, _md_sample_rows(report.kept_sample)),
+        "## Most frequent silenced tokens\n\n" + markdown_table(FREQ_HEADER, [
             [_md_escape(repr(f.token)), str(f.token_id), str(f.count), _num(f.mean_prob), _num(f.mean_entropy)]
             for f in report.frequent]),
         "## Four-quadrant taxonomy (tokens of positive-advantage responses)\n\n"
         "Low p: p < tau_p. Low H: H < tau_h of the step (or the response's median entropy when tau_h is "
-        f"undefined). Gradient norm: sqrt(1 - 2p + sum p^2) per unit weight. {DLOGP_NOTE}\n\n" + _md_table(QUAD_HEADER, [
+        f"undefined). Gradient norm: sqrt(1 - 2p + sum p^2) per unit weight. {DLOGP_NOTE}\n\n" + markdown_table(QUAD_HEADER, [
             [q.name, QUADRANT_LABELS[q.name], str(q.count), f"{100 * q.share:.2f}%", _num(q.mean_grad_norm),
              _num(q.mean_dlogp)] for q in report.quadrants]),
-        "## Update effect on the dumped candidates\n\n" + _md_table(EFFECT_HEADER, [
+        "## Update effect on the dumped candidates\n\n" + markdown_table(EFFECT_HEADER, [
             [EFFECT_LABELS[e.name], str(e.count), _num(e.mean_dlogp)] for e in report.effects]),
     ]
     return "\n\n".join(parts) + "\n"

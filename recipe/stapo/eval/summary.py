@@ -12,6 +12,7 @@ from recipe.stapo.data.prepare import BENCHMARK_SPECS, prompt_form
 from recipe.stapo.eval.generate import DECODINGS, Problem, ResultCache, json_sha256, problems_sha256, store
 from recipe.stapo.eval.grade import apply_verifier, grade_answers, grader_identity, mean_at_n
 from recipe.stapo.eval.protocols import DEFAULT_PROTOCOL, get_protocol
+from recipe.stapo.eval.tables import markdown_table
 from recipe.stapo.eval.verifier import DEFAULT_PROMPT_NAME, AnswerVerifier, CompassVerifier
 
 BENCHMARKS: tuple[str, ...] = tuple(BENCHMARK_SPECS)
@@ -159,15 +160,14 @@ def summary_markdown(summary: dict) -> str:
     naming the grading (and rule-only rows when a verifier was used)."""
     benches = benchmark_order({b for d in summary["decodings"].values() for b in d["benchmarks"]})
     grading = summary.get("grading") or {}
-    head = "| decoding | grading | " + " | ".join(benches) + " | Avg |"
-    lines = [f"# {summary['model']}", "", f"Grading: {grading.get('description', summary.get('verifier'))}",
-             f"Prompt form: {summary.get('prompt_form', 'unrecorded')}", "", head, "|" + "---|" * (len(benches) + 3)]
     label = grading.get("label", "")
-    rows = [(label, "mean_at_n", "avg")] + ([("rule-only", "grader_mean_at_n", "grader_avg")] if label == "rule+verifier" else [])
-    for name, dec in summary["decodings"].items():
-        for row_label, key, avg in rows:
-            cells = [f"{dec['benchmarks'][b][key]:.2f}" if b in dec["benchmarks"] else "-" for b in benches]
-            lines.append(f"| {name} ({dec['temperature']}/{dec['top_p']}) | {row_label} | " + " | ".join(cells) + f" | {dec[avg]:.2f} |")
+    gradings = [(label, "mean_at_n", "avg")] + ([("rule-only", "grader_mean_at_n", "grader_avg")] if label == "rule+verifier" else [])
+    rows = [[f"{name} ({dec['temperature']}/{dec['top_p']})", row_label,
+             *(f"{dec['benchmarks'][b][key]:.2f}" if b in dec["benchmarks"] else "-" for b in benches), f"{dec[avg]:.2f}"]
+            for name, dec in summary["decodings"].items() for row_label, key, avg in gradings]
+    lines = [f"# {summary['model']}", "", f"Grading: {grading.get('description', summary.get('verifier'))}",
+             f"Prompt form: {summary.get('prompt_form', 'unrecorded')}", "",
+             markdown_table(["decoding", "grading", *benches, "Avg"], rows)]
     ungraded = sum(dec.get("ungraded", 0) for dec in summary["decodings"].values())
     if ungraded:
         lines += ["", f"**Not finished: {ungraded} answers are ungraded** (their check could not run); rerun the same "

@@ -17,12 +17,11 @@ Headline: per decoding setting, the mean over model scales of STAPO's relative g
 that scale (a table's printed Avg column when the input is a table: that reproduces the paper's
 +7.13%).
 
-Every row must be complete (:func:`row_from_summary` lists what makes one partial) and share the
-table's protocol (:func:`protocol_of`, :func:`check_protocol`); ``--allow-partial`` and
-``--allow-mixed-protocol`` show such rows marked and left out of the headline, which names what it
-left out and why. Rule-only and verified rows are never mixed: ``--grading rule-only`` builds the
-table from the rule-only mean@N every summary also carries. docs/eval.md ("Build Table 2") gives
-the whole contract.
+Every row must be complete (:func:`row_from_summary`) and share the table's protocol
+(:func:`check_protocol`); ``--allow-partial`` and ``--allow-mixed-protocol`` show such rows marked
+and left out of the headline, which names what it left out and why. Rule-only and verified rows
+are never mixed: ``--grading rule-only`` builds the table from the rule-only mean@N every summary
+also carries. docs/eval.md ("Build Table 2") gives the whole contract.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ import json
 import math
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -289,13 +289,8 @@ def protocol_of(summary: dict, grading: str = "as-run") -> dict[str, object]:
 
 
 def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]] = None, grading: str = "as-run") -> Row:
-    """A row from a run_eval ``summary.json`` dict, its issues listed in ``Row.issues``.
-
-    Issues: ``limit`` set (smoke test) in the summary or a benchmark, a decoding block with
-    ``complete: false``, a decoding setting or benchmark missing, a value that is not a finite
-    number or not a percentage in [0, 100] (that cell is left empty and no Avg is computed),
-    every value at most 1 (fractions), or one value in (0, 1] among percentages that is not a whole
-    number of correct samples (a fraction), prompts in another form than :data:`EVAL_FORM`.
+    """A row from a run_eval ``summary.json`` dict, its issues (what makes it partial, as docs/eval.md
+    lists them; an unusable cell is left empty and no Avg is computed) in ``Row.issues``.
 
     Args:
         grading: ``as-run`` (``mean_at_n``) or ``rule-only`` (``grader_mean_at_n``).
@@ -368,22 +363,15 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
 
 
 def check_protocol(rows: Sequence[Row]) -> None:
-    """Set ``protocol_issues`` of every row whose protocol differs from the table's: per field,
-    the value more than half of the rows have. When no value has such a majority (two rows that
-    differ, or a three-way split) the table has no protocol for that field and every row that has
-    the field is marked, so that the order of the inputs never decides which row counts. A field a
-    row lacks (a benchmark it misses) is not compared: that row is partial anyway."""
-    fields: list[str] = []
-    for row in rows:
-        fields += [f for f in row.protocol if f not in fields]
+    """Set ``protocol_issues`` of every row whose protocol differs from the table's: per field, the
+    value more than half of the rows have; without such a majority every row that has the field is
+    marked (docs/eval.md, "One protocol per table"). A field a row lacks is not compared: that row is
+    partial anyway."""
     for row in rows:
         row.protocol_issues = []
-    for name in fields:
+    for name in dict.fromkeys(f for row in rows for f in row.protocol):
         having = [row for row in rows if name in row.protocol]
-        counts: dict[str, int] = {}
-        for row in having:
-            key = json.dumps(row.protocol[name], sort_keys=True)
-            counts[key] = counts.get(key, 0) + 1
+        counts = Counter(json.dumps(row.protocol[name], sort_keys=True) for row in having)
         if len(counts) == 1:
             continue
         majority = [key for key, count in counts.items() if 2 * count > len(having)]
@@ -637,9 +625,7 @@ def render(rows: Sequence[Row], fmt: str = "markdown") -> str:
             marks = (MARK if row.partial() else "") + (MIXED_MARK if row.protocol_issues else "")
             body.append((scale, row.method, cells, marks))
     if fmt == "markdown":
-        lines = ["| model | method | " + " | ".join(columns) + " |", "|" + "---|" * (len(columns) + 2)]
-        lines += [f"| {s} | {m}{' ' + p if p else ''} | " + " | ".join(c) + " |" for s, m, c, p in body]
-        return "\n".join(lines) + "\n"
+        return markdown_table(["model", "method", *columns], [[s, m + (" " + p if p else ""), *c] for s, m, c, p in body]) + "\n"
     lines = [
         "\\begin{tabular}{ll" + "c" * len(columns) + "}",
         "\\toprule",
@@ -655,6 +641,12 @@ def render(rows: Sequence[Row], fmt: str = "markdown") -> str:
         lines.append(f"{s} & {_latex_escape(m)}{mark} & " + " & ".join(c) + " \\\\")
     lines += ["\\bottomrule", "\\end{tabular}"]
     return "\n".join(lines) + "\n"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A Markdown table: the header row, its rule, one line per row (cells as given, no escaping)."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(row) + " |" for row in rows])
 
 
 def _latex_escape(text: str) -> str:
