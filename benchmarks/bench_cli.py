@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks.common import markdown_table, rotated
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ("import torch", [sys.executable, "-c", "import torch"])
 #: the preflight of a paper run (no data here: it refuses the missing files, after every check ran);
@@ -61,7 +63,7 @@ def measure(names: Sequence[str], rounds: int, progress=print, preflight: bool =
     times: dict[str, list[float]] = {label: [] for label, _ in commands}
     status: dict[str, tuple[int, int]] = {}
     for r in range(rounds):
-        order = commands[r % len(commands):] + commands[:r % len(commands)]
+        order = rotated(commands, r)
         for i, (label, command) in enumerate(order):
             seconds, code, lines = run_once(command)
             times[label].append(seconds)
@@ -74,9 +76,9 @@ def measure(names: Sequence[str], rounds: int, progress=print, preflight: bool =
 
 
 def table(rows: Sequence[dict]) -> str:
-    head = "| tool | `--help` median s | ratio to `import torch` | exit | lines |\n|---|---|---|---|---|\n"
-    return head + "".join(f"| {r['tool']} | {r['median_s']:.2f} | {r['ratio']:.2f} | {r['exit']} | {r['lines']} |\n"
-                          for r in rows)
+    header = ("tool", "`--help` median s", "ratio to `import torch`", "exit", "lines")
+    return markdown_table(header, ((r["tool"], f"{r['median_s']:.2f}", f"{r['ratio']:.2f}", r["exit"], r["lines"])
+                                   for r in rows))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks import common
 from benchmarks.bench_e2e import compare, markdown_table
 from recipe.stapo.metrics import read_metrics
 
@@ -126,16 +127,15 @@ def simulate(accuracy: float, *, ranks: int = 64, prompts: int = 256, n: int = 8
 
 
 def simulation_table(accuracies: Sequence[float], **kwargs) -> str:
-    lines = ["| mean accuracy | f: positive-advantage share of tokens | full: busiest / mean rank | "
-             "busiest rank, own sequences / full | busiest rank, balanced / full | micro-batches, own / full | "
-             "micro-batches, balanced / full |",
-             "|---|---|---|---|---|---|---|"]
+    header = ("mean accuracy", "f: positive-advantage share of tokens", "full: busiest / mean rank",
+              "busiest rank, own sequences / full", "busiest rank, balanced / full", "micro-batches, own / full",
+              "micro-batches, balanced / full")
+    keys = ("f", "full_imbalance", "own_tokens", "balanced_tokens", "own_micro", "balanced_micro")
+    rows = []
     for accuracy in accuracies:
         r = simulate(accuracy, **kwargs)
-        lines.append(f"| {accuracy:.1f} | {r['f']:.2f} | {r['full_imbalance']:.2f} | {r['own_tokens']:.2f} | "
-                     f"{r['balanced_tokens']:.2f} | "
-                     f"{r['own_micro']:.2f} | {r['balanced_micro']:.2f} |")
-    return "\n".join(lines)
+        rows.append([f"{accuracy:.1f}", *(f"{r[key]:.2f}" for key in keys)])
+    return common.markdown_table(header, rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -160,7 +160,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             p.error(f"--accuracy={args.accuracy!r}: expected comma-separated numbers in (0, 1)")
         print(f"bench_current_stats --simulate: {args.ranks} ranks, 256 prompts x 8, {args.mini_batches} mini-batches, "
               f"{args.sim_steps} steps, medians over mini-batches\n")
-        print(simulation_table(accuracies, ranks=args.ranks, mini_batches=args.mini_batches, steps=args.sim_steps))
+        print(simulation_table(accuracies, ranks=args.ranks, mini_batches=args.mini_batches, steps=args.sim_steps),
+              end="")
         return 0
     if args.steps <= args.warmup_steps:
         p.error("need --steps > --warmup-steps")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks import common
+from benchmarks.common import number
 from recipe.stapo.metrics import find_metrics_file, read_metrics
 from recipe.stapo.plots import stopped_message
 
@@ -102,12 +104,9 @@ def compare(baseline: dict[int, dict], method: dict[int, dict], *, warmup_steps:
 
 
 def markdown_table(rows: Sequence[PhaseRow], baseline: str = BASELINE, method: str = METHOD) -> str:
-    fmt = lambda x, p: "n/a" if math.isnan(x) else f"{x:.{p}f}"  # noqa: E731
-    head = (f"| phase | {baseline} median s | {method} median s | ratio {method}/{baseline} | n |\n"
-            "|---|---|---|---|---|\n")
-    return head + "".join(
-        f"| {r.phase} | {fmt(r.baseline_s, 3)} | {fmt(r.method_s, 3)} | {fmt(r.ratio, 3)} | {r.n} |\n" for r in rows
-    )
+    header = ("phase", f"{baseline} median s", f"{method} median s", f"ratio {method}/{baseline}", "n")
+    return common.markdown_table(header, ((r.phase, number(r.baseline_s, 3), number(r.method_s, 3), number(r.ratio, 3),
+                                           r.n) for r in rows))
 
 
 def report(baseline_run: str | Path, method_run: str | Path, warmup_steps: int = 1) -> str:

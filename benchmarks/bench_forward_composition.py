@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from benchmarks.common import markdown_table
 from stapo_core.s2t import s2t_mask
 
 
@@ -182,15 +183,13 @@ def run(model_path: Optional[str], n: int, length: int, taus: Sequence[float], s
 
 
 def table(results: Sequence[Composition]) -> str:
-    head = ("| dtype | tau_p | tokens | max dlogp full/positive | max dH full/positive | max dlogp full/alone | candidates "
-            "| silenced | flips full/positive | flips full/alone | tolerance | flips within it of a threshold |")
-    lines = [head, "|" + "---|" * 12]
-    for r in results:
-        lines.append(f"| {r.dtype} | {r.tau_p:g} | {r.tokens} | {r.max_dlogp_full_vs_positive:.2e} | "
-                     f"{r.max_dentropy_full_vs_positive:.2e} | {r.max_dlogp_full_vs_alone:.2e} | {r.candidates} | "
-                     f"{r.silenced} | {r.flips_full_vs_positive} | {r.flips_full_vs_alone} | {r.tolerance:g} | "
-                     f"{r.flips_near_threshold} |")
-    return "\n".join(lines)
+    header = ("dtype", "tau_p", "tokens", "max dlogp full/positive", "max dH full/positive", "max dlogp full/alone",
+              "candidates", "silenced", "flips full/positive", "flips full/alone", "tolerance",
+              "flips within it of a threshold")
+    return markdown_table(header, ((r.dtype, f"{r.tau_p:g}", r.tokens, f"{r.max_dlogp_full_vs_positive:.2e}",
+                                    f"{r.max_dentropy_full_vs_positive:.2e}", f"{r.max_dlogp_full_vs_alone:.2e}",
+                                    r.candidates, r.silenced, r.flips_full_vs_positive, r.flips_full_vs_alone,
+                                    f"{r.tolerance:g}", r.flips_near_threshold) for r in results))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -204,7 +203,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     taus = [float(t) for t in args.tau_p.split(",") if t.strip()]
     results = run(args.model, args.sequences, args.length, taus, args.seed)
-    print(json.dumps([asdict(r) for r in results], indent=1) if args.json else table(results))
+    print(json.dumps([asdict(r) for r in results], indent=1) if args.json else table(results).rstrip("\n"))
     return 0
 
 

@@ -6,50 +6,11 @@
                                     [--vocab 151936] [--d D] [--memory auto|subprocess|inprocess|off]
                                     [--modes vanilla,stapo-rollout,...] [--json out.json] [--quick]
 
-What one timed call does (one micro-batch, as verl's FSDP actor does it; here the mini-batch is the
-micro-batch):
-
-1. the LM head: ``logits = hidden (T x d) @ W (d x V)`` over the ``T`` flat prompt + response
-   positions (so the backward through the log-softmax over ``V`` and into ``W`` and ``hidden`` is
-   real); then verl's ``logprobs_from_logits``;
-2. where the mode needs the current entropy: verl's ``entropy_from_logits_with_chunking``
-   (``--entropy-chunk``, verl's default 2048 rows; 0 = verl's unchunked ``entropy_from_logits``),
-   with grad as verl's actor computes it (``calculate_entropy=True``), or without grad for the
-   proposed fix ``stapo-current-nograd``;
-3. ``stats_from=rollout`` modes: ``fold_into_mini_batch`` (the S2T / top-entropy mask folded into
-   the mini-batch from the rollout log-probs and entropies, as the actor does once per mini-batch);
-4. verl's token count ``batch_num_tokens = sum(loss_mask)`` (every mode), then
-   ``verl_patches.losses.ppo_loss_with_token_selection`` (verl's ``ppo_loss`` as installed) and
-   ``loss.backward()``.
-
-Modes (:data:`MODES`): ``vanilla`` (JustRL), ``vanilla+entropy`` (JustRL with verl's own entropy
-computation: the reference for the current-statistics target), ``stapo-rollout``,
-``stapo-current`` (mask from the current log-prob and entropy inside the loss),
-``stapo-current-nograd`` (the same with the entropy computed under ``torch.no_grad``: S2T detaches
-it anyway and JustRL/STAPO have ``entropy_coeff=0``), ``stapo-current-candidates`` (the entropy
-only at S2T's candidate positions, ``A > 0`` and ``p < tau_p``, without grad: the same mask),
-``entropy_topk`` (20-Entropy).
-
-Timing: one warm-up call per mode, then ``--repeats`` rounds; each round runs every mode once, in
-an order rotated by one each round (drift and position effects cancel). Reported: the median
-time, and the median over rounds of the paired ratio ``t_mode / t_vanilla`` of the same round.
-
-Peak memory (extra over what is allocated before the call: inputs, parameters, the batch):
-
-* cuda: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus
-  ``memory_allocated`` before the call (in process; exact for the caching allocator's tensors).
-* cpu: the process's resident-set high-water mark ``VmHWM`` (``/proc/self/status``), reset with
-  ``/proc/self/clear_refs`` just before the call, minus the resident set before it; glibc is set
-  (``mallopt``) to serve every allocation >= 64 KiB with ``mmap``, so a freed tensor leaves the
-  resident set and a later one cannot hide in reused heap. ``--memory subprocess`` (default on
-  cpu) measures each mode in a fresh Python process (no allocator state shared between modes);
-  ``inprocess`` is faster (tests). Limits: page granularity (4 KiB) and anything else the process
-  allocates meanwhile (nothing, in this single-threaded loop) are counted; the resolution is
-  about 1 MiB, so memory ratios use ``(peak + 1 MiB) / (peak_ref + 1 MiB)`` and a target "no more
-  memory" allows 1% + 1 MiB.
-
-Targets: ``stapo-rollout`` time <= 1.02 x vanilla, peak <= vanilla; ``stapo-current``
-(and the proposed ``-nograd`` / ``-candidates``) time <= 1.10 x vanilla, peak <= vanilla+entropy.
+One timed call is one micro-batch as verl's FSDP actor processes it (:func:`loss_step`: the LM head,
+verl's log-probs, the entropy where the mode needs it, the S2T fold, verl's token count, the loss as
+``verl_patches`` installs it, ``backward``). The modes (:data:`MODES`), the timing statistics, how
+peak memory is measured on cuda and on cpu, the targets and the measured numbers:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -73,6 +34,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from benchmarks import common
+from benchmarks.common import number, rotated
 from stapo_core.fileio import atomic_write
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -312,7 +275,10 @@ def candidate_entropy(logits, log_probs, positive, tau_p: float, entropy_fn: Cal
 
 
 def loss_step(mode: Mode, inputs: LossInputs, data, entropy_fn: Callable) -> torch.Tensor:
-    """One forward + backward of the policy-loss path (module docstring, steps 1-4). Returns the loss."""
+    """One forward + backward of the policy-loss path: the S2T fold for rollout statistics, verl's
+    token count, the LM head ``logits = hidden (T x d) @ W (d x V)``, verl's log-probs, the mode's
+    entropy (with grad as verl's actor computes it, without, or only at S2T's candidates), verl's
+    ``ppo_loss`` as installed, ``backward`` into ``W`` and ``hidden``. Returns the loss."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.torch_functional import logprobs_from_logits
     from verl_patches.losses import ppo_loss_with_token_selection
@@ -382,8 +348,7 @@ def time_modes(modes: Sequence[Mode], inputs: LossInputs, entropy_fn, device: st
             timed_call(mode, inputs, entropy_fn, device)
     times = {m.name: [] for m in modes}
     for r in tqdm(range(repeats), desc=f"timing {label}", leave=False, file=sys.stderr):
-        k = r % len(modes)
-        for mode in list(modes[k:]) + list(modes[:k]):
+        for mode in rotated(modes, r):
             times[mode.name].append(timed_call(mode, inputs, entropy_fn, device))
     return times
 
@@ -509,10 +474,6 @@ class Row:
     times_ms: list
 
 
-def _mem_ratio(peak: float, ref: float) -> float:
-    return (peak + MEM_RESOLUTION_MB) / (ref + MEM_RESOLUTION_MB)
-
-
 def verdict(mode: Mode, ratio_time: float, peaks: dict[str, float]) -> str:
     """``PASS``, ``MISS (time)``, ``MISS (mem)``, ``MISS (time, mem)``, or ``-`` without a target
     (or ``PASS (time; mem not measured)`` with ``--memory off``)."""
@@ -540,7 +501,8 @@ def build_rows(modes: Sequence[Mode], shape: tuple[int, int], tokens: int, times
     for mode in modes:
         ratio_time = statistics.median(t / b for t, b in zip(times[mode.name], base))
         peak = peaks.get(mode.name, math.nan)
-        ratio_mem = _mem_ratio(peak, peaks["vanilla"]) if "vanilla" in peaks and mode.name in peaks else math.nan
+        ratio_mem = ((peak + MEM_RESOLUTION_MB) / (peaks["vanilla"] + MEM_RESOLUTION_MB)
+                     if "vanilla" in peaks and mode.name in peaks else math.nan)
         rows.append(Row(mode.name, f"{shape[0]}x{shape[1]}", tokens, statistics.median(times[mode.name]) * 1e3,
                         ratio_time, peak, ratio_mem, mode.target.describe() if mode.target else mode.role,
                         verdict(mode, ratio_time, peaks) if judge or mode.target is None else QUICK_VERDICT,
@@ -549,14 +511,10 @@ def build_rows(modes: Sequence[Mode], shape: tuple[int, int], tokens: int, times
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
-    head = ("| mode | shape (T flat tokens) | median ms | ratio time | peak MB | ratio mem | target | PASS/MISS |\n"
-            "|---|---|---|---|---|---|---|---|\n")
-    fmt = lambda x, p: "n/a" if math.isnan(x) else f"{x:.{p}f}"  # noqa: E731
-    return head + "".join(
-        f"| {r.mode} | {r.shape} ({r.tokens}) | {fmt(r.median_ms, 1)} | {fmt(r.ratio_time, 3)} | "
-        f"{fmt(r.peak_mb, 1)} | {fmt(r.ratio_mem, 3)} | {r.target} | {r.verdict} |\n"
-        for r in rows
-    )
+    header = ("mode", "shape (T flat tokens)", "median ms", "ratio time", "peak MB", "ratio mem", "target", "PASS/MISS")
+    return common.markdown_table(header, ((r.mode, f"{r.shape} ({r.tokens})", number(r.median_ms, 1),
+                                           number(r.ratio_time, 3), number(r.peak_mb, 1), number(r.ratio_mem, 3),
+                                           r.target, r.verdict) for r in rows))
 
 
 def machine_description(device: str) -> str:
