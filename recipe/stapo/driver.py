@@ -1,21 +1,10 @@
 """The recipe's config, from composition to the config verl receives (the driver's side of a run).
 
 Imports flow one way: :mod:`recipe.stapo.main_stapo` (the Hydra entry point) imports this module,
-never the reverse. Everything here runs in the launching process, before Ray starts:
-
-- :func:`compose`: the config ``python -m recipe.stapo.main_stapo <overrides>`` runs with (tests,
-  scripts); :func:`validate`: verl's own validation of it alone.
-- :func:`prepare`: what the driver does to a composed config before handing it to verl: statistics
-  the loss needs switched on, every interpolation resolved with the launching shell's environment,
-  data / model / checkpoint paths made absolute, a wandb run id a resumed run continues, Ray's
-  environment variables as strings, the preflight (:mod:`recipe.stapo.preflight`: what would fail
-  on the cluster, verl's own validation and GPU memory included).
-- :func:`job_runtime_env`: the Ray job runtime environment of ``LAUNCH=submit``
-  (``run_scripts/common.sh``): the only way secrets reach the workers (never the Hydra config,
-  which verl logs to wandb).
-
-Importing this module imports no verl (``VERL_USE_EXTERNAL_MODULES`` must be set first, see
-:func:`ensure_patch_module_env`).
+never the reverse. Everything here runs in the launching process, before Ray starts: :func:`compose`
+(the config a run composes), :func:`prepare` (what the driver does to it before verl gets it) and
+:func:`job_runtime_env` (the Ray job of ``LAUNCH=submit``). Importing this module imports no verl
+(``VERL_USE_EXTERNAL_MODULES`` must be set first, see :func:`ensure_patch_module_env`).
 """
 
 from __future__ import annotations
@@ -32,7 +21,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from recipe.stapo.methods import METHODS, methods
+from recipe.stapo.methods import methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
 from recipe.stapo.preflight import PreflightError, Problem, check_environment
 from recipe.stapo.preflight import check as preflight_check
@@ -245,11 +234,6 @@ def validate(config: DictConfig) -> None:
         raise PreflightError(found)
 
 
-# ------------------------------------------------------------------------------------------------
-# driver checks
-# ------------------------------------------------------------------------------------------------
-
-
 def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = print) -> list[str]:
     """Switch on what the policy loss reads and the actor would otherwise not compute.
 
@@ -273,11 +257,6 @@ def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = prin
         log(f"[stapo] {POLICY_LOSS}.stats_from=current with scope=micro_batch reads the update's entropy: "
             f"setting {CALCULATE_ENTROPY}=true")
     return applied
-
-
-# ------------------------------------------------------------------------------------------------
-# paths and interpolations
-# ------------------------------------------------------------------------------------------------
 
 
 def _is_remote(path: str) -> bool:
@@ -456,16 +435,11 @@ def unresolvable(error: Exception, config: Optional[DictConfig] = None) -> Probl
 
 def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
             log: Callable[[str], None] = print, environ: Optional[Mapping[str, str]] = None) -> DictConfig:
-    """Everything the driver does to ``config`` (in place) before verl gets it; returns it.
+    """Everything the driver does to ``config`` (in place) before verl gets it, in order; returns it.
 
-    1. statistics the loss reads are switched on (:func:`ensure_loss_statistics`); 2. interpolations
-    resolved, paths absolute (:func:`resolve_paths`); 3. with wandb, a run id that a resumed run
-    continues (:func:`ensure_wandb_resume`); 4. Ray env vars as strings; 5. the preflight
-    (:func:`recipe.stapo.preflight.check`: numbers, names, identity, paths, verl's own validation, the
-    data files' first rows through verl's dataset, GPU memory; its report is logged through ``log``).
-    Any mistake raises ``ValueError`` (the
-    preflight's :class:`~recipe.stapo.preflight.PreflightError` lists every problem it found, each
-    naming the key or path and the fix), before Ray starts. ``environ`` (default ``os.environ``) tells
+    Any mistake raises ``ValueError`` before Ray starts (the preflight's
+    :class:`~recipe.stapo.preflight.PreflightError` lists every problem it found, each naming the key or
+    path and the fix; its report is logged through ``log``). ``environ`` (default ``os.environ``) tells
     the preflight whether it runs for ``LAUNCH=submit``.
     """
     bad_environment = check_environment()  # the variables the YAML interpolates, before resolving them
@@ -482,11 +456,6 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     return config
 
 
-# ------------------------------------------------------------------------------------------------
-# LAUNCH=submit: the Ray job's runtime environment
-# ------------------------------------------------------------------------------------------------
-
-
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``environ`` a submitted job carries: those of :data:`FORWARDED_ENV_NAMES`, every
     one starting with :data:`FORWARDED_ENV_PREFIXES` (``STAPO_*``, ``NCCL_*``, ``GLOO_*``, ``VLLM_*``,
@@ -498,7 +467,8 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def job_runtime_env(environ: Mapping[str, str]) -> dict:
-    """Runtime env of ``ray job submit`` (the working directory itself is given by ``--working-dir``).
+    """Runtime env of ``ray job submit`` (the working directory itself is given by ``--working-dir``): the
+    only way secrets reach the workers (never the Hydra config, which verl logs to wandb).
 
     ``RAY_OVERRIDE_JOB_RUNTIME_ENV=1``: verl's driver calls ``ray.init`` with the config's runtime env,
     whose variables (``VERL_USE_EXTERNAL_MODULES``...) Ray would otherwise refuse as a conflict with
