@@ -7,22 +7,10 @@
     bash run_scripts/quickstart.sh --out results/study --seeds 3 --test-freq 8       # the study (docs/miniature.md)
 
 Trains every method with verl's real trainer on CPU (:mod:`stapo_cpu.trainer`) on the shipped tiny
-assets (:mod:`stapo_cpu.assets`), under identical settings and seeds, one after the other,
-validating before training and after the last step. The validation before training is measured by
-each seed's first run and copied into the others' ``metrics.jsonl`` as their step 0, marked
-``"shared_from": "<method>"`` (same weights, same samples: the same numbers, ~30 s saved per run).
-STAPO's composed config must carry the paper's S2T settings, clip range, loss aggregation and
-reward (:mod:`stapo_cpu.quickstart_settings`; exit 2 otherwise). ``--evaluate`` then saves each
-run's final checkpoint and evaluates it as a paper run's (:func:`evaluate`).
-
-Writes into ``--out``: one run folder per method (in study mode, ``--seeds K > 1``,
-``seed<k>/<method>``), ``summary.md`` and ``summary.json`` (:mod:`stapo_cpu.quickstart_report`'s
-tables and learning check, the provenance of :mod:`stapo_cpu.reproducibility`), ``settings.json``
-and the figures. Every option is checked before anything is built (:class:`QuickstartOptions`). A
-finished run with the same settings is reused (``--force`` reruns); a failed run is reported and the
-others still run; a run past ``--timeout`` seconds is stopped and its folder records the stop
-(``stopped.json``, which the inspector, the plots and ``benchmarks/bench_e2e.py`` report). Exit
-status 1 when a run failed or was stopped, or an evaluation failed.
+assets, under identical settings and seeds, one after the other; writes one run folder per method
+(study mode: ``seed<k>/<method>``), ``summary.md``, ``summary.json``, ``settings.json`` and the
+figures into ``--out``. Exit status 2 when an option or STAPO's composed settings are refused
+(nothing is built), 1 when a run failed or was stopped, or an evaluation failed.
 """
 
 from __future__ import annotations
@@ -56,7 +44,8 @@ from .quickstart_settings import ACTOR, VAL_N, paper_settings, run_settings, s2t
 from .trainer import CPU_ROLLOUT, REPO_ROOT, cpu_overrides, machine_turn, run_cpu_trainer
 
 DONE = "quickstart_done.json"
-#: key marking a step-0 validation record copied from the seed's first run (see the module docstring)
+#: key marking a step-0 validation record copied from the seed's first run, which measured it (same initial
+#: weights, same validation samples: the same numbers, ~30 s saved per run)
 SHARED_FROM = "shared_from"
 #: the composed settings of the STAPO run and the paper's (written next to summary.json)
 SETTINGS_FILE = "settings.json"

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from recipe.stapo.driver import METHODS, PATCH_MODULE
+from recipe.stapo.driver import PATCH_MODULE
 from recipe.stapo.eval.backends import CPU_VLLM_ENV
+from recipe.stapo.methods import METHODS
 from recipe.stapo.metrics import METRICS_FILE, read_metrics
 from stapo_core.fileio import open_regular
 
@@ -120,19 +121,13 @@ def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:
 
 def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[str, str]] = None,
             metrics_file: str = METRICS_FILE, threads: int = DEFAULT_THREADS, isa: str = DEFAULT_ISA) -> dict[str, str]:
-    """Environment for a CPU run: ``base`` (default ``os.environ``) plus
-
-    - ``VERL_PLATFORM=cpu`` (selects :mod:`stapo_cpu.patches`' platform and activates its shims),
-    - ``VERL_USE_EXTERNAL_MODULES`` starting with :data:`EXTERNAL_MODULES` (imported by every verl
-      process, Ray workers included: the wing's patch table, then the recipe's; other modules already
-      listed follow), ``VERL_ENGINE_DEVICE=cuda`` (picks the FSDP engine class; it still runs on the
-      cpu device),
-    - ``VERL_FILE_LOGGER_PATH=<run_dir>/<metrics_file>`` when ``run_dir`` is given (verl's file
-      logger writes one ``{"step": s, "data": {...}}`` JSON line per step there; a resumed run
-      continues the file, each step once, :mod:`verl_patches.resume`),
-    - the repository on ``PYTHONPATH``, tokenizer parallelism off,
-    - :func:`thread_env` (``threads`` torch / OpenMP / MKL threads in every process),
-    - :func:`isa_env` (the math libraries held to the instruction set ``isa``).
+    """Environment for a CPU run: ``base`` (default ``os.environ``) plus :data:`CPU_ENV_VARS`,
+    ``VERL_USE_EXTERNAL_MODULES`` starting with :data:`EXTERNAL_MODULES` (imported by every verl process,
+    Ray workers included; other modules already listed follow), the repository on ``PYTHONPATH``,
+    tokenizer parallelism off, :func:`thread_env` and :func:`isa_env`; with ``run_dir``,
+    ``VERL_FILE_LOGGER_PATH=<run_dir>/<metrics_file>`` (verl's file logger writes one
+    ``{"step": s, "data": {...}}`` JSON line per step there; a resumed run continues the file, each step
+    once, :mod:`verl_patches.resume`).
     """
     env = dict(os.environ if base is None else base)
     modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m and m not in EXTERNAL_MODULES]

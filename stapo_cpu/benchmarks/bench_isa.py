@@ -5,24 +5,13 @@
     python -m stapo_cpu.benchmarks.bench_isa [--steps 2] [--out results/bench_isa] [--method stapo] [--json rows.json]
 
 Runs the same CPU training run (verl's real trainer, the shipped tiny assets, ``--steps`` steps,
-seed 0) under four settings and compares their metrics files (every logged number but the
-wall-clock and memory ones):
-
-- ``pinned``: the CPU path as shipped (``isa_env``: ATen, MKL and oneDNN held to AVX2, and vLLM's
-  own kernels through the ``cpu_vllm_isa_pin`` patch);
-- ``pinned, inherited avx512``: the same with AVX-512 asked for in the environment it starts from
-  (the pin must win in every process, Ray's workers included);
-- ``native``: no pin; on an AVX-512 machine each library takes its AVX-512 kernels;
-- ``native, avx2-only``: no pin, every library capped at AVX2 by the environment it starts from
-  but without MKL's reproducibility mode (``MKL_CBWR``): an AVX2-only machine without the pin.
-
-On an AVX-512 machine, ``pinned`` equal to ``pinned, inherited avx512`` shows that the pin wins in
-every process whatever the environment asks for; ``native`` differing from it shows that the pin
-is needed; ``native, avx2-only`` shows what ``MKL_CBWR`` alone changes. Each setting also reports which
-of vLLM's kernel libraries (``vllm/_C*.so``) the run's processes loaded. The speed cost: the ratio of the mean step time
-(``timing_s/step``) of ``pinned`` to ``native`` (noisy on a shared machine), and of the time of the
-tiny model's forward and backward pass (one thread, a batch of 16 x 120 tokens) in a fresh process
-under each setting, alternated ``--kernel-repeats`` times (the median of each), printed in the same run.
+seed 0) under the four :data:`SETTINGS` (pinned to AVX2 as shipped; pinned from an environment
+asking for AVX-512, where the pin must win in every process; native; native capped at AVX2 without
+MKL's reproducibility mode ``MKL_CBWR``) and prints per setting how many logged numbers (all but the
+wall-clock and memory ones) differ from the pinned run's and which of vLLM's kernel libraries
+(``vllm/_C*.so``) its processes loaded; then the speed cost: the pinned over the native mean step
+time, and the tiny model's forward + backward (one thread, 16 x 120 tokens) timed in fresh processes
+alternated ``--kernel-repeats`` times. The reading of the results: docs/reproducibility.md.
 """
 
 from __future__ import annotations
