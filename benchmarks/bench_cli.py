@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.common import markdown_table, rotated
+from benchmarks.common import markdown_table, positive, rotated
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ("import torch", [sys.executable, "-c", "import torch"])
@@ -82,13 +82,11 @@ def table(rows: Sequence[dict]) -> str:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3; --quick: 1)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_cli", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=positive(int), default=3, help="timed rounds (default 3; --quick: 1)")
     p.add_argument("--quick", action="store_true", help="one round (the smoke test)")
     args = p.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
-    if rounds < 1:
-        p.error(f"--rounds must be >= 1, got {rounds}")
     rows = measure(tools(), rounds, progress=lambda line: print(line, file=sys.stderr), preflight=True)
     print(f"bench_cli: {rounds} round(s), {sys.executable}\n")
     print(table(rows), end="")

@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import common
-from benchmarks.common import number
+from benchmarks.common import median, number
 from recipe.stapo.metrics import find_metrics_file, read_metrics
 from recipe.stapo.plots import stopped_message
 
@@ -97,7 +96,6 @@ def compare(baseline: dict[int, dict], method: dict[int, dict], *, warmup_steps:
         pairs = [(_seconds(baseline[s], phase), _seconds(method[s], phase)) for s in steps]
         pairs = [(b, m) for b, m in pairs if b is not None and m is not None]
         ratios = [m / b for b, m in pairs if b > 0]
-        median = lambda xs: statistics.median(xs) if xs else math.nan  # noqa: E731
         rows.append(PhaseRow(phase, median([b for b, _ in pairs]), median([m for _, m in pairs]), median(ratios),
                              len(ratios)))
     return rows

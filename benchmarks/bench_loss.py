@@ -20,12 +20,13 @@ import ctypes
 import gc
 import json
 import math
+import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache, partial
 from pathlib import Path
@@ -35,15 +36,13 @@ import torch
 from tqdm import tqdm
 
 from benchmarks import common
-from benchmarks.common import number, rotated
+from benchmarks.common import number, positive, rotated
 from stapo_core.fileio import atomic_write
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
 #: resolution of the peak-memory measurement (MiB) and the relative tolerance of "no more memory"
 MEM_RESOLUTION_MB = 1.0
 MEM_REL_TOL = 0.01
-PROBE_TAG = "MEMORY_PROBE "
 VERL_ENTROPY_CHUNK = 2048  # verl's entropy_from_logits_chunk_size default
 
 
@@ -93,11 +92,6 @@ MODES = {
         Mode("entropy_topk", ("method=entropy20",), fold=True, rollout_entropy=True, role="20-Entropy (no target)"),
     )
 }
-
-
-# --------------------------------------------------------------------------------------------
-# inputs
-# --------------------------------------------------------------------------------------------
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -243,11 +237,6 @@ def actor_config(mode_name: str):
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
-# --------------------------------------------------------------------------------------------
-# the measured call
-# --------------------------------------------------------------------------------------------
-
-
 def entropy_function(chunk: int, compile: bool = False) -> Callable:
     """verl's entropy over the vocabulary: chunked (``chunk`` rows) or, for 0, unchunked; with
     ``compile``, wrapped in ``torch.compile(dynamic=True)`` as verl's FSDP engine does by default
@@ -353,11 +342,6 @@ def time_modes(modes: Sequence[Mode], inputs: LossInputs, entropy_fn, device: st
     return times
 
 
-# --------------------------------------------------------------------------------------------
-# peak memory
-# --------------------------------------------------------------------------------------------
-
-
 def _proc_status_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
@@ -390,41 +374,27 @@ def peak_memory_mb(mode: Mode, inputs: LossInputs, entropy_fn: Callable, device:
     return max(0, _proc_status_kb("VmHWM") - base_kb) / 1024
 
 
-def _probe_argv(args: argparse.Namespace, mode: str, shape: tuple[int, int]) -> list[str]:
-    return [
-        sys.executable, "-m", "benchmarks.bench_loss", "--memory-probe", mode, "--device", args.device,
-        "--shapes", f"{shape[0]}x{shape[1]}", "--vocab", str(args.vocab), "--d", str(args.d),
-        "--prompt-len", str(args.prompt_len), "--seed", str(args.seed), "--entropy-chunk", str(args.entropy_chunk),
-        "--threads", str(args.threads), "--compile-entropy", args.compile_entropy,
-        "--logit-scale", ",".join(str(x) for x in args.logit_scale),
-    ]
-
-
 def peak_memory_subprocess(args: argparse.Namespace, mode: str, shape: tuple[int, int]) -> float:
     """:func:`peak_memory_mb` of ``mode`` in a fresh Python process (same inputs, same seed)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run(_probe_argv(args, mode, shape), capture_output=True, text=True, cwd=REPO_ROOT, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith(PROBE_TAG):
-            return float(json.loads(line[len(PROBE_TAG):])["peak_mb"])
-    raise RuntimeError(f"memory probe of mode {mode} shape {shape} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(_peak_memory_child, args, mode, shape).result()
 
 
-def run_memory_probe(args: argparse.Namespace) -> None:
-    """Child process of ``--memory subprocess``: one warm-up call, then the measured one."""
-    mode = MODES[args.memory_probe]
-    (batch, resp_len), = args.shapes
-    inputs = make_inputs(batch, resp_len, vocab=args.vocab, d=args.d, prompt_len=args.prompt_len,
-                         device=args.device, seed=args.seed, logit_scale=args.logit_scale)
+def _peak_memory_child(args: argparse.Namespace, mode_name: str, shape: tuple[int, int]) -> float:
+    """The fresh process of :func:`peak_memory_subprocess`: one warm-up call, then the measured one."""
+    if args.device == "cpu":
+        _mmap_large_allocations()  # before the inputs exist: RSS then follows the allocations
+    torch.set_num_threads(args.threads)
+    mode = MODES[mode_name]
+    inputs = make_inputs(*shape, vocab=args.vocab, d=args.d, prompt_len=args.prompt_len, device=args.device,
+                         seed=args.seed, logit_scale=args.logit_scale)
     entropy_fn = entropy_function(args.entropy_chunk, args.compile_entropy == "on")
     _settle([mode])
-    timed_call(mode, inputs, entropy_fn, args.device)  # warm-up (lazy initialisation, config compose)
-    print(PROBE_TAG + json.dumps({"peak_mb": peak_memory_mb(mode, inputs, entropy_fn, args.device)}), flush=True)
-
-
-# --------------------------------------------------------------------------------------------
-# S2T alone (low-noise estimate of its own cost)
-# --------------------------------------------------------------------------------------------
+    try:
+        timed_call(mode, inputs, entropy_fn, args.device)  # warm-up (lazy initialisation, config compose)
+        return peak_memory_mb(mode, inputs, entropy_fn, args.device)
+    finally:
+        gc.unfreeze()  # the process's objects are freed when it exits
 
 
 def time_s2t_alone(inputs: LossInputs, repeats: int, device: str) -> dict[str, float]:
@@ -453,11 +423,6 @@ def time_s2t_alone(inputs: LossInputs, repeats: int, device: str) -> dict[str, f
         mask_ms.append((t2 - t1) * 1e3)
     return {"fold_ms": statistics.median(fold_ms), "mask_ms": statistics.median(mask_ms),
             "tokens": metrics["s2t/tokens"], "candidates": metrics["s2t/candidates"], "silenced": metrics["s2t/silenced"]}
-
-
-# --------------------------------------------------------------------------------------------
-# results
-# --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -524,11 +489,6 @@ def machine_description(device: str) -> str:
             f"{torch.get_num_threads()} torch threads (torch {torch.__version__})")
 
 
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
-
-
 def _selected_modes(text: Optional[str]) -> list[Mode]:
     """The requested modes plus the references their ratios and targets need, in MODES order."""
     names = list(MODES) if text is None else [s.strip() for s in text.split(",") if s.strip()]
@@ -542,12 +502,12 @@ def _selected_modes(text: Optional[str]) -> list[Mode]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_loss", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; --quick 3)")
+    p.add_argument("--repeats", type=positive(int), default=None, help="timed rounds (default 7; --quick 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds (default 1)")
     p.add_argument("--shapes", default=None,
                    help="BATCHxRESPONSE_LEN list (default 1x16384,8x4096 on cuda; 1x2048,4x512 on cpu)")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 151936, Qwen3)")
-    p.add_argument("--d", type=int, default=None, help="hidden size of the LM head (default 4096 cuda, 128 cpu)")
+    p.add_argument("--vocab", type=positive(int), default=None, help="vocabulary size (default 151936, Qwen3)")
+    p.add_argument("--d", type=positive(int), default=None, help="hidden size of the LM head (default 4096 cuda, 128 cpu)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (default 32)")
     p.add_argument("--entropy-chunk", type=int, default=VERL_ENTROPY_CHUNK,
                    help="rows per chunk of verl's entropy (default 2048, verl's; 0 = unchunked)")
@@ -556,7 +516,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--modes", default=None, help=f"comma list of {list(MODES)} (default all)")
     p.add_argument("--memory", choices=("auto", "subprocess", "inprocess", "off"), default="auto",
                    help="peak memory: auto = inprocess on cuda, subprocess on cpu (inprocess with --quick)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive(int), default=1,
                    help="torch CPU threads (default 1: on a shared machine OpenMP spin-waits make more threads "
                         "slower and far noisier)")
     p.add_argument("--logit-scale", default="0.5,8",
@@ -565,7 +525,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (seconds)")
-    p.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = {"repeats": 3, "shapes": "1x256,2x128", "vocab": 8192, "d": 32}
     full = {"repeats": 7, "shapes": "1x16384,8x4096" if args.device == "cuda" else "1x2048,4x512", "vocab": 151936,
@@ -581,14 +540,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.shapes = parse_shapes(args.shapes)
         args.logit_scale = parse_logit_scale(args.logit_scale)
         args.mode_list = _selected_modes(args.modes)
-        for key in ("repeats", "vocab", "d", "threads"):
-            if getattr(args, key) < 1:
-                raise ValueError(f"--{key}={getattr(args, key)}: expected a positive integer")
         if args.warmup < 0:
             raise ValueError(f"--warmup={args.warmup}: expected >= 0")
         entropy_function(args.entropy_chunk)
-        if args.memory_probe is not None and args.memory_probe not in MODES:
-            raise ValueError(f"--memory-probe: unknown mode {args.memory_probe!r}")
     except ValueError as e:
         p.error(str(e))
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -615,12 +569,9 @@ def benchmark_shape(args: argparse.Namespace, shape: tuple[int, int]) -> tuple[l
 
 
 def run(args: argparse.Namespace) -> None:
-    """Benchmark every shape and print the table (or, as a memory probe child, one peak)."""
+    """Benchmark every shape and print the table."""
     if args.device == "cpu":
         _mmap_large_allocations()  # before the inputs exist: RSS then follows the allocations
-    if args.memory_probe is not None:
-        run_memory_probe(args)
-        return
     torch.manual_seed(args.seed)
     rows, notes = [], []
     for shape in args.shapes:

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
-from benchmarks.common import markdown_table, rotated
+from benchmarks.common import markdown_table, positive, rotated
 from stapo_core.fileio import atomic_write
 
 #: trainer name -> (STAPO's settings, or None for GRPOTrainer)
@@ -128,23 +128,13 @@ def table(rows: Sequence[Row]) -> str:
                                     f"{r.silenced:g}", r.steps) for r in rows))
 
 
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
-
-
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_trl", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=_positive(int), default=6, help="optimizer steps per run (the first is skipped)")
-    p.add_argument("--rounds", type=_positive(int), default=3, help="runs of every trainer, order rotated")
-    p.add_argument("--batch", type=_positive(int), default=8, help="completions per step (one prompt's group)")
-    p.add_argument("--max-completion-length", type=_positive(int), default=128)
-    p.add_argument("--threads", type=_positive(int), default=1, help="torch threads")
+    p.add_argument("--steps", type=positive(int), default=6, help="optimizer steps per run (the first is skipped)")
+    p.add_argument("--rounds", type=positive(int), default=3, help="runs of every trainer, order rotated")
+    p.add_argument("--batch", type=positive(int), default=8, help="completions per step (one prompt's group)")
+    p.add_argument("--max-completion-length", type=positive(int), default=128)
+    p.add_argument("--threads", type=positive(int), default=1, help="torch threads")
     p.add_argument("--model", default=None, help="model folder (default: the shipped tiny Qwen3)")
     p.add_argument("--data", default=None, help="training parquet in verl's format (default: the shipped task)")
     p.add_argument("--out", default="results/bench_trl", help="the runs' output folders")

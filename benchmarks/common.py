@@ -3,8 +3,10 @@ of a round (each round starts one place later, so drift and position effects can
 
 from __future__ import annotations
 
+import argparse
 import math
-from typing import Iterable, Sequence
+import statistics
+from typing import Callable, Iterable, Sequence
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
@@ -17,6 +19,23 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
 def number(value: float, decimals: int) -> str:
     """``value`` with ``decimals`` decimals, ``n/a`` for NaN."""
     return "n/a" if math.isnan(value) else f"{value:.{decimals}f}"
+
+
+def median(values: Sequence[float]) -> float:
+    """The median of ``values``, NaN for none."""
+    return statistics.median(values) if values else math.nan
+
+
+def positive(kind: Callable[[str], float]) -> Callable[[str], float]:
+    """An argparse ``type``: ``kind`` of the text, refused unless > 0 (argparse names the option)."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
 
 
 def rotated(items: Sequence, k: int) -> list:
