@@ -16,7 +16,7 @@ import re
 import sys
 import unicodedata
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, MutableMapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
@@ -76,14 +76,13 @@ WORKING_DIR_EXCLUDES = ("/.git", "/.venv", "/data", "/results", "/checkpoints", 
                         "*.parquet", "*.safetensors")
 
 
-def ensure_patch_module_env(environ: Optional[dict] = None) -> None:
+def ensure_patch_module_env(environ: MutableMapping[str, str] = os.environ) -> None:
     """Put :data:`PATCH_MODULE` first in ``VERL_USE_EXTERNAL_MODULES`` when it is not listed (other modules
     the user set are kept, after it); where it is listed it keeps its place, so a module listed before it
     is imported before the recipe's patches (a platform they need registered first, docs/cpu.md).
 
     ``environ`` defaults to ``os.environ``; it must be set before ``import verl``.
     """
-    environ = os.environ if environ is None else environ
     modules = [m for m in environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
     if PATCH_MODULE not in modules:
         modules.insert(0, PATCH_MODULE)
@@ -280,14 +279,13 @@ def local_model_path(path: str, cwd: Path) -> Optional[str]:
     return None
 
 
-def launch_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
+def launch_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """The directory relative paths are taken from: ``$STAPO_LAUNCH_DIR`` (where the run was launched,
     exported by ``run_scripts/common.sh``), else the current directory."""
-    environ = os.environ if environ is None else environ
     return Path(environ.get(LAUNCH_DIR_ENV) or os.getcwd()).resolve()
 
 
-def run_files_env(config: DictConfig, cwd: Path, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def run_files_env(config: DictConfig, cwd: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """Where the trainer writes a run's files, as the environment variables verl and its loggers read.
 
     The trainer is a Ray actor with a working directory of its own (with ``LAUNCH=submit``, Ray's copy of
@@ -298,7 +296,6 @@ def run_files_env(config: DictConfig, cwd: Path, environ: Optional[Mapping[str, 
     (beside the checkpoints, on storage every node sees), and tensorboard
     ``<trainer.default_local_dir>/tensorboard``.
     """
-    environ = os.environ if environ is None else environ
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     files = {}
     for name in RUN_FILE_ENV_NAMES:
@@ -315,7 +312,7 @@ def run_files_env(config: DictConfig, cwd: Path, environ: Optional[Mapping[str, 
 
 
 def resolve_paths(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
-                  log: Callable[[str], None] = print, environ: Optional[Mapping[str, str]] = None) -> None:
+                  log: Callable[[str], None] = print, environ: Mapping[str, str] = os.environ) -> None:
     """Resolve every interpolation in ``config`` (in place) with this process's environment and make
     data, model, checkpoint and dump paths absolute against ``cwd`` (default: :func:`launch_dir`, the
     directory the run was launched from); the run's files (metrics, tensorboard: :func:`run_files_env`)
@@ -351,7 +348,7 @@ def wandb_run_id(project: str, experiment: str) -> str:
     return f"{readable}-{hashlib.sha1(f'{project}/{experiment}'.encode()).hexdigest()[:8]}"
 
 
-def ensure_wandb_resume(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def ensure_wandb_resume(config: DictConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """With the wandb logger: ``WANDB_RUN_ID`` and ``WANDB_RESUME`` for every Ray worker, so a run
     resumed from its checkpoints (verl's ``resume_mode=auto``, same project and experiment) continues
     the same wandb run instead of opening a new one (verl's ``wandb.init`` passes no id).
@@ -360,7 +357,6 @@ def ensure_wandb_resume(config: DictConfig, environ: Optional[Mapping[str, str]]
     :func:`wandb_run_id` and ``WANDB_RESUME=allow`` (continue the run if it exists, else create it).
     Returns the variables set (neither is a secret).
     """
-    environ = os.environ if environ is None else environ
     loggers = OmegaConf.select(config, "trainer.logger", default=[]) or []
     if "wandb" not in ([loggers] if isinstance(loggers, str) else list(loggers)):
         return {}
@@ -417,12 +413,11 @@ def first_unresolvable_key(config: DictConfig) -> Optional[str]:
     return next(iter(failing), None)
 
 
-def unresolvable(error: Exception, config: Optional[DictConfig] = None) -> Problem:
+def unresolvable(error: Exception, config: DictConfig) -> Problem:
     """The :class:`Problem` of an interpolation omegaconf cannot resolve (``${oc.env:NAME}`` of an
-    unset variable, ``${key}`` of a key that does not exist), naming the key that holds it (of
-    ``config``: :func:`first_unresolvable_key`; else omegaconf's ``full_key``) and the variable or key it missed."""
-    key = (first_unresolvable_key(config) if config is not None else None) or getattr(error, "full_key", None)
-    key = key or "the config"
+    unset variable, ``${key}`` of a key that does not exist), naming the key that holds it
+    (:func:`first_unresolvable_key`, else omegaconf's ``full_key``) and the variable or key it missed."""
+    key = first_unresolvable_key(config) or getattr(error, "full_key", None) or "the config"
     text = str(getattr(error, "msg", None) or error).strip().splitlines()[0]
     variable = re.search(r"Environment variable '([^']+)' not found", text)
     if variable:
