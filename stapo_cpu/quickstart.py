@@ -507,11 +507,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     atomic_write(out / SETTINGS_FILE, json.dumps({"stapo": settings, "paper": paper_settings()}, indent=2, default=str))
     groups = {m: [opts.run_dir(m, r["seed"]) for r in finished if r["method"] == m] for m in opts.methods}
     groups = {m: dirs for m, dirs in groups.items() if dirs}
-    if study:
-        plots = plot_bands(groups, out) if finished else []
-    else:
-        plots = plot_runs({r["method"]: out / r["method"] for r in finished}, out) if finished else []
-    plots += plot_update_effect(groups, out) if finished else []
+    plots = []
+    if finished:
+        plots = plot_bands(groups, out) if study else plot_runs({r["method"]: out / r["method"] for r in finished}, out)
+        plots += plot_update_effect(groups, out)
     print("\n" + learning_md + table + "\n" + effect_md + "\n" + evaluation_md, flush=True)
     print(f"[quickstart] wrote {out / 'summary.md'}" + "".join(f", {p.name}" for p in plots), flush=True)
     for run_dir in stapo_dirs:

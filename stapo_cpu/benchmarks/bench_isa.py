@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 from recipe.stapo.metrics import read_metrics
 from stapo_core.fileio import atomic_write
@@ -54,10 +55,6 @@ def differences(a: dict[str, float], b: dict[str, float]) -> list[str]:
 
 def run_setting(name: str, isa: str, start_env: dict[str, str], args: argparse.Namespace) -> dict:
     """One run under ``isa`` with ``start_env`` in the environment it starts from; its metrics."""
-    saved = {key: os.environ.get(key) for key in ISA_KEYS}
-    for key in ISA_KEYS:
-        os.environ.pop(key, None)
-    os.environ.update(start_env)
     run_dir = (Path(args.out) / name.replace(", ", "_").replace(" ", "_")).resolve()
     kernels: set[str] = set()
 
@@ -67,15 +64,12 @@ def run_setting(name: str, isa: str, start_env: dict[str, str], args: argparse.N
 
         kernels.update(run_vllm_kernels(str(run_dir)))
 
-    try:
+    with mock.patch.dict(os.environ):  # this process's environment as it was, once the run ended
+        for key in ISA_KEYS:
+            os.environ.pop(key, None)
+        os.environ.update(start_env)
         run = run_cpu_trainer(args.method, SHIPPED_DIR, run_dir, steps=args.steps, isa=isa, timeout=args.timeout,
                               on_step=note_kernels)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     if not run.ok:
         raise SystemExit(f"[bench_isa] {name}: the run failed ({run}); log tail:\n{run.tail()}")
     steps = read_metrics(run.metrics)

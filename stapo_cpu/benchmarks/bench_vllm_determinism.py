@@ -73,16 +73,11 @@ def run_setting(setting: str, args, env: dict) -> dict:
 
 
 def compare(reference: dict, other: dict) -> dict:
-    same_tokens, max_dlogp, compared = 0, 0.0, 0
-    for key, ref in reference.items():
-        got = other[key]
-        if got["tokens"] == ref["tokens"]:
-            same_tokens += 1
-            diffs = [abs(a - b) for a, b in zip(ref["logprobs"], got["logprobs"])]
-            max_dlogp = max([max_dlogp, *diffs])
-            compared += 1
-    return {"completions": len(reference), "identical_tokens": same_tokens,
-            "max_abs_dlogprob_where_tokens_equal": max_dlogp if compared else None}
+    """How many completions of ``other`` have ``reference``'s tokens, and the largest log-prob difference among them."""
+    equal = [key for key, ref in reference.items() if other[key]["tokens"] == ref["tokens"]]
+    diffs = [abs(a - b) for key in equal for a, b in zip(reference[key]["logprobs"], other[key]["logprobs"])]
+    return {"completions": len(reference), "identical_tokens": len(equal),
+            "max_abs_dlogprob_where_tokens_equal": max(diffs, default=0.0) if equal else None}
 
 
 def main(argv=None) -> int:
