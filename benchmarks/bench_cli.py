@@ -4,14 +4,10 @@ and importing torch (the floor: every tool imports torch through ``stapo_core``)
     python -m benchmarks.bench_cli             # every tool, 3 rounds
     python -m benchmarks.bench_cli --quick     # every tool, 1 round
 
-A last row times the preflight of a paper run (``STAPO_DRY_RUN=check``): every check made before
-Ray starts, most of it importing verl with the recipe's patches, which a run pays anyway.
-
-The tools are found, not listed: ``python -m recipe.stapo.main_stapo`` and every module of
-``recipe/``, ``stapo_cpu/`` and ``benchmarks/`` that runs as a program with argparse. Each round runs the reference
-(``python -c "import torch"``) and every tool once, in a rotated order; a tool's ratio is the median
-over rounds of its time over the same round's reference. A tool that loads verl, composes a Hydra
-config or builds a model before answering shows as a ratio of several.
+A last row times the preflight of a paper run (``STAPO_DRY_RUN=check``). The tools are found, not
+listed (:func:`tools`); each round runs the reference (``python -c "import torch"``) and every tool
+once, in a rotated order, and a tool's ratio is the median over rounds of its time over the same
+round's reference. What the numbers show: benchmarks/README.md.
 """
 
 from __future__ import annotations

@@ -6,13 +6,10 @@ modelled at the paper's scale.
     python -m benchmarks.bench_current_stats [--out results/bench_current_stats] [--steps 6] [--mini-batches 4]
     python -m benchmarks.bench_current_stats --simulate [--ranks 64] [--accuracy 0.2,0.5,0.8]
 
-Training (the default) runs STAPO three times with verl's real trainer and identical seeds
-(``stats_from=rollout``, ``current`` with ``current_forward=full`` and with ``positive_advantage``)
-and prints each phase's median step time against the rollout run, with the logged
-``actor/s2t/current_forward_tokens_frac`` and ``actor/s2t/current_forward_s``. ``--simulate`` models
-the forwarded share and the slowest rank's tokens at the paper's scale (GRPO groups, log-normal
-lengths, verl's balancing, :func:`stapo_core.balance.plan_forward`). The cost model and the
-measured numbers: docs/method.md.
+Training (the default) runs STAPO three times with verl's real trainer and identical seeds (:data:`RUNS`)
+and prints each phase's median step time against the rollout run, with the logged statistics forward;
+``--simulate`` models the paper's scale (:func:`simulate`). The cost model and the measured numbers:
+benchmarks/README.md and docs/method.md.
 """
 
 from __future__ import annotations

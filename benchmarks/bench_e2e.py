@@ -6,10 +6,8 @@
     python -m benchmarks.bench_e2e --from-quickstart results/quickstart
     python -m benchmarks.bench_e2e --run [--out results/bench_e2e] [--steps 6] [--timeout 1200]   # train both first
 
-For each of verl's ``timing_s/<phase>`` metrics both runs log: each run's median over steps and the
-median of the paired ratio ``t_STAPO(step) / t_JustRL(step)`` (same step: same data), after
-``--warmup-steps`` steps, with the number of steps it rests on. A run the quickstart stopped at its
-limit is named.
+Per ``timing_s/<phase>`` metric both runs log: each run's median over steps and the median of the
+paired per-step ratio (:func:`compare`; how to read them: benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """How many S2T decisions change when the same sequences are forwarded in another batch.
 
-A sequence's log-probs and entropies depend, in floating point, on what else is in its forward batch,
-so ``current_forward=positive_advantage`` and ``full`` can silence different tokens near ``tau_p`` or
-``tau_h``. This forwards sampled responses all in one batch, only the positive-advantage ones, and
-each alone, in float32 and bfloat16, and prints per dtype the largest change of ``log p`` and ``H``
-and the tokens S2T silences in one forward and not the other (:func:`silenced_set_difference`).
+A sequence's log-probs and entropies depend, in floating point, on what else is in its forward batch;
+this measures how far that moves S2T's selection (the forwards, dtypes and measured numbers:
+benchmarks/README.md).
 
 ::
 
@@ -107,7 +105,8 @@ def sample_sequences(model, vocab: int, n: int, length: int, prompt_len: int, se
 
 def measure(model, sequences: list[torch.Tensor], advantages: torch.Tensor, prompt_len: int, tau_p: float, q: float = 0.75,
             pad_id: int = 0) -> Composition:
-    """Forward ``sequences`` as described in the module docstring and compare the selections."""
+    """Forward ``sequences`` in one batch, the positive-advantage ones in one batch, and each alone, and
+    compare the statistics and S2T's selections of the three."""
     n, width = len(sequences), max(len(s) for s in sequences) - prompt_len
     lengths = torch.tensor([len(s) - prompt_len for s in sequences])
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
