@@ -79,9 +79,8 @@ WORKING_DIR_EXCLUDES = ("/.git", "/.venv", "/data", "/results", "/checkpoints", 
 def ensure_patch_module_env(environ: MutableMapping[str, str] = os.environ) -> None:
     """Put :data:`PATCH_MODULE` first in ``VERL_USE_EXTERNAL_MODULES`` when it is not listed (other modules
     the user set are kept, after it); where it is listed it keeps its place, so a module listed before it
-    is imported before the recipe's patches (a platform they need registered first, docs/cpu.md).
-
-    ``environ`` defaults to ``os.environ``; it must be set before ``import verl``.
+    is imported before the recipe's patches (a platform they need registered first, docs/cpu.md). It must
+    be set before ``import verl``.
     """
     modules = [m for m in environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
     if PATCH_MODULE not in modules:
@@ -101,7 +100,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     # module for helpers that need none
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from hydra.errors import MissingConfigException
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
     for override in overrides:
         for group, valid in (("method", tuple(methods())), ("model", MODELS)):
@@ -110,8 +109,6 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     refused = override_problems(overrides)
     if refused:
         raise ValueError("override refused: " + "; ".join(refused))
-    from hydra.errors import ConfigCompositionException, OverrideParseException  # as above: hydra only here
-
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
             return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
@@ -286,15 +283,11 @@ def launch_dir(environ: Mapping[str, str] = os.environ) -> Path:
 
 
 def run_files_env(config: DictConfig, cwd: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Where the trainer writes a run's files, as the environment variables verl and its loggers read.
-
-    The trainer is a Ray actor with a working directory of its own (with ``LAUNCH=submit``, Ray's copy of
-    the project, deleted with the session), so none of them may stay relative. Each of
-    :data:`RUN_FILE_ENV_NAMES` set in ``ray_kwargs.ray_init.runtime_env.env_vars`` or in ``environ``
-    (in that order) is made absolute against ``cwd``; without either ``VERL_FILE_LOGGER_PATH`` or
-    ``VERL_FILE_LOGGER_ROOT``, verl's file logger writes ``<trainer.default_local_dir>/metrics.jsonl``
-    (beside the checkpoints, on storage every node sees), and tensorboard
-    ``<trainer.default_local_dir>/tensorboard``.
+    """Where the trainer writes a run's files, as the environment variables verl and its loggers read:
+    each of :data:`RUN_FILE_ENV_NAMES` set in ``ray_kwargs.ray_init.runtime_env.env_vars`` or in
+    ``environ`` (in that order), made absolute against ``cwd`` (the trainer, a Ray actor, has a working
+    directory of its own); without either file-logger variable, ``<trainer.default_local_dir>/metrics.jsonl``
+    (beside the checkpoints, on storage every node sees), and tensorboard ``<trainer.default_local_dir>/tensorboard``.
     """
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     files = {}
