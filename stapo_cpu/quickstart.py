@@ -344,15 +344,11 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
 
 
 def evaluate(checkpoints: dict[str, Path], out: Path) -> tuple[str, list[str]]:
-    """Evaluate each method's verl checkpoint as the paper's are, then build Table 2.
-
-    Each checkpoint goes through ``PRESET=cpu bash run_scripts/eval.sh`` (``MODEL`` the checkpoint:
-    verl's model merger converts it into ``merged_hf`` beside its ``actor/``, then vLLM's CPU build
-    samples the tiny task's held-out problems) into ``out/<method>``; Table 2 is
-    ``python -m recipe.stapo.eval.tables`` over their summaries, into ``out/table2.md``. Its rows are
-    marked partial (``--allow-partial``): the tiny task is not the paper's six benchmarks, and its
-    prompts are its training form. Returns the markdown (one line per evaluation with mean@N and its
-    standard error, then the table's report) and one error per evaluation that failed.
+    """Evaluate each method's verl checkpoint as the paper's are (``PRESET=cpu bash run_scripts/eval.sh``
+    into ``out/<method>``), then build Table 2 over their summaries (``python -m recipe.stapo.eval.tables
+    --allow-partial``: the tiny task is not the paper's six benchmarks) into ``out/table2.md``. Returns
+    the markdown (one line per evaluation with mean@N and its standard error, then the table's report)
+    and one error per evaluation that failed.
     """
     lines, errors, summaries = [], [], []
     for method, checkpoint in checkpoints.items():

@@ -69,12 +69,6 @@ def asset_fingerprint(assets_dir: str | os.PathLike) -> dict[str, Any]:
     return {"dir": str(manifest_path.parent), **identity, "hash": digest}
 
 
-def thread_settings(threads: int = DEFAULT_THREADS) -> dict[str, Any]:
-    """The thread settings every process of a CPU run gets (:func:`stapo_cpu.trainer.thread_env`)
-    and the machine's core count (what torch would use when nothing is set)."""
-    return {"torch_threads_per_process": int(threads), "env": thread_env(threads), "cpu_count": os.cpu_count()}
-
-
 def _cpuinfo(field: str) -> Optional[str]:
     """The value of ``field`` in ``/proc/cpuinfo`` (Linux), or None."""
     try:
@@ -91,21 +85,17 @@ def isa_settings(isa: str = DEFAULT_ISA) -> dict[str, Any]:
     return {"setting": isa, "env": isa_env(isa), "cpu_vector_flags": flags}
 
 
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
-    return (_cpuinfo("model name") or "").strip() or platform.processor() or "unknown"
-
-
 def collect(seeds: Sequence[int], assets_dir: str | os.PathLike, threads: int = DEFAULT_THREADS) -> dict[str, Any]:
     """Everything that makes a set of CPU runs (one per seed) reproducible (JSON-ready)."""
     return {
         "seeds": [int(s) for s in seeds],
         "assets": asset_fingerprint(assets_dir),
         "versions": library_versions(),
-        "threads": thread_settings(threads),
+        # the threads every process of a CPU run gets, and the cores torch would use when nothing is set
+        "threads": {"torch_threads_per_process": int(threads), "env": thread_env(threads), "cpu_count": os.cpu_count()},
         "isa": isa_settings(),
-        "machine": {"cpu": cpu_model(), "arch": platform.machine(), "os": platform.platform(),
-                    "byteorder": sys.byteorder},
+        "machine": {"cpu": (_cpuinfo("model name") or "").strip() or platform.processor() or "unknown",
+                    "arch": platform.machine(), "os": platform.platform(), "byteorder": sys.byteorder},
     }
 
 

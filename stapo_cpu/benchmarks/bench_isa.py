@@ -42,11 +42,6 @@ SETTINGS = (("pinned", "avx2", {}), ("pinned, inherited avx512", "avx2", AVX512)
             ("native, avx2-only", "native", AVX2_ONLY))
 
 
-def numeric(steps: dict[int, dict]) -> dict[str, float]:
-    """``"<step>:<metric>"`` -> value of :func:`stapo_cpu.reproducibility.seeded_metrics` (JSON keys)."""
-    return {f"{step}:{key}": value for (step, key), value in seeded_metrics(steps).items()}
-
-
 def differences(a: dict[str, float], b: dict[str, float]) -> list[str]:
     """The metrics whose values differ (or that only one run logged)."""
     same = lambda x, y: x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
@@ -75,7 +70,8 @@ def run_setting(name: str, isa: str, start_env: dict[str, str], args: argparse.N
     steps = read_metrics(run.metrics)
     step_s = [data["timing_s/step"] for data in steps.values() if "timing_s/step" in data]
     return {"name": name, "isa": isa, "start_env": start_env, "wall_s": run.wall_s, "vllm_kernels": sorted(kernels),
-            "step_s": sum(step_s) / len(step_s) if step_s else float("nan"), "metrics": numeric(steps)}
+            "step_s": sum(step_s) / len(step_s) if step_s else float("nan"),
+            "metrics": {f"{step}:{key}": value for (step, key), value in seeded_metrics(steps).items()}}
 
 
 #: a fresh process timing the shipped model's forward + backward (one thread, 16 x 120 tokens)
