@@ -4,14 +4,10 @@ and importing torch (the floor: every tool imports torch through ``stapo_core``)
     python -m benchmarks.bench_cli             # every tool, 3 rounds
     python -m benchmarks.bench_cli --quick     # every tool, 1 round
 
-A last row times the preflight of a paper run (``STAPO_DRY_RUN=check``): every check made before
-Ray starts, most of it importing verl with the recipe's patches, which a run pays anyway.
-
-The tools are found, not listed: ``python -m recipe.stapo.main_stapo`` and every module of
-``recipe/``, ``stapo_cpu/`` and ``benchmarks/`` that runs as a program with argparse. Each round runs the reference
-(``python -c "import torch"``) and every tool once, in a rotated order; a tool's ratio is the median
-over rounds of its time over the same round's reference. A tool that loads verl, composes a Hydra
-config or builds a model before answering shows as a ratio of several.
+A last row times the preflight of a paper run (``STAPO_DRY_RUN=check``). The tools are found, not
+listed (:func:`tools`); each round runs the reference (``python -c "import torch"``) and every tool
+once, in a rotated order, and a tool's ratio is the median over rounds of its time over the same
+round's reference. What the numbers show: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -23,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Optional, Sequence
+
+from benchmarks.common import markdown_table, positive, rotated
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ("import torch", [sys.executable, "-c", "import torch"])
@@ -61,7 +59,7 @@ def measure(names: Sequence[str], rounds: int, progress=print, preflight: bool =
     times: dict[str, list[float]] = {label: [] for label, _ in commands}
     status: dict[str, tuple[int, int]] = {}
     for r in range(rounds):
-        order = commands[r % len(commands):] + commands[:r % len(commands)]
+        order = rotated(commands, r)
         for i, (label, command) in enumerate(order):
             seconds, code, lines = run_once(command)
             times[label].append(seconds)
@@ -74,19 +72,17 @@ def measure(names: Sequence[str], rounds: int, progress=print, preflight: bool =
 
 
 def table(rows: Sequence[dict]) -> str:
-    head = "| tool | `--help` median s | ratio to `import torch` | exit | lines |\n|---|---|---|---|---|\n"
-    return head + "".join(f"| {r['tool']} | {r['median_s']:.2f} | {r['ratio']:.2f} | {r['exit']} | {r['lines']} |\n"
-                          for r in rows)
+    header = ("tool", "`--help` median s", "ratio to `import torch`", "exit", "lines")
+    return markdown_table(header, ((r["tool"], f"{r['median_s']:.2f}", f"{r['ratio']:.2f}", r["exit"], r["lines"])
+                                   for r in rows))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=3, help="timed rounds (default 3; --quick: 1)")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.bench_cli", description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=positive(int), default=3, help="timed rounds (default 3; --quick: 1)")
     p.add_argument("--quick", action="store_true", help="one round (the smoke test)")
     args = p.parse_args(argv)
     rounds = 1 if args.quick else args.rounds
-    if rounds < 1:
-        p.error(f"--rounds must be >= 1, got {rounds}")
     rows = measure(tools(), rounds, progress=lambda line: print(line, file=sys.stderr), preflight=True)
     print(f"bench_cli: {rounds} round(s), {sys.executable}\n")
     print(table(rows), end="")

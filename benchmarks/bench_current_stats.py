@@ -6,13 +6,10 @@ modelled at the paper's scale.
     python -m benchmarks.bench_current_stats [--out results/bench_current_stats] [--steps 6] [--mini-batches 4]
     python -m benchmarks.bench_current_stats --simulate [--ranks 64] [--accuracy 0.2,0.5,0.8]
 
-Training (the default) runs STAPO three times with verl's real trainer and identical seeds
-(``stats_from=rollout``, ``current`` with ``current_forward=full`` and with ``positive_advantage``)
-and prints each phase's median step time against the rollout run, with the logged
-``actor/s2t/current_forward_tokens_frac`` and ``actor/s2t/current_forward_s``. ``--simulate`` models
-the forwarded share and the slowest rank's tokens at the paper's scale (GRPO groups, log-normal
-lengths, verl's balancing, :func:`stapo_core.balance.plan_forward`). The cost model and the
-measured numbers: docs/method.md.
+Training (the default) runs STAPO three times with verl's real trainer and identical seeds (:data:`RUNS`)
+and prints each phase's median step time against the rollout run, with the logged statistics forward;
+``--simulate`` models the paper's scale (:func:`simulate`). The cost model and the measured numbers:
+benchmarks/README.md and docs/method.md.
 """
 
 from __future__ import annotations
@@ -25,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks import common
+from benchmarks.common import median, positive
 from benchmarks.bench_e2e import compare, markdown_table
 from recipe.stapo.metrics import read_metrics
 
@@ -53,13 +52,13 @@ def measured_share(rollout_steps: dict[int, dict], mini_batches: int, warmup_ste
     ratios = [data["timing_s/old_log_prob"] / data["timing_s/update_actor"] * (mini_batches - 1) / mini_batches
               * forwarded for step, data in sorted(rollout_steps.items())[warmup_steps:]
               if data.get("timing_s/update_actor") and "timing_s/old_log_prob" in data]
-    return statistics.median(ratios) if ratios else math.nan
+    return median(ratios)
 
 
 def logged_median(steps: dict[int, dict], key: str, warmup_steps: int = 1) -> float:
     """Median over the steps after ``warmup_steps`` of a logged metric (NaN when never logged)."""
     values = [data[key] for _, data in sorted(steps.items())[warmup_steps:] if key in data]
-    return statistics.median(values) if values else math.nan
+    return median(values)
 
 
 def train(out: Path, steps: int, mini_batches: int, name: str):
@@ -126,41 +125,39 @@ def simulate(accuracy: float, *, ranks: int = 64, prompts: int = 256, n: int = 8
 
 
 def simulation_table(accuracies: Sequence[float], **kwargs) -> str:
-    lines = ["| mean accuracy | f: positive-advantage share of tokens | full: busiest / mean rank | "
-             "busiest rank, own sequences / full | busiest rank, balanced / full | micro-batches, own / full | "
-             "micro-batches, balanced / full |",
-             "|---|---|---|---|---|---|---|"]
+    header = ("mean accuracy", "f: positive-advantage share of tokens", "full: busiest / mean rank",
+              "busiest rank, own sequences / full", "busiest rank, balanced / full", "micro-batches, own / full",
+              "micro-batches, balanced / full")
+    keys = ("f", "full_imbalance", "own_tokens", "balanced_tokens", "own_micro", "balanced_micro")
+    rows = []
     for accuracy in accuracies:
         r = simulate(accuracy, **kwargs)
-        lines.append(f"| {accuracy:.1f} | {r['f']:.2f} | {r['full_imbalance']:.2f} | {r['own_tokens']:.2f} | "
-                     f"{r['balanced_tokens']:.2f} | "
-                     f"{r['own_micro']:.2f} | {r['balanced_micro']:.2f} |")
-    return "\n".join(lines)
+        rows.append([f"{accuracy:.1f}", *(f"{r[key]:.2f}" for key in keys)])
+    return common.markdown_table(header, rows)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_current_stats", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/bench_current_stats"))
     p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--mini-batches", type=int, default=4)
+    p.add_argument("--mini-batches", type=positive(int), default=4)
     p.add_argument("--warmup-steps", type=int, default=1)
     p.add_argument("--simulate", action="store_true", help="model the paper's scale instead of training on CPU")
-    p.add_argument("--ranks", type=int, default=64)
+    p.add_argument("--ranks", type=positive(int), default=64)
     p.add_argument("--accuracy", default="0.2,0.5,0.8", help="mean accuracies to model (comma-separated)")
     p.add_argument("--sim-steps", type=int, default=4)
     args = p.parse_args(argv)
-    if args.mini_batches < 1 or args.ranks < 1:
-        p.error("need --mini-batches >= 1 and --ranks >= 1")
     if args.simulate:
         try:
             accuracies = [float(a) for a in args.accuracy.split(",")]
         except ValueError:
-            p.error(f"--accuracy={args.accuracy!r}: expected comma-separated numbers in (0, 1)")
-        if not all(0.0 < a < 1.0 for a in accuracies):
+            accuracies = []
+        if not accuracies or not all(0.0 < a < 1.0 for a in accuracies):
             p.error(f"--accuracy={args.accuracy!r}: expected comma-separated numbers in (0, 1)")
         print(f"bench_current_stats --simulate: {args.ranks} ranks, 256 prompts x 8, {args.mini_batches} mini-batches, "
               f"{args.sim_steps} steps, medians over mini-batches\n")
-        print(simulation_table(accuracies, ranks=args.ranks, mini_batches=args.mini_batches, steps=args.sim_steps))
+        print(simulation_table(accuracies, ranks=args.ranks, mini_batches=args.mini_batches, steps=args.sim_steps),
+              end="")
         return 0
     if args.steps <= args.warmup_steps:
         p.error("need --steps > --warmup-steps")

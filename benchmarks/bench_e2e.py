@@ -6,22 +6,21 @@
     python -m benchmarks.bench_e2e --from-quickstart results/quickstart
     python -m benchmarks.bench_e2e --run [--out results/bench_e2e] [--steps 6] [--timeout 1200]   # train both first
 
-For each of verl's ``timing_s/<phase>`` metrics both runs log: each run's median over steps and the
-median of the paired ratio ``t_STAPO(step) / t_JustRL(step)`` (same step: same data), after
-``--warmup-steps`` steps, with the number of steps it rests on. A run the quickstart stopped at its
-limit is named.
+Per ``timing_s/<phase>`` metric both runs log: each run's median over steps and the median of the
+paired per-step ratio (:func:`compare`; how to read them: benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from benchmarks import common
+from benchmarks.common import median, number
 from recipe.stapo.metrics import find_metrics_file, read_metrics
 from recipe.stapo.plots import stopped_message
 
@@ -95,19 +94,15 @@ def compare(baseline: dict[int, dict], method: dict[int, dict], *, warmup_steps:
         pairs = [(_seconds(baseline[s], phase), _seconds(method[s], phase)) for s in steps]
         pairs = [(b, m) for b, m in pairs if b is not None and m is not None]
         ratios = [m / b for b, m in pairs if b > 0]
-        median = lambda xs: statistics.median(xs) if xs else math.nan  # noqa: E731
         rows.append(PhaseRow(phase, median([b for b, _ in pairs]), median([m for _, m in pairs]), median(ratios),
                              len(ratios)))
     return rows
 
 
 def markdown_table(rows: Sequence[PhaseRow], baseline: str = BASELINE, method: str = METHOD) -> str:
-    fmt = lambda x, p: "n/a" if math.isnan(x) else f"{x:.{p}f}"  # noqa: E731
-    head = (f"| phase | {baseline} median s | {method} median s | ratio {method}/{baseline} | n |\n"
-            "|---|---|---|---|---|\n")
-    return head + "".join(
-        f"| {r.phase} | {fmt(r.baseline_s, 3)} | {fmt(r.method_s, 3)} | {fmt(r.ratio, 3)} | {r.n} |\n" for r in rows
-    )
+    header = ("phase", f"{baseline} median s", f"{method} median s", f"ratio {method}/{baseline}", "n")
+    return common.markdown_table(header, ((r.phase, number(r.baseline_s, 3), number(r.method_s, 3), number(r.ratio, 3),
+                                           r.n) for r in rows))
 
 
 def report(baseline_run: str | Path, method_run: str | Path, warmup_steps: int = 1) -> str:

@@ -1,10 +1,8 @@
 """How many S2T decisions change when the same sequences are forwarded in another batch.
 
-A sequence's log-probs and entropies depend, in floating point, on what else is in its forward batch,
-so ``current_forward=positive_advantage`` and ``full`` can silence different tokens near ``tau_p`` or
-``tau_h``. This forwards sampled responses all in one batch, only the positive-advantage ones, and
-each alone, in float32 and bfloat16, and prints per dtype the largest change of ``log p`` and ``H``
-and the tokens S2T silences in one forward and not the other (:func:`silenced_set_difference`).
+A sequence's log-probs and entropies depend, in floating point, on what else is in its forward batch;
+this measures how far that moves S2T's selection (the forwards, dtypes and measured numbers:
+benchmarks/README.md).
 
 ::
 
@@ -26,6 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from benchmarks.common import markdown_table
 from stapo_core.s2t import s2t_mask
 
 
@@ -106,7 +105,8 @@ def sample_sequences(model, vocab: int, n: int, length: int, prompt_len: int, se
 
 def measure(model, sequences: list[torch.Tensor], advantages: torch.Tensor, prompt_len: int, tau_p: float, q: float = 0.75,
             pad_id: int = 0) -> Composition:
-    """Forward ``sequences`` as described in the module docstring and compare the selections."""
+    """Forward ``sequences`` in one batch, the positive-advantage ones in one batch, and each alone, and
+    compare the statistics and S2T's selections of the three."""
     n, width = len(sequences), max(len(s) for s in sequences) - prompt_len
     lengths = torch.tensor([len(s) - prompt_len for s in sequences])
     mask = (torch.arange(width)[None, :] < lengths[:, None]).float()
@@ -182,15 +182,13 @@ def run(model_path: Optional[str], n: int, length: int, taus: Sequence[float], s
 
 
 def table(results: Sequence[Composition]) -> str:
-    head = ("| dtype | tau_p | tokens | max dlogp full/positive | max dH full/positive | max dlogp full/alone | candidates "
-            "| silenced | flips full/positive | flips full/alone | tolerance | flips within it of a threshold |")
-    lines = [head, "|" + "---|" * 12]
-    for r in results:
-        lines.append(f"| {r.dtype} | {r.tau_p:g} | {r.tokens} | {r.max_dlogp_full_vs_positive:.2e} | "
-                     f"{r.max_dentropy_full_vs_positive:.2e} | {r.max_dlogp_full_vs_alone:.2e} | {r.candidates} | "
-                     f"{r.silenced} | {r.flips_full_vs_positive} | {r.flips_full_vs_alone} | {r.tolerance:g} | "
-                     f"{r.flips_near_threshold} |")
-    return "\n".join(lines)
+    header = ("dtype", "tau_p", "tokens", "max dlogp full/positive", "max dH full/positive", "max dlogp full/alone",
+              "candidates", "silenced", "flips full/positive", "flips full/alone", "tolerance",
+              "flips within it of a threshold")
+    return markdown_table(header, ((r.dtype, f"{r.tau_p:g}", r.tokens, f"{r.max_dlogp_full_vs_positive:.2e}",
+                                    f"{r.max_dentropy_full_vs_positive:.2e}", f"{r.max_dlogp_full_vs_alone:.2e}",
+                                    r.candidates, r.silenced, r.flips_full_vs_positive, r.flips_full_vs_alone,
+                                    f"{r.tolerance:g}", r.flips_near_threshold) for r in results))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -204,7 +202,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     taus = [float(t) for t in args.tau_p.split(",") if t.strip()]
     results = run(args.model, args.sequences, args.length, taus, args.seed)
-    print(json.dumps([asdict(r) for r in results], indent=1) if args.json else table(results))
+    print(json.dumps([asdict(r) for r in results], indent=1) if args.json else table(results).rstrip("\n"))
     return 0
 
 

@@ -6,50 +6,11 @@
                                     [--vocab 151936] [--d D] [--memory auto|subprocess|inprocess|off]
                                     [--modes vanilla,stapo-rollout,...] [--json out.json] [--quick]
 
-What one timed call does (one micro-batch, as verl's FSDP actor does it; here the mini-batch is the
-micro-batch):
-
-1. the LM head: ``logits = hidden (T x d) @ W (d x V)`` over the ``T`` flat prompt + response
-   positions (so the backward through the log-softmax over ``V`` and into ``W`` and ``hidden`` is
-   real); then verl's ``logprobs_from_logits``;
-2. where the mode needs the current entropy: verl's ``entropy_from_logits_with_chunking``
-   (``--entropy-chunk``, verl's default 2048 rows; 0 = verl's unchunked ``entropy_from_logits``),
-   with grad as verl's actor computes it (``calculate_entropy=True``), or without grad for the
-   proposed fix ``stapo-current-nograd``;
-3. ``stats_from=rollout`` modes: ``fold_into_mini_batch`` (the S2T / top-entropy mask folded into
-   the mini-batch from the rollout log-probs and entropies, as the actor does once per mini-batch);
-4. verl's token count ``batch_num_tokens = sum(loss_mask)`` (every mode), then
-   ``verl_patches.losses.ppo_loss_with_token_selection`` (verl's ``ppo_loss`` as installed) and
-   ``loss.backward()``.
-
-Modes (:data:`MODES`): ``vanilla`` (JustRL), ``vanilla+entropy`` (JustRL with verl's own entropy
-computation: the reference for the current-statistics target), ``stapo-rollout``,
-``stapo-current`` (mask from the current log-prob and entropy inside the loss),
-``stapo-current-nograd`` (the same with the entropy computed under ``torch.no_grad``: S2T detaches
-it anyway and JustRL/STAPO have ``entropy_coeff=0``), ``stapo-current-candidates`` (the entropy
-only at S2T's candidate positions, ``A > 0`` and ``p < tau_p``, without grad: the same mask),
-``entropy_topk`` (20-Entropy).
-
-Timing: one warm-up call per mode, then ``--repeats`` rounds; each round runs every mode once, in
-an order rotated by one each round (drift and position effects cancel). Reported: the median
-time, and the median over rounds of the paired ratio ``t_mode / t_vanilla`` of the same round.
-
-Peak memory (extra over what is allocated before the call: inputs, parameters, the batch):
-
-* cuda: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``, minus
-  ``memory_allocated`` before the call (in process; exact for the caching allocator's tensors).
-* cpu: the process's resident-set high-water mark ``VmHWM`` (``/proc/self/status``), reset with
-  ``/proc/self/clear_refs`` just before the call, minus the resident set before it; glibc is set
-  (``mallopt``) to serve every allocation >= 64 KiB with ``mmap``, so a freed tensor leaves the
-  resident set and a later one cannot hide in reused heap. ``--memory subprocess`` (default on
-  cpu) measures each mode in a fresh Python process (no allocator state shared between modes);
-  ``inprocess`` is faster (tests). Limits: page granularity (4 KiB) and anything else the process
-  allocates meanwhile (nothing, in this single-threaded loop) are counted; the resolution is
-  about 1 MiB, so memory ratios use ``(peak + 1 MiB) / (peak_ref + 1 MiB)`` and a target "no more
-  memory" allows 1% + 1 MiB.
-
-Targets: ``stapo-rollout`` time <= 1.02 x vanilla, peak <= vanilla; ``stapo-current``
-(and the proposed ``-nograd`` / ``-candidates``) time <= 1.10 x vanilla, peak <= vanilla+entropy.
+One timed call is one micro-batch as verl's FSDP actor processes it (:func:`loss_step`: the LM head,
+verl's log-probs, the entropy where the mode needs it, the S2T fold, verl's token count, the loss as
+``verl_patches`` installs it, ``backward``). The modes (:data:`MODES`), the timing statistics, how
+peak memory is measured on cuda and on cpu, the targets and the measured numbers:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -59,12 +20,13 @@ import ctypes
 import gc
 import json
 import math
+import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import lru_cache, partial
 from pathlib import Path
@@ -73,14 +35,14 @@ from typing import Callable, Optional, Sequence
 import torch
 from tqdm import tqdm
 
+from benchmarks import common
+from benchmarks.common import number, positive, rotated
 from stapo_core.fileio import atomic_write
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
 #: resolution of the peak-memory measurement (MiB) and the relative tolerance of "no more memory"
 MEM_RESOLUTION_MB = 1.0
 MEM_REL_TOL = 0.01
-PROBE_TAG = "MEMORY_PROBE "
 VERL_ENTROPY_CHUNK = 2048  # verl's entropy_from_logits_chunk_size default
 
 
@@ -130,11 +92,6 @@ MODES = {
         Mode("entropy_topk", ("method=entropy20",), fold=True, rollout_entropy=True, role="20-Entropy (no target)"),
     )
 }
-
-
-# --------------------------------------------------------------------------------------------
-# inputs
-# --------------------------------------------------------------------------------------------
 
 
 def parse_shapes(text: str) -> list[tuple[int, int]]:
@@ -280,11 +237,6 @@ def actor_config(mode_name: str):
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.actor)
 
 
-# --------------------------------------------------------------------------------------------
-# the measured call
-# --------------------------------------------------------------------------------------------
-
-
 def entropy_function(chunk: int, compile: bool = False) -> Callable:
     """verl's entropy over the vocabulary: chunked (``chunk`` rows) or, for 0, unchunked; with
     ``compile``, wrapped in ``torch.compile(dynamic=True)`` as verl's FSDP engine does by default
@@ -312,7 +264,10 @@ def candidate_entropy(logits, log_probs, positive, tau_p: float, entropy_fn: Cal
 
 
 def loss_step(mode: Mode, inputs: LossInputs, data, entropy_fn: Callable) -> torch.Tensor:
-    """One forward + backward of the policy-loss path (module docstring, steps 1-4). Returns the loss."""
+    """One forward + backward of the policy-loss path: the S2T fold for rollout statistics, verl's
+    token count, the LM head ``logits = hidden (T x d) @ W (d x V)``, verl's log-probs, the mode's
+    entropy (with grad as verl's actor computes it, without, or only at S2T's candidates), verl's
+    ``ppo_loss`` as installed, ``backward`` into ``W`` and ``hidden``. Returns the loss."""
     from verl.utils import tensordict_utils as tu
     from verl.utils.torch_functional import logprobs_from_logits
     from verl_patches.losses import ppo_loss_with_token_selection
@@ -382,15 +337,9 @@ def time_modes(modes: Sequence[Mode], inputs: LossInputs, entropy_fn, device: st
             timed_call(mode, inputs, entropy_fn, device)
     times = {m.name: [] for m in modes}
     for r in tqdm(range(repeats), desc=f"timing {label}", leave=False, file=sys.stderr):
-        k = r % len(modes)
-        for mode in list(modes[k:]) + list(modes[:k]):
+        for mode in rotated(modes, r):
             times[mode.name].append(timed_call(mode, inputs, entropy_fn, device))
     return times
-
-
-# --------------------------------------------------------------------------------------------
-# peak memory
-# --------------------------------------------------------------------------------------------
 
 
 def _proc_status_kb(field: str) -> int:
@@ -425,41 +374,27 @@ def peak_memory_mb(mode: Mode, inputs: LossInputs, entropy_fn: Callable, device:
     return max(0, _proc_status_kb("VmHWM") - base_kb) / 1024
 
 
-def _probe_argv(args: argparse.Namespace, mode: str, shape: tuple[int, int]) -> list[str]:
-    return [
-        sys.executable, "-m", "benchmarks.bench_loss", "--memory-probe", mode, "--device", args.device,
-        "--shapes", f"{shape[0]}x{shape[1]}", "--vocab", str(args.vocab), "--d", str(args.d),
-        "--prompt-len", str(args.prompt_len), "--seed", str(args.seed), "--entropy-chunk", str(args.entropy_chunk),
-        "--threads", str(args.threads), "--compile-entropy", args.compile_entropy,
-        "--logit-scale", ",".join(str(x) for x in args.logit_scale),
-    ]
-
-
 def peak_memory_subprocess(args: argparse.Namespace, mode: str, shape: tuple[int, int]) -> float:
     """:func:`peak_memory_mb` of ``mode`` in a fresh Python process (same inputs, same seed)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run(_probe_argv(args, mode, shape), capture_output=True, text=True, cwd=REPO_ROOT, env=env)
-    for line in proc.stdout.splitlines():
-        if line.startswith(PROBE_TAG):
-            return float(json.loads(line[len(PROBE_TAG):])["peak_mb"])
-    raise RuntimeError(f"memory probe of mode {mode} shape {shape} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as child:
+        return child.submit(_peak_memory_child, args, mode, shape).result()
 
 
-def run_memory_probe(args: argparse.Namespace) -> None:
-    """Child process of ``--memory subprocess``: one warm-up call, then the measured one."""
-    mode = MODES[args.memory_probe]
-    (batch, resp_len), = args.shapes
-    inputs = make_inputs(batch, resp_len, vocab=args.vocab, d=args.d, prompt_len=args.prompt_len,
-                         device=args.device, seed=args.seed, logit_scale=args.logit_scale)
+def _peak_memory_child(args: argparse.Namespace, mode_name: str, shape: tuple[int, int]) -> float:
+    """The fresh process of :func:`peak_memory_subprocess`: one warm-up call, then the measured one."""
+    if args.device == "cpu":
+        _mmap_large_allocations()  # before the inputs exist: RSS then follows the allocations
+    torch.set_num_threads(args.threads)
+    mode = MODES[mode_name]
+    inputs = make_inputs(*shape, vocab=args.vocab, d=args.d, prompt_len=args.prompt_len, device=args.device,
+                         seed=args.seed, logit_scale=args.logit_scale)
     entropy_fn = entropy_function(args.entropy_chunk, args.compile_entropy == "on")
     _settle([mode])
-    timed_call(mode, inputs, entropy_fn, args.device)  # warm-up (lazy initialisation, config compose)
-    print(PROBE_TAG + json.dumps({"peak_mb": peak_memory_mb(mode, inputs, entropy_fn, args.device)}), flush=True)
-
-
-# --------------------------------------------------------------------------------------------
-# S2T alone (low-noise estimate of its own cost)
-# --------------------------------------------------------------------------------------------
+    try:
+        timed_call(mode, inputs, entropy_fn, args.device)  # warm-up (lazy initialisation, config compose)
+        return peak_memory_mb(mode, inputs, entropy_fn, args.device)
+    finally:
+        gc.unfreeze()  # the process's objects are freed when it exits
 
 
 def time_s2t_alone(inputs: LossInputs, repeats: int, device: str) -> dict[str, float]:
@@ -490,11 +425,6 @@ def time_s2t_alone(inputs: LossInputs, repeats: int, device: str) -> dict[str, f
             "tokens": metrics["s2t/tokens"], "candidates": metrics["s2t/candidates"], "silenced": metrics["s2t/silenced"]}
 
 
-# --------------------------------------------------------------------------------------------
-# results
-# --------------------------------------------------------------------------------------------
-
-
 @dataclass
 class Row:
     mode: str
@@ -507,10 +437,6 @@ class Row:
     target: str
     verdict: str
     times_ms: list
-
-
-def _mem_ratio(peak: float, ref: float) -> float:
-    return (peak + MEM_RESOLUTION_MB) / (ref + MEM_RESOLUTION_MB)
 
 
 def verdict(mode: Mode, ratio_time: float, peaks: dict[str, float]) -> str:
@@ -540,7 +466,8 @@ def build_rows(modes: Sequence[Mode], shape: tuple[int, int], tokens: int, times
     for mode in modes:
         ratio_time = statistics.median(t / b for t, b in zip(times[mode.name], base))
         peak = peaks.get(mode.name, math.nan)
-        ratio_mem = _mem_ratio(peak, peaks["vanilla"]) if "vanilla" in peaks and mode.name in peaks else math.nan
+        ratio_mem = ((peak + MEM_RESOLUTION_MB) / (peaks["vanilla"] + MEM_RESOLUTION_MB)
+                     if "vanilla" in peaks and mode.name in peaks else math.nan)
         rows.append(Row(mode.name, f"{shape[0]}x{shape[1]}", tokens, statistics.median(times[mode.name]) * 1e3,
                         ratio_time, peak, ratio_mem, mode.target.describe() if mode.target else mode.role,
                         verdict(mode, ratio_time, peaks) if judge or mode.target is None else QUICK_VERDICT,
@@ -549,14 +476,10 @@ def build_rows(modes: Sequence[Mode], shape: tuple[int, int], tokens: int, times
 
 
 def markdown_table(rows: Sequence[Row]) -> str:
-    head = ("| mode | shape (T flat tokens) | median ms | ratio time | peak MB | ratio mem | target | PASS/MISS |\n"
-            "|---|---|---|---|---|---|---|---|\n")
-    fmt = lambda x, p: "n/a" if math.isnan(x) else f"{x:.{p}f}"  # noqa: E731
-    return head + "".join(
-        f"| {r.mode} | {r.shape} ({r.tokens}) | {fmt(r.median_ms, 1)} | {fmt(r.ratio_time, 3)} | "
-        f"{fmt(r.peak_mb, 1)} | {fmt(r.ratio_mem, 3)} | {r.target} | {r.verdict} |\n"
-        for r in rows
-    )
+    header = ("mode", "shape (T flat tokens)", "median ms", "ratio time", "peak MB", "ratio mem", "target", "PASS/MISS")
+    return common.markdown_table(header, ((r.mode, f"{r.shape} ({r.tokens})", number(r.median_ms, 1),
+                                           number(r.ratio_time, 3), number(r.peak_mb, 1), number(r.ratio_mem, 3),
+                                           r.target, r.verdict) for r in rows))
 
 
 def machine_description(device: str) -> str:
@@ -564,11 +487,6 @@ def machine_description(device: str) -> str:
         return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
     return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
             f"{torch.get_num_threads()} torch threads (torch {torch.__version__})")
-
-
-# --------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------
 
 
 def _selected_modes(text: Optional[str]) -> list[Mode]:
@@ -584,12 +502,12 @@ def _selected_modes(text: Optional[str]) -> list[Mode]:
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_loss", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7; --quick 3)")
+    p.add_argument("--repeats", type=positive(int), default=None, help="timed rounds (default 7; --quick 3)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up rounds (default 1)")
     p.add_argument("--shapes", default=None,
                    help="BATCHxRESPONSE_LEN list (default 1x16384,8x4096 on cuda; 1x2048,4x512 on cpu)")
-    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 151936, Qwen3)")
-    p.add_argument("--d", type=int, default=None, help="hidden size of the LM head (default 4096 cuda, 128 cpu)")
+    p.add_argument("--vocab", type=positive(int), default=None, help="vocabulary size (default 151936, Qwen3)")
+    p.add_argument("--d", type=positive(int), default=None, help="hidden size of the LM head (default 4096 cuda, 128 cpu)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens per sequence (default 32)")
     p.add_argument("--entropy-chunk", type=int, default=VERL_ENTROPY_CHUNK,
                    help="rows per chunk of verl's entropy (default 2048, verl's; 0 = unchunked)")
@@ -598,7 +516,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--modes", default=None, help=f"comma list of {list(MODES)} (default all)")
     p.add_argument("--memory", choices=("auto", "subprocess", "inprocess", "off"), default="auto",
                    help="peak memory: auto = inprocess on cuda, subprocess on cpu (inprocess with --quick)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=positive(int), default=1,
                    help="torch CPU threads (default 1: on a shared machine OpenMP spin-waits make more threads "
                         "slower and far noisier)")
     p.add_argument("--logit-scale", default="0.5,8",
@@ -607,7 +525,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="also write the rows as JSON to this file")
     p.add_argument("--quick", action="store_true", help="tiny sizes for a smoke test (seconds)")
-    p.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     quick = {"repeats": 3, "shapes": "1x256,2x128", "vocab": 8192, "d": 32}
     full = {"repeats": 7, "shapes": "1x16384,8x4096" if args.device == "cuda" else "1x2048,4x512", "vocab": 151936,
@@ -623,14 +540,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         args.shapes = parse_shapes(args.shapes)
         args.logit_scale = parse_logit_scale(args.logit_scale)
         args.mode_list = _selected_modes(args.modes)
-        for key in ("repeats", "vocab", "d", "threads"):
-            if getattr(args, key) < 1:
-                raise ValueError(f"--{key}={getattr(args, key)}: expected a positive integer")
         if args.warmup < 0:
             raise ValueError(f"--warmup={args.warmup}: expected >= 0")
         entropy_function(args.entropy_chunk)
-        if args.memory_probe is not None and args.memory_probe not in MODES:
-            raise ValueError(f"--memory-probe: unknown mode {args.memory_probe!r}")
     except ValueError as e:
         p.error(str(e))
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -657,12 +569,9 @@ def benchmark_shape(args: argparse.Namespace, shape: tuple[int, int]) -> tuple[l
 
 
 def run(args: argparse.Namespace) -> None:
-    """Benchmark every shape and print the table (or, as a memory probe child, one peak)."""
+    """Benchmark every shape and print the table."""
     if args.device == "cpu":
         _mmap_large_allocations()  # before the inputs exist: RSS then follows the allocations
-    if args.memory_probe is not None:
-        run_memory_probe(args)
-        return
     torch.manual_seed(args.seed)
     rows, notes = [], []
     for shape in args.shapes:

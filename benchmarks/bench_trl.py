@@ -6,22 +6,11 @@
     python -m benchmarks.bench_trl --quick          # seconds: what tests/benchmarks runs
     # options: --model DIR --data FILE.parquet --batch N --max-completion-length N
 
-Trains, with the same seed, data and settings (TRL 1.16, the shipped tiny Qwen3 and its addition
-task, ``stapo_cpu/shipped_assets/``, the paper's ``epsilon_high=0.28``, ``delta=10``):
-
-* ``grpo``: ``GRPOTrainer`` (the reference);
-* ``stapo``: ``STAPOTrainer`` with the paper's ``tau_p=0.002``, ``q=0.75`` and the statistics
-  forward over the positive-advantage completions (``current_forward="positive_advantage"``);
-* ``stapo-full``: the same with that forward over every completion (``current_forward="full"``);
-* ``stapo-tau0``: ``tau_p=0``, no forward at all (TRL's loss bit for bit).
-
-Each round trains every trainer for ``--steps`` optimizer steps (one generation each), the order
-rotated by one per round. Per step: TRL's logged ``step_time`` (generation, scoring, loss, backward),
-the generation's own time (``_generate_and_score_completions``, timed here) and ``update`` = step -
-generation, where everything S2T adds lies; ``s2t/current_forward_s`` (the statistics forward) and
-``s2t/current_forward_tokens_frac`` as logged. The first step of each run is skipped (warm-up). A
-trainer's time in a round is its median over the steps; ``ratio`` is the median over rounds of that
-round's time over ``grpo``'s, so slow drift of the machine cancels.
+Trains TRL's ``GRPOTrainer`` (``grpo``, the reference) and ``STAPOTrainer`` three ways (:data:`TRAINERS`:
+the paper's settings with the statistics forward over the positive-advantage completions, over every
+completion, and ``tau_p=0`` with no forward) with the same seed, data and settings, the order rotated by
+one per round; ``update`` = TRL's ``step_time`` - the generation's time, where everything S2T adds lies.
+What is timed, how the ratios are taken and the measured numbers: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -34,6 +23,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
+from benchmarks.common import markdown_table, positive, rotated
 from stapo_core.fileio import atomic_write
 
 #: trainer name -> (STAPO's settings, or None for GRPOTrainer)
@@ -131,31 +121,20 @@ def summarize(rounds: list[dict]) -> list[Row]:
 
 
 def table(rows: Sequence[Row]) -> str:
-    lines = ["| trainer | step s | ratio step | update s | ratio update | statistics forward s | "
-             "forwarded tokens frac | silenced per run | steps timed |", "|" + "---|" * 9]
-    for r in rows:
-        lines.append(f"| {r.trainer} | {r.step_s:.3f} | {r.step_ratio:.3f} | {r.update_s:.3f} | {r.update_ratio:.3f} | "
-                     f"{r.forward_s:.4f} | {r.forwarded_tokens_frac:.3f} | {r.silenced:g} | {r.steps} |")
-    return "\n".join(lines)
-
-
-def _positive(kind):
-    def parse(text: str):
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-        return value
-
-    return parse
+    header = ("trainer", "step s", "ratio step", "update s", "ratio update", "statistics forward s",
+              "forwarded tokens frac", "silenced per run", "steps timed")
+    return markdown_table(header, ((r.trainer, f"{r.step_s:.3f}", f"{r.step_ratio:.3f}", f"{r.update_s:.3f}",
+                                    f"{r.update_ratio:.3f}", f"{r.forward_s:.4f}", f"{r.forwarded_tokens_frac:.3f}",
+                                    f"{r.silenced:g}", r.steps) for r in rows))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.bench_trl", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=_positive(int), default=6, help="optimizer steps per run (the first is skipped)")
-    p.add_argument("--rounds", type=_positive(int), default=3, help="runs of every trainer, order rotated")
-    p.add_argument("--batch", type=_positive(int), default=8, help="completions per step (one prompt's group)")
-    p.add_argument("--max-completion-length", type=_positive(int), default=128)
-    p.add_argument("--threads", type=_positive(int), default=1, help="torch threads")
+    p.add_argument("--steps", type=positive(int), default=6, help="optimizer steps per run (the first is skipped)")
+    p.add_argument("--rounds", type=positive(int), default=3, help="runs of every trainer, order rotated")
+    p.add_argument("--batch", type=positive(int), default=8, help="completions per step (one prompt's group)")
+    p.add_argument("--max-completion-length", type=positive(int), default=128)
+    p.add_argument("--threads", type=positive(int), default=1, help="torch threads")
     p.add_argument("--model", default=None, help="model folder (default: the shipped tiny Qwen3)")
     p.add_argument("--data", default=None, help="training parquet in verl's format (default: the shipped task)")
     p.add_argument("--out", default="results/bench_trl", help="the runs' output folders")
@@ -175,16 +154,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     torch.set_num_threads(args.threads)
     model = args.model or str(SHIPPED_DIR / "model")
     dataset = load_dataset("parquet", data_files=args.data or str(SHIPPED_DIR / "train.parquet"), split="train")
-    names = list(TRAINERS)
     rounds = []
     for k in range(args.rounds):
-        order = names[k % len(names):] + names[: k % len(names)]
         rounds.append({name: train_one(name, model, dataset, f"{args.out}/{k}-{name}", args.steps, args.batch,
-                                       args.max_completion_length) for name in order})
+                                       args.max_completion_length) for name in rotated(list(TRAINERS), k)})
     rows = summarize(rounds)
     print(f"bench_trl: {args.rounds} round(s) x {args.steps} steps, {args.batch} completions of <= "
           f"{args.max_completion_length} tokens per step, {args.threads} torch thread(s), model {model}")
-    print(table(rows))
+    print(table(rows), end="")
     if args.json:
         atomic_write(args.json, json.dumps([asdict(r) for r in rows], indent=1))
     return 0 if all(math.isfinite(r.step_ratio) for r in rows) else 1

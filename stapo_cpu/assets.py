@@ -1,46 +1,20 @@
-"""Tiny offline assets for the CPU path: tokenizer, synthetic math task, warmed-up tiny Qwen3.
+"""Tiny offline assets for the CPU path: tokenizer, synthetic math task, warmed-up tiny Qwen3
+(docs/miniature.md: what they are built to show, and their measured properties).
 
-The repository ships one built set, :data:`SHIPPED_DIR` (``stapo_cpu/shipped_assets/``,
-about 1.4 MB): the quickstart, the CPU runner's users and the tests start from those bytes on every
-machine (a build's warm-up sums floats in an order that depends on the CPU, so two machines building
-the same config can get different weights). Regenerate it after changing :class:`AssetConfig` with::
+The repository ships one built set, :data:`SHIPPED_DIR` (``stapo_cpu/shipped_assets/``): every
+machine starts from those bytes (a build's warm-up sums floats in an order that depends on the CPU).
+Regenerate it after changing :class:`AssetConfig` with::
 
     python -m stapo_cpu.assets stapo_cpu/shipped_assets --force
 
-CLI::
-
-    python -m stapo_cpu.assets OUT_DIR [--force]
-
-The CLI runs the build with the math libraries held to AVX2 (:func:`stapo_cpu.isa.isa_env`),
-as every CPU training run is. Writes into ``OUT_DIR``:
-
-- ``model/``: a ``Qwen3ForCausalLM`` (random init with a fixed seed, then a short supervised
-  warm-up on the task) saved with ``save_pretrained`` (safetensors), together with its tokenizer
-  (a byte-level BPE of ``vocab_size`` tokens trained locally on the task text plus pseudo-word
-  filler text, ``PreTrainedTokenizerFast`` with a Qwen-style ``chat_template``, eos
-  ``<|im_end|>``, pad ``<|endoftext|>``). verl loads both from this folder.
-- ``train.parquet``, ``val.parquet``: addition problems in verl's RL format (``data_source``,
-  ``prompt`` = [{"role": "user", "content": ...}], ``ability``, ``reward_model`` =
-  {"style": "rule", "ground_truth": ...}, ``extra_info``); every prompt ends with the instruction
-  of the real runs. The answer goes in ``\\boxed{}``.
-- ``manifest.json``: the config, its hash, the sha256 of every other file (:func:`file_hashes`),
-  the warm-up steps, the measured
-  sampling success rate at temperature 1.0 (target 20-70%, so GRPO advantages are non-zero) and
-  how often sampling at temperature 1.0 draws a token with p < ``tau_p`` (0.002, the paper's).
-
-The task is shaped like an LLM's reasoning where S2T looks (docs/miniature.md): responses of
-60-110 tokens whose sentences start at genuinely uncertain positions (several equally likely
-phrasings) around near-certain arithmetic (:mod:`.tiny_task`), a vocabulary of thousands of tokens
-the task mostly never uses (:mod:`.tiny_tokenizer`), and a warm-up on targets with a small fraction
-of random tokens, so that a little probability mass is spread over that long tail and is sampled
-now and then (:mod:`.tiny_model`). This module holds the build: the settings
-(:class:`AssetConfig`, from :mod:`.tiny_config`), the folder layout, the reuse check and the CLI.
-
-Everything is deterministic (fixed seeds, one torch thread); the build is a few minutes on 2
-cores. A rerun with the same config reuses the folder (the manifest's config hash matches and
-every file exists); a different config rebuilds it. The build happens in a temporary sibling
-folder that replaces ``OUT_DIR`` only when complete, so an interrupted build never leaves a
-half-written folder.
+CLI: ``python -m stapo_cpu.assets OUT_DIR [--force]``, run with the math libraries held to AVX2
+(:func:`stapo_cpu.isa.isa_env`) as every CPU training run is. Writes into ``OUT_DIR``: ``model/``
+(the warmed-up ``Qwen3ForCausalLM`` and its tokenizer, which verl loads from there),
+``train.parquet`` and ``val.parquet`` (addition problems in verl's RL format, the answer in
+``\\boxed{}``) and ``manifest.json`` (the config, its hash, the sha256 of every other file, the
+warm-up and sampling statistics). The task, tokenizer and model are built by :mod:`.tiny_task`,
+:mod:`.tiny_tokenizer` and :mod:`.tiny_model`; this module holds the settings (:class:`AssetConfig`),
+the folder layout, the reuse check (:func:`build_assets`) and the CLI.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""The instruction set torch's CPU math libraries are held to in every process of a CPU run.
-
-Left alone, ATen, MKL and oneDNN each pick their kernels by the CPU's instruction set, and the AVX2
-and AVX-512 kernels sum in different orders: the same run gives different numbers on an AVX2-only
-and an AVX-512 machine. :func:`isa_env` is the environment that pins them (docs/reproducibility.md
-has the measurement); :func:`stapo_cpu.trainer.cpu_env` puts it into every CPU run.
-"""
+"""The instruction set torch's CPU math libraries are held to in every process of a CPU run
+(:func:`isa_env`: why, and what it sets)."""
 
 from __future__ import annotations
 

@@ -7,22 +7,10 @@
     bash run_scripts/quickstart.sh --out results/study --seeds 3 --test-freq 8       # the study (docs/miniature.md)
 
 Trains every method with verl's real trainer on CPU (:mod:`stapo_cpu.trainer`) on the shipped tiny
-assets (:mod:`stapo_cpu.assets`), under identical settings and seeds, one after the other,
-validating before training and after the last step. The validation before training is measured by
-each seed's first run and copied into the others' ``metrics.jsonl`` as their step 0, marked
-``"shared_from": "<method>"`` (same weights, same samples: the same numbers, ~30 s saved per run).
-STAPO's composed config must carry the paper's S2T settings, clip range, loss aggregation and
-reward (:mod:`stapo_cpu.quickstart_settings`; exit 2 otherwise). ``--evaluate`` then saves each
-run's final checkpoint and evaluates it as a paper run's (:func:`evaluate`).
-
-Writes into ``--out``: one run folder per method (in study mode, ``--seeds K > 1``,
-``seed<k>/<method>``), ``summary.md`` and ``summary.json`` (:mod:`stapo_cpu.quickstart_report`'s
-tables and learning check, the provenance of :mod:`stapo_cpu.reproducibility`), ``settings.json``
-and the figures. Every option is checked before anything is built (:class:`QuickstartOptions`). A
-finished run with the same settings is reused (``--force`` reruns); a failed run is reported and the
-others still run; a run past ``--timeout`` seconds is stopped and its folder records the stop
-(``stopped.json``, which the inspector, the plots and ``benchmarks/bench_e2e.py`` report). Exit
-status 1 when a run failed or was stopped, or an evaluation failed.
+assets, under identical settings and seeds, one after the other; writes one run folder per method
+(study mode: ``seed<k>/<method>``), ``summary.md``, ``summary.json``, ``settings.json`` and the
+figures into ``--out``. Exit status 2 when an option or STAPO's composed settings are refused
+(nothing is built), 1 when a run failed or was stopped, or an evaluation failed.
 """
 
 from __future__ import annotations
@@ -56,7 +44,8 @@ from .quickstart_settings import ACTOR, VAL_N, paper_settings, run_settings, s2t
 from .trainer import CPU_ROLLOUT, REPO_ROOT, cpu_overrides, machine_turn, run_cpu_trainer
 
 DONE = "quickstart_done.json"
-#: key marking a step-0 validation record copied from the seed's first run (see the module docstring)
+#: key marking a step-0 validation record copied from the seed's first run, which measured it (same initial
+#: weights, same validation samples: the same numbers, ~30 s saved per run)
 SHARED_FROM = "shared_from"
 #: the composed settings of the STAPO run and the paper's (written next to summary.json)
 SETTINGS_FILE = "settings.json"
@@ -355,15 +344,11 @@ def run_method(method: str, index: int, total: int, seed: int, opts: QuickstartO
 
 
 def evaluate(checkpoints: dict[str, Path], out: Path) -> tuple[str, list[str]]:
-    """Evaluate each method's verl checkpoint as the paper's are, then build Table 2.
-
-    Each checkpoint goes through ``PRESET=cpu bash run_scripts/eval.sh`` (``MODEL`` the checkpoint:
-    verl's model merger converts it into ``merged_hf`` beside its ``actor/``, then vLLM's CPU build
-    samples the tiny task's held-out problems) into ``out/<method>``; Table 2 is
-    ``python -m recipe.stapo.eval.tables`` over their summaries, into ``out/table2.md``. Its rows are
-    marked partial (``--allow-partial``): the tiny task is not the paper's six benchmarks, and its
-    prompts are its training form. Returns the markdown (one line per evaluation with mean@N and its
-    standard error, then the table's report) and one error per evaluation that failed.
+    """Evaluate each method's verl checkpoint as the paper's are (``PRESET=cpu bash run_scripts/eval.sh``
+    into ``out/<method>``), then build Table 2 over their summaries (``python -m recipe.stapo.eval.tables
+    --allow-partial``: the tiny task is not the paper's six benchmarks) into ``out/table2.md``. Returns
+    the markdown (one line per evaluation with mean@N and its standard error, then the table's report)
+    and one error per evaluation that failed.
     """
     lines, errors, summaries = [], [], []
     for method, checkpoint in checkpoints.items():
@@ -518,11 +503,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     atomic_write(out / SETTINGS_FILE, json.dumps({"stapo": settings, "paper": paper_settings()}, indent=2, default=str))
     groups = {m: [opts.run_dir(m, r["seed"]) for r in finished if r["method"] == m] for m in opts.methods}
     groups = {m: dirs for m, dirs in groups.items() if dirs}
-    if study:
-        plots = plot_bands(groups, out) if finished else []
-    else:
-        plots = plot_runs({r["method"]: out / r["method"] for r in finished}, out) if finished else []
-    plots += plot_update_effect(groups, out) if finished else []
+    plots = []
+    if finished:
+        plots = plot_bands(groups, out) if study else plot_runs({r["method"]: out / r["method"] for r in finished}, out)
+        plots += plot_update_effect(groups, out)
     print("\n" + learning_md + table + "\n" + effect_md + "\n" + evaluation_md, flush=True)
     print(f"[quickstart] wrote {out / 'summary.md'}" + "".join(f", {p.name}" for p in plots), flush=True)
     for run_dir in stapo_dirs:

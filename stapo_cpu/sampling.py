@@ -1,9 +1,7 @@
 """Batched ancestral sampling with a Hugging Face causal LM, returning per-token log-probs.
 
-Pure PyTorch + transformers (no verl import): the tiny assets' check of how often the warmed-up
-model succeeds and samples rare tokens (:mod:`stapo_cpu.tiny_model`).
-
-The log-prob returned for each sampled token is ``log_softmax(logits / temperature)[token]``: the
+Used by the tiny assets' check of how often the warmed-up model succeeds and samples rare tokens
+(:mod:`stapo_cpu.tiny_model`). The log-prob returned for each sampled token is ``log_softmax(logits / temperature)[token]``: the
 same quantity verl's actor computes for ``old_log_prob`` (it divides the logits by the rollout
 temperature).
 """
@@ -29,17 +27,6 @@ class Sample:
     token_ids: list[int]
     log_probs: list[float]
     stop_reason: str
-
-
-def _validate(prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float) -> None:
-    if len(prompts) == 0:
-        raise ValueError("sample_batch: `prompts` is empty")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("sample_batch: every prompt needs at least one token (got an empty prompt)")
-    if max_new_tokens < 1:
-        raise ValueError(f"sample_batch: `max_new_tokens` must be >= 1, got {max_new_tokens}")
-    if not temperature > 0:
-        raise ValueError(f"sample_batch: `temperature` must be > 0, got {temperature}")
 
 
 def _left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +65,14 @@ def sample_batch(
     Returns:
         B :class:`Sample` s, in prompt order.
     """
-    _validate(prompts, max_new_tokens, temperature)
+    if len(prompts) == 0:
+        raise ValueError("sample_batch: `prompts` is empty")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("sample_batch: every prompt needs at least one token (got an empty prompt)")
+    if max_new_tokens < 1:
+        raise ValueError(f"sample_batch: `max_new_tokens` must be >= 1, got {max_new_tokens}")
+    if not temperature > 0:
+        raise ValueError(f"sample_batch: `temperature` must be > 0, got {temperature}")
     input_ids, attention_mask = _left_pad(prompts, pad_token_id)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.as_tensor(list(eos_token_ids), dtype=torch.long)

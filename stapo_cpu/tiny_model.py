@@ -98,12 +98,6 @@ def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg:
                        tokens_ok)
 
 
-def success_rate(model, tokenizer, questions: list[str], truths: list[str], cfg: AssetConfig, seed: int) -> float:
-    """Fraction of sampled answers (temperature 1.0, one per question) the training reward counts
-    as correct (:func:`is_correct`)."""
-    return sample_stats(model, tokenizer, questions, truths, cfg, seed).success_rate
-
-
 def noisy_response(ids: list[int], noise_rate: float, vocab: int, n_special: int, rng: random.Random) -> list[int]:
     """``ids`` with a random ordinary token (id in ``[n_special, vocab)``) inserted before each
     position with probability ``noise_rate`` (the model's long tail, see the module docstring)."""
@@ -184,7 +178,7 @@ def warm_up(model, tokenizer, cfg: AssetConfig, sft_pairs, val_pairs) -> tuple[i
         loss.backward()
         opt.step()
         if step % cfg.eval_every == 0:
-            rate = success_rate(model, tokenizer, questions, truths, cfg, seed=cfg.seed + step)
+            rate = sample_stats(model, tokenizer, questions, truths, cfg, seed=cfg.seed + step).success_rate
             history.append(rate)
             bar.set_postfix(loss=f"{loss.item():.3f}", success=f"{rate:.2f}")
             if rate >= cfg.target_success:

@@ -1,10 +1,6 @@
-"""The tiny assets' task: addition problems answered by a worked column addition.
-
-A response restates the problem, adds the ones column, carries, adds the tens column, sometimes
-checks itself and concludes with the answer in ``\\boxed{}``; each sentence has several equally
-likely phrasings (:data:`OPENERS` ...). The problems are split into train and validation sets
-(:func:`make_pairs`) and written in verl's RL parquet format (:func:`write_parquet`); the reward's
-verdict on a response is :func:`is_correct`.
+"""The tiny assets' task: addition problems answered by a worked column addition (:func:`make_response`),
+split into train and validation sets (:func:`make_pairs`), written in verl's RL parquet format
+(:func:`write_parquet`) and scored as the training reward scores them (:func:`is_correct`).
 """
 
 from __future__ import annotations

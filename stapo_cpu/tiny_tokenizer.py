@@ -1,10 +1,7 @@
-"""The tiny assets' tokenizer: a byte-level BPE trained on the task text plus filler text.
-
-The filler (sentences of pronounceable pseudo-words, :func:`filler_words`) stands for the rest of a
-language, so that the vocabulary has thousands of tokens the task never uses: the long tail of a
-real LLM's vocabulary, where S2T's rare tokens come from. The tokenizer carries a Qwen-style chat
-template (eos ``<|im_end|>``, pad ``<|endoftext|>``); :func:`encode_chat` builds prompt ids as verl
-does.
+"""The tiny assets' tokenizer: a byte-level BPE trained on the task text plus filler text of pseudo-words
+(:func:`filler_words`), the long tail of vocabulary the task never uses, where S2T's rare tokens come
+from (docs/miniature.md); with a Qwen-style chat template, and :func:`encode_chat` building prompt ids as
+verl does.
 """
 
 from __future__ import annotations

@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Optional, Sequence
 
-from recipe.stapo.driver import METHODS, PATCH_MODULE
+from recipe.stapo.driver import PATCH_MODULE
 from recipe.stapo.eval.backends import CPU_VLLM_ENV
+from recipe.stapo.methods import METHODS
 from recipe.stapo.metrics import METRICS_FILE, read_metrics
 from stapo_core.fileio import open_regular
 
@@ -102,15 +103,12 @@ def _try_lock(handle) -> bool:
 
 
 def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:
-    """Environment fixing the thread count of every process of a CPU run to ``threads``.
-
-    ``STAPO_CPU_THREADS`` makes :func:`stapo_cpu.patches.platform.pin_threads` call
-    ``torch.set_num_threads`` in each verl process (driver, Ray actors, vLLM's engine processes);
-    ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` set the OpenMP and MKL pools to the same count before
-    torch starts (Ray then leaves them alone), ``MKL_DYNAMIC=FALSE`` keeps MKL from using fewer
-    threads than asked. Float reductions split over threads depend on the count, so one fixed count
-    makes a run repeat bit for bit; 1 (the default) also makes it independent of the machine's
-    number of cores, and avoids oversubscribing a shared machine.
+    """Environment fixing the thread count of every process of a CPU run to ``threads``:
+    ``STAPO_CPU_THREADS`` (read by :func:`stapo_cpu.patches.platform.pin_threads` in each verl process:
+    driver, Ray actors, vLLM's engine processes), ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` (the OpenMP
+    and MKL pools, before torch starts) and ``MKL_DYNAMIC=FALSE`` (MKL never uses fewer). One fixed count
+    makes a run repeat bit for bit (docs/reproducibility.md); 1, the default, also makes it independent
+    of the machine's cores and keeps a shared machine from being oversubscribed.
     """
     if int(threads) < 1:
         raise ValueError(f"thread_env: threads must be >= 1, got {threads}")
@@ -120,19 +118,13 @@ def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:
 
 def cpu_env(run_dir: Optional[str | os.PathLike] = None, base: Optional[Mapping[str, str]] = None,
             metrics_file: str = METRICS_FILE, threads: int = DEFAULT_THREADS, isa: str = DEFAULT_ISA) -> dict[str, str]:
-    """Environment for a CPU run: ``base`` (default ``os.environ``) plus
-
-    - ``VERL_PLATFORM=cpu`` (selects :mod:`stapo_cpu.patches`' platform and activates its shims),
-    - ``VERL_USE_EXTERNAL_MODULES`` starting with :data:`EXTERNAL_MODULES` (imported by every verl
-      process, Ray workers included: the wing's patch table, then the recipe's; other modules already
-      listed follow), ``VERL_ENGINE_DEVICE=cuda`` (picks the FSDP engine class; it still runs on the
-      cpu device),
-    - ``VERL_FILE_LOGGER_PATH=<run_dir>/<metrics_file>`` when ``run_dir`` is given (verl's file
-      logger writes one ``{"step": s, "data": {...}}`` JSON line per step there; a resumed run
-      continues the file, each step once, :mod:`verl_patches.resume`),
-    - the repository on ``PYTHONPATH``, tokenizer parallelism off,
-    - :func:`thread_env` (``threads`` torch / OpenMP / MKL threads in every process),
-    - :func:`isa_env` (the math libraries held to the instruction set ``isa``).
+    """Environment for a CPU run: ``base`` (default ``os.environ``) plus :data:`CPU_ENV_VARS`,
+    ``VERL_USE_EXTERNAL_MODULES`` starting with :data:`EXTERNAL_MODULES` (imported by every verl process,
+    Ray workers included; other modules already listed follow), the repository on ``PYTHONPATH``,
+    tokenizer parallelism off, :func:`thread_env` and :func:`isa_env`; with ``run_dir``,
+    ``VERL_FILE_LOGGER_PATH=<run_dir>/<metrics_file>`` (verl's file logger writes one
+    ``{"step": s, "data": {...}}`` JSON line per step there; a resumed run continues the file, each step
+    once, :mod:`verl_patches.resume`).
     """
     env = dict(os.environ if base is None else base)
     modules = [m for m in env.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m and m not in EXTERNAL_MODULES]

@@ -1,21 +1,10 @@
 """The recipe's config, from composition to the config verl receives (the driver's side of a run).
 
 Imports flow one way: :mod:`recipe.stapo.main_stapo` (the Hydra entry point) imports this module,
-never the reverse. Everything here runs in the launching process, before Ray starts:
-
-- :func:`compose`: the config ``python -m recipe.stapo.main_stapo <overrides>`` runs with (tests,
-  scripts); :func:`validate`: verl's own validation of it alone.
-- :func:`prepare`: what the driver does to a composed config before handing it to verl: statistics
-  the loss needs switched on, every interpolation resolved with the launching shell's environment,
-  data / model / checkpoint paths made absolute, a wandb run id a resumed run continues, Ray's
-  environment variables as strings, the preflight (:mod:`recipe.stapo.preflight`: what would fail
-  on the cluster, verl's own validation and GPU memory included).
-- :func:`job_runtime_env`: the Ray job runtime environment of ``LAUNCH=submit``
-  (``run_scripts/common.sh``): the only way secrets reach the workers (never the Hydra config,
-  which verl logs to wandb).
-
-Importing this module imports no verl (``VERL_USE_EXTERNAL_MODULES`` must be set first, see
-:func:`ensure_patch_module_env`).
+never the reverse. Everything here runs in the launching process, before Ray starts: :func:`compose`
+(the config a run composes), :func:`prepare` (what the driver does to it before verl gets it) and
+:func:`job_runtime_env` (the Ray job of ``LAUNCH=submit``). Importing this module imports no verl
+(``VERL_USE_EXTERNAL_MODULES`` must be set first, see :func:`ensure_patch_module_env`).
 """
 
 from __future__ import annotations
@@ -27,12 +16,12 @@ import re
 import sys
 import unicodedata
 from pathlib import Path
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, MutableMapping, Optional, Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from recipe.stapo.methods import METHODS, methods
+from recipe.stapo.methods import methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
 from recipe.stapo.preflight import PreflightError, Problem, check_environment
 from recipe.stapo.preflight import check as preflight_check
@@ -87,14 +76,12 @@ WORKING_DIR_EXCLUDES = ("/.git", "/.venv", "/data", "/results", "/checkpoints", 
                         "*.parquet", "*.safetensors")
 
 
-def ensure_patch_module_env(environ: Optional[dict] = None) -> None:
+def ensure_patch_module_env(environ: MutableMapping[str, str] = os.environ) -> None:
     """Put :data:`PATCH_MODULE` first in ``VERL_USE_EXTERNAL_MODULES`` when it is not listed (other modules
     the user set are kept, after it); where it is listed it keeps its place, so a module listed before it
-    is imported before the recipe's patches (a platform they need registered first, docs/cpu.md).
-
-    ``environ`` defaults to ``os.environ``; it must be set before ``import verl``.
+    is imported before the recipe's patches (a platform they need registered first, docs/cpu.md). It must
+    be set before ``import verl``.
     """
-    environ = os.environ if environ is None else environ
     modules = [m for m in environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
     if PATCH_MODULE not in modules:
         modules.insert(0, PATCH_MODULE)
@@ -113,7 +100,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     # module for helpers that need none
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
-    from hydra.errors import MissingConfigException
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
 
     for override in overrides:
         for group, valid in (("method", tuple(methods())), ("model", MODELS)):
@@ -122,8 +109,6 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     refused = override_problems(overrides)
     if refused:
         raise ValueError("override refused: " + "; ".join(refused))
-    from hydra.errors import ConfigCompositionException, OverrideParseException  # as above: hydra only here
-
     try:
         with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
             return hydra_compose(config_name=CONFIG_NAME, overrides=list(overrides))
@@ -245,11 +230,6 @@ def validate(config: DictConfig) -> None:
         raise PreflightError(found)
 
 
-# ------------------------------------------------------------------------------------------------
-# driver checks
-# ------------------------------------------------------------------------------------------------
-
-
 def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = print) -> list[str]:
     """Switch on what the policy loss reads and the actor would otherwise not compute.
 
@@ -275,11 +255,6 @@ def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = prin
     return applied
 
 
-# ------------------------------------------------------------------------------------------------
-# paths and interpolations
-# ------------------------------------------------------------------------------------------------
-
-
 def _is_remote(path: str) -> bool:
     return "://" in path
 
@@ -301,25 +276,19 @@ def local_model_path(path: str, cwd: Path) -> Optional[str]:
     return None
 
 
-def launch_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
+def launch_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """The directory relative paths are taken from: ``$STAPO_LAUNCH_DIR`` (where the run was launched,
     exported by ``run_scripts/common.sh``), else the current directory."""
-    environ = os.environ if environ is None else environ
     return Path(environ.get(LAUNCH_DIR_ENV) or os.getcwd()).resolve()
 
 
-def run_files_env(config: DictConfig, cwd: Path, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """Where the trainer writes a run's files, as the environment variables verl and its loggers read.
-
-    The trainer is a Ray actor with a working directory of its own (with ``LAUNCH=submit``, Ray's copy of
-    the project, deleted with the session), so none of them may stay relative. Each of
-    :data:`RUN_FILE_ENV_NAMES` set in ``ray_kwargs.ray_init.runtime_env.env_vars`` or in ``environ``
-    (in that order) is made absolute against ``cwd``; without either ``VERL_FILE_LOGGER_PATH`` or
-    ``VERL_FILE_LOGGER_ROOT``, verl's file logger writes ``<trainer.default_local_dir>/metrics.jsonl``
-    (beside the checkpoints, on storage every node sees), and tensorboard
-    ``<trainer.default_local_dir>/tensorboard``.
+def run_files_env(config: DictConfig, cwd: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """Where the trainer writes a run's files, as the environment variables verl and its loggers read:
+    each of :data:`RUN_FILE_ENV_NAMES` set in ``ray_kwargs.ray_init.runtime_env.env_vars`` or in
+    ``environ`` (in that order), made absolute against ``cwd`` (the trainer, a Ray actor, has a working
+    directory of its own); without either file-logger variable, ``<trainer.default_local_dir>/metrics.jsonl``
+    (beside the checkpoints, on storage every node sees), and tensorboard ``<trainer.default_local_dir>/tensorboard``.
     """
-    environ = os.environ if environ is None else environ
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     files = {}
     for name in RUN_FILE_ENV_NAMES:
@@ -336,7 +305,7 @@ def run_files_env(config: DictConfig, cwd: Path, environ: Optional[Mapping[str, 
 
 
 def resolve_paths(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
-                  log: Callable[[str], None] = print, environ: Optional[Mapping[str, str]] = None) -> None:
+                  log: Callable[[str], None] = print, environ: Mapping[str, str] = os.environ) -> None:
     """Resolve every interpolation in ``config`` (in place) with this process's environment and make
     data, model, checkpoint and dump paths absolute against ``cwd`` (default: :func:`launch_dir`, the
     directory the run was launched from); the run's files (metrics, tensorboard: :func:`run_files_env`)
@@ -372,7 +341,7 @@ def wandb_run_id(project: str, experiment: str) -> str:
     return f"{readable}-{hashlib.sha1(f'{project}/{experiment}'.encode()).hexdigest()[:8]}"
 
 
-def ensure_wandb_resume(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def ensure_wandb_resume(config: DictConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     """With the wandb logger: ``WANDB_RUN_ID`` and ``WANDB_RESUME`` for every Ray worker, so a run
     resumed from its checkpoints (verl's ``resume_mode=auto``, same project and experiment) continues
     the same wandb run instead of opening a new one (verl's ``wandb.init`` passes no id).
@@ -381,7 +350,6 @@ def ensure_wandb_resume(config: DictConfig, environ: Optional[Mapping[str, str]]
     :func:`wandb_run_id` and ``WANDB_RESUME=allow`` (continue the run if it exists, else create it).
     Returns the variables set (neither is a secret).
     """
-    environ = os.environ if environ is None else environ
     loggers = OmegaConf.select(config, "trainer.logger", default=[]) or []
     if "wandb" not in ([loggers] if isinstance(loggers, str) else list(loggers)):
         return {}
@@ -438,12 +406,11 @@ def first_unresolvable_key(config: DictConfig) -> Optional[str]:
     return next(iter(failing), None)
 
 
-def unresolvable(error: Exception, config: Optional[DictConfig] = None) -> Problem:
+def unresolvable(error: Exception, config: DictConfig) -> Problem:
     """The :class:`Problem` of an interpolation omegaconf cannot resolve (``${oc.env:NAME}`` of an
-    unset variable, ``${key}`` of a key that does not exist), naming the key that holds it (of
-    ``config``: :func:`first_unresolvable_key`; else omegaconf's ``full_key``) and the variable or key it missed."""
-    key = (first_unresolvable_key(config) if config is not None else None) or getattr(error, "full_key", None)
-    key = key or "the config"
+    unset variable, ``${key}`` of a key that does not exist), naming the key that holds it
+    (:func:`first_unresolvable_key`, else omegaconf's ``full_key``) and the variable or key it missed."""
+    key = first_unresolvable_key(config) or getattr(error, "full_key", None) or "the config"
     text = str(getattr(error, "msg", None) or error).strip().splitlines()[0]
     variable = re.search(r"Environment variable '([^']+)' not found", text)
     if variable:
@@ -456,16 +423,11 @@ def unresolvable(error: Exception, config: Optional[DictConfig] = None) -> Probl
 
 def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
             log: Callable[[str], None] = print, environ: Optional[Mapping[str, str]] = None) -> DictConfig:
-    """Everything the driver does to ``config`` (in place) before verl gets it; returns it.
+    """Everything the driver does to ``config`` (in place) before verl gets it, in order; returns it.
 
-    1. statistics the loss reads are switched on (:func:`ensure_loss_statistics`); 2. interpolations
-    resolved, paths absolute (:func:`resolve_paths`); 3. with wandb, a run id that a resumed run
-    continues (:func:`ensure_wandb_resume`); 4. Ray env vars as strings; 5. the preflight
-    (:func:`recipe.stapo.preflight.check`: numbers, names, identity, paths, verl's own validation, the
-    data files' first rows through verl's dataset, GPU memory; its report is logged through ``log``).
-    Any mistake raises ``ValueError`` (the
-    preflight's :class:`~recipe.stapo.preflight.PreflightError` lists every problem it found, each
-    naming the key or path and the fix), before Ray starts. ``environ`` (default ``os.environ``) tells
+    Any mistake raises ``ValueError`` before Ray starts (the preflight's
+    :class:`~recipe.stapo.preflight.PreflightError` lists every problem it found, each naming the key or
+    path and the fix; its report is logged through ``log``). ``environ`` (default ``os.environ``) tells
     the preflight whether it runs for ``LAUNCH=submit``.
     """
     bad_environment = check_environment()  # the variables the YAML interpolates, before resolving them
@@ -482,11 +444,6 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
     return config
 
 
-# ------------------------------------------------------------------------------------------------
-# LAUNCH=submit: the Ray job's runtime environment
-# ------------------------------------------------------------------------------------------------
-
-
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The variables of ``environ`` a submitted job carries: those of :data:`FORWARDED_ENV_NAMES`, every
     one starting with :data:`FORWARDED_ENV_PREFIXES` (``STAPO_*``, ``NCCL_*``, ``GLOO_*``, ``VLLM_*``,
@@ -498,7 +455,8 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def job_runtime_env(environ: Mapping[str, str]) -> dict:
-    """Runtime env of ``ray job submit`` (the working directory itself is given by ``--working-dir``).
+    """Runtime env of ``ray job submit`` (the working directory itself is given by ``--working-dir``): the
+    only way secrets reach the workers (never the Hydra config, which verl logs to wandb).
 
     ``RAY_OVERRIDE_JOB_RUNTIME_ENV=1``: verl's driver calls ``ray.init`` with the config's runtime env,
     whose variables (``VERL_USE_EXTERNAL_MODULES``...) Ray would otherwise refuse as a conflict with

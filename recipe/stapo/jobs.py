@@ -9,10 +9,7 @@ write the same checkpoint folder and the same wandb run.
 ``python -m recipe.stapo.jobs next-id --address URL --project P --experiment E`` prints the id the
 next job of the run gets, or exits with :data:`RUNNING_EXIT` and says how to follow or stop the job
 that runs. ``--offline`` prints the run's id without asking the cluster (dry runs).
-
-The cluster is reached with Ray's own job client, so Ray's token authentication applies: the client
-needs ``RAY_AUTH_MODE=token`` and the cluster's token (``RAY_AUTH_TOKEN_PATH``, ``RAY_AUTH_TOKEN`` or
-``~/.ray/auth_token``), see docs/cluster.md.
+The cluster is reached with Ray's own job client, so Ray's token authentication applies (docs/cluster.md).
 """
 
 from __future__ import annotations

@@ -5,24 +5,13 @@
     python -m stapo_cpu.benchmarks.bench_isa [--steps 2] [--out results/bench_isa] [--method stapo] [--json rows.json]
 
 Runs the same CPU training run (verl's real trainer, the shipped tiny assets, ``--steps`` steps,
-seed 0) under four settings and compares their metrics files (every logged number but the
-wall-clock and memory ones):
-
-- ``pinned``: the CPU path as shipped (``isa_env``: ATen, MKL and oneDNN held to AVX2, and vLLM's
-  own kernels through the ``cpu_vllm_isa_pin`` patch);
-- ``pinned, inherited avx512``: the same with AVX-512 asked for in the environment it starts from
-  (the pin must win in every process, Ray's workers included);
-- ``native``: no pin; on an AVX-512 machine each library takes its AVX-512 kernels;
-- ``native, avx2-only``: no pin, every library capped at AVX2 by the environment it starts from
-  but without MKL's reproducibility mode (``MKL_CBWR``): an AVX2-only machine without the pin.
-
-On an AVX-512 machine, ``pinned`` equal to ``pinned, inherited avx512`` shows that the pin wins in
-every process whatever the environment asks for; ``native`` differing from it shows that the pin
-is needed; ``native, avx2-only`` shows what ``MKL_CBWR`` alone changes. Each setting also reports which
-of vLLM's kernel libraries (``vllm/_C*.so``) the run's processes loaded. The speed cost: the ratio of the mean step time
-(``timing_s/step``) of ``pinned`` to ``native`` (noisy on a shared machine), and of the time of the
-tiny model's forward and backward pass (one thread, a batch of 16 x 120 tokens) in a fresh process
-under each setting, alternated ``--kernel-repeats`` times (the median of each), printed in the same run.
+seed 0) under the four :data:`SETTINGS` (pinned to AVX2 as shipped; pinned from an environment
+asking for AVX-512, where the pin must win in every process; native; native capped at AVX2 without
+MKL's reproducibility mode ``MKL_CBWR``) and prints per setting how many logged numbers (all but the
+wall-clock and memory ones) differ from the pinned run's and which of vLLM's kernel libraries
+(``vllm/_C*.so``) its processes loaded; then the speed cost: the pinned over the native mean step
+time, and the tiny model's forward + backward (one thread, 16 x 120 tokens) timed in fresh processes
+alternated ``--kernel-repeats`` times. The reading of the results: docs/reproducibility.md.
 """
 
 from __future__ import annotations
@@ -35,6 +24,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 from recipe.stapo.metrics import read_metrics
 from stapo_core.fileio import atomic_write
@@ -52,11 +42,6 @@ SETTINGS = (("pinned", "avx2", {}), ("pinned, inherited avx512", "avx2", AVX512)
             ("native, avx2-only", "native", AVX2_ONLY))
 
 
-def numeric(steps: dict[int, dict]) -> dict[str, float]:
-    """``"<step>:<metric>"`` -> value of :func:`stapo_cpu.reproducibility.seeded_metrics` (JSON keys)."""
-    return {f"{step}:{key}": value for (step, key), value in seeded_metrics(steps).items()}
-
-
 def differences(a: dict[str, float], b: dict[str, float]) -> list[str]:
     """The metrics whose values differ (or that only one run logged)."""
     same = lambda x, y: x == y or (isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y))
@@ -65,10 +50,6 @@ def differences(a: dict[str, float], b: dict[str, float]) -> list[str]:
 
 def run_setting(name: str, isa: str, start_env: dict[str, str], args: argparse.Namespace) -> dict:
     """One run under ``isa`` with ``start_env`` in the environment it starts from; its metrics."""
-    saved = {key: os.environ.get(key) for key in ISA_KEYS}
-    for key in ISA_KEYS:
-        os.environ.pop(key, None)
-    os.environ.update(start_env)
     run_dir = (Path(args.out) / name.replace(", ", "_").replace(" ", "_")).resolve()
     kernels: set[str] = set()
 
@@ -78,21 +59,19 @@ def run_setting(name: str, isa: str, start_env: dict[str, str], args: argparse.N
 
         kernels.update(run_vllm_kernels(str(run_dir)))
 
-    try:
+    with mock.patch.dict(os.environ):  # this process's environment as it was, once the run ended
+        for key in ISA_KEYS:
+            os.environ.pop(key, None)
+        os.environ.update(start_env)
         run = run_cpu_trainer(args.method, SHIPPED_DIR, run_dir, steps=args.steps, isa=isa, timeout=args.timeout,
                               on_step=note_kernels)
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
     if not run.ok:
         raise SystemExit(f"[bench_isa] {name}: the run failed ({run}); log tail:\n{run.tail()}")
     steps = read_metrics(run.metrics)
     step_s = [data["timing_s/step"] for data in steps.values() if "timing_s/step" in data]
     return {"name": name, "isa": isa, "start_env": start_env, "wall_s": run.wall_s, "vllm_kernels": sorted(kernels),
-            "step_s": sum(step_s) / len(step_s) if step_s else float("nan"), "metrics": numeric(steps)}
+            "step_s": sum(step_s) / len(step_s) if step_s else float("nan"),
+            "metrics": {f"{step}:{key}": value for (step, key), value in seeded_metrics(steps).items()}}
 
 
 #: a fresh process timing the shipped model's forward + backward (one thread, 16 x 120 tokens)

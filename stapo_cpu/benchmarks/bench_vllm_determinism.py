@@ -5,21 +5,13 @@
     python -m stapo_cpu.benchmarks.bench_vllm_determinism [--prompts 4] [--n 8] [--max-tokens 96] [--json out.json]
 
 vLLM's CPU build (fp32, one thread, the CPU path's environment) samples ``--n`` completions of each of
-``--prompts`` training prompts, every request with its own seed (derived from the prompt and the
-sample's index, as a per-request seed of a patched rollout would be), in five fresh engine processes
-that differ only in how the requests reach the engine:
-
-- ``together`` (twice): every request in one ``generate`` call (vLLM batches them as it likes);
-- ``reversed``: the same requests in reverse order;
-- ``one_by_one``: one request per ``generate`` call (a batch of one: no other sequence beside it);
-- ``unseeded``: ``together`` without per-request seeds (what verl's vLLM rollout sends unless
-  ``rollout.full_determinism``, which on CPU cannot run: its batch-invariant kernels need Triton).
-
-For each against the first ``together`` it prints how many completions have identical tokens and the
-largest difference of their sampled tokens' log-probs. Identical tokens with identical log-probs in
-every setting would make a bit-reproducible rollout possible; differing log-probs under another batch
-composition mean the logits depend on which sequences share a forward (no batch invariance), so a
-token can flip where two candidates are nearly tied.
+``--prompts`` training prompts, every request with its own seed (from the prompt and the sample's
+index, as the CPU rollout's per-request seed), in fresh engine processes that differ only in how the
+requests reach the engine (:data:`SETTINGS`: all in one ``generate`` call, twice; reversed; one per
+call; all together without per-request seeds). For each against the first it prints how many
+completions have identical tokens and the largest difference of their sampled tokens' log-probs:
+differing log-probs under another batch composition would mean the logits depend on which sequences
+share a forward (no batch invariance). The measured numbers: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -81,16 +73,11 @@ def run_setting(setting: str, args, env: dict) -> dict:
 
 
 def compare(reference: dict, other: dict) -> dict:
-    same_tokens, max_dlogp, compared = 0, 0.0, 0
-    for key, ref in reference.items():
-        got = other[key]
-        if got["tokens"] == ref["tokens"]:
-            same_tokens += 1
-            diffs = [abs(a - b) for a, b in zip(ref["logprobs"], got["logprobs"])]
-            max_dlogp = max([max_dlogp, *diffs])
-            compared += 1
-    return {"completions": len(reference), "identical_tokens": same_tokens,
-            "max_abs_dlogprob_where_tokens_equal": max_dlogp if compared else None}
+    """How many completions of ``other`` have ``reference``'s tokens, and the largest log-prob difference among them."""
+    equal = [key for key, ref in reference.items() if other[key]["tokens"] == ref["tokens"]]
+    diffs = [abs(a - b) for key in equal for a, b in zip(reference[key]["logprobs"], other[key]["logprobs"])]
+    return {"completions": len(reference), "identical_tokens": len(equal),
+            "max_abs_dlogprob_where_tokens_equal": max(diffs, default=0.0) if equal else None}
 
 
 def main(argv=None) -> int:

@@ -1,23 +1,13 @@
 """Timing-independent sample identity and batch order for verl 0.9.1's TransferQueue (v1) trainer.
 
-Applied through the CPU wing's patch table (:mod:`stapo_cpu.patches.install`) when the CPU path
-is selected, and active only under verl's full-determinism mode
+Applied through the CPU wing's patch table (:mod:`stapo_cpu.patches.install`, whose entries say what
+verl does and what each wrapper changes), and active only under verl's full-determinism mode
 (``actor_rollout_ref.rollout.full_determinism=true``, which makes verl's entry point export
 ``VERL_FULL_DETERMINISM=1`` to every process): each wrapper checks that variable when it runs, so it
-changes nothing otherwise. verl facts cured:
-
-- :func:`wrap_run_agent_loop`: the v1 agent loop runs the n samples of a prompt without a
-  per-sample ``priority``, so every request carries the request id ``det-0`` and the rollout server
-  cannot tell the samples of a prompt apart except by arrival order. The patch passes the sample's
-  index in its group (verl's ``session_id``) as its priority (the request id becomes
-  ``det-<index>``).
-- :func:`wrap_uuid_module`: the trainer names each prompt by ``uuid.uuid4()``, which differs run to
-  run. The patch hands out UUIDs from a per-process counter instead (unique within the trainer
-  process, ordered as the prompts were drawn).
-- :func:`wrap_select_prompt_uids`, :func:`wrap_materialize_batch`: the replay buffer builds the training batch from a set of prompt
-  uids and from TransferQueue's listing, which follows the order in which samples finished (i.e.
-  timing). The patch orders the batch by (step, prompt uid, sample index, output index). The row
-  order decides the order of every float sum over the batch (losses, gradients, logged means).
+changes nothing otherwise. Together they give each sample an identity that does not depend on timing
+(its index in its group, a counter instead of ``uuid4``) and order every training batch by (step,
+prompt uid, sample index, output index): the row order decides the order of every float sum over the
+batch (losses, gradients, logged means).
 """
 
 from __future__ import annotations
@@ -45,8 +35,9 @@ def deterministic() -> bool:
 
 
 def wrap_run_agent_loop(original):
-    """``AgentLoopWorker._run_agent_loop`` giving each sample ``priority = session_id`` under full
-    determinism (see the module docstring).
+    """``AgentLoopWorker._run_agent_loop`` giving each sample ``priority = session_id`` (its index in its
+    group) under full determinism: verl sends every sample of a prompt as request ``det-0``, which the
+    rollout server can tell apart only by arrival order; with the priority it is ``det-<index>``.
 
     Patched on verl's ``AgentLoopWorker`` (a plain class), whose ``_run_agent_loop`` the v1 worker
     inherits: ``AgentLoopWorkerTQ`` is a ``@ray.remote`` actor class, on which an assignment would

@@ -1,16 +1,11 @@
 """The torch.distributed master port of a worker group, picked where nothing else takes it meanwhile.
 
-verl picks a worker group's ``MASTER_PORT`` (``verl.single_controller.ray.base.get_master_addr_port``)
-by binding port 0 and closing the socket: the kernel hands out a port of its *ephemeral* range
-(``/proc/sys/net/ipv4/ip_local_port_range``), the same range it draws from for every outgoing
-connection. Rank 0 binds the port only when its worker has started and imported torch and verl,
-tens of seconds later on a loaded machine, and meanwhile any connection made on the machine (Ray's
-own, another run's) may have been given that port: the run then fails with ``EADDRINUSE``. On a
-machine running several CPU runs at once (the test suite, the quickstart) that happens.
-
-:func:`master_port` picks a port below the ephemeral range and above Ray's worker ports
-(:data:`LOW`, Ray's default ``max_worker_port`` is 19999), which the kernel never hands out by itself,
-at random so that runs starting together do not pick the same one, and checks that it binds now.
+verl picks a worker group's ``MASTER_PORT`` by binding port 0 and closing the socket: a port of the
+kernel's ephemeral range, from which every outgoing connection on the machine also draws, and rank 0
+binds it only tens of seconds later, so on a machine running several CPU runs at once the run may
+fail with ``EADDRINUSE``. :func:`master_port` picks, at random, a port between Ray's worker ports
+(:data:`LOW`) and the ephemeral range, which the kernel never hands out by itself, and checks that it
+binds now.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """A shorter replay-buffer poll for the CPU path.
 
-verl 0.9.1's TransferQueue (v1) trainer waits for a step's rollouts in its replay buffer, which
-checks for finished samples every ``poll_interval`` seconds, a constructor default of 2.0 s that no
-config key reaches. On a GPU cluster a step's rollout takes minutes and the poll costs nothing; on
-the CPU miniature it takes 3-6 s, so the 2 s poll rounds every rollout (and every validation) up to
-the next multiple of 2 s: a second per step on average, 15-20% of a step.
-:func:`wrap_replay_buffer_init` lowers the interval to :data:`CPU_POLL_INTERVAL_S` after verl's
-constructor ran. Only the waiting changes: the buffer selects the same samples in the same order
-(they are all finished when it selects them).
+verl 0.9.1's v1 replay buffer checks for finished rollouts every 2 s (a constructor default no config
+key reaches), which rounds a CPU step's 3-6 s rollout up to the next multiple of 2 s: 15-20% of a
+step. :func:`wrap_replay_buffer_init` lowers the interval after verl's constructor ran; the buffer
+selects the same samples in the same order (they are all finished when it selects them).
 """
 
 from __future__ import annotations

