@@ -1,8 +1,6 @@
 """What the trainer's tracker needs when it starts (after Ray, the model load and vLLM's start): the
-run's names (``trainer.project_name``, ``trainer.experiment_name``: its checkpoint folder, metrics
-file and wandb run), the logger list (verl's backends, not empty, each package importable), for
-wandb its settings (every ``WANDB_*`` variable the workers see, read by wandb's own reader) and
-credentials, and the folders ``TENSORBOARD_DIR`` and ``WANDB_DIR``. With ``LAUNCH=submit`` the
+run's names, the logger list, for wandb its settings (every ``WANDB_*`` variable the workers see, read
+by wandb's own reader) and credentials, and the loggers' folders. With ``LAUNCH=submit`` the
 credentials and folders are left to the job's driver. Importing this module imports no verl and no
 wandb.
 """
@@ -14,13 +12,13 @@ import importlib.util
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from verl_patches.env_file import parse_env_file
 
 from .paths import probe_writable
-from .problem import Problem
-from .values import RAY_ENV_VARS, origin, seen_by_workers
+from .problem import Problem, shown
+from .values import RAY_ENV_VARS, logger_names, origin, seen_by_workers
 
 LOGGER_KEY = "trainer.logger"
 #: the package verl imports when the tracker starts each backend (``verl.utils.tracking.Tracking``)
@@ -33,16 +31,6 @@ WANDB_DEFAULT_HOST = "https://api.wandb.ai"
 _WANDB_FIX = ("run `wandb login` (it writes ~/.netrc), or put WANDB_API_KEY in STAPO_SECRETS_FILE (or export it), or "
               "log offline (WANDB_MODE=offline; `wandb sync` later), or leave wandb out: LOGGER=console,file in the "
               "run scripts (trainer.logger=[console,file])")
-
-
-def logger_names(config: DictConfig) -> Optional[list]:
-    """The names of ``trainer.logger`` (a name or a list), None when it is neither."""
-    value = OmegaConf.select(config, LOGGER_KEY, default=None)
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, ListConfig):
-        return list(value)
-    return None
 
 
 def supported_loggers() -> list[str]:
@@ -113,17 +101,16 @@ def _check_logger_list(config: DictConfig, found: list[Problem]) -> Optional[lis
     value = OmegaConf.select(config, LOGGER_KEY, default=None)
     if value is None and not OmegaConf.select(config, "trainer", default=None):
         return None
-    names = logger_names(config)
-    shown = OmegaConf.to_container(value) if isinstance(value, ListConfig) else value
+    names, value = logger_names(config), shown(value)
     supported = supported_loggers()
     if names is None or not all(isinstance(n, str) for n in names):
         found.append(Problem(LOGGER_KEY, "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
-                             f"(verl's loggers: {', '.join(supported)})", shown))
+                             f"(verl's loggers: {', '.join(supported)})", value))
         return None
     if not names:
         found.append(Problem(LOGGER_KEY, "is empty: the run would record no metric at all (verl logs a step's metrics "
                              "only through its loggers)", "name at least one, e.g. trainer.logger=[console,file] (the "
-                             "metrics file <trainer.default_local_dir>/metrics.jsonl)", shown))
+                             "metrics file <trainer.default_local_dir>/metrics.jsonl)", value))
         return None
     unknown = [n for n in names if n not in supported and n != "tracking"]
     if unknown:
@@ -131,7 +118,7 @@ def _check_logger_list(config: DictConfig, found: list[Problem]) -> Optional[lis
         found.append(Problem(LOGGER_KEY, f"{', '.join(map(repr, unknown))} is not one of verl's loggers (verl "
                              "asserts it when the trainer starts, after Ray)",
                              (f"did you mean {'; '.join(hints)}? " if hints else "")
-                             + f"verl's loggers: {', '.join(supported)}", shown))
+                             + f"verl's loggers: {', '.join(supported)}", value))
         return None
     return names
 

@@ -24,6 +24,15 @@ def token_selection(config: DictConfig) -> str:
     return str(policy_loss.get("token_selection", "none"))
 
 
+def valid_settings(config: DictConfig):
+    """The recipe's policy-loss settings (:func:`recipe.stapo.policy_loss.settings_of`); None without them,
+    or when they are invalid (:func:`check_names` reports that)."""
+    try:
+        return settings_of(config)
+    except ValueError:
+        return None
+
+
 def check_names(config: DictConfig, found: list[Problem]) -> None:
     """Policy loss, token-selection settings, advantage estimator, reward function."""
     # verl loads only after VERL_USE_EXTERNAL_MODULES is set (importing this module imports no verl)
@@ -67,10 +76,7 @@ def check_random_seed(config: DictConfig, found: list[Problem]) -> None:
     """With ``strategy=random``, a seed every rank's generator can take: beyond the range torch's
     ``manual_seed`` fails with "Overflow when unpacking long long" in the first update, after Ray,
     the model load and the first rollout."""
-    try:
-        cfg = settings_of(config)
-    except ValueError:  # check_names reports an invalid policy-loss config
-        return
+    cfg = valid_settings(config)
     if cfg is None or cfg.strategy != "random":
         return
     nnodes, gpus = pick(config, "trainer.nnodes"), pick(config, "trainer.n_gpus_per_node")
@@ -92,10 +98,7 @@ def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:
     sp = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1)
     if not (is_int(sp) and sp > 1):
         return
-    try:
-        cfg = settings_of(config)
-    except ValueError:  # check_names reports an invalid policy-loss config
-        return
+    cfg = valid_settings(config)
     if cfg is None:
         return
     uses = []

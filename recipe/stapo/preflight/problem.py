@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 ACTOR, ROLLOUT, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 
@@ -59,3 +59,8 @@ def pick(config: DictConfig, key: str, default=None):
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def shown(value):
+    """A config value as a refusal shows it (a section or list as plain data)."""
+    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value

@@ -9,13 +9,12 @@ from typing import Callable, Mapping, Optional
 
 from omegaconf import DictConfig
 
-from recipe.stapo.policy_loss import settings_of
 from stapo_core.rules import NO_SELECTION, RULES
 from verl_patches.registry import resolve
 
 from .context import check_context
 from .loggers import check_loggers
-from .names import POLICY_LOSS, check_identity, check_names, token_selection
+from .names import POLICY_LOSS, check_identity, check_names, token_selection, valid_settings
 from .numbers import check_numbers, check_step_host_memory, uses_reference
 from .paths import check_paths, check_token_dump
 from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, is_int, pick
@@ -28,15 +27,14 @@ LAUNCH_ENV = "LAUNCH"
 MEMORY_CHECK = "stapo_memory.preflight:check"
 
 
-def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, problems: Optional[list[Problem]] = None,
-          log: Callable[[str], None] = print, advise: bool = True) -> Report:
-    """Run every check on a resolved config; raise :class:`PreflightError` listing every problem
-    (``problems``: ones the caller found before), else return the :class:`Report` (also logged).
-    ``advise``: a memory refusal names changes that make every pass fit, each run through this whole
-    preflight first (``advise=False`` in those runs)."""
+def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, log: Callable[[str], None] = print,
+          advise: bool = True) -> Report:
+    """Run every check on a resolved config; raise :class:`PreflightError` listing every problem, else
+    return the :class:`Report` (also logged). ``advise``: a memory refusal names changes that make every
+    pass fit, each run through this whole preflight first (``advise=False`` in those runs)."""
     environ = os.environ if environ is None else environ
     submit = environ.get(LAUNCH_ENV, "") == "submit"
-    found = list(problems or [])
+    found: list[Problem] = []
     report = Report()
     if submit:
         report.notes.append("LAUNCH=submit: paths this machine cannot see are left to the job's driver, which runs "
@@ -75,13 +73,8 @@ def data_parallel_size(config: DictConfig) -> Optional[int]:
 
 def check_ranks_per_pool(config: DictConfig, found: list[Problem]) -> None:
     """``policy_loss.ranks_per_pool`` divides the run's data-parallel ranks (the config class's own check,
-    :meth:`~verl_patches.policy_loss_config.TokenSelectionLossConfig.pool_ranks`, which the workers would
-    otherwise run after Ray, the model load and the vLLM start)."""
-    try:
-        cfg = settings_of(config)
-    except ValueError:  # check_names reports an invalid policy-loss config
-        return
-    dp = data_parallel_size(config)
+    ``pool_ranks``, which the workers would otherwise run after Ray)."""
+    cfg, dp = valid_settings(config), data_parallel_size(config)
     if cfg is None or cfg.ranks_per_pool is None or dp is None:
         return
     try:
@@ -115,11 +108,7 @@ def selection_pool(config: DictConfig) -> Optional[SelectionPool]:
     ranks (``ranks_per_pool``, default every rank); with ``scope=micro_batch`` one micro-batch of each of
     those ranks (the token budget with dynamic batch size, prompts included; else the micro-batch's
     sequences at the full response length); for a rule evaluated per rank, one rank's micro-batch."""
-    try:
-        cfg = settings_of(config)
-    except ValueError:
-        return None
-    dp = data_parallel_size(config)
+    cfg, dp = valid_settings(config), data_parallel_size(config)
     if cfg is None or not cfg.selects_tokens or dp is None:
         return None
     try:

@@ -1,17 +1,8 @@
-"""Single values: the type and range of config values whose bad value verl reports only after Ray
-has started (minutes in, often without the key's name), a second writer of the run's metrics file,
-the device, and the environment (the loggers' part is :mod:`.loggers`).
-
-Each check of :data:`VALUE_CHECKS` says what verl does with a bad value (read from verl 0.9.1's
-trainer, workers and config dataclasses). :func:`check_environment` parses the environment variables
-the YAML reads as numbers (``GPU_MEM_GB``) once, before the config is resolved, so that a bad one is
-named instead of failing inside omegaconf. :func:`check_run_environment` reads every variable the
-run's processes read later (:data:`RUN_ENV_CHECKS`: the weight sync's timeout, the reward's helper
-count, the secrets file, the metrics file), with the readers those processes
-use and the value they will see (the config's ``ray_kwargs.ray_init.runtime_env.env_vars``, else
-the launching environment).
-
-Importing this module imports no verl.
+"""Single values verl reports only after Ray has started (:data:`VALUE_CHECKS`, each saying what verl
+does with a bad value), a second writer of the run's metrics file, the device, and the environment:
+:func:`check_environment` before the config is resolved, :func:`check_run_environment` with the value
+the run's processes will see (the loggers' part is :mod:`.loggers`). Importing this module imports no
+verl.
 """
 
 from __future__ import annotations
@@ -33,7 +24,7 @@ from verl_patches.resume import MetricsFileBusy, check_no_writer, writer_lock_pa
 from verl_patches.weight_sync import parse_timeout
 
 from .paths import probe_writable
-from .problem import ACTOR, ROLLOUT, Problem, is_int
+from .problem import ACTOR, ROLLOUT, Problem, is_int, shown
 
 _ABSENT = object()
 #: where the config gives every Ray worker its environment variables
@@ -46,118 +37,99 @@ def _is_number(value) -> bool:
 
 @dataclass(frozen=True)
 class ValueCheck:
-    """A key, the test its value must pass, what that means (``what``: "a whole number >= 1", ...),
-    what verl does otherwise (``why``) and the fix."""
+    """A key, what its value must be (``what``, read by :func:`_is`), what verl does otherwise (``why``)
+    and the fix."""
 
     key: str
-    test: Callable[[object], bool]
     what: str
     why: str
     fix: str
     optional: bool = False  # null is allowed
 
 
-def _int_at_least(low: int) -> Callable[[object], bool]:
-    return lambda v: is_int(v) and v >= low
+_RANGE = re.compile(r"a (whole )?number (?:(>=?) (\S+)|in ([\[(])(\S+), (\S+)([\])]))")
 
 
-def _number_in(low: float, high: float, low_open: bool, high_open: bool) -> Callable[[object], bool]:
-    def test(v) -> bool:
-        if not _is_number(v):
-            return False
-        above = v > low if low_open else v >= low
-        below = v < high if high_open else v <= high
-        return above and below
-
-    return test
-
-
-def _one_of(*choices: str) -> Callable[[object], bool]:
-    return lambda v: isinstance(v, str) and v in choices
+def _is(value, what: str) -> bool:
+    """Whether ``value`` is ``what``: "a whole number >= k", "a number > x" (or >=), "a number in [a, b)"
+    (either bracket), else names after "one of ", joined by ", " or " or "."""
+    match = _RANGE.match(what)
+    if match is None:
+        return isinstance(value, str) and value in re.split(r", | or ", what.removeprefix("one of "))
+    whole, op, bound, left, low, high, right = match.groups()
+    if not (is_int(value) if whole else _is_number(value)):
+        return False
+    if op:
+        return value > float(bound) if op == ">" else value >= float(bound)
+    return ((value > float(low) if left == "(" else value >= float(low))
+            and (value < float(high) if right == ")" else value <= float(high)))
 
 
 #: verl 0.9.1's rollouts (``verl.workers.rollout.base``) and the package each one's engine needs
 ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"}
-
-_FRACTION = _number_in(0.0, 1.0, True, False)
-_NON_NEGATIVE = _number_in(0.0, math.inf, False, True)
 _VLLM = "vLLM refuses it when its engine starts, after Ray (verl passes it on unchecked)"
+_TOP_K = "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)"
 
 #: the limits verl itself does not check (its config classes, validate_config and the optimizer it builds
 #: check the rest: :mod:`.verl_config`), each with what verl does with a value outside them: vLLM's
 #: sampling and memory limits (vLLM checks them only when its engine starts), values verl uses unchecked
 #: where they run silently wrong or fail after Ray, and the engines the recipe is written for
 VALUE_CHECKS: tuple[ValueCheck, ...] = (
-    ValueCheck(f"{ACTOR}.optim.clip_grad", _number_in(0.0, math.inf, True, True), "a number > 0",
-               "verl clips every gradient's norm to it unchecked: 0 zeroes every update, a negative value flips it",
-               "the paper: 1.0"),
-    ValueCheck(f"{ACTOR}.optim.lr_warmup_steps_ratio", _number_in(0.0, 1.0, False, False), "a number in [0, 1]",
-               "verl warms up for this share of the training steps unchecked: above 1 the warm-up never ends", "e.g. 0.0"),
-    ValueCheck(f"{ACTOR}.ppo_epochs", _int_at_least(1), "a whole number >= 1",
-               "with no update the trainer fails at the end of the first step, after Ray (KeyError: 'actor/mfu')", "the paper: 1"),
-    ValueCheck(f"{ACTOR}.clip_ratio_low", _number_in(0.0, 1.0, False, True), "a number in [0, 1)",
-               "the ratio's lower clip bound 1 - clip_ratio_low must stay above 0, or the clip never acts",
-               "the paper: 0.2 (bounds [0.8, 1.28])", optional=True),
-    ValueCheck(f"{ACTOR}.clip_ratio_high", _NON_NEGATIVE, "a number >= 0",
-               "the ratio's upper clip bound 1 + clip_ratio_high would fall below 1 and clip every improving token",
-               "the paper: 0.28", optional=True),
-    ValueCheck(f"{ACTOR}.clip_ratio", _NON_NEGATIVE, "a number >= 0",
-               "the clip bounds would be wrong in every update", "verl's default: 0.2"),
-    ValueCheck(f"{ACTOR}.clip_ratio_c", _number_in(1.0, math.inf, True, True), "a number > 1",
-               "verl's policy loss asserts it in the first update, after the first rollout", "the paper's runs: 10.0"),
-    ValueCheck(f"{ACTOR}.kl_loss_coef", _NON_NEGATIVE, "a number >= 0",
-               "verl adds coef x KL to the loss unchecked: a negative one pushes the policy away from the reference",
-               "e.g. 0.001"),
-    ValueCheck(f"{ROLLOUT}.temperature", _number_in(0.0, math.inf, True, True), "a number > 0",
-               "the log-probabilities divide by it (0 gives infinities) or vLLM refuses it after Ray starts", "the paper: 1.0"),
-    ValueCheck(f"{ROLLOUT}.top_p", _FRACTION, "a number in (0, 1]", _VLLM, "the paper: 1.0"),
-    ValueCheck(f"{ROLLOUT}.top_k", _int_at_least(-1), "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)",
-               _VLLM, "-1"),
-    ValueCheck(f"{ROLLOUT}.gpu_memory_utilization", _FRACTION, "a number in (0, 1]",
-               f"{_VLLM}: a fraction of each GPU's memory", "e.g. 0.6"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.n", _int_at_least(1), "a whole number >= 1",
-               "validation fails at its first batch, after Ray starts", "the paper: 32"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.top_p", _FRACTION, "a number in (0, 1]", _VLLM, "the paper: 0.9"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.temperature", _NON_NEGATIVE, "a number >= 0", _VLLM, "the paper: 0.7"),
-    ValueCheck(f"{ROLLOUT}.val_kwargs.top_k", _int_at_least(-1),
-               "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)", _VLLM, "-1"),
-    ValueCheck("trainer.total_training_steps", _int_at_least(1), "a whole number >= 1 (or null: total_epochs decides)",
-               "the trainer fails computing its schedule, after Ray starts", "the paper: 3000", optional=True),
-    ValueCheck("trainer.total_epochs", _int_at_least(1), "a whole number >= 1",
-               "with total_training_steps null the trainer would run no step", "e.g. 1000"),
-    ValueCheck("trainer.resume_mode", _one_of("auto", "disable", "resume_path"), "one of auto, disable, resume_path",
-               "the trainer logs an unknown mode and fails on it when it loads checkpoints, after Ray starts", "auto"),
-    ValueCheck("trainer.max_actor_ckpt_to_keep", _int_at_least(1), "a whole number >= 1 (or null: keep all)",
-               "checkpoint pruning fails at the first save", "the recipe: 3", optional=True),
-    ValueCheck("data.truncation", _one_of("error", "left", "right", "middle"), "one of error, left, right, middle",
-               "the rollout refuses it at its first long prompt", "the recipe: error"),
-    ValueCheck(f"{ACTOR}.strategy", _one_of("fsdp", "fsdp2"), "fsdp or fsdp2",
-               "verl's workers look its engine up when they start, after Ray; the recipe's patches and memory estimate "
-               "are written for verl's FSDP engine", "the recipe: fsdp (fsdp2 on the CPU path)"),
+    ValueCheck(f"{ACTOR}.optim.clip_grad", "a number > 0", "verl clips every gradient's norm to it unchecked: 0 "
+               "zeroes every update, a negative value flips it", "the paper: 1.0"),
+    ValueCheck(f"{ACTOR}.optim.lr_warmup_steps_ratio", "a number in [0, 1]", "verl warms up for this share of the "
+               "training steps unchecked: above 1 the warm-up never ends", "e.g. 0.0"),
+    ValueCheck(f"{ACTOR}.ppo_epochs", "a whole number >= 1", "with no update the trainer fails at the end of the first "
+               "step, after Ray (KeyError: 'actor/mfu')", "the paper: 1"),
+    ValueCheck(f"{ACTOR}.clip_ratio_low", "a number in [0, 1)", "the ratio's lower clip bound 1 - clip_ratio_low must "
+               "stay above 0, or the clip never acts", "the paper: 0.2 (bounds [0.8, 1.28])", optional=True),
+    ValueCheck(f"{ACTOR}.clip_ratio_high", "a number >= 0", "the ratio's upper clip bound 1 + clip_ratio_high would "
+               "fall below 1 and clip every improving token", "the paper: 0.28", optional=True),
+    ValueCheck(f"{ACTOR}.clip_ratio", "a number >= 0", "the clip bounds would be wrong in every update",
+               "verl's default: 0.2"),
+    ValueCheck(f"{ACTOR}.clip_ratio_c", "a number > 1", "verl's policy loss asserts it in the first update, after the "
+               "first rollout", "the paper's runs: 10.0"),
+    ValueCheck(f"{ACTOR}.kl_loss_coef", "a number >= 0", "verl adds coef x KL to the loss unchecked: a negative one "
+               "pushes the policy away from the reference", "e.g. 0.001"),
+    ValueCheck(f"{ROLLOUT}.temperature", "a number > 0", "the log-probabilities divide by it (0 gives infinities) or "
+               "vLLM refuses it after Ray starts", "the paper: 1.0"),
+    ValueCheck(f"{ROLLOUT}.top_p", "a number in (0, 1]", _VLLM, "the paper: 1.0"),
+    ValueCheck(f"{ROLLOUT}.top_k", _TOP_K, _VLLM, "-1"),
+    ValueCheck(f"{ROLLOUT}.gpu_memory_utilization", "a number in (0, 1]", f"{_VLLM}: a fraction of each GPU's memory",
+               "e.g. 0.6"),
+    ValueCheck(f"{ROLLOUT}.val_kwargs.n", "a whole number >= 1", "validation fails at its first batch, after Ray starts",
+               "the paper: 32"),
+    ValueCheck(f"{ROLLOUT}.val_kwargs.top_p", "a number in (0, 1]", _VLLM, "the paper: 0.9"),
+    ValueCheck(f"{ROLLOUT}.val_kwargs.temperature", "a number >= 0", _VLLM, "the paper: 0.7"),
+    ValueCheck(f"{ROLLOUT}.val_kwargs.top_k", _TOP_K, _VLLM, "-1"),
+    ValueCheck("trainer.total_training_steps", "a whole number >= 1 (or null: total_epochs decides)", "the trainer "
+               "fails computing its schedule, after Ray starts", "the paper: 3000", optional=True),
+    ValueCheck("trainer.total_epochs", "a whole number >= 1", "with total_training_steps null the trainer would run no "
+               "step", "e.g. 1000"),
+    ValueCheck("trainer.resume_mode", "one of auto, disable, resume_path", "the trainer logs an unknown mode and fails "
+               "on it when it loads checkpoints, after Ray starts", "auto"),
+    ValueCheck("trainer.max_actor_ckpt_to_keep", "a whole number >= 1 (or null: keep all)", "checkpoint pruning fails "
+               "at the first save", "the recipe: 3", optional=True),
+    ValueCheck("data.truncation", "one of error, left, right, middle", "the rollout refuses it at its first long prompt",
+               "the recipe: error"),
+    ValueCheck(f"{ACTOR}.strategy", "fsdp or fsdp2", "verl's workers look its engine up when they start, after Ray; the "
+               "recipe's patches and memory estimate are written for verl's FSDP engine",
+               "the recipe: fsdp (fsdp2 on the CPU path)"),
 )
 
 
-def _shown(value) -> object:
-    if isinstance(value, (DictConfig, ListConfig)):
-        return OmegaConf.to_container(value)
-    return value
-
-
 def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """One problem per value of :data:`VALUE_CHECKS` that fails its test, plus
-    ``recipe.gpu_mem_gb`` disagreeing with ``GPU_MEM_GB``, the device,
-    and the environment variables the run's processes read (:func:`check_run_environment`;
-    ``environ``: the launching environment, default ``os.environ``). A key the config does not have
-    is not checked (verl then uses its default)."""
+    """The problems of the module docstring's list (``environ``: the launching environment, default
+    ``os.environ``). A key the config does not have is not checked (verl then uses its default)."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for value_check in VALUE_CHECKS:
         value = OmegaConf.select(config, value_check.key, default=_ABSENT)
         if value is _ABSENT or (value is None and value_check.optional):
             continue
-        if not value_check.test(value):
+        if not _is(value, value_check.what):
             found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
-                                 f"set {value_check.key} to {value_check.what}; {value_check.fix}", _shown(value)))
+                                 f"set {value_check.key} to {value_check.what}; {value_check.fix}", shown(value)))
     # verl's table of rollouts, which its workers look (name, mode) up in after Ray (verl loads only here)
     from verl.workers.rollout.base import _ROLLOUT_REGISTRY
 
@@ -167,7 +139,7 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
         found.append(Problem(key, f"verl has no rollout {engine!r} in mode {mode!r} (it looks the pair up when the rollout "
                              f"workers start, after Ray; its rollouts: {sorted(_ROLLOUT_REGISTRY)})",
                              f"use {ROLLOUT}.name=vllm, {ROLLOUT}.mode=async (the recipe's)",
-                             _shown(OmegaConf.select(config, key))))
+                             shown(OmegaConf.select(config, key))))
     elif engine in ROLLOUT_PACKAGES and importlib.util.find_spec(ROLLOUT_PACKAGES[engine]) is None:
         found.append(Problem(f"{ROLLOUT}.name", f"the {engine} rollout needs the package {ROLLOUT_PACKAGES[engine]}, "
                              "which is not installed here (verl imports it when the rollout workers start, after Ray)",
@@ -180,10 +152,7 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
 
 
 def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """verl's CPU device and verl's platform variable together or not at all: ``trainer.device=cpu``
-    without ``VERL_PLATFORM=cpu`` runs verl's GPU code paths on the CPU (failing after Ray) and is not
-    memory-checked; ``VERL_PLATFORM=cpu`` on another device selects a CPU platform in every process of a
-    GPU run. A CPU run needs more than both (docs/cpu.md)."""
+    """verl's CPU device and verl's platform variable together or not at all (docs/cpu.md)."""
     device = str(OmegaConf.select(config, "trainer.device", default="cuda"))
     platform = (seen_by_workers(config, environ)("VERL_PLATFORM") or "").strip().lower()
     if device == "cpu" and platform != "cpu":
@@ -200,9 +169,8 @@ def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem
 
 
 def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Mapping[str, str]) -> None:
-    """The run's metrics file (``VERL_FILE_LOGGER_PATH`` the driver passes to the workers) has no
-    writer now: another launch of the same run still training would lose records to this one (the
-    logger itself refuses a second writer too, but only after Ray has started)."""
+    """The run's metrics file has no writer now: another launch of the same run still training would lose
+    records to this one (its logger refuses a second writer too, but after Ray has started)."""
     path, _ = metrics_file_of(config, seen_by_workers(config, environ))
     if not path or "://" in path:
         return
@@ -249,8 +217,8 @@ def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = N
                          f"{name}={ascii_form if _PLAIN_NUMBER.fullmatch(ascii_form or '-') else example}")
     value = float(text) if _PLAIN_NUMBER.fullmatch(text) else math.nan
     if not math.isfinite(value) or value <= 0:
-        shown = "set but empty" if not text else f"{raw!r}, not a positive number"
-        raise ValueError(f"environment variable {name} is {shown}: it is {what}. Set e.g. {name}={example}, "
+        said = "set but empty" if not text else f"{raw!r}, not a positive number"
+        raise ValueError(f"environment variable {name} is {said}: it is {what}. Set e.g. {name}={example}, "
                          f"or unset it for the default")
     return value
 
@@ -299,35 +267,16 @@ def _logging_level(raw: str) -> None:
                          "it when imported, and fails there (Python's 'Unknown level')") from None
 
 
-def _module_exists(name: str) -> bool:
-    """Whether ``import name`` finds a module, found without importing it or its parents (a parent's
-    import could run the very import being checked: verl_patches.activate imports verl)."""
-    parts = name.split(".")
-    try:
-        spec = importlib.util.find_spec(parts[0])
-    except (ImportError, ValueError):
-        return False
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if spec is None:
-        return False
-    for i, part in enumerate(parts[1:], start=1):
-        found = []
-        for location in map(Path, locations):
-            if (location / part / "__init__.py").is_file() or (location / part).is_dir():
-                found.append(location / part)
-            elif (location / f"{part}.py").is_file() or list(location.glob(f"{part}.*.so")):
-                found.append(location / f"{part}.py")
-        if not found:
-            return False
-        locations = [str(p) for p in found if p.is_dir()]
-        if i < len(parts) - 1 and not locations:
-            return False
-    return True
-
-
 def external_modules_problem(value: str) -> Optional[str]:
-    """What is wrong with a ``VERL_USE_EXTERNAL_MODULES`` value (None: every module it lists exists)."""
-    missing = [m.strip() for m in value.split(",") if m.strip() and not _module_exists(m.strip())]
+    """What is wrong with a ``VERL_USE_EXTERNAL_MODULES`` value (None: every module it lists is found; a
+    dotted name imports its parent packages to find it, as ``import`` would)."""
+    missing = []
+    for module in filter(None, (m.strip() for m in value.split(","))):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        missing += [] if found else [module]
     if not missing:
         return None
     return (f"lists {', '.join(map(repr, missing))}, which cannot be imported: every verl process imports these "
@@ -335,36 +284,27 @@ def external_modules_problem(value: str) -> Optional[str]:
             "that does not name the module)")
 
 
+#: what ``import verl`` reads in the driver (a :data:`RUN_ENV_CHECKS` name each)
+IMPORT_ENV = ("VERL_USE_EXTERNAL_MODULES", "VERL_LOGGING_LEVEL", "STAPO_SECRETS_FILE")
+
+
 def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """What ``import verl`` reads in the driver, checked before Hydra loads verl's config (a failure
-    there surfaces as Hydra's "Could not load 'ppo_trainer'" or a "target not found" that names
-    neither the variable nor the cause): ``VERL_USE_EXTERNAL_MODULES`` (every module exists) and
-    ``STAPO_SECRETS_FILE`` (the recipe's patches load it on import), ``VERL_LOGGING_LEVEL`` (every verl
-    module sets its logger to it on import). When all of that passes and ``environ`` is this process's
-    own, the modules of ``VERL_USE_EXTERNAL_MODULES`` are imported, in order, as ``import verl`` is about
-    to: an error one raises on import (a setting it reads refused) is reported with its message."""
+    """What ``import verl`` reads in the driver (:data:`IMPORT_ENV`, each read by its reader of
+    :data:`RUN_ENV_CHECKS`), checked before Hydra loads verl's config: a failure there surfaces as Hydra's
+    "Could not load 'ppo_trainer'" or a "target not found" that names neither the variable nor the cause.
+    When all of that passes and ``environ`` is this process's own, the modules of
+    ``VERL_USE_EXTERNAL_MODULES`` are imported, in order, as ``import verl`` is about to: an error one
+    raises on import (a setting it reads refused) is reported with its message."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
+    for env_check in RUN_ENV_CHECKS:
+        raw = environ.get(env_check.name)
+        if env_check.name in IMPORT_ENV and raw is not None:
+            try:
+                env_check.read(raw)
+            except (ValueError, OSError) as e:
+                found.append(Problem(env_check.name, f"{e} (read by {env_check.who})", env_check.fix, raw))
     modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
-    problem = external_modules_problem(modules) if modules else None
-    if problem:
-        found.append(Problem("VERL_USE_EXTERNAL_MODULES", problem, "install the missing module (pip install -e .) "
-                             "or drop it from the list (verl_patches is added by the driver)", modules))
-    level = environ.get("VERL_LOGGING_LEVEL")
-    if level is not None:
-        try:
-            _logging_level(level)
-        except ValueError as e:
-            found.append(Problem("VERL_LOGGING_LEVEL", str(e), "export VERL_LOGGING_LEVEL=INFO (or DEBUG, WARNING: "
-                                 "upper case), or unset it", level))
-    secrets = environ.get("STAPO_SECRETS_FILE", "").strip()
-    if secrets:
-        try:
-            parse_env_file(secrets)
-        except (ValueError, OSError) as e:
-            found.append(Problem("STAPO_SECRETS_FILE", f"{e} (every verl process loads it when it imports the "
-                                 "recipe's patches)", "point it to a NAME=value file only you can read (chmod 600), or "
-                                 "unset it", secrets))
     if found or not modules or environ is not os.environ:
         return found
     for module in modules.split(","):
@@ -378,9 +318,8 @@ def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> lis
 
 
 def check_gpu_mem_source(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """``recipe.gpu_mem_gb`` and ``GPU_MEM_GB`` name one value: the YAML reads the variable into the
-    key, so an override of the key and a different variable disagree, and the override would win
-    without a word. Refused, naming both."""
+    """``recipe.gpu_mem_gb`` and ``GPU_MEM_GB`` name one value (the YAML reads the variable into the key):
+    an override of the key that disagrees with the variable is refused, naming both."""
     try:
         from_env = positive_number_from_env("GPU_MEM_GB", environ)
     except ValueError:  # check_environment reports it
@@ -474,10 +413,9 @@ CONFIG_OWNED_ENV = {"STAPO_TOKEN_DUMP_DIR": "recipe.token_dump.dir",
 
 
 def seen_by_workers(config: DictConfig, environ: Mapping[str, str]) -> Callable[[str], Optional[str]]:
-    """``seen(name)``: the value the run's processes see of a variable: ``ray_kwargs.ray_init.
-    runtime_env.env_vars`` in the config, which Ray sets in every worker, else the launching
-    environment (local Ray workers inherit it; ``LAUNCH=submit`` forwards the recipe's variables
-    to the job); None when neither sets it."""
+    """``seen(name)``: the value the run's processes see of a variable: the config's :data:`RAY_ENV_VARS`,
+    else the launching environment (which local workers inherit and ``LAUNCH=submit`` forwards); None
+    when neither sets it."""
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
 
     def seen(name: str) -> Optional[str]:
@@ -527,14 +465,18 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
     return found
 
 
+def logger_names(config: DictConfig) -> Optional[list]:
+    """The names of ``trainer.logger`` (a name or a list), None when it is neither."""
+    value = OmegaConf.select(config, "trainer.logger", default=None)
+    return [value] if isinstance(value, str) else list(value) if isinstance(value, ListConfig) else None
+
+
 def metrics_file_of(config: DictConfig, seen: Callable[[str], Optional[str]]) -> tuple[Optional[str], str]:
     """``(path, variable)``: the metrics file verl's file logger will write with the ``file`` logger
     (``VERL_FILE_LOGGER_PATH``, else ``VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``, as the
     workers see them), and the variable that names it; ``(None, "")`` without the ``file`` logger or
     either variable."""
-    loggers = OmegaConf.select(config, "trainer.logger", default=None)
-    names = [loggers] if isinstance(loggers, str) else list(loggers) if isinstance(loggers, ListConfig) else []
-    if "file" not in names:
+    if "file" not in (logger_names(config) or []):
         return None, ""
     if seen("VERL_FILE_LOGGER_PATH"):
         return seen("VERL_FILE_LOGGER_PATH"), "VERL_FILE_LOGGER_PATH"

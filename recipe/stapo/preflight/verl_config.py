@@ -1,22 +1,9 @@
 """verl's own validation, before Ray: what verl's trainer and workers do with the config once Ray has
 started, done here on the same config, each refusal in verl's words (or torch's, or the dataset's)
-with the key, file or column it is about.
-
-- :func:`check_declared_types`: every value has the type verl declares for it: the field's type in
-  the config class of its section (the section's ``_target_``), else the type of verl's default for
-  the key (its whole default config, ``_generated_ppo_trainer.yaml``). verl builds its config
-  classes through Hydra, which checks no type, and reads the other sections as they come: text for a
-  number fails where it is first used, hours in, and any value for a bool is read by its truth.
-- :func:`check_verl_configs`: the sections verl converts into its config classes (:data:`SECTIONS`),
-  converted as its workers convert them, so that their ``__post_init__`` checks run; verl's
-  ``validate_config`` (what ``verl.trainer.main_ppo.main`` runs); the actor's optimizer built by
-  verl's builder on a stand-in parameter (the class exists and takes the learning rate, weight decay
-  and betas).
-- :func:`check_model_and_data`: the model config verl builds first (``HFModelConfig``: the model's
-  ``config.json``, tokenizer and chat template, loaded as the trainer loads them), and with its
-  tokenizer the dataset class training uses, run on the first rows of every data file.
-
-Importing this module imports no verl.
+with the key, file or column it is about: the types verl declares (:func:`check_declared_types`), its
+config classes, optimizer builder and ``validate_config`` (:func:`check_verl_configs`), its model config
+and dataset class on the data files' first rows (:func:`check_model_and_data`). Importing this module
+imports no verl.
 """
 
 from __future__ import annotations
@@ -39,7 +26,7 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from .numbers import uses_reference
-from .problem import ACTOR, Problem, is_int, pick
+from .problem import ACTOR, Problem, is_int, pick, shown
 
 #: the config sections verl converts into its config classes after Ray starts (``omega_conf_to_dataclass``)
 #: and when: the worker's actor and rollout configs (``ActorRolloutRefWorker.init_model``, the rollout's
@@ -130,17 +117,13 @@ def _type_name(hint) -> str:
     return names.get(typing.get_origin(hint) or hint, getattr(hint, "__name__", str(hint)))
 
 
-def _shown(value):
-    return OmegaConf.to_container(value) if isinstance(value, (DictConfig, ListConfig)) else value
-
-
 def _type_problem(key: str, value, hint, declared: str) -> Problem:
     what = _type_name(hint)
     if hint is bool:
         return Problem(key, f"must be true or false ({declared}); verl reads any other value by its truth, so "
-                       f"{value!r} would run as {bool(value)}", f"set {key}=true or {key}=false", _shown(value))
+                       f"{value!r} would run as {bool(value)}", f"set {key}=true or {key}=false", shown(value))
     return Problem(key, f"must be {what} ({declared}): verl checks no type when it builds its config, so the value "
-                   "fails where it is first used, after Ray starts", f"set {key} to {what}", _shown(value))
+                   "fails where it is first used, after Ray starts", f"set {key} to {what}", shown(value))
 
 
 def check_declared_types(config: DictConfig, skip: frozenset = frozenset()) -> list[Problem]:
@@ -223,28 +206,39 @@ def verl_problem(config: DictConfig, section: str, error: BaseException, who: st
     value = pick(config, key)
     if key == section or isinstance(value, DictConfig):
         return Problem(key, f"{who} refuses it: {words}", fix)
-    return Problem(key, f"{who} refuses it: {words}", fix, _shown(value))
+    return Problem(key, f"{who} refuses it: {words}", fix, shown(value))
 
 
-def convert(config: DictConfig, section: str, found: list[Problem], node=None):
+#: verl's conversions made in this process (the preflight runs again on every candidate of a memory
+#: refusal's advice, and on every config of a test): (section, its YAML, a stamp of the files it reads)
+#: -> (the config object or None, the error verl raised or None)
+_CONVERTED: dict[tuple, tuple] = {}
+
+
+def convert(config: DictConfig, section: str, found: list[Problem], node=None, files: tuple = ()):
     """``section`` (or ``node``, the section as verl has changed it) converted into its config class as verl
-    converts it; None with a problem in ``found`` when verl refuses it."""
+    converts it; None with a problem in ``found`` when verl refuses it. A section of the same content (and
+    ``files``, a stamp of the files its conversion reads) is converted once per process."""
     from hydra.errors import InstantiationException  # hydra and verl only where a check runs
     from verl.utils.config import omega_conf_to_dataclass
 
     node = pick(config, section) if node is None else node
-    try:
-        return omega_conf_to_dataclass(node)
-    except InstantiationException as e:
-        inner = re.search(r"full_key: (\S+)", str(e))
+    key = (section, OmegaConf.to_yaml(node, resolve=True), files)
+    if key not in _CONVERTED:
+        try:
+            _CONVERTED[key] = omega_conf_to_dataclass(node), None
+        except Exception as e:  # noqa: BLE001  (anything a config class raises stops verl's workers after Ray)
+            _CONVERTED[key] = None, e
+    built, error = _CONVERTED[key]
+    if isinstance(error, InstantiationException):
+        inner = re.search(r"full_key: (\S+)", str(error))
         where = inner.group(1) if inner else section
-        cause = e.__cause__ or e
         target = pick(config, f"{where}._target_") or "config class"
-        found.append(verl_problem(config, where, cause, f"verl's {str(target).rsplit('.', 1)[-1]} (built when the "
-                                  "workers start, after Ray)"))
-    except Exception as e:  # noqa: BLE001  (anything a config class raises stops verl's workers after Ray)
-        found.append(verl_problem(config, section, e, f"verl's {section} config (built after Ray starts)"))
-    return None
+        found.append(verl_problem(config, where, error.__cause__ or error, f"verl's {str(target).rsplit('.', 1)[-1]} "
+                                  "(built when the workers start, after Ray)"))
+    elif error is not None:
+        found.append(verl_problem(config, section, error, f"verl's {section} config (built after Ray starts)"))
+    return built
 
 
 def _reference_section(config: DictConfig) -> DictConfig:
@@ -349,24 +343,40 @@ class _Recording:
         return result
 
 
+def _stamp(paths) -> tuple:
+    """The files at ``paths`` (a folder: the files in it) as they are now: name, modification time, size."""
+    files = [f for p in map(Path, paths) if p.exists() for f in (p.iterdir() if p.is_dir() else [p])]
+    return tuple(sorted((str(f), f.lstat().st_mtime_ns, f.lstat().st_size) for f in files))
+
+
+#: what :func:`dataset_problems` found in this process, by its inputs (the files stamped)
+_DATASETS: dict[tuple, list[Problem]] = {}
+
+
 def check_model_and_data(config: DictConfig, found: list[Problem]) -> None:
     """The model config verl builds first (``HFModelConfig``: ``config.json``, the tokenizer and its chat
     template), then the dataset class training uses on the first rows of every data file with that
-    tokenizer (:func:`dataset_problems`). Only for a local model folder and data files the paths check
-    passed (a hub id, a remote path or one not visible with ``LAUNCH=submit`` is left to the job)."""
+    tokenizer (:func:`dataset_problems`), each once per process for the same settings and files. Only for
+    a local model folder and data files the paths check passed (a hub id, a remote path or one not visible
+    with ``LAUNCH=submit`` is left to the job)."""
     refused = {p.key for p in found}
     path = str(pick(config, f"{MODEL}.path", "") or "")
     if not Path(path).is_dir() or any(k == MODEL or k.startswith(MODEL + ".") for k in refused):
         return
+    folders = [str(pick(config, f"{MODEL}.{k}", "") or path) for k in ("path", "hf_config_path", "tokenizer_path")]
     with contextlib.redirect_stdout(io.StringIO()):  # what the tokenizer's loading prints
-        model = convert(config, MODEL, found)
+        model = convert(config, MODEL, found, files=_stamp(set(folders)))
     if model is None:
         return
+    data = OmegaConf.to_yaml(pick(config, "data"), resolve=True)
     for key, train in (("data.train_files", True), ("data.val_files", False)):
         files = pick(config, key)
         paths = [str(f) for f in (files if isinstance(files, ListConfig) else [files])]
         if key not in refused and all(Path(p).is_file() for p in paths):  # a key named once (the prompt length)
-            found += [p for p in dataset_problems(config, key, paths, model, train) if p.key not in {q.key for q in found}]
+            inputs = (key, _stamp(paths), data, id(model))  # a converted model lives as long as the process
+            if inputs not in _DATASETS:
+                _DATASETS[inputs] = dataset_problems(config, key, paths, model, train)
+            found += [p for p in _DATASETS[inputs] if p.key not in {q.key for q in found}]
 
 
 def dataset_problems(config: DictConfig, key: str, paths: list[str], model, train: bool) -> list[Problem]:
