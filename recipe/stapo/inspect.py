@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from recipe.stapo.plots import check_out_dir, stopped_message
-from stapo_core.fileio import atomic_write
+from stapo_core.fileio import atomic_write, cli_path
 from stapo_core.token_records import QUADRANTS, TOKEN_DUMP_DIR, read_dump
 
 QUADRANT_LABELS = {
@@ -439,7 +439,7 @@ def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None, top:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="run folder holding s2t_tokens/")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/inspect)")
+    parser.add_argument("--out", type=cli_path, default=None, help="output folder (default RUN_DIR/inspect)")
     parser.add_argument("--top", type=int, default=20, help="tokens per sample and frequent-token rows (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token samples (default 0)")
     args = parser.parse_args(argv)

@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from tqdm import tqdm
 
-from stapo_core.fileio import atomic_write, check_output_folder
+from stapo_core.fileio import atomic_write, check_output_folder, cli_path
 
 from .methods import methods
 from .metrics import Series, find_metrics_file, metric_series, nonfinite_values
@@ -599,7 +599,7 @@ def plot_runs(run_dirs: Mapping[str, Path] | Sequence[Path], out_dir: str | os.P
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.plots", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (or their metrics .jsonl files)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for the PNG files")
+    parser.add_argument("--out", type=cli_path, required=True, help="folder for the PNG files")
     parser.add_argument("--labels", nargs="+", help="one label per run (default: the run folder names)")
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.runs):

@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from recipe.stapo.data.prepare import PROMPT_SUFFIX
-from stapo_core.fileio import atomic_write, check_output_file
+from stapo_core.fileio import atomic_write, check_output_file, check_regular, cli_path
 
 COLUMNS = ("AIME24", "AIME25", "AMC23", "MATH500", "Minerva", "Olympiad")
 AVG = "Avg"
@@ -467,6 +467,7 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
             head, spec = spec.split("=", 1)
             label = tuple(part.strip() for part in head.split(":", 1))
         path = Path(spec)
+        check_regular(path, follow=True)  # a FIFO, device or folder: named as such
         if not path.is_file():
             raise FileNotFoundError(f"table input not found: {path}")
         if path.suffix.lower() == ".json":
@@ -730,7 +731,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("inputs", nargs="+", help="summary.json files ([SCALE:METHOD=]path) and/or markdown tables")
     parser.add_argument("--format", default="markdown", choices=["markdown", "latex"])
     parser.add_argument("--stapo-method", default="STAPO", help="method name whose gain is the headline")
-    parser.add_argument("--out", default=None, help="also write the report to this file")
+    parser.add_argument("--out", type=cli_path, default=None, help="also write the report to this file")
     parser.add_argument(
         "--allow-partial", action="store_true",
         help="show partial inputs (smoke tests, missing benchmarks, non-finite values) marked, left out of the headline",
