@@ -11,7 +11,7 @@ with the key, file or column it is about.
   converted as its workers convert them, so that their ``__post_init__`` checks run; verl's
   ``validate_config`` (what ``verl.trainer.main_ppo.main`` runs); the actor's optimizer built by
   verl's builder on a stand-in parameter (the class exists and takes the learning rate, weight decay
-  and betas).
+  and betas), and its first step.
 - :func:`check_model_and_data`: the model config verl builds first (``HFModelConfig``: the model's
   ``config.json``, tokenizer and chat template, loaded as the trainer loads them), and with its
   tokenizer the dataset class training uses, run on the first rows of every data file.
@@ -166,7 +166,7 @@ def check_declared_types(config: DictConfig, skip: frozenset = frozenset()) -> l
                     sub = (hint, typing.get_type_hints(hint))
                 if sub is not None or fields is None:
                     walk(value, full, sub, default)
-            elif hint is None or full in skip or isinstance(value, ListConfig) and not fields:
+            elif hint is None or full in skip or isinstance(value, ListConfig) and not fields and hint is str:  # a list of files
                 continue
             elif not _matches(value, hint) or value is None and not _takes_null(hint, default):
                 declared = (f"verl's {fields[0].__name__}.{key} is {_type_name(hint)}" if fields
@@ -260,12 +260,12 @@ def _reference_section(config: DictConfig) -> DictConfig:
 def check_optimizer(config: DictConfig, section: str, optim, found: list[Problem]) -> None:
     """verl's optimizer builder (``build_optimizer``, which the FSDP engine calls when the workers start)
     on a stand-in parameter: the class ``optim.optimizer`` names in ``optim.optimizer_impl`` and the
-    arguments it takes (torch's own checks of the learning rate, weight decay and betas)."""
+    arguments it takes (torch's own checks of the learning rate, weight decay and betas), then one step."""
     import torch  # torch and verl only where a check runs
     from verl.workers.config.optimizer import build_optimizer
 
     try:
-        build_optimizer([torch.nn.Parameter(torch.zeros(1))], optim)
+        build_optimizer([torch.nn.Parameter(torch.zeros(1))], optim).step()  # the step reads what the builder does not
     except AttributeError:
         module = importlib.import_module(optim.optimizer_impl)
         close = [n for n in dir(module) if n.lower() == str(optim.optimizer).lower()]
