@@ -177,10 +177,10 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
-def cli_path(text: str) -> str:
+def cli_path(text: str | os.PathLike) -> str | os.PathLike:
     """An ``argparse`` ``type`` for a path a command writes: an empty or blank one is refused (``Path``
     reads it as the working folder, where the files would then go)."""
-    if not text.strip():
+    if not str(text).strip():
         raise argparse.ArgumentTypeError("an empty path: give a path ('.' for the working folder)")
     return text
 

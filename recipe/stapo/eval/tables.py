@@ -332,6 +332,9 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
     scale, method = label or (summary.get("scale"), summary.get("method"))
     if not scale or not method:
         raise ValueError(f"{source}: summary has no scale/method; pass it as SCALE:METHOD={source}")
+    if any(char in str(scale) + str(method) for char in "|\n\r"):  # each would cut the Markdown table's row
+        raise ValueError(f"{source}: scale {scale!r} / method {method!r} holds a '|' or a line break; relabel it as "
+                         f"SCALE:METHOD={source}")
     if not summary.get("decodings"):
         raise ValueError(f"{source}: summary has no decodings")
     if not isinstance(summary["decodings"], dict):
