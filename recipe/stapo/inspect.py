@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from recipe.stapo.plots import check_out_dir, stopped_message
-from stapo_core.fileio import atomic_write, cli_path
+from recipe.stapo.plots import stopped_message
+from stapo_core.fileio import atomic_write, check_output_folder, cli_path
 from stapo_core.token_records import QUADRANTS, TOKEN_DUMP_DIR, read_dump
 
 QUADRANT_LABELS = {
@@ -447,7 +447,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"--top must be a positive integer, got {args.top}")
     stopped = stopped_message(args.run_dir)  # a run the quickstart stopped at its limit: its dump ends there
     try:
-        check_out_dir(args.out if args.out is not None else args.run_dir / "inspect")  # before any reading
+        out = args.out if args.out is not None else args.run_dir / "inspect"
+        check_output_folder("--out", out)  # before any reading
         paths = write_report(args.run_dir, args.out, top=args.top, seed=args.seed)
     except (NoRecordsError, FileNotFoundError) as exc:  # no usable dump: a stopped run says why instead
         if stopped is not None:

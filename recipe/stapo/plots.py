@@ -292,11 +292,6 @@ def panel_figure(panel: Panel, lines: Mapping[str, Series], marks: Optional[Mapp
     return fig
 
 
-def check_out_dir(out_dir: Path) -> None:
-    """Raise ValueError when files cannot be written into ``out_dir`` (``--out``; created if missing)."""
-    check_output_folder("--out", out_dir)
-
-
 def _save(fig, path: Path) -> Path:
     atomic_write(path, lambda tmp: fig.savefig(tmp, dpi=120, format="png"))
     _pyplot().close(fig)
@@ -457,7 +452,7 @@ def plot_bands(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str |
                name: str = "study_curves.png", notes: Optional[list] = None) -> list[Path]:
     """Write the study figure (``out_dir/<name>``) from ``{method: [run folder per seed]}``; the
     non-finite-value notes go to stderr and, if ``notes`` is a list, into it."""
-    check_out_dir(Path(out_dir))
+    check_output_folder("--out", Path(out_dir))
     loaded = {method: [read_metrics(find_metrics_file(run)) for run in runs] for method, runs in groups.items()}
     if not any(loaded.values()):
         raise ValueError("no runs to plot")
@@ -540,7 +535,7 @@ def plot_update_effect(groups: Mapping[str, Sequence[str | os.PathLike]], out_di
                        name: str = "update_effect.png") -> list[Path]:
     """Write :func:`update_effect_figure` (``out_dir/<name>``) from ``{method: [run folder per seed]}``;
     nothing when no run measured the update effect."""
-    check_out_dir(Path(out_dir))
+    check_output_folder("--out", Path(out_dir))
     effects = {method: [update_effect_of_run(read_steps(find_metrics_file(run))) for run in runs]
                for method, runs in groups.items()}
     effects = {m: runs for m, runs in effects.items() if any(e.tokens for run in runs for e in run.values())}
@@ -584,7 +579,7 @@ def plot_runs(run_dirs: Mapping[str, Path] | Sequence[Path], out_dir: str | os.P
     their paths. ``run_dirs``: ``{label: run folder or metrics file}``, or a list of them (labels:
     folder names); the notes go to stderr and, if ``notes`` is a list, into it."""
     out = Path(out_dir)
-    check_out_dir(out)
+    check_output_folder("--out", out)
     runs = load_runs(run_dirs)
     _report(missing_notes(runs) + nonfinite_notes(runs), notes)
     written = [_save(summary_figure(runs), out / "curves.png")]

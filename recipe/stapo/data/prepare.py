@@ -504,7 +504,7 @@ def prepare_dataset(
     """
     import pandas as pd  # pandas (a second to import) only when a dataset is written, not for --help
 
-    check_out_dir(out_path.parent)
+    check_output_folder("--out-dir", out_path.parent)
     if manifest_dir is not None:
         read_manifest(manifest_dir)  # a corrupt manifest fails before the source is read
     source = source or spec.hf_id
@@ -573,11 +573,6 @@ def _folder_lock(out_dir: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # which releases the lock
-
-
-def check_out_dir(out_dir: Path) -> None:
-    """Raise ValueError when no output can be written into ``out_dir`` (``--out-dir``; created if missing)."""
-    check_output_folder("--out-dir", out_dir)
 
 
 def read_manifest(out_dir: Path, _locked: bool = False) -> Optional[dict]:
@@ -698,7 +693,7 @@ def _parse_sources(pairs: Sequence[str]) -> dict[str, str]:
 def run_train(args: argparse.Namespace) -> list[PrepareResult]:
     spec = _override_fields(TRAIN_SPEC, args)
     out_dir = Path(args.out_dir)
-    check_out_dir(out_dir)
+    check_output_folder("--out-dir", out_dir)
     read_manifest(out_dir)  # a corrupt manifest fails before any source is read
     result = prepare_dataset(
         spec, out_dir / "train.parquet", args.source, args.drop_invalid, TRAIN_DATA_SOURCE, "train", manifest_dir=out_dir,
@@ -717,7 +712,7 @@ def run_bench(args: argparse.Namespace) -> list[PrepareResult]:
         raise ValueError(f"--benchmarks: unknown {unknown}; known: {list(BENCHMARK_SPECS)}")
     sources = _parse_sources(args.source or [])
     out_dir = Path(args.out_dir)
-    check_out_dir(out_dir)
+    check_output_folder("--out-dir", out_dir)
     read_manifest(out_dir)  # a corrupt manifest fails before any source is read
     results = []
     for name in tqdm(names, desc="benchmarks", unit="bench"):
