@@ -11,6 +11,7 @@ because the actor-side token dump writes with it.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import hashlib
@@ -176,19 +177,32 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> Path:
     return atomic_write(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
 
+def cli_path(text: str | os.PathLike) -> str | os.PathLike:
+    """An ``argparse`` ``type`` for a path a command writes: an empty or blank one is refused (``Path``
+    reads it as the working folder, where the files would then go)."""
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError("an empty path: give a path ('.' for the working folder)")
+    return text
+
+
 def output_folder_problem(option: str, path: str | os.PathLike) -> Optional[str]:
     """Why files cannot be written into the folder ``path`` (created if missing), named after the
     command-line ``option`` that gave it; None when they can. Nothing is created."""
     path = Path(path)
-    if path.exists():
-        if not path.is_dir():
-            return f"{option} {path} is a file, not a folder: give a folder path (it is created if missing)"
-        if not os.access(path, os.W_OK | os.X_OK):
-            return f"{option} {path} is not writable: give a folder you can write to"
-        return None
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
+    try:
+        if path.is_symlink() and not path.exists():
+            return f"{option} {path} is a symbolic link to nothing: give a folder path, or remove the link"
+        if path.exists():
+            if not path.is_dir():
+                return f"{option} {path} is a file, not a folder: give a folder path (it is created if missing)"
+            if not os.access(path, os.W_OK | os.X_OK):
+                return f"{option} {path} is not writable: give a folder you can write to"
+            return None
+        parent = path.parent
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as exc:  # a name too long, a loop of links
+        return f"{option} {path}: {exc.strerror}; give another folder path"
     if not parent.is_dir():
         return f"{option} {path} cannot be created: {parent} is a file; give a folder path"
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -206,7 +220,9 @@ def check_output_folder(option: str, path: str | os.PathLike) -> None:
 def check_output_file(option: str, path: str | os.PathLike) -> None:
     """Raise ``ValueError`` naming the command-line ``option`` when the file ``path`` cannot be
     written: it exists and is not a regular file (:func:`check_regular`), or its folder cannot be
-    written (:func:`output_folder_problem`)."""
+    written (:func:`output_folder_problem`), or the path ends with a separator (a folder's)."""
+    if str(path).endswith(os.sep):
+        raise ValueError(f"{option} {path} ends with {os.sep}, as a folder does: give the path of a file")
     try:
         check_regular(path)
     except FileError as exc:
@@ -242,6 +258,8 @@ def iter_jsonl(path: str | os.PathLike):
             raise ValueError(f"{path}: line {number} is empty")
         try:
             obj = json.loads(line)
+        except RecursionError:
+            raise ValueError(f"{path}: line {number} nests JSON too deeply to read") from None
         except json.JSONDecodeError as exc:
             if number == len(body) and not complete:
                 warnings.warn(f"{path}: ignoring truncated last line {number} ({exc.msg})", stacklevel=2)

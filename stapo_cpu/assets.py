@@ -68,7 +68,7 @@ def asset_paths(out_dir: str | os.PathLike) -> AssetPaths:
 def is_built(out_dir: str | os.PathLike, cfg: AssetConfig = AssetConfig()) -> bool:
     """True when ``out_dir`` holds complete assets built with ``cfg``."""
     paths = asset_paths(out_dir)
-    if not paths.manifest.is_file():
+    if not os.path.isfile(paths.manifest):  # False, never an OSError, for a name too long
         return False
     try:
         manifest = json.loads(paths.manifest.read_text())

@@ -33,7 +33,7 @@ from recipe.stapo.eval import tables
 from recipe.stapo.methods import PAPER_METHODS, methods
 from recipe.stapo.metrics import read_metrics
 from recipe.stapo.plots import STOPPED_FILE, plot_bands, plot_runs, plot_update_effect
-from stapo_core.fileio import atomic_write, output_folder_problem
+from stapo_core.fileio import atomic_write, cli_path, output_folder_problem
 
 from . import reproducibility
 from .assets import SHIPPED_DIR, AssetConfig, asset_paths, build_assets, is_built, verify_assets
@@ -41,7 +41,7 @@ from .quickstart_report import (APPLIED, DLOGP_SILENCED, ENTROPY, REWARD, SILENC
                                 learning_markdown, markdown_table, quadrant_markdown, summarise,
                                 update_effect_by_method, update_effect_markdown, update_effect_table)
 from .quickstart_settings import ACTOR, VAL_N, paper_settings, run_settings, s2t_differences, settings_markdown
-from .trainer import CPU_ROLLOUT, REPO_ROOT, cpu_overrides, machine_turn, run_cpu_trainer
+from .trainer import CPU_ROLLOUT, REPO_ROOT, cpu_overrides, hydra_quoted, machine_turn, run_cpu_trainer
 
 DONE = "quickstart_done.json"
 #: key marking a step-0 validation record copied from the seed's first run, which measured it (same initial
@@ -80,6 +80,11 @@ def _is_hydra_override(text: str) -> bool:
         return len(text) > 1
     key, eq, _ = text.lstrip("+").partition("=")
     return bool(key) and bool(eq)
+
+
+def _override_key(override: str) -> str:
+    """The key a Hydra override sets, without its ``+``, ``++`` or ``~``."""
+    return override.lstrip("+~").partition("=")[0]
 
 
 @dataclass(frozen=True)
@@ -216,7 +221,7 @@ def method_overrides(opts: QuickstartOptions, run_dir: Path, validate_before: bo
     """Overrides beyond ``method=`` and the CPU scale: the token dump into the run folder (every
     method, for ``python -m recipe.stapo.inspect``), the validation interval (and no validation
     before training when the seed's first run measured it), then ``--override``."""
-    overrides = [f"recipe.token_dump.dir={run_dir}"]
+    overrides = [f"recipe.token_dump.dir={hydra_quoted(run_dir)}"]
     if opts.test_freq:
         overrides.append(f"trainer.test_freq={opts.test_freq}")
     if not validate_before:
@@ -248,10 +253,16 @@ def run_kwargs(opts: QuickstartOptions, seed: int) -> dict:
 
 def check_stapo_settings(opts: QuickstartOptions, assets: Path) -> tuple[dict, list[str]]:
     """Compose the STAPO run's config (first seed) with the built ``assets`` and compare it with the
-    paper's settings. Returns (its settings, the differences)."""
+    paper's settings. Returns (its settings, the differences); or ({}, each ``--override`` of a key the
+    quickstart sets from its own options: the run would differ from what its summary reports)."""
     seed = opts.seeds[0]
     run_dir = opts.run_dir("stapo", seed)
     overrides = cpu_overrides(assets, run_dir, **run_kwargs(opts, seed)) + method_overrides(opts, run_dir)
+    own = {_override_key(override) for override in overrides[:len(overrides) - len(opts.overrides)]}
+    twice = [f"--override {override}: the quickstart sets {_override_key(override)} from its options (see "
+             "--help); give the option instead" for override in opts.overrides if _override_key(override) in own]
+    if twice:  # composed with them, Hydra may refuse a +key the quickstart sets
+        return {}, twice
     settings = run_settings("stapo", overrides)
     return settings, s2t_differences(settings, paper_settings())
 
@@ -383,8 +394,8 @@ def evaluate(checkpoints: dict[str, Path], out: Path) -> tuple[str, list[str]]:
 def build_parser() -> argparse.ArgumentParser:
     """The quickstart's command line (defaults: the quickstart's scale)."""
     parser = argparse.ArgumentParser(prog="python -m stapo_cpu.quickstart", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="results/quickstart", help="output folder (default: results/quickstart)")
-    parser.add_argument("--assets", default=str(SHIPPED_DIR),
+    parser.add_argument("--out", type=cli_path, default="results/quickstart", help="output folder (default: results/quickstart)")
+    parser.add_argument("--assets", type=cli_path, default=str(SHIPPED_DIR),
                         help="tiny assets folder (default: the shipped set; another folder is built if missing)")
     parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help=f"training steps per run (default {DEFAULT_STEPS})")
     parser.add_argument("--prompts", type=int, default=DEFAULT_PROMPTS, help=f"prompts per step (default {DEFAULT_PROMPTS})")
@@ -445,7 +456,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     assets = verify_assets(SHIPPED_DIR) if opts.assets == SHIPPED_DIR else build_assets(opts.assets).root
     settings, differences = check_stapo_settings(opts, assets)
     if differences:
-        print("[quickstart] refusing to run: STAPO would not run with the paper's settings:\n  "
+        print("[quickstart] refusing to run (STAPO at the paper's settings, each option once):\n  "
               + "\n  ".join(differences), file=sys.stderr, flush=True)
         return 2
     print(f"[quickstart] STAPO at the paper's settings: tau_p={settings[f'{ACTOR}.policy_loss.tau_p']}, "

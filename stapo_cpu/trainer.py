@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -189,12 +190,12 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
     actor, rollout_key, ref = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
     overrides = [
         # data (no DataLoader worker processes: they cost ~75 s and leave a traceback at exit)
-        f"data.train_files={assets.train}", f"data.val_files={assets.val}",
+        f"data.train_files={hydra_quoted(assets.train)}", f"data.val_files={hydra_quoted(assets.val)}",
         f"data.max_prompt_length={prompt_length}", f"data.max_response_length={response_length}",
         f"data.train_batch_size={prompts}", f"data.val_batch_size={prompts}", "data.dataloader_num_workers=0",
         "data.filter_overlong_prompts_workers=1", f"data.seed={seed}",
         # model: the tiny Qwen3, eager attention (no FlashAttention on CPU), padded (no varlen kernels)
-        "recipe.model=tiny_cpu", f"actor_rollout_ref.model.path={assets.model}",
+        "recipe.model=tiny_cpu", f"actor_rollout_ref.model.path={hydra_quoted(assets.model)}",
         "+actor_rollout_ref.model.override_config.attn_implementation=eager",
         "actor_rollout_ref.model.use_remove_padding=false",
         "actor_rollout_ref.model.enable_gradient_checkpointing=false",
@@ -238,14 +239,25 @@ def cpu_overrides(assets_dir: str | os.PathLike, out_dir: str | os.PathLike, *, 
         # trainer
         "trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
         f"trainer.use_v1={str(use_v1).lower()}", "trainer.logger=[console,file]",
-        "trainer.project_name=stapo_cpu", f"trainer.experiment_name={experiment_name or out.name}",
+        "trainer.project_name=stapo_cpu", f"trainer.experiment_name={hydra_quoted(experiment_name or out.name)}",
         f"trainer.total_training_steps={steps}", "trainer.total_epochs=1000",
         f"trainer.save_freq={save_freq}", *_resume_overrides(resume, resume_from),
-        f"trainer.default_local_dir={out / 'checkpoints'}",
+        f"trainer.default_local_dir={hydra_quoted(out / 'checkpoints')}",
         f"trainer.val_before_train={str(validate).lower()}", f"trainer.test_freq={steps if validate else -1}",
         f"{actor}.fsdp_config.seed={seed}",
     ]
     return overrides + list(extra)
+
+
+def hydra_quoted(value: str | os.PathLike) -> str:
+    """``value`` as a quoted string of Hydra's override grammar, read back as written: quotes, commas,
+    brackets, '=', non-ASCII and ``${...}`` (escaped: never an interpolation) included. Backslashes
+    before a quote, a ``${`` or the end are doubled, as the grammar reads them."""
+    def escape(match: re.Match) -> str:  # a run of backslashes (maybe none), then a quote, '${' or the end
+        backslashes, special = match.groups()
+        return backslashes * 2 + ("\\" + special if special else "")
+
+    return "'" + re.sub(r"(\\*)('|\$\{|$)", escape, str(value)) + "'"
 
 
 def _resume_overrides(resume: bool, resume_from: Optional[str | os.PathLike]) -> list[str]:
@@ -254,7 +266,7 @@ def _resume_overrides(resume: bool, resume_from: Optional[str | os.PathLike]) ->
     path = Path(resume_from).resolve()
     if not path.name.startswith("global_step_") or not path.is_dir():
         raise ValueError(f"cpu_overrides: resume_from={path} is not a verl checkpoint folder (global_step_<k>)")
-    return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={path}"]
+    return ["trainer.resume_mode=resume_path", f"trainer.resume_from_path={hydra_quoted(path)}"]
 
 
 def _runtime_env_overrides(isa: str = DEFAULT_ISA) -> list[str]:

@@ -209,7 +209,7 @@ def check(config: DictConfig, found: list[Problem], notes: list[str], recheck: O
     gpu = float(pick(config, "recipe.gpu_mem_gb")) * model.GIB
     try:
         settings = model.settings_from_config(config)
-    except ValueError as e:  # the policy-loss block, refused by check_names
+    except (TypeError, ValueError) as e:  # the policy-loss block or a null, refused by the checks before
         notes.append(f"GPU memory not estimated: {e}")
         return None
     estimate = model.estimate(shape, settings, gpu)

@@ -138,6 +138,9 @@ class STAPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        for name, value in vars(self).items():  # a numpy scalar (np.int64 from np.arange): the Python number it holds
+            if type(value).__module__ == "numpy" and hasattr(value, "item"):
+                setattr(self, name, value.item())
         if not is_number(self.tau_p) or not 0.0 <= self.tau_p < 1.0:
             raise ValueError(f"STAPOConfig: tau_p={self.tau_p!r} is invalid: expected a number in [0, 1)")
         self.tau_p = float(self.tau_p)

@@ -249,7 +249,7 @@ def _source(where: str, verl_source: Optional[str]) -> tuple[str, Optional[str]]
         root = Path(locations[0]).parent if locations else None
     for path in paths:
         if root is not None and (root / path).is_file():
-            return path, (root / path).read_text()
+            return path, (root / path).read_text(errors="replace")  # the anchors are ASCII: a stray byte is no error
     return paths[-1], None
 
 
@@ -294,8 +294,9 @@ def main(patches: Sequence[Patch], table: Callable[[], str], command: str, argv:
         print(f"usage: {command} [check [VERL_SOURCE]]", file=sys.stderr)
         return 2
     verl_source = argv[1] if len(argv) == 2 else None
-    if verl_source is not None and not (Path(verl_source) / "verl" / "__init__.py").is_file():
-        print(f"{command} check: no verl source tree in {verl_source} (no {verl_source}/verl/__init__.py)",
+    # os.path.isfile: False, never an OSError, for a name too long
+    if verl_source is not None and not os.path.isfile(os.path.join(verl_source, "verl", "__init__.py")):
+        print(f"{command} check: no verl source tree in {verl_source!r} (no {verl_source}/verl/__init__.py)",
               file=sys.stderr)
         return 2
     results = check(patches, verl_source)

@@ -194,13 +194,17 @@ def credential_keys(key: str, value: object = None) -> list[str]:
 
 def override_problems(overrides: Sequence[str]) -> list[str]:
     """What the driver refuses in ``overrides`` (``key=value``; flags left alone), each with its fix: a
-    credential (a key naming one, also in a dict value: :func:`credential_keys`), and :func:`override_problem`
-    of one Hydra's parser refuses."""
+    deletion (``~key``), a credential (a key naming one, also in a dict value: :func:`credential_keys`), and
+    :func:`override_problem` of one Hydra's parser refuses."""
     from hydra.core.override_parser.overrides_parser import OverridesParser  # hydra only here: as in compose
 
     parser = OverridesParser.create()
     found = []
     for override in overrides:
+        if override.startswith("~"):
+            found.append(f"{override}: deletes a key, which verl then fills with its config class's default, not the "
+                         "recipe's (~actor_rollout_ref.actor.optim trains at a learning rate of 1e-3, 1000 times the "
+                         "paper's); set the key's value instead (null where it takes none)")
         if override.startswith(("-", "~")) or "=" not in override:
             continue
         value, problem = None, None

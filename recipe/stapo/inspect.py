@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 from recipe.stapo.eval.tables import markdown_table
 from recipe.stapo.plots import stopped_message
-from stapo_core.fileio import atomic_write, check_output_folder
+from stapo_core.fileio import atomic_write, check_output_folder, cli_path
 from stapo_core.token_records import QUADRANTS, TOKEN_DUMP_DIR, read_dump
 
 QUADRANT_LABELS = {
@@ -421,7 +421,7 @@ def write_report(run_dir: str | Path, out_dir: Optional[str | Path] = None, top:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.inspect", description=__doc__.split("\n\n")[0])
     parser.add_argument("run_dir", type=Path, help="run folder holding s2t_tokens/")
-    parser.add_argument("--out", type=Path, default=None, help="output folder (default RUN_DIR/inspect)")
+    parser.add_argument("--out", type=cli_path, default=None, help="output folder (default RUN_DIR/inspect)")
     parser.add_argument("--top", type=int, default=20, help="tokens per sample and frequent-token rows (default 20)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token samples (default 0)")
     args = parser.parse_args(argv)

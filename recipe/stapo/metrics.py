@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from stapo_core.checks import is_number
-from stapo_core.fileio import iter_jsonl, open_regular
+from stapo_core.fileio import check_regular, iter_jsonl, open_regular
 from stapo_core.token_records import TOKEN_DUMP_DIR
 
 #: where the recipe's CPU path points verl's file logger
@@ -58,6 +58,7 @@ def find_metrics_file(run: str | os.PathLike) -> Path:
     if run.is_file():
         return run
     if not run.is_dir():
+        check_regular(run, follow=True)  # a FIFO or device: named as such
         raise FileNotFoundError(f"{run}: no such run folder or metrics file")
     if (run / METRICS_FILE).is_file():
         return run / METRICS_FILE

@@ -21,7 +21,7 @@ from typing import Callable, Mapping, Optional, Sequence
 
 from tqdm import tqdm
 
-from stapo_core.fileio import atomic_write, check_output_folder
+from stapo_core.fileio import atomic_write, check_output_folder, cli_path
 
 from .methods import methods
 from .metrics import Series, find_metrics_file, metric_series, nonfinite_values
@@ -437,7 +437,7 @@ def plot_bands(groups: Mapping[str, Sequence[str | os.PathLike]], out_dir: str |
                name: str = "study_curves.png", notes: Optional[list] = None) -> list[Path]:
     """Write the study figure (``out_dir/<name>``) from ``{method: [run folder per seed]}``; the
     non-finite-value notes go to stderr and, if ``notes`` is a list, into it."""
-    check_output_folder("--out", out_dir)
+    check_output_folder("--out", Path(out_dir))
     loaded = {method: [read_metrics(find_metrics_file(run)) for run in runs] for method, runs in groups.items()}
     if not any(loaded.values()):
         raise ValueError("no runs to plot")
@@ -520,7 +520,7 @@ def plot_update_effect(groups: Mapping[str, Sequence[str | os.PathLike]], out_di
                        name: str = "update_effect.png") -> list[Path]:
     """Write :func:`update_effect_figure` (``out_dir/<name>``) from ``{method: [run folder per seed]}``;
     nothing when no run measured the update effect."""
-    check_output_folder("--out", out_dir)
+    check_output_folder("--out", Path(out_dir))
     effects = {method: [update_effect_of_run(read_steps(find_metrics_file(run))) for run in runs]
                for method, runs in groups.items()}
     effects = {m: runs for m, runs in effects.items() if any(e.tokens for run in runs for e in run.values())}
@@ -579,7 +579,7 @@ def plot_runs(run_dirs: Mapping[str, Path] | Sequence[Path], out_dir: str | os.P
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.plots", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run folders (or their metrics .jsonl files)")
-    parser.add_argument("--out", type=Path, required=True, help="folder for the PNG files")
+    parser.add_argument("--out", type=cli_path, required=True, help="folder for the PNG files")
     parser.add_argument("--labels", nargs="+", help="one label per run (default: the run folder names)")
     args = parser.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.runs):

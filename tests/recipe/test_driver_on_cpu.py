@@ -228,6 +228,16 @@ def test_an_override_hydras_grammar_cannot_read_is_named_with_its_fix(override, 
         assert compose(["method=stapo", fixed.split(": ", 1)[1]]).trainer.experiment_name == "données"
 
 
+
+@pytest.mark.parametrize("override", ["~actor_rollout_ref.actor.optim", "~actor_rollout_ref.actor.clip_ratio_low=0.2"])
+def test_an_override_deleting_a_key_is_refused_naming_it(override):
+    """A deleted key passed every check, and verl filled it with its config class's default: without its
+    optim section the actor trained at FSDPOptimizerConfig's learning rate of 1e-3, not the recipe's 1e-6."""
+    with pytest.raises(ValueError) as info:
+        compose(["method=stapo", override])
+    assert f"{override}: deletes a key, which verl then fills with its config class's default" in str(info.value)
+    assert compose(["method=stapo", "actor_rollout_ref.actor.optim.lr=null"]).actor_rollout_ref.actor.optim.lr is None
+
 def test_main_names_an_unreadable_override_before_hydra_reads_it(tmp_path):
     """The command line's overrides are Hydra's to parse: main names the character before Hydra's lexer error."""
     import os

@@ -251,3 +251,21 @@ def test_resume_from_path_with_a_trailing_slash_is_normalised_and_a_folder_insid
     problem(refused(paper(cluster, "trainer.resume_mode=resume_path", f"trainer.resume_from_path={step}/actor")),
             "trainer.resume_from_path", "verl takes the step to resume at from the folder's name",
             "the global_step_<k> folder itself")
+
+
+@pytest.mark.parametrize("key", [f"{ROLLOUT}.temperature", f"{ROLLOUT}.gpu_memory_utilization"])
+def test_a_null_the_value_checks_refuse_is_their_problem_not_the_memory_models_traceback(cluster, key):
+    """The memory estimate read the null as a number: a TypeError traceback out of the preflight."""
+    problem(refused(paper(cluster, f"{key}=null")), key, "=None: must be a number")
+
+
+def test_what_torchs_optimizer_reads_only_at_its_first_step_is_refused(cluster):
+    """Three betas: AdamW takes them, then fails at the first update after Ray (too many values to unpack)."""
+    problem(refused(paper(cluster, f"{ACTOR}.optim.betas=[0.9,0.999,0.5]")), f"{ACTOR}.optim",
+            "too many values to unpack")
+
+
+def test_a_list_where_verl_has_a_number_is_refused(cluster):
+    """Lists were let through wherever verl's default is not a config class's field: `save_freq=[5]` passed,
+    then the trainer compared the list with 0 after Ray."""
+    problem(refused(paper(cluster, "trainer.save_freq=[5]")), "trainer.save_freq", "must be a whole number")

@@ -311,3 +311,101 @@ def test_a_full_disk_keeps_the_evaluation_records_and_the_token_dump_written_bef
     monkeypatch.undo()
     assert (store.path.read_bytes(), step_file(tmp_path, 1).read_bytes()) == before
     assert [r["problem_index"] for _, r in store.read()] == [0]
+
+
+def _summaries(folder: Path) -> list[str]:
+    """Two evaluation summaries Table 2 reads (8B, JustRL 40 and STAPO 50 on every benchmark)."""
+    names = ("aime24", "aime25", "amc23", "math500", "minerva", "olympiadbench")
+    paths = []
+    for method, value in (("JustRL", 40.0), ("STAPO", 50.0)):
+        block = {"benchmarks": {name: {"mean_at_n": value} for name in names}}
+        path = folder / f"{method}.json"
+        path.write_text(json.dumps({"scale": "8B", "method": method, "prompt_form": "justrl-eval",
+                                    "decodings": {"train": block, "justrl": block}}))
+        paths.append(str(path))
+    return paths
+
+
+def _run(folder: Path) -> str:
+    """A run folder with three logged steps."""
+    (folder / "run").mkdir()
+    (folder / "run" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": step, "data": {"critic/score/mean": step / 10}}) + "\n" for step in (1, 2, 3)))
+    return str(folder / "run")
+
+
+def _commands(folder: Path) -> dict:
+    """``{name: main(out)}``: every command-line writer's ``--out`` (or ``--out-dir``), the rest valid."""
+    from recipe.stapo import inspect, plots
+    from recipe.stapo.data import prepare
+    from recipe.stapo.eval import run_eval, tables
+    from stapo_cpu import quickstart
+
+    return {"tables": lambda out: tables.main([*_summaries(folder), "--out", out]),
+            "plots": lambda out: plots.main([_run(folder), "--out", out]),
+            "inspect": lambda out: inspect.main([_run(folder), "--out", out]),
+            "prepare": lambda out: prepare.main(["train", "--out-dir", out]),
+            "run_eval": lambda out: run_eval.main(["--model", "m", "--benchmarks-dir", str(folder), "--out", out]),
+            "quickstart --out": lambda out: quickstart.main(["--out", out]),
+            "quickstart --assets": lambda out: quickstart.main(["--out", str(folder / "q"), "--assets", out])}
+
+
+@pytest.mark.parametrize("blank", ["", " "])
+@pytest.mark.parametrize("command", ["tables", "plots", "inspect", "prepare", "run_eval", "quickstart --out",
+                                     "quickstart --assets"])
+def test_an_empty_output_path_is_refused_never_read_as_the_working_folder(tmp_path, monkeypatch, capsys, command, blank):
+    """``Path('')`` is the working folder: `plots --out ''` wrote its PNGs there, `quickstart --assets ''`
+    began building the tiny assets in it, `tables --out ''` wrote nothing and said nothing."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    with pytest.raises(SystemExit) as exit_:
+        _commands(tmp_path)[command](blank)
+    assert exit_.value.code == 2 and "an empty path" in capsys.readouterr().err
+    assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["afile/", "new/"])
+def test_an_output_file_named_with_a_trailing_separator_is_refused_and_the_file_there_kept(tmp_path, capsys, name):
+    """`tables --out afile/` replaced the file afile with the table; `--out new/` wrote a file named new."""
+    (tmp_path / "afile").write_bytes(PRECIOUS)
+    assert _commands(tmp_path)["tables"](f"{tmp_path}{os.sep}{name}") == 2
+    assert f"ends with {os.sep}, as a folder does" in capsys.readouterr().err
+    assert (tmp_path / "afile").read_bytes() == PRECIOUS and not (tmp_path / "new").exists()
+
+
+def test_an_output_folder_too_long_to_name_or_a_dangling_link_is_named(tmp_path):
+    """A name over the system's limit was an OSError traceback out of the quickstart; a link to nothing
+    passed, then mkdir failed with 'File exists'."""
+    from stapo_core.fileio import output_folder_problem
+
+    assert "File name too long" in output_folder_problem("--out", tmp_path / ("n" * 300))
+    (tmp_path / "link").symlink_to(tmp_path / "nothing")
+    assert "is a symbolic link to nothing" in output_folder_problem("--out", tmp_path / "link")
+    from stapo_cpu import quickstart
+
+    with pytest.raises(SystemExit) as exit_:
+        quickstart.parse_options(["--out", str(tmp_path / "q"), "--assets", str(tmp_path / ("a" * 300))])
+    assert exit_.value.code == 2
+
+
+def test_an_input_that_is_a_fifo_or_a_device_is_named_as_such_not_as_missing(tmp_path, capsys):
+    """Table 2's input and a plotted run: 'not found' for a FIFO or /dev/zero, which exist."""
+    from recipe.stapo import plots
+    from recipe.stapo.eval import tables
+
+    os.mkfifo(tmp_path / "fifo")
+    with within():
+        assert tables.main([*_summaries(tmp_path), str(tmp_path / "fifo")]) == 2
+        assert "is a FIFO (named pipe), not a regular file" in capsys.readouterr().err
+        assert plots.main(["/dev/zero", "--out", str(tmp_path / "plots")]) == 2
+        assert "/dev/zero is a character device, not a regular file" in capsys.readouterr().err
+
+
+def test_a_json_line_nested_too_deeply_is_named_not_a_recursion_error(tmp_path):
+    from stapo_core.fileio import iter_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "data": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}\n")
+    with pytest.raises(ValueError, match="line 1 nests JSON too deeply to read"):
+        list(iter_jsonl(path))

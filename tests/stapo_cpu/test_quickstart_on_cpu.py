@@ -102,6 +102,35 @@ def test_an_override_is_refused_before_the_assets_are_built(tmp_path, monkeypatc
     assert not out.exists() and not assets.exists()
 
 
+
+@pytest.mark.parametrize("override", ["trainer.total_training_steps=3", "trainer.save_freq=-1", "+data.seed=7",
+                                      "actor_rollout_ref.rollout.n=3", "recipe.token_dump.dir=elsewhere"])
+def test_an_override_of_a_key_the_quickstart_sets_from_its_options_is_refused(fake_assets, tmp_path, monkeypatch,
+                                                                               capsys, override):
+    """They passed: the runs trained 3 steps while the summary reported 16 and --evaluate looked for
+    global_step_16 after training, saved no checkpoint, or lost the token dump; ``+data.seed`` was
+    Hydra's traceback."""
+    monkeypatch.setattr(qs, "run_cpu_trainer", _run_trainer_forbidden)
+    assert qs.main(["--out", str(tmp_path / "out"), "--assets", str(fake_assets), "--evaluate",
+                    "--override", override]) == 2
+    err = capsys.readouterr().err
+    key = override.lstrip("+").partition("=")[0]
+    assert f"--override {override}: the quickstart sets {key} from its options" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("name", ["a,b", "q'u\"o", "br[1]=2", "é", "x${oc.env:HOME}", "semi;#{c}", "new\nline", "bs\\"])
+def test_a_folder_of_any_name_reaches_hydra_as_written(fake_assets, tmp_path, name):
+    """The quickstart's folders reached Hydra unquoted: a comma, quote, bracket, '=', '#', a non-ASCII
+    letter or a line break in --out was Hydra's traceback after the assets were checked, and
+    ``${oc.env:HOME}`` was resolved (the checkpoints written elsewhere)."""
+    run = tmp_path / name / "stapo"
+    opts = qs.parse_options(["--out", str(tmp_path / name), "--assets", str(fake_assets)])
+    config = compose(["method=stapo", *qs.cpu_overrides(fake_assets, run), *qs.method_overrides(opts, run)])
+    assert config.trainer.default_local_dir == str(run / "checkpoints")
+    assert (config.trainer.experiment_name, config.recipe.token_dump.dir) == ("stapo", str(run))
+    assert config.data.train_files == str(asset_paths(fake_assets).train)
+
+
 def test_scale_override_is_allowed_and_recorded(fake_assets, tmp_path, monkeypatch):
     """A scale override passes the check; the run is attempted with it (a stub trainer fails it)."""
     calls = []

@@ -151,3 +151,18 @@ def test_trl_fails_later_or_trains_wrong_with_each_refused_value(tmp_path, name,
     except Exception as error:  # noqa: BLE001  (any late failure is the point)
         outcome = error
     assert late(outcome), outcome
+
+
+def test_numpy_scalars_are_read_as_the_python_numbers_they_hold(tmp_path):
+    """Values from numpy (a grid from np.arange or np.linspace) were refused as 'invalid: expected an
+    integer >= 2' for np.int64(4), which is one."""
+    import numpy as np
+
+    config = make(tmp_path, tau_p=np.float32(0.5), q=np.float32(0.25), learning_rate=np.float32(1e-6),
+                  num_generations=np.int64(4), per_device_train_batch_size=np.int64(8), num_iterations=np.int32(1))
+    read = (config.tau_p, config.q, config.learning_rate, config.num_generations, config.per_device_train_batch_size,
+            config.num_iterations)
+    assert read == (0.5, 0.25, float(np.float32(1e-6)), 4, 8, 1)
+    assert [type(value) for value in read] == [float, float, float, int, int, int]
+    with pytest.raises(ValueError, match="num_generations=1 is invalid"):
+        make(tmp_path, num_generations=np.int64(1))

@@ -342,7 +342,26 @@ def test_the_check_names_what_a_changed_verl_breaks(verl_copy, file, old, new, e
 
 def test_the_check_refuses_a_folder_without_verl(tmp_path):
     rc, lines, err = _check("verl_patches", str(tmp_path))
-    assert rc == 2 and not lines and f"no verl source tree in {tmp_path}" in err
+    assert rc == 2 and not lines and f"no verl source tree in {str(tmp_path)!r}" in err
     out = subprocess.run([sys.executable, "-m", "verl_patches", "verify"], cwd=REPO,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "usage: python -m verl_patches [check [VERL_SOURCE]]" in out.stderr
+
+
+def test_the_check_reads_a_file_with_a_stray_byte_and_refuses_a_name_too_long(verl_copy, capsys):
+    """A byte that is not UTF-8 in a file the anchors are looked up in was a UnicodeDecodeError
+    traceback (the anchors are ASCII: it is no reason to fail); a VERL_SOURCE longer than the system
+    takes, an OSError traceback."""
+    from verl_patches.install import PATCHES, table
+    from verl_patches.registry import main
+
+    path = verl_copy / "verl" / "trainer" / "ppo" / "ray_trainer.py"  # a patch's target
+    text = path.read_bytes()
+    path.write_bytes(text + b"\n# \xff\xfe\n")
+    try:
+        assert main(PATCHES, table, "python -m verl_patches", ["check", str(verl_copy)]) == 0
+    finally:
+        path.write_bytes(text)
+    assert capsys.readouterr().out.splitlines()[-1].startswith("15 apply, 0 break, 0 obsolete")
+    assert main(PATCHES, table, "python -m verl_patches", ["check", "x" * 300]) == 2
+    assert f"no verl source tree in {'x' * 300!r}" in capsys.readouterr().err

@@ -41,7 +41,7 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from tqdm import tqdm
 
-from stapo_core.fileio import atomic_write, atomic_write_json, check_output_folder, open_regular, read_bytes, sha256_file
+from stapo_core.fileio import atomic_write, atomic_write_json, check_output_folder, cli_path, open_regular, read_bytes, sha256_file
 from recipe.stapo.reward.answers import ground_truth_conversion, ground_truth_problem, unicode_problem
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -687,13 +687,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.data.prepare", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="DAPO-Math-17k -> OUT/train.parquet")
-    train.add_argument("--out-dir", required=True)
+    train.add_argument("--out-dir", type=cli_path, required=True)
     train.add_argument("--source", default=None, help=f"hub id or local file (default {TRAIN_SPEC.hf_id})")
     train.add_argument("--split", default=None, help="hub split (default train)")
     for role in ("problem", "answer", "id"):
         train.add_argument(f"--{role}-field", default=None, help=f"dotted field path(s) of the {role}, comma-separated")
     bench = sub.add_parser("bench", help="the six benchmarks -> OUT/<name>.parquet (and OUT/<name>_val.parquet for training)")
-    bench.add_argument("--out-dir", required=True)
+    bench.add_argument("--out-dir", type=cli_path, required=True)
     bench.add_argument("--benchmarks", default=",".join(BENCHMARK_SPECS))
     bench.add_argument("--source", action="append", help="NAME=PATH_OR_ID (repeatable), overrides the default hub id")
     for sub_parser in (train, bench):

@@ -60,7 +60,7 @@ from recipe.stapo.eval.verifier import (
     load_verifier_prompt,
 )
 from recipe.stapo.reward.answers import ground_truth_text
-from stapo_core.fileio import atomic_write, atomic_write_json, check_output_folder, sha256_file
+from stapo_core.fileio import atomic_write, atomic_write_json, check_output_folder, cli_path, sha256_file
 
 DEFAULT_N_SAMPLES = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4}
 OTHER_N_SAMPLES = 4
@@ -565,7 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m recipe.stapo.eval.run_eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="checkpoint (HF format) path or hub id")
     parser.add_argument("--benchmarks-dir", required=True, help="folder of <benchmark>.parquet files")
-    parser.add_argument("--out", required=True, help="output folder (resumable)")
+    parser.add_argument("--out", type=cli_path, required=True, help="output folder (resumable)")
     parser.add_argument("--decoding", default="both", choices=["both", *DECODINGS])
     parser.add_argument("--backend", default="vllm", choices=["vllm", "hf"])
     parser.add_argument("--verifier", default="auto", choices=list(VERIFIERS),

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from recipe.stapo.data.prepare import PROMPT_SUFFIX
-from stapo_core.fileio import atomic_write, check_output_file
+from stapo_core.fileio import atomic_write, check_output_file, check_regular, cli_path
 
 COLUMNS = ("AIME24", "AIME25", "AMC23", "MATH500", "Minerva", "Olympiad")
 AVG = "Avg"
@@ -301,6 +301,9 @@ def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]
     scale, method = label or (summary.get("scale"), summary.get("method"))
     if not scale or not method:
         raise ValueError(f"{source}: summary has no scale/method; pass it as SCALE:METHOD={source}")
+    if any(char in str(scale) + str(method) for char in "|\n\r"):  # each would cut the Markdown table's row
+        raise ValueError(f"{source}: scale {scale!r} / method {method!r} holds a '|' or a line break; relabel it as "
+                         f"SCALE:METHOD={source}")
     if not summary.get("decodings"):
         raise ValueError(f"{source}: summary has no decodings")
     if not isinstance(summary["decodings"], dict):
@@ -421,6 +424,7 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
             head, spec = spec.split("=", 1)
             label = tuple(part.strip() for part in head.split(":", 1))
         path = Path(spec)
+        check_regular(path, follow=True)  # a FIFO, device or folder: named as such
         if not path.is_file():
             raise FileNotFoundError(f"table input not found: {path}")
         is_summary = path.suffix.lower() == ".json"
@@ -690,7 +694,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("inputs", nargs="+", help="summary.json files ([SCALE:METHOD=]path) and/or markdown tables")
     parser.add_argument("--format", default="markdown", choices=["markdown", "latex"])
     parser.add_argument("--stapo-method", default="STAPO", help="method name whose gain is the headline")
-    parser.add_argument("--out", default=None, help="also write the report to this file")
+    parser.add_argument("--out", type=cli_path, default=None, help="also write the report to this file")
     parser.add_argument(
         "--allow-partial", action="store_true",
         help="show partial inputs (smoke tests, missing benchmarks, non-finite values) marked, left out of the headline",

@@ -149,7 +149,7 @@ def check_declared_types(config: DictConfig, skip: frozenset = frozenset()) -> l
                     sub = (hint, typing.get_type_hints(hint))
                 if sub is not None or fields is None:
                     walk(value, full, sub, default)
-            elif hint is None or full in skip or isinstance(value, ListConfig) and not fields:
+            elif hint is None or full in skip or isinstance(value, ListConfig) and not fields and hint is str:  # a list of files
                 continue
             elif not _matches(value, hint) or value is None and not _takes_null(hint, default):
                 declared = (f"verl's {fields[0].__name__}.{key} is {_type_name(hint)}" if fields
@@ -254,12 +254,12 @@ def _reference_section(config: DictConfig) -> DictConfig:
 def check_optimizer(config: DictConfig, section: str, optim, found: list[Problem]) -> None:
     """verl's optimizer builder (``build_optimizer``, which the FSDP engine calls when the workers start)
     on a stand-in parameter: the class ``optim.optimizer`` names in ``optim.optimizer_impl`` and the
-    arguments it takes (torch's own checks of the learning rate, weight decay and betas)."""
+    arguments it takes (torch's own checks of the learning rate, weight decay and betas), then one step."""
     import torch  # torch and verl only where a check runs
     from verl.workers.config.optimizer import build_optimizer
 
     try:
-        build_optimizer([torch.nn.Parameter(torch.zeros(1))], optim)
+        build_optimizer([torch.nn.Parameter(torch.zeros(1))], optim).step()  # the step reads what the builder does not
     except AttributeError:
         module = importlib.import_module(optim.optimizer_impl)
         close = [n for n in dir(module) if n.lower() == str(optim.optimizer).lower()]

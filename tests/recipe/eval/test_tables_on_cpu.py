@@ -581,3 +581,12 @@ def test_a_row_not_built_on_justrls_evaluation_prompt_is_refused_or_marked(tmp_p
         load_inputs(old)
     text = tables.report(load_inputs(old, allow_partial=True))
     assert f"Prompt: {shown}\n" in text and "Headline 1.0/1.0: n/a" in text and "Headline 0.7/0.9: n/a" in text
+
+
+@pytest.mark.parametrize("scale, method", [("8\nB", "GRPO"), ("8B", "GR|PO")])
+def test_a_label_that_would_cut_the_markdown_row_is_refused(tmp_path, capsys, scale, method):
+    """A '|' or a line break in a summary's label broke Table 2's Markdown silently (a row split, a column added)."""
+    path = _write(tmp_path, "odd", _summary(scale, method, [40.0] * 6, [40.0] * 6))
+    assert tables.main([path]) == 2
+    assert "holds a '|' or a line break; relabel it as SCALE:METHOD=" in capsys.readouterr().err
+    assert "8B | GRPO |" in tables.render(load_inputs([f"8B:GRPO={path}"]), "markdown")
