@@ -68,20 +68,10 @@ class S2TResult:
     stats: dict
 
 
-# --------------------------------------------------------------------------------------------
-# validation
-# --------------------------------------------------------------------------------------------
-
-
 def _check_strategy(strategy) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is invalid: expected one of {list(STRATEGIES)}")
     return strategy
-
-
-# --------------------------------------------------------------------------------------------
-# the quantile, sync-free
-# --------------------------------------------------------------------------------------------
 
 
 def quantile_sorted_padded(sorted_values: torch.Tensor, count: torch.Tensor, q: float) -> torch.Tensor:
@@ -130,11 +120,6 @@ def _pooled_quantile(entropy: torch.Tensor, candidate: torch.Tensor, q: float, g
         pooled = gather_padded(entropy, candidate, width, group, fill=math.inf).reshape(-1)
         count = counts.sum()
     return quantile_sorted_padded(torch.sort(pooled).values, count, q)
-
-
-# --------------------------------------------------------------------------------------------
-# S2T
-# --------------------------------------------------------------------------------------------
 
 
 def _random_draw(shape, device, generator: Optional[torch.Generator]) -> torch.Tensor:

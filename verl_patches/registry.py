@@ -11,12 +11,6 @@ Patches name their code by ``"module:qualified.name"`` strings, imported only wh
 table can be read (docs, tests) without importing verl. :func:`apply` is the one wrap-once helper:
 a wrapped attribute carries the patch's name in ``__stapo_patch__`` and the original in
 ``__wrapped__``, so applying twice is a no-op and a test can walk back to verl's own function.
-
-The recipe is written against one verl release (:data:`VERL_VERSION`); :func:`check_verl_version`
-refuses another one unless ``STAPO_ALLOW_VERL_VERSION`` names it. What each patch relies on is also
-data a program reads: its ``anchors`` (source text, the wrapped function's ``def`` line among them) and
-an ``obsolete_if`` marker, which :func:`check` looks up in any verl's source files without importing
-them (``python -m verl_patches check [VERL_SOURCE]``, :func:`main`).
 """
 
 from __future__ import annotations
