@@ -57,11 +57,6 @@ class Patch:
             runs count as one space), or of another file as ``"verl/path/file.py: text"``; a wrap's
             anchors start with its target's ``def`` line (as much of it as the wrapper relies on).
         obsolete_if: text (an anchor) whose presence means upstream made the patch unnecessary.
-
-    A wrap is applied when its target's module is first imported, at once if it already is
-    (:func:`apply_on_import`): only the processes that load a module pay for it (importing verl's
-    trainer and engine costs a process ~2 CPU-seconds, vLLM more, and a run starts ~10 verl
-    processes, most of which load neither). A registration is made when the table is installed.
     """
 
     name: str
@@ -179,7 +174,8 @@ _HOOKS = _PostImportHooks()
 def apply_on_import(patch: Patch) -> bool:
     """Apply ``patch`` now when its target's module is loaded (True when this call changed
     something), else once that module is first imported in this process (or in a process forked
-    from it); False."""
+    from it); False. So only the processes that load a module pay for importing it (verl's trainer and
+    engine cost a process ~2 CPU-seconds, vLLM more; most of a run's ~10 verl processes load neither)."""
     module = patch.target.partition(":")[0]
     if module in sys.modules:
         return apply(patch)

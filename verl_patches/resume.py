@@ -4,8 +4,6 @@ Resuming a run is relaunching the same command (verl's ``resume_mode=auto`` load
 checkpoint), but verl's file logger opens its file with ``"wb"``, so a relaunch would wipe every step
 logged before, and verl's checkpoint manager prunes (``trainer.max_actor_ckpt_to_keep``) only the
 checkpoints its own process saved, so those of earlier launches would never be removed.
-:func:`wrap_file_logger` keeps the file, each step once, losing nothing (:class:`ResumableFileLog`);
-:func:`wrap_checkpoint_save` counts the earlier checkpoints in verl's pruning.
 """
 
 from __future__ import annotations
