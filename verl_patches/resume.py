@@ -96,16 +96,6 @@ def read_step_lines(path: str | os.PathLike) -> list[tuple[int, bytes]]:
     return scan_step_lines(path)[0]
 
 
-def superseded_copy_path(path: str | os.PathLike) -> Path:
-    """Where a relaunch copies the records it replaces: ``<file>.superseded.<n>``, the first ``n``
-    (1, 2, ...) not taken."""
-    path = Path(path)
-    n = 1
-    while path.with_name(f"{path.name}.superseded.{n}").exists():
-        n += 1
-    return path.with_name(f"{path.name}.superseded.{n}")
-
-
 def step_ranges(steps: list[int]) -> str:
     """``[1, 2, 3, 5, 7, 8]`` -> ``"1-3, 5, 7-8"``."""
     runs: list[list[int]] = []
@@ -291,10 +281,13 @@ class ResumableFileLog:
         self._records = []
 
     def _supersede(self, step: int, records: list[tuple[int, bytes]]) -> None:
-        """Copy the earlier launch's ``records`` that this launch replaces to
-        :func:`superseded_copy_path` (before the file changes, so a kill in between loses nothing)
-        and say so."""
-        target = superseded_copy_path(self.path)
+        """Copy the earlier launch's ``records`` that this launch replaces to ``<file>.superseded.<n>``,
+        the first ``n`` (1, 2, ...) not taken (before the file changes, so a kill in between loses
+        nothing) and say so."""
+        n = 1
+        while self.path.with_name(f"{self.path.name}.superseded.{n}").exists():
+            n += 1
+        target = self.path.with_name(f"{self.path.name}.superseded.{n}")
         atomic_write(target, b"".join(line for _, line in records))
         print(f"WARNING: {self.path}: this launch logs step {step} first, so it replaces what an earlier launch "
               f"logged for step(s) {step_ranges([s for s, _ in records])}; those records are copied to {target}. "
