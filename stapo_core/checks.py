@@ -46,18 +46,10 @@ def check_token_tensors(func: str, mask, mask_name: str = "response_mask", **ten
 def token_advantages(func: str, advantages, mask: torch.Tensor, mask_name: str = "response_mask") -> torch.Tensor:
     """Advantages per token, ``(batch, resp_len)`` like the (already checked) ``mask``: a ``(batch,)``
     tensor, one advantage per response, becomes an expanded view (no copy); dtype unchanged."""
-    if not isinstance(advantages, torch.Tensor):
-        raise ValueError(f"{func}: advantages must be a tensor, got {type(advantages).__name__}")
     batch, resp_len = mask.shape
-    if advantages.shape == (batch,):
+    if isinstance(advantages, torch.Tensor) and advantages.shape == (batch,):
         advantages = advantages.reshape(batch, 1).expand(batch, resp_len)
-    elif advantages.shape != mask.shape:
-        raise ValueError(
-            f"{func}: shape mismatch: advantages has shape {tuple(advantages.shape)}, expected "
-            f"{(batch, resp_len)} (like {mask_name}) or {(batch,)}"
-        )
-    if advantages.device != mask.device:
-        raise ValueError(f"{func}: advantages is on {advantages.device}, {mask_name} on {mask.device}")
+    check_token_tensors(func, mask, mask_name, advantages=advantages)
     return advantages
 
 

@@ -116,9 +116,9 @@ def _is_fraction(value, include_one: bool = False) -> bool:
     return is_number(value) and 0.0 < value and (value <= 1.0 if include_one else value < 1.0)
 
 
-# --------------------------------------------------------------------------------------------
-# S2T (STAPO)
-# --------------------------------------------------------------------------------------------
+def _invalid(fields: dict, **valid: bool) -> list:
+    """A rule's ``check`` result: ``(field, what it must be)`` of each field whose value is not ``valid``."""
+    return [(name, fields[name]) for name, ok in valid.items() if not ok]
 
 
 def _select_s2t(settings, *, log_prob, entropy, advantages, response_mask, group=None, generator=None) -> RuleResult:
@@ -134,14 +134,8 @@ def _select_s2t(settings, *, log_prob, entropy, advantages, response_mask, group
 
 
 def _check_s2t(settings) -> list:
-    bad = []
-    if not _is_fraction(settings.tau_p):
-        bad.append(("tau_p", S2T.fields["tau_p"]))
-    if not _is_fraction(settings.q):
-        bad.append(("q", S2T.fields["q"]))
-    if settings.strategy not in STRATEGIES:
-        bad.append(("strategy", S2T.fields["strategy"]))
-    return bad
+    return _invalid(S2T.fields, tau_p=_is_fraction(settings.tau_p), q=_is_fraction(settings.q),
+                    strategy=settings.strategy in STRATEGIES)
 
 
 S2T = register_rule(SelectionRule(
@@ -154,11 +148,6 @@ S2T = register_rule(SelectionRule(
             "strategy": f"one of {list(STRATEGIES)}"},
     check=_check_s2t,
 ))
-
-
-# --------------------------------------------------------------------------------------------
-# 20-Entropy
-# --------------------------------------------------------------------------------------------
 
 
 def _select_entropy_topk(settings, *, log_prob, entropy, advantages, response_mask, group=None, generator=None,
@@ -178,9 +167,7 @@ def _select_entropy_topk(settings, *, log_prob, entropy, advantages, response_ma
 
 
 def _check_entropy_topk(settings) -> list:
-    if _is_fraction(settings.entropy_top_ratio, include_one=True):
-        return []
-    return [("entropy_top_ratio", ENTROPY_TOPK.fields["entropy_top_ratio"])]
+    return _invalid(ENTROPY_TOPK.fields, entropy_top_ratio=_is_fraction(settings.entropy_top_ratio, include_one=True))
 
 
 ENTROPY_TOPK = register_rule(SelectionRule(

@@ -68,20 +68,10 @@ class S2TResult:
     stats: dict
 
 
-# --------------------------------------------------------------------------------------------
-# validation
-# --------------------------------------------------------------------------------------------
-
-
 def _check_strategy(strategy) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is invalid: expected one of {list(STRATEGIES)}")
     return strategy
-
-
-# --------------------------------------------------------------------------------------------
-# the quantile, sync-free
-# --------------------------------------------------------------------------------------------
 
 
 def quantile_sorted_padded(sorted_values: torch.Tensor, count: torch.Tensor, q: float) -> torch.Tensor:
@@ -132,19 +122,6 @@ def _pooled_quantile(entropy: torch.Tensor, candidate: torch.Tensor, q: float, g
     return quantile_sorted_padded(torch.sort(pooled).values, count, q)
 
 
-# --------------------------------------------------------------------------------------------
-# S2T
-# --------------------------------------------------------------------------------------------
-
-
-def _random_draw(shape, device, generator: Optional[torch.Generator]) -> torch.Tensor:
-    """U(0,1) float32 draws of ``shape`` on ``device``, drawn on ``generator``'s device (global RNG if
-    None): a generator on another device than the tokens costs a copy."""
-    gen_device = generator.device if generator is not None else device
-    u = torch.rand(shape, generator=generator, dtype=torch.float32, device=gen_device)
-    return u.to(device)
-
-
 def _silence(strategy, entropy, candidate, q, generator, group):
     """``(silenced bool (batch, resp_len), tau_h 0-dim float32)`` for one strategy."""
     nan = torch.full((), math.nan, dtype=torch.float32, device=entropy.device)
@@ -155,7 +132,10 @@ def _silence(strategy, entropy, candidate, q, generator, group):
         tau_h = _pooled_quantile(entropy, candidate, 1.0 - q, group)
         return candidate & (entropy > tau_h), tau_h
     if strategy == "random":  # silence each candidate with probability q, independently
-        return candidate & (_random_draw(entropy.shape, entropy.device, generator) < q), nan
+        # U(0, 1) drawn on the generator's device (the global RNG's: the tokens'), then moved to the tokens
+        u = torch.rand(entropy.shape, generator=generator, dtype=torch.float32,
+                       device=generator.device if generator is not None else entropy.device)
+        return candidate & (u.to(entropy.device) < q), nan
     return candidate.clone(), nan  # full: every candidate
 
 

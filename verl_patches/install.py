@@ -1,12 +1,8 @@
 """Every change the recipe makes to verl 0.9.1, in one table, and the function that applies it.
 
-:func:`install` (idempotent) runs when :mod:`verl_patches.activate` is imported, in every process
-that imports verl: the environment variable ``VERL_USE_EXTERNAL_MODULES=verl_patches.activate``,
-which ``import verl`` reads, puts it there (the recipe's driver sets it; the trainer YAML passes it
-to remote Ray workers). Importing this module applies nothing. No verl file is edited or copied.
-The behaviour lives in the modules each entry names; this module only wires it.
-
-``python -m verl_patches`` prints the table (docs/verl_patches.md is that output).
+:func:`install` runs when :mod:`verl_patches.activate` is imported (how that happens in every process:
+the intro of :func:`table`); importing this module applies nothing. The behaviour lives in the modules
+each entry names. ``python -m verl_patches`` prints the table (docs/verl_patches.md is that output).
 """
 
 from __future__ import annotations

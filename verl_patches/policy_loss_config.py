@@ -46,35 +46,13 @@ def policy_loss_of(worker):
 
 @dataclass
 class TokenSelectionLossConfig(PolicyLossConfig):
-    """verl's ``PolicyLossConfig`` plus the token selection of STAPO (S2T) and 20-Entropy (the keys'
-    table: docs/method.md).
+    """verl's ``PolicyLossConfig`` plus the token selection of STAPO (S2T) and 20-Entropy. Each key,
+    its default and meaning: docs/method.md, "The recipe's keys"; besides those:
 
     Args:
         loss_mode: any policy loss registered with verl (``vanilla`` for JustRL/STAPO/20-Entropy).
-        token_selection: ``none``, or a rule of :data:`stapo_core.rules.RULES`.
-        tau_p, q, strategy: S2T's candidate threshold ``p < tau_p`` (paper: 0.002), the entropy
-            quantile of the candidates (paper: 0.75), and which candidates are silenced
-            (``low_entropy``: STAPO; ``high_entropy``, ``random``, ``full``: the paper's ablations).
         entropy_top_ratio: 20-Entropy: the fraction of highest-entropy response tokens kept.
-        stats_from: ``p`` and ``H`` of the old (rollout) policy, or of the ``current`` policy (the
-            paper's Algorithm 1: a no-grad forward of each later mini-batch, or at the micro-batch
-            scope the update's own forward).
-        scope: the statistic pooled over the whole PPO mini-batch of every data-parallel rank
-            (``mini_batch``) or one micro-batch of every rank, inside the loss (``micro_batch``); null
-            or ``micro_batch`` for a rule with a scope of its own (``entropy_topk_authors_code``).
-        current_forward: which sequences that forward covers: ``positive_advantage`` (the only ones
-            that can hold an S2T candidate) or ``full`` (always, for 20-Entropy).
-        ranks_per_pool: null (every data-parallel rank) or ``k``: groups of ``k`` contiguous ranks,
-            each with its own threshold (20-Entropy's authors; :meth:`pool_ranks` checks that ``k``
-            divides the data-parallel size). Not for S2T, nor for a rule evaluated per rank.
-        sequence_ratio: for ``gspo``/``geo_mean``: the sequence ratio over the ``kept_tokens`` or over
-            ``all_tokens`` (silenced ones carrying no gradient).
         seed: seed of S2T's ``random`` strategy.
-        s2t_monitor: compute and log (``actor/s2t/*``, ``actor/s2t/applied`` 0) what S2T would silence in
-            a run whose ``token_selection`` is not ``s2t``, without applying it.
-        update_effect_responses: responses per rank and mini-batch whose log-probs are measured just
-            before and after the update (:mod:`verl_patches.update_effect`); 0: off. Needs S2T's
-            selection before the update (``s2t`` at the mini-batch scope, or ``s2t_monitor``).
     """
 
     loss_mode: str = "vanilla"
@@ -103,12 +81,12 @@ class TokenSelectionLossConfig(PolicyLossConfig):
         for rule in RULES.values():  # every rule's fields, whichever selects (the S2T monitor reads S2T's)
             for key, expected in rule.check(self):
                 fail(key, getattr(self, key), expected)
-        if self.stats_from not in STATS_FROM:
-            fail("stats_from", self.stats_from, f"one of {list(STATS_FROM)}")
+        for key, allowed in (("stats_from", STATS_FROM), ("current_forward", CURRENT_FORWARDS),
+                             ("sequence_ratio", SEQUENCE_RATIOS)):
+            if getattr(self, key) not in allowed:
+                fail(key, getattr(self, key), f"one of {list(allowed)}")
         if self.scope is not None and self.scope not in SCOPES:
             fail("scope", self.scope, f"one of {list(SCOPES)} or null")
-        if self.current_forward not in CURRENT_FORWARDS:
-            fail("current_forward", self.current_forward, f"one of {list(CURRENT_FORWARDS)}")
         own_scope = self.resolved_scope == RANK_MICRO_BATCH
         if own_scope and self.scope == "mini_batch":
             fail("scope", self.scope, f"null or micro_batch with token_selection={self.token_selection} (its rule "
@@ -126,8 +104,6 @@ class TokenSelectionLossConfig(PolicyLossConfig):
             if own_scope:
                 fail("ranks_per_pool", k, f"null with token_selection={self.token_selection} (it selects per rank "
                      "and micro-batch already; ranks_per_pool applies to the pooled rules)")
-        if self.sequence_ratio not in SEQUENCE_RATIOS:
-            fail("sequence_ratio", self.sequence_ratio, f"one of {list(SEQUENCE_RATIOS)}")
         if self.sequence_ratio == "all_tokens" and self.loss_mode not in SEQUENCE_RATIO_LOSS_MODES:
             fail("sequence_ratio", self.sequence_ratio, f"kept_tokens with loss_mode={self.loss_mode} (its ratio is "
                  f"per token; all_tokens applies to {list(SEQUENCE_RATIO_LOSS_MODES)})")

@@ -11,12 +11,6 @@ Patches name their code by ``"module:qualified.name"`` strings, imported only wh
 table can be read (docs, tests) without importing verl. :func:`apply` is the one wrap-once helper:
 a wrapped attribute carries the patch's name in ``__stapo_patch__`` and the original in
 ``__wrapped__``, so applying twice is a no-op and a test can walk back to verl's own function.
-
-The recipe is written against one verl release (:data:`VERL_VERSION`); :func:`check_verl_version`
-refuses another one unless ``STAPO_ALLOW_VERL_VERSION`` names it. What each patch relies on is also
-data a program reads: its ``anchors`` (source text, the wrapped function's ``def`` line among them) and
-an ``obsolete_if`` marker, which :func:`check` looks up in any verl's source files without importing
-them (``python -m verl_patches check [VERL_SOURCE]``, :func:`main`).
 """
 
 from __future__ import annotations
@@ -63,11 +57,6 @@ class Patch:
             runs count as one space), or of another file as ``"verl/path/file.py: text"``; a wrap's
             anchors start with its target's ``def`` line (as much of it as the wrapper relies on).
         obsolete_if: text (an anchor) whose presence means upstream made the patch unnecessary.
-
-    A wrap is applied when its target's module is first imported, at once if it already is
-    (:func:`apply_on_import`): only the processes that load a module pay for it (importing verl's
-    trainer and engine costs a process ~2 CPU-seconds, vLLM more, and a run starts ~10 verl
-    processes, most of which load neither). A registration is made when the table is installed.
     """
 
     name: str
@@ -185,7 +174,8 @@ _HOOKS = _PostImportHooks()
 def apply_on_import(patch: Patch) -> bool:
     """Apply ``patch`` now when its target's module is loaded (True when this call changed
     something), else once that module is first imported in this process (or in a process forked
-    from it); False."""
+    from it); False. So only the processes that load a module pay for importing it (verl's trainer and
+    engine cost a process ~2 CPU-seconds, vLLM more; most of a run's ~10 verl processes load neither)."""
     module = patch.target.partition(":")[0]
     if module in sys.modules:
         return apply(patch)

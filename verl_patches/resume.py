@@ -4,8 +4,6 @@ Resuming a run is relaunching the same command (verl's ``resume_mode=auto`` load
 checkpoint), but verl's file logger opens its file with ``"wb"``, so a relaunch would wipe every step
 logged before, and verl's checkpoint manager prunes (``trainer.max_actor_ckpt_to_keep``) only the
 checkpoints its own process saved, so those of earlier launches would never be removed.
-:func:`wrap_file_logger` keeps the file, each step once, losing nothing (:class:`ResumableFileLog`);
-:func:`wrap_checkpoint_save` counts the earlier checkpoints in verl's pruning.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import orjson
 
@@ -25,11 +23,6 @@ from stapo_core.fileio import append_lines, atomic_write, open_regular, read_byt
 
 #: a checkpoint folder verl writes: ``<default_local_dir>/global_step_<k>``
 STEP_FOLDER = re.compile(r"^global_step_(\d+)$")
-
-
-# ------------------------------------------------------------------------------------------------
-# the metrics file
-# ------------------------------------------------------------------------------------------------
 
 
 def file_logger_path(project_name: str, experiment_name: str, environ=os.environ) -> str:
@@ -103,21 +96,6 @@ def read_step_lines(path: str | os.PathLike) -> list[tuple[int, bytes]]:
     return scan_step_lines(path)[0]
 
 
-def unreadable_lines_path(path: str | os.PathLike) -> Path:
-    path = Path(path)
-    return path.with_name(path.name + ".unreadable")
-
-
-def superseded_copy_path(path: str | os.PathLike) -> Path:
-    """Where a relaunch copies the records it replaces: ``<file>.superseded.<n>``, the first ``n``
-    (1, 2, ...) not taken."""
-    path = Path(path)
-    n = 1
-    while path.with_name(f"{path.name}.superseded.{n}").exists():
-        n += 1
-    return path.with_name(f"{path.name}.superseded.{n}")
-
-
 def step_ranges(steps: list[int]) -> str:
     """``[1, 2, 3, 5, 7, 8]`` -> ``"1-3, 5, 7-8"``."""
     runs: list[list[int]] = []
@@ -129,15 +107,10 @@ def step_ranges(steps: list[int]) -> str:
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
-def real_metrics_path(path: str | os.PathLike) -> Path:
-    """The file a metrics path names: absolute, every symbolic link (of the file or a folder above
-    it) resolved, so that two names of one file are one file to the writer lock."""
-    return Path(os.path.realpath(path))
-
-
 def writer_lock_path(path: str | os.PathLike) -> Path:
-    """The lock file a writer of ``path`` holds (it holds the writer's pid), beside the real file."""
-    real = real_metrics_path(path)
+    """The lock file a writer of ``path`` holds (it holds the writer's pid), beside the real file (every
+    symbolic link resolved, so that two names of one file are one file to the lock)."""
+    real = Path(os.path.realpath(path))
     return real.with_name(f".{real.name}.writer")
 
 
@@ -145,12 +118,25 @@ class MetricsFileBusy(RuntimeError):
     """Another process is writing the metrics file (its two writers would lose records)."""
 
 
-def _busy(path: str | os.PathLike, holder: str) -> MetricsFileBusy:
-    return MetricsFileBusy(
-        f"{path}: another process (pid {holder}) is writing this metrics file; two writers would lose each "
-        f"other's records. Wait for it to end (or stop it), or give this run its own trainer.default_local_dir "
-        f"/ experiment name"
-    )
+def _lock_or_busy(fd: int, path: str | os.PathLike, holder: Callable[[int], str]) -> int:
+    """``fd`` with an exclusive ``flock`` taken; if another holds it, ``fd`` closed and ``MetricsFileBusy``
+    naming ``path`` and the pid ``holder(fd)`` reads."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        pid = holder(fd)
+        os.close(fd)
+        raise MetricsFileBusy(
+            f"{path}: another process (pid {pid}) is writing this metrics file; two writers would lose each "
+            f"other's records. Wait for it to end (or stop it), or give this run its own trainer.default_local_dir "
+            f"/ experiment name"
+        ) from None
+    return fd
+
+
+def _lock_file_pid(fd: int) -> str:
+    """The pid a lock file holds (``?`` if empty)."""
+    return os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "?"
 
 
 def _flock_holder(fd: int) -> str:
@@ -176,13 +162,7 @@ def _lock_file_inode(path: Path, shown: str | os.PathLike) -> Optional[int]:
         fd = open_regular(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
         return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _flock_holder(fd)
-        os.close(fd)
-        raise _busy(shown, holder) from None
-    return fd
+    return _lock_or_busy(fd, shown, _flock_holder)
 
 
 def _inode(fd: int) -> tuple[int, int]:
@@ -217,16 +197,10 @@ def claim_metrics_file(path: str | os.PathLike) -> MetricsFileClaim:
     another process (or another open logger of this one) holds it, under this name or another
     (a symbolic or hard link). ``FileError`` when the file or its lock file is not a regular file (a
     lock file planted as a link is refused, its target never written)."""
-    real = real_metrics_path(path)
+    real = Path(os.path.realpath(path))
     lock = writer_lock_path(real)
     lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = open_regular(lock, os.O_RDWR | os.O_CREAT)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "?"
-        os.close(fd)
-        raise _busy(path, holder) from None
+    fd = _lock_or_busy(open_regular(lock, os.O_RDWR | os.O_CREAT), path, _lock_file_pid)
     try:
         file_fd = _lock_file_inode(real, path)
     except BaseException:
@@ -240,16 +214,10 @@ def claim_metrics_file(path: str | os.PathLike) -> MetricsFileClaim:
 def check_no_writer(path: str | os.PathLike) -> None:
     """``MetricsFileBusy`` when a process holds the writer lock of ``path`` (its lock file or the
     file's inode); creates nothing (the preflight's check). ``FileError`` as :func:`claim_metrics_file`."""
-    real = real_metrics_path(path)
+    real = Path(os.path.realpath(path))
     lock = writer_lock_path(real)
     if os.path.lexists(lock):
-        fd = open_regular(lock, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise _busy(path, os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "?") from None
-        finally:
-            os.close(fd)
+        os.close(_lock_or_busy(open_regular(lock, os.O_RDONLY | os.O_NOFOLLOW), path, _lock_file_pid))
     file_fd = _lock_file_inode(real, path)
     if file_fd is not None:
         os.close(file_fd)
@@ -281,7 +249,7 @@ class ResumableFileLog:
     """
 
     def __init__(self, path: str | os.PathLike):
-        self.path = real_metrics_path(path)
+        self.path = Path(os.path.realpath(path))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._claim: Optional[MetricsFileClaim] = claim_metrics_file(path)
         self._records, self._unreadable = scan_step_lines(self.path)
@@ -313,10 +281,13 @@ class ResumableFileLog:
         self._records = []
 
     def _supersede(self, step: int, records: list[tuple[int, bytes]]) -> None:
-        """Copy the earlier launch's ``records`` that this launch replaces to
-        :func:`superseded_copy_path` (before the file changes, so a kill in between loses nothing)
-        and say so."""
-        target = superseded_copy_path(self.path)
+        """Copy the earlier launch's ``records`` that this launch replaces to ``<file>.superseded.<n>``,
+        the first ``n`` (1, 2, ...) not taken (before the file changes, so a kill in between loses
+        nothing) and say so."""
+        n = 1
+        while self.path.with_name(f"{self.path.name}.superseded.{n}").exists():
+            n += 1
+        target = self.path.with_name(f"{self.path.name}.superseded.{n}")
         atomic_write(target, b"".join(line for _, line in records))
         print(f"WARNING: {self.path}: this launch logs step {step} first, so it replaces what an earlier launch "
               f"logged for step(s) {step_ranges([s for s, _ in records])}; those records are copied to {target}. "
@@ -325,9 +296,9 @@ class ResumableFileLog:
               f"run, relaunch with its checkpoints (resume_mode=auto, the same default_local_dir)", file=sys.stderr)
 
     def _quarantine(self) -> None:
-        """Append the unreadable lines to :func:`unreadable_lines_path` (before the file is rewritten
-        without them, so a kill in between loses nothing) and say what each is."""
-        target = unreadable_lines_path(self.path)
+        """Append the unreadable lines to ``<file>.unreadable`` (before the file is
+        rewritten without them, so a kill in between loses nothing) and say what each is."""
+        target = self.path.with_name(self.path.name + ".unreadable")
         append_lines(target, [line.removesuffix(b"\n") for _, line, _ in self._unreadable])
         by_kind: dict[str, list[int]] = {}
         for number, _, what in self._unreadable:
@@ -386,11 +357,6 @@ def wrap_file_logger(original: type) -> type:
     return FileLogger
 
 
-# ------------------------------------------------------------------------------------------------
-# checkpoint retention
-# ------------------------------------------------------------------------------------------------
-
-
 def earlier_checkpoints(local_path: str | os.PathLike) -> list[str]:
     """The checkpoints of earlier launches that ``local_path`` (``<dir>/global_step_<n>/<role>``)
     competes with for retention: the existing ``<dir>/global_step_<k>/<role>`` folders with
@@ -408,10 +374,6 @@ def earlier_checkpoints(local_path: str | os.PathLike) -> list[str]:
     return [p for _, p in sorted(found)]
 
 
-def _local_path_argument(args: tuple, kwargs: dict) -> Any:
-    return kwargs["local_path"] if "local_path" in kwargs else (args[0] if args else None)
-
-
 def wrap_checkpoint_save(original):
     """``CheckpointManager.save_checkpoint`` -> the same, after the manager's list of saved
     checkpoints (what verl prunes from) got those of earlier launches (:func:`earlier_checkpoints`,
@@ -420,7 +382,7 @@ def wrap_checkpoint_save(original):
     ``run_scripts/eval.sh`` writes to ``global_step_<k>/merged_hf`` stay."""
 
     def save_checkpoint(self, *args, **kwargs):
-        local_path = _local_path_argument(args, kwargs)
+        local_path = kwargs["local_path"] if "local_path" in kwargs else (args[0] if args else None)
         if local_path is not None and not getattr(self, "_stapo_counted_earlier", False):
             self._stapo_counted_earlier = True
             earlier = earlier_checkpoints(local_path)

@@ -1,12 +1,7 @@
-"""What the recipe adds to verl's two PPO trainers (the driver side of a step).
-
-Both trainers compute the rollout policy's log-probs and entropies once per step (the "old log-prob"
-pass) and keep the reward's extra info beside each response, each in places of its own: the legacy
-trainer (``trainer.use_v1=false``, ``RayPPOTrainer``, the ``wrap_legacy_*`` wraps) and the TransferQueue
-trainer (``PPOTrainer``, ``wrap_v1_*``). The recipe reads that entropy for every method's per-step
-entropy quantiles (:mod:`verl_patches.step_metrics`), ships it to the actor where token selection reads
-the rollout statistics, and counts each step's responses the reward could not check
-(``reward/ungraded``, docs/reward.md), which verl turns into validation metrics only.
+"""What the recipe adds to verl's two PPO trainers (the driver side of a step): the legacy trainer
+(``trainer.use_v1=false``, ``RayPPOTrainer``, the ``wrap_legacy_*`` wraps) and the TransferQueue trainer
+(``PPOTrainer``, ``wrap_v1_*``) keep the rollout entropy and the reward's extra info in places of their
+own; what each wrap changes and why: docs/verl_patches.md.
 """
 
 from __future__ import annotations

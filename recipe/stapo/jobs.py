@@ -4,12 +4,8 @@ A run (project + experiment) has a fixed id, :func:`recipe.stapo.driver.wandb_ru
 wandb run id, and the Ray submission id of its first job. Ray never reuses a submission id (a
 finished job keeps its id), so a relaunch, the way a run resumes, is submitted as ``<id>-2``,
 ``<id>-3``... While any job of the run is pending or running, a new one is refused: two jobs would
-write the same checkpoint folder and the same wandb run.
-
-``python -m recipe.stapo.jobs next-id --address URL --project P --experiment E`` prints the id the
-next job of the run gets, or exits with :data:`RUNNING_EXIT` and says how to follow or stop the job
-that runs. ``--offline`` prints the run's id without asking the cluster (dry runs).
-The cluster is reached with Ray's own job client, so Ray's token authentication applies (docs/cluster.md).
+write the same checkpoint folder and the same wandb run. The cluster is asked through Ray's own job
+client, so Ray's token authentication applies (docs/cluster.md).
 """
 
 from __future__ import annotations

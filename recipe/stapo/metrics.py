@@ -96,11 +96,6 @@ def read_metrics(path: str | os.PathLike) -> dict[int, dict]:
     return steps
 
 
-def _numeric(value) -> Optional[float]:
-    """A finite float, or None for anything else (strings, lists, NaN, inf, booleans)."""
-    return float(value) if is_number(value) else None
-
-
 def nonfinite_values(steps: dict[int, dict]) -> dict[str, list[tuple[int, Optional[float]]]]:
     """``{metric: [(step, value), ...]}`` (steps ascending) of the values :func:`metric_series` leaves
     out because they are not finite: NaN, +inf, -inf, and None (``null``: how verl's file logger
@@ -118,6 +113,6 @@ def metric_series(steps: dict[int, dict]) -> dict[str, Series]:
     by_metric: dict[str, dict[int, float]] = {}
     for step in sorted(steps):
         for key, value in steps[step].items():
-            if (v := _numeric(value)) is not None:
-                by_metric.setdefault(key, {})[step] = v
+            if is_number(value):  # finite: strings, lists, NaN, inf and booleans left out
+                by_metric.setdefault(key, {})[step] = float(value)
     return {key: (sorted(vals), [vals[s] for s in sorted(vals)]) for key, vals in by_metric.items()}

@@ -12,26 +12,14 @@ never imports verl.
 
 from .files import STEP_FILE_PATTERN, TOKEN_DUMP_DIR, Dump, dump_files, read_dump, step_file, write_step
 from .quadrants import entropy_split, quadrant_counts, response_record
-from .schema import (
-    QUADRANTS,
-    Record,
-    RecordError,
-    ResponseRecord,
-    TokenRecord,
-    validate_record,
-    validate_response_record,
-    validate_token_record,
-)
+from .schema import QUADRANTS, RecordError, validate_record, validate_response_record, validate_token_record
 
 __all__ = [
     "QUADRANTS",
     "STEP_FILE_PATTERN",
     "TOKEN_DUMP_DIR",
     "Dump",
-    "Record",
     "RecordError",
-    "ResponseRecord",
-    "TokenRecord",
     "dump_files",
     "entropy_split",
     "quadrant_counts",

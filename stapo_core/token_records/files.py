@@ -13,12 +13,12 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from tqdm import tqdm
 
 from ..fileio import atomic_write, iter_jsonl
-from .schema import Record, RecordError, validate_record
+from .schema import RecordError, validate_record
 
 #: folder of the per-step dump files inside a run folder
 TOKEN_DUMP_DIR = "s2t_tokens"
@@ -33,7 +33,7 @@ def step_file(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / TOKEN_DUMP_DIR / STEP_FILE_PATTERN.format(step=step)
 
 
-def _encode(path: Path, records: Iterable[Record]) -> str:
+def _encode(path: Path, records: Iterable[Mapping]) -> str:
     """Validate every record and return them as JSON Lines text (ValueError names ``path`` and the
     index of the first bad record; nothing is written)."""
     lines = []
@@ -45,7 +45,7 @@ def _encode(path: Path, records: Iterable[Record]) -> str:
     return "".join(line + "\n" for line in lines)
 
 
-def write_step(run_dir: str | os.PathLike, step: int, records: Iterable[Record]) -> Path:
+def write_step(run_dir: str | os.PathLike, step: int, records: Iterable[Mapping]) -> Path:
     """Write ``records`` as the step's file, replacing it atomically (a resumed run rewrites the
     steps it trains again); a bad record raises ValueError and leaves the file as it was."""
     path = step_file(run_dir, step)

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 
 from ..checks import is_number
-from .schema import QUADRANTS, ResponseRecord, validate_response_record
+from .schema import QUADRANTS, validate_response_record
 
 
 def _as_array(x, dtype) -> np.ndarray:
@@ -77,7 +77,7 @@ def quadrant_counts(prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optiona
 
 def response_record(*, step: int, method: str, uid: str, response_index: int, advantage: float,
                     prob, entropy, grad_norm, mask, tau_p: float, tau_h: Optional[float],
-                    dlogp=None) -> ResponseRecord:
+                    dlogp=None) -> dict:
     """The ``kind = "response"`` record of one response from its per-token ``(T,)`` arrays; a
     non-finite ``tau_h`` (S2T's NaN without candidates) is stored as null."""
     tau_h = float(tau_h) if tau_h is not None and math.isfinite(tau_h) else None

@@ -9,51 +9,12 @@ be null.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, TypedDict, Union
+from typing import Any, Callable, Mapping, Optional
 
 from ..checks import is_number
 
 #: quadrant names: (low|high) probability x (low|high) entropy
 QUADRANTS = ("lowp_lowh", "lowp_highh", "highp_lowh", "highp_highh")
-
-
-class _RecordFields(TypedDict):
-    kind: str
-    step: int
-    method: str
-    uid: str
-    response_index: int
-    advantage: float
-
-
-class TokenRecord(_RecordFields):
-    """One candidate token of a sampled response (``kind = "token"``)."""
-
-    position: int
-    token_id: int
-    token: str
-    context_before: str
-    context_after: str
-    prob: float
-    entropy: float
-    candidate: bool
-    silenced: bool
-    grad_norm: float
-    top5: list
-    dlogp: Optional[float]
-
-
-class ResponseRecord(_RecordFields):
-    """One sampled response (``kind = "response"``)."""
-
-    n_tokens: int
-    tau_p: float
-    tau_h: Optional[float]
-    entropy_split: Optional[float]
-    quadrants: dict
-
-
-Record = Union[TokenRecord, ResponseRecord, Mapping[str, Any]]
 
 
 class RecordError(ValueError):
@@ -183,7 +144,7 @@ _RESPONSE_FIELDS = {
 }
 
 
-def validate_token_record(rec: Mapping) -> TokenRecord:
+def validate_token_record(rec: Mapping) -> dict:
     """A normalised copy of a ``kind = "token"`` record (``kind`` set to ``"token"``).
 
     Raises:
@@ -195,10 +156,10 @@ def validate_token_record(rec: Mapping) -> TokenRecord:
     out.update({"kind": "token", **_checked(rec, _TOKEN_FIELDS)})
     if out["silenced"] and not out["candidate"]:
         raise RecordError("a silenced token must be a candidate ('silenced' true, 'candidate' false)")
-    return out  # type: ignore[return-value]
+    return out
 
 
-def validate_response_record(rec: Mapping) -> ResponseRecord:
+def validate_response_record(rec: Mapping) -> dict:
     """A normalised copy of a ``kind = "response"`` record (``entropy_split`` added as null if absent).
 
     Raises:
@@ -211,7 +172,7 @@ def validate_response_record(rec: Mapping) -> ResponseRecord:
     total = sum(q["count"] for q in out["quadrants"].values())
     if total > out["n_tokens"]:
         raise RecordError(f"quadrant counts add up to {total}, more than n_tokens={out['n_tokens']}")
-    return out  # type: ignore[return-value]
+    return out
 
 
 def validate_record(rec: Any) -> dict:

@@ -64,7 +64,7 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float 
         raise ValueError(f"token_stats: temperature={temperature!r} must be a positive number")
     k = min(top_k, logits.shape[1])
     parts: dict[str, list] = {name: [] for name in ("log_prob", "entropy", "grad_norm", "top_prob", "top_ids")}
-    for start in range(0, logits.shape[0], chunk_size):
+    for start in range(0, max(logits.shape[0], 1), chunk_size):  # T = 0: one empty chunk, empty stats
         a = logits[start : start + chunk_size].float() / temperature
         tgt = targets[start : start + chunk_size].to(a.device).long()
         lse = torch.logsumexp(a, -1)
@@ -74,11 +74,6 @@ def token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float 
         parts["grad_norm"].append(logit_grad_norm(a, tgt))
         parts["top_prob"].append(torch.exp(top_val - lse[:, None]))
         parts["top_ids"].append(top_ids)
-    if not parts["log_prob"]:  # T = 0
-        empty = logits.new_zeros(0, dtype=torch.float32)
-        return {"log_prob": empty, "prob": empty, "entropy": empty, "grad_norm": empty,
-                "top_prob": logits.new_zeros((0, k), dtype=torch.float32),
-                "top_ids": torch.zeros((0, k), dtype=torch.long, device=logits.device)}
     out = {name: torch.cat(chunks) for name, chunks in parts.items()}
     out["prob"] = out["log_prob"].exp()
     return out
