@@ -14,8 +14,10 @@ vLLM), the largest micro-batch's tokens on this GPU and the number of micro-batc
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -80,35 +82,31 @@ def _device_used(dev) -> float:
     return float(total - free)
 
 
-class _Counter:
+@contextlib.contextmanager
+def _counting(engine):
     """The largest micro-batch (tokens on this GPU) and the number of micro-batches of one pass, read
     from the engine's ``forward_step`` while the pass runs (an attribute of the engine object, removed
     after)."""
+    counter = SimpleNamespace(tokens=0, micro_batches=0)
+    original = getattr(engine, "forward_step", None)
+    if original is None:
+        yield counter
+        return
+    had_own = "forward_step" in vars(engine)
 
-    def __init__(self, engine):
-        self.engine, self.tokens, self.micro_batches = engine, 0, 0
-        self.had_own = engine is not None and "forward_step" in vars(engine)
-        self.original = getattr(engine, "forward_step", None)
+    def counted(micro_batch, *args, **kwargs):
+        counter.micro_batches += 1
+        counter.tokens = max(counter.tokens, micro_batch_tokens(micro_batch))
+        return original(micro_batch, *args, **kwargs)
 
-    def __enter__(self):
-        if self.original is not None:
-            original = self.original
-
-            def counted(micro_batch, *args, **kwargs):
-                self.micro_batches += 1
-                self.tokens = max(self.tokens, micro_batch_tokens(micro_batch))
-                return original(micro_batch, *args, **kwargs)
-
-            self.engine.forward_step = counted
-        return self
-
-    def __exit__(self, *exc):
-        if self.original is not None:
-            if self.had_own:
-                self.engine.forward_step = self.original
-            else:
-                del self.engine.forward_step
-        return False
+    engine.forward_step = counted
+    try:
+        yield counter
+    finally:
+        if had_own:
+            engine.forward_step = original
+        else:
+            del engine.forward_step
 
 
 def _wrap(original, method: str, device=_device, log=print):
@@ -129,7 +127,7 @@ def _wrap(original, method: str, device=_device, log=print):
             _state.carried = (max(carried[0], before[0]), max(carried[1], before[1]))
         dev.reset_peak_memory_stats()
         try:
-            with _Counter(getattr(self, "engine", None)) as counter:
+            with _counting(getattr(self, "engine", None)) as counter:
                 out = original(self, *args, **kwargs)
             allocated, reserved = dev.max_memory_allocated(), dev.max_memory_reserved()
             if outer is not None:
