@@ -1,13 +1,9 @@
 """The measured GPU memory of each pass, one line per pass on rank 0 of a calibration run (the probes of
-:mod:`stapo_memory.probes`; ``python -m stapo_memory.calibration`` reads the lines back). verl's own
-``perf/max_memory_*`` are allocator peaks never reset, one number for all passes; here each forward
-(``infer_batch``: log-prob, reference, and inside the update the current-policy and update-effect
-forwards, each its own pass) and each update (``train_mini_batch``, its line covering its nested
-forwards) resets the peak before it runs, and the weight sync (``update_weights``: vLLM awake) logs
-after it. A line holds PyTorch's allocated and reserved peaks (their difference is the allocator's
-cache), the device-wide memory used at the end (``mem_get_info``: every process on the GPU), what lies
-outside this process's allocator then (device-wide less its reserved memory: CUDA contexts, NCCL,
-vLLM), the largest micro-batch's tokens on this GPU and the number of micro-batches; only on CUDA:
+:mod:`stapo_memory.probes`; docs/memory.md, "Calibrating on a GPU", says what each field measures and
+``python -m stapo_memory.calibration`` reads the lines back). Each forward (``infer_batch``; inside the
+update each its own pass) and each update (``train_mini_batch``, covering its nested forwards) resets
+PyTorch's peak before it runs, as verl's never-reset ``perf/max_memory_*`` do not; the weight sync
+(``update_weights``: vLLM awake) logs after it. Only on CUDA:
 
     [stapo] memory peak: pass=log_prob allocated_gib=23.41 reserved_gib=25.02 device_gib=31.20 outside_gib=6.18 tokens=48913 micro_batches=12
 """
