@@ -8,48 +8,18 @@
     python -m stapo_memory.bench_layer_memory logits-grad    # the logits' gradient, 2048 x 151,936
     python -m stapo_memory.bench_layer_memory fsdp-root      # FSDP1 on gloo, two processes
 
-``pass``: one micro-batch of verl 0.9.1's FSDP actor traced tensor by tensor. The real model code runs
-(transformers' ``Qwen3ForCausalLM``, or Qwen2 / Llama, with gradient checkpointing as verl enables it,
-``use_reentrant=False``), then what ``FSDPEngineWithLMHead.prepare_model_outputs`` and
-``forward_step`` run on the logits (verl's chunked entropy, the recipe's chunked sum of squared
-probabilities, the log-probs) and, for the update, ``loss.backward()``. The two GPU kernels are
-stand-ins that allocate exactly what their code allocates: flash-attn's variable-length attention
-(``FlashAttnVarlenFunc``: out, the float32 log-sum-exp, saved q, k, v; backward ``dq, dk, dv``, the
-float32 ``dq_accum`` and ``softmax_d`` of ``mha_varlen_bwd`` and, with grouped-query attention, dk and
-dv expanded to every head) called as transformers' ``_flash_attention_forward`` calls it for packed
-sequences, and flash-attn's Triton cross entropy (``CrossEntropyLoss``: losses, log-sum-exp, z-losses;
-it keeps the logits and writes their gradient into them with ``inplace_backward=True``, else into a
-new tensor). Everything runs on the meta device: the full model at the full token budget costs no
-memory, and every tensor is accounted for by its size (:class:`LiveTensors`: each new storage an
-operation returns counts until it is freed). The peak of each phase (the forward, the logits'
-computations, the LM head's backward, the layers' backward; for a no-grad pass the model's forward
-and the logits' computations) is printed beside the memory model's activation terms of the same
-phase. FSDP's buffers (gathered parameters, gradient buffers, reduce-scatter copies) are not traced:
-the model counts them from FSDP's code. Layer parameters' gradients are freed as soon as they are
-accumulated (FSDP reduce-scatters each unit's); the root unit's (embedding, LM head, final norm)
-are kept to the end, as FSDP does.
+``pass`` traces one micro-batch of verl 0.9.1's FSDP actor tensor by tensor on the meta device
+(:class:`LiveTensors`; the full model at the full budget costs no memory): the real transformers model
+with gradient checkpointing as verl enables it, verl's logits-side code, stand-ins for flash-attn's
+two GPU kernels that allocate what their code allocates, then for the update ``loss.backward()``. Each
+phase's peak is printed beside the memory model's activation terms of the same moments. FSDP's
+buffers are not traced (the model counts them from FSDP's code); a layer's parameter gradients are
+freed once accumulated, the root unit's kept, as FSDP does.
 
-``accounting``: the same trace on real CPU tensors of a model of the 8B's shape at 1/``scale`` width,
-with the process's resident-set high-water mark (``VmHWM``, reset through ``/proc/self/clear_refs``)
-measured around it: the two peaks agree when the accounting sees every allocation.
-
-``layer``: the bytes per token one recomputed decoder layer's forward with grad and its backward
-allocate, measured as resident memory (``VmHWM``, as stapo_memory/bench_logits_memory.py): a Qwen3 layer
-of the 8B's shape divided in width by ``--scale`` (heads of 128, as the real one), bfloat16, the
-flash-attn stand-in, one packed sequence per token count. The slope over the token counts is the
-per-token part, which scales with the width, so ``slope x scale`` is the 8B layer's, compared with the
-model's ``layer_backward_bytes_per_token``.
-
-``logits-grad``: the backward of verl's ``logprobs_from_logits`` on ``(tokens, vocab)`` bfloat16 logits
-with ``inplace_backward=False`` (what verl passes when the update computes the entropy): the peak
-bytes beyond the forward, against the model's ``tokens x vocab x 2`` for the logits' gradient. On CPU
-verl's row-wise fallback runs (flash-attn's in-place kernel is GPU-only), so the flag changes nothing
-here; the measurement is the gradient tensor the model adds.
-
-``fsdp-root``: FSDP1 with one unit per decoder layer and the root holding the embedding and the
-LM head, compute in bfloat16, on two gloo processes: after a forward without grad the decoder
-layers' unsharded parameters are freed and the root's are not, until ``reshard`` (what verl's eval
-context calls only when ``fsdp_size > 1``). Prints the bytes of each unit's unsharded storage.
+``accounting``, ``layer``, ``logits-grad`` and ``fsdp-root`` measure on CPU (resident-set peaks,
+``VmHWM``): the trace on real tensors against the process's memory, one recomputed decoder layer's
+bytes per token, the logits' gradient not written in place, and FSDP1 keeping its root unit unsharded
+after a forward without grad (two gloo processes). docs/memory.md gives each one's numbers.
 """
 
 from __future__ import annotations
@@ -78,67 +48,44 @@ from .terms import BF16, ENTROPY_CHUNK_ROWS, GIB, layer_backward_bytes_per_token
 QWEN3_8B = BUILTIN_SHAPES["qwen3-8b"]
 
 
-# ------------------------------------------------------------------------------------------------
-# tensor-size accounting
-# ------------------------------------------------------------------------------------------------
 
 
 class LiveTensors(TorchDispatchMode):
     """Counts the bytes of every storage an operation returns (a view or an in-place result shares
     its input's and is not counted again) until the storage is freed, on any device (the meta device
-    included). ``mark(phase)`` starts a phase; ``peaks``: each phase's largest live total;
-    ``at_peak``: the live storages at that moment, by the operation and shape that made them."""
+    included). ``mark(phase)`` starts a phase; ``peaks``: each phase's largest live total."""
 
     def __init__(self):
         super().__init__()
         self._live: dict[int, int] = {}
-        self._labels: dict[int, str] = {}
         self._refs: dict[int, weakref.ref] = {}
         self.current = 0
         self.phase = "start"
         self.peaks: dict[str, int] = {}
-        self.at_peak: dict[str, dict[str, int]] = {}
 
     def mark(self, phase: str) -> None:
         self.phase = phase
-        self._note()
-
-    def _note(self) -> None:
-        if self.current > self.peaks.get(self.phase, -1):
-            self.peaks[self.phase] = self.current
-            live: dict[str, int] = {}
-            for key, size in self._live.items():
-                live[self._labels[key]] = live.get(self._labels[key], 0) + size
-            self.at_peak[self.phase] = live
+        self.peaks[phase] = max(self.current, self.peaks.get(phase, 0))
 
     def _free(self, key: int) -> None:
         self.current -= self._live.pop(key, 0)
-        self._labels.pop(key, None)
         self._refs.pop(key, None)
-
-    def _add(self, tensor: torch.Tensor, func, inputs: set[int]) -> None:
-        storage = tensor.untyped_storage()
-        key = id(storage)
-        if key in self._live or key in inputs:
-            return
-        self._live[key] = storage.nbytes()
-        self._labels[key] = f"{func.__name__} {tuple(tensor.shape)} {str(tensor.dtype).replace('torch.', '')}"
-        self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
-        self.current += self._live[key]
-        self._note()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         inputs = {id(a.untyped_storage()) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
         out = func(*args, **(kwargs or {}))
         for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor):
-                self._add(tensor, func, inputs)
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = id(storage)
+            if key in self._live or key in inputs:
+                continue
+            self._live[key] = storage.nbytes()
+            self._refs[key] = weakref.ref(storage, lambda _, key=key: self._free(key))
+            self.current += self._live[key]
+            self.mark(self.phase)
         return out
-
-
-# ------------------------------------------------------------------------------------------------
-# flash-attn's kernels, as allocations
-# ------------------------------------------------------------------------------------------------
 
 
 class FlashVarlenAttention(torch.autograd.Function):
@@ -212,8 +159,9 @@ class FlashCrossEntropy(torch.autograd.Function):
 ATTENTION = "stapo_memory_count"
 
 
-def build_model(shape: ModelShape, device: str = "meta", train: bool = True, seed: int = 0):
-    """The transformers model of ``shape`` in bfloat16 on ``device`` with the flash-attn stand-in;
+def build_model(shape: ModelShape, device: str = "meta", train: bool = True, seed: int = 0,
+                dtype: torch.dtype = torch.bfloat16):
+    """The transformers model of ``shape`` in ``dtype`` on ``device`` with the flash-attn stand-in;
     for training, gradient checkpointing as verl enables it and the parameters' gradients as FSDP
     leaves them (a layer's freed once accumulated, the root unit's kept)."""
     from transformers import AutoConfig, AutoModelForCausalLM  # transformers where a subcommand builds a model
@@ -231,7 +179,7 @@ def build_model(shape: ModelShape, device: str = "meta", train: bool = True, see
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.config._attn_implementation = ATTENTION
     if train:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -333,9 +281,6 @@ def trace_forward(shape: ModelShape, tokens: int, *, entropy: bool = True, sum_p
     return live
 
 
-# ------------------------------------------------------------------------------------------------
-# the model's phases beside the trace's
-# ------------------------------------------------------------------------------------------------
 
 #: the model's phases (``stapo_memory.model``) and the traced phases that span the same moments
 UPDATE_PHASES = {("layer forward", "forward end"): ("forward", "logits"),
@@ -348,44 +293,46 @@ def _terms_total(terms, tokens: int) -> float:
     return sum(fixed + per_token * tokens for _, fixed, per_token in terms)
 
 
-def compare(shape: ModelShape, tokens: int, *, forward: bool = False, entropy: bool = False,
-            entropy_grad: bool = False, sum_pi_squared: bool = True, unit_temperature: bool = True) -> list[dict]:
-    """Rows ``phase, traced_bytes, model_bytes, ratio`` (model / trace) of one micro-batch."""
-    settings = Settings(world_size=8, gpu_memory_utilization=0.5, log_prob_tokens=tokens, update_tokens=tokens,
-                           update_entropy=entropy, update_entropy_grad=entropy_grad, unit_temperature=unit_temperature)
-    rows = []
-    if forward:
-        live = trace_forward(shape, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared,
-                             unit_temperature=unit_temperature)
-        phases = forward_activation_phases(shape, settings, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared)
-        groups = FORWARD_PHASES
-    else:
-        live = trace_update(shape, tokens, entropy=entropy, entropy_grad=entropy_grad,
-                            unit_temperature=unit_temperature)
-        phases = update_activation_phases(shape, settings)
-        groups = UPDATE_PHASES
-    for model_names, traced_names in groups.items():
-        model = max(_terms_total(phases[n], tokens) for n in model_names)
-        traced = max(live.peaks.get(n, 0) for n in traced_names)
-        rows.append({"phase": " / ".join(model_names), "traced_bytes": traced, "model_bytes": model,
-                     "ratio": model / traced})
-    for row in rows:
-        row.update(model=shape.source, tokens=tokens)
-    return rows
-
-
 @functools.lru_cache(maxsize=None)
-def _update_peaks(shape: ModelShape, tokens: int, entropy: bool, entropy_grad: bool,
-                  unit_temperature: bool, chunk: int) -> dict[str, int]:
+def _traced_peaks(shape: ModelShape, tokens: int, forward: bool, entropy: bool, entropy_grad: bool,
+                  sum_pi_squared: bool, unit_temperature: bool, chunk: int) -> dict[str, int]:
+    if forward:
+        return dict(trace_forward(shape, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared,
+                                  unit_temperature=unit_temperature, chunk=chunk).peaks)
     return dict(trace_update(shape, tokens, entropy=entropy, entropy_grad=entropy_grad,
                              unit_temperature=unit_temperature, chunk=chunk).peaks)
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_peaks(shape: ModelShape, tokens: int, entropy: bool, sum_pi_squared: bool,
-                   unit_temperature: bool, chunk: int) -> dict[str, int]:
-    return dict(trace_forward(shape, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared,
-                              unit_temperature=unit_temperature, chunk=chunk).peaks)
+def paired_phases(shape: ModelShape, s: Settings, tokens: int, *, forward: bool, entropy: bool = False,
+                  sum_pi_squared: bool = False) -> tuple[dict[str, float], dict[tuple[str, ...], int]]:
+    """One micro-batch of ``tokens`` (a no-grad pass with ``entropy`` and ``sum_pi_squared``, else an
+    update as ``s`` sets it): the model's activation total of each of its phases, and for each group
+    of them the trace's peak over the same moments."""
+    if forward:
+        model = forward_activation_phases(shape, s, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared)
+        groups = FORWARD_PHASES
+    else:
+        model = update_activation_phases(shape, s)
+        entropy, sum_pi_squared, groups = s.update_entropy, False, UPDATE_PHASES
+    traced = _traced_peaks(shape, tokens, forward, entropy, s.update_entropy_grad, sum_pi_squared,
+                           s.unit_temperature, s.entropy_chunk)
+    return ({phase: _terms_total(terms, tokens) for phase, terms in model.items()},
+            {names: max(traced.get(n, 0) for n in traced_names) for names, traced_names in groups.items()})
+
+
+def compare(shape: ModelShape, tokens: int, *, forward: bool = False, entropy: bool = False,
+            entropy_grad: bool = False, sum_pi_squared: bool = True, unit_temperature: bool = True) -> list[dict]:
+    """Rows ``phase, traced_bytes, model_bytes, ratio`` (model / trace) of one micro-batch."""
+    settings = Settings(world_size=8, gpu_memory_utilization=0.5, log_prob_tokens=tokens, update_tokens=tokens,
+                        update_entropy=entropy, update_entropy_grad=entropy_grad, unit_temperature=unit_temperature)
+    model, traced = paired_phases(shape, settings, tokens, forward=forward, entropy=entropy,
+                                  sum_pi_squared=sum_pi_squared)
+    rows = []
+    for names, peak in traced.items():
+        total = max(model[n] for n in names)
+        rows.append({"phase": " / ".join(names), "traced_bytes": peak, "model_bytes": total, "ratio": total / peak,
+                     "model": shape.source, "tokens": tokens})
+    return rows
 
 
 def counted_totals(est: Estimate) -> dict[str, float]:
@@ -394,7 +341,7 @@ def counted_totals(est: Estimate) -> dict[str, float]:
     the overhead) plus, per phase, the trace's peak of the same moments in place of the model's
     activation terms. Passes without token-dependent activations (rollout, update end, optimizer step)
     are the model's own count."""
-    s, shape = est.settings, est.shape
+    s = est.settings
     if s.entropy_chunk is None or (s.calculate_sum_pi_squared and s.sum_pi_squared_chunk is None):
         raise ValueError("the trace covers the chunked entropy and sum of squares only")
     out = {}
@@ -402,79 +349,67 @@ def counted_totals(est: Estimate) -> dict[str, float]:
         if not p.phases:
             out[p.name] = p.total
             continue
-        if p.name == "update":
-            model = update_activation_phases(shape, s)
-            traced = _update_peaks(shape, p.tokens, s.update_entropy, s.update_entropy_grad, s.unit_temperature,
-                                   s.entropy_chunk)
-            groups = UPDATE_PHASES
-        else:
-            entropy = p.name in ("log_prob", "current")
-            spp = p.name == "log_prob" and s.calculate_sum_pi_squared
-            model = forward_activation_phases(shape, s, p.tokens, entropy=entropy, sum_pi_squared=spp)
-            traced = _forward_peaks(shape, p.tokens, entropy, spp, s.unit_temperature, s.entropy_chunk)
-            groups = FORWARD_PHASES
-        activation = {phase: _terms_total(terms, p.tokens) for phase, terms in model.items()}
-        counted = {}
+        model, traced = paired_phases(est.shape, s, p.tokens, forward=p.name != "update",
+                                      entropy=p.name in ("log_prob", "current"),
+                                      sum_pi_squared=p.name == "log_prob" and s.calculate_sum_pi_squared)
+        counted = []
         for phase, total in p.phases.items():
-            group = next((g for g in groups if phase in g), None)
-            if group is None:  # FSDP's buffers only (a layer's gradient reduce-scatter)
-                counted[phase] = total
-                continue
-            traced_peak = max(traced.get(name, 0) for name in groups[group])
-            counted[phase] = total - activation[phase] + traced_peak
-        out[p.name] = max(counted.values())
+            group = next((g for g in traced if phase in g), None)
+            # a phase of FSDP's buffers only (a layer's gradient reduce-scatter) is the model's own count
+            counted.append(total if group is None else total - model[phase] + traced[group])
+        out[p.name] = max(counted)
     return out
 
 
-def lm_head_workspace_bytes(shape: ModelShape, tokens: int = 256) -> float:
-    """Resident bytes the LM head's bfloat16 matmuls take beyond their inputs, output and gradients:
+def lm_head_workspace_bytes(shape: ModelShape, dtype: torch.dtype, tokens: int = 256) -> float:
+    """Resident bytes the LM head's matmuls in ``dtype`` take beyond their inputs, output and gradients:
     the kernels' workspace, which no tensor holds (a CPU without native bfloat16 converts the
-    ``(vocab, hidden)`` weight to float32, 38.9 MB at 1/8 of the 8B's width, whatever the tokens;
-    near 0 where the CPU computes in bfloat16). The trace sees no workspace, as it sees no cuBLAS one."""
-    x = torch.randn(tokens, shape.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    weight = torch.randn(shape.vocab_size, shape.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    grad = torch.randn(tokens, shape.vocab_size, dtype=torch.bfloat16)
+    ``(vocab, hidden)`` bfloat16 weight to float32, whatever the tokens; near 0 in float32 or where the
+    CPU computes in bfloat16). The trace sees no workspace, as it sees no cuBLAS one."""
+    x = torch.randn(tokens, shape.hidden_size, dtype=dtype, requires_grad=True)
+    weight = torch.randn(shape.vocab_size, shape.hidden_size, dtype=dtype, requires_grad=True)
+    grad = torch.randn(tokens, shape.vocab_size, dtype=dtype)
 
     def forward_backward():
         torch.nn.functional.linear(x, weight).backward(grad)
         x.grad = weight.grad = None
 
     forward_backward()  # warm-up: lazy allocations
-    tensors = (grad.numel() + x.numel() + weight.numel()) * BF16  # the output, the inputs' gradients
+    tensors = (grad.numel() + x.numel() + weight.numel()) * grad.element_size()  # the output, the inputs' gradients
     return max(0.0, peak_extra_bytes(forward_backward, "cpu") - tensors)
 
 
-def measure_accounting(scale: int, tokens: int, entropy: bool = False) -> dict:
-    """The update trace on real CPU tensors of the 8B's shape at 1/``scale`` width (4 layers): the
-    accounted peak against the resident-set peak around the same call less the LM head kernels'
-    workspace (:func:`lm_head_workspace_bytes`), beside the model's update (the largest of its
+def measure_accounting(scale: int, tokens: int, entropy: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The update trace on real CPU tensors in ``dtype`` of the 8B's shape at 1/``scale`` width (4
+    layers): the accounted peak against the resident-set peak around the same call less the LM head
+    kernels' workspace (:func:`lm_head_workspace_bytes`), beside the model's update (the largest of its
     moments) and what counting the logits with the recomputed layer's backward would give
     (``summed_bytes``: the LM head's moment plus the layer's recompute term)."""
     _mmap_large_allocations()
     shape = replace(scaled_shape(scale), num_layers=4, vocab_size=QWEN3_8B.vocab_size // scale)
-    model = build_model(shape, "cpu")
-    trace_update(shape, 256, entropy=entropy, device="cpu", model=model)  # warm-up: lazy allocations
+    model = build_model(shape, "cpu", dtype=dtype)
+    # warm-up at the same size: the kernels' lazy allocations, some sized by their inputs
+    trace_update(shape, tokens, entropy=entropy, device="cpu", model=model)
     result = {}
 
     def run():
         result["live"] = trace_update(shape, tokens, entropy=entropy, device="cpu", model=model)
 
     resident = peak_extra_bytes(run, "cpu")
-    workspace = lm_head_workspace_bytes(shape)
+    workspace = lm_head_workspace_bytes(shape, dtype)
     accounted = max(result["live"].peaks.values())
+    b = dtype.itemsize
     settings = Settings(world_size=8, gpu_memory_utilization=0.5, log_prob_tokens=tokens, update_tokens=tokens,
-                           update_entropy=entropy)
+                        update_entropy=entropy, compute_bytes=b)
     phases = {name: _terms_total(terms, tokens) for name, terms in update_activation_phases(shape, settings).items()}
-    layer = tokens * layer_backward_bytes_per_token(shape, BF16)
-    return {"scale": scale, "tokens": tokens, "accounted_bytes": accounted, "resident_bytes": resident,
+    layer = tokens * layer_backward_bytes_per_token(shape, b)
+    return {"scale": scale, "tokens": tokens, "dtype": str(dtype).replace("torch.", ""),
+            "accounted_bytes": accounted, "resident_bytes": resident,
             "workspace_bytes": workspace, "ratio": accounted / (resident - workspace),
             "model_bytes": max(phases.values()),
             "summed_bytes": max(phases["LM head backward"], phases["logits backward"]) + layer}
 
 
-# ------------------------------------------------------------------------------------------------
-# one layer, resident memory
-# ------------------------------------------------------------------------------------------------
 
 
 def scaled_shape(scale: int) -> ModelShape:
@@ -489,26 +424,15 @@ def scaled_shape(scale: int) -> ModelShape:
 def measure_layer(scale: int, token_counts: list[int], seed: int = 0) -> dict:
     """Peak resident bytes of one layer's forward with grad and backward at each token count, the
     slope per token, and that slope scaled to the full width."""
-    from transformers import Qwen3Config  # transformers where a subcommand builds a model
-    from transformers.modeling_utils import AttentionInterface
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
-
     _mmap_large_allocations()
-    AttentionInterface.register(ATTENTION, flash_attention_forward)
     shape = scaled_shape(scale)
-    config = Qwen3Config(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-                         num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads,
-                         head_dim=shape.head_dim, num_hidden_layers=1, vocab_size=shape.vocab_size)
-    config._attn_implementation = ATTENTION
-    torch.manual_seed(seed)
-    layer = Qwen3DecoderLayer(config, layer_idx=0).to(torch.bfloat16)
-    rotary = Qwen3RotaryEmbedding(config)
+    model = build_model(shape, "cpu", train=False, seed=seed)
+    layer, rotary = model.model.layers[0], model.model.rotary_emb
     peaks = {}
     for tokens in [min(token_counts)] + list(token_counts):  # the first run warms up lazy allocations
         hidden = torch.randn(1, tokens, shape.hidden_size, dtype=torch.bfloat16, requires_grad=True)
         positions = torch.arange(tokens).unsqueeze(0)
         cos, sin = rotary(hidden, positions)
-        cos, sin = cos.to(torch.bfloat16), sin.to(torch.bfloat16)
         layer.zero_grad(set_to_none=True)
 
         def step():
@@ -525,10 +449,10 @@ def measure_layer(scale: int, token_counts: list[int], seed: int = 0) -> dict:
     counts = sorted(token_counts)
     slope = (peaks[counts[-1]] - peaks[counts[0]]) / (counts[-1] - counts[0])
     full = slope * scale
-    model = layer_backward_bytes_per_token(QWEN3_8B, BF16)
+    modelled = layer_backward_bytes_per_token(QWEN3_8B, BF16)
     return {"scale": scale, "tokens": counts, "peak_bytes": [peaks[t] for t in counts],
-            "bytes_per_token_scaled": slope, "bytes_per_token_8b": full, "model_bytes_per_token_8b": model,
-            "ratio": full / model}
+            "bytes_per_token_scaled": slope, "bytes_per_token_8b": full, "model_bytes_per_token_8b": modelled,
+            "ratio": full / modelled}
 
 
 def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
@@ -548,69 +472,41 @@ def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
             "ratio": measured / model, "grad_dtype": str(logits.grad.dtype)}
 
 
-# ------------------------------------------------------------------------------------------------
-# FSDP1's root unit
-# ------------------------------------------------------------------------------------------------
+
+
+#: the fsdp-root model's vocabulary and width
+TINY_VOCAB, TINY_WIDTH = 1000, 64
 
 
 def _fsdp_root_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist  # FSDP in the fsdp-root subcommand's workers only
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    fsdp = FSDP(_TinyLM(), auto_wrap_policy=ModuleWrapPolicy({_Layer}), device_id=torch.device("cpu"),
-                mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    # embedding, two decoder stand-ins (each its own FSDP unit), final norm, untied LM head
+    layers = [torch.nn.Linear(TINY_WIDTH, TINY_WIDTH) for _ in range(2)]
+    model = torch.nn.Sequential(torch.nn.Embedding(TINY_VOCAB, TINY_WIDTH), *layers, torch.nn.LayerNorm(
+        TINY_WIDTH, bias=False), torch.nn.Linear(TINY_WIDTH, TINY_VOCAB, bias=False))
+    fsdp = FSDP(model, auto_wrap_policy=functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: m in layers),
+                device_id=torch.device("cpu"), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
 
     def unsharded(unit) -> int:
         return unit._handle._get_padded_unsharded_flat_param().untyped_storage().size()
 
     with torch.no_grad():
-        fsdp(torch.randint(0, _TinyLM.VOCAB, (2, 8)))
-    layers = [unsharded(m) for m in fsdp.modules() if isinstance(m, FSDP) and m is not fsdp]
+        fsdp(torch.randint(0, TINY_VOCAB, (2, 8)))
+    units = [unsharded(m) for m in fsdp.modules() if isinstance(m, FSDP) and m is not fsdp]
     root = unsharded(fsdp)
     fsdp._handle.reshard(True)  # what verl's eval context does when fsdp_size > 1
-    after = unsharded(fsdp)
     if rank == 0:
-        atomic_write(out, json.dumps({"root_unsharded_bytes": root, "layer_unsharded_bytes": layers,
-                                      "root_after_reshard_bytes": after, "root_params": _TinyLM.root_params(),
-                                      "world_size": world}))
+        atomic_write(out, json.dumps({"root_unsharded_bytes": root, "layer_unsharded_bytes": units,
+                                      "root_after_reshard_bytes": unsharded(fsdp),
+                                      "root_params": 2 * TINY_VOCAB * TINY_WIDTH + TINY_WIDTH, "world_size": world}))
     dist.destroy_process_group()
-
-
-class _Layer(torch.nn.Module):
-    def __init__(self, width: int):
-        super().__init__()
-        self.lin = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        return self.lin(x)
-
-
-class _TinyLM(torch.nn.Module):
-    """Embedding, two decoder stand-ins (each its own FSDP unit), final norm, untied LM head."""
-
-    VOCAB, WIDTH = 1000, 64
-
-    def __init__(self):
-        super().__init__()
-        self.embed = torch.nn.Embedding(self.VOCAB, self.WIDTH)
-        self.layers = torch.nn.ModuleList([_Layer(self.WIDTH), _Layer(self.WIDTH)])
-        self.norm = torch.nn.LayerNorm(self.WIDTH, bias=False)
-        self.head = torch.nn.Linear(self.WIDTH, self.VOCAB, bias=False)
-
-    @classmethod
-    def root_params(cls) -> int:
-        return 2 * cls.VOCAB * cls.WIDTH + cls.WIDTH
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(self.norm(x))
 
 
 def measure_fsdp_root(port: int = 29533) -> dict:
@@ -623,12 +519,6 @@ def measure_fsdp_root(port: int = 29533) -> dict:
             return json.load(f)
 
 
-def _print_rows(rows: list[dict]) -> None:
-    print("| phase | traced GiB | model GiB | model / traced |\n|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['phase']} | {r['traced_bytes'] / GIB:.2f} | {r['model_bytes'] / GIB:.2f} | {r['ratio']:.3f} |")
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m stapo_memory.bench_layer_memory", description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("pass", "accounting", "layer", "logits-grad", "fsdp-root"))
@@ -638,6 +528,7 @@ def main(argv=None) -> int:
     p.add_argument("--entropy-grad", action="store_true", help="pass: the update's entropy with grad (a bonus)")
     p.add_argument("--no-sum-pi-squared", action="store_true", help="pass --forward: without the sum of squares")
     p.add_argument("--scale", type=int, default=8)
+    p.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="accounting: the model's dtype")
     p.add_argument("--tokens", default="2048,4096")
     p.add_argument("--port", type=int, default=29533)
     p.add_argument("--vocab", type=int, default=151936, help="logits-grad: the vocabulary")
@@ -645,22 +536,20 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     tokens = [int(t) for t in args.tokens.split(",")]
+    measure = {"pass": lambda: compare(BUILTIN_SHAPES[args.model], tokens[0], forward=args.forward,
+                                       entropy=args.entropy or args.entropy_grad, entropy_grad=args.entropy_grad,
+                                       sum_pi_squared=not args.no_sum_pi_squared),
+               "accounting": lambda: measure_accounting(args.scale, tokens[0], entropy=args.entropy,
+                                                        dtype=getattr(torch, args.dtype)),
+               "layer": lambda: measure_layer(args.scale, tokens),
+               "logits-grad": lambda: measure_logits_grad(tokens[0], args.vocab),
+               "fsdp-root": lambda: measure_fsdp_root(args.port)}
+    result = measure[args.what]()
     if args.what == "pass":
-        result = compare(BUILTIN_SHAPES[args.model], tokens[0], forward=args.forward,
-                         entropy=args.entropy or args.entropy_grad, entropy_grad=args.entropy_grad,
-                         sum_pi_squared=not args.no_sum_pi_squared)
-        _print_rows(result)
-    elif args.what == "accounting":
-        result = measure_accounting(args.scale, tokens[0], entropy=args.entropy)
-        print(json.dumps(result, indent=1))
-    elif args.what == "layer":
-        result = measure_layer(args.scale, tokens)
-        print(json.dumps(result, indent=1))
-    elif args.what == "logits-grad":
-        result = measure_logits_grad(tokens[0], args.vocab)
-        print(json.dumps(result, indent=1))
+        print("| phase | traced GiB | model GiB | model / traced |\n|---|---|---|---|")
+        for r in result:
+            print(f"| {r['phase']} | {r['traced_bytes'] / GIB:.2f} | {r['model_bytes'] / GIB:.2f} | {r['ratio']:.3f} |")
     else:
-        result = measure_fsdp_root(args.port)
         print(json.dumps(result, indent=1))
     if args.json:
         atomic_write(args.json, json.dumps(result))

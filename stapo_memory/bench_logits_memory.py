@@ -89,18 +89,17 @@ def cuda_autocast_logsumexp(device: str):
 
 
 def modelled_bytes(case: str, tokens: int, vocab: int, chunk: int = SUM_PI_SQUARED_CHUNK_ROWS) -> float:
-    """The memory model's number for ``case`` (bfloat16 logits, ``chunk`` rows per chunk)."""
+    """The memory model's number for ``case`` (bfloat16 logits, ``chunk`` rows per chunk): beside the
+    logits, a computation's temporaries and its float32 output per token."""
     if case == "logits":
         return logits_bytes(tokens, vocab, BF16)
-    if case == "sum_pi_squared_verl":
-        return sum_pi_squared_extra_bytes(tokens, vocab, BF16, chunk=None) + 4 * tokens
-    if case == "sum_pi_squared_chunked":
-        return sum_pi_squared_extra_bytes(tokens, vocab, BF16, chunk=chunk) + 4 * tokens
-    if case == "entropy_chunked":
-        return entropy_extra_bytes(tokens, vocab, chunk=chunk) + 4 * tokens
-    if case == "log_probs":
-        return 4.0 * tokens
-    raise ValueError(f"unknown case {case!r}: expected one of {CASES}")
+    extra = {"sum_pi_squared_verl": lambda: sum_pi_squared_extra_bytes(tokens, vocab, BF16, chunk=None),
+             "sum_pi_squared_chunked": lambda: sum_pi_squared_extra_bytes(tokens, vocab, BF16, chunk=chunk),
+             "entropy_chunked": lambda: entropy_extra_bytes(tokens, vocab, chunk=chunk),
+             "log_probs": lambda: 0.0}
+    if case not in extra:
+        raise ValueError(f"unknown case {case!r}: expected one of {CASES}")
+    return extra[case]() + 4.0 * tokens
 
 
 def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, chunk: int = SUM_PI_SQUARED_CHUNK_ROWS,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,14 +119,10 @@ def measured_from_metrics(path: Path) -> dict[str, float]:
 def slope(points: list[tuple[int, float]]) -> Optional[float]:
     """Least-squares slope of ``(tokens, GiB)`` points (GiB per token), or None when the token counts
     span less than :data:`SLOPE_SPREAD` of the largest."""
-    if len(points) < 2:
-        return None
     xs = [float(x) for x, _ in points]
-    if max(xs) - min(xs) < SLOPE_SPREAD * max(xs):
+    if len(xs) < 2 or max(xs) - min(xs) < SLOPE_SPREAD * max(xs):
         return None
-    mean_x, mean_y = sum(xs) / len(xs), sum(y for _, y in points) / len(points)
-    var = sum((x - mean_x) ** 2 for x in xs)
-    return sum((x - mean_x) * (y - mean_y) for x, (_, y) in zip(xs, points)) / var
+    return statistics.linear_regression(xs, [float(y) for _, y in points]).slope
 
 
 def _error(estimate: float, measured: float) -> str:

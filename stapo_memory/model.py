@@ -227,33 +227,15 @@ def update_activation_phases(shape: ModelShape, s: Settings) -> dict[str, Terms]
             "embedding backward": embedding}
 
 
-def _pass_from_phases(name: str, phases: dict[str, list[tuple[str, float, float]]], tokens: int,
-                      fixed: dict[str, float], setting: str,
-                      extra: Optional[dict[str, list[tuple[str, float, float]]]] = None) -> Pass:
-    """The pass at its largest phase: ``fixed`` components (resident state, gathered parameters,
-    overhead) plus the phase's; ``extra``: components some phases add beside the model code's (FSDP's
-    gradient buffers)."""
-    best = None
-    totals = {}
-    for phase, terms in phases.items():
-        components, per_token = _phase(terms + list((extra or {}).get(phase, [])), tokens)
-        total = sum(components.values())
-        totals[phase] = total + sum(fixed.values())
-        if best is None or total > best[0]:
-            best = (total, phase, components, per_token)
-    _, phase, components, per_token = best
-    merged = dict(fixed)
-    overhead = merged.pop("overhead", None)
-    merged.update(components)
-    if overhead is not None:
-        merged["overhead"] = overhead
-    return Pass(name, merged, setting, tokens, per_token, phase, totals)
-
-
-def _forward_pass(name: str, shape: ModelShape, s: Settings, tokens: int, setting: str, *, entropy: bool,
-                  sum_pi_squared: bool, fixed: dict[str, float]) -> Pass:
-    phases = forward_activation_phases(shape, s, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared)
-    return _pass_from_phases(name, phases, tokens, fixed, setting)
+def _pass_from_phases(name: str, phases: dict[str, Terms], tokens: int, fixed: dict[str, float],
+                      setting: str) -> Pass:
+    """The pass at its largest phase: the ``fixed`` components (resident state, gathered parameters,
+    overhead) plus the phase's."""
+    counted = {phase: _phase(terms, tokens) for phase, terms in phases.items()}
+    totals = {phase: sum(fixed.values()) + sum(components.values()) for phase, (components, _) in counted.items()}
+    peak = max(totals, key=totals.get)
+    components, per_token = counted[peak]
+    return Pass(name, {**fixed, **components}, setting, tokens, per_token, peak, totals)
 
 
 def vllm_floor_bytes(shape: ModelShape, s: Settings) -> float:
@@ -269,67 +251,52 @@ def vllm_floor_bytes(shape: ModelShape, s: Settings) -> float:
 
 def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
     """Every pass of one step; ``gpu_bytes`` (what CUDA reports) sizes vLLM's share."""
-    b = s.compute_bytes
-    passes = []
-    rollout = _resident(shape, s, rollout=True)
-    rollout["vLLM (gpu_memory_utilization)"] = s.gpu_memory_utilization * gpu_bytes
-    rollout["overhead"] = float(s.overhead_bytes)
-    passes.append(Pass("rollout", rollout, "actor_rollout_ref.rollout.gpu_memory_utilization", phase="generation"))
+    b, h, overhead = s.compute_bytes, shape.hidden_size, {"overhead": float(s.overhead_bytes)}
+    rollout = {**_resident(shape, s, rollout=True),
+               "vLLM (gpu_memory_utilization)": s.gpu_memory_utilization * gpu_bytes, **overhead}
+    passes = [Pass("rollout", rollout, f"{ROLLOUT}.gpu_memory_utilization", phase="generation")]
 
-    def forward_fixed(reference: bool = False) -> dict[str, float]:
+    def forward(name: str, tokens: Optional[int], entropy: bool = False, sum_pi_squared: bool = False,
+                setting: str = f"{ROLLOUT}.log_prob_max_token_len_per_gpu") -> None:
+        if tokens is None:
+            return
         fixed = _resident(shape, s)
-        if reference:
+        if name == "reference":  # its own root is the gathered one of this pass; the actor's may stay beside it
+            fixed.pop("reference root unit (unsharded)", None)
             if s.actor_root_resident:
                 fixed["actor root unit (unsharded since the log-prob pass)"] = float(b * shape.embedding_params)
-            # the reference's own root is the gathered one of this pass
-            fixed.pop("reference root unit (unsharded)", None)
-        fixed["gathered parameters"] = _gathered(shape, s)
-        fixed["overhead"] = float(s.overhead_bytes)
-        return fixed
+        fixed.update({"gathered parameters": _gathered(shape, s), **overhead})
+        phases = forward_activation_phases(shape, s, tokens, entropy=entropy, sum_pi_squared=sum_pi_squared)
+        passes.append(_pass_from_phases(name, phases, tokens, fixed, setting))
 
-    log_prob_setting = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
-    passes.append(_forward_pass("log_prob", shape, s, s.log_prob_tokens, log_prob_setting, entropy=True,
-                                sum_pi_squared=s.calculate_sum_pi_squared, fixed=forward_fixed()))
-    if s.ref_tokens is not None:
-        passes.append(_forward_pass("reference", shape, s, s.ref_tokens,
-                                    "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", entropy=False,
-                                    sum_pi_squared=False, fixed=forward_fixed(reference=True)))
-    if s.current_tokens is not None:  # S2T's current-policy statistics, at verl's log-prob pass settings
-        passes.append(_forward_pass("current", shape, s, s.current_tokens, log_prob_setting, entropy=True,
-                                    sum_pi_squared=False, fixed=forward_fixed()))
-    if s.update_effect_tokens is not None:  # the update effect's forward of the measured responses
-        passes.append(_forward_pass("update_effect", shape, s, s.update_effect_tokens, log_prob_setting,
-                                    entropy=False, sum_pi_squared=False, fixed=forward_fixed()))
-    # the update: one micro-batch, at the largest of its moments
-    fixed = _resident(shape, s, update=True)
-    fixed["gathered parameters"] = _gathered(shape, s)
+    forward("log_prob", s.log_prob_tokens, entropy=True, sum_pi_squared=s.calculate_sum_pi_squared)
+    forward("reference", s.ref_tokens, setting=f"{REF}.log_prob_max_token_len_per_gpu")
+    forward("current", s.current_tokens, entropy=True)  # S2T's current-policy statistics, at the log-prob settings
+    forward("update_effect", s.update_effect_tokens)  # the update effect's forward of the measured responses
+    # the update: one micro-batch, at the largest of its moments, FSDP's gradient buffers beside the model code's
+    state = _resident(shape, s, update=True)
     if s.no_sync_gradients:
-        fixed["unsharded gradients (no_sync)"] = float(b * shape.params)
-    fixed["overhead"] = float(s.overhead_bytes)
-    inputs = ("checkpointed layer inputs", 0.0, layer_inputs_bytes_per_token(shape, b))
-    head_grad = ("LM head weight gradient (unsharded)", float(shape.vocab_size * shape.hidden_size * b), 0.0)
-    fsdp = {"layer backward": [("this layer's gradient (unsharded)", float(b * shape.layer_params), 0.0)]}
+        state["unsharded gradients (no_sync)"] = float(b * shape.params)
     phases = update_activation_phases(shape, s)
+    phases["layer backward"].append(("this layer's gradient (unsharded)", float(b * shape.layer_params), 0.0))
     phases["layer gradient reduce-scatter"] = [
-        inputs, ("gradient flowing down", 0.0, shape.hidden_size * b), head_grad,
+        ("checkpointed layer inputs", 0.0, layer_inputs_bytes_per_token(shape, b)),
+        ("gradient flowing down", 0.0, h * b),
+        ("LM head weight gradient (unsharded)", float(shape.vocab_size * h * b), 0.0),
         ("layer gradient: unsharded, float32 copy, shard", _reduce_scatter_bytes(shape.layer_params, s), 0.0)]
-    passes.append(_pass_from_phases("update", phases, s.update_tokens, fixed,
-                                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", extra=fsdp))
+    passes.append(_pass_from_phases("update", phases, s.update_tokens,
+                                    {**state, "gathered parameters": _gathered(shape, s), **overhead},
+                                    f"{ACTOR}.ppo_max_token_len_per_gpu"))
     # ... its end: the root unit's reduction (the embedding's gradient beside the LM head's); more GPUs shard
     # the state further
-    end = _resident(shape, s, update=True)
-    end["gathered parameters"] = float(b * shape.embedding_params)
-    end["root unit gradient: unsharded, float32 copy, shard"] = _reduce_scatter_bytes(shape.embedding_params, s)
-    end["gradient flowing into the embedding"] = float(shape.hidden_size * b * s.update_tokens)
-    if s.no_sync_gradients:
-        end["unsharded gradients (no_sync)"] = float(b * shape.params)
-    end["overhead"] = float(s.overhead_bytes)
+    end = {**state, "gathered parameters": float(b * shape.embedding_params),
+           "root unit gradient: unsharded, float32 copy, shard": _reduce_scatter_bytes(shape.embedding_params, s),
+           "gradient flowing into the embedding": float(h * b * s.update_tokens), **overhead}
     passes.append(Pass("update_end", end, "trainer.nnodes", phase="root unit reduce-scatter"))
     # ... and the optimizer step: AdamW's foreach update allocates one float32 temporary per parameter (more
     # GPUs shard the state further; optimizer_offload does not lower it)
-    step = _resident(shape, s, update=True)
-    step["AdamW foreach temporary (fp32, sharded)"] = FP32 * shape.params / s.world_size
-    step["overhead"] = float(s.overhead_bytes)
+    step = {**_resident(shape, s, update=True),
+            "AdamW foreach temporary (fp32, sharded)": FP32 * shape.params / s.world_size, **overhead}
     passes.append(Pass("optimizer_step", step, "trainer.nnodes", phase="AdamW step"))
     return Estimate(shape, s, passes)
 

@@ -1,21 +1,19 @@
 """The measured GPU memory of each pass, one line per pass on rank 0 of a calibration run (the probes of
-:mod:`stapo_memory.probes`; ``python -m stapo_memory.calibration`` reads the lines back). verl's own
-``perf/max_memory_*`` are allocator peaks never reset, one number for all passes; here each forward
-(``infer_batch``: log-prob, reference, and inside the update the current-policy and update-effect
-forwards, each its own pass) and each update (``train_mini_batch``, its line covering its nested
-forwards) resets the peak before it runs, and the weight sync (``update_weights``: vLLM awake) logs
-after it. A line holds PyTorch's allocated and reserved peaks (their difference is the allocator's
-cache), the device-wide memory used at the end (``mem_get_info``: every process on the GPU), what lies
-outside this process's allocator then (device-wide less its reserved memory: CUDA contexts, NCCL,
-vLLM), the largest micro-batch's tokens on this GPU and the number of micro-batches; only on CUDA:
+:mod:`stapo_memory.probes`; docs/memory.md, "Calibrating on a GPU", says what each field measures and
+``python -m stapo_memory.calibration`` reads the lines back). Each forward (``infer_batch``; inside the
+update each its own pass) and each update (``train_mini_batch``, covering its nested forwards) resets
+PyTorch's peak before it runs, as verl's never-reset ``perf/max_memory_*`` do not; the weight sync
+(``update_weights``: vLLM awake) logs after it. Only on CUDA:
 
     [stapo] memory peak: pass=log_prob allocated_gib=23.41 reserved_gib=25.02 device_gib=31.20 outside_gib=6.18 tokens=48913 micro_batches=12
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -80,35 +78,31 @@ def _device_used(dev) -> float:
     return float(total - free)
 
 
-class _Counter:
+@contextlib.contextmanager
+def _counting(engine):
     """The largest micro-batch (tokens on this GPU) and the number of micro-batches of one pass, read
     from the engine's ``forward_step`` while the pass runs (an attribute of the engine object, removed
     after)."""
+    counter = SimpleNamespace(tokens=0, micro_batches=0)
+    original = getattr(engine, "forward_step", None)
+    if original is None:
+        yield counter
+        return
+    had_own = "forward_step" in vars(engine)
 
-    def __init__(self, engine):
-        self.engine, self.tokens, self.micro_batches = engine, 0, 0
-        self.had_own = engine is not None and "forward_step" in vars(engine)
-        self.original = getattr(engine, "forward_step", None)
+    def counted(micro_batch, *args, **kwargs):
+        counter.micro_batches += 1
+        counter.tokens = max(counter.tokens, micro_batch_tokens(micro_batch))
+        return original(micro_batch, *args, **kwargs)
 
-    def __enter__(self):
-        if self.original is not None:
-            original = self.original
-
-            def counted(micro_batch, *args, **kwargs):
-                self.micro_batches += 1
-                self.tokens = max(self.tokens, micro_batch_tokens(micro_batch))
-                return original(micro_batch, *args, **kwargs)
-
-            self.engine.forward_step = counted
-        return self
-
-    def __exit__(self, *exc):
-        if self.original is not None:
-            if self.had_own:
-                self.engine.forward_step = self.original
-            else:
-                del self.engine.forward_step
-        return False
+    engine.forward_step = counted
+    try:
+        yield counter
+    finally:
+        if had_own:
+            engine.forward_step = original
+        else:
+            del engine.forward_step
 
 
 def _wrap(original, method: str, device=_device, log=print):
@@ -129,7 +123,7 @@ def _wrap(original, method: str, device=_device, log=print):
             _state.carried = (max(carried[0], before[0]), max(carried[1], before[1]))
         dev.reset_peak_memory_stats()
         try:
-            with _Counter(getattr(self, "engine", None)) as counter:
+            with _counting(getattr(self, "engine", None)) as counter:
                 out = original(self, *args, **kwargs)
             allocated, reserved = dev.max_memory_allocated(), dev.max_memory_reserved()
             if outer is not None:

@@ -42,11 +42,6 @@ def _shape(config: DictConfig, raw: Optional[dict], source: str, found: list[Pro
         return None
     try:
         return shape_from_hf_config(raw, source=source)
-    except ShapeError as e:
-        found.append(Problem(f"{e.source}: {e.field}" if e.field else e.source, e.problem,
-                             "the model's config.json must describe the model verl builds from it: correct the "
-                             f"field, or point actor_rollout_ref.model.path (or model.hf_config_path) at the right "
-                             f"folder ({path})"))
     except NotEstimated as e:
         message = f"{e.field}={e.problem}"
         fix = ("run it with recipe.memory_check=warn (or off) after sizing its memory yourself: the preflight's "
@@ -55,6 +50,11 @@ def _shape(config: DictConfig, raw: Optional[dict], source: str, found: list[Pro
             found.append(Problem(f"GPU memory ({e.source})", f"not estimated: {message}", fix))
         else:
             notes.append(f"GPU memory not estimated ({e.source}): {message}")
+    except ShapeError as e:
+        found.append(Problem(f"{e.source}: {e.field}" if e.field else e.source, e.problem,
+                             "the model's config.json must describe the model verl builds from it: correct the "
+                             f"field, or point actor_rollout_ref.model.path (or model.hf_config_path) at the right "
+                             f"folder ({path})"))
     return None
 
 

@@ -19,12 +19,8 @@ class ShapeError(ValueError):
         super().__init__(f"{source or 'config.json'}: " + (f"{field}: " if field else "") + problem)
 
 
-class NotEstimated(ValueError):
+class NotEstimated(ShapeError):
     """A model the estimate does not cover (a Mixture-of-Experts model); ``field`` is what says so."""
-
-    def __init__(self, source: str, field: str, problem: str):
-        self.source, self.field, self.problem = source, field, problem
-        super().__init__(f"{source or 'config.json'}: {field}: {problem}")
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,13 @@ def logits_bytes(tokens: int, vocab: int, dtype_bytes: int = BF16) -> float:
 
 
 def sum_pi_squared_extra_bytes(tokens: int, vocab: int, logits_dtype_bytes: int = BF16,
-                               chunk: Optional[int] = None, autocast_fp32: bool = True) -> float:
+                               chunk: Optional[int] = None) -> float:
     """Peak bytes ``sum_n pi_n^2`` allocates beside the logits: verl's unchunked computation
     ``tokens x vocab x (b + 4 + 4)`` for logits of ``b`` bytes (float32 logits need no cast), the
     recipe's chunked one ``12 x chunk x vocab`` (docs/memory.md)."""
     if chunk is not None:
         return 3.0 * FP32 * min(chunk, tokens) * vocab
-    cast = FP32 if (autocast_fp32 and logits_dtype_bytes < FP32) else 0
+    cast = FP32 if logits_dtype_bytes < FP32 else 0  # CUDA autocast's float32 copy
     return float(tokens) * vocab * (logits_dtype_bytes + cast + FP32)
 
 

@@ -5,13 +5,9 @@
     python -m stapo_memory.verdicts --write docs/memory.md   # replace both in the document
     python -m stapo_memory.verdicts --check docs/memory.md   # exit 1 when the document's differ
 
-Each cell is one run: a method and model config as its run script composes it (``method=<m>
-model=<model>``), on 1 or 8 nodes of 8 GPUs, with ``recipe.gpu_mem_gb`` set to the card's memory as
-CUDA reports it. The whole preflight runs on it (``LAUNCH=submit``: data and model folders this machine
-cannot see are left out, the paper models' built-in shapes are used); the cell gives the estimated peak
-(GiB, and its pass), and, when the preflight refuses the run, the changes its refusal names: the first
-set that makes every pass fit and with which the whole preflight passes. Beside it, the count of one
-paper run written out term by term (:func:`terms`), with the code each component follows.
+Each cell is one paper run (``method=<m> model=<model>``, 1 or 8 nodes of 8 GPUs, ``recipe.gpu_mem_gb``
+the card's memory as CUDA reports it) through the whole preflight with ``LAUNCH=submit`` (docs/memory.md
+says what a cell shows); beside the table, one paper run's count written out term by term (:func:`terms`).
 """
 
 from __future__ import annotations

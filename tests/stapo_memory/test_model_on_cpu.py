@@ -6,6 +6,7 @@ tests/stapo_memory/test_count_on_cpu.py."""
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import replace
 
@@ -235,6 +236,7 @@ def test_verls_own_qwen3_8b_examples_fit_an_80gb_gpu(example, settings):
     assert mm.problems(est, GPU80) == [], mm.table(est, GPU80)
 
 
+@functools.lru_cache(maxsize=None)  # composing costs a second; the tests only read the configs
 def _paper(model: str, method: str, *overrides: str, nnodes: int = 8):
     config = compose([f"method={method}", f"model={model}", f"trainer.nnodes={nnodes}", "trainer.n_gpus_per_node=8",
                       *overrides])
@@ -402,7 +404,7 @@ def test_vllm_share_must_hold_its_weights_and_one_sequence():
 
 def test_capacity_is_what_cuda_reports_and_the_margin_refuses_a_pass_at_the_limit(monkeypatch):
     monkeypatch.delenv("GPU_MEM_GB", raising=False)
-    assert float(_paper("qwen3_8b", "stapo").recipe.gpu_mem_gb) == mm.DEFAULT_GPU_MEM_GIB == 79.1
+    assert float(_paper.__wrapped__("qwen3_8b", "stapo").recipe.gpu_mem_gb) == mm.DEFAULT_GPU_MEM_GIB == 79.1
     assert mm.GPU_CAPACITY_GIB["A100 / A800 / H100 / H800 80GB"] == mm.DEFAULT_GPU_MEM_GIB
     est = _estimate("qwen3_14b", "justrl", nnodes=1)
     rollout = _pass(est, "rollout")
