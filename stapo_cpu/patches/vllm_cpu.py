@@ -62,10 +62,8 @@ def wrap_metadata_version(original: Callable[[str], str]) -> Callable[[str], str
 
 
 def wrap_dispatch_cpu_unquantized_gemm(original: Callable[..., None]) -> Callable[..., None]:
-    """vLLM's CPU GEMM dispatch with ``remove_weight=False``: the packed copy serves the forward,
-    ``layer.weight`` stays for the next weight sync (one more copy of the linear weights in memory).
-    vLLM's packed oneDNN product is batch-invariant on a CPU (a row's result does not depend on the
-    rows beside it), which torch's ``F.linear`` is not (``stapo_cpu/benchmarks/bench_vllm_determinism.py``)."""
+    """vLLM's CPU GEMM dispatch with ``remove_weight=False`` (one more copy of the linear weights in
+    memory); the packed oneDNN product stays, batch-invariant on a CPU, unlike torch's ``F.linear``."""
 
     @functools.wraps(original)
     def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
@@ -87,9 +85,7 @@ def isa_pinned() -> bool:
 
 
 def wrap_get_capabilities(original: Callable[[], Mapping[str, Any]]) -> Callable[[], Mapping[str, Any]]:
-    """``torch.cpu.get_capabilities`` reporting every AVX-512 and AMX flag as absent, so that vLLM's
-    ``torch.cpu._is_avx512_supported()`` & co. answer as on an AVX2-only CPU: vLLM then loads its
-    ``_C_AVX2`` kernels and AVX2 attention code. Applied only under the pin (:func:`isa_pinned`)."""
+    """``torch.cpu.get_capabilities`` reporting every AVX-512 and AMX flag as absent."""
 
     @functools.wraps(original)
     def get_capabilities() -> Mapping[str, Any]:
@@ -130,10 +126,7 @@ BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 def wrap_server_init(original: Callable[..., None]) -> Callable[..., None]:
     """``vLLMHttpServer.__init__`` that, under ``rollout.full_determinism``, takes back the request for
-    vLLM's batch-invariant mode (Triton kernels, no CPU backend) before the engine starts. On a CPU
-    vLLM's forward is batch-invariant without it: the same seeded requests batched together, in
-    reverse order or one by one give the same tokens and bit-identical log-probs
-    (``python -m stapo_cpu.benchmarks.bench_vllm_determinism``)."""
+    vLLM's batch-invariant mode before the engine starts."""
 
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -145,10 +138,9 @@ def wrap_server_init(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def wrap_server_generate(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``vLLMHttpServer.generate`` giving each request, under ``rollout.full_determinism``, a seed of
-    its own: :func:`~stapo_cpu.patches.ordering.request_seed` of (the rollout seed + replica rank, the
-    step, the prompt, verl's per-sample request id ``det-<index>``). verl's
-    own seeds every request with one number, so the n samples of a prompt would be identical."""
+    """``vLLMHttpServer.generate`` seeding each request, under ``rollout.full_determinism``, with
+    :func:`~stapo_cpu.patches.ordering.request_seed` of (the rollout seed + replica rank, the step, the
+    prompt, verl's per-sample request id ``det-<index>``)."""
 
     @functools.wraps(original)
     async def generate(self, prompt_ids, sampling_params, request_id, *args: Any, **kwargs: Any):
@@ -168,9 +160,7 @@ def wrap_server_generate(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def wrap_wait_until_ready(original: Callable[..., None]) -> Callable[..., None]:
     """``MessageQueue.wait_until_ready`` that, on the writer, unlinks the ring buffer's shared-memory
-    name once every local reader has subscribed. A reader subscribes after it mapped the buffer, and
-    a mapping outlives its name, so the queue works on and the memory is freed with its last process
-    however that process ends."""
+    name once every local reader has subscribed (and so mapped it: a mapping outlives its name)."""
 
     @functools.wraps(original)
     def wait_until_ready(self) -> None:
@@ -187,8 +177,7 @@ def wrap_wait_until_ready(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def wrap_file_store_init_method(original: Callable[[], str]) -> Callable[[], str]:
-    """vLLM's ``file://`` rendezvous file in ``$VLLM_RPC_BASE_PATH`` (with the socket files) when set,
-    instead of the temp folder."""
+    """vLLM's ``file://`` rendezvous file in ``$VLLM_RPC_BASE_PATH`` when set."""
 
     @functools.wraps(original)
     def get_file_store_init_method() -> str:
@@ -287,8 +276,7 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
 
 
 def wrap_run_ppo(original: Callable[..., None]) -> Callable[..., None]:
-    """verl's ``run_ppo`` (the driver's whole run: Ray, the task runner, training) inside
-    :func:`run_scratch`."""
+    """verl's ``run_ppo`` (the driver's whole run) inside :func:`run_scratch`."""
 
     @functools.wraps(original)
     def run_ppo(config: Any, *args: Any, **kwargs: Any) -> None:
