@@ -103,13 +103,9 @@ def _try_lock(handle) -> bool:
 
 
 def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:
-    """Environment fixing the thread count of every process of a CPU run to ``threads``:
-    ``STAPO_CPU_THREADS`` (read by :func:`stapo_cpu.patches.platform.pin_threads` in each verl process:
-    driver, Ray actors, vLLM's engine processes), ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` (the OpenMP
-    and MKL pools, before torch starts) and ``MKL_DYNAMIC=FALSE`` (MKL never uses fewer). One fixed count
-    makes a run repeat bit for bit (docs/reproducibility.md); 1, the default, also makes it independent
-    of the machine's cores and keeps a shared machine from being oversubscribed.
-    """
+    """Environment fixing the thread count of every process of a CPU run to ``threads``: torch's
+    (``STAPO_CPU_THREADS``, read by :func:`stapo_cpu.patches.platform.pin_threads` in each verl process),
+    OpenMP's and MKL's (docs/reproducibility.md says why each)."""
     if int(threads) < 1:
         raise ValueError(f"thread_env: threads must be >= 1, got {threads}")
     n = str(int(threads))

@@ -199,14 +199,9 @@ def wrap_offload_policy(original):
 
 
 def pin_threads(environ: Optional[dict] = None) -> Optional[int]:
-    """Set torch's intra-op thread count of this process to ``$STAPO_CPU_THREADS`` (when set).
-
-    A reduction split over threads sums in an order that depends on the thread count, which
-    otherwise differs between a run's processes (docs/reproducibility.md).
-
-    Returns the count set, or None when the variable is unset (nothing changed). Raises ValueError
-    naming the variable when it is not a positive integer.
-    """
+    """Set torch's intra-op thread count of this process to ``$STAPO_CPU_THREADS`` (docs/reproducibility.md).
+    Returns the count set, or None when the variable is unset (nothing changed); ValueError naming
+    the variable when it is not a positive integer."""
     env = os.environ if environ is None else environ
     raw = env.get(THREADS_ENV, "").strip()
     if not raw:
