@@ -211,9 +211,8 @@ def _process_identity(pid: int) -> Optional[str]:
 
 def remove_orphaned_semaphores(min_age_s: float = 60.0) -> list[str]:
     """Remove this user's multiprocessing semaphores in /dev/shm that no process maps or holds open
-    and that are older than ``min_age_s``, whenever they were made: what a run killed whole (its
-    driver included, so its own clean-up never ran) left. Shared memory segments are not touched
-    here: a segment may be left unmapped on purpose for a later reader. Returns the removed names."""
+    and that are older than ``min_age_s`` (not segments: one may be left unmapped on purpose for a
+    later reader). Returns the removed names."""
     return remove_unused(shm_segments(), (SEMAPHORE_PREFIX,), min_age_s=min_age_s)
 
 
@@ -242,16 +241,11 @@ def remove_left_by_killed_runs() -> list[str]:
 
 @contextlib.contextmanager
 def run_scratch(config: Any) -> Iterator[Optional[Path]]:
-    """For a run of verl's vLLM rollout: a fresh folder for vLLM's socket files and rendezvous file
-    (``VLLM_RPC_BASE_PATH``, also given to Ray workers on other nodes through the config's runtime
-    environment, and created on their node by :mod:`.vllm_plugin`), removed when the run ends,
-    however it ends (on the driver's node: a multi-node CPU cluster keeps the empty folder on the
-    others); then what the run's killed processes left in /dev/shm on this node
-    (:func:`recipe.stapo.eval.shm.remove_orphaned_shm_segments`). Yields the folder, or None (and does
-    nothing) for another rollout. The folder is short (a Unix socket path has at most 107 bytes).
-
-    A run killed whole (its driver too) never reaches that clean-up: before it starts, a run removes
-    what such runs left on this node (:func:`remove_left_by_killed_runs`)."""
+    """For a run of verl's vLLM rollout (the patch ``cpu_vllm_run_scratch`` says what and why): yields a
+    fresh, short folder for vLLM's socket files (a Unix socket path has at most 107 bytes), created on
+    other nodes by :mod:`.vllm_plugin` and removed on the driver's node however the run ends, then what
+    the run's killed processes left in /dev/shm (:func:`recipe.stapo.eval.shm.remove_orphaned_shm_segments`);
+    before the run, :func:`remove_left_by_killed_runs`. Yields None (and does nothing) for another rollout."""
     if config.actor_rollout_ref.rollout.name != "vllm":
         yield None
         return
