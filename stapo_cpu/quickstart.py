@@ -6,11 +6,9 @@
     python -m stapo_cpu.quickstart [--out results/quickstart] [--assets FOLDER] [--steps 16] [--evaluate]
     bash run_scripts/quickstart.sh --out results/study --seeds 3 --test-freq 8       # the study (docs/miniature.md)
 
-Trains every method with verl's real trainer on CPU (:mod:`stapo_cpu.trainer`) on the shipped tiny
-assets, under identical settings and seeds, one after the other; writes one run folder per method
-(study mode: ``seed<k>/<method>``), ``summary.md``, ``summary.json``, ``settings.json`` and the
-figures into ``--out``. Exit status 2 when an option or STAPO's composed settings are refused
-(nothing is built), 1 when a run failed or was stopped, or an evaluation failed.
+Trains every method with verl's real trainer on CPU (:mod:`stapo_cpu.trainer`), one after the other
+under identical settings and seeds. Exit status 2 when an option or STAPO's composed settings are
+refused (nothing is built), 1 when a run failed or was stopped, or an evaluation failed.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""The tiny assets' model: a random-init tiny Qwen3 and its supervised warm-up on the task.
-
-The warm-up trains on the task's responses in fresh phrasings with a small fraction of random
-tokens inserted into the targets (:func:`noisy_response`), so that the model spreads a little
-probability over the whole vocabulary, and stops once sampling at temperature 1.0 solves
-``target_success`` of the validation problems (:func:`sample_stats`): GRPO then sees groups with
-mixed outcomes, and S2T sees tokens with p < ``tau_p``.
+"""The tiny assets' model: a random-init tiny Qwen3 and its supervised warm-up on the task, with
+random tokens inserted into the targets (:func:`noisy_response`), until sampling solves
+``target_success`` of the validation problems (docs/miniature.md says what each is for).
 """
 
 from __future__ import annotations
@@ -100,7 +96,7 @@ def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg:
 
 def noisy_response(ids: list[int], noise_rate: float, vocab: int, n_special: int, rng: random.Random) -> list[int]:
     """``ids`` with a random ordinary token (id in ``[n_special, vocab)``) inserted before each
-    position with probability ``noise_rate`` (the model's long tail, see the module docstring)."""
+    position with probability ``noise_rate`` (the model's long tail)."""
     out: list[int] = []
     for token in ids:
         if rng.random() < noise_rate:
