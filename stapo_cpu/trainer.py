@@ -306,8 +306,7 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     with machine_turn() as waited_s, os.fdopen(open_regular(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as out:
         start, timed_out = time.time(), False
         proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file, threads=threads, isa=isa),
-                                stdout=out,
-                                stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         while proc.poll() is None:
             if timeout is not None and time.time() - start > timeout:
                 timed_out = True
