@@ -57,10 +57,6 @@ class StepSummary:
     tau_h_min: Optional[float]
     tau_h_max: Optional[float]
 
-    @property
-    def kept_candidates(self) -> int:
-        return self.candidates - self.silenced
-
 
 def step_summaries(tokens: list, responses: list) -> list[StepSummary]:
     """One :class:`StepSummary` per step seen in either kind of record, ascending."""
@@ -289,7 +285,7 @@ def _top5_text(t: dict) -> str:
 
 def _step_rows(report: Report) -> list[list[str]]:
     return [[str(s.step), ", ".join(s.methods), str(s.responses), str(s.positive_responses), str(s.tokens),
-             str(s.candidates), str(s.silenced), str(s.kept_candidates), ", ".join(map(_num, s.tau_p)) or "-",
+             str(s.candidates), str(s.silenced), str(s.candidates - s.silenced), ", ".join(map(_num, s.tau_p)) or "-",
              _tau_range(s)] for s in report.steps]
 
 
