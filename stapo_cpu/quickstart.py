@@ -66,12 +66,6 @@ class OptionError(ValueError):
     """Quickstart options that cannot run; the message names each bad option and the fix."""
 
 
-def default_mini_batch(prompts: int) -> int:
-    """Prompts per PPO mini-batch when ``--mini-batch`` is not given: two updates per step when
-    ``prompts`` is even, else one."""
-    return prompts // 2 if prompts % 2 == 0 else prompts
-
-
 def _is_hydra_override(text: str) -> bool:
     """``key=value``, ``+key=value``, ``++key=value`` or ``~key`` (a non-empty key)."""
     if text.startswith("~"):
@@ -173,7 +167,9 @@ class QuickstartOptions:
         return cls(out=Path(args.out).resolve(), assets=Path(args.assets).resolve(),
                    methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
                    steps=args.steps, prompts=args.prompts,
-                   mini_batch=default_mini_batch(args.prompts) if args.mini_batch is None else args.mini_batch,
+                   # without --mini-batch: two updates per step when --prompts is even, else one
+                   mini_batch=(args.prompts // 2 if args.prompts % 2 == 0 else args.prompts)
+                   if args.mini_batch is None else args.mini_batch,
                    n=args.n, lr=args.lr, response_length=args.response_length, prompt_length=args.prompt_length,
                    seeds=tuple(args.seed + k for k in range(max(args.seeds, 0))),
                    test_freq=args.test_freq, trainer=args.trainer, overrides=tuple(args.override),
