@@ -4,13 +4,9 @@ CLI::
 
     python -m recipe.stapo.inspect RUN_DIR [--out DIR] [--top K] [--seed S]
 
-Reads the token dump of ``RUN_DIR``: the step files ``s2t_tokens/step_*.jsonl`` that
-:mod:`verl_patches.token_dump` writes during training (format: :mod:`stapo_core.token_records`).
-Writes, into ``DIR`` (default ``RUN_DIR/inspect``), a summary per step, a sample of ``K`` silenced
-tokens and ``K`` kept candidates in their context, the ``K`` most frequent silenced tokens, the
-four-quadrant taxonomy of the tokens of positive-advantage responses (:func:`quadrant_table`) and
-the update's effect on the dumped candidates (:func:`candidate_effects`); docs/inspect.md describes
-each. The HTML file is self-contained (inline CSS, no script); every dumped string is HTML-escaped.
+Reads the token dump of ``RUN_DIR`` (``s2t_tokens/step_*.jsonl``, :mod:`stapo_core.token_records`) and
+writes both reports into ``DIR`` (default ``RUN_DIR/inspect``); docs/inspect.md describes each section.
+The HTML file is self-contained (inline CSS, no script); every dumped string is HTML-escaped.
 """
 
 from __future__ import annotations

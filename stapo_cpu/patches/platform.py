@@ -37,14 +37,9 @@ def _zero(*args: Any, **kwargs: Any) -> int:
 
 
 class _CPUDeviceModule(types.ModuleType):
-    """``torch.cpu`` plus the ``torch.cuda``-style calls verl makes on its device module.
-
-    verl calls ``get_torch_device().<name>`` for memory statistics, cache control, RNG state and the
-    device name; ``torch.cpu`` lacks most of them. Here they are: cache / allocator controls are
-    no-ops, allocator statistics are 0, ``mem_get_info`` is host memory, the RNG state is torch's
-    CPU generator, the device name is ``"CPU"``. Everything else is ``torch.cpu``'s; an unknown name
-    raises AttributeError naming it.
-    """
+    """``torch.cpu`` plus the ``torch.cuda``-style calls verl makes on its device module
+    (``get_torch_device().<name>``) that ``torch.cpu`` lacks (:data:`_EXTRA`); an unknown name raises
+    AttributeError naming it."""
 
     _EXTRA = {
         "empty_cache": _noop,

@@ -152,10 +152,7 @@ def wrap_server_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     return generate
 
 
-# -- what a vLLM run leaves on the machine ------------------------------------------------------
-# vLLM's engine processes are killed, not shut down, when the Ray cluster ends, so what they remove at
-# shutdown stays unless removed here: their shared-memory ring buffers (/dev/shm/psm_*, 160-240 MiB
-# each), their ZeroMQ socket files and their torch file store (both in the temp folder).
+# -- what a vLLM run leaves on the machine (its engine processes are killed, not shut down) ------
 
 
 def wrap_wait_until_ready(original: Callable[..., None]) -> Callable[..., None]:
