@@ -155,13 +155,11 @@ def validation_noise(accuracy: float, samples: int) -> float:
 
 
 def learning_check(rows: list[dict], val_samples: Optional[int] = None) -> dict:
-    """Did the baselines visibly learn? Per baseline, over its seeds: the mean validation accuracy
-    before and after training and the mean training reward over the first and the second half of the
-    steps, each change with its standard error (``val_change_se``: two validations of
-    ``val_samples`` samples each, ``reward_change_se``: from the steps' spread; both divided by
-    sqrt(seeds) for the mean over seeds). ``rose``: both changes are positive; ``learned``: both
-    exceed twice their standard error (a change the noise alone gives about 1 time in 40). The
-    check's ``learned``: every baseline that ran learned."""
+    """Did the baselines visibly learn (docs/miniature.md)? Per baseline, means over its seeds: validation
+    accuracy before and after training, training reward over each half of the steps, each change's
+    standard error (``val_change_se``: two validations of ``val_samples`` samples each), ``rose`` (both
+    changes positive) and ``learned`` (both above twice their standard error); the check's ``learned``:
+    every baseline that ran learned."""
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     per_method = {}
     for method in BASELINES:

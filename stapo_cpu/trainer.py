@@ -64,11 +64,9 @@ def run_slots(environ: Mapping[str, str] = os.environ) -> int:
 
 @contextlib.contextmanager
 def machine_turn(log: Callable[[str], None] = print, poll_s: float = 2.0):
-    """Hold one of the machine's turns for a CPU trainer run: an exclusive lock on one of
-    ``STAPO_CPU_RUN_LOCK.<i>``, ``i < STAPO_CPU_RUN_SLOTS`` (default :data:`DEFAULT_RUN_LOCK`, one turn per
-    core), so that CPU runs started beside each other (the quickstart, the tests, a benchmark) never
-    crowd more processes onto the cores than they hold, and each runs within its own time limit.
-    Yields the seconds waited for the turn. A lock goes with the process that holds it."""
+    """Hold one of the machine's turns for a CPU trainer run (docs/testing.md): an exclusive lock on one
+    of ``STAPO_CPU_RUN_LOCK.<i>``, ``i < STAPO_CPU_RUN_SLOTS`` (default :data:`DEFAULT_RUN_LOCK`, one turn
+    per core). Yields the seconds waited for the turn. A lock goes with the process that holds it."""
     path = os.environ.get(RUN_LOCK_ENV, DEFAULT_RUN_LOCK)
     if not path:
         yield 0.0
