@@ -115,9 +115,7 @@ def _build_into(tmp: Path, cfg: AssetConfig) -> dict:
     try:
         model = make_model(cfg, tokenizer)
         steps, rate, history = warm_up(model, tokenizer, cfg, warmup_pairs(cfg, val_pairs), val_pairs)
-        questions = [make_problem(a, b)[0] for a, b in val_pairs]
-        truths = [make_problem(a, b)[2] for a, b in val_pairs]
-        stats = sample_stats(model, tokenizer, questions, truths, cfg, seed=cfg.seed + 7)
+        stats = sample_stats(model, tokenizer, val_pairs, cfg, seed=cfg.seed + 7)
     finally:
         torch.set_num_threads(threads)
     paths = asset_paths(tmp)

@@ -61,9 +61,8 @@ class SampleStats:
         return 1000.0 * self.rare_in_correct / max(self.tokens_in_correct, 1)
 
 
-def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg: AssetConfig,
-                 seed: int) -> SampleStats:
-    """Sample one response per question (temperature 1.0, ``cfg.max_new_tokens``) and count
+def sample_stats(model, tokenizer, pairs: list[tuple[int, int]], cfg: AssetConfig, seed: int) -> SampleStats:
+    """Sample one response per problem ``(a, b)`` (temperature 1.0, ``cfg.max_new_tokens``) and count
     successes and rare tokens (p < ``cfg.tau_p``)."""
     # torch only when the assets are built
     import torch
@@ -71,6 +70,8 @@ def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg:
     # imported where used: it loads torch
     from stapo_cpu.sampling import sample_batch
 
+    questions = [make_problem(a, b)[0] for a, b in pairs]
+    truths = [make_problem(a, b)[2] for a, b in pairs]
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -151,8 +152,6 @@ def warm_up(model, tokenizer, cfg: AssetConfig, sft_pairs, val_pairs) -> tuple[i
 
     prompt_ids = {}
     eval_pairs = val_pairs[: cfg.eval_prompts]
-    questions = [make_problem(a, b)[0] for a, b in eval_pairs]
-    truths = [make_problem(a, b)[2] for a, b in eval_pairs]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
     rng = random.Random(cfg.seed + 1)
     n_special = len(SPECIAL_TOKENS)
@@ -174,7 +173,7 @@ def warm_up(model, tokenizer, cfg: AssetConfig, sft_pairs, val_pairs) -> tuple[i
         loss.backward()
         opt.step()
         if step % cfg.eval_every == 0:
-            rate = sample_stats(model, tokenizer, questions, truths, cfg, seed=cfg.seed + step).success_rate
+            rate = sample_stats(model, tokenizer, eval_pairs, cfg, seed=cfg.seed + step).success_rate
             history.append(rate)
             bar.set_postfix(loss=f"{loss.item():.3f}", success=f"{rate:.2f}")
             if rate >= cfg.target_success:
