@@ -1,20 +1,12 @@
 """Tiny offline assets for the CPU path: tokenizer, synthetic math task, warmed-up tiny Qwen3
-(docs/miniature.md: what they are built to show, and their measured properties).
-
-The repository ships one built set, :data:`SHIPPED_DIR` (``stapo_cpu/shipped_assets/``): every
-machine starts from those bytes (a build's warm-up sums floats in an order that depends on the CPU).
-Regenerate it after changing :class:`AssetConfig` with::
-
-    python -m stapo_cpu.assets stapo_cpu/shipped_assets --force
+(docs/miniature.md: what they are, the shipped set :data:`SHIPPED_DIR` and how to regenerate it).
 
 CLI: ``python -m stapo_cpu.assets OUT_DIR [--force]``, run with the math libraries held to AVX2
-(:func:`stapo_cpu.isa.isa_env`) as every CPU training run is. Writes into ``OUT_DIR``: ``model/``
-(the warmed-up ``Qwen3ForCausalLM`` and its tokenizer, which verl loads from there),
-``train.parquet`` and ``val.parquet`` (addition problems in verl's RL format, the answer in
-``\\boxed{}``) and ``manifest.json`` (the config, its hash, the sha256 of every other file, the
-warm-up and sampling statistics). The task, tokenizer and model are built by :mod:`.tiny_task`,
-:mod:`.tiny_tokenizer` and :mod:`.tiny_model`; this module holds the settings (:class:`AssetConfig`),
-the folder layout, the reuse check (:func:`build_assets`) and the CLI.
+(:func:`stapo_cpu.isa.isa_env`) as every CPU training run is. Writes into ``OUT_DIR`` the folders and
+files of :class:`AssetPaths` and ``manifest.json`` (the config, its hash, the sha256 of every other
+file, the warm-up and sampling statistics). :mod:`.tiny_task`, :mod:`.tiny_tokenizer` and
+:mod:`.tiny_model` build the task, tokenizer and model; this module holds the folder layout, the
+reuse check (:func:`build_assets`) and the CLI.
 """
 
 from __future__ import annotations
@@ -123,9 +115,7 @@ def _build_into(tmp: Path, cfg: AssetConfig) -> dict:
     try:
         model = make_model(cfg, tokenizer)
         steps, rate, history = warm_up(model, tokenizer, cfg, warmup_pairs(cfg, val_pairs), val_pairs)
-        questions = [make_problem(a, b)[0] for a, b in val_pairs]
-        truths = [make_problem(a, b)[2] for a, b in val_pairs]
-        stats = sample_stats(model, tokenizer, questions, truths, cfg, seed=cfg.seed + 7)
+        stats = sample_stats(model, tokenizer, val_pairs, cfg, seed=cfg.seed + 7)
     finally:
         torch.set_num_threads(threads)
     paths = asset_paths(tmp)

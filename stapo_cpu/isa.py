@@ -15,24 +15,11 @@ X86 = ("x86_64", "amd64", "i386", "i686")
 
 
 def isa_env(isa: str = DEFAULT_ISA, machine: Optional[str] = None) -> dict[str, str]:
-    """Environment holding torch's CPU math libraries to one instruction set in every process.
-
-    Left alone, ATen, MKL and oneDNN each pick their kernels by the CPU's instruction set, and the
-    AVX2 and AVX-512 kernels sum in different orders, so the same run gives different numbers on an
-    AVX2-only and an AVX-512 machine. ``isa="avx2"`` (the default) sets, on x86 (``machine``: default
-    ``platform.machine()``):
-
-    - ``ATEN_CPU_CAPABILITY=avx2``: ATen's own vectorised kernels (softmax, reductions, elementwise);
-    - ``MKL_ENABLE_INSTRUCTIONS=AVX2`` and ``MKL_CBWR=AVX2,STRICT``: MKL's matrix products take its
-      AVX2 code path, with results that do not depend on memory alignment;
-    - ``ONEDNN_MAX_CPU_ISA=AVX2``: oneDNN's kernels.
-
-    Each is read when its library loads, so it must be in a process's environment before torch is
-    imported: :func:`stapo_cpu.trainer.cpu_env` puts it there for the trainer and Ray's workers
-    inherit it (and get it from the runtime environment, :func:`stapo_cpu.trainer.cpu_overrides`).
-    AVX2 is what every x86 CPU of the last decade has; an AVX-512 machine then computes what an
-    AVX2-only one does (docs/reproducibility.md has the measurement and the cost). ``isa="native"``
-    returns nothing (each library picks, as without the recipe); other CPUs (ARM) get nothing either.
+    """Environment holding torch's CPU math libraries (ATen, MKL with ``MKL_CBWR=AVX2,STRICT``,
+    oneDNN) to AVX2 in every process on x86 (``machine``: default ``platform.machine()``), so that an
+    AVX-512 machine sums in the order an AVX2-only one does (docs/cpu.md, docs/reproducibility.md).
+    Each variable is read when its library loads: it must be in a process's environment before torch
+    is imported. ``isa="native"`` returns nothing (each library picks); other CPUs (ARM) get nothing.
     """
     if isa not in ISAS:
         raise ValueError(f"isa_env: isa must be one of {ISAS}, got {isa!r}")

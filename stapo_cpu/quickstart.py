@@ -6,11 +6,9 @@
     python -m stapo_cpu.quickstart [--out results/quickstart] [--assets FOLDER] [--steps 16] [--evaluate]
     bash run_scripts/quickstart.sh --out results/study --seeds 3 --test-freq 8       # the study (docs/miniature.md)
 
-Trains every method with verl's real trainer on CPU (:mod:`stapo_cpu.trainer`) on the shipped tiny
-assets, under identical settings and seeds, one after the other; writes one run folder per method
-(study mode: ``seed<k>/<method>``), ``summary.md``, ``summary.json``, ``settings.json`` and the
-figures into ``--out``. Exit status 2 when an option or STAPO's composed settings are refused
-(nothing is built), 1 when a run failed or was stopped, or an evaluation failed.
+Trains every method with verl's real trainer on CPU (:mod:`stapo_cpu.trainer`), one after the other
+under identical settings and seeds. Exit status 2 when an option or STAPO's composed settings are
+refused (nothing is built), 1 when a run failed or was stopped, or an evaluation failed.
 """
 
 from __future__ import annotations
@@ -66,12 +64,6 @@ TINY_SCALE, TABLE_FILE = "tiny", "table2.md"
 
 class OptionError(ValueError):
     """Quickstart options that cannot run; the message names each bad option and the fix."""
-
-
-def default_mini_batch(prompts: int) -> int:
-    """Prompts per PPO mini-batch when ``--mini-batch`` is not given: two updates per step when
-    ``prompts`` is even, else one."""
-    return prompts // 2 if prompts % 2 == 0 else prompts
 
 
 def _is_hydra_override(text: str) -> bool:
@@ -180,7 +172,9 @@ class QuickstartOptions:
         return cls(out=Path(args.out).resolve(), assets=Path(args.assets).resolve(),
                    methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
                    steps=args.steps, prompts=args.prompts,
-                   mini_batch=default_mini_batch(args.prompts) if args.mini_batch is None else args.mini_batch,
+                   # without --mini-batch: two updates per step when --prompts is even, else one
+                   mini_batch=(args.prompts // 2 if args.prompts % 2 == 0 else args.prompts)
+                   if args.mini_batch is None else args.mini_batch,
                    n=args.n, lr=args.lr, response_length=args.response_length, prompt_length=args.prompt_length,
                    seeds=tuple(args.seed + k for k in range(max(args.seeds, 0))),
                    test_freq=args.test_freq, trainer=args.trainer, overrides=tuple(args.override),

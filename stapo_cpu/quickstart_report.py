@@ -8,6 +8,7 @@ import statistics
 from pathlib import Path
 from typing import Optional
 
+from recipe.stapo.eval.tables import markdown_table as _table
 from recipe.stapo.inspect import QUADRANT_LABELS, quadrant_table, write_report
 from recipe.stapo.methods import PAPER_METHODS, methods
 from recipe.stapo.plots import DLOGP_SETS, update_effect_of_run
@@ -73,20 +74,19 @@ def summarise(method: str, steps: dict[int, dict], wall_s: Optional[float], erro
 def markdown_table(rows: list[dict]) -> str:
     """The summary table (markdown). S2T: ``applied`` (STAPO) or ``monitored``; CPU s: user + system
     CPU seconds of the run's processes, its cost whatever the machine's load (wall s is not)."""
-    head = ("| method | steps | final reward | mean reward | final entropy | mean entropy | S2T "
-            "| S2T candidates / silenced per step | silenced frac (S2T) | val acc before -> after | mean step s "
-            "| wall s | CPU s |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
-    lines = []
-    for r in rows:
-        if r["error"]:
-            lines.append(f"| {r['method']} | {r['error']} | | | | | | | | | | | |")
-            continue
-        lines.append(f"| {r['method']} | {r['steps']} | {fmt(r['final_reward'])} | {fmt(r['mean_reward'])} | "
-                     f"{fmt(r['final_entropy'])} | {fmt(r['mean_entropy'])} | {r.get('s2t') or 'n/a'} | "
-                     f"{fmt(r.get('mean_candidates'), 1)} / {fmt(r.get('mean_silenced'), 1)} | {fmt(r['mean_silenced_frac'])} | "
-                     f"{fmt(r.get('val_acc_first'))} -> {fmt(r.get('val_acc_last'))} | "
-                     f"{fmt(r['mean_step_s'], 2)} | {fmt(r['wall_s'], 1)} | {fmt(r.get('cpu_s'), 1)} |")
-    return head + "\n".join(lines) + "\n"
+    header = ["method", "steps", "final reward", "mean reward", "final entropy", "mean entropy", "S2T",
+              "S2T candidates / silenced per step", "silenced frac (S2T)", "val acc before -> after", "mean step s",
+              "wall s", "CPU s"]
+    return _table(header, [[r["method"], r["error"]] + [""] * 11 if r["error"] else _summary_cells(r)
+                           for r in rows]) + "\n"
+
+
+def _summary_cells(r: dict) -> list[str]:
+    return [r["method"], str(r["steps"]), fmt(r["final_reward"]), fmt(r["mean_reward"]), fmt(r["final_entropy"]),
+            fmt(r["mean_entropy"]), r.get("s2t") or "n/a",
+            f"{fmt(r.get('mean_candidates'), 1)} / {fmt(r.get('mean_silenced'), 1)}", fmt(r["mean_silenced_frac"]),
+            f"{fmt(r.get('val_acc_first'))} -> {fmt(r.get('val_acc_last'))}", fmt(r["mean_step_s"], 2),
+            fmt(r["wall_s"], 1), fmt(r.get("cpu_s"), 1)]
 
 
 def _effect_cell(effect: dict) -> str:
@@ -98,17 +98,13 @@ def update_effect_table(rows: list[dict]) -> str:
     (STAPO) or would have silenced (monitored), of the candidates it keeps and of all tokens of the
     measured responses (token counts in brackets), and the measurement's cost; empty when no run
     measured it (every run failed or was stopped)."""
-    head = ("| method | S2T | dlogp silenced (tokens) | dlogp kept candidates (tokens) | dlogp all (tokens) "
-            "| measurement s / step | step s |\n|---|---|---|---|---|---|---|\n")
-    lines = []
-    for r in rows:
-        if r["error"] or not r.get("update_effect"):
-            continue
-        e = r["update_effect"]
-        lines.append(f"| {r['method']} | {r.get('s2t') or 'n/a'} | {_effect_cell(e['silenced'])} | "
-                     f"{_effect_cell(e['kept_candidates'])} | {_effect_cell(e['all'])} | "
-                     f"{fmt(r.get('mean_dlogp_seconds'), 3)} | {fmt(r['mean_step_s'], 2)} |")
-    return head + "\n".join(lines) + "\n" if lines else ""
+    measured = [r for r in rows if not r["error"] and r.get("update_effect")]
+    header = ["method", "S2T", "dlogp silenced (tokens)", "dlogp kept candidates (tokens)", "dlogp all (tokens)",
+              "measurement s / step", "step s"]
+    return _table(header, [[r["method"], r.get("s2t") or "n/a"]
+                           + [_effect_cell(r["update_effect"][name]) for name, *_ in DLOGP_SETS]
+                           + [fmt(r.get("mean_dlogp_seconds"), 3), fmt(r["mean_step_s"], 2)]
+                           for r in measured]) + "\n" if measured else ""
 
 
 def update_effect_by_method(rows: list[dict]) -> dict[str, dict]:
@@ -129,16 +125,13 @@ def update_effect_by_method(rows: list[dict]) -> dict[str, dict]:
 
 def update_effect_markdown(by_method: dict[str, dict]) -> str:
     """The study's update-effect table: mean over seeds [min, max] of each run's token-weighted mean."""
-    head = ("| method | S2T | dlogp silenced | dlogp kept candidates | dlogp all |\n|---|---|---|---|---|\n")
-    lines = []
-    for method, sets in by_method.items():
-        cells = []
-        for name, *_ in DLOGP_SETS:
-            e = sets[name]
-            cells.append("-" if e["mean"] is None else f"{fmt(e['mean'])} [{fmt(e['low'])}, {fmt(e['high'])}] "
-                         f"({e['runs']} seeds, {e['tokens']} tokens)")
-        lines.append(f"| {method} | {sets['s2t'] or 'n/a'} | " + " | ".join(cells) + " |")
-    return head + "\n".join(lines) + "\n"
+    def cell(e: dict) -> str:
+        return "-" if e["mean"] is None else (f"{fmt(e['mean'])} [{fmt(e['low'])}, {fmt(e['high'])}] "
+                                              f"({e['runs']} seeds, {e['tokens']} tokens)")
+
+    header = ["method", "S2T", "dlogp silenced", "dlogp kept candidates", "dlogp all"]
+    return _table(header, [[method, sets["s2t"] or "n/a"] + [cell(sets[name]) for name, *_ in DLOGP_SETS]
+                           for method, sets in by_method.items()]) + "\n"
 
 
 def half_change_se(first: list[float], second: list[float]) -> Optional[float]:
@@ -162,13 +155,11 @@ def validation_noise(accuracy: float, samples: int) -> float:
 
 
 def learning_check(rows: list[dict], val_samples: Optional[int] = None) -> dict:
-    """Did the baselines visibly learn? Per baseline, over its seeds: the mean validation accuracy
-    before and after training and the mean training reward over the first and the second half of the
-    steps, each change with its standard error (``val_change_se``: two validations of
-    ``val_samples`` samples each, ``reward_change_se``: from the steps' spread; both divided by
-    sqrt(seeds) for the mean over seeds). ``rose``: both changes are positive; ``learned``: both
-    exceed twice their standard error (a change the noise alone gives about 1 time in 40). The
-    check's ``learned``: every baseline that ran learned."""
+    """Did the baselines visibly learn (docs/miniature.md)? Per baseline, means over its seeds: validation
+    accuracy before and after training, training reward over each half of the steps, each change's
+    standard error (``val_change_se``: two validations of ``val_samples`` samples each), ``rose`` (both
+    changes positive) and ``learned`` (both above twice their standard error); the check's ``learned``:
+    every baseline that ran learned."""
     mean = lambda xs: sum(xs) / len(xs) if xs else None  # noqa: E731
     per_method = {}
     for method in BASELINES:
@@ -230,8 +221,8 @@ def quadrant_markdown(stapo_dirs: list[Path]) -> str:
     rows = quadrant_table(responses)
     silenced = sum(t["silenced"] for t in tokens)
     candidates = sum(t["candidate"] for t in tokens)
-    head = (f"## Token quadrants of STAPO's positive-advantage responses ({len(stapo_dirs)} run(s), all steps; "
-            f"{candidates} candidates, {silenced} silenced)\n\n| quadrant | tokens | share | mean grad norm |\n"
-            "|---|---|---|---|\n")
-    return head + "".join(f"| {QUADRANT_LABELS[r.name]} | {r.count} | {fmt(r.share, 4)} | {fmt(r.mean_grad_norm)} |\n"
-                          for r in rows)
+    return (f"## Token quadrants of STAPO's positive-advantage responses ({len(stapo_dirs)} run(s), all steps; "
+            f"{candidates} candidates, {silenced} silenced)\n\n"
+            + _table(["quadrant", "tokens", "share", "mean grad norm"],
+                     [[QUADRANT_LABELS[r.name], str(r.count), fmt(r.share, 4), fmt(r.mean_grad_norm)] for r in rows])
+            + "\n")

@@ -106,9 +106,6 @@ def _collect(tokens: torch.Tensor, logps: torch.Tensor, eos: torch.Tensor) -> li
     samples = []
     eos_set = set(eos.tolist())
     for row_tokens, row_logps in zip(tokens.tolist(), logps.tolist()):
-        stop = next((i for i, t in enumerate(row_tokens) if t in eos_set), None)
-        if stop is None:
-            samples.append(Sample(row_tokens, row_logps, "length"))
-        else:
-            samples.append(Sample(row_tokens[: stop + 1], row_logps[: stop + 1], "completed"))
+        end = next((i + 1 for i, t in enumerate(row_tokens) if t in eos_set), None)  # None: no eos, all of it
+        samples.append(Sample(row_tokens[:end], row_logps[:end], "length" if end is None else "completed"))
     return samples

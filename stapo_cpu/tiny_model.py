@@ -1,10 +1,6 @@
-"""The tiny assets' model: a random-init tiny Qwen3 and its supervised warm-up on the task.
-
-The warm-up trains on the task's responses in fresh phrasings with a small fraction of random
-tokens inserted into the targets (:func:`noisy_response`), so that the model spreads a little
-probability over the whole vocabulary, and stops once sampling at temperature 1.0 solves
-``target_success`` of the validation problems (:func:`sample_stats`): GRPO then sees groups with
-mixed outcomes, and S2T sees tokens with p < ``tau_p``.
+"""The tiny assets' model: a random-init tiny Qwen3 and its supervised warm-up on the task, with
+random tokens inserted into the targets (:func:`noisy_response`), until sampling solves
+``target_success`` of the validation problems (docs/miniature.md says what each is for).
 """
 
 from __future__ import annotations
@@ -65,9 +61,8 @@ class SampleStats:
         return 1000.0 * self.rare_in_correct / max(self.tokens_in_correct, 1)
 
 
-def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg: AssetConfig,
-                 seed: int) -> SampleStats:
-    """Sample one response per question (temperature 1.0, ``cfg.max_new_tokens``) and count
+def sample_stats(model, tokenizer, pairs: list[tuple[int, int]], cfg: AssetConfig, seed: int) -> SampleStats:
+    """Sample one response per problem ``(a, b)`` (temperature 1.0, ``cfg.max_new_tokens``) and count
     successes and rare tokens (p < ``cfg.tau_p``)."""
     # torch only when the assets are built
     import torch
@@ -75,6 +70,8 @@ def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg:
     # imported where used: it loads torch
     from stapo_cpu.sampling import sample_batch
 
+    questions = [make_problem(a, b)[0] for a, b in pairs]
+    truths = [make_problem(a, b)[2] for a, b in pairs]
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(seed)
@@ -100,7 +97,7 @@ def sample_stats(model, tokenizer, questions: list[str], truths: list[str], cfg:
 
 def noisy_response(ids: list[int], noise_rate: float, vocab: int, n_special: int, rng: random.Random) -> list[int]:
     """``ids`` with a random ordinary token (id in ``[n_special, vocab)``) inserted before each
-    position with probability ``noise_rate`` (the model's long tail, see the module docstring)."""
+    position with probability ``noise_rate`` (the model's long tail)."""
     out: list[int] = []
     for token in ids:
         if rng.random() < noise_rate:
@@ -155,8 +152,6 @@ def warm_up(model, tokenizer, cfg: AssetConfig, sft_pairs, val_pairs) -> tuple[i
 
     prompt_ids = {}
     eval_pairs = val_pairs[: cfg.eval_prompts]
-    questions = [make_problem(a, b)[0] for a, b in eval_pairs]
-    truths = [make_problem(a, b)[2] for a, b in eval_pairs]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.warmup_lr, weight_decay=0.0)
     rng = random.Random(cfg.seed + 1)
     n_special = len(SPECIAL_TOKENS)
@@ -178,7 +173,7 @@ def warm_up(model, tokenizer, cfg: AssetConfig, sft_pairs, val_pairs) -> tuple[i
         loss.backward()
         opt.step()
         if step % cfg.eval_every == 0:
-            rate = sample_stats(model, tokenizer, questions, truths, cfg, seed=cfg.seed + step).success_rate
+            rate = sample_stats(model, tokenizer, eval_pairs, cfg, seed=cfg.seed + step).success_rate
             history.append(rate)
             bar.set_postfix(loss=f"{loss.item():.3f}", success=f"{rate:.2f}")
             if rate >= cfg.target_success:

@@ -65,11 +65,9 @@ def run_slots(environ: Mapping[str, str] = os.environ) -> int:
 
 @contextlib.contextmanager
 def machine_turn(log: Callable[[str], None] = print, poll_s: float = 2.0):
-    """Hold one of the machine's turns for a CPU trainer run: an exclusive lock on one of
-    ``STAPO_CPU_RUN_LOCK.<i>``, ``i < STAPO_CPU_RUN_SLOTS`` (default :data:`DEFAULT_RUN_LOCK`, one turn per
-    core), so that CPU runs started beside each other (the quickstart, the tests, a benchmark) never
-    crowd more processes onto the cores than they hold, and each runs within its own time limit.
-    Yields the seconds waited for the turn. A lock goes with the process that holds it."""
+    """Hold one of the machine's turns for a CPU trainer run (docs/testing.md): an exclusive lock on one
+    of ``STAPO_CPU_RUN_LOCK.<i>``, ``i < STAPO_CPU_RUN_SLOTS`` (default :data:`DEFAULT_RUN_LOCK`, one turn
+    per core). Yields the seconds waited for the turn. A lock goes with the process that holds it."""
     path = os.environ.get(RUN_LOCK_ENV, DEFAULT_RUN_LOCK)
     if not path:
         yield 0.0
@@ -104,13 +102,9 @@ def _try_lock(handle) -> bool:
 
 
 def thread_env(threads: int = DEFAULT_THREADS) -> dict[str, str]:
-    """Environment fixing the thread count of every process of a CPU run to ``threads``:
-    ``STAPO_CPU_THREADS`` (read by :func:`stapo_cpu.patches.platform.pin_threads` in each verl process:
-    driver, Ray actors, vLLM's engine processes), ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` (the OpenMP
-    and MKL pools, before torch starts) and ``MKL_DYNAMIC=FALSE`` (MKL never uses fewer). One fixed count
-    makes a run repeat bit for bit (docs/reproducibility.md); 1, the default, also makes it independent
-    of the machine's cores and keeps a shared machine from being oversubscribed.
-    """
+    """Environment fixing the thread count of every process of a CPU run to ``threads``: torch's
+    (``STAPO_CPU_THREADS``, read by :func:`stapo_cpu.patches.platform.pin_threads` in each verl process),
+    OpenMP's and MKL's (docs/reproducibility.md says why each)."""
     if int(threads) < 1:
         raise ValueError(f"thread_env: threads must be >= 1, got {threads}")
     n = str(int(threads))
@@ -322,8 +316,7 @@ def run_cpu_trainer(method: str, assets_dir: str | os.PathLike, run_dir: str | o
     with machine_turn() as waited_s, os.fdopen(open_regular(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as out:
         start, timed_out = time.time(), False
         proc = subprocess.Popen(cmd, env=cpu_env(run_dir, metrics_file=metrics_file, threads=threads, isa=isa),
-                                stdout=out,
-                                stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+                                stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
         while proc.poll() is None:
             if timeout is not None and time.time() - start > timeout:
                 timed_out = True

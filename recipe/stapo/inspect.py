@@ -4,13 +4,9 @@ CLI::
 
     python -m recipe.stapo.inspect RUN_DIR [--out DIR] [--top K] [--seed S]
 
-Reads the token dump of ``RUN_DIR``: the step files ``s2t_tokens/step_*.jsonl`` that
-:mod:`verl_patches.token_dump` writes during training (format: :mod:`stapo_core.token_records`).
-Writes, into ``DIR`` (default ``RUN_DIR/inspect``), a summary per step, a sample of ``K`` silenced
-tokens and ``K`` kept candidates in their context, the ``K`` most frequent silenced tokens, the
-four-quadrant taxonomy of the tokens of positive-advantage responses (:func:`quadrant_table`) and
-the update's effect on the dumped candidates (:func:`candidate_effects`); docs/inspect.md describes
-each. The HTML file is self-contained (inline CSS, no script); every dumped string is HTML-escaped.
+Reads the token dump of ``RUN_DIR`` (``s2t_tokens/step_*.jsonl``, :mod:`stapo_core.token_records`) and
+writes both reports into ``DIR`` (default ``RUN_DIR/inspect``); docs/inspect.md describes each section.
+The HTML file is self-contained (inline CSS, no script); every dumped string is HTML-escaped.
 """
 
 from __future__ import annotations
@@ -56,10 +52,6 @@ class StepSummary:
     tau_p: tuple
     tau_h_min: Optional[float]
     tau_h_max: Optional[float]
-
-    @property
-    def kept_candidates(self) -> int:
-        return self.candidates - self.silenced
 
 
 def step_summaries(tokens: list, responses: list) -> list[StepSummary]:
@@ -289,7 +281,7 @@ def _top5_text(t: dict) -> str:
 
 def _step_rows(report: Report) -> list[list[str]]:
     return [[str(s.step), ", ".join(s.methods), str(s.responses), str(s.positive_responses), str(s.tokens),
-             str(s.candidates), str(s.silenced), str(s.kept_candidates), ", ".join(map(_num, s.tau_p)) or "-",
+             str(s.candidates), str(s.silenced), str(s.candidates - s.silenced), ", ".join(map(_num, s.tau_p)) or "-",
              _tau_range(s)] for s in report.steps]
 
 

@@ -5,13 +5,10 @@
     python -m stapo_cpu.benchmarks.bench_isa [--steps 2] [--out results/bench_isa] [--method stapo] [--json rows.json]
 
 Runs the same CPU training run (verl's real trainer, the shipped tiny assets, ``--steps`` steps,
-seed 0) under the four :data:`SETTINGS` (pinned to AVX2 as shipped; pinned from an environment
-asking for AVX-512, where the pin must win in every process; native; native capped at AVX2 without
-MKL's reproducibility mode ``MKL_CBWR``) and prints per setting how many logged numbers (all but the
-wall-clock and memory ones) differ from the pinned run's and which of vLLM's kernel libraries
-(``vllm/_C*.so``) its processes loaded; then the speed cost: the pinned over the native mean step
-time, and the tiny model's forward + backward (one thread, 16 x 120 tokens) timed in fresh processes
-alternated ``--kernel-repeats`` times. The reading of the results: docs/reproducibility.md.
+seed 0) under each of :data:`SETTINGS` and prints per setting how many seeded numbers differ from
+the pinned run's and which of vLLM's kernel libraries its processes loaded; then the speed cost: the
+pinned over the native mean step time, and the tiny model's forward + backward timed in fresh
+processes alternated ``--kernel-repeats`` times. The reading of the results: docs/reproducibility.md.
 """
 
 from __future__ import annotations
@@ -37,7 +34,9 @@ AVX2_ONLY = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "
 #: an environment asking for AVX-512 (what the pin must override)
 AVX512 = {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}
 ISA_KEYS = sorted({*AVX2_ONLY, *AVX512, "MKL_CBWR"})
-#: (name, isa setting of the CPU path, environment the run starts from)
+#: (name, isa setting of the CPU path, environment the run starts from): pinned as shipped; pinned from an
+#: environment asking for AVX-512 (the pin must win in every process); native; native capped at AVX2
+#: without MKL's reproducibility mode MKL_CBWR
 SETTINGS = (("pinned", "avx2", {}), ("pinned, inherited avx512", "avx2", AVX512), ("native", "native", {}),
             ("native, avx2-only", "native", AVX2_ONLY))
 

@@ -5,13 +5,10 @@
     python -m stapo_cpu.benchmarks.bench_vllm_determinism [--prompts 4] [--n 8] [--max-tokens 96] [--json out.json]
 
 vLLM's CPU build (fp32, one thread, the CPU path's environment) samples ``--n`` completions of each of
-``--prompts`` training prompts, every request with its own seed (from the prompt and the sample's
-index, as the CPU rollout's per-request seed), in fresh engine processes that differ only in how the
-requests reach the engine (:data:`SETTINGS`: all in one ``generate`` call, twice; reversed; one per
-call; all together without per-request seeds). For each against the first it prints how many
-completions have identical tokens and the largest difference of their sampled tokens' log-probs:
-differing log-probs under another batch composition would mean the logits depend on which sequences
-share a forward (no batch invariance). The measured numbers: benchmarks/README.md.
+``--prompts`` training prompts, every request with its own seed, in fresh engine processes that differ
+only in how the requests reach the engine (:data:`SETTINGS`), and prints, against the first, how many
+completions have identical tokens and the largest difference of their log-probs (any difference: the
+logits depend on the batch). The measured numbers: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -23,6 +20,7 @@ import sys
 
 from stapo_core.fileio import atomic_write
 
+#: all in one ``generate`` call, twice; reversed; one per call; all together without per-request seeds
 SETTINGS = ("together", "together_again", "reversed", "one_by_one", "unseeded")
 
 ENGINE = r"""

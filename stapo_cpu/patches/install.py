@@ -258,13 +258,8 @@ def table() -> str:
     """The CPU wing's table as a Markdown document (what ``python -m stapo_cpu.patches`` prints)."""
     return render_table(PATCHES, "How the CPU wing changes verl and vLLM", "python -m stapo_cpu.patches",
                         "stapo_cpu/patches/install.py", [
-        "These changes exist only so that verl's real trainer and vLLM's CPU build run without a GPU "
-        "(docs/cpu.md); the recipe's own changes to verl are docs/verl_patches.md. They apply only when "
-        "`VERL_PLATFORM=cpu` selects the CPU path, by importing `stapo_cpu.activate`, which the CPU "
-        "environment (`stapo_cpu.trainer.cpu_env`) names in `VERL_USE_EXTERNAL_MODULES` before "
-        "`verl_patches.activate`: `import verl` applies this table, then the core's, in every verl process "
-        "(the platform is registered before the core's patches import verl modules that resolve it). vLLM's "
-        "engine core, which does not import verl, applies both through a vLLM plugin only the CPU "
-        "environment installs (`stapo_cpu/patches/vllm_plugin_dist/`). Before the table, "
-        "`STAPO_CPU_THREADS` fixes torch's thread count in the process.",
+        "These changes exist only so that verl's real trainer and vLLM's CPU build run without a GPU; "
+        "they apply only when `VERL_PLATFORM=cpu` selects the CPU path, before the core's table, in every "
+        "verl process and vLLM process of a CPU run (docs/cpu.md, \"How the CPU patches reach every "
+        "process, and nothing else\"). The recipe's own changes to verl are docs/verl_patches.md.",
     ])

@@ -1,13 +1,7 @@
-"""Timing-independent sample identity and batch order for verl 0.9.1's TransferQueue (v1) trainer.
-
-Applied through the CPU wing's patch table (:mod:`stapo_cpu.patches.install`, whose entries say what
-verl does and what each wrapper changes), and active only under verl's full-determinism mode
-(``actor_rollout_ref.rollout.full_determinism=true``, which makes verl's entry point export
-``VERL_FULL_DETERMINISM=1`` to every process): each wrapper checks that variable when it runs, so it
-changes nothing otherwise. Together they give each sample an identity that does not depend on timing
-(its index in its group, a counter instead of ``uuid4``) and order every training batch by (step,
-prompt uid, sample index, output index): the row order decides the order of every float sum over the
-batch (losses, gradients, logged means).
+"""Timing-independent sample identity and batch order for verl 0.9.1's TransferQueue (v1) trainer:
+the wrappers of the CPU wing's patch table (:mod:`stapo_cpu.patches.install` says what each changes and
+why). Each checks ``VERL_FULL_DETERMINISM=1`` (what verl's entry point exports to every process under
+``actor_rollout_ref.rollout.full_determinism=true``) when it runs, and changes nothing otherwise.
 """
 
 from __future__ import annotations
@@ -36,8 +30,7 @@ def deterministic() -> bool:
 
 def wrap_run_agent_loop(original):
     """``AgentLoopWorker._run_agent_loop`` giving each sample ``priority = session_id`` (its index in its
-    group) under full determinism: verl sends every sample of a prompt as request ``det-0``, which the
-    rollout server can tell apart only by arrival order; with the priority it is ``det-<index>``.
+    group), so that its request id is ``det-<index>``, under full determinism.
 
     Patched on verl's ``AgentLoopWorker`` (a plain class), whose ``_run_agent_loop`` the v1 worker
     inherits: ``AgentLoopWorkerTQ`` is a ``@ray.remote`` actor class, on which an assignment would

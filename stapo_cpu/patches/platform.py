@@ -8,17 +8,14 @@ so only ``VERL_PLATFORM=cpu`` selects it. Nothing happens at import: the CPU win
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import logging
 import os
 import types
-from contextlib import contextmanager
 from typing import Any, Optional
 
 import psutil
 import torch
-
-logger = logging.getLogger(__name__)
 
 PLATFORM_NAME = "cpu"
 #: environment variable fixing torch's intra-op thread count in every process of a CPU run
@@ -40,14 +37,9 @@ def _zero(*args: Any, **kwargs: Any) -> int:
 
 
 class _CPUDeviceModule(types.ModuleType):
-    """``torch.cpu`` plus the ``torch.cuda``-style calls verl makes on its device module.
-
-    verl calls ``get_torch_device().<name>`` for memory statistics, cache control, RNG state and the
-    device name; ``torch.cpu`` lacks most of them. Here they are: cache / allocator controls are
-    no-ops, allocator statistics are 0, ``mem_get_info`` is host memory, the RNG state is torch's
-    CPU generator, the device name is ``"CPU"``. Everything else is ``torch.cpu``'s; an unknown name
-    raises AttributeError naming it.
-    """
+    """``torch.cpu`` plus the ``torch.cuda``-style calls verl makes on its device module
+    (``get_torch_device().<name>``) that ``torch.cpu`` lacks (:data:`_EXTRA`); an unknown name raises
+    AttributeError naming it."""
 
     _EXTRA = {
         "empty_cache": _noop,
@@ -85,89 +77,54 @@ class _CPUDeviceModule(types.ModuleType):
 CPU_DEVICE_MODULE = _CPUDeviceModule()
 
 
+#: what each of verl's ``PlatformBase`` methods answers on the CPU platform, whatever its arguments:
+#: never auto-detected (only VERL_PLATFORM=cpu selects it); ``current_device`` is the string ``"cpu"``
+#: (as ``torch.cpu.current_device()``: verl only uses it in ``.to(...)`` / ``device=`` /
+#: ``torch.device(...)``, where an int would mean cuda); Ray still schedules workers on the logical
+#: ``GPU`` resource (``ray_init.num_gpus``); no profiler, no IPC, no device capability
+PLATFORM_ANSWERS = {
+    "is_available": True,
+    "is_platform_available": False,
+    "current_device": "cpu",
+    "device_count": 1,
+    "communication_backend_name": "gloo",
+    "visible_devices_envvar": "CUDA_VISIBLE_DEVICES",
+    "ray_resource_name": "GPU",
+    "is_ipc_supported": False,
+    "get_device_capability": (None, None),
+    "set_device": None,
+    "synchronize": None,
+    "set_allocator_settings": None,
+    "empty_cache": None,
+    "profiler_start": None,
+    "profiler_stop": None,
+    "cudart": None,
+}
+
+
+def _answer(value: Any):
+    """A method returning ``value`` whatever its arguments."""
+    return lambda self, *args, **kwargs: value
+
+
 @functools.lru_cache(maxsize=1)
 def platform_class() -> type:
-    """Build (once) the ``PlatformBase`` subclass; deferred so importing this module imports no verl."""
+    """Build (once) ``PlatformCPU``, verl's ``PlatformBase`` for CPU-only machines (device ``cpu``,
+    backend ``gloo``, :data:`PLATFORM_ANSWERS`); deferred so importing this module imports no verl."""
     # verl's platform module loads when the patch is applied (inside `import verl`), not at this module's import
     from verl.plugin.platform import PlatformBase
 
-    class PlatformCPU(PlatformBase):
-        """verl platform for CPU-only machines: device ``cpu``, backend ``gloo``, no profiler, no IPC.
-
-        ``current_device`` is the string ``"cpu"`` (as ``torch.cpu.current_device()``): verl only
-        uses it in ``.to(...)`` / ``device=`` / ``torch.device(...)``, where an int would mean cuda.
-        Ray still schedules workers on the logical ``GPU`` resource (``ray_init.num_gpus``).
-        """
-
-        device_name = "cpu"
-        vendor_name = "cpu"
-
-        @property
-        def device_module(self) -> types.ModuleType:
-            return CPU_DEVICE_MODULE
-
-        def is_available(self) -> bool:
-            return True
-
-        def is_platform_available(self, use_smi_check: bool = False) -> bool:
-            return False  # never auto-detected: only VERL_PLATFORM=cpu selects it
-
-        def current_device(self) -> str:  # type: ignore[override]
-            return "cpu"
-
-        def device_count(self) -> int:
-            return 1
-
-        def set_device(self, device_index: int) -> None:
-            return None
-
-        def synchronize(self, device_index: Optional[int] = None) -> None:
-            return None
-
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings: str) -> None:
-            return None
-
-        def empty_cache(self) -> None:
-            return None
-
-        def get_device_capability(self, device_index: int = 0) -> tuple[Optional[int], Optional[int]]:
-            return None, None
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
-
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"
-
-        @contextmanager
-        def nvtx_range(self, msg: str):
-            yield
-
-        def profiler_start(self) -> None:
-            return None
-
-        def profiler_stop(self) -> None:
-            return None
-
-        def ray_resource_name(self) -> str:
-            return "GPU"
-
-        def ray_noset_envvars(self) -> list[str]:
-            return []
-
-        def is_ipc_supported(self) -> bool:
-            return False
-
-        def cudart(self) -> Any:
-            return None
-
-    return PlatformCPU
+    return type("PlatformCPU", (PlatformBase,), {
+        "__module__": __name__,
+        "device_name": "cpu",
+        "vendor_name": "cpu",
+        "device_module": property(lambda self: CPU_DEVICE_MODULE),
+        "manual_seed": lambda self, seed: torch.manual_seed(seed),
+        "manual_seed_all": lambda self, seed: torch.manual_seed(seed),
+        "nvtx_range": lambda self, *args, **kwargs: contextlib.nullcontext(),
+        "ray_noset_envvars": lambda self: [],
+        **{name: _answer(value) for name, value in PLATFORM_ANSWERS.items()},
+    })
 
 
 def register() -> None:
@@ -237,14 +194,9 @@ def wrap_offload_policy(original):
 
 
 def pin_threads(environ: Optional[dict] = None) -> Optional[int]:
-    """Set torch's intra-op thread count of this process to ``$STAPO_CPU_THREADS`` (when set).
-
-    A reduction split over threads sums in an order that depends on the thread count, which
-    otherwise differs between a run's processes (docs/reproducibility.md).
-
-    Returns the count set, or None when the variable is unset (nothing changed). Raises ValueError
-    naming the variable when it is not a positive integer.
-    """
+    """Set torch's intra-op thread count of this process to ``$STAPO_CPU_THREADS`` (docs/reproducibility.md).
+    Returns the count set, or None when the variable is unset (nothing changed); ValueError naming
+    the variable when it is not a positive integer."""
     env = os.environ if environ is None else environ
     raw = env.get(THREADS_ENV, "").strip()
     if not raw:

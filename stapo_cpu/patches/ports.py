@@ -1,11 +1,6 @@
-"""The torch.distributed master port of a worker group, picked where nothing else takes it meanwhile.
-
-verl picks a worker group's ``MASTER_PORT`` by binding port 0 and closing the socket: a port of the
-kernel's ephemeral range, from which every outgoing connection on the machine also draws, and rank 0
-binds it only tens of seconds later, so on a machine running several CPU runs at once the run may
-fail with ``EADDRINUSE``. :func:`master_port` picks, at random, a port between Ray's worker ports
-(:data:`LOW`) and the ephemeral range, which the kernel never hands out by itself, and checks that it
-binds now.
+"""The torch.distributed master port of a worker group, picked where nothing else takes it meanwhile
+(the patch ``cpu_master_port`` of :mod:`stapo_cpu.patches.install` says why): at random between Ray's
+worker ports (:data:`LOW`) and the kernel's ephemeral range, which it never hands out by itself.
 """
 
 from __future__ import annotations

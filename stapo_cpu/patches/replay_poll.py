@@ -1,9 +1,6 @@
-"""A shorter replay-buffer poll for the CPU path.
-
-verl 0.9.1's v1 replay buffer checks for finished rollouts every 2 s (a constructor default no config
-key reaches), which rounds a CPU step's 3-6 s rollout up to the next multiple of 2 s: 15-20% of a
-step. :func:`wrap_replay_buffer_init` lowers the interval after verl's constructor ran; the buffer
-selects the same samples in the same order (they are all finished when it selects them).
+"""A shorter replay-buffer poll for the CPU path (the patch ``cpu_replay_poll`` of
+:mod:`stapo_cpu.patches.install` says why); the buffer selects the same samples in the same order
+(they are all finished when it selects them).
 """
 
 from __future__ import annotations

