@@ -1,8 +1,6 @@
 """What the trainer's tracker needs when it starts (after Ray, the model load and vLLM's start): the
-run's names, the logger list, for wandb its settings (every ``WANDB_*`` variable the workers see, read
-by wandb's own reader) and credentials, and the loggers' folders. With ``LAUNCH=submit`` the
-credentials and folders are left to the job's driver. Importing this module imports no verl and no
-wandb.
+run's names, the logger list, wandb's settings and credentials, the loggers' folders. Importing this
+module imports no verl and no wandb.
 """
 
 from __future__ import annotations
@@ -95,9 +93,8 @@ def check_run_names(config: DictConfig) -> list[Problem]:
 
 
 def _check_logger_list(config: DictConfig, found: list[Problem]) -> Optional[list[str]]:
-    """``trainer.logger``: a name or a list of names of verl's tracking backends (verl asserts it when
-    the trainer builds its tracker, after Ray starts), at least one. Returns the names, None when
-    they are not usable."""
+    """``trainer.logger``: at least one of verl's tracking backends. Returns the names, None when they are
+    not usable."""
     value = OmegaConf.select(config, LOGGER_KEY, default=None)
     if value is None and not OmegaConf.select(config, "trainer", default=None):
         return None
