@@ -31,13 +31,6 @@ _WANDB_FIX = ("run `wandb login` (it writes ~/.netrc), or put WANDB_API_KEY in S
               "run scripts (trainer.logger=[console,file])")
 
 
-def supported_loggers() -> list[str]:
-    """verl's tracking backends (``verl.utils.tracking.Tracking.supported_backend``)."""
-    from verl.utils.tracking import Tracking  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
-
-    return list(Tracking.supported_backend)
-
-
 def check_loggers(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
     """Every problem of the module docstring's list (``environ``: the launching environment)."""
     found = check_run_names(config)
@@ -98,8 +91,10 @@ def _check_logger_list(config: DictConfig, found: list[Problem]) -> Optional[lis
     value = OmegaConf.select(config, LOGGER_KEY, default=None)
     if value is None and not OmegaConf.select(config, "trainer", default=None):
         return None
+    from verl.utils.tracking import Tracking  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
+
     names, value = logger_names(config), shown(value)
-    supported = supported_loggers()
+    supported = list(Tracking.supported_backend)
     if names is None or not all(isinstance(n, str) for n in names):
         found.append(Problem(LOGGER_KEY, "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
                              f"(verl's loggers: {', '.join(supported)})", value))
