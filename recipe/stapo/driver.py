@@ -1,10 +1,6 @@
-"""The recipe's config, from composition to the config verl receives (the driver's side of a run).
-
-Imports flow one way: :mod:`recipe.stapo.main_stapo` (the Hydra entry point) imports this module,
-never the reverse. Everything here runs in the launching process, before Ray starts: :func:`compose`
-(the config a run composes), :func:`prepare` (what the driver does to it before verl gets it) and
-:func:`job_runtime_env` (the Ray job of ``LAUNCH=submit``). Importing this module imports no verl
-(``VERL_USE_EXTERNAL_MODULES`` must be set first, see :func:`ensure_patch_module_env`).
+"""The recipe's config, from composition to the config verl receives, in the launching process before
+Ray starts (:mod:`recipe.stapo.main_stapo` imports this module, never the reverse). Importing it imports
+no verl: ``VERL_USE_EXTERNAL_MODULES`` must be set first (:func:`ensure_patch_module_env`).
 """
 
 from __future__ import annotations
@@ -30,12 +26,10 @@ from recipe.stapo.preflight.verl_config import check_verl_configs
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 CONFIG_NAME = "stapo_trainer"
-#: the module every verl process must import (importing it applies the recipe's patches, docs/verl_patches.md)
 PATCH_MODULE = "verl_patches.activate"
 
 CALCULATE_ENTROPY = "actor_rollout_ref.actor.calculate_entropy"
 
-#: config keys holding local paths, made absolute in the driver (None/empty values are left alone)
 DATA_PATH_KEYS = ("data.train_files", "data.val_files")
 OUTPUT_PATH_KEYS = ("trainer.default_local_dir", "trainer.resume_from_path", "trainer.validation_data_dir",
                     "trainer.rollout_data_dir", "recipe.token_dump.dir")
@@ -60,12 +54,8 @@ NOT_FORWARDED_ENV_NAMES = ("STAPO_DRY_RUN", "CUDA_VISIBLE_DEVICES", "VLLM_HOST_I
 #: file, :mod:`verl_patches.env_file`)
 SECRET_ENV_NAMES = ("WANDB_API_KEY", "HF_TOKEN", "VLLM_API_KEY")
 SECRETS_FILE_ENV = "STAPO_SECRETS_FILE"
-#: the directory a run was launched from (``run_scripts/common.sh`` exports it): relative paths are taken
-#: from it, also by a driver Ray starts in its own copy of the project (``LAUNCH=submit``)
 LAUNCH_DIR_ENV = "STAPO_LAUNCH_DIR"
-#: environment variables naming where the trainer writes a run's files (made absolute, passed to every worker)
 RUN_FILE_ENV_NAMES = ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR")
-#: the metrics file of verl's file logger inside ``trainer.default_local_dir`` unless the environment names one
 RUN_METRICS_FILE = "metrics.jsonl"
 RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 #: never uploaded with the job's working directory (gitignore patterns; a leading ``/`` anchors a name at
@@ -77,10 +67,8 @@ WORKING_DIR_EXCLUDES = ("/.git", "/.venv", "/data", "/results", "/checkpoints", 
 
 
 def ensure_patch_module_env(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Put :data:`PATCH_MODULE` first in ``VERL_USE_EXTERNAL_MODULES`` when it is not listed (other modules
-    the user set are kept, after it); where it is listed it keeps its place, so a module listed before it
-    is imported before the recipe's patches (a platform they need registered first, docs/cpu.md). It must
-    be set before ``import verl``.
+    """Put :data:`PATCH_MODULE` first in ``VERL_USE_EXTERNAL_MODULES`` unless it is listed: where it is,
+    it keeps its place, so a module listed before it (a platform the patches need, docs/cpu.md) imports first.
     """
     modules = [m for m in environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
     if PATCH_MODULE not in modules:
@@ -96,8 +84,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     for one :func:`override_problems` refuses, and with Hydra's message for an override Hydra refuses (a
     key that does not exist, bad syntax).
     """
-    # hydra (a second to import) loads only when a config is composed: jobs and the quickstart import this
-    # module for helpers that need none
+    # hydra (a second to import) loads only here: jobs and the quickstart import this module without it
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
     from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
@@ -138,8 +125,7 @@ def _ascii_for(char: str) -> Optional[str]:
 
 
 def _unquoted_non_ascii(override: str) -> list[int]:
-    """Positions of characters outside ASCII in ``override`` outside '...' and "..." (Hydra's
-    override grammar takes any character only inside quotes)."""
+    """Positions of characters outside ASCII in ``override`` outside '...' and "..."."""
     positions, quote, escaped = [], None, False
     for i, char in enumerate(override):
         if escaped:
@@ -156,10 +142,8 @@ def _unquoted_non_ascii(override: str) -> list[int]:
 
 
 def override_problem(override: str) -> Optional[str]:
-    """What Hydra's override grammar refuses in ``override`` (``key=value``), said with the fix, when
-    it is a character outside ASCII outside quotes (a full-width or Arabic-Indic digit, a typographic
-    dash or quote pasted from a document, unquoted text in another script): Hydra's lexer stops at it
-    with "LexerNoViableAltException" and a caret. None when there is none."""
+    """The fix for characters outside ASCII outside quotes in ``override`` (a full-width digit, a
+    typographic dash or quote, text in another script), where Hydra's lexer stops with a bare caret; or None."""
     positions = _unquoted_non_ascii(override)
     if not positions:
         return None
@@ -193,9 +177,8 @@ def credential_keys(key: str, value: object = None) -> list[str]:
 
 
 def override_problems(overrides: Sequence[str]) -> list[str]:
-    """What the driver refuses in ``overrides`` (``key=value``; flags left alone), each with its fix: a
-    deletion (``~key``), a credential (a key naming one, also in a dict value: :func:`credential_keys`), and
-    :func:`override_problem` of one Hydra's parser refuses."""
+    """What the driver refuses in ``overrides`` (flags left alone), each with its fix: a deletion
+    (``~key``), a credential (:func:`credential_keys`), and :func:`override_problem` of one Hydra refuses."""
     from hydra.core.override_parser.overrides_parser import OverridesParser  # hydra only here: as in compose
 
     parser = OverridesParser.create()
@@ -225,8 +208,7 @@ def override_problems(overrides: Sequence[str]) -> list[str]:
 
 
 def validate(config: DictConfig) -> None:
-    """verl's own validation of a composed config alone, no file read (the preflight runs it on every launch):
-    the types verl declares, its config classes built as its workers build them, its ``validate_config``
+    """verl's own validation of a composed config alone, no file read
     (:func:`recipe.stapo.preflight.verl_config.check_verl_configs`). Raises :class:`PreflightError`."""
     found: list[Problem] = []
     check_verl_configs(config, found)
@@ -235,14 +217,9 @@ def validate(config: DictConfig) -> None:
 
 
 def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = print) -> list[str]:
-    """Switch on what the policy loss reads and the actor would otherwise not compute.
-
-    Token selection from current statistics inside the loss (``stats_from=current`` with
-    ``scope=micro_batch``, the policy-loss config's ``needs_update_entropy``) reads the entropy of the
-    update's own forward, so ``actor.calculate_entropy`` is set to true (the recipe's patches compute
-    it without autograd when ``entropy_coeff=0``). With the default ``scope=mini_batch`` the actor
-    runs its own forward for the statistics and nothing is switched on. Each change is logged
-    through ``log``; returns the overrides applied (``key=value`` strings).
+    """Set ``actor.calculate_entropy`` where the policy loss reads the update's own entropy
+    (``needs_update_entropy``: ``stats_from=current`` with ``scope=micro_batch``); each change is logged
+    through ``log``. Returns the overrides applied (``key=value`` strings).
     """
     try:
         settings = settings_of(config)
@@ -270,28 +247,10 @@ def absolute_path(path: str, cwd: Path) -> str:
     return str((cwd / Path(path).expanduser()).resolve())
 
 
-def local_model_path(path: str, cwd: Path) -> Optional[str]:
-    """The absolute form of a model ``path`` if it names a local folder, else None (a hub id such as
-    ``Qwen/Qwen3-8B-Base``). Explicitly local spellings (``/``, ``./``, ``../``, ``~``) always count."""
-    if _is_remote(path):
-        return None
-    if path.startswith(("/", "./", "../", "~")) or (cwd / Path(path).expanduser()).exists():
-        return absolute_path(path, cwd)
-    return None
-
-
-def launch_dir(environ: Mapping[str, str] = os.environ) -> Path:
-    """The directory relative paths are taken from: ``$STAPO_LAUNCH_DIR`` (where the run was launched,
-    exported by ``run_scripts/common.sh``), else the current directory."""
-    return Path(environ.get(LAUNCH_DIR_ENV) or os.getcwd()).resolve()
-
-
 def run_files_env(config: DictConfig, cwd: Path, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """Where the trainer writes a run's files, as the environment variables verl and its loggers read:
-    each of :data:`RUN_FILE_ENV_NAMES` set in ``ray_kwargs.ray_init.runtime_env.env_vars`` or in
-    ``environ`` (in that order), made absolute against ``cwd`` (the trainer, a Ray actor, has a working
-    directory of its own); without either file-logger variable, ``<trainer.default_local_dir>/metrics.jsonl``
-    (beside the checkpoints, on storage every node sees), and tensorboard ``<trainer.default_local_dir>/tensorboard``.
+    """Where the trainer writes a run's files: each of :data:`RUN_FILE_ENV_NAMES` from the config's
+    :data:`RAY_ENV_VARS`, else ``environ``, made absolute against ``cwd``; by default the metrics file and
+    tensorboard go beside the checkpoints (``trainer.default_local_dir``).
     """
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     files = {}
@@ -310,15 +269,11 @@ def run_files_env(config: DictConfig, cwd: Path, environ: Mapping[str, str] = os
 
 def resolve_paths(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
                   log: Callable[[str], None] = print, environ: Mapping[str, str] = os.environ) -> None:
-    """Resolve every interpolation in ``config`` (in place) with this process's environment and make
-    data, model, checkpoint and dump paths absolute against ``cwd`` (default: :func:`launch_dir`, the
-    directory the run was launched from); the run's files (metrics, tensorboard: :func:`run_files_env`)
-    go to every worker as absolute paths in ``ray_kwargs.ray_init.runtime_env.env_vars``.
-
-    After this, what verl's workers see does not depend on their environment or working directory
-    (on a Ray cluster they have neither the launching shell's variables nor its folder).
+    """Resolve every interpolation in ``config`` (in place) and make its paths absolute against ``cwd``
+    (default: ``$STAPO_LAUNCH_DIR``, else the current directory), the run's files (:func:`run_files_env`)
+    in :data:`RAY_ENV_VARS`: what the workers see then depends on neither their environment nor folder.
     """
-    cwd = Path(cwd).resolve() if cwd is not None else launch_dir(environ)
+    cwd = Path(cwd or environ.get(LAUNCH_DIR_ENV) or os.getcwd()).resolve()
     with open_dict(config):
         for key in DATA_PATH_KEYS + OUTPUT_PATH_KEYS:
             value = OmegaConf.select(config, key, default=None)  # resolves the interpolation
@@ -328,11 +283,14 @@ def resolve_paths(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
                 OmegaConf.update(config, key, [absolute_path(str(v), cwd) for v in value])
         for key in MODEL_PATH_KEYS:
             value = OmegaConf.select(config, key, default=None)
-            if isinstance(value, str) and value:
-                local = local_model_path(value, cwd)
-                OmegaConf.update(config, key, local or value)
-                if local is None:
-                    log(f"[stapo] {key}={value} is not a local folder: verl will fetch it from the Hugging Face hub")
+            if not isinstance(value, str) or not value:
+                continue
+            # explicitly local spellings always count; anything else is local only if it exists (not a hub id)
+            local = value.startswith(("/", "./", "../", "~")) or (cwd / Path(value).expanduser()).exists()
+            if local and not _is_remote(value):
+                OmegaConf.update(config, key, absolute_path(value, cwd))
+            else:
+                log(f"[stapo] {key}={value} is not a local folder: verl will fetch it from the Hugging Face hub")
         for name, value in run_files_env(config, cwd, environ).items():
             OmegaConf.update(config, f"{RAY_ENV_VARS}.{name}", value, force_add=True)
     OmegaConf.resolve(config)
@@ -346,13 +304,9 @@ def wandb_run_id(project: str, experiment: str) -> str:
 
 
 def ensure_wandb_resume(config: DictConfig, environ: Mapping[str, str] = os.environ) -> dict[str, str]:
-    """With the wandb logger: ``WANDB_RUN_ID`` and ``WANDB_RESUME`` for every Ray worker, so a run
-    resumed from its checkpoints (verl's ``resume_mode=auto``, same project and experiment) continues
-    the same wandb run instead of opening a new one (verl's ``wandb.init`` passes no id).
-
-    The launching shell's ``WANDB_RUN_ID`` / ``WANDB_RESUME`` win; otherwise the id is
-    :func:`wandb_run_id` and ``WANDB_RESUME=allow`` (continue the run if it exists, else create it).
-    Returns the variables set (neither is a secret).
+    """With the wandb logger: ``WANDB_RUN_ID`` (:func:`wandb_run_id` unless exported) and ``WANDB_RESUME``
+    (``allow`` unless exported) for every worker, so a resumed run continues its wandb run (verl's
+    ``wandb.init`` passes no id). Returns the variables set.
     """
     loggers = OmegaConf.select(config, "trainer.logger", default=[]) or []
     if "wandb" not in ([loggers] if isinstance(loggers, str) else list(loggers)):
@@ -364,13 +318,13 @@ def ensure_wandb_resume(config: DictConfig, environ: Mapping[str, str] = os.envi
     }
     with open_dict(config):
         for key, value in run_env.items():
-            OmegaConf.update(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{key}", value, force_add=True)
+            OmegaConf.update(config, f"{RAY_ENV_VARS}.{key}", value, force_add=True)
     return run_env
 
 
 def stringify_ray_env_vars(config: DictConfig) -> None:
     """Ray accepts only string environment variables; the YAML interpolates numbers into them."""
-    env_vars = OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars")
+    env_vars = OmegaConf.select(config, RAY_ENV_VARS)
     if env_vars:
         with open_dict(config):
             for key in list(env_vars):
@@ -399,22 +353,13 @@ def unresolvable_keys(config: DictConfig | ListConfig, prefix: str = "") -> dict
     return found
 
 
-def first_unresolvable_key(config: DictConfig) -> Optional[str]:
-    """The key whose own interpolation cannot be resolved: of :func:`unresolvable_keys`, the first one
-    that does not just refer to another of them (``trainer.default_local_dir=ckpt/${trainer.experiment_name}``
-    fails because ``trainer.experiment_name`` does); None when every interpolation resolves."""
-    failing = unresolvable_keys(config)
-    for key, expression in failing.items():
-        if not any(other in expression for other in failing if other != key):
-            return key
-    return next(iter(failing), None)
-
-
 def unresolvable(error: Exception, config: DictConfig) -> Problem:
-    """The :class:`Problem` of an interpolation omegaconf cannot resolve (``${oc.env:NAME}`` of an
-    unset variable, ``${key}`` of a key that does not exist), naming the key that holds it
-    (:func:`first_unresolvable_key`, else omegaconf's ``full_key``) and the variable or key it missed."""
-    key = first_unresolvable_key(config) or getattr(error, "full_key", None) or "the config"
+    """The :class:`Problem` of an interpolation omegaconf cannot resolve, naming the key that holds it and
+    the variable or key it missed."""
+    failing = unresolvable_keys(config)
+    # the first key that fails on its own, not just by referring to another failing key
+    own = [key for key, expression in failing.items() if not any(o in expression for o in failing if o != key)]
+    key = next(iter(own or failing), None) or getattr(error, "full_key", None) or "the config"
     text = str(getattr(error, "msg", None) or error).strip().splitlines()[0]
     variable = re.search(r"Environment variable '([^']+)' not found", text)
     if variable:
@@ -428,11 +373,7 @@ def unresolvable(error: Exception, config: DictConfig) -> Problem:
 def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
             log: Callable[[str], None] = print, environ: Optional[Mapping[str, str]] = None) -> DictConfig:
     """Everything the driver does to ``config`` (in place) before verl gets it, in order; returns it.
-
-    Any mistake raises ``ValueError`` before Ray starts (the preflight's
-    :class:`~recipe.stapo.preflight.PreflightError` lists every problem it found, each naming the key or
-    path and the fix; its report is logged through ``log``). ``environ`` (default ``os.environ``) tells
-    the preflight whether it runs for ``LAUNCH=submit``.
+    Any mistake raises :class:`~recipe.stapo.preflight.PreflightError` (a ``ValueError``) before Ray starts.
     """
     bad_environment = check_environment()  # the variables the YAML interpolates, before resolving them
     if bad_environment:
@@ -449,22 +390,16 @@ def prepare(config: DictConfig, cwd: Optional[str | os.PathLike] = None,
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The variables of ``environ`` a submitted job carries: those of :data:`FORWARDED_ENV_NAMES`, every
-    one starting with :data:`FORWARDED_ENV_PREFIXES` (``STAPO_*``, ``NCCL_*``, ``GLOO_*``, ``VLLM_*``,
-    ``CUDA_*``...), none of :data:`NOT_FORWARDED_ENV_NAMES`; with ``STAPO_SECRETS_FILE`` set, none of
-    :data:`SECRET_ENV_NAMES` (the workers read them from that file)."""
+    """The variables of ``environ`` a submitted job carries (the constants above say which); with
+    ``STAPO_SECRETS_FILE`` set, none of :data:`SECRET_ENV_NAMES` (the workers read them from that file)."""
     skip = set(NOT_FORWARDED_ENV_NAMES) | (set(SECRET_ENV_NAMES) if environ.get(SECRETS_FILE_ENV) else set())
     return {k: v for k, v in sorted(environ.items()) if k not in skip
             and (k in FORWARDED_ENV_NAMES or k.startswith(FORWARDED_ENV_PREFIXES))}
 
 
 def job_runtime_env(environ: Mapping[str, str]) -> dict:
-    """Runtime env of ``ray job submit`` (the working directory itself is given by ``--working-dir``): the
-    only way secrets reach the workers (never the Hydra config, which verl logs to wandb).
-
-    ``RAY_OVERRIDE_JOB_RUNTIME_ENV=1``: verl's driver calls ``ray.init`` with the config's runtime env,
-    whose variables (``VERL_USE_EXTERNAL_MODULES``...) Ray would otherwise refuse as a conflict with
-    the job's (Ray merges the two variable by variable, the driver's winning).
+    """Runtime env of ``ray job submit``. ``RAY_OVERRIDE_JOB_RUNTIME_ENV=1``: verl's driver calls
+    ``ray.init`` with the config's runtime env, which Ray would otherwise refuse as a conflict with the job's.
     """
     env = dict(environ)
     if env.get("VERL_USE_EXTERNAL_MODULES"):

@@ -1,6 +1,5 @@
-"""The model and its context: the model's ``config.json`` read (:func:`model_config_json`, also the
-memory check's source of the model's shape), prompt + response within the context vLLM serves, and
-the model's heads split over the tensor-parallel and sequence-parallel groups."""
+"""The model and its context: prompt + response within the context vLLM serves, and the model's heads
+split over the tensor-parallel and sequence-parallel groups."""
 
 from __future__ import annotations
 
@@ -41,10 +40,8 @@ def model_config_json(config: DictConfig) -> tuple[Optional[dict], str]:
 
 
 def check_context(config: DictConfig, found: list[Problem]) -> None:
-    """Prompt + response fit the context vLLM serves: verl sets ``max_model_len`` to the model's
-    ``max_position_embeddings`` unless ``rollout.max_model_len`` is set (and refuses one above it after
-    Ray starts), then clamps every request's new tokens to ``max_model_len`` minus the prompt, so a
-    shorter context silently cuts the responses below ``data.max_response_length``."""
+    """Prompt + response fit the context vLLM serves (``rollout.max_model_len``, else the model's
+    ``max_position_embeddings``): verl silently cuts the responses to fit it."""
     if str(pick(config, f"{ROLLOUT}.name", "")) not in CONTEXT_ROLLOUTS:
         return
     raw, source = model_config_json(config)
@@ -87,11 +84,8 @@ def check_context(config: DictConfig, found: list[Problem]) -> None:
 
 
 def check_heads(shape: dict, source: str, config: DictConfig, found: list[Problem]) -> None:
-    """The model's attention heads and key-value heads (``shape``: its ``config.json``) split over vLLM's
-    tensor-parallel group (vLLM refuses heads its size does not divide, and key-value heads unless one of
-    the two divides the other: it replicates them) and over the Ulysses sequence-parallel group (verl
-    asserts the same when it patches the model). Both refusals come after Ray, the model load and, for
-    vLLM, the workers' start."""
+    """The model's heads (``shape``: its ``config.json``) split over vLLM's tensor-parallel group and the
+    Ulysses sequence-parallel group, as vLLM and verl check after Ray and the model load."""
     heads = shape.get("num_attention_heads")
     kv_heads = shape.get("num_key_value_heads", heads)
     if not (is_int(heads) and is_int(kv_heads) and heads > 0 and kv_heads > 0):

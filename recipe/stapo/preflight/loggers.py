@@ -1,8 +1,6 @@
 """What the trainer's tracker needs when it starts (after Ray, the model load and vLLM's start): the
-run's names, the logger list, for wandb its settings (every ``WANDB_*`` variable the workers see, read
-by wandb's own reader) and credentials, and the loggers' folders. With ``LAUNCH=submit`` the
-credentials and folders are left to the job's driver. Importing this module imports no verl and no
-wandb.
+run's names, the logger list, wandb's settings and credentials, the loggers' folders. Importing this
+module imports no verl and no wandb.
 """
 
 from __future__ import annotations
@@ -31,13 +29,6 @@ WANDB_DEFAULT_HOST = "https://api.wandb.ai"
 _WANDB_FIX = ("run `wandb login` (it writes ~/.netrc), or put WANDB_API_KEY in STAPO_SECRETS_FILE (or export it), or "
               "log offline (WANDB_MODE=offline; `wandb sync` later), or leave wandb out: LOGGER=console,file in the "
               "run scripts (trainer.logger=[console,file])")
-
-
-def supported_loggers() -> list[str]:
-    """verl's tracking backends (``verl.utils.tracking.Tracking.supported_backend``)."""
-    from verl.utils.tracking import Tracking  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
-
-    return list(Tracking.supported_backend)
 
 
 def check_loggers(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
@@ -95,14 +86,15 @@ def check_run_names(config: DictConfig) -> list[Problem]:
 
 
 def _check_logger_list(config: DictConfig, found: list[Problem]) -> Optional[list[str]]:
-    """``trainer.logger``: a name or a list of names of verl's tracking backends (verl asserts it when
-    the trainer builds its tracker, after Ray starts), at least one. Returns the names, None when
-    they are not usable."""
+    """``trainer.logger``: at least one of verl's tracking backends. Returns the names, None when they are
+    not usable."""
     value = OmegaConf.select(config, LOGGER_KEY, default=None)
     if value is None and not OmegaConf.select(config, "trainer", default=None):
         return None
+    from verl.utils.tracking import Tracking  # verl loads only after VERL_USE_EXTERNAL_MODULES is set
+
     names, value = logger_names(config), shown(value)
-    supported = supported_loggers()
+    supported = list(Tracking.supported_backend)
     if names is None or not all(isinstance(n, str) for n in names):
         found.append(Problem(LOGGER_KEY, "must be a list of logger names", f"e.g. trainer.logger=[console,wandb] "
                              f"(verl's loggers: {', '.join(supported)})", value))

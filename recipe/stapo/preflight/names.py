@@ -1,7 +1,5 @@
-"""Names and identity: the policy loss is registered, the token-selection settings are valid, the
-advantage estimator exists, the reward function resolves in its module, sequence parallelism is not
-combined with the recipe's current-policy forwards, and a method's run selects the method's tokens
-(``method=stapo``: S2T) unless the experiment name says what it runs instead."""
+"""Names and identity: what the config names exists (policy loss, advantage estimator, reward function),
+and a method's run selects the method's tokens unless the experiment name says otherwise."""
 
 from __future__ import annotations
 
@@ -60,8 +58,6 @@ def check_names(config: DictConfig, found: list[Problem]) -> None:
 
 
 #: S2T's ``random`` strategy seeds rank ``r``'s generator with ``seed * SEED_STRIDE + r``
-#: (:func:`verl_patches.token_selection.select_tokens`); torch's generator takes a seed in
-#: ``[-2**63, 2**64)``
 SEED_STRIDE = 1_000_003
 TORCH_SEED_RANGE = (-(2 ** 63), 2 ** 64 - 1)
 
@@ -73,9 +69,7 @@ def random_seed_range(world: int) -> tuple[int, int]:
 
 
 def check_random_seed(config: DictConfig, found: list[Problem]) -> None:
-    """With ``strategy=random``, a seed every rank's generator can take: beyond the range torch's
-    ``manual_seed`` fails with "Overflow when unpacking long long" in the first update, after Ray,
-    the model load and the first rollout."""
+    """With ``strategy=random``, a seed every rank's generator can take (torch's fails in the first update)."""
     cfg = valid_settings(config)
     if cfg is None or cfg.strategy != "random":
         return
@@ -91,10 +85,8 @@ def check_random_seed(config: DictConfig, found: list[Problem]) -> None:
 
 
 def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:
-    """Ulysses sequence parallelism with a current-policy forward of the recipe's: verl's
-    ``TrainingWorker.infer_batch`` returns its output to one rank of each sequence-parallel group
-    only, and the loss's own statistics would be one rank's slice, so the recipe refuses it here
-    rather than on some ranks hours in."""
+    """No Ulysses sequence parallelism with a current-policy forward of the recipe's: verl's
+    ``TrainingWorker.infer_batch`` returns its output to one rank of each sequence-parallel group only."""
     sp = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1)
     if not (is_int(sp) and sp > 1):
         return
@@ -157,10 +149,7 @@ REWARD_MODEL_KEYWORDS = ("reward_router_address", "reward_model_tokenizer")
 
 
 def check_reward_signature(config: DictConfig, fn, found: list[Problem]) -> None:
-    """The reward function takes the call verl's reward loop makes: the keywords of
-    :data:`REWARD_KEYWORDS` (plus :data:`REWARD_MODEL_KEYWORDS` with a reward model, and
-    ``reward.custom_reward_function.reward_kwargs``), by name; otherwise the first reward, after Ray,
-    the model load and the first rollout, raises a TypeError."""
+    """The reward function takes the keywords verl's reward loop calls it with (and ``reward_kwargs``)."""
     key = "reward.custom_reward_function.name"
     try:
         signature = inspect.signature(fn)

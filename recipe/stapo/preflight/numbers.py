@@ -1,7 +1,5 @@
-"""Numbers and how they relate: positive integers for nodes, GPUs, lengths, batch sizes and budgets;
-``rollout.n >= 2`` for group-normalised advantages; batch, mini-batch, micro-batch and world-size
-divisibility as verl checks them without dynamic batching; token budgets that hold the longest
-sequence; the memory check's own settings."""
+"""Numbers and how they relate: sizes, group size, divisibility over the GPUs, token budgets, the
+memory check's own settings."""
 
 from __future__ import annotations
 
@@ -17,9 +15,7 @@ from .problem import ACTOR, REF, ROLLOUT, Problem, is_int, pick
 GROUP_ESTIMATORS = ("grpo", "grpo_vectorized", "grpo_passk", "rloo", "rloo_vectorized", "opo", "gpg",
                     "reinforce_plus_plus_baseline", "optimal_token_baseline", "tir_optimal_token_baseline", "gdpo")
 MEMORY_CHECK_MODES = ("refuse", "warn", "off")
-#: the most memory one accelerator has (GiB): 288 GB of HBM3E on AMD's MI355X and NVIDIA's B300, the
-#: largest cards shipping; a larger GPU_MEM_GB is a unit mistake (MiB, bytes) that would make the
-#: memory check pass everything
+#: the most memory one accelerator has (GiB): more is a unit mistake (MiB, bytes)
 MAX_GPU_MEM_GB = 288.0
 
 
@@ -167,32 +163,22 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
     return n.ok
 
 
-#: bytes per token the trainer holds for every sequence of a step, at least: ``input_ids``,
-#: ``attention_mask`` and ``position_ids``, int64 each, over prompt + response (verl's batch
-#: holds more: responses, masks, log-probabilities, advantages)
+#: bytes per token the trainer holds for every sequence of a step, at least: three int64 tensors
 STEP_BYTES_PER_TOKEN = 3 * 8
-
-
-def host_memory_bytes() -> int:
-    """This machine's physical memory in bytes."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check_step_host_memory(config: DictConfig, found: list[Problem], submit: bool = False,
                            memory: Optional[int] = None) -> None:
-    """A step's sequences fit the trainer's host memory: verl's trainer process holds the whole step
-    (``data.train_batch_size`` x ``rollout.n`` sequences of up to prompt + response tokens) at once, at
-    least :data:`STEP_BYTES_PER_TOKEN` bytes a token. More than this machine's memory (``memory``,
-    default :func:`host_memory_bytes`; the trainer runs on a node of the same cluster) fails in the
-    first step, after Ray, the model load and vLLM's start (``rollout.n=1e9`` passed every other
-    check). Not checked with ``LAUNCH=submit`` (the launching machine is not the cluster's)."""
+    """A step's sequences, which verl's trainer holds whole, fit ``memory`` (default: this machine's; the
+    trainer runs on a node of the same cluster). Not checked with ``LAUNCH=submit``."""
     values = [pick(config, k) for k in ("data.train_batch_size", f"{ROLLOUT}.n", "data.max_prompt_length",
                                         "data.max_response_length")]
     if submit or not all(is_int(v) and v > 0 for v in values):
         return
     batch, n, prompt, response = values
     need = batch * n * (prompt + response) * STEP_BYTES_PER_TOKEN
-    memory = host_memory_bytes() if memory is None else memory
+    if memory is None:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > memory:
         fit = max(1, memory // (batch * (prompt + response) * STEP_BYTES_PER_TOKEN))
         found.append(Problem(

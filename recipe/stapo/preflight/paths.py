@@ -1,8 +1,5 @@
-"""Paths: data files are parquet with the columns the run reads, the training files holding at least
-one batch; the model folder has a config, a tokenizer and weights; the checkpoint folder (and the
-token dump's) can be created and written (a probe file, removed with any folder made for it); the
-token dump's settings. With ``LAUNCH=submit`` a path the launching machine cannot see is a note, not
-a refusal (the job's driver checks it on the head node)."""
+"""Paths: data files, the model folder, the folders the run writes, the checkpoint it resumes from. With
+``LAUNCH=submit`` a path the launching machine cannot see is a note, not a refusal."""
 
 from __future__ import annotations
 
@@ -120,9 +117,7 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
 
 
 def _at_least_one_batch(config: DictConfig, paths: list[str], rows: int, found: list[Problem]) -> None:
-    """verl's training loader drops an incomplete last batch (``drop_last=True``, of
-    ``data.gen_batch_size`` prompts when set, else ``data.train_batch_size``): a training set of
-    fewer rows than one batch trains no step."""
+    """verl's training loader drops an incomplete last batch: fewer rows than one batch train no step."""
     key = "data.gen_batch_size" if pick(config, "data.gen_batch_size") else "data.train_batch_size"
     batch = pick(config, key)
     if is_int(batch) and rows < batch:
@@ -199,11 +194,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 def check_resume(config: DictConfig, found: list[Problem], submit: bool = False) -> None:
     """The checkpoint a run resumes from, found as verl's trainer finds it (after Ray, the model load and
-    vLLM's start): with ``resume_mode=auto``, the step in :data:`TRACKER`, read as verl reads it (``int()`` of
-    the file's text: text, nothing or a folder name stop the trainer there), and its ``global_step_<k>``
-    folder (when it is missing verl trains from step 0 without a word); with ``resume_mode=resume_path``,
-    the folder named, a ``global_step_<k>`` folder (verl takes k from the path). The folder holds the
-    actor's shards for this run's GPU count (verl's FSDP checkpoint files are named by it)."""
+    vLLM's start), holding the actor's shards for this run's GPU count."""
     mode, run_dir = pick(config, "trainer.resume_mode"), str(pick(config, "trainer.default_local_dir", "") or "")
     if mode == "auto" and run_dir and "://" not in run_dir and (Path(run_dir) / TRACKER).exists():
         tracker, key = Path(run_dir) / TRACKER, "trainer.default_local_dir"

@@ -103,11 +103,8 @@ class SelectionPool:
 
 
 def selection_pool(config: DictConfig) -> Optional[SelectionPool]:
-    """The pool of the run's token selection (None without one, or with numbers the preflight refuses):
-    with ``scope=mini_batch`` the response tokens of the PPO mini-batch's sequences held by one pool's
-    ranks (``ranks_per_pool``, default every rank); with ``scope=micro_batch`` one micro-batch of each of
-    those ranks (the token budget with dynamic batch size, prompts included; else the micro-batch's
-    sequences at the full response length); for a rule evaluated per rank, one rank's micro-batch."""
+    """The pool of the run's token selection: the mini-batch's or one micro-batch's tokens on one pool's
+    ranks (``ranks_per_pool``); None without one, or with numbers the preflight refuses."""
     cfg, dp = valid_settings(config), data_parallel_size(config)
     if cfg is None or not cfg.selects_tokens or dp is None:
         return None
@@ -134,8 +131,7 @@ def selection_pool(config: DictConfig) -> Optional[SelectionPool]:
 
 
 def problems_of(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """Every problem the whole preflight finds in ``config`` (none: it passes), without advice: what a
-    memory refusal's advice runs on each candidate change, and the memory verdict table on each run."""
+    """Every problem the whole preflight finds in ``config`` (none: it passes), without advice."""
     try:
         check(config, environ, log=lambda _: None, advise=False)
     except PreflightError as e:

@@ -1,8 +1,6 @@
-"""Single values verl reports only after Ray has started (:data:`VALUE_CHECKS`, each saying what verl
-does with a bad value), a second writer of the run's metrics file, the device, and the environment:
-:func:`check_environment` before the config is resolved, :func:`check_run_environment` with the value
-the run's processes will see (the loggers' part is :mod:`.loggers`). Importing this module imports no
-verl.
+"""Single values verl reports only after Ray has started (:data:`VALUE_CHECKS`), a second writer of the
+run's metrics file, the device, and the environment, before the config is resolved and as the run's
+processes will see it. Importing this module imports no verl.
 """
 
 from __future__ import annotations
@@ -70,10 +68,8 @@ ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"
 _VLLM = "vLLM refuses it when its engine starts, after Ray (verl passes it on unchecked)"
 _TOP_K = "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)"
 
-#: the limits verl itself does not check (its config classes, validate_config and the optimizer it builds
-#: check the rest: :mod:`.verl_config`), each with what verl does with a value outside them: vLLM's
-#: sampling and memory limits (vLLM checks them only when its engine starts), values verl uses unchecked
-#: where they run silently wrong or fail after Ray, and the engines the recipe is written for
+#: the limits verl itself does not check (:mod:`.verl_config` runs those it does), each with what verl
+#: does with a value outside them
 VALUE_CHECKS: tuple[ValueCheck, ...] = (
     ValueCheck(f"{ACTOR}.optim.clip_grad", "a number > 0", "verl clips every gradient's norm to it unchecked: 0 "
                "zeroes every update, a negative value flips it", "the paper: 1.0"),
@@ -119,8 +115,7 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
 
 
 def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """The problems of the module docstring's list (``environ``: the launching environment, default
-    ``os.environ``). A key the config does not have is not checked (verl then uses its default)."""
+    """The problems of the module docstring's list; a key the config does not have is not checked."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for value_check in VALUE_CHECKS:
@@ -169,8 +164,7 @@ def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem
 
 
 def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Mapping[str, str]) -> None:
-    """The run's metrics file has no writer now: another launch of the same run still training would lose
-    records to this one (its logger refuses a second writer too, but after Ray has started)."""
+    """The run's metrics file has no writer now (its logger refuses a second one too, but after Ray)."""
     path, _ = metrics_file_of(config, seen_by_workers(config, environ))
     if not path or "://" in path:
         return
@@ -183,10 +177,6 @@ def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Map
         return  # a file this process cannot open: left to the logger, which names it
 
 
-# ------------------------------------------------------------------------------------------------
-# environment variables
-# ------------------------------------------------------------------------------------------------
-
 #: environment variables the YAML reads as numbers: name -> (what, example)
 NUMBER_ENV = {"GPU_MEM_GB": ("the target GPU's memory in GiB (recipe.gpu_mem_gb)", "80")}
 #: a number as the YAML's ``oc.decode`` reads it: ASCII digits, an optional sign, point and exponent
@@ -197,9 +187,8 @@ def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = N
     """The positive finite number ``environ[name]`` holds, or None when it is unset.
 
     Raises:
-        ValueError: naming the variable, its value and an example, for anything else: empty, a word
-            (``true``), a list (``[80]``), zero, a negative number, NaN or infinity, and digits other
-            than ASCII ones (``８０``: Python's ``float`` reads them, the config's parser does not).
+        ValueError: naming the variable, its value and an example, for anything else (digits other than
+            ASCII ones too: Python's ``float`` reads them, the config's parser does not).
     """
     environ = os.environ if environ is None else environ
     if name not in environ:
@@ -231,11 +220,8 @@ FOLDER_ENV = {"STAPO_DATA_DIR": "the data folder (data.train_files, data.val_fil
 
 
 def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """What the environment must hold before the config is composed and resolved: each variable of
-    :data:`NUMBER_ENV` set to a positive number (omegaconf would fail on it with a long traceback
-    that does not name the variable, or read ``true`` as 1), each of :data:`FOLDER_ENV` set to a
-    folder name, not empty (``STAPO_DATA_DIR=`` makes ``data.train_files`` ``/train.parquet``), and
-    the launch folder an existing one, and :func:`check_import_environment`."""
+    """What the environment must hold before the config is composed and resolved: :data:`NUMBER_ENV`
+    positive numbers, :data:`FOLDER_ENV` not empty, the launch folder existing, and what ``import verl`` reads."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for name in NUMBER_ENV:
@@ -267,34 +253,14 @@ def _logging_level(raw: str) -> None:
                          "it when imported, and fails there (Python's 'Unknown level')") from None
 
 
-def external_modules_problem(value: str) -> Optional[str]:
-    """What is wrong with a ``VERL_USE_EXTERNAL_MODULES`` value (None: every module it lists is found; a
-    dotted name imports its parent packages to find it, as ``import`` would)."""
-    missing = []
-    for module in filter(None, (m.strip() for m in value.split(","))):
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        missing += [] if found else [module]
-    if not missing:
-        return None
-    return (f"lists {', '.join(map(repr, missing))}, which cannot be imported: every verl process imports these "
-            "when it imports verl, and fails there (in the driver, inside Hydra's config loading, with a message "
-            "that does not name the module)")
-
-
 #: what ``import verl`` reads in the driver (a :data:`RUN_ENV_CHECKS` name each)
 IMPORT_ENV = ("VERL_USE_EXTERNAL_MODULES", "VERL_LOGGING_LEVEL", "STAPO_SECRETS_FILE")
 
 
 def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """What ``import verl`` reads in the driver (:data:`IMPORT_ENV`, each read by its reader of
-    :data:`RUN_ENV_CHECKS`), checked before Hydra loads verl's config: a failure there surfaces as Hydra's
-    "Could not load 'ppo_trainer'" or a "target not found" that names neither the variable nor the cause.
-    When all of that passes and ``environ`` is this process's own, the modules of
-    ``VERL_USE_EXTERNAL_MODULES`` are imported, in order, as ``import verl`` is about to: an error one
-    raises on import (a setting it reads refused) is reported with its message."""
+    """What ``import verl`` reads in the driver (:data:`IMPORT_ENV`), where Hydra's error would name neither
+    the variable nor the cause; then, in this process's own environment, the modules of
+    ``VERL_USE_EXTERNAL_MODULES`` imported as ``import verl`` is about to."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for env_check in RUN_ENV_CHECKS:
@@ -334,9 +300,6 @@ def check_gpu_mem_source(config: DictConfig, environ: Mapping[str, str]) -> list
                     f"GPU_MEM_GB", value)]
 
 
-# -- the variables a run's processes read ----------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class EnvCheck:
     """An environment variable a run's processes read (``who``), the reader they use (``read``: raises
@@ -348,10 +311,6 @@ class EnvCheck:
     fix: str
 
 
-def _weight_sync_timeout(raw: str) -> float:
-    return parse_timeout(raw)  # the reader the trainer itself runs
-
-
 def _reward_workers(raw: str) -> int:
     # the recipe's reward package loads only where a run checks it (its import starts no helper process)
     from recipe.stapo.reward.guard import WORKERS_ENV, workers_from_env
@@ -360,9 +319,17 @@ def _reward_workers(raw: str) -> int:
 
 
 def _external_modules(raw: str) -> None:
-    problem = external_modules_problem(raw)
-    if problem:
-        raise ValueError(f"VERL_USE_EXTERNAL_MODULES={raw!r} {problem}")
+    missing = []
+    for module in filter(None, (m.strip() for m in raw.split(","))):
+        try:
+            found = importlib.util.find_spec(module) is not None  # a dotted name imports its parents, as import does
+        except (ImportError, ValueError):
+            found = False
+        missing += [] if found else [module]
+    if missing:
+        raise ValueError(f"VERL_USE_EXTERNAL_MODULES={raw!r} lists {', '.join(map(repr, missing))}, which cannot be "
+                         "imported: every verl process imports these when it imports verl, and fails there (in the "
+                         "driver, inside Hydra's config loading, with a message that does not name the module)")
 
 
 def _secrets_file(raw: str) -> dict:
@@ -387,12 +354,10 @@ def _metrics_file(raw: str) -> None:
                          "this user access")
 
 
-#: what a run's processes read from the environment, beyond the config (``GPU_MEM_GB`` is
-#: :data:`NUMBER_ENV`'s, the token dump's variables are the config's ``recipe.token_dump``, checked
-#: in :func:`recipe.stapo.preflight.paths.check_token_dump`)
+#: what a run's processes read from the environment, beyond the config
 RUN_ENV_CHECKS: tuple[EnvCheck, ...] = (
     EnvCheck("STAPO_WEIGHT_SYNC_TIMEOUT_S", "the trainer, at each weight sync to vLLM (the first one comes after Ray, "
-             "the model load and vLLM's start)", _weight_sync_timeout,
+             "the model load and vLLM's start)", parse_timeout,
              "set it to seconds in [1, 2147483], e.g. 600 (the default), or unset it"),
     EnvCheck("STAPO_REWARD_WORKERS", "the recipe's reward module, when a reward worker imports it", _reward_workers,
              "set it to a whole number >= 1, e.g. 4, or unset it for min(4, CPUs)"),
@@ -433,9 +398,8 @@ def origin(config: DictConfig, name: str) -> str:
 
 
 def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """One problem per variable of :data:`RUN_ENV_CHECKS` (and the metrics file of
-    ``VERL_FILE_LOGGER_PATH``, with the ``file`` logger) whose value the run's processes would
-    refuse after Ray has started, each read with the reader those processes use."""
+    """One problem per variable of :data:`RUN_ENV_CHECKS` (and the ``file`` logger's metrics file) whose value
+    the run's processes would refuse after Ray has started."""
     seen = seen_by_workers(config, environ)
     found: list[Problem] = []
     for env_check in RUN_ENV_CHECKS:
@@ -472,10 +436,8 @@ def logger_names(config: DictConfig) -> Optional[list]:
 
 
 def metrics_file_of(config: DictConfig, seen: Callable[[str], Optional[str]]) -> tuple[Optional[str], str]:
-    """``(path, variable)``: the metrics file verl's file logger will write with the ``file`` logger
-    (``VERL_FILE_LOGGER_PATH``, else ``VERL_FILE_LOGGER_ROOT/<project>/<experiment>.jsonl``, as the
-    workers see them), and the variable that names it; ``(None, "")`` without the ``file`` logger or
-    either variable."""
+    """``(path, variable)``: the metrics file the ``file`` logger writes and the variable naming it;
+    ``(None, "")`` without the ``file`` logger or either variable."""
     if "file" not in (logger_names(config) or []):
         return None, ""
     if seen("VERL_FILE_LOGGER_PATH"):

@@ -1,9 +1,6 @@
 """verl's own validation, before Ray: what verl's trainer and workers do with the config once Ray has
-started, done here on the same config, each refusal in verl's words (or torch's, or the dataset's)
-with the key, file or column it is about: the types verl declares (:func:`check_declared_types`), its
-config classes, optimizer builder and ``validate_config`` (:func:`check_verl_configs`), its model config
-and dataset class on the data files' first rows (:func:`check_model_and_data`). Importing this module
-imports no verl.
+started, done here on the same config, each refusal in verl's words naming the key, file or column.
+Importing this module imports no verl.
 """
 
 from __future__ import annotations
@@ -28,11 +25,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from .numbers import uses_reference
 from .problem import ACTOR, Problem, is_int, pick, shown
 
-#: the config sections verl converts into its config classes after Ray starts (``omega_conf_to_dataclass``)
-#: and when: the worker's actor and rollout configs (``ActorRolloutRefWorker.init_model``, the rollout's
-#: checkpoint engine with it), the reference's where a reference model runs, the critic's where a critic
-#: runs (``need_critic``), the distillation's where it is on, the skip manager's (the trainer's ``fit``),
-#: the separate-async trainer's rollout switch
+#: the config sections verl converts into its config classes after Ray starts, and when it converts each
 SECTIONS: tuple[tuple[str, Callable[[DictConfig], bool]], ...] = (
     (ACTOR, lambda config: True),
     ("actor_rollout_ref.rollout", lambda config: True),
@@ -47,8 +40,7 @@ SECTIONS: tuple[tuple[str, Callable[[DictConfig], bool]], ...] = (
 REF_RENAMES = {"log_prob_micro_batch_size": "ppo_micro_batch_size",
                "log_prob_micro_batch_size_per_gpu": "ppo_micro_batch_size_per_gpu",
                "log_prob_use_dynamic_bsz": "use_dynamic_bsz", "log_prob_max_token_len_per_gpu": "ppo_max_token_len_per_gpu"}
-#: rows the dataset check reads from the start of every data file: enough to meet a malformed row early,
-#: few enough to cost milliseconds
+#: rows the dataset check reads from the start of every data file
 SAMPLE_ROWS = 16
 MODEL = "actor_rollout_ref.model"
 _FIX = "correct the value verl names (docs/preflight.md)"
@@ -56,8 +48,7 @@ _FIX = "correct the value verl names (docs/preflight.md)"
 
 def _verl_says(name: str, config: DictConfig) -> bool:
     """verl's own answer (``verl.trainer.ppo.utils.<name>``), without its warnings."""
-    # verl loads only when a check runs (importing this module imports none)
-    from verl.trainer.ppo import utils
+    from verl.trainer.ppo import utils  # verl only where a check runs (this module imports none)
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -127,10 +118,8 @@ def _type_problem(key: str, value, hint, declared: str) -> Problem:
 
 
 def check_declared_types(config: DictConfig, skip: frozenset = frozenset()) -> list[Problem]:
-    """One problem per value whose type is not the one verl declares for it (keys in ``skip``, already
-    refused, are not reported again): under a node with a ``_target_``, its config class's field types;
-    elsewhere, the type of verl's default for the key where it is true/false, a number or text. Null is
-    refused only where verl's type excludes it and its default is not null."""
+    """One problem per value whose type is not the one verl declares for it (its config class's field, else
+    the type of verl's default); keys in ``skip``, already refused, are not reported again."""
     found: list[Problem] = []
 
     def walk(node: DictConfig, prefix: str, fields: Optional[tuple[type, dict]], defaults) -> None:
@@ -209,16 +198,14 @@ def verl_problem(config: DictConfig, section: str, error: BaseException, who: st
     return Problem(key, f"{who} refuses it: {words}", fix, shown(value))
 
 
-#: verl's conversions made in this process (the preflight runs again on every candidate of a memory
-#: refusal's advice, and on every config of a test): (section, its YAML, a stamp of the files it reads)
-#: -> (the config object or None, the error verl raised or None)
+#: (section, its YAML, a stamp of its files) -> (the config object, the error): the preflight runs again
+#: on every candidate of a memory refusal's advice
 _CONVERTED: dict[tuple, tuple] = {}
 
 
 def convert(config: DictConfig, section: str, found: list[Problem], node=None, files: tuple = ()):
     """``section`` (or ``node``, the section as verl has changed it) converted into its config class as verl
-    converts it; None with a problem in ``found`` when verl refuses it. A section of the same content (and
-    ``files``, a stamp of the files its conversion reads) is converted once per process."""
+    converts it, once per process; None with a problem in ``found`` when verl refuses it."""
     from hydra.errors import InstantiationException  # hydra and verl only where a check runs
     from verl.utils.config import omega_conf_to_dataclass
 
@@ -252,9 +239,8 @@ def _reference_section(config: DictConfig) -> DictConfig:
 
 
 def check_optimizer(config: DictConfig, section: str, optim, found: list[Problem]) -> None:
-    """verl's optimizer builder (``build_optimizer``, which the FSDP engine calls when the workers start)
-    on a stand-in parameter: the class ``optim.optimizer`` names in ``optim.optimizer_impl`` and the
-    arguments it takes (torch's own checks of the learning rate, weight decay and betas), then one step."""
+    """verl's optimizer builder, which the FSDP engine calls when the workers start, on a stand-in
+    parameter, then one step."""
     import torch  # torch and verl only where a check runs
     from verl.workers.config.optimizer import build_optimizer
 
@@ -290,11 +276,9 @@ def _validate_config(config: DictConfig, found: list[Problem]) -> None:
 
 
 def check_verl_configs(config: DictConfig, found: list[Problem], numbers_ok: bool = True) -> bool:
-    """Declared types (:func:`check_declared_types`), then every section of :data:`SECTIONS` converted as
-    verl converts it and its optimizer built, then, with usable numbers (``numbers_ok``) and nothing refused
-    in those sections, verl's ``validate_config``. A section holding a key already refused, or a value of
-    the wrong type, is not converted (its refusal would say the same again, or less). Returns whether
-    every value has its declared type."""
+    """Declared types, then every section of :data:`SECTIONS` not already refused converted and its optimizer
+    built, then, with usable numbers (``numbers_ok``) and nothing refused, verl's ``validate_config``.
+    Returns whether every value has its declared type."""
     # the patches every worker runs with (verl loads only after VERL_USE_EXTERNAL_MODULES is set)
     import verl_patches.activate  # noqa: F401
 
@@ -354,11 +338,9 @@ _DATASETS: dict[tuple, list[Problem]] = {}
 
 
 def check_model_and_data(config: DictConfig, found: list[Problem]) -> None:
-    """The model config verl builds first (``HFModelConfig``: ``config.json``, the tokenizer and its chat
-    template), then the dataset class training uses on the first rows of every data file with that
-    tokenizer (:func:`dataset_problems`), each once per process for the same settings and files. Only for
-    a local model folder and data files the paths check passed (a hub id, a remote path or one not visible
-    with ``LAUNCH=submit`` is left to the job)."""
+    """The model config verl builds first (``HFModelConfig``), then :func:`dataset_problems` of every data
+    file, each once per process for the same settings and files; only for a local model folder and data
+    files the paths check passed."""
     refused = {p.key for p in found}
     path = str(pick(config, f"{MODEL}.path", "") or "")
     if not Path(path).is_dir() or any(k == MODEL or k.startswith(MODEL + ".") for k in refused):
@@ -380,12 +362,8 @@ def check_model_and_data(config: DictConfig, found: list[Problem]) -> None:
 
 
 def dataset_problems(config: DictConfig, key: str, paths: list[str], model, train: bool) -> list[Problem]:
-    """verl's dataset (``create_rl_dataset``: the class ``data.custom_cls`` names, else ``RLHFDataset``) built
-    on the first :data:`SAMPLE_ROWS` rows of each of ``paths``, with the run's data settings and the model's
-    tokenizer, every row then read (``dataset[i]``) and collated as the data loader does. Refused: an error
-    building or reading it; a row the chat template cannot take (verl drops it as if it were too long:
-    a ``prompt`` column of plain text leaves no row, and the trainer stops with "num_samples=0" after Ray,
-    naming neither); no row within ``data.max_prompt_length``."""
+    """verl's dataset (``create_rl_dataset``) built on the first :data:`SAMPLE_ROWS` rows of each of
+    ``paths`` with the model's tokenizer, every row read and collated as the data loader does."""
     import datasets  # the dataset's libraries and verl only where a check runs
     import pyarrow as pa
     import pyarrow.parquet as pq
