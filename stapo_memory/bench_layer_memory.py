@@ -40,7 +40,7 @@ from torch.utils._pytree import tree_flatten
 from stapo_core.fileio import atomic_write
 from verl_patches.sum_pi_squared import sum_pi_squared_chunked
 
-from .bench_logits_memory import _mmap_large_allocations, peak_extra_bytes
+from .bench_logits_memory import mmap_large_allocations, peak_extra_bytes
 from .model import Estimate, Settings, forward_activation_phases, update_activation_phases
 from .shape import BUILTIN_SHAPES, ModelShape
 from .terms import BF16, ENTROPY_CHUNK_ROWS, GIB, layer_backward_bytes_per_token, logits_bytes
@@ -385,7 +385,7 @@ def measure_accounting(scale: int, tokens: int, entropy: bool = False, dtype: to
     kernels' workspace (:func:`lm_head_workspace_bytes`), beside the model's update (the largest of its
     moments) and what counting the logits with the recomputed layer's backward would give
     (``summed_bytes``: the LM head's moment plus the layer's recompute term)."""
-    _mmap_large_allocations()
+    mmap_large_allocations()
     shape = replace(scaled_shape(scale), num_layers=4, vocab_size=QWEN3_8B.vocab_size // scale)
     model = build_model(shape, "cpu", dtype=dtype)
     # warm-up at the same size: the kernels' lazy allocations, some sized by their inputs
@@ -424,7 +424,7 @@ def scaled_shape(scale: int) -> ModelShape:
 def measure_layer(scale: int, token_counts: list[int], seed: int = 0) -> dict:
     """Peak resident bytes of one layer's forward with grad and backward at each token count, the
     slope per token, and that slope scaled to the full width."""
-    _mmap_large_allocations()
+    mmap_large_allocations()
     shape = scaled_shape(scale)
     model = build_model(shape, "cpu", train=False, seed=seed)
     layer, rotary = model.model.layers[0], model.model.rotary_emb
@@ -461,7 +461,7 @@ def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
     import verl_patches.activate  # the recipe's patches, as in every verl process  # noqa: F401
     from verl.utils import torch_functional as verl_F
 
-    _mmap_large_allocations()
+    mmap_large_allocations()
     gen = torch.Generator().manual_seed(seed)
     logits = torch.empty(tokens, vocab, dtype=torch.bfloat16).normal_(0.0, 3.0, generator=gen).requires_grad_(True)
     labels = torch.randint(0, vocab, (tokens,), generator=gen)

@@ -33,14 +33,16 @@ MIB = 1024**2
 CASES = ("logits", "sum_pi_squared_verl", "sum_pi_squared_chunked", "entropy_chunked", "log_probs")
 
 
-def _proc_status_kb(field: str) -> int:
+def proc_status_kb(field: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"/proc/self/status has no {field}: the CPU measurement needs Linux")
 
 
-def _mmap_large_allocations() -> None:
+def mmap_large_allocations() -> None:
+    """glibc: serve allocations >= 64 KiB with mmap (fixed threshold), so freed tensors leave the RSS."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     except OSError:
@@ -59,10 +61,10 @@ def peak_extra_bytes(fn: Callable[[], object], device: str) -> float:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        base_kb = _proc_status_kb("VmRSS")
+        base_kb = proc_status_kb("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         result = fn()
-        peak = max(0, _proc_status_kb("VmHWM") - base_kb) * 1024
+        peak = max(0, proc_status_kb("VmHWM") - base_kb) * 1024
     del result
     return float(peak)
 
@@ -113,7 +115,7 @@ def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, chunk: 
     from verl_patches.sum_pi_squared import sum_pi_squared_chunked
 
     if device == "cpu":
-        _mmap_large_allocations()
+        mmap_large_allocations()
     verl_sum_pi_squared = original_of(verl_F.calculate_sum_pi_squared_from_logits)
     gen = torch.Generator(device=device).manual_seed(seed)
     labels = torch.randint(0, vocab, (tokens,), generator=gen, device=device)
