@@ -8,18 +8,10 @@
     python -m stapo_memory.bench_layer_memory logits-grad    # the logits' gradient, 2048 x 151,936
     python -m stapo_memory.bench_layer_memory fsdp-root      # FSDP1 on gloo, two processes
 
-``pass`` traces one micro-batch of verl 0.9.1's FSDP actor tensor by tensor on the meta device
-(:class:`LiveTensors`; the full model at the full budget costs no memory): the real transformers model
-with gradient checkpointing as verl enables it, verl's logits-side code, stand-ins for flash-attn's
-two GPU kernels that allocate what their code allocates, then for the update ``loss.backward()``. Each
-phase's peak is printed beside the memory model's activation terms of the same moments. FSDP's
-buffers are not traced (the model counts them from FSDP's code); a layer's parameter gradients are
-freed once accumulated, the root unit's kept, as FSDP does.
-
-``accounting``, ``layer``, ``logits-grad`` and ``fsdp-root`` measure on CPU (resident-set peaks,
-``VmHWM``): the trace on real tensors against the process's memory, one recomputed decoder layer's
-bytes per token, the logits' gradient not written in place, and FSDP1 keeping its root unit unsharded
-after a forward without grad (two gloo processes). docs/memory.md gives each one's numbers.
+``pass`` traces one micro-batch of verl's FSDP actor tensor by tensor on the meta device
+(:class:`LiveTensors`: the full model at the full budget costs no memory) beside the memory model's
+terms of the same moments; the other subcommands measure resident-set peaks on CPU. docs/memory.md
+("Checked against the model code", "Checked against a measurement") says what each covers and its numbers.
 """
 
 from __future__ import annotations
@@ -46,8 +38,6 @@ from .shape import BUILTIN_SHAPES, ModelShape
 from .terms import BF16, ENTROPY_CHUNK_ROWS, GIB, layer_backward_bytes_per_token, logits_bytes
 
 QWEN3_8B = BUILTIN_SHAPES["qwen3-8b"]
-
-
 
 
 class LiveTensors(TorchDispatchMode):
@@ -281,7 +271,6 @@ def trace_forward(shape: ModelShape, tokens: int, *, entropy: bool = True, sum_p
     return live
 
 
-
 #: the model's phases (``stapo_memory.model``) and the traced phases that span the same moments
 UPDATE_PHASES = {("layer forward", "forward end"): ("forward", "logits"),
                  ("logits backward", "LM head backward", "final norm backward"): ("LM head backward",),
@@ -410,8 +399,6 @@ def measure_accounting(scale: int, tokens: int, entropy: bool = False, dtype: to
             "summed_bytes": max(phases["LM head backward"], phases["logits backward"]) + layer}
 
 
-
-
 def scaled_shape(scale: int) -> ModelShape:
     """The 8B's shape at 1/``scale`` width: heads (and key-value heads) divided, head size kept."""
     s = QWEN3_8B
@@ -470,8 +457,6 @@ def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
     model = logits_bytes(tokens, vocab, BF16)
     return {"tokens": tokens, "vocab": vocab, "measured_bytes": measured, "model_bytes": model,
             "ratio": measured / model, "grad_dtype": str(logits.grad.dtype)}
-
-
 
 
 #: the fsdp-root model's vocabulary and width

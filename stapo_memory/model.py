@@ -1,10 +1,7 @@
 """GPU memory of one training step, pass by pass: an estimate from the model's shape and the run's
-settings (plain arithmetic, no GPU, no verl import). docs/memory.md lists the passes of a verl 0.9.1
-step (rollout, log_prob, reference, current, update_effect, update, update_end, optimizer_step) and
-writes out every term with the lines of verl, transformers, flash-attn and PyTorch it follows. Token
-terms are per GPU (with sequence parallelism of size ``sp`` a micro-batch holds ``budget x sp``
-tokens split over ``sp`` GPUs). :func:`estimate` gives each pass's components at its peak phase;
-:func:`problems` names every pass that does not fit within :func:`margin_bytes` of the GPU's capacity.
+settings (plain arithmetic, no GPU, no verl import), every term following the code docs/memory.md names.
+Token terms are per GPU (with sequence parallelism of size ``sp`` a micro-batch holds ``budget x sp``
+tokens split over ``sp`` GPUs).
 """
 
 from __future__ import annotations
@@ -301,10 +298,6 @@ def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
     return Estimate(shape, s, passes)
 
 
-#: what makes verl build the reference model (a KL loss or a KL penalty in the reward)
-_KL_KEYS = ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward")
-
-
 def settings_from_config(config) -> Settings:
     """:class:`Settings` of a composed recipe config (an OmegaConf config whose numbers the preflight
     has checked); the token selection's decisions come from its policy-loss dataclass."""
@@ -320,7 +313,8 @@ def settings_from_config(config) -> Settings:
 
     log_prob = tokens(f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
                       f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu")
-    uses_ref = any(bool(pick(k, False)) for k in _KL_KEYS)
+    # verl builds the reference model for a KL loss or a KL penalty in the reward
+    uses_ref = any(bool(pick(k, False)) for k in (f"{ACTOR}.use_kl_loss", "algorithm.use_kl_in_reward"))
     ref_tokens = tokens(f"{REF}.log_prob_use_dynamic_bsz", f"{REF}.log_prob_max_token_len_per_gpu",
                         f"{REF}.log_prob_micro_batch_size_per_gpu") if uses_ref else None
     loss = settings_of(config)
@@ -402,7 +396,6 @@ def vllm_share_fits(est: Estimate, gpu_bytes: float) -> bool:
 
 def all_fit(est: Estimate, gpu_bytes: float) -> bool:
     return vllm_share_fits(est, gpu_bytes) and all(fits(p, gpu_bytes) for p in est.passes)
-
 
 
 def problems(est: Estimate, gpu_bytes: float) -> list[tuple[str, str, str]]:

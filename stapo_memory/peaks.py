@@ -126,11 +126,10 @@ def _wrap(original, method: str, device=_device, log=print):
             with _counting(getattr(self, "engine", None)) as counter:
                 out = original(self, *args, **kwargs)
             allocated, reserved = dev.max_memory_allocated(), dev.max_memory_reserved()
+            carried = _state.carried
             if outer is not None:
-                carried = _state.carried
                 _state.carried = (max(carried[0], allocated), max(carried[1], reserved))
             else:
-                carried = _state.carried
                 allocated, reserved = max(allocated, carried[0]), max(reserved, carried[1])
             if _is_rank_zero():
                 used = _device_used(dev)
