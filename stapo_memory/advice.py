@@ -1,8 +1,6 @@
 """The memory model's advice, each change re-estimated: for a run that does not fit, the changes after
-which every pass does (:func:`plans`: lower budgets, vLLM's share and sequence parallelism, then offload
-and more GPUs; the preflight runs each through the whole preflight before it prints it), and the least
-a GPU can hold of the run (:func:`one_sequence`); for one that fits, what its room could buy
-(:func:`room`)."""
+which every pass does (:func:`plans`) and the least a GPU can hold of the run (:func:`one_sequence`); for
+one that fits, what its room could buy (:func:`room`)."""
 
 from __future__ import annotations
 

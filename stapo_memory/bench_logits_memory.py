@@ -6,10 +6,7 @@ model's numbers (``stapo_memory/terms.py``).
     python -m stapo_memory.bench_logits_memory --device cuda --tokens 16384   # under CUDA autocast (bf16)
 
 Each case runs one computation on ``(tokens, vocab)`` bfloat16 logits that exist before it and
-records the peak bytes it allocates beside them: on CPU the resident-set high-water mark
-(``VmHWM``, reset through ``/proc/self/clear_refs``, every allocation >= 64 KiB served by ``mmap``;
-about 1 MiB of noise), on CUDA ``max_memory_allocated`` under bfloat16 autocast as verl's engine
-runs. On CPU the cases that CUDA autocast runs in float32 (``logsumexp``) cast by hand.
+records the peak bytes it allocates beside them (:func:`peak_extra_bytes`).
 """
 
 from __future__ import annotations
@@ -50,7 +47,9 @@ def mmap_large_allocations() -> None:
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: str) -> float:
-    """Peak bytes ``fn()`` allocates beyond what is allocated before it (its result included)."""
+    """Peak bytes ``fn()`` allocates beyond what is allocated before it (its result included): on CPU the
+    resident-set high-water mark (about 1 MiB of noise), on CUDA ``max_memory_allocated`` under bfloat16
+    autocast as verl's engine runs."""
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()

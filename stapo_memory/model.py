@@ -184,10 +184,8 @@ def forward_activation_phases(shape: ModelShape, s: Settings, tokens: int, *, en
 
 def update_activation_phases(shape: ModelShape, s: Settings) -> dict[str, Terms]:
     """An update micro-batch of ``s.update_tokens`` (verl's ``forward_step``, then ``loss.backward()``):
-    what the model code and autograd hold at each of its moments, as ``(name, fixed bytes, bytes per
-    token)``. The checkpointed layer inputs stay through all of them; docs/memory.md writes out each
-    moment (layer forward, forward end, logits backward, LM head backward, final norm backward, layer
-    backward, embedding backward)."""
+    what the model code and autograd hold at each of its moments (docs/memory.md writes out each), as
+    ``(name, fixed bytes, bytes per token)``."""
     b, v, h, t = s.compute_bytes, shape.vocab_size, shape.hidden_size, s.update_tokens
     inputs = ("checkpointed layer inputs", 0.0, layer_inputs_bytes_per_token(shape, b))
     final_norm = ("final norm (saved, output)", 0.0, norm_saved_bytes(h, b) + h * b)

@@ -1,9 +1,7 @@
 """The measured GPU memory of each pass, one line per pass on rank 0 of a calibration run (the probes of
-:mod:`stapo_memory.probes`; docs/memory.md, "Calibrating on a GPU", says what each field measures and
-``python -m stapo_memory.calibration`` reads the lines back). Each forward (``infer_batch``; inside the
-update each its own pass) and each update (``train_mini_batch``, covering its nested forwards) resets
-PyTorch's peak before it runs, as verl's never-reset ``perf/max_memory_*`` do not; the weight sync
-(``update_weights``: vLLM awake) logs after it. Only on CUDA:
+:mod:`stapo_memory.probes`; docs/memory.md, "Calibrating on a GPU", says what each field measures). Each
+forward and each update (covering its nested forwards) resets PyTorch's peak before it runs, as verl's
+never-reset ``perf/max_memory_*`` do not. Only on CUDA:
 
     [stapo] memory peak: pass=log_prob allocated_gib=23.41 reserved_gib=25.02 device_gib=31.20 outside_gib=6.18 tokens=48913 micro_batches=12
 """

@@ -189,12 +189,10 @@ def room_text(config: DictConfig, estimate: model.Estimate, gpu: float) -> Optio
 
 
 def check(config: DictConfig, found: list[Problem], notes: list[str], recheck: Optional[Recheck] = None) -> Optional[str]:
-    """The memory table for the target GPU (returned) and a problem per pass that does not
-    fit (``recipe.memory_check``: ``refuse``; ``warn`` makes them notes, ``off`` skips the estimate).
-    ``recheck`` (the whole preflight on a changed config, returning its problems): with it, each
-    refusal names the changes that make every pass fit, verified, or what can (:func:`floor_text`), and
-    a run with room is told what it could buy (:func:`room_text`); without it (the preflight re-run for
-    a candidate), none."""
+    """The memory table for the target GPU (returned) and a problem per pass that does not fit
+    (``recipe.memory_check``: ``refuse``; ``warn`` makes them notes, ``off`` skips the estimate). Only
+    with ``recheck`` (the whole preflight on a changed config; not in the preflight re-run for a
+    candidate) does a refusal name its fix or a run its room."""
     mode = pick(config, "recipe.memory_check", "refuse")
     if mode == "off":
         notes.append("GPU memory not checked (recipe.memory_check=off)")

@@ -1,7 +1,5 @@
-"""The model's shape, as the memory model reads it: a dense decoder-only model's ``config.json``
-read whole (every field the estimate uses checked and named when it cannot be used; a
-Mixture-of-Experts model refused as not estimated), and the built-in shapes of the paper's models
-for a model folder the launching machine cannot read."""
+"""The model's shape, as the memory model reads it: from a dense decoder-only model's ``config.json``
+(:func:`shape_from_hf_config`), or built in for the paper's models (:func:`builtin_shape`)."""
 
 from __future__ import annotations
 
