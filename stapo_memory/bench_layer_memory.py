@@ -211,18 +211,15 @@ def trace_update(shape: ModelShape, tokens: int, *, entropy: bool = False, entro
 
     def forward_step():
         output, logits = _logits(model, ids, positions, live, unit_temperature)
-        loss_terms = []
-        if entropy:
-            if entropy_grad:
-                loss_terms.append(verl_F.entropy_from_logits_with_chunking(logits, chunk_size=chunk).mean())
-            else:
-                with torch.no_grad():
-                    verl_F.entropy_from_logits_with_chunking(logits, chunk_size=chunk)
+        bonus = None
+        if entropy and entropy_grad:
+            bonus = verl_F.entropy_from_logits_with_chunking(logits, chunk_size=chunk).mean()
+        elif entropy:
+            with torch.no_grad():
+                verl_F.entropy_from_logits_with_chunking(logits, chunk_size=chunk)
         log_probs, _ = FlashCrossEntropy.apply(logits, labels, not entropy)
         loss = (-log_probs).sum() / tokens
-        for term in loss_terms:
-            loss = loss - 0.001 * term
-        return loss
+        return loss if bonus is None else loss - 0.001 * bonus
 
     try:
         with live:
