@@ -42,17 +42,12 @@ def pass_name(worker, method: str, data=None) -> str:
     if getattr(engine_config, "forward_only", False):
         return "reference"
     if getattr(_state, "outer", None) == "update":
-        return "current" if _non_tensor(data, "calculate_entropy", False) else "update_effect"
+        if isinstance(data, dict):
+            entropy = data.get("calculate_entropy", False)
+        else:  # a batch's non-tensor entry, as verl reads it
+            entropy = data is not None and tu.get_non_tensor_data(data, "calculate_entropy", False)
+        return "current" if entropy else "update_effect"
     return "log_prob"
-
-
-def _non_tensor(data, key: str, default):
-    """A batch's non-tensor entry as verl reads it (``tu.get_non_tensor_data``), or ``default``."""
-    if data is None:
-        return default
-    if isinstance(data, dict):
-        return data.get(key, default)
-    return tu.get_non_tensor_data(data, key, default)
 
 
 def micro_batch_tokens(micro_batch) -> int:
@@ -69,11 +64,6 @@ def line(name: str, allocated: float, reserved: float, device: float = 0.0, outs
     return (f"{PREFIX} pass={name} allocated_gib={allocated / GIB:.2f} reserved_gib={reserved / GIB:.2f} "
             f"device_gib={device / GIB:.2f} outside_gib={outside / GIB:.2f} tokens={tokens} "
             f"micro_batches={micro_batches}")
-
-
-def _device_used(dev) -> float:
-    free, total = dev.mem_get_info()
-    return float(total - free)
 
 
 @contextlib.contextmanager
@@ -130,9 +120,9 @@ def _wrap(original, method: str, device=_device, log=print):
             else:
                 allocated, reserved = max(allocated, carried[0]), max(reserved, carried[1])
             if _is_rank_zero():
-                used = _device_used(dev)
-                log(line(name, allocated, reserved, used, used - dev.memory_reserved(), counter.tokens,
-                         counter.micro_batches))
+                free, total = dev.mem_get_info()
+                log(line(name, allocated, reserved, total - free, total - free - dev.memory_reserved(),
+                         counter.tokens, counter.micro_batches))
             return out
         finally:
             if outer is None:
@@ -143,12 +133,8 @@ def _wrap(original, method: str, device=_device, log=print):
     return probed
 
 
-def wrap_infer_batch(original):
-    return _wrap(original, "infer_batch")
-
-
-def wrap_train_mini_batch(original):
-    return _wrap(original, "train_mini_batch")
+wrap_infer_batch = functools.partial(_wrap, method="infer_batch")
+wrap_train_mini_batch = functools.partial(_wrap, method="train_mini_batch")
 
 
 def wrap_update_weights(original, device=_device, log=print):
@@ -160,8 +146,9 @@ def wrap_update_weights(original, device=_device, log=print):
         out = await original(self, *args, **kwargs)
         dev = device()
         if dev is not None and _is_rank_zero():
-            used = _device_used(dev)
-            log(line("rollout", dev.memory_allocated(), dev.memory_reserved(), used, used - dev.memory_reserved()))
+            free, total = dev.mem_get_info()
+            log(line("rollout", dev.memory_allocated(), dev.memory_reserved(), total - free,
+                     total - free - dev.memory_reserved()))
         return out
 
     return probed
