@@ -66,10 +66,8 @@ def _fit(shape: ModelShape, s: Settings, gpu_bytes: float, names: tuple[str, ...
 def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str, names: tuple[str, ...],
                     floor: int, ceiling: Optional[int] = None) -> Optional[int]:
     """The largest budget from ``floor`` to ``ceiling`` (default: the current one) at which ``names``
-    fit, the model re-run at each candidate (the passes grow with their tokens); None when ``floor``
-    does not fit. The candidates are ``floor``, ``ceiling`` and the multiples of :data:`BUDGET_STEP`
-    between (without dynamic batching: the multiples of the longest sequence from ``floor`` on),
-    searched as ranges (a ceiling of a billion responses' tokens costs a few dozen estimates)."""
+    fit, None when ``floor`` does not: ``floor``, ``ceiling`` or a multiple of :data:`BUDGET_STEP` between
+    (without dynamic batching: a multiple of the longest sequence), searched by :func:`largest`."""
     ceiling = getattr(s, knob) if ceiling is None else ceiling
 
     def ok(tokens: int) -> bool:
@@ -185,11 +183,9 @@ def _plan(kind: str, shape: ModelShape, s: Settings, gpu_bytes: float, overrides
 
 
 def plans(shape: ModelShape, s: Settings, gpu_bytes: float, gpus_per_node: int = 8, max_gpus: int = 512):
-    """Candidate :class:`Plan` s for a run that does not fit, in the order the preflight tries them: the
-    settings alone (:func:`settings_plan`), then optimizer offload, parameter and optimizer offload, and
-    more GPUs (whole nodes of ``gpus_per_node``, or up to a node of 8 when the run uses fewer), each
-    alone when that fits, else with the settings changes it still needs. A generator: the preflight
-    verifies each through the whole preflight and keeps the first of each kind that passes."""
+    """Candidate :class:`Plan` s for a run that does not fit, in the order the preflight verifies them:
+    the settings alone (:func:`settings_plan`), then optimizer offload, parameter and optimizer offload,
+    and more GPUs (whole nodes of ``gpus_per_node``, or up to a node of 8 when the run uses fewer)."""
     found = settings_plan(shape, s, gpu_bytes)
     if found:
         yield Plan("settings", found[1], estimate(shape, found[0], gpu_bytes))
@@ -226,9 +222,8 @@ def one_sequence(shape: ModelShape, s: Settings, gpu_bytes: float, longest: Opti
 
 def room(shape: ModelShape, s: Settings, gpu_bytes: float, ceilings: dict[str, int]) -> Settings:
     """For a run that fits: ``s`` with the largest ``gpu_memory_utilization`` and token budgets with which
-    every pass still fits, none below its own (each budget at most its ``ceilings`` entry, by settings
-    field: beyond the tokens a GPU gets at once a larger budget buys nothing). Each sizes passes of its
-    own (the rollout, the update, the forwards), so they hold together."""
+    every pass still fits, none below its own, each at most its ``ceilings`` entry (by settings field: the
+    tokens a GPU gets at once). Each sizes passes of its own, so they hold together."""
     t = replace(s, gpu_memory_utilization=max(s.gpu_memory_utilization, _utilisation(shape, s, gpu_bytes) or 0))
     for knob, names, _ in _budget_knobs(s):
         current = getattr(s, knob)

@@ -42,19 +42,15 @@ def sum_pi_squared_extra_bytes(tokens: int, vocab: int, logits_dtype_bytes: int 
 
 
 def entropy_extra_bytes(tokens: int, vocab: int, chunk: Optional[int] = 2048) -> float:
-    """Peak bytes verl's entropy allocates beside the logits, without autograd: per chunk a float32
-    copy, its softmax and one more float32 temporary (the ``logsumexp`` or the product
-    ``softmax x logits``): ``12 x rows x vocab`` (rows: the chunk, or every token unchunked).
-    ``torch.compile`` (verl's default) fuses some of them: an upper bound."""
+    """Peak bytes verl's entropy allocates beside the logits, without autograd: ``12 x rows x vocab``
+    (rows: the chunk, or every token unchunked; docs/memory.md); an upper bound under ``torch.compile``."""
     rows = tokens if chunk is None else min(chunk, tokens)
     return 3.0 * FP32 * rows * vocab
 
 
 def entropy_with_grad_bytes(tokens: int, vocab: int, chunk: Optional[int] = 2048, backward: bool = False) -> float:
-    """What verl's chunked entropy with grad (an entropy bonus) holds: every chunk's float32 copy and
-    softmax, kept for the backward (``8 x tokens x vocab``), plus one chunk's float32 product while the
-    forward runs, two of its float32 gradients while the backward runs (eager; an upper bound under
-    ``torch.compile``)."""
+    """What verl's chunked entropy with grad (an entropy bonus) holds: ``8 x tokens x vocab`` kept for the
+    backward, plus one chunk's float32 product (forward) or two of its gradients (``backward``)."""
     rows = tokens if chunk is None else min(chunk, tokens)
     return 2.0 * FP32 * tokens * vocab + (2 if backward else 1) * FP32 * rows * vocab
 
