@@ -31,7 +31,6 @@ CASES = ("logits", "sum_pi_squared_verl", "sum_pi_squared_chunked", "entropy_chu
 
 
 def proc_status_kb(field: str) -> int:
-    """A ``/proc/self/status`` field in KiB (``VmRSS``, ``VmHWM``)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])

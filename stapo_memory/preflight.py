@@ -158,19 +158,18 @@ def fix_text(chosen: dict[str, advice.Plan], floor: Callable[[], str]) -> str:
     return floor()
 
 
-#: how a budget's room reads (settings field -> whose micro-batches, what one holds at most)
-_ROOM = {"update_tokens": ("the update's", "the whole mini-batch a GPU gets"),
-         "log_prob_tokens": ("the log-prob passes'", "the whole batch a GPU gets"),
-         "ref_tokens": ("the reference's", "the whole batch a GPU gets")}
+#: how a budget's room reads (settings field -> whose micro-batches, what one holds at most, the batch the GPUs share)
+_ROOM = {"update_tokens": ("the update's", "the whole mini-batch a GPU gets", f"{ACTOR}.ppo_mini_batch_size"),
+         "log_prob_tokens": ("the log-prob passes'", "the whole batch a GPU gets", "data.train_batch_size"),
+         "ref_tokens": ("the reference's", "the whole batch a GPU gets", "data.train_batch_size")}
 
 
 def room_text(config: DictConfig, estimate: model.Estimate, gpu: float) -> Optional[str]:
     """What the room of a run that fits could buy by the estimate (:func:`advice.room`); None without room."""
     s = estimate.settings
     n = int(pick(config, f"{ROLLOUT}.n", 1) or 1)
-    per_gpu = lambda prompts: math.ceil(int(pick(config, prompts)) * n * s.longest / s.world_size)  # noqa: E731
-    ceilings = {"update_tokens": per_gpu(f"{ACTOR}.ppo_mini_batch_size"), "log_prob_tokens": per_gpu("data.train_batch_size"),
-                "ref_tokens": per_gpu("data.train_batch_size")}
+    ceilings = {knob: math.ceil(int(pick(config, prompts)) * n * s.longest / s.world_size)
+                for knob, (_, _, prompts) in _ROOM.items()}
     t = advice.room(estimate.shape, s, gpu, ceilings)
     overrides = advice.budget_overrides(s, t)
     if not overrides:
@@ -179,7 +178,7 @@ def room_text(config: DictConfig, estimate: model.Estimate, gpu: float) -> Optio
     if t.gpu_memory_utilization != s.gpu_memory_utilization:
         bought.append(f"vLLM's share {model.gib(t.gpu_memory_utilization * gpu)} GiB instead of "
                       f"{model.gib(s.gpu_memory_utilization * gpu)} (more KV cache: more sequences generated at once)")
-    for knob, (whose, whole) in _ROOM.items():
+    for knob, (whose, whole, _) in _ROOM.items():
         if getattr(s, knob) is not None and getattr(t, knob) != getattr(s, knob):
             bought.append(f"{whose} micro-batches of {getattr(t, knob)} tokens instead of {getattr(s, knob)} "
                           f"({getattr(t, knob) // s.longest} longest sequences instead of {getattr(s, knob) // s.longest}"
