@@ -192,10 +192,8 @@ def _inputs(tokens: int, device: str):
 def trace_update(shape: ModelShape, tokens: int, *, entropy: bool = False, entropy_grad: bool = False,
                  unit_temperature: bool = True, chunk: int = ENTROPY_CHUNK_ROWS, device: str = "meta",
                  model=None) -> LiveTensors:
-    """One update micro-batch of ``tokens``, as ``forward_step`` and ``forward_backward_batch`` run it:
-    the model's forward, the logits' computations (temperature, the entropy: without grad as the
-    recipe's patch computes it, or with grad for an entropy bonus; the log-probs with
-    ``inplace_backward`` unless the entropy is computed), a loss over the log-probs, then its backward.
+    """One update micro-batch of ``tokens``, as ``forward_step`` and ``forward_backward_batch`` run it
+    (the entropy without grad as the recipe's patch computes it, or with grad for an entropy bonus).
     Phases: ``forward``, ``logits``, ``LM head backward``, ``layer backward``."""
     from verl.utils import torch_functional as verl_F  # verl where a subcommand runs its code
 
@@ -349,9 +347,7 @@ def counted_totals(est: Estimate) -> dict[str, float]:
 
 def lm_head_workspace_bytes(shape: ModelShape, dtype: torch.dtype, tokens: int = 256) -> float:
     """Resident bytes the LM head's matmuls in ``dtype`` take beyond their inputs, output and gradients:
-    the kernels' workspace, which no tensor holds (a CPU without native bfloat16 converts the
-    ``(vocab, hidden)`` bfloat16 weight to float32, whatever the tokens; near 0 in float32 or where the
-    CPU computes in bfloat16). The trace sees no workspace, as it sees no cuBLAS one."""
+    the kernels' workspace, which no tensor holds and the trace cannot see (docs/memory.md)."""
     x = torch.randn(tokens, shape.hidden_size, dtype=dtype, requires_grad=True)
     weight = torch.randn(shape.vocab_size, shape.hidden_size, dtype=dtype, requires_grad=True)
     grad = torch.randn(tokens, shape.vocab_size, dtype=dtype)
@@ -367,10 +363,8 @@ def lm_head_workspace_bytes(shape: ModelShape, dtype: torch.dtype, tokens: int =
 
 def measure_accounting(scale: int, tokens: int, entropy: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The update trace on real CPU tensors in ``dtype`` of the 8B's shape at 1/``scale`` width (4
-    layers): the accounted peak against the resident-set peak around the same call less the LM head
-    kernels' workspace (:func:`lm_head_workspace_bytes`), beside the model's update (the largest of its
-    moments) and what counting the logits with the recomputed layer's backward would give
-    (``summed_bytes``: the LM head's moment plus the layer's recompute term)."""
+    layers): the accounted peak against the resident-set peak less :func:`lm_head_workspace_bytes`,
+    beside the model's update and (``summed_bytes``) the LM head's moment plus the layer's recompute."""
     mmap_large_allocations()
     shape = replace(scaled_shape(scale), num_layers=4, vocab_size=QWEN3_8B.vocab_size // scale)
     model = build_model(shape, "cpu", dtype=dtype)

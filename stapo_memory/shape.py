@@ -23,12 +23,10 @@ class NotEstimated(ShapeError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate needs from a dense decoder-only model's ``config.json``.
-
-    ``qk_norm``: per-head RMSNorm of queries and keys (Qwen3); ``qkv_bias``: biases on the query, key
-    and value projections (Qwen2); ``max_position_embeddings``: the context vLLM serves by default
-    (None: not given); ``source``: where the numbers come from (a file or a built-in).
-    """
+    """What the estimate needs from a dense decoder-only model's ``config.json``. ``qk_norm``: per-head
+    RMSNorm of queries and keys (Qwen3); ``qkv_bias``: biases on the query, key and value projections
+    (Qwen2); ``max_position_embeddings``: the context vLLM serves by default (None: not given);
+    ``source``: where the numbers come from (a file or a built-in)."""
 
     hidden_size: int
     num_layers: int

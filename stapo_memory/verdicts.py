@@ -5,9 +5,8 @@
     python -m stapo_memory.verdicts --write docs/memory.md   # replace both in the document
     python -m stapo_memory.verdicts --check docs/memory.md   # exit 1 when the document's differ
 
-Each cell is one paper run (``method=<m> model=<model>``, 1 or 8 nodes of 8 GPUs, ``recipe.gpu_mem_gb``
-the card's memory as CUDA reports it) through the whole preflight with ``LAUNCH=submit`` (docs/memory.md
-says what a cell shows); beside the table, one paper run's count written out term by term (:func:`terms`).
+Each cell is one paper run through the whole preflight with ``LAUNCH=submit`` (docs/memory.md says what
+a cell shows); beside the table, one paper run's count written out term by term (:func:`terms`).
 """
 
 from __future__ import annotations
