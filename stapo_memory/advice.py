@@ -132,9 +132,8 @@ def _sequence_parallel_sizes(shape: ModelShape, s: Settings) -> list[int]:
 def settings_plan(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[tuple[Settings, dict[str, object]]]:
     """Settings and overrides that make every pass fit with the GPUs and offload of ``s``, changing only
     what does not fit: deferred gradient sync off, the largest ``gpu_memory_utilization`` that fits, the
-    largest budget of each pass that does not fit (never below one longest sequence over the sequence
-    parallel size), a larger sequence parallel size only where the recipe allows one and no budget fits.
-    None when no such change fits (a token-independent part alone is too large)."""
+    largest budget of each pass that does not fit (at least one longest sequence over the sequence
+    parallel size), a larger sequence parallel size only where the recipe allows one; None when none fits."""
     est = estimate(shape, s, gpu_bytes)
     failing = {p.name for p in est.passes if not fits(p, gpu_bytes)}
     overrides: dict[str, object] = {}

@@ -320,11 +320,9 @@ def compare(shape: ModelShape, tokens: int, *, forward: bool = False, entropy: b
 
 
 def counted_totals(est: Estimate) -> dict[str, float]:
-    """Each pass of ``est`` as counted with the traced activations: the model's components that are
-    not the model code's (resident state, gathered parameters, FSDP's gradient buffers, vLLM's share,
-    the overhead) plus, per phase, the trace's peak of the same moments in place of the model's
-    activation terms. Passes without token-dependent activations (rollout, update end, optimizer step)
-    are the model's own count."""
+    """Each pass of ``est`` as counted with the traced activations: per phase, the trace's peak of the
+    same moments in place of the model's activation terms, beside the model's other components. Passes
+    without token-dependent activations (rollout, update end, optimizer step) are the model's own count."""
     s = est.settings
     if s.entropy_chunk is None or (s.calculate_sum_pi_squared and s.sum_pi_squared_chunk is None):
         raise ValueError("the trace covers the chunked entropy and sum of squares only")

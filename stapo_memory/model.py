@@ -163,8 +163,7 @@ def _chunk_term(name: str, total: float, tokens: int, chunk: Optional[int]) -> t
 def forward_activation_phases(shape: ModelShape, s: Settings, tokens: int, *, entropy: bool,
                               sum_pi_squared: bool) -> dict[str, Terms]:
     """A no-grad micro-batch of ``tokens`` (verl's ``infer_batch``): what the model code allocates at
-    each of its moments (``layers``, ``LM head``, ``logits``; docs/memory.md), as ``(name, fixed bytes,
-    bytes per token)``."""
+    each of its moments (docs/memory.md), as ``(name, fixed bytes, bytes per token)``."""
     b, v, h = s.compute_bytes, shape.vocab_size, shape.hidden_size
     logits = ("logits", 0.0, v * b)
     temporaries = {"entropy chunk": (entropy_extra_bytes(tokens, v, s.entropy_chunk), s.entropy_chunk)

@@ -69,8 +69,7 @@ def line(name: str, allocated: float, reserved: float, device: float = 0.0, outs
 @contextlib.contextmanager
 def _counting(engine):
     """The largest micro-batch (tokens on this GPU) and the number of micro-batches of one pass, read
-    from the engine's ``forward_step`` while the pass runs (an attribute of the engine object, removed
-    after)."""
+    from the engine's ``forward_step`` while the pass runs."""
     counter = SimpleNamespace(tokens=0, micro_batches=0)
     original = getattr(engine, "forward_step", None)
     if original is None:

@@ -1,8 +1,6 @@
 """:func:`check`, the one function of this package the preflight calls (``MEMORY_CHECK`` in
-recipe/stapo/preflight/run.py): the estimate per pass against ``recipe.gpu_mem_gb`` (``GPU_MEM_GB``, GiB
-as CUDA reports them). A refusal names the changes that make every pass fit, each run through the whole
-preflight first, or, where none does, the least a GPU needs and what can lower it; a run with room to
-spare is told what the room could buy."""
+recipe/stapo/preflight/run.py): the estimate per pass against ``recipe.gpu_mem_gb``, a refusal naming
+the changes that make every pass fit (each verified by the whole preflight) or what can lower the need."""
 
 from __future__ import annotations
 
