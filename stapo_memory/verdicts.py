@@ -83,9 +83,8 @@ def short(plan: Plan) -> str:
     parts = []
     for key, value in plan.overrides.items():
         name = SHORT.get(key, key)
-        if name is None:
-            continue
-        parts.append(name if value is True else f"{name} {str(value).lower() if isinstance(value, bool) else value}")
+        if name is not None:
+            parts.append(name if value is True else f"{name} {str(value).lower() if isinstance(value, bool) else value}")
     return ", ".join(parts)
 
 
