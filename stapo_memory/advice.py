@@ -85,9 +85,8 @@ def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str,
 
 
 def largest(candidates: Sequence[int], ok: Callable[[int], bool]) -> Optional[int]:
-    """The largest of ascending ``candidates`` (a list or a range, never listed) for which ``ok`` holds,
-    ``ok`` holding up to some point and not beyond (a pass grows with its tokens); None when it fails
-    on the first."""
+    """The largest of ascending ``candidates`` (a list or a range, never listed) for which ``ok``, holding
+    up to some point and not beyond, holds (a binary search); None when it fails on the first."""
     if not candidates or not ok(candidates[0]):
         return None
     lo, hi = 0, len(candidates) - 1

@@ -130,9 +130,8 @@ def reference_root_bytes(shape: ModelShape, s: Settings) -> float:
 
 
 def _gathered(shape: ModelShape, s: Settings) -> float:
-    """Unsharded compute-dtype parameters during a forward or backward: FSDP's root unit (embeddings,
-    LM head, final norm) for the whole pass, plus two decoder layers (the one running and the one
-    prefetched)."""
+    """Unsharded compute-dtype parameters during a forward or backward: FSDP's root unit for the whole
+    pass, plus two decoder layers (the one running and the one prefetched)."""
     return s.compute_bytes * (shape.embedding_params + 2 * shape.layer_params)
 
 
@@ -233,9 +232,8 @@ def _pass_from_phases(name: str, phases: dict[str, Terms], tokens: int, fixed: d
 
 
 def vllm_floor_bytes(shape: ModelShape, s: Settings) -> float:
-    """What vLLM's share must hold on each GPU (else vLLM refuses to start): its bfloat16 weights and
-    the KV cache of one longest sequence, split over the tensor parallel size, and
-    :data:`VLLM_RUNTIME_BYTES`."""
+    """What vLLM's share must hold on each GPU (else vLLM refuses to start): its bfloat16 weights and one
+    longest sequence's KV cache over the tensor parallel size, and :data:`VLLM_RUNTIME_BYTES`."""
     tp = max(1, s.rollout_tp)
     weights = BF16 * shape.params / tp
     kv_heads = max(1, math.ceil(shape.num_kv_heads / tp))
