@@ -113,8 +113,7 @@ def shape_from_hf_config(config: Mapping, source: str = "") -> ModelShape:
     """:class:`ModelShape` of a Hugging Face ``config.json`` (a nested ``text_config`` is used when
     present), every field checked: whole numbers >= 1 (the vocabulary >= 2), key-value heads dividing
     the attention heads, a head size given or dividing the width. :class:`ShapeError` names the first
-    field that is not; :class:`NotEstimated` a Mixture-of-Experts config (its experts are not modelled,
-    and a dense estimate of its width would be several times too low)."""
+    field that is not; :class:`NotEstimated` a Mixture-of-Experts config (its experts are not modelled)."""
     if not isinstance(config, Mapping):
         raise ShapeError(source, None, "not a JSON object")
     text = config.get("text_config")
