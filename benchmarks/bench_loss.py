@@ -16,7 +16,6 @@ benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import math
@@ -38,6 +37,7 @@ from tqdm import tqdm
 from benchmarks import common
 from benchmarks.common import number, positive, rotated
 from stapo_core.fileio import atomic_write
+from stapo_memory.bench_logits_memory import mmap_large_allocations, proc_status_kb
 
 MIB = 1024 * 1024
 #: resolution of the peak-memory measurement (MiB) and the relative tolerance of "no more memory"
@@ -342,22 +342,6 @@ def time_modes(modes: Sequence[Mode], inputs: LossInputs, entropy_fn, device: st
     return times
 
 
-def _proc_status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}: CPU peak memory needs Linux")
-
-
-def _mmap_large_allocations() -> None:
-    """glibc: serve allocations >= 64 KiB with mmap (fixed threshold), so freed tensors leave the RSS."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
-    except OSError:
-        pass
-
-
 def peak_memory_mb(mode: Mode, inputs: LossInputs, entropy_fn: Callable, device: str) -> float:
     """Peak memory (MiB) one :func:`loss_step` allocates over what was allocated before it."""
     data = _prepare(mode, inputs)
@@ -368,10 +352,10 @@ def peak_memory_mb(mode: Mode, inputs: LossInputs, entropy_fn: Callable, device:
         loss_step(mode, inputs, data, entropy_fn)
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / MIB
-    base_kb = _proc_status_kb("VmRSS")
+    base_kb = proc_status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
     loss_step(mode, inputs, data, entropy_fn)
-    return max(0, _proc_status_kb("VmHWM") - base_kb) / 1024
+    return max(0, proc_status_kb("VmHWM") - base_kb) / 1024
 
 
 def peak_memory_subprocess(args: argparse.Namespace, mode: str, shape: tuple[int, int]) -> float:
@@ -383,7 +367,7 @@ def peak_memory_subprocess(args: argparse.Namespace, mode: str, shape: tuple[int
 def _peak_memory_child(args: argparse.Namespace, mode_name: str, shape: tuple[int, int]) -> float:
     """The fresh process of :func:`peak_memory_subprocess`: one warm-up call, then the measured one."""
     if args.device == "cpu":
-        _mmap_large_allocations()  # before the inputs exist: RSS then follows the allocations
+        mmap_large_allocations()  # before the inputs exist: RSS then follows the allocations
     torch.set_num_threads(args.threads)
     mode = MODES[mode_name]
     inputs = make_inputs(*shape, vocab=args.vocab, d=args.d, prompt_len=args.prompt_len, device=args.device,
@@ -571,7 +555,7 @@ def benchmark_shape(args: argparse.Namespace, shape: tuple[int, int]) -> tuple[l
 def run(args: argparse.Namespace) -> None:
     """Benchmark every shape and print the table."""
     if args.device == "cpu":
-        _mmap_large_allocations()  # before the inputs exist: RSS then follows the allocations
+        mmap_large_allocations()  # before the inputs exist: RSS then follows the allocations
     torch.manual_seed(args.seed)
     rows, notes = [], []
     for shape in args.shapes:

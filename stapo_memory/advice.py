@@ -1,8 +1,6 @@
 """The memory model's advice, each change re-estimated: for a run that does not fit, the changes after
-which every pass does (:func:`plans`: lower budgets, vLLM's share and sequence parallelism, then offload
-and more GPUs; the preflight runs each through the whole preflight before it prints it), and the least
-a GPU can hold of the run (:func:`one_sequence`); for one that fits, what its room could buy
-(:func:`room`)."""
+which every pass does (:func:`plans`) and the least a GPU can hold of the run (:func:`one_sequence`); for
+one that fits, what its room could buy (:func:`room`)."""
 
 from __future__ import annotations
 
@@ -68,10 +66,8 @@ def _fit(shape: ModelShape, s: Settings, gpu_bytes: float, names: tuple[str, ...
 def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str, names: tuple[str, ...],
                     floor: int, ceiling: Optional[int] = None) -> Optional[int]:
     """The largest budget from ``floor`` to ``ceiling`` (default: the current one) at which ``names``
-    fit, the model re-run at each candidate (the passes grow with their tokens); None when ``floor``
-    does not fit. The candidates are ``floor``, ``ceiling`` and the multiples of :data:`BUDGET_STEP`
-    between (without dynamic batching: the multiples of the longest sequence from ``floor`` on),
-    searched as ranges (a ceiling of a billion responses' tokens costs a few dozen estimates)."""
+    fit, None when ``floor`` does not: ``floor``, ``ceiling`` or a multiple of :data:`BUDGET_STEP` between
+    (without dynamic batching: a multiple of the longest sequence), searched by :func:`largest`."""
     ceiling = getattr(s, knob) if ceiling is None else ceiling
 
     def ok(tokens: int) -> bool:
@@ -89,9 +85,8 @@ def _largest_budget(shape: ModelShape, s: Settings, gpu_bytes: float, knob: str,
 
 
 def largest(candidates: Sequence[int], ok: Callable[[int], bool]) -> Optional[int]:
-    """The largest of ascending ``candidates`` (a list or a range, never listed) for which ``ok`` holds,
-    ``ok`` holding up to some point and not beyond (a pass grows with its tokens); None when it fails
-    on the first."""
+    """The largest of ascending ``candidates`` (a list or a range, never listed) for which ``ok``, holding
+    up to some point and not beyond, holds (a binary search); None when it fails on the first."""
     if not candidates or not ok(candidates[0]):
         return None
     lo, hi = 0, len(candidates) - 1
@@ -136,9 +131,8 @@ def _sequence_parallel_sizes(shape: ModelShape, s: Settings) -> list[int]:
 def settings_plan(shape: ModelShape, s: Settings, gpu_bytes: float) -> Optional[tuple[Settings, dict[str, object]]]:
     """Settings and overrides that make every pass fit with the GPUs and offload of ``s``, changing only
     what does not fit: deferred gradient sync off, the largest ``gpu_memory_utilization`` that fits, the
-    largest budget of each pass that does not fit (never below one longest sequence over the sequence
-    parallel size), a larger sequence parallel size only where the recipe allows one and no budget fits.
-    None when no such change fits (a token-independent part alone is too large)."""
+    largest budget of each pass that does not fit (at least one longest sequence over the sequence
+    parallel size), a larger sequence parallel size only where the recipe allows one; None when none fits."""
     est = estimate(shape, s, gpu_bytes)
     failing = {p.name for p in est.passes if not fits(p, gpu_bytes)}
     overrides: dict[str, object] = {}
@@ -187,11 +181,9 @@ def _plan(kind: str, shape: ModelShape, s: Settings, gpu_bytes: float, overrides
 
 
 def plans(shape: ModelShape, s: Settings, gpu_bytes: float, gpus_per_node: int = 8, max_gpus: int = 512):
-    """Candidate :class:`Plan` s for a run that does not fit, in the order the preflight tries them: the
-    settings alone (:func:`settings_plan`), then optimizer offload, parameter and optimizer offload, and
-    more GPUs (whole nodes of ``gpus_per_node``, or up to a node of 8 when the run uses fewer), each
-    alone when that fits, else with the settings changes it still needs. A generator: the preflight
-    verifies each through the whole preflight and keeps the first of each kind that passes."""
+    """Candidate :class:`Plan` s for a run that does not fit, in the order the preflight verifies them:
+    the settings alone (:func:`settings_plan`), then optimizer offload, parameter and optimizer offload,
+    and more GPUs (whole nodes of ``gpus_per_node``, or up to a node of 8 when the run uses fewer)."""
     found = settings_plan(shape, s, gpu_bytes)
     if found:
         yield Plan("settings", found[1], estimate(shape, found[0], gpu_bytes))
@@ -228,9 +220,8 @@ def one_sequence(shape: ModelShape, s: Settings, gpu_bytes: float, longest: Opti
 
 def room(shape: ModelShape, s: Settings, gpu_bytes: float, ceilings: dict[str, int]) -> Settings:
     """For a run that fits: ``s`` with the largest ``gpu_memory_utilization`` and token budgets with which
-    every pass still fits, none below its own (each budget at most its ``ceilings`` entry, by settings
-    field: beyond the tokens a GPU gets at once a larger budget buys nothing). Each sizes passes of its
-    own (the rollout, the update, the forwards), so they hold together."""
+    every pass still fits, none below its own, each at most its ``ceilings`` entry (by settings field: the
+    tokens a GPU gets at once). Each sizes passes of its own, so they hold together."""
     t = replace(s, gpu_memory_utilization=max(s.gpu_memory_utilization, _utilisation(shape, s, gpu_bytes) or 0))
     for knob, names, _ in _budget_knobs(s):
         current = getattr(s, knob)

@@ -8,18 +8,10 @@
     python -m stapo_memory.bench_layer_memory logits-grad    # the logits' gradient, 2048 x 151,936
     python -m stapo_memory.bench_layer_memory fsdp-root      # FSDP1 on gloo, two processes
 
-``pass`` traces one micro-batch of verl 0.9.1's FSDP actor tensor by tensor on the meta device
-(:class:`LiveTensors`; the full model at the full budget costs no memory): the real transformers model
-with gradient checkpointing as verl enables it, verl's logits-side code, stand-ins for flash-attn's
-two GPU kernels that allocate what their code allocates, then for the update ``loss.backward()``. Each
-phase's peak is printed beside the memory model's activation terms of the same moments. FSDP's
-buffers are not traced (the model counts them from FSDP's code); a layer's parameter gradients are
-freed once accumulated, the root unit's kept, as FSDP does.
-
-``accounting``, ``layer``, ``logits-grad`` and ``fsdp-root`` measure on CPU (resident-set peaks,
-``VmHWM``): the trace on real tensors against the process's memory, one recomputed decoder layer's
-bytes per token, the logits' gradient not written in place, and FSDP1 keeping its root unit unsharded
-after a forward without grad (two gloo processes). docs/memory.md gives each one's numbers.
+``pass`` traces one micro-batch of verl's FSDP actor tensor by tensor on the meta device
+(:class:`LiveTensors`: the full model at the full budget costs no memory) beside the memory model's
+terms of the same moments; the other subcommands measure resident-set peaks on CPU. docs/memory.md
+("Checked against the model code", "Checked against a measurement") says what each covers and its numbers.
 """
 
 from __future__ import annotations
@@ -40,14 +32,12 @@ from torch.utils._pytree import tree_flatten
 from stapo_core.fileio import atomic_write
 from verl_patches.sum_pi_squared import sum_pi_squared_chunked
 
-from .bench_logits_memory import _mmap_large_allocations, peak_extra_bytes
+from .bench_logits_memory import mmap_large_allocations, peak_extra_bytes
 from .model import Estimate, Settings, forward_activation_phases, update_activation_phases
 from .shape import BUILTIN_SHAPES, ModelShape
 from .terms import BF16, ENTROPY_CHUNK_ROWS, GIB, layer_backward_bytes_per_token, logits_bytes
 
 QWEN3_8B = BUILTIN_SHAPES["qwen3-8b"]
-
-
 
 
 class LiveTensors(TorchDispatchMode):
@@ -202,10 +192,8 @@ def _inputs(tokens: int, device: str):
 def trace_update(shape: ModelShape, tokens: int, *, entropy: bool = False, entropy_grad: bool = False,
                  unit_temperature: bool = True, chunk: int = ENTROPY_CHUNK_ROWS, device: str = "meta",
                  model=None) -> LiveTensors:
-    """One update micro-batch of ``tokens``, as ``forward_step`` and ``forward_backward_batch`` run it:
-    the model's forward, the logits' computations (temperature, the entropy: without grad as the
-    recipe's patch computes it, or with grad for an entropy bonus; the log-probs with
-    ``inplace_backward`` unless the entropy is computed), a loss over the log-probs, then its backward.
+    """One update micro-batch of ``tokens``, as ``forward_step`` and ``forward_backward_batch`` run it
+    (the entropy without grad as the recipe's patch computes it, or with grad for an entropy bonus).
     Phases: ``forward``, ``logits``, ``LM head backward``, ``layer backward``."""
     from verl.utils import torch_functional as verl_F  # verl where a subcommand runs its code
 
@@ -221,18 +209,15 @@ def trace_update(shape: ModelShape, tokens: int, *, entropy: bool = False, entro
 
     def forward_step():
         output, logits = _logits(model, ids, positions, live, unit_temperature)
-        loss_terms = []
-        if entropy:
-            if entropy_grad:
-                loss_terms.append(verl_F.entropy_from_logits_with_chunking(logits, chunk_size=chunk).mean())
-            else:
-                with torch.no_grad():
-                    verl_F.entropy_from_logits_with_chunking(logits, chunk_size=chunk)
+        bonus = None
+        if entropy and entropy_grad:
+            bonus = verl_F.entropy_from_logits_with_chunking(logits, chunk_size=chunk).mean()
+        elif entropy:
+            with torch.no_grad():
+                verl_F.entropy_from_logits_with_chunking(logits, chunk_size=chunk)
         log_probs, _ = FlashCrossEntropy.apply(logits, labels, not entropy)
         loss = (-log_probs).sum() / tokens
-        for term in loss_terms:
-            loss = loss - 0.001 * term
-        return loss
+        return loss if bonus is None else loss - 0.001 * bonus
 
     try:
         with live:
@@ -279,7 +264,6 @@ def trace_forward(shape: ModelShape, tokens: int, *, entropy: bool = True, sum_p
         outputs.append(FlashCrossEntropy.apply(logits, labels, True)[0])
         del outputs, logits, output
     return live
-
 
 
 #: the model's phases (``stapo_memory.model``) and the traced phases that span the same moments
@@ -336,11 +320,9 @@ def compare(shape: ModelShape, tokens: int, *, forward: bool = False, entropy: b
 
 
 def counted_totals(est: Estimate) -> dict[str, float]:
-    """Each pass of ``est`` as counted with the traced activations: the model's components that are
-    not the model code's (resident state, gathered parameters, FSDP's gradient buffers, vLLM's share,
-    the overhead) plus, per phase, the trace's peak of the same moments in place of the model's
-    activation terms. Passes without token-dependent activations (rollout, update end, optimizer step)
-    are the model's own count."""
+    """Each pass of ``est`` as counted with the traced activations: per phase, the trace's peak of the
+    same moments in place of the model's activation terms, beside the model's other components. Passes
+    without token-dependent activations (rollout, update end, optimizer step) are the model's own count."""
     s = est.settings
     if s.entropy_chunk is None or (s.calculate_sum_pi_squared and s.sum_pi_squared_chunk is None):
         raise ValueError("the trace covers the chunked entropy and sum of squares only")
@@ -363,9 +345,7 @@ def counted_totals(est: Estimate) -> dict[str, float]:
 
 def lm_head_workspace_bytes(shape: ModelShape, dtype: torch.dtype, tokens: int = 256) -> float:
     """Resident bytes the LM head's matmuls in ``dtype`` take beyond their inputs, output and gradients:
-    the kernels' workspace, which no tensor holds (a CPU without native bfloat16 converts the
-    ``(vocab, hidden)`` bfloat16 weight to float32, whatever the tokens; near 0 in float32 or where the
-    CPU computes in bfloat16). The trace sees no workspace, as it sees no cuBLAS one."""
+    the kernels' workspace, which no tensor holds and the trace cannot see (docs/memory.md)."""
     x = torch.randn(tokens, shape.hidden_size, dtype=dtype, requires_grad=True)
     weight = torch.randn(shape.vocab_size, shape.hidden_size, dtype=dtype, requires_grad=True)
     grad = torch.randn(tokens, shape.vocab_size, dtype=dtype)
@@ -381,11 +361,9 @@ def lm_head_workspace_bytes(shape: ModelShape, dtype: torch.dtype, tokens: int =
 
 def measure_accounting(scale: int, tokens: int, entropy: bool = False, dtype: torch.dtype = torch.bfloat16) -> dict:
     """The update trace on real CPU tensors in ``dtype`` of the 8B's shape at 1/``scale`` width (4
-    layers): the accounted peak against the resident-set peak around the same call less the LM head
-    kernels' workspace (:func:`lm_head_workspace_bytes`), beside the model's update (the largest of its
-    moments) and what counting the logits with the recomputed layer's backward would give
-    (``summed_bytes``: the LM head's moment plus the layer's recompute term)."""
-    _mmap_large_allocations()
+    layers): the accounted peak against the resident-set peak less :func:`lm_head_workspace_bytes`,
+    beside the model's update and (``summed_bytes``) the LM head's moment plus the layer's recompute."""
+    mmap_large_allocations()
     shape = replace(scaled_shape(scale), num_layers=4, vocab_size=QWEN3_8B.vocab_size // scale)
     model = build_model(shape, "cpu", dtype=dtype)
     # warm-up at the same size: the kernels' lazy allocations, some sized by their inputs
@@ -410,8 +388,6 @@ def measure_accounting(scale: int, tokens: int, entropy: bool = False, dtype: to
             "summed_bytes": max(phases["LM head backward"], phases["logits backward"]) + layer}
 
 
-
-
 def scaled_shape(scale: int) -> ModelShape:
     """The 8B's shape at 1/``scale`` width: heads (and key-value heads) divided, head size kept."""
     s = QWEN3_8B
@@ -424,7 +400,7 @@ def scaled_shape(scale: int) -> ModelShape:
 def measure_layer(scale: int, token_counts: list[int], seed: int = 0) -> dict:
     """Peak resident bytes of one layer's forward with grad and backward at each token count, the
     slope per token, and that slope scaled to the full width."""
-    _mmap_large_allocations()
+    mmap_large_allocations()
     shape = scaled_shape(scale)
     model = build_model(shape, "cpu", train=False, seed=seed)
     layer, rotary = model.model.layers[0], model.model.rotary_emb
@@ -461,7 +437,7 @@ def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
     import verl_patches.activate  # the recipe's patches, as in every verl process  # noqa: F401
     from verl.utils import torch_functional as verl_F
 
-    _mmap_large_allocations()
+    mmap_large_allocations()
     gen = torch.Generator().manual_seed(seed)
     logits = torch.empty(tokens, vocab, dtype=torch.bfloat16).normal_(0.0, 3.0, generator=gen).requires_grad_(True)
     labels = torch.randint(0, vocab, (tokens,), generator=gen)
@@ -470,8 +446,6 @@ def measure_logits_grad(tokens: int, vocab: int, seed: int = 0) -> dict:
     model = logits_bytes(tokens, vocab, BF16)
     return {"tokens": tokens, "vocab": vocab, "measured_bytes": measured, "model_bytes": model,
             "ratio": measured / model, "grad_dtype": str(logits.grad.dtype)}
-
-
 
 
 #: the fsdp-root model's vocabulary and width

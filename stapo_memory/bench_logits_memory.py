@@ -6,10 +6,7 @@ model's numbers (``stapo_memory/terms.py``).
     python -m stapo_memory.bench_logits_memory --device cuda --tokens 16384   # under CUDA autocast (bf16)
 
 Each case runs one computation on ``(tokens, vocab)`` bfloat16 logits that exist before it and
-records the peak bytes it allocates beside them: on CPU the resident-set high-water mark
-(``VmHWM``, reset through ``/proc/self/clear_refs``, every allocation >= 64 KiB served by ``mmap``;
-about 1 MiB of noise), on CUDA ``max_memory_allocated`` under bfloat16 autocast as verl's engine
-runs. On CPU the cases that CUDA autocast runs in float32 (``logsumexp``) cast by hand.
+records the peak bytes it allocates beside them (:func:`peak_extra_bytes`).
 """
 
 from __future__ import annotations
@@ -33,14 +30,15 @@ MIB = 1024**2
 CASES = ("logits", "sum_pi_squared_verl", "sum_pi_squared_chunked", "entropy_chunked", "log_probs")
 
 
-def _proc_status_kb(field: str) -> int:
+def proc_status_kb(field: str) -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"/proc/self/status has no {field}: the CPU measurement needs Linux")
 
 
-def _mmap_large_allocations() -> None:
+def mmap_large_allocations() -> None:
+    """glibc: serve allocations >= 64 KiB with mmap (fixed threshold), so freed tensors leave the RSS."""
     try:
         ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD
     except OSError:
@@ -48,7 +46,9 @@ def _mmap_large_allocations() -> None:
 
 
 def peak_extra_bytes(fn: Callable[[], object], device: str) -> float:
-    """Peak bytes ``fn()`` allocates beyond what is allocated before it (its result included)."""
+    """Peak bytes ``fn()`` allocates beyond what is allocated before it (its result included): on CPU the
+    resident-set high-water mark (about 1 MiB of noise), on CUDA ``max_memory_allocated`` under bfloat16
+    autocast as verl's engine runs."""
     gc.collect()
     if device == "cuda":
         torch.cuda.synchronize()
@@ -59,10 +59,10 @@ def peak_extra_bytes(fn: Callable[[], object], device: str) -> float:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        base_kb = _proc_status_kb("VmRSS")
+        base_kb = proc_status_kb("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         result = fn()
-        peak = max(0, _proc_status_kb("VmHWM") - base_kb) * 1024
+        peak = max(0, proc_status_kb("VmHWM") - base_kb) * 1024
     del result
     return float(peak)
 
@@ -113,7 +113,7 @@ def run_cases(tokens: int, vocab: int, device: str = "cpu", cases=CASES, chunk: 
     from verl_patches.sum_pi_squared import sum_pi_squared_chunked
 
     if device == "cpu":
-        _mmap_large_allocations()
+        mmap_large_allocations()
     verl_sum_pi_squared = original_of(verl_F.calculate_sum_pi_squared_from_logits)
     gen = torch.Generator(device=device).manual_seed(seed)
     labels = torch.randint(0, vocab, (tokens,), generator=gen, device=device)

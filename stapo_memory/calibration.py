@@ -142,9 +142,6 @@ def compare(log: Path, metrics: Optional[Path] = None) -> str:
     overhead = OVERHEAD_BYTES / GIB
     out = [f"{log.parent}: target {target} GiB; each term: estimate, measured (rank 0, largest over the run), "
            "estimate / measured - 1"]
-    by_pass: dict[str, list[Measured]] = {}
-    for m in lines:
-        by_pass.setdefault(m.name, []).append(m)
     for name, row in rows.items():
         if name == "rollout":
             continue
@@ -152,7 +149,7 @@ def compare(log: Path, metrics: Optional[Path] = None) -> str:
             out.append(f"  {name:<14} estimate {row.gib:6.1f} GiB: inside the update's line (its peak is the largest "
                        "of the update's passes)")
             continue
-        measured = by_pass.get(name)
+        measured = [m for m in lines if m.name == name]
         if not measured:
             out.append(f"  {name:<14} estimate {row.gib:6.1f} GiB: not measured")
             continue

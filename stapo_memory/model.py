@@ -1,10 +1,7 @@
 """GPU memory of one training step, pass by pass: an estimate from the model's shape and the run's
-settings (plain arithmetic, no GPU, no verl import). docs/memory.md lists the passes of a verl 0.9.1
-step (rollout, log_prob, reference, current, update_effect, update, update_end, optimizer_step) and
-writes out every term with the lines of verl, transformers, flash-attn and PyTorch it follows. Token
-terms are per GPU (with sequence parallelism of size ``sp`` a micro-batch holds ``budget x sp``
-tokens split over ``sp`` GPUs). :func:`estimate` gives each pass's components at its peak phase;
-:func:`problems` names every pass that does not fit within :func:`margin_bytes` of the GPU's capacity.
+settings (plain arithmetic, no GPU, no verl import), every term following the code docs/memory.md names.
+Token terms are per GPU (with sequence parallelism of size ``sp`` a micro-batch holds ``budget x sp``
+tokens split over ``sp`` GPUs).
 """
 
 from __future__ import annotations
@@ -133,9 +130,8 @@ def reference_root_bytes(shape: ModelShape, s: Settings) -> float:
 
 
 def _gathered(shape: ModelShape, s: Settings) -> float:
-    """Unsharded compute-dtype parameters during a forward or backward: FSDP's root unit (embeddings,
-    LM head, final norm) for the whole pass, plus two decoder layers (the one running and the one
-    prefetched)."""
+    """Unsharded compute-dtype parameters during a forward or backward: FSDP's root unit for the whole
+    pass, plus two decoder layers (the one running and the one prefetched)."""
     return s.compute_bytes * (shape.embedding_params + 2 * shape.layer_params)
 
 
@@ -166,8 +162,7 @@ def _chunk_term(name: str, total: float, tokens: int, chunk: Optional[int]) -> t
 def forward_activation_phases(shape: ModelShape, s: Settings, tokens: int, *, entropy: bool,
                               sum_pi_squared: bool) -> dict[str, Terms]:
     """A no-grad micro-batch of ``tokens`` (verl's ``infer_batch``): what the model code allocates at
-    each of its moments (``layers``, ``LM head``, ``logits``; docs/memory.md), as ``(name, fixed bytes,
-    bytes per token)``."""
+    each of its moments (docs/memory.md), as ``(name, fixed bytes, bytes per token)``."""
     b, v, h = s.compute_bytes, shape.vocab_size, shape.hidden_size
     logits = ("logits", 0.0, v * b)
     temporaries = {"entropy chunk": (entropy_extra_bytes(tokens, v, s.entropy_chunk), s.entropy_chunk)
@@ -187,10 +182,8 @@ def forward_activation_phases(shape: ModelShape, s: Settings, tokens: int, *, en
 
 def update_activation_phases(shape: ModelShape, s: Settings) -> dict[str, Terms]:
     """An update micro-batch of ``s.update_tokens`` (verl's ``forward_step``, then ``loss.backward()``):
-    what the model code and autograd hold at each of its moments, as ``(name, fixed bytes, bytes per
-    token)``. The checkpointed layer inputs stay through all of them; docs/memory.md writes out each
-    moment (layer forward, forward end, logits backward, LM head backward, final norm backward, layer
-    backward, embedding backward)."""
+    what the model code and autograd hold at each of its moments (docs/memory.md writes out each), as
+    ``(name, fixed bytes, bytes per token)``."""
     b, v, h, t = s.compute_bytes, shape.vocab_size, shape.hidden_size, s.update_tokens
     inputs = ("checkpointed layer inputs", 0.0, layer_inputs_bytes_per_token(shape, b))
     final_norm = ("final norm (saved, output)", 0.0, norm_saved_bytes(h, b) + h * b)
@@ -239,9 +232,8 @@ def _pass_from_phases(name: str, phases: dict[str, Terms], tokens: int, fixed: d
 
 
 def vllm_floor_bytes(shape: ModelShape, s: Settings) -> float:
-    """What vLLM's share must hold on each GPU (else vLLM refuses to start): its bfloat16 weights and
-    the KV cache of one longest sequence, split over the tensor parallel size, and
-    :data:`VLLM_RUNTIME_BYTES`."""
+    """What vLLM's share must hold on each GPU (else vLLM refuses to start): its bfloat16 weights and one
+    longest sequence's KV cache over the tensor parallel size, and :data:`VLLM_RUNTIME_BYTES`."""
     tp = max(1, s.rollout_tp)
     weights = BF16 * shape.params / tp
     kv_heads = max(1, math.ceil(shape.num_kv_heads / tp))
@@ -301,10 +293,6 @@ def estimate(shape: ModelShape, s: Settings, gpu_bytes: float) -> Estimate:
     return Estimate(shape, s, passes)
 
 
-#: what makes verl build the reference model (a KL loss or a KL penalty in the reward)
-_KL_KEYS = ("actor_rollout_ref.actor.use_kl_loss", "algorithm.use_kl_in_reward")
-
-
 def settings_from_config(config) -> Settings:
     """:class:`Settings` of a composed recipe config (an OmegaConf config whose numbers the preflight
     has checked); the token selection's decisions come from its policy-loss dataclass."""
@@ -320,7 +308,8 @@ def settings_from_config(config) -> Settings:
 
     log_prob = tokens(f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
                       f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu")
-    uses_ref = any(bool(pick(k, False)) for k in _KL_KEYS)
+    # verl builds the reference model for a KL loss or a KL penalty in the reward
+    uses_ref = any(bool(pick(k, False)) for k in (f"{ACTOR}.use_kl_loss", "algorithm.use_kl_in_reward"))
     ref_tokens = tokens(f"{REF}.log_prob_use_dynamic_bsz", f"{REF}.log_prob_max_token_len_per_gpu",
                         f"{REF}.log_prob_micro_batch_size_per_gpu") if uses_ref else None
     loss = settings_of(config)
@@ -402,7 +391,6 @@ def vllm_share_fits(est: Estimate, gpu_bytes: float) -> bool:
 
 def all_fit(est: Estimate, gpu_bytes: float) -> bool:
     return vllm_share_fits(est, gpu_bytes) and all(fits(p, gpu_bytes) for p in est.passes)
-
 
 
 def problems(est: Estimate, gpu_bytes: float) -> list[tuple[str, str, str]]:

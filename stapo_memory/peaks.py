@@ -1,9 +1,7 @@
 """The measured GPU memory of each pass, one line per pass on rank 0 of a calibration run (the probes of
-:mod:`stapo_memory.probes`; docs/memory.md, "Calibrating on a GPU", says what each field measures and
-``python -m stapo_memory.calibration`` reads the lines back). Each forward (``infer_batch``; inside the
-update each its own pass) and each update (``train_mini_batch``, covering its nested forwards) resets
-PyTorch's peak before it runs, as verl's never-reset ``perf/max_memory_*`` do not; the weight sync
-(``update_weights``: vLLM awake) logs after it. Only on CUDA:
+:mod:`stapo_memory.probes`; docs/memory.md, "Calibrating on a GPU", says what each field measures). Each
+forward and each update (covering its nested forwards) resets PyTorch's peak before it runs, as verl's
+never-reset ``perf/max_memory_*`` do not. Only on CUDA:
 
     [stapo] memory peak: pass=log_prob allocated_gib=23.41 reserved_gib=25.02 device_gib=31.20 outside_gib=6.18 tokens=48913 micro_batches=12
 """
@@ -44,17 +42,12 @@ def pass_name(worker, method: str, data=None) -> str:
     if getattr(engine_config, "forward_only", False):
         return "reference"
     if getattr(_state, "outer", None) == "update":
-        return "current" if _non_tensor(data, "calculate_entropy", False) else "update_effect"
+        if isinstance(data, dict):
+            entropy = data.get("calculate_entropy", False)
+        else:  # a batch's non-tensor entry, as verl reads it
+            entropy = data is not None and tu.get_non_tensor_data(data, "calculate_entropy", False)
+        return "current" if entropy else "update_effect"
     return "log_prob"
-
-
-def _non_tensor(data, key: str, default):
-    """A batch's non-tensor entry as verl reads it (``tu.get_non_tensor_data``), or ``default``."""
-    if data is None:
-        return default
-    if isinstance(data, dict):
-        return data.get(key, default)
-    return tu.get_non_tensor_data(data, key, default)
 
 
 def micro_batch_tokens(micro_batch) -> int:
@@ -73,16 +66,10 @@ def line(name: str, allocated: float, reserved: float, device: float = 0.0, outs
             f"micro_batches={micro_batches}")
 
 
-def _device_used(dev) -> float:
-    free, total = dev.mem_get_info()
-    return float(total - free)
-
-
 @contextlib.contextmanager
 def _counting(engine):
     """The largest micro-batch (tokens on this GPU) and the number of micro-batches of one pass, read
-    from the engine's ``forward_step`` while the pass runs (an attribute of the engine object, removed
-    after)."""
+    from the engine's ``forward_step`` while the pass runs."""
     counter = SimpleNamespace(tokens=0, micro_batches=0)
     original = getattr(engine, "forward_step", None)
     if original is None:
@@ -126,16 +113,15 @@ def _wrap(original, method: str, device=_device, log=print):
             with _counting(getattr(self, "engine", None)) as counter:
                 out = original(self, *args, **kwargs)
             allocated, reserved = dev.max_memory_allocated(), dev.max_memory_reserved()
+            carried = _state.carried
             if outer is not None:
-                carried = _state.carried
                 _state.carried = (max(carried[0], allocated), max(carried[1], reserved))
             else:
-                carried = _state.carried
                 allocated, reserved = max(allocated, carried[0]), max(reserved, carried[1])
             if _is_rank_zero():
-                used = _device_used(dev)
-                log(line(name, allocated, reserved, used, used - dev.memory_reserved(), counter.tokens,
-                         counter.micro_batches))
+                free, total = dev.mem_get_info()
+                log(line(name, allocated, reserved, total - free, total - free - dev.memory_reserved(),
+                         counter.tokens, counter.micro_batches))
             return out
         finally:
             if outer is None:
@@ -146,12 +132,8 @@ def _wrap(original, method: str, device=_device, log=print):
     return probed
 
 
-def wrap_infer_batch(original):
-    return _wrap(original, "infer_batch")
-
-
-def wrap_train_mini_batch(original):
-    return _wrap(original, "train_mini_batch")
+wrap_infer_batch = functools.partial(_wrap, method="infer_batch")
+wrap_train_mini_batch = functools.partial(_wrap, method="train_mini_batch")
 
 
 def wrap_update_weights(original, device=_device, log=print):
@@ -163,8 +145,9 @@ def wrap_update_weights(original, device=_device, log=print):
         out = await original(self, *args, **kwargs)
         dev = device()
         if dev is not None and _is_rank_zero():
-            used = _device_used(dev)
-            log(line("rollout", dev.memory_allocated(), dev.memory_reserved(), used, used - dev.memory_reserved()))
+            free, total = dev.mem_get_info()
+            log(line("rollout", dev.memory_allocated(), dev.memory_reserved(), total - free,
+                     total - free - dev.memory_reserved()))
         return out
 
     return probed

@@ -1,8 +1,6 @@
 """:func:`check`, the one function of this package the preflight calls (``MEMORY_CHECK`` in
-recipe/stapo/preflight/run.py): the estimate per pass against ``recipe.gpu_mem_gb`` (``GPU_MEM_GB``, GiB
-as CUDA reports them). A refusal names the changes that make every pass fit, each run through the whole
-preflight first, or, where none does, the least a GPU needs and what can lower it; a run with room to
-spare is told what the room could buy."""
+recipe/stapo/preflight/run.py): the estimate per pass against ``recipe.gpu_mem_gb``, a refusal naming
+the changes that make every pass fit (each verified by the whole preflight) or what can lower the need."""
 
 from __future__ import annotations
 
@@ -158,19 +156,18 @@ def fix_text(chosen: dict[str, advice.Plan], floor: Callable[[], str]) -> str:
     return floor()
 
 
-#: how a budget's room reads (settings field -> whose micro-batches, what one holds at most)
-_ROOM = {"update_tokens": ("the update's", "the whole mini-batch a GPU gets"),
-         "log_prob_tokens": ("the log-prob passes'", "the whole batch a GPU gets"),
-         "ref_tokens": ("the reference's", "the whole batch a GPU gets")}
+#: how a budget's room reads (settings field -> whose micro-batches, what one holds at most, the batch the GPUs share)
+_ROOM = {"update_tokens": ("the update's", "the whole mini-batch a GPU gets", f"{ACTOR}.ppo_mini_batch_size"),
+         "log_prob_tokens": ("the log-prob passes'", "the whole batch a GPU gets", "data.train_batch_size"),
+         "ref_tokens": ("the reference's", "the whole batch a GPU gets", "data.train_batch_size")}
 
 
 def room_text(config: DictConfig, estimate: model.Estimate, gpu: float) -> Optional[str]:
     """What the room of a run that fits could buy by the estimate (:func:`advice.room`); None without room."""
     s = estimate.settings
     n = int(pick(config, f"{ROLLOUT}.n", 1) or 1)
-    per_gpu = lambda prompts: math.ceil(int(pick(config, prompts)) * n * s.longest / s.world_size)  # noqa: E731
-    ceilings = {"update_tokens": per_gpu(f"{ACTOR}.ppo_mini_batch_size"), "log_prob_tokens": per_gpu("data.train_batch_size"),
-                "ref_tokens": per_gpu("data.train_batch_size")}
+    ceilings = {knob: math.ceil(int(pick(config, prompts)) * n * s.longest / s.world_size)
+                for knob, (_, _, prompts) in _ROOM.items()}
     t = advice.room(estimate.shape, s, gpu, ceilings)
     overrides = advice.budget_overrides(s, t)
     if not overrides:
@@ -179,7 +176,7 @@ def room_text(config: DictConfig, estimate: model.Estimate, gpu: float) -> Optio
     if t.gpu_memory_utilization != s.gpu_memory_utilization:
         bought.append(f"vLLM's share {model.gib(t.gpu_memory_utilization * gpu)} GiB instead of "
                       f"{model.gib(s.gpu_memory_utilization * gpu)} (more KV cache: more sequences generated at once)")
-    for knob, (whose, whole) in _ROOM.items():
+    for knob, (whose, whole, _) in _ROOM.items():
         if getattr(s, knob) is not None and getattr(t, knob) != getattr(s, knob):
             bought.append(f"{whose} micro-batches of {getattr(t, knob)} tokens instead of {getattr(s, knob)} "
                           f"({getattr(t, knob) // s.longest} longest sequences instead of {getattr(s, knob) // s.longest}"
@@ -189,12 +186,10 @@ def room_text(config: DictConfig, estimate: model.Estimate, gpu: float) -> Optio
 
 
 def check(config: DictConfig, found: list[Problem], notes: list[str], recheck: Optional[Recheck] = None) -> Optional[str]:
-    """The memory table for the target GPU (returned) and a problem per pass that does not
-    fit (``recipe.memory_check``: ``refuse``; ``warn`` makes them notes, ``off`` skips the estimate).
-    ``recheck`` (the whole preflight on a changed config, returning its problems): with it, each
-    refusal names the changes that make every pass fit, verified, or what can (:func:`floor_text`), and
-    a run with room is told what it could buy (:func:`room_text`); without it (the preflight re-run for
-    a candidate), none."""
+    """The memory table for the target GPU (returned) and a problem per pass that does not fit
+    (``recipe.memory_check``: ``refuse``; ``warn`` makes them notes, ``off`` skips the estimate). Only
+    with ``recheck`` (the whole preflight on a changed config; not in the preflight re-run for a
+    candidate) does a refusal name its fix or a run its room."""
     mode = pick(config, "recipe.memory_check", "refuse")
     if mode == "off":
         notes.append("GPU memory not checked (recipe.memory_check=off)")

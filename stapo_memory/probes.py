@@ -1,9 +1,7 @@
-"""The memory probes (:mod:`stapo_memory.peaks`: each pass's measured GPU memory for
-``python -m stapo_memory.calibration``). Importing this module applies them in this process, each once
-its verl module is imported: a calibration run names it in ``VERL_USE_EXTERNAL_MODULES`` after the
-recipe's patches (docs/memory.md, "Calibrating on a GPU"); a production run loads nothing of this
-package. ``python -m stapo_memory.probes`` prints the table (docs/probes.md), ``python -m
-stapo_memory.probes check [VERL_SOURCE]`` checks it against a verl's source; neither applies anything."""
+"""The memory probes (:mod:`stapo_memory.peaks`). Importing this module applies them in this process,
+each once its verl module is imported (a calibration run names it in ``VERL_USE_EXTERNAL_MODULES``;
+docs/memory.md, "Calibrating on a GPU"); ``python -m stapo_memory.probes [check [VERL_SOURCE]]`` prints
+the table (docs/probes.md) or checks it against a verl's source, applying nothing."""
 
 from __future__ import annotations
 

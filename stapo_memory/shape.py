@@ -1,7 +1,5 @@
-"""The model's shape, as the memory model reads it: a dense decoder-only model's ``config.json``
-read whole (every field the estimate uses checked and named when it cannot be used; a
-Mixture-of-Experts model refused as not estimated), and the built-in shapes of the paper's models
-for a model folder the launching machine cannot read."""
+"""The model's shape, as the memory model reads it: from a dense decoder-only model's ``config.json``
+(:func:`shape_from_hf_config`), or built in for the paper's models (:func:`builtin_shape`)."""
 
 from __future__ import annotations
 
@@ -25,12 +23,10 @@ class NotEstimated(ShapeError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate needs from a dense decoder-only model's ``config.json``.
-
-    ``qk_norm``: per-head RMSNorm of queries and keys (Qwen3); ``qkv_bias``: biases on the query, key
-    and value projections (Qwen2); ``max_position_embeddings``: the context vLLM serves by default
-    (None: not given); ``source``: where the numbers come from (a file or a built-in).
-    """
+    """What the estimate needs from a dense decoder-only model's ``config.json``. ``qk_norm``: per-head
+    RMSNorm of queries and keys (Qwen3); ``qkv_bias``: biases on the query, key and value projections
+    (Qwen2); ``max_position_embeddings``: the context vLLM serves by default (None: not given);
+    ``source``: where the numbers come from (a file or a built-in)."""
 
     hidden_size: int
     num_layers: int
@@ -117,8 +113,7 @@ def shape_from_hf_config(config: Mapping, source: str = "") -> ModelShape:
     """:class:`ModelShape` of a Hugging Face ``config.json`` (a nested ``text_config`` is used when
     present), every field checked: whole numbers >= 1 (the vocabulary >= 2), key-value heads dividing
     the attention heads, a head size given or dividing the width. :class:`ShapeError` names the first
-    field that is not; :class:`NotEstimated` a Mixture-of-Experts config (its experts are not modelled,
-    and a dense estimate of its width would be several times too low)."""
+    field that is not; :class:`NotEstimated` a Mixture-of-Experts config (its experts are not modelled)."""
     if not isinstance(config, Mapping):
         raise ShapeError(source, None, "not a JSON object")
     text = config.get("text_config")

@@ -13,9 +13,8 @@ from .shape import ModelShape
 GIB = 1024**3
 #: bytes of the dtypes involved
 FP32, BF16 = 4, 2
-#: per GPU, outside PyTorch's allocator: the CUDA contexts, NCCL's communicators and NVLS buffers,
-#: vLLM's residue asleep (its CUDA graphs); the model's largest unmeasured term (docs/memory.md gives
-#: its public range and the calibration run that pins it)
+#: per GPU, outside PyTorch's allocator: CUDA contexts, NCCL, vLLM's residue asleep; the model's largest
+#: unmeasured term (docs/memory.md gives its public range and the calibration run that pins it)
 OVERHEAD_BYTES = 4.5 * GIB
 #: the chunk (rows of logits) of the recipe's sum of squared probabilities: a copy of
 #: ``verl_patches.sum_pi_squared.CHUNK_ROWS`` (no torch import here; a test ties the two)
@@ -42,33 +41,27 @@ def sum_pi_squared_extra_bytes(tokens: int, vocab: int, logits_dtype_bytes: int 
 
 
 def entropy_extra_bytes(tokens: int, vocab: int, chunk: Optional[int] = 2048) -> float:
-    """Peak bytes verl's entropy allocates beside the logits, without autograd: per chunk a float32
-    copy, its softmax and one more float32 temporary (the ``logsumexp`` or the product
-    ``softmax x logits``): ``12 x rows x vocab`` (rows: the chunk, or every token unchunked).
-    ``torch.compile`` (verl's default) fuses some of them: an upper bound."""
+    """Peak bytes verl's entropy allocates beside the logits, without autograd: ``12 x rows x vocab``
+    (rows: the chunk, or every token unchunked; docs/memory.md); an upper bound under ``torch.compile``."""
     rows = tokens if chunk is None else min(chunk, tokens)
     return 3.0 * FP32 * rows * vocab
 
 
 def entropy_with_grad_bytes(tokens: int, vocab: int, chunk: Optional[int] = 2048, backward: bool = False) -> float:
-    """What verl's chunked entropy with grad (an entropy bonus) holds: every chunk's float32 copy and
-    softmax, kept for the backward (``8 x tokens x vocab``), plus one chunk's float32 product while the
-    forward runs, two of its float32 gradients while the backward runs (eager; an upper bound under
-    ``torch.compile``)."""
+    """What verl's chunked entropy with grad (an entropy bonus) holds: ``8 x tokens x vocab`` kept for the
+    backward, plus one chunk's float32 product (forward) or two of its gradients (``backward``)."""
     rows = tokens if chunk is None else min(chunk, tokens)
     return 2.0 * FP32 * tokens * vocab + (2 if backward else 1) * FP32 * rows * vocab
 
 
-#: float32 temporaries of an RMSNorm's backward, each of its width: the gradient cast to float32, the
-#: two products' gradients, the mean's and the square's (``Qwen3RMSNorm.forward`` differentiated by
-#: autograd)
+#: float32 temporaries of an RMSNorm's backward (``Qwen3RMSNorm.forward`` differentiated), each of its
+#: width: the gradient cast to float32, the two products' gradients, the mean's and the square's
 NORM_BACKWARD_TEMPORARIES = 5
 
 
 def norm_saved_bytes(width: int, b: int) -> float:
-    """An RMSNorm with grad (``Qwen3RMSNorm.forward``) keeps the float32 copy of its input (read by
-    ``pow`` and the product with ``rsqrt``) and the normalised tensor in the input dtype (read by the
-    product with the weight): ``(4 + b) x width``."""
+    """An RMSNorm with grad (``Qwen3RMSNorm.forward``) keeps the float32 copy of its input and the
+    normalised tensor in the input dtype: ``(4 + b) x width``."""
     return (FP32 + b) * width
 
 

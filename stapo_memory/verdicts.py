@@ -5,9 +5,8 @@
     python -m stapo_memory.verdicts --write docs/memory.md   # replace both in the document
     python -m stapo_memory.verdicts --check docs/memory.md   # exit 1 when the document's differ
 
-Each cell is one paper run (``method=<m> model=<model>``, 1 or 8 nodes of 8 GPUs, ``recipe.gpu_mem_gb``
-the card's memory as CUDA reports it) through the whole preflight with ``LAUNCH=submit`` (docs/memory.md
-says what a cell shows); beside the table, one paper run's count written out term by term (:func:`terms`).
+Each cell is one paper run through the whole preflight with ``LAUNCH=submit`` (docs/memory.md says what
+a cell shows); beside the table, one paper run's count written out term by term (:func:`terms`).
 """
 
 from __future__ import annotations
@@ -84,9 +83,8 @@ def short(plan: Plan) -> str:
     parts = []
     for key, value in plan.overrides.items():
         name = SHORT.get(key, key)
-        if name is None:
-            continue
-        parts.append(name if value is True else f"{name} {str(value).lower() if isinstance(value, bool) else value}")
+        if name is not None:
+            parts.append(name if value is True else f"{name} {str(value).lower() if isinstance(value, bool) else value}")
     return ", ".join(parts)
 
 
