@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from recipe.stapo.data.prepare import EVAL_PROMPT_JOINER, PROMPT_SUFFIX, TRAIN_PROMPT_JOINER
+from recipe.stapo.data.prepare import PROMPT_FORMS, PROMPT_SUFFIX
 
 
 VERDICT_WORDS = {"CORRECT": "A", "INCORRECT": "B", "INVALID": "C", "INCOMPLETE": "C", "REPETITIVE": "C", "REFUSAL": "C"}
@@ -113,11 +113,9 @@ def get_protocol(name: str) -> GradingProtocol:
 
 
 def bare_problem(user_message: str) -> str:
-    """The problem of a policy prompt: ``user_message`` without the instruction
-    :data:`~recipe.stapo.data.prepare.PROMPT_SUFFIX` that data preparation appends, joined by either
-    prompt form's joiner (:data:`~recipe.stapo.data.prepare.EVAL_PROMPT_JOINER`,
-    :data:`~recipe.stapo.data.prepare.TRAIN_PROMPT_JOINER`); unchanged when it has none."""
-    for joiner in (EVAL_PROMPT_JOINER, TRAIN_PROMPT_JOINER):
+    """The problem of a policy prompt: ``user_message`` without the instruction data preparation
+    appends in either prompt form; unchanged when it has none."""
+    for joiner in PROMPT_FORMS.values():
         if user_message.endswith(joiner + PROMPT_SUFFIX):
             return user_message[: -len(joiner + PROMPT_SUFFIX)]
     return user_message
