@@ -359,18 +359,8 @@ def _shown(value: object, other: object) -> str:
 def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_protocol: bool = False,
                 grading: str = "as-run") -> list[Row]:
     """Rows from summary.json files and/or markdown tables (``SCALE:METHOD=path`` relabels a summary).
+    ``allow_mixed_protocol`` never admits rule-only rows beside verified ones."""
 
-    Args:
-        allow_partial: admit partial rows (marked, out of the headline).
-        allow_mixed_protocol: admit rows whose protocol differs from the table's (marked, out of
-            the headline), except rule-only beside verified rows, which is always refused.
-        grading: ``as-run`` or ``rule-only`` (:func:`grading_of`).
-    Raises:
-        ValueError: a row is partial (see :func:`row_from_summary`; names every such input, row
-            and issue) and ``allow_partial`` is False; rows with different protocols (names the
-            rows and fields) and ``allow_mixed_protocol`` is False; rule-only and verified rows;
-            unreadable or duplicate inputs.
-    """
     if grading not in GRADINGS:
         raise ValueError(f"--grading must be one of {list(GRADINGS)}, got {grading!r}")
     rows = []
