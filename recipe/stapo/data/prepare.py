@@ -492,7 +492,6 @@ def _folder_lock(out_dir: Path) -> Iterator[None]:
 def read_manifest(out_dir: Path, _locked: bool = False) -> Optional[dict]:
     """``out_dir/manifest.json`` as a dict, or None when there is none; the ``pending`` renames a
     killed preparation left are completed first, under the folder's lock (:func:`_finish_pending`)."""
-
     manifest = _read_manifest_file(out_dir)
     if manifest is not None and manifest.get("pending") and not _locked and Path(out_dir).is_dir():
         with _folder_lock(Path(out_dir)):

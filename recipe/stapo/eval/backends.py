@@ -294,7 +294,6 @@ class LazyBackend(GenerationBackend):
     """A backend built on first use (``render``, ``generate``, ``greedy``, ``tokenizer``...), so a
     run with nothing left to generate or judge never loads a model; :meth:`release` drops it."""
 
-
     def __init__(self, factory: Callable[[], GenerationBackend]):
         self._factory = factory
         self.backend: Optional[GenerationBackend] = None

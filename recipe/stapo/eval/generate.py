@@ -383,7 +383,6 @@ class ResultCache:
 
     def load(self) -> dict[tuple[int, int], dict]:
         """Valid cached results keyed by ``(problem.index, sample)`` of the current data."""
-
         check_cache_records(self.store)
         results = {}
         for _, record in self.store.read():

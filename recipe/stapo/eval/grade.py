@@ -187,7 +187,6 @@ def mean_at_n(graded: dict[tuple[int, int], GradedSample], problems: Sequence[Pr
     averaged over problems (an ungraded sample counts as not correct here; the summary counts them
     beside it); the standard error is the problems' spread, ``stdev(accuracies) / sqrt(problems)``
     (both the draw of the problems and of their samples; None for one problem)."""
-
     if not problems:
         raise ValueError("mean_at_n: no problems")
     accuracies = []

@@ -20,7 +20,6 @@ def check_model_source(model: str, what: str = "--model") -> None:
     more than one ``/``) but not a complete Hugging Face model folder; anything else is a hub id
     (:func:`hub_model_problem`); the error says what is missing.
     """
-
     path = Path(model).expanduser()
     local = path.is_absolute() or model.startswith((".", "~")) or path.exists() or "global_step_" in model or (
         "/" in model and not _HUB_ID.match(model)

@@ -166,7 +166,6 @@ def _die_with_parent() -> None:  # pragma: no cover (runs in the child before ex
 def run_workers(launches: Sequence[WorkerLaunch], plans: Sequence[dict], lock: Optional[OutputLock] = None) -> None:
     """Write each worker's plan, start them all, wait for all of them (:class:`WorkerFailed`
     naming the log of each that failed; the work of every worker is kept)."""
-
     procs = []
     for launch, plan in zip(launches, plans):
         launch.folder.mkdir(parents=True, exist_ok=True)

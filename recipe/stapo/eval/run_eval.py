@@ -401,7 +401,6 @@ def run_evaluation(
     """Check (:func:`plan_run`), generate (resumably, in-process or with data-parallel workers),
     grade and summarise; returns the summary written to ``OUT``. ``backend_factory`` and
     ``verifier`` default to the config's; ``after_batch`` runs after each in-process batch."""
-
     plan = plan_run(config, verifier, backend_factory is not None)
     out = Path(config.out)
     lock = parallel.OutputLock(out)

@@ -360,7 +360,6 @@ def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_
                 grading: str = "as-run") -> list[Row]:
     """Rows from summary.json files and/or markdown tables (``SCALE:METHOD=path`` relabels a summary).
     ``allow_mixed_protocol`` never admits rule-only rows beside verified ones."""
-
     if grading not in GRADINGS:
         raise ValueError(f"--grading must be one of {list(GRADINGS)}, got {grading!r}")
     rows = []
@@ -480,7 +479,6 @@ class ScaleGain:
 def headline(rows: Sequence[Row], decoding: str, stapo_method: str = "STAPO", printed: bool = True) -> tuple[Optional[float], list[ScaleGain]]:
     """``(mean over scales of STAPO's relative gain in % or None, per-scale gains)``; a scale
     without a usable STAPO row and baseline is skipped (:func:`left_out` names it)."""
-
     gains = []
     for scale in scales(rows):
         at_scale = [r for r in _usable(rows, decoding, printed) if r.scale == scale]

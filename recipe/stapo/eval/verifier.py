@@ -281,7 +281,6 @@ def build_verifier(
 def fetch_prompt(out: str | Path, source: Optional[str] = None) -> VerifierPrompt:
     """Write CompassVerifier's ``src/prompts.py`` at :data:`OFFICIAL_COMMIT` (downloaded, or the
     local copy ``source``) to ``out`` once its ``CV_PROMPT`` is checked to be the official text."""
-
     if source is None:
         try:
             with urllib.request.urlopen(OFFICIAL_URL, timeout=60) as response:  # noqa: S310 (fixed https URL)
