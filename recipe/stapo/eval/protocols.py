@@ -59,15 +59,9 @@ def compass_judgement(text: str) -> str:
 
 @dataclass(frozen=True)
 class GradingProtocol:
-    """A grading protocol.
-
-    Attributes:
-        name: ``justrl`` or ``compassverifier``.
-        grader: the first-stage answer grader (``justrl`` or ``lenient``).
-        question: what the verifier's ``{question}`` is: ``empty`` or ``problem`` (the bare problem).
-        parser: how a verifier output is read: ``exact-A`` or ``compassverifier-format``.
-        reference: where the protocol comes from.
-    """
+    """A grading protocol: its first-stage answer ``grader`` (``justrl`` or ``lenient``), the
+    verifier's ``{question}`` (``empty`` or ``problem``, the bare problem), the ``parser`` of a
+    verifier output (``exact-A`` or ``compassverifier-format``) and the ``reference`` it follows."""
 
     name: str
     grader: str
@@ -97,16 +91,11 @@ PROTOCOLS = {
         "compassverifier", "lenient", "problem", "compassverifier-format", "open-compass/CompassVerifier README"
     ),
 }
-DEFAULT_PROTOCOL = "justrl"
-"""The protocol the paper's tables were graded with (it follows JustRL's evaluation)."""
+DEFAULT_PROTOCOL = "justrl"  # the protocol of the paper's tables (it follows JustRL's evaluation)
 
 
 def get_protocol(name: str) -> GradingProtocol:
-    """The protocol named ``name``.
-
-    Raises:
-        ValueError: an unknown name (lists the known ones).
-    """
+    """The protocol named ``name`` (ValueError listing the known ones for another)."""
     if name not in PROTOCOLS:
         raise ValueError(f"--grading-protocol must be one of {sorted(PROTOCOLS)}, got {name!r}")
     return PROTOCOLS[name]
