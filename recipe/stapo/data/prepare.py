@@ -1,16 +1,8 @@
 """Prepare STAPO's training set and the six evaluation benchmarks as verl parquet files.
 
-CLI::
-
-    python -m recipe.stapo.data.prepare train --out-dir data/stapo [--source ID_OR_FILE] [--drop-invalid]
-    python -m recipe.stapo.data.prepare bench --out-dir data/stapo [--benchmarks aime24,amc23]
-        [--source aime24=path/to/aime24.jsonl ...] [--drop-invalid]
-
-Each source is a Hugging Face dataset id or a local ``.parquet`` / ``.jsonl`` / ``.json`` file, in
-the dataset's own layout or in verl's (:data:`VERL_FIELDS`). docs/eval.md ("Prepare the data") says
-which rows are refused and why, and how ``OUT/manifest.json`` (row counts and sha256 hashes of
-output and source) and the parquet files are written so that an error or a kill leaves them
-consistent.
+A bad source row is refused by name rather than skipped, and the manifest and parquet files are
+written so that an error or a kill leaves them consistent: docs/eval.md ("Prepare the data") has
+the sources, the refused rows and the manifest.
 
 Output schema (one row per problem; what verl's RLHFDataset reads)::
 
@@ -19,10 +11,6 @@ Output schema (one row per problem; what verl's RLHFDataset reads)::
     ability:     "math"
     reward_model: {"style": "rule", "ground_truth": answer}
     extra_info:  {"index": int (row in this file), "id": str (source id), "split": str}
-
-The joiner is the prompt form of the data's use (:data:`PROMPT_FORMS`): ``"\n\n"`` for training
-rows and the in-training validation copies ``<name>_val.parquet`` of :data:`VALIDATION_BENCHMARKS`,
-one space for benchmark rows. The manifest records each dataset's ``prompt_form``.
 """
 
 from __future__ import annotations
@@ -45,22 +33,13 @@ from stapo_core.fileio import atomic_write, atomic_write_json, check_output_fold
 from recipe.stapo.reward.answers import ground_truth_conversion, ground_truth_problem, unicode_problem
 
 PROMPT_SUFFIX = "Please reason step by step, and put your final answer within \\boxed{}."
-"""Instruction appended to every problem (the paper's and JustRL's prompt)."""
-TRAIN_PROMPT_JOINER = "\n\n"
-"""Between problem and instruction in training rows (JustRL's training data)."""
-EVAL_PROMPT_JOINER = " "
-"""Between problem and instruction in benchmark rows: JustRL's evaluation (``evals/gen_vllm.py``,
-``PROMPT_TEMPLATE = "{problem} Please reason step by step, ..."``), which Table 2 follows."""
-PROMPT_FORMS = {"justrl-eval": EVAL_PROMPT_JOINER, "train": TRAIN_PROMPT_JOINER}
-"""The two prompt forms by name (recorded in the manifest and in every evaluation summary)."""
+# the joiner between problem and instruction, by prompt form (docs/eval.md, "Prepare the data")
+PROMPT_FORMS = {"justrl-eval": " ", "train": "\n\n"}
 MANIFEST_NAME = "manifest.json"
 TRAIN_DATA_SOURCE = "math_dapo"
-VALIDATION_BENCHMARKS = ("aime24", "aime25", "amc23")
-"""JustRL's in-training validation sets: ``bench`` also writes each as ``<name>_val.parquet`` in the
-training prompt form (the trainer YAML's ``data.val_files``)."""
+VALIDATION_BENCHMARKS = ("aime24", "aime25", "amc23")  # also written as <name>_val.parquet, training form
+# problem, answer and id fields of verl's row layout, read from every source after the dataset's own
 VERL_FIELDS = (("prompt",), ("reward_model.ground_truth",), ("extra_info.id", "extra_info.index"))
-"""Problem, answer and id fields of verl's row layout, read from every source after the dataset's
-own (``prompt``: the content of its last user message)."""
 
 # DAPO-Math-17k wraps each problem in its own "Answer:" instruction; STAPO uses \boxed{} instead.
 DAPO_PREFIX = (
@@ -72,12 +51,8 @@ DAPO_SUFFIX = '\n\nRemember to put your answer on its own line after "Answer:".'
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """Where one dataset comes from and which fields hold what.
-
-    Field names are dotted paths into a row (``"prompt.0.content"``); for each role the first
-    candidate present in the row is used. ``id_fields`` empty (or none present in a row) means the
-    row number is the id.
-    """
+    """Where one dataset comes from and which fields (dotted paths into a row, the first present
+    one used) hold what; without an id field the row number is the id."""
 
     name: str
     hf_id: str
@@ -132,7 +107,6 @@ BENCHMARK_SPECS: dict[str, SourceSpec] = {
         ),
     )
 }
-"""The six benchmarks of the paper's evaluation, in its Table 2 column order."""
 
 
 @dataclass
@@ -163,16 +137,8 @@ def _is_local(source: str) -> bool:
 
 
 def iter_local_rows(path: Path) -> Iterator[tuple[int, Any]]:
-    """Yield ``(row_number_1_based, row)`` from a parquet / jsonl / json file.
-
-    A JSONL line that is not UTF-8 text or not valid JSON is yielded as ``(n, _BadRow(message))``
-    so that validation reports it like any other bad row.
-
-    Raises:
-        FileNotFoundError: no such file.
-        ValueError: naming the file, for a file that cannot be read as its type (a parquet file that
-            is not one, a ``.json`` file that is not UTF-8 JSON holding a list of rows).
-    """
+    """Yield ``(row_number_1_based, row)`` from a parquet / jsonl / json file; a bad JSONL line is
+    yielded as a ``_BadRow`` so that validation reports it like any other bad row."""
     if not path.is_file():
         raise FileNotFoundError(f"source file not found: {path}")
     suffix = path.suffix.lower()
@@ -275,11 +241,7 @@ def _first_present(row: Any, paths: Sequence[str]) -> tuple[Optional[str], Any]:
 def answer_to_text(value: Any, strip_dollars: bool = False) -> str:
     """Ground truth as written to the parquet file: the rewards' text of it
     (:func:`recipe.stapo.reward.answers.ground_truth_conversion`), with surrounding spaces stripped,
-    and surrounding ``$`` too when ``strip_dollars``.
-
-    Raises:
-        ValueError: naming why ``value`` is no usable ground truth.
-    """
+    and surrounding ``$`` too when ``strip_dollars``."""
     text, why = ground_truth_conversion(value)
     if text is None:
         raise ValueError(why)
@@ -375,12 +337,7 @@ def _extract(spec: SourceSpec, number: int, row: Any) -> tuple[Optional[_Record]
 def collect_records(
     spec: SourceSpec, rows: Iterable[tuple[int, Any]], source_label: str, drop_invalid: bool
 ) -> tuple[list[_Record], int, int, list[str]]:
-    """Validate rows; return ``(records, source_rows, duplicates_removed, invalid_messages)``.
-
-    Raises:
-        ValueError: naming ``source_label`` and every bad row (first 20 listed) unless
-            ``drop_invalid``.
-    """
+    """Validate rows; return ``(records, source_rows, duplicates_removed, invalid_messages)``."""
     records: list[_Record] = []
     seen_ids: dict[str, int] = {}
     seen_pairs: set[tuple[str, str]] = set()
@@ -456,25 +413,9 @@ def prepare_dataset(
     manifest_dir: Optional[Path] = None,
     form: str = "justrl-eval",
 ) -> PrepareResult:
-    """Read, validate and write one dataset atomically to ``out_path`` (parquet).
-
-    Args:
-        spec: field table of the dataset.
-        out_path: output parquet path.
-        source: local file or hub id; defaults to ``spec.hf_id``.
-        drop_invalid: drop bad rows (counted) instead of raising.
-        data_source: value of the ``data_source`` column (default ``spec.name``).
-        split: value of ``extra_info.split``.
-        form: the prompt form (:data:`PROMPT_FORMS`): ``justrl-eval`` for benchmarks, ``train`` for
-            the training set.
-        manifest_dir: if given, the result is also recorded in ``manifest_dir/manifest.json``; the
-            manifest is read (and must be valid) before anything is written, and an error at any
-            point leaves both files as they were (module docstring).
-    Raises:
-        ValueError: invalid rows (naming the file and rows), a source that cannot be read, a corrupt
-            manifest, ``out_path`` inside a file.
-        FileNotFoundError: a local source that does not exist.
-    """
+    """Read, validate and write one dataset atomically to ``out_path`` (parquet) from ``source``
+    (a local file or hub id, default ``spec.hf_id``), and record it in ``manifest_dir/manifest.json``
+    when given; an error at any point leaves both files as they were."""
     import pandas as pd  # pandas (a second to import) only when a dataset is written, not for --help
 
     check_output_folder("--out-dir", out_path.parent)
@@ -534,8 +475,7 @@ def prepare_dataset(
     return results[0]
 
 
-LOCK_NAME = ".prepare.lock"
-"""Lock file of an output folder: one preparation at a time writes its parquet files and manifest."""
+LOCK_NAME = ".prepare.lock"  # one preparation at a time writes a folder's parquet files and manifest
 
 
 @contextmanager
@@ -551,11 +491,7 @@ def _folder_lock(out_dir: Path) -> Iterator[None]:
 
 def read_manifest(out_dir: Path, _locked: bool = False) -> Optional[dict]:
     """``out_dir/manifest.json`` as a dict, or None when there is none; the ``pending`` renames a
-    killed preparation left are completed first, under the folder's lock (:func:`_finish_pending`).
-
-    Raises:
-        ValueError: naming the file, when it is not a UTF-8 JSON object whose ``datasets`` is an object.
-    """
+    killed preparation left are completed first, under the folder's lock (:func:`_finish_pending`)."""
     manifest = _read_manifest_file(out_dir)
     if manifest is not None and manifest.get("pending") and not _locked and Path(out_dir).is_dir():
         with _folder_lock(Path(out_dir)):

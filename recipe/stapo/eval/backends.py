@@ -24,20 +24,13 @@ from recipe.stapo.eval.shm import remove_orphaned_shm_segments, shm_segments
 
 logger = logging.getLogger(__name__)
 
+# defaults on CPU, a value already in the environment wins (docs/eval.md, "On CPU: vLLM's CPU build")
 CPU_VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-"""vLLM's CPU settings :class:`VLLMBackend` sets as defaults (a value already in the environment
-wins) when it runs on CPU (docs/eval.md, "On CPU: vLLM's CPU build", says why each)."""
 
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """Decoding settings of one evaluation setting.
-
-    Attributes:
-        temperature: softmax temperature (> 0).
-        top_p: nucleus mass in (0, 1].
-        max_new_tokens: most generated tokens per completion (paper: 20480).
-    """
+    """Decoding settings of one evaluation setting (the paper's ``max_new_tokens``: 20480)."""
 
     temperature: float
     top_p: float
@@ -54,13 +47,8 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class Completion:
-    """One generated completion.
-
-    Attributes:
-        text: decoded completion (special tokens removed).
-        num_tokens: number of generated tokens.
-        finish_reason: "stop" (EOS / stop token) or "length" (hit max_new_tokens).
-    """
+    """One generated completion: ``text`` without special tokens, ``finish_reason`` "stop" (EOS or
+    stop token) or "length" (hit max_new_tokens)."""
 
     text: str
     num_tokens: int
@@ -83,15 +71,7 @@ class GenerationBackend(ABC):
 
     @abstractmethod
     def generate(self, prompts: Sequence[str], seeds: Sequence[int], sampling: SamplingConfig) -> list[Completion]:
-        """Generate ``len(prompts)`` completions; ``prompts[i]`` is sampled with ``seeds[i]``.
-
-        Args:
-            prompts: rendered prompt strings (see :func:`render_chat`).
-            seeds: one integer seed per prompt.
-            sampling: decoding settings.
-        Returns:
-            One :class:`Completion` per prompt, in order.
-        """
+        """One completion per rendered prompt, in order; ``prompts[i]`` is sampled with ``seeds[i]``."""
 
     def render(self, messages: Sequence[dict]) -> str:
         """Prompt text for a chat (this backend's tokenizer and template)."""
@@ -112,14 +92,8 @@ class GenerationBackend(ABC):
 
 class HFBackend(GenerationBackend):
     """HF transformers ``model.generate`` sampling, one request at a time, each reseeding torch's
-    generator.
-
-    Args:
-        model: a causal LM (``PreTrainedModel``) or a path / hub id to load one from.
-        tokenizer: its tokenizer, or None to load from ``model`` when it is a path.
-        device: torch device string.
-        dtype: torch dtype name used when loading from a path (``auto``: the checkpoint's own).
-    """
+    generator. ``model`` is a causal LM or a path / hub id to load one from (``dtype`` ``auto``:
+    the checkpoint's own); ``tokenizer`` may be None only then."""
 
     def __init__(self, model: Any, tokenizer: Any = None, device: str = "cpu", dtype: str = "float32"):
         # torch and transformers (seconds) only when an HF backend is built, not for --help
@@ -203,17 +177,9 @@ class VLLMBackend(GenerationBackend):
     with vLLM's CPU build (``vllm-cpu``).
 
     One ``SamplingParams(n=1, seed=...)`` per request: vLLM batches them, every sample keeps its seed.
-    On CPU (:func:`vllm_on_cpu`) see docs/eval.md ("On CPU: vLLM's CPU build").
-
-    Args:
-        model: checkpoint path or hub id (HF format).
-        tensor_parallel_size: GPUs per model replica.
-        gpu_memory_utilization: vLLM's memory fraction.
-        max_model_len: context length (prompt + generation); None lets vLLM decide.
-        dtype: vLLM dtype; None: "bfloat16" on GPUs (Qwen3's), "float32" on CPU. "auto" is the
-            checkpoint's own dtype, read from its ``config.json`` when it is a local folder (vLLM's
-            own "auto" would load a float32 checkpoint in 16 bits).
-        **llm_kwargs: passed to ``vllm.LLM``.
+    ``dtype`` None is "bfloat16" on GPUs (Qwen3's), "float32" on CPU; "auto" is the checkpoint's own,
+    read from a local folder's ``config.json`` (vLLM's own "auto" would load a float32 checkpoint
+    in 16 bits).
     """
 
     def __init__(
@@ -326,11 +292,7 @@ def _is_resource_tracker(process: psutil.Process) -> bool:
 
 class LazyBackend(GenerationBackend):
     """A backend built on first use (``render``, ``generate``, ``greedy``, ``tokenizer``...), so a
-    run with nothing left to generate or judge never loads a model; :meth:`release` drops it.
-
-    Args:
-        factory: builds the real backend.
-    """
+    run with nothing left to generate or judge never loads a model; :meth:`release` drops it."""
 
     def __init__(self, factory: Callable[[], GenerationBackend]):
         self._factory = factory

@@ -4,17 +4,9 @@ One line per (problem, sample), flushed and fsynced after every batch. A rerun r
 skips every (problem, sample) already there and generates only the rest; a truncated last line
 (a crash mid-write) is ignored when reading and cut off the file before the next append. Each
 sample has its own seed, derived from (base seed, benchmark, decoding, problem id, sample index),
-so a resumed run produces exactly what an uninterrupted one would.
-
-Saved samples belong to problems by identity, never by row position: every record carries the
-problem's id and ``prompt_sha256`` (:func:`messages_sha256`). A saved record that does not match
-the current data (its problem missing, its prompt or seed another, a field missing) stops the run
-with a :class:`ResumeMismatch` naming the file, line, benchmark and problem, and nothing on disk
-changes. docs/eval.md ("Resuming on other data") has the cases and the record schema.
-
-Data-parallel workers (:mod:`recipe.stapo.eval.parallel`) write the same records into their own
-part files; :func:`merge_parts` checks them like saved samples and appends them to the main file
-in the order one worker would have written them.
+so a resumed run produces exactly what an uninterrupted one would. Saved samples belong to
+problems by identity (id and prompt hash), never by row position: docs/eval.md ("Resuming on
+other data") has the cases and the record schema.
 """
 
 from __future__ import annotations
@@ -35,16 +27,8 @@ from stapo_core.fileio import append, append_lines, open_regular, read_bytes
 
 @dataclass(frozen=True)
 class Problem:
-    """One benchmark problem.
-
-    Attributes:
-        index: position in the benchmark file (0-based).
-        problem_id: id from the source dataset.
-        messages: chat messages of the prompt (verl ``prompt`` column).
-        ground_truth: reference answer.
-        question: the user message content (what an LLM verifier is shown as the question).
-        prompt_sha256: hash of ``messages`` (computed; the problem's identity with ``problem_id``).
-    """
+    """One benchmark problem: ``index`` is its 0-based row, ``messages`` the verl ``prompt``
+    column, ``question`` the user message (what an LLM verifier is shown)."""
 
     index: int
     problem_id: str
@@ -90,8 +74,7 @@ NEW_OUT_HINT = (
 FINISH_REASONS = ("stop", "length")
 
 
-DECODINGS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}
-"""Decoding settings: name -> (temperature, top_p). "train" = 1.0/1.0, "justrl" = 0.7/0.9."""
+DECODINGS = {"train": (1.0, 1.0), "justrl": (0.7, 0.9)}  # name -> (temperature, top_p)
 
 
 def store(out: Path, kind: str, benchmark: str, decoding: str) -> "JsonlStore":
@@ -106,14 +89,8 @@ def sample_seed(base_seed: int, benchmark: str, decoding: str, problem_id: str, 
 
 
 class JsonlStore:
-    """Append-only JSONL file of records keyed by ``(problem_index, sample)``.
-
-    Reading never changes the file; :meth:`append` first cuts off a truncated last line (or
-    completes a last record that only lacks its newline).
-
-    Args:
-        path: the JSONL file (created on first append).
-    """
+    """Append-only JSONL file of records keyed by ``(problem_index, sample)``, created on first
+    append. Reading never changes the file; :meth:`append` first repairs its last line."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -124,12 +101,7 @@ class JsonlStore:
 
     def read(self) -> list[tuple[int, dict]]:
         """``(1-based line, record)`` of every record on disk, in file order. A truncated last line
-        (a crash mid-write) is left out; the file is not changed.
-
-        Raises:
-            ValueError: a line other than the last is not valid JSON or lacks the key fields
-                (names the file and the 1-based line).
-        """
+        is left out; any other bad line raises ValueError naming the file and line."""
         return self._scan()[0]
 
     def _scan(self) -> tuple[list[tuple[int, dict]], int, bool]:
@@ -203,9 +175,8 @@ class JsonlStore:
 
 
 def check_generation_record(record: dict, where: str) -> None:
-    """Raise :class:`ResumeMismatch` (naming ``where``: file, line, benchmark) when a saved
-    generation record lacks a field or has one of the wrong type (edited by hand, or written by
-    another version)."""
+    """Raise :class:`ResumeMismatch` naming ``where`` when a saved generation record lacks a
+    field or has one of the wrong type."""
     if not isinstance(record.get("problem_id"), str) or not isinstance(record.get("prompt_sha256"), str):
         raise ResumeMismatch(
             f"{where}: saved sample has no problem identity (problem_id and prompt_sha256; written by an "
@@ -238,19 +209,10 @@ def saved_samples(
     base_seed: int,
     data_label: str = "the benchmark data",
 ) -> dict[tuple[str, int], dict]:
-    """Saved records of ``store`` keyed by ``(problem_id, sample)``, each checked against ``catalog``.
-
-    Args:
-        store: the generations file of (benchmark, decoding) (or a worker's part file).
-        catalog: every problem of the benchmark's data (not only those of a ``--limit``).
-        benchmark, decoding, base_seed: what the records' seeds must derive from.
-        data_label: how error messages name the data (e.g. its parquet path).
-    Raises:
-        ResumeMismatch: the first record (file order) without identity fields or with a missing
-            or malformed field (:func:`check_generation_record`), for a problem id not in
-            ``catalog``, for another prompt than the catalog's problem of that id, or with another
-            seed; names file, line, benchmark and problem.
-    """
+    """Saved records of ``store`` keyed by ``(problem_id, sample)``, each checked against
+    ``catalog`` (every problem of the data, not only a ``--limit``'s): the first record that is
+    malformed, of an unknown problem, of another prompt or with another seed raises
+    :class:`ResumeMismatch` naming file, line, benchmark and problem."""
     by_id = {p.problem_id: p for p in catalog}
     saved: dict[tuple[str, int], dict] = {}
     for line, record in store.read():
@@ -305,7 +267,7 @@ def pending_items(problems: Sequence[Problem], n_samples: int, saved: dict[tuple
 
 
 def generation_record(problem: Problem, sample: int, seed: int, completion: Any) -> dict:
-    """The saved record of one completion (schema in the module docstring)."""
+    """The saved record of one completion."""
     return {
         "problem_index": problem.index,
         "problem_id": problem.problem_id,
@@ -350,11 +312,7 @@ def generate_items(
 
 def collect_records(problems: Sequence[Problem], n_samples: int, saved: dict[tuple[str, int], dict]) -> dict[tuple[int, int], dict]:
     """The records of ``problems`` x ``range(n_samples)`` from ``saved`` (keys ``(problem_id,
-    sample)``), keyed by ``(problem.index, sample)`` of the current data.
-
-    Raises:
-        ValueError: a sample is missing.
-    """
+    sample)``), keyed by ``(problem.index, sample)`` of the current data; ValueError if one is missing."""
     out = {}
     for p in problems:
         for s in range(n_samples):
@@ -380,9 +338,6 @@ def merge_parts(
     lacks are appended in catalog order (problem row, then sample), the order one worker writes
     them, and the part files are removed only once that is on disk, so an interrupted merge is
     simply done again. Returns the number of records appended.
-
-    Raises:
-        ResumeMismatch: a part record does not belong to the data (nothing is changed).
     """
     have = saved_samples(main, catalog, benchmark, decoding, base_seed, data_label)
     new: dict[tuple[str, int], dict] = {}
@@ -402,15 +357,10 @@ class ResultCache:
     """Per-sample grading results (answer grades, verifier verdicts) on disk, each record carrying
     the identity of everything that decided it.
 
-    On disk a :class:`JsonlStore` of ``{"problem_index", "sample", ...result}`` records, each with
-    the identity fields of :meth:`identity`; a result is reused only when all of them match now,
-    whatever the problem's row is (docs/eval.md, "Every cached grade is keyed by what decides it").
-
-    Args:
-        store: the cache file.
-        problems: the problems graded in this run.
-        records: their generation records, keyed by ``(problem.index, sample)``.
-        decided_by: the identity of the answer grader or verifier (a JSON-serialisable dict).
+    A result is reused only when every field of :meth:`identity` matches now, whatever the
+    problem's row is (docs/eval.md, "Every cached grade is keyed by what decides it").
+    ``records`` are the generation records keyed by ``(problem.index, sample)``; ``decided_by``
+    is the JSON identity of the answer grader or verifier.
     """
 
     def __init__(self, store: JsonlStore, problems: Sequence[Problem], records: dict[tuple[int, int], dict],
@@ -432,11 +382,7 @@ class ResultCache:
         }
 
     def load(self) -> dict[tuple[int, int], dict]:
-        """Valid cached results keyed by ``(problem.index, sample)`` of the current data.
-
-        Raises:
-            ResumeMismatch: a result without problem identity (written by an older version).
-        """
+        """Valid cached results keyed by ``(problem.index, sample)`` of the current data."""
         check_cache_records(self.store)
         results = {}
         for _, record in self.store.read():

@@ -29,16 +29,9 @@ from recipe.stapo.reward.lenient import DEFAULT_TIMEOUT_S, Graded, grade_answer 
 
 @dataclass(frozen=True)
 class GradedSample:
-    """Grade of one sample.
-
-    Attributes:
-        problem_index, sample: the sample's key.
-        pred: extracted answer (None: no box where the grader looks).
-        grader_correct: stage-1 verdict; None when the answer is ungraded (its check never ran).
-        verifier_correct: stage-2 verdict (None when not re-checked).
-        status: ``ok``, ``timed_out`` (graded wrong: the check ran past its limit on every try) or
-            ``ungraded``.
-    """
+    """Grade of one sample: ``pred`` None when there is no box where the grader looks,
+    ``grader_correct`` None when ungraded, ``verifier_correct`` None when not re-checked; ``status``
+    ``ok``, ``timed_out`` (graded wrong: the check ran past its limit on every try) or ``ungraded``."""
 
     problem_index: int
     sample: int
@@ -110,13 +103,8 @@ def grade_answers(
     grader: str = "lenient",
 ) -> dict[tuple[int, int], GradedSample]:
     """Stage-1 grades of every record (keys ``(problem_index, sample)``), an ungraded answer retried
-    after the others (see the module docstring).
-
-    Args:
-        cache: cached grades of this grader (its identity must be :func:`grader_identity` of
-            ``timeout_s`` and ``grader``); new grades are appended to it (ungraded ones never).
-        grader: ``lenient`` or ``justrl`` (:data:`GRADERS`).
-    """
+    after the others (see the module docstring). ``cache``'s identity must be
+    :func:`grader_identity` of ``timeout_s`` and ``grader``; ungraded answers are never cached."""
     grade_one = _grade_function(grader)
     truth = {p.index: p.ground_truth for p in problems}
     cached = cache.load() if cache is not None else {}
@@ -164,11 +152,8 @@ def apply_verifier(
     batch_size: int = 512,
 ) -> tuple[dict[tuple[int, int], GradedSample], int]:
     """Re-check the samples stage 1 did not find correct (wrong or ungraded) with ``verifier``
-    (cached in ``cache``, whose identity must be ``verifier.identity()``).
-
-    Returns:
-        ``(new grades, number of samples judged now)``.
-    """
+    (cached in ``cache``, whose identity must be ``verifier.identity()``); returns ``(new grades,
+    number of samples judged now)``."""
     by_index = {p.index: p for p in problems}
     judged = {key: bool(r["verifier_correct"]) for key, r in cache.load().items()}
     todo = [key for key, g in sorted(graded.items()) if not g.grader_correct and key not in judged]
@@ -201,11 +186,7 @@ def mean_at_n(graded: dict[tuple[int, int], GradedSample], problems: Sequence[Pr
     """mean@N in percent and its standard error: per-problem mean accuracy over its N samples,
     averaged over problems (an ungraded sample counts as not correct here; the summary counts them
     beside it); the standard error is the problems' spread, ``stdev(accuracies) / sqrt(problems)``
-    (both the draw of the problems and of their samples; None for one problem).
-
-    Raises:
-        ValueError: a (problem, sample) among the first ``n_samples`` has no grade.
-    """
+    (both the draw of the problems and of their samples; None for one problem)."""
     if not problems:
         raise ValueError("mean_at_n: no problems")
     accuracies = []

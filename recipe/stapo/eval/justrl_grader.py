@@ -122,19 +122,13 @@ def warm_up() -> None:
     sympy_equal("\\frac{1}{2}", "0.5")
 
 
-WARM_UP = f"{__name__}:warm_up"
-"""The warm-up of this grader's guard helpers (their runner is keyed by it)."""
+WARM_UP = f"{__name__}:warm_up"  # the warm-up of this grader's guard helpers (their runner's key)
 
 
 def grade_answer(solution_str: Any, ground_truth: Any, timeout_s: float) -> Graded:
-    """Grade one response with JustRL's grader.
-
-    Returns:
-        :class:`~recipe.stapo.reward.lenient.Graded`: ``pred`` is the last box's content, or None
-        when there is none; ``correct`` None when the sympy stage could not run to its end.
-    Raises only :class:`~recipe.stapo.reward.guard.RewardConfigError` (an invalid
-    ``STAPO_REWARD_WORKERS``).
-    """
+    """Grade one response with JustRL's grader: ``pred`` is the last box's content; ``correct`` None
+    when the sympy stage could not run to its end. Raises only
+    :class:`~recipe.stapo.reward.guard.RewardConfigError` (an invalid ``STAPO_REWARD_WORKERS``)."""
     text = solution_str if isinstance(solution_str, str) else str(solution_str)
     gold = "" if ground_truth is None else str(ground_truth)
     if not gold:

@@ -12,20 +12,13 @@ from pathlib import Path
 from typing import Optional
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-HUB_TIMEOUT_S = 10.0
-"""How long the hub may take to answer for a model that is not in the cache."""
+HUB_TIMEOUT_S = 10.0  # how long the hub may take to answer for a model that is not in the cache
 
 
 def check_model_source(model: str, what: str = "--model") -> None:
     """Refuse a model that is a local path (absolute, ``.`` or ``~``, existing, ``global_step_N``, or
     more than one ``/``) but not a complete Hugging Face model folder; anything else is a hub id
-    (:func:`hub_model_problem`).
-
-    Raises:
-        FileNotFoundError: the path does not exist.
-        ValueError: it is not a folder, is a verl checkpoint (FSDP shards), or lacks
-            ``config.json`` or weight files; a hub id that is neither cached nor reachable. The
-            message says what is missing.
+    (:func:`hub_model_problem`); the error says what is missing.
     """
     path = Path(model).expanduser()
     local = path.is_absolute() or model.startswith((".", "~")) or path.exists() or "global_step_" in model or (

@@ -34,11 +34,7 @@ class WorkerFailed(RuntimeError):
 
 
 class OutputLock:
-    """An exclusive ``flock`` on ``OUT/.lock`` held for a whole run (workers inherit it).
-
-    Args:
-        out: the output folder (created on :meth:`acquire`).
-    """
+    """An exclusive ``flock`` on ``OUT/.lock`` held for a whole run (workers inherit it)."""
 
     def __init__(self, out: Path):
         self.path = Path(out) / LOCK_NAME
@@ -75,11 +71,8 @@ class OutputLock:
             os.close(fd)  # closing drops the probe's lock
 
     def acquire(self) -> None:
-        """Take the lock (creating the folder and the file) and write this process id into it.
-
-        Raises:
-            ValueError: another process holds it.
-        """
+        """Take the lock (creating the folder and the file) and write this process id into it;
+        ValueError when another process holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = open_regular(self.path, os.O_RDWR | os.O_CREAT)
         if not self._flock(fd):
@@ -114,14 +107,8 @@ def visible_gpus() -> list[str]:
 
 @dataclass(frozen=True)
 class WorkerLaunch:
-    """How one worker is started.
-
-    Attributes:
-        rank: worker number (0-based).
-        argv: its command line.
-        env: environment variables set on top of the main process's.
-        folder: its folder (plan, part files, log).
-    """
+    """How one worker is started: ``env`` is set on top of the main process's environment,
+    ``folder`` holds its plan, part files and log."""
 
     rank: int
     argv: list[str]
@@ -131,11 +118,7 @@ class WorkerLaunch:
 
 def resolve_workers(data_parallel_size: str | int, backend: str, tensor_parallel_size: int, gpus: Sequence[str]) -> int:
     """Number of workers: ``auto`` is every visible GPU's replica for vLLM (``len(gpus) //
-    tensor_parallel_size``, at least 1) and 1 for the transformers backend (CPU).
-
-    Raises:
-        ValueError: a count below 1, or more GPUs asked for (workers x tensor parallel) than visible.
-    """
+    tensor_parallel_size``, at least 1) and 1 for the transformers backend (CPU)."""
     if data_parallel_size == "auto":
         return max(1, len(gpus) // tensor_parallel_size) if backend == "vllm" else 1
     try:
@@ -181,12 +164,8 @@ def _die_with_parent() -> None:  # pragma: no cover (runs in the child before ex
 
 
 def run_workers(launches: Sequence[WorkerLaunch], plans: Sequence[dict], lock: Optional[OutputLock] = None) -> None:
-    """Write each worker's plan, start them all, wait for all of them.
-
-    Raises:
-        WorkerFailed: a worker failed (names its log; the work of every worker is kept, a rerun
-            resumes).
-    """
+    """Write each worker's plan, start them all, wait for all of them (:class:`WorkerFailed`
+    naming the log of each that failed; the work of every worker is kept)."""
     procs = []
     for launch, plan in zip(launches, plans):
         launch.folder.mkdir(parents=True, exist_ok=True)

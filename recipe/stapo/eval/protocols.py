@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from recipe.stapo.data.prepare import EVAL_PROMPT_JOINER, PROMPT_SUFFIX, TRAIN_PROMPT_JOINER
+from recipe.stapo.data.prepare import PROMPT_FORMS, PROMPT_SUFFIX
 
 
 VERDICT_WORDS = {"CORRECT": "A", "INCORRECT": "B", "INVALID": "C", "INCOMPLETE": "C", "REPETITIVE": "C", "REFUSAL": "C"}
@@ -59,15 +59,9 @@ def compass_judgement(text: str) -> str:
 
 @dataclass(frozen=True)
 class GradingProtocol:
-    """A grading protocol.
-
-    Attributes:
-        name: ``justrl`` or ``compassverifier``.
-        grader: the first-stage answer grader (``justrl`` or ``lenient``).
-        question: what the verifier's ``{question}`` is: ``empty`` or ``problem`` (the bare problem).
-        parser: how a verifier output is read: ``exact-A`` or ``compassverifier-format``.
-        reference: where the protocol comes from.
-    """
+    """A grading protocol: its first-stage answer ``grader`` (``justrl`` or ``lenient``), the
+    verifier's ``{question}`` (``empty`` or ``problem``, the bare problem), the ``parser`` of a
+    verifier output (``exact-A`` or ``compassverifier-format``) and the ``reference`` it follows."""
 
     name: str
     grader: str
@@ -97,27 +91,20 @@ PROTOCOLS = {
         "compassverifier", "lenient", "problem", "compassverifier-format", "open-compass/CompassVerifier README"
     ),
 }
-DEFAULT_PROTOCOL = "justrl"
-"""The protocol the paper's tables were graded with (it follows JustRL's evaluation)."""
+DEFAULT_PROTOCOL = "justrl"  # the protocol of the paper's tables (it follows JustRL's evaluation)
 
 
 def get_protocol(name: str) -> GradingProtocol:
-    """The protocol named ``name``.
-
-    Raises:
-        ValueError: an unknown name (lists the known ones).
-    """
+    """The protocol named ``name`` (ValueError listing the known ones for another)."""
     if name not in PROTOCOLS:
         raise ValueError(f"--grading-protocol must be one of {sorted(PROTOCOLS)}, got {name!r}")
     return PROTOCOLS[name]
 
 
 def bare_problem(user_message: str) -> str:
-    """The problem of a policy prompt: ``user_message`` without the instruction
-    :data:`~recipe.stapo.data.prepare.PROMPT_SUFFIX` that data preparation appends, joined by either
-    prompt form's joiner (:data:`~recipe.stapo.data.prepare.EVAL_PROMPT_JOINER`,
-    :data:`~recipe.stapo.data.prepare.TRAIN_PROMPT_JOINER`); unchanged when it has none."""
-    for joiner in (EVAL_PROMPT_JOINER, TRAIN_PROMPT_JOINER):
+    """The problem of a policy prompt: ``user_message`` without the instruction data preparation
+    appends in either prompt form; unchanged when it has none."""
+    for joiner in PROMPT_FORMS.values():
         if user_message.endswith(joiner + PROMPT_SUFFIX):
             return user_message[: -len(joiner + PROMPT_SUFFIX)]
     return user_message

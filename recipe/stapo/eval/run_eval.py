@@ -1,24 +1,8 @@
 """Evaluate a checkpoint on the six benchmarks under both decoding settings (mean@N).
 
-CLI::
-
-    python -m recipe.stapo.eval.run_eval --model CKPT --benchmarks-dir DIR --out OUT [options: --help]
-
-``DIR`` holds ``<benchmark>.parquet`` files written by ``python -m recipe.stapo.data.prepare bench``.
-Outputs under ``OUT``: ``generations/<bench>__<decoding>.jsonl`` (one line per sample, appended
-and flushed as generated), ``grades/`` and ``verifier/`` (answer grades and verifier verdicts, each
-keyed by the sample and what decided it), ``run_config.json``, ``summary.json`` and ``summary.md``.
-
-A run first checks everything it can without writing (:func:`plan_run`), then generates.
-Rerunning the same command resumes: only missing samples are generated; a run on a different model
-or setting in the same ``OUT`` is refused (``run_config.json`` names the key that differs).
-``summary.json`` covers every benchmark and decoding evaluated in ``OUT`` by any invocation, all
-graded with this invocation's grading: ``--verifier`` ``compass`` (the paper's: a rule-based answer
-grader, then CompassVerifier-3B on what it did not find correct), ``none`` (rule-only) or ``auto``
-(``none`` for a ``--limit`` smoke test, else ``compass``), under ``--grading-protocol``
-(:mod:`recipe.stapo.eval.protocols`). ``--data-parallel-size`` splits the generation over worker
-processes (:mod:`recipe.stapo.eval.parallel`). docs/eval.md ("Evaluate a checkpoint") gives the
-whole contract.
+A run first checks everything it can without writing (:func:`plan_run`), then generates, so a
+mistake costs seconds, not a half-written folder; rerunning the same command resumes.
+docs/eval.md ("Evaluate a checkpoint") gives the outputs and the whole contract.
 """
 
 from __future__ import annotations
@@ -63,20 +47,17 @@ from recipe.stapo.reward.answers import ground_truth_text
 from stapo_core.fileio import atomic_write, atomic_write_json, check_output_folder, cli_path, sha256_file
 
 DEFAULT_N_SAMPLES = {"aime24": 32, "aime25": 32, "amc23": 32, "math500": 4, "minerva": 4, "olympiadbench": 4}
-OTHER_N_SAMPLES = 4
-"""N of a benchmark outside the paper's six (any ``<name>.parquet`` in verl's format in the
-benchmarks folder, e.g. the tiny task's ``val``), unless ``--n-samples`` names it."""
+OTHER_N_SAMPLES = 4  # N of a benchmark outside the paper's six, unless --n-samples names it
 _BENCH_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
 DEFAULT_MAX_NEW_TOKENS = 20480
 _FINGERPRINT_KEYS = ("model", "max_new_tokens", "seed", "backend")
 VERIFIERS = ("auto", "compass", "none")
-VERIFIER_DTYPES = ("auto", "bfloat16", "float16", "float32")
-"""``--verifier-dtype``: ``auto`` is the verifier checkpoint's own."""
+VERIFIER_DTYPES = ("auto", "bfloat16", "float16", "float32")  # auto: the verifier checkpoint's own
+# what a run writes under --out (checked before anything is written)
 OUT_FOLDERS = ("generations", "grades", "verifier", parallel.WORKERS_DIR)
 OUT_FILES = ("run_config.json", "summary.json", "summary.md")
-"""What a run writes under ``--out`` (checked before anything is written)."""
+# the verifier prompt under --benchmarks-dir when no file is given
 DEFAULT_PROMPT_LOCATION = Path("compassverifier") / "prompts.py"
-"""Where, under ``--benchmarks-dir``, the verifier prompt is looked for when no file is given."""
 
 
 @dataclass
@@ -159,13 +140,7 @@ class EvalConfig:
 
 
 def load_problems(path: Path, limit: Optional[int] = None) -> list[Problem]:
-    """Problems of one prepared benchmark parquet (verl schema, see recipe.stapo.data.prepare).
-
-    Raises:
-        FileNotFoundError: the file is missing (names it and the prepare command).
-        ValueError: a needed column or a row's field is missing, or two rows share a problem id
-            (names file and rows).
-    """
+    """Problems of one prepared benchmark parquet (verl schema, see recipe.stapo.data.prepare)."""
     import pandas as pd  # pandas (a second) only when a benchmark file is read
 
     if not path.is_file():
@@ -210,11 +185,7 @@ def check_context(config: "EvalConfig", blocks: Sequence["Block"], pending: dict
     """Refuse a ``--max-new-tokens`` the model's context cannot hold after the longest prompt still
     to generate (vLLM would stop each such response at the context without a word; transformers
     would run past the positions the model was built for). Reads only the model's ``config.json``
-    and tokenizer; a hub id or a folder whose config names no context is not checked.
-
-    Raises:
-        ValueError: naming the context, where it comes from, the longest prompt and the value.
-    """
+    and tokenizer; a hub id or a folder whose config names no context is not checked."""
     path = Path(config.model).expanduser()
     context = model_context(path) if path.is_dir() else None
     if context is None:
@@ -247,12 +218,7 @@ def check_context(config: "EvalConfig", blocks: Sequence["Block"], pending: dict
 
 
 def data_fingerprint(benchmarks_dir: Path, catalogs: dict[str, list[Problem]]) -> dict:
-    """What ``run_config.json`` records about the benchmark data.
-
-    Returns:
-        ``{"data": {bench: {"file": name, "sha256": hex, "problems": rows}}, "data_manifest_sha256":
-        hex of ``manifest.json`` or None when the folder has none}``.
-    """
+    """What ``run_config.json`` records about the benchmark data."""
     manifest = benchmarks_dir / MANIFEST_NAME
     return {
         "data": {
@@ -264,11 +230,7 @@ def data_fingerprint(benchmarks_dir: Path, catalogs: dict[str, list[Problem]]) -
 
 
 def read_run_config(out: Path) -> dict:
-    """``OUT/run_config.json`` (``{}`` when absent).
-
-    Raises:
-        ValueError: it is not a JSON object (names the file and what to do).
-    """
+    """``OUT/run_config.json`` (``{}`` when absent)."""
     path = out / "run_config.json"
     if not path.exists():
         return {}
@@ -337,11 +299,7 @@ def _resolve_prompt(config: EvalConfig) -> VerifierPrompt:
 def plan_run(config: EvalConfig, verifier: Optional[AnswerVerifier] = None, injected_backend: bool = False) -> _Plan:
     """Every check of a run that needs no writing: output folder, ``run_config.json``, the data,
     every saved sample and part file, the model (when samples are left to generate), the
-    verifier prompt (rendered once) and the workers.
-
-    Raises:
-        ValueError, FileNotFoundError: the first problem found, named, with what to do.
-    """
+    verifier prompt (rendered once) and the workers; the first problem found is raised."""
     config.validate()
     out = Path(config.out)
     for folder in ("", *OUT_FOLDERS):
@@ -441,15 +399,8 @@ def run_evaluation(
     after_batch: Optional[Callable[[list[dict]], None]] = None,
 ) -> dict:
     """Check (:func:`plan_run`), generate (resumably, in-process or with data-parallel workers),
-    grade and summarise; returns the summary written to ``OUT``.
-
-    Args:
-        config: run settings.
-        backend_factory: builds the generation backend (default: from the config).
-        verifier: an LLM verifier for what the answer grader did not find correct (default: from
-            ``config.verifier``).
-        after_batch: hook called after each written generation batch (in-process generation).
-    """
+    grade and summarise; returns the summary written to ``OUT``. ``backend_factory`` and
+    ``verifier`` default to the config's; ``after_batch`` runs after each in-process batch."""
     plan = plan_run(config, verifier, backend_factory is not None)
     out = Path(config.out)
     lock = parallel.OutputLock(out)

@@ -45,11 +45,7 @@ def block_prompt_form(problems: Sequence[Problem]) -> str:
 
 def grading_info(verifier: Optional[AnswerVerifier], timeout_s: float, protocol: str = DEFAULT_PROTOCOL) -> dict:
     """The ``grading`` block of a summary: the protocol's name, label (``rule-only`` or
-    ``rule+verifier``), both identities, a description, and ``key``, a hash of both identities.
-
-    Raises:
-        ValueError: a CompassVerifier built for another protocol than ``protocol``.
-    """
+    ``rule+verifier``), both identities, a description, and ``key``, a hash of both identities."""
     chosen = get_protocol(protocol)
     if isinstance(verifier, CompassVerifier) and verifier.protocol.name != chosen.name:
         raise ValueError(f"the verifier is fed by the {verifier.protocol.name!r} protocol but the run grades "

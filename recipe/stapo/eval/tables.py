@@ -1,27 +1,8 @@
 """The paper's Table 2 and its headline number, from run summaries or a markdown table.
 
-CLI::
-
-    python -m recipe.stapo.eval.tables INPUT... [--format markdown|latex] [--stapo-method STAPO] [--out FILE]
-        [--allow-partial] [--allow-mixed-protocol] [--grading as-run|rule-only]
-
-Each INPUT is a ``summary.json`` written by ``recipe.stapo.eval.run_eval`` (its ``scale`` and
-``method`` label the row; override with ``SCALE:METHOD=path``), or a markdown file holding a
-table in the paper's layout (``| model | method | AIME24 | ... | Avg |`` with cells
-``"1.0/1.0 (0.7/0.9)"``, e.g. ``recipe/stapo/data/fixtures/paper_table2.md``). A benchmark outside
-the paper's six (the tiny task's ``val``) is shown in a column of its own after Avg; a row without
-the six is partial (below).
-
-Headline: per decoding setting, the mean over model scales of STAPO's relative gain
-``100 * (Avg_STAPO - Avg_best) / Avg_best``, ``Avg_best`` the highest Avg among the other methods at
-that scale (a table's printed Avg column when the input is a table: that reproduces the paper's
-+7.13%).
-
-Every row must be complete (:func:`row_from_summary`) and share the table's protocol
-(:func:`check_protocol`); ``--allow-partial`` and ``--allow-mixed-protocol`` show such rows marked
-and left out of the headline, which names what it left out and why. Rule-only and verified rows
-are never mixed: ``--grading rule-only`` builds the table from the rule-only mean@N every summary
-also carries. docs/eval.md ("Build Table 2") gives the whole contract.
+Rows are refused, not silently averaged, when partial or of another protocol than the table's:
+a headline over mixed rows would not be the paper's number. docs/eval.md ("Build Table 2") gives
+the inputs, the headline's formula and the whole contract.
 """
 
 from __future__ import annotations
@@ -45,31 +26,22 @@ BENCH_TO_COLUMN = {
     "aime24": "AIME24", "aime25": "AIME25", "amc23": "AMC23",
     "math500": "MATH500", "minerva": "Minerva", "olympiadbench": "Olympiad",
 }
-DECODING_ORDER = ("train", "justrl")
-"""Decoding settings in cell order: "train" = 1.0/1.0 (outside parentheses), "justrl" = 0.7/0.9."""
+DECODING_ORDER = ("train", "justrl")  # cell order: "1.0/1.0 (0.7/0.9)"
 DECODING_LABEL = {"train": "1.0/1.0", "justrl": "0.7/0.9"}
-MARK = "\u2020"
-"""Dagger appended to the method of a partial row (``--allow-partial``)."""
-MIXED_MARK = "\u2021"
-"""Double dagger appended to the method of a row with another protocol (``--allow-mixed-protocol``)."""
+MARK = "\u2020"  # after the method of a partial row
+MIXED_MARK = "\u2021"  # after the method of a row with another protocol
 GRADINGS = ("as-run", "rule-only")
-"""``as-run``: each summary's mean@N under the grading it was run with (rows must share it);
-``rule-only``: the rule-only mean@N of every summary."""
 PRINTED = "a printed table (protocol not recorded)"
 UNRECORDED_FORM = "unrecorded (a summary from before prompt forms were recorded)"
-EVAL_FORM = "justrl-eval"
-"""The prompt form of Table 2's rows: JustRL's evaluation prompt (``evals/gen_vllm.py``)."""
+EVAL_FORM = "justrl-eval"  # the prompt form of Table 2's rows: JustRL's evaluation prompt
 EVAL_PROMPT = f"JustRL's evaluation prompt ({EVAL_FORM}: the problem, one space, \"{PROMPT_SUFFIX}\")"
 _CELL = re.compile(r"^\s*([-+]?\d+(?:\.\d+)?|-|–)\s*(?:\(\s*([-+]?\d+(?:\.\d+)?|-|–)\s*\))?\s*$")
 
 
 @dataclass
 class Row:
-    """One (scale, method) row: ``values[decoding][column]`` in percent (Avg included if known).
-
-    ``issues[decoding]`` lists why the row is partial under that decoding setting (empty or absent:
-    complete); ``source`` is the input it came from.
-    """
+    """One (scale, method) row: ``values[decoding][column]`` in percent (Avg included if known);
+    ``issues[decoding]`` lists why the row is partial under that decoding setting."""
 
     scale: str
     method: str
@@ -128,11 +100,7 @@ def _parse_cell(text: str, where: str) -> dict[str, float]:
 
 
 def parse_markdown_table(text: str, source: str = "<table>") -> list[Row]:
-    """Rows of a paper-layout markdown table (header row names the columns; others ignored).
-
-    Raises:
-        ValueError: no table header, or an unreadable cell (names source, line and cell).
-    """
+    """Rows of a paper-layout markdown table (header row names the columns; others ignored)."""
     rows, header = [], None
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip().startswith("|"):
@@ -234,13 +202,8 @@ def _missing_issues(row: Row, unusable: Optional[dict[str, set]] = None) -> dict
 
 
 def grading_of(summary: dict, grading: str = "as-run") -> tuple[str, str]:
-    """``(key, description)`` of the grading of a summary's values under ``grading``.
-
-    ``as-run``: the grading the summary was made with (``grading.key`` of run_eval's summary;
-    ``rule-only`` or ``rule+verifier``); ``rule-only``: its answer grader alone
-    (``grading.grader_key``).
-    A summary without a grading record gets a key naming only its ``verifier`` field.
-    """
+    """``(key, description)`` of the grading of a summary's values under ``grading`` (``as-run``
+    or ``rule-only``); a summary without a grading record gets a key naming its ``verifier``."""
     record = summary.get("grading") if isinstance(summary.get("grading"), dict) else None
     if record is None:
         verifier = summary.get("verifier", "none")
@@ -290,14 +253,7 @@ def protocol_of(summary: dict, grading: str = "as-run") -> dict[str, object]:
 
 def row_from_summary(summary: dict, source: str, label: Optional[tuple[str, str]] = None, grading: str = "as-run") -> Row:
     """A row from a run_eval ``summary.json`` dict, its issues (what makes it partial, as docs/eval.md
-    lists them; an unusable cell is left empty and no Avg is computed) in ``Row.issues``.
-
-    Args:
-        grading: ``as-run`` (``mean_at_n``) or ``rule-only`` (``grader_mean_at_n``).
-    Raises:
-        ValueError: no scale/method label (pass ``SCALE:METHOD=path``), no decodings, or no
-            rule-only values for ``grading="rule-only"``.
-    """
+    lists them; an unusable cell is left empty and no Avg is computed) in ``Row.issues``."""
     scale, method = label or (summary.get("scale"), summary.get("method"))
     if not scale or not method:
         raise ValueError(f"{source}: summary has no scale/method; pass it as SCALE:METHOD={source}")
@@ -403,18 +359,7 @@ def _shown(value: object, other: object) -> str:
 def load_inputs(inputs: Sequence[str], allow_partial: bool = False, allow_mixed_protocol: bool = False,
                 grading: str = "as-run") -> list[Row]:
     """Rows from summary.json files and/or markdown tables (``SCALE:METHOD=path`` relabels a summary).
-
-    Args:
-        allow_partial: admit partial rows (marked, out of the headline).
-        allow_mixed_protocol: admit rows whose protocol differs from the table's (marked, out of
-            the headline), except rule-only beside verified rows, which is always refused.
-        grading: ``as-run`` or ``rule-only`` (:func:`grading_of`).
-    Raises:
-        ValueError: a row is partial (see :func:`row_from_summary`; names every such input, row
-            and issue) and ``allow_partial`` is False; rows with different protocols (names the
-            rows and fields) and ``allow_mixed_protocol`` is False; rule-only and verified rows;
-            unreadable or duplicate inputs.
-    """
+    ``allow_mixed_protocol`` never admits rule-only rows beside verified ones."""
     if grading not in GRADINGS:
         raise ValueError(f"--grading must be one of {list(GRADINGS)}, got {grading!r}")
     rows = []
@@ -532,12 +477,8 @@ class ScaleGain:
 
 
 def headline(rows: Sequence[Row], decoding: str, stapo_method: str = "STAPO", printed: bool = True) -> tuple[Optional[float], list[ScaleGain]]:
-    """Mean over scales of STAPO's relative gain (%) over the strongest other method.
-
-    Only rows that are complete under ``decoding`` with a finite Avg count; scales without such a
-    STAPO row, without such another method, or with a non-positive best Avg are skipped
-    (:func:`left_out` names them). Returns ``(mean_gain_pct or None, per-scale gains)``.
-    """
+    """``(mean over scales of STAPO's relative gain in % or None, per-scale gains)``; a scale
+    without a usable STAPO row and baseline is skipped (:func:`left_out` names it)."""
     gains = []
     for scale in scales(rows):
         at_scale = [r for r in _usable(rows, decoding, printed) if r.scale == scale]

@@ -4,11 +4,7 @@
 runs CompassVerifier as its authors do (open-compass/CompassVerifier's README): their template
 filled with the question, the reference answer and the WHOLE response, through the verifier's chat
 template, greedy, at most 2048 new tokens, read as a grading protocol says; only "A" counts as correct.
-
-The prompt is read from a file (:func:`load_verifier_prompt`), which the project does not ship:
-``python -m recipe.stapo.eval.verifier fetch-prompt`` downloads it at a pinned commit and checks its
-hash (:func:`fetch_prompt`). The verifier runs on a
-:class:`~recipe.stapo.eval.backends.GenerationBackend`.
+The project does not ship the prompt: :func:`fetch_prompt` downloads it at a pinned commit.
 """
 
 from __future__ import annotations
@@ -37,13 +33,10 @@ OFFICIAL_PROMPT_SHA256 = {
     "CV_PROMPT": "aee9c27520639ca543f0b5077164dc32c1976be0f16c87bee7055f3b7ba45e72",
     "CV_COT_PROMPT": "3d7456fb730b7517ca1f3bc1a28a3cc8847522ea6cc721a4d709f28bd07b4a10",
 }
-"""sha256 of the UTF-8 text of the two templates in ``src/prompts.py`` at :data:`OFFICIAL_COMMIT`."""
 DEFAULT_PROMPT_NAME = "CV_PROMPT"
-COMPASS_MAX_NEW_TOKENS = 2048
-"""The judgement budget CompassVerifier's authors use."""
+COMPASS_MAX_NEW_TOKENS = 2048  # the judgement budget CompassVerifier's authors use
 PROMPT_FIELDS = ("question", "gold_answer", "llm_response")
-CONTEXT_RESERVE_TOKENS = 32
-"""Tokens kept free for the judgement when a prompt has to be shortened to fit the context."""
+CONTEXT_RESERVE_TOKENS = 32  # kept free for the judgement when a prompt is shortened to fit
 _SAMPLE = {"question": "What is $\\frac{1}{2} + \\frac{1}{2}$?", "gold_answer": "1", "llm_response": "So the answer is $\\boxed{1}$."}
 
 
@@ -58,15 +51,9 @@ class VerifyItem:
 
 @dataclass(frozen=True)
 class Verdict:
-    """A verifier's judgement of one item.
-
-    Attributes:
-        correct: whether it counts as correct.
-        judgement: the parsed label ("A", "B", "C", or "" when none could be read), if any.
-        output: the verifier's raw output, if any.
-        response_chars_dropped: characters cut from the start of the response to fit the
-            verifier's context (0: the whole response was shown).
-    """
+    """A verifier's judgement of one item: ``judgement`` the parsed label ("A", "B", "C", or ""
+    when none could be read), ``response_chars_dropped`` what was cut from the start of the
+    response to fit the verifier's context."""
 
     correct: bool
     judgement: Optional[str] = None
@@ -100,15 +87,8 @@ class AnswerVerifier(ABC):
 
 @dataclass(frozen=True)
 class VerifierPrompt:
-    """A verifier prompt template and where it came from.
-
-    Attributes:
-        template: ``str.format`` template with ``{question}``, ``{gold_answer}``, ``{llm_response}``
-            (literal braces doubled, as in CompassVerifier's own templates).
-        source: the file it was read from (and the variable, for a ``.py`` file).
-        sha256: hash of ``template``.
-        official: the name of the official template it equals (``"CV_PROMPT"``...), or None.
-    """
+    """A ``str.format`` verifier prompt template, the file (and variable) it was read from, and the
+    name of the official template it equals (``"CV_PROMPT"``...) or None."""
 
     template: str
     source: str
@@ -152,11 +132,6 @@ def load_verifier_prompt(path: str | Path, name: str = DEFAULT_PROMPT_NAME) -> V
 
     The template is rendered once with a sample question, answer and response, so a bad template
     fails here, before any generation.
-
-    Raises:
-        FileNotFoundError: no such file (names it and how to get the official one).
-        ValueError: the template lacks one of the placeholders, names another field, or does not
-            render (e.g. single LaTeX braces: names the file and the fix).
     """
     path = Path(path)
     if not path.is_file():
@@ -207,16 +182,8 @@ class CompassVerifier(AnswerVerifier):
     or :func:`~recipe.stapo.eval.protocols.compass_judgement`).
 
     The whole response is shown; only a prompt longer than the backend's context is shortened
-    (:meth:`fitted_prompt`), and the verdict records how many characters were dropped.
-
-    Args:
-        backend: runs the judge model (its ``greedy``, ``tokenizer`` and ``context_length``).
-        prompt: the template (:func:`load_verifier_prompt`).
-        model: the judge model's name or path (its identity).
-        max_new_tokens: judgement budget.
-        protocol: the grading protocol (default :data:`~recipe.stapo.eval.protocols.DEFAULT_PROTOCOL`).
-        dtype: the dtype the judge model is loaded in (``auto``: the checkpoint's own); part of the
-            identity only, the backend does the loading.
+    (:meth:`fitted_prompt`), and the verdict records how many characters were dropped. ``model``
+    and ``dtype`` are part of the identity only: the backend does the loading.
     """
 
     name = "compass"
@@ -312,14 +279,8 @@ def build_verifier(
 
 
 def fetch_prompt(out: str | Path, source: Optional[str] = None) -> VerifierPrompt:
-    """Write CompassVerifier's ``src/prompts.py`` at :data:`OFFICIAL_COMMIT` to ``out``, checked.
-
-    Args:
-        out: where to write it.
-        source: a local copy to check and copy instead of downloading :data:`OFFICIAL_URL`.
-    Raises:
-        ValueError: its ``CV_PROMPT`` is not the official text (nothing is written).
-    """
+    """Write CompassVerifier's ``src/prompts.py`` at :data:`OFFICIAL_COMMIT` (downloaded, or the
+    local copy ``source``) to ``out`` once its ``CV_PROMPT`` is checked to be the official text."""
     if source is None:
         try:
             with urllib.request.urlopen(OFFICIAL_URL, timeout=60) as response:  # noqa: S310 (fixed https URL)

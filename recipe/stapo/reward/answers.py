@@ -168,14 +168,8 @@ def unicode_problem(text: str) -> Optional[str]:
 
 
 def ground_truth_text(value: Any) -> Optional[str]:
-    """The ground truth as a string by :func:`ground_truth_conversion`'s rule, or None when no answer
-    can ever match it.
-
-    Args:
-        value: the ``reward_model.ground_truth`` cell of a row.
-    Returns:
-        str (1..MAX_GROUND_TRUTH_CHARS characters, not only whitespace) or None.
-    """
+    """A row's ``reward_model.ground_truth`` as a string by :func:`ground_truth_conversion`'s rule,
+    or None when no answer can ever match it."""
     return ground_truth_conversion(value)[0]
 
 
@@ -186,14 +180,8 @@ def ground_truth_problem(value: Any) -> Optional[str]:
 
 
 def last_boxed_content(text: str) -> Optional[str]:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced.
-
-    Args:
-        text: any string.
-    Returns:
-        The content between the outer braces, or None when there is no box or the last box is
-        never closed (``"\\boxed{12"``). Linear in ``len(text)``.
-    """
+    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``, braces balanced; None
+    when there is no box or the last box is never closed (``"\\boxed{12"``). Linear in ``len(text)``."""
     start = max(text.rfind(opener) for opener in _BOX_OPENERS)
     if start < 0:
         return None
@@ -241,13 +229,7 @@ def normalize_answer(answer: str) -> str:
     """verl's DAPO / Minerva normalisation of a final answer, plus LaTeX-spelling folding and
     list-aware commas (each step, and why the commas differ from verl's: docs/reward.md, "Lenient
     reward"). Quadratic in ``len(answer)`` at worst; callers pass at most
-    :data:`MAX_GROUND_TRUTH_CHARS` characters.
-
-    Args:
-        answer: a raw answer string (content of a box or a ground truth).
-    Returns:
-        The normalised string (may be empty).
-    """
+    :data:`MAX_GROUND_TRUTH_CHARS` characters. The result may be empty."""
     # verl (seconds) loads on the first answer normalized, not when the reward module is imported
     from verl.utils.reward_score.math_dapo import normalize_final_answer
 

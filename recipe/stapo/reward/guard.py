@@ -17,14 +17,11 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Mapping, Optional
 
-WORKERS_ENV = "STAPO_REWARD_WORKERS"
-"""Environment variable: how many helper processes one process may run (default min(4, CPUs))."""
+WORKERS_ENV = "STAPO_REWARD_WORKERS"  # how many helper processes one process may run
 
-
+# statuses of TimeLimitedRunner.call under which the function's answer is unknown: a grader turns
+# them into "ungraded", never into a verdict
 UNGRADED_STATUSES = ("timeout", "unavailable", "died")
-"""Statuses of :meth:`TimeLimitedRunner.call` under which the function's answer is unknown: it ran
-past its limit, no helper could be started, or the helper died during the call. A grader turns
-them into "ungraded", never into a verdict."""
 
 
 class RewardConfigError(ValueError):
@@ -33,12 +30,8 @@ class RewardConfigError(ValueError):
 
 def workers_from_env(environ: Optional[Mapping[str, str]] = None) -> int:
     """The number of helper processes :data:`WORKERS_ENV` asks for (``environ`` defaults to
-    ``os.environ``): a whole number >= 1; unset or empty means min(4, CPUs).
-
-    Raises:
-        RewardConfigError: naming the variable and its value, for anything else (``abc``, ``0``,
-            ``-2``, ``1.5``).
-    """
+    ``os.environ``): a whole number >= 1; unset or empty means min(4, CPUs); anything else
+    (``abc``, ``0``, ``1.5``) raises :class:`RewardConfigError`."""
     environ = os.environ if environ is None else environ
     default = min(4, os.cpu_count() or 1)
     raw = environ.get(WORKERS_ENV, "")
@@ -137,14 +130,9 @@ class TimeLimitedRunner:
     Thread-safe: concurrent callers each take an idle helper (up to ``max_workers`` are spawned
     lazily); time spent waiting for a free helper, or for a new one to start (and warm up), does
     not count against a call's limit. A call that exceeds its limit kills its helper, so the limit
-    holds even for code stuck in C and even when called outside the main thread.
-
-    Args:
-        max_workers: most helper processes alive at once.
-        startup_timeout_s: limit for a helper to start (import, warm up) before it counts as failed.
-        warm_up: ``"module:function"`` each helper calls once, without arguments, before it takes
-            calls (e.g. to import sympy, seconds on a busy machine, outside every call's limit);
-            empty for none.
+    holds even for code stuck in C and even when called outside the main thread. ``warm_up`` is a
+    ``"module:function"`` each helper calls once before it takes calls (e.g. to import sympy,
+    seconds on a busy machine, outside every call's limit).
     """
 
     def __init__(self, max_workers: int = 2, startup_timeout_s: float = 60.0, warm_up: str = ""):
@@ -162,13 +150,9 @@ class TimeLimitedRunner:
 
     def call(self, fn: Callable[..., Any] | str, args: tuple, timeout_s: float) -> tuple[str, Any]:
         """Run ``fn(*args)`` in a helper; ``fn`` is a picklable function or ``"module:function"``.
-
-        Returns:
-            ``("ok", result)``, ``("err", message)`` when ``fn`` raised (or could not be sent),
-            ``("timeout", None)`` when it ran past ``timeout_s`` (its helper is killed),
-            ``("unavailable", message)`` when no helper process could be started, or ``("died",
-            message)`` when the helper ended during the call (killed from outside, out of memory).
-        """
+        Returns ``("ok", result)``, ``("err", message)`` when ``fn`` raised (or could not be sent),
+        ``("timeout", None)`` (its helper is killed), ``("unavailable", message)`` when no helper
+        could be started, or ``("died", message)`` when the helper ended during the call."""
         with self._slots:
             worker = self._take_worker()
             if isinstance(worker, str):
@@ -228,11 +212,7 @@ _RUNNERS_LOCK = threading.Lock()
 def get_runner(warm_up: str = "") -> TimeLimitedRunner:
     """The process-wide runner of the helpers warmed up by ``warm_up``, created on first use: each
     grader has its own helpers, so a call never pays for another grader's imports.
-    :data:`WORKERS_ENV` sets the size of each.
-
-    Raises:
-        RewardConfigError: when :data:`WORKERS_ENV` is invalid.
-    """
+    :data:`WORKERS_ENV` sets the size of each."""
     with _RUNNERS_LOCK:
         runner = _RUNNERS.get(warm_up)
         if runner is None:

@@ -22,30 +22,20 @@ from recipe.stapo.reward.strict import CORRECT_SCORE, WRONG_SCORE
 
 logger = logging.getLogger(__name__)
 
-TAIL_CHARS = 300
-"""Only the last ``TAIL_CHARS`` characters of a response are searched for ``\\boxed{}``."""
+TAIL_CHARS = 300  # only the last TAIL_CHARS characters of a response are searched for \boxed{}
+DEFAULT_TIMEOUT_S = 5.0  # hard wall-clock limit (seconds) of one symbolic comparison
 
-DEFAULT_TIMEOUT_S = 5.0
-"""Hard wall-clock limit (seconds) of one symbolic comparison."""
-
+# what the guard runs for the symbolic stage, as symbolic_check(pred, gold, norm_pred, norm_gold)
+# (a module attribute so that tests can substitute it)
 symbolic_check: Callable[..., bool] = symbolic_equal
-"""The function the guard runs for the symbolic stage (module attribute so tests can substitute
-it); called as ``symbolic_check(pred, gold, norm_pred, norm_gold)``."""
 
 _WARM_UP = "recipe.stapo.reward.answers:warm_up_symbolic"
 
 
 class Graded(NamedTuple):
-    """A grader's reading of one response.
-
-    Attributes:
-        correct: True / False, or None when the answer is *ungraded*: its check could not run to
-            its end (``status`` says why).
-        pred: the extracted answer (None: no box where the grader looks).
-        status: ``ok`` (graded), or a :data:`~recipe.stapo.reward.guard.UNGRADED_STATUSES` value:
-            ``timeout`` (the symbolic check ran past its limit), ``unavailable`` (no helper process
-            could start), ``died`` (the helper ended during the check).
-    """
+    """A grader's reading of one response: ``correct`` None when the answer is *ungraded* (its
+    check could not run to its end), ``pred`` None when there is no box where the grader looks,
+    ``status`` ``ok`` or the :data:`~recipe.stapo.reward.guard.UNGRADED_STATUSES` value saying why."""
 
     correct: Optional[bool]
     pred: Optional[str]
@@ -69,18 +59,10 @@ def check_symbolic(runner_warm_up: str, fn: Any, args: tuple, timeout_s: float, 
 
 
 def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Graded:
-    """Whether ``pred`` and ``gold`` are equal after normalisation or symbolically.
-
-    Args:
-        pred: an extracted answer (short: callers take it from a response tail).
-        gold: a ground truth string of at most ``MAX_GROUND_TRUTH_CHARS`` characters.
-        timeout_s: hard limit of the symbolic stage.
-    Returns:
-        :class:`Graded` (``pred`` as given); ``correct`` None when the symbolic check could not run.
-    Raises only :class:`~recipe.stapo.reward.guard.RewardConfigError` (an invalid
-    ``STAPO_REWARD_WORKERS``); never runs longer than about ``timeout_s`` (plus a one-off helper
-    start).
-    """
+    """Whether ``pred`` (short: taken from a response tail) and ``gold`` (at most
+    ``MAX_GROUND_TRUTH_CHARS`` characters) are equal after normalisation or symbolically. Raises only
+    :class:`~recipe.stapo.reward.guard.RewardConfigError` (an invalid ``STAPO_REWARD_WORKERS``);
+    never runs longer than about ``timeout_s`` (plus a one-off helper start)."""
     norm_pred, norm_gold = normalize_answer(pred), normalize_answer(gold)
     if not norm_pred or not norm_gold:
         return Graded(False, pred)
@@ -94,17 +76,8 @@ def answers_equivalent(pred: str, gold: str, timeout_s: float = DEFAULT_TIMEOUT_
 
 
 def grade_answer(solution_str: Any, ground_truth: Any, timeout_s: float = DEFAULT_TIMEOUT_S) -> Graded:
-    """Grade one response with the lenient grader.
-
-    Args:
-        solution_str: the decoded response (non-strings are converted with ``str``).
-        ground_truth: the reference answer (see :func:`~recipe.stapo.reward.answers.ground_truth_text`;
-            an unusable one, e.g. None or empty, is never matched).
-        timeout_s: hard limit of the symbolic stage.
-    Returns:
-        :class:`Graded`: ``pred`` is the last box content in the final ``TAIL_CHARS`` characters,
-        or None when there is none.
-    """
+    """Grade one response with the lenient grader: ``pred`` is the last box content in its final
+    ``TAIL_CHARS`` characters; an unusable ground truth (None, empty...) is never matched."""
     text = solution_str if isinstance(solution_str, str) else str(solution_str)
     pred = last_boxed_content(text[-TAIL_CHARS:])
     gold = ground_truth_text(ground_truth)
@@ -117,15 +90,9 @@ def compute_score_lenient(data_source: Any, solution_str: Any, ground_truth: Any
     """verl custom reward function: the lenient reward (+1 correct / -1 wrong), selected with
     ``reward.custom_reward_function.name=compute_score_lenient``.
 
-    Args:
-        solution_str: decoded response text. ground_truth: reference answer.
-        **kwargs: ``timeout_s`` (float, default ``DEFAULT_TIMEOUT_S``); anything else verl passes
-            (``data_source``, ``extra_info``, ...) is ignored.
-    Returns:
-        ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None, "ungraded": bool}``:
-        ``ungraded`` when the symbolic check could not run (scored -1, logged by verl).
-    Raises:
-        RewardConfigError: ``STAPO_REWARD_WORKERS`` is invalid (never for any response or ground truth).
+    ``kwargs`` may hold ``timeout_s``; anything else verl passes is ignored. Returns ``{"score": +1.0
+    or -1.0, "acc", "pred", "ungraded"}``: ``ungraded`` when the symbolic check could not run (scored
+    -1). Raises only RewardConfigError (an invalid ``STAPO_REWARD_WORKERS``), never for an answer.
     """
     timeout_s = float(kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
     try:

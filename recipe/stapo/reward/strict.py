@@ -21,15 +21,8 @@ WRONG_SCORE = -1.0
 
 
 def strict_score(solution_str: Any, ground_truth: Any) -> dict:
-    """JustRL's strict DAPO reward (+1 correct / -1 wrong).
-
-    Args:
-        solution_str: decoded response text (a non-string is converted with ``str``).
-        ground_truth: reference answer (see :func:`~recipe.stapo.reward.answers.ground_truth_text`).
-    Returns:
-        ``{"score": float (+1.0 or -1.0), "acc": bool, "pred": str | None}``: verl's result; ``pred``
-        is the content of the box verl found. Never raises.
-    """
+    """JustRL's strict DAPO reward: verl's ``{"score": +1.0 or -1.0, "acc", "pred"}``, ``pred`` the
+    content of the box verl found. Never raises."""
     # verl (seconds) loads on the first score, in the reward worker, not when the module is imported
     from verl.utils.reward_score.math_dapo import compute_score as verl_math_dapo_score
 
