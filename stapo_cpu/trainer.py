@@ -268,7 +268,7 @@ def _runtime_env_overrides(isa: str = DEFAULT_ISA) -> list[str]:
     instruction set (:func:`isa_env`) in Ray workers (quoted: a comma in an unquoted Hydra value
     would make a sweep)."""
     env = {**CPU_ENV_VARS, "VERL_USE_EXTERNAL_MODULES": ",".join(EXTERNAL_MODULES), **isa_env(isa)}
-    return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}='{value}'" for key, value in env.items()]
+    return [f"++ray_kwargs.ray_init.runtime_env.env_vars.{key}={hydra_quoted(value)}" for key, value in env.items()]
 
 
 def trainer_command(method: str, overrides: Sequence[str], python: str = sys.executable) -> list[str]:
