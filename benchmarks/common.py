@@ -8,12 +8,12 @@ import math
 import statistics
 from typing import Callable, Iterable, Sequence
 
+from recipe.stapo.eval import tables
+
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
-    """A markdown table: the header, its ``|---|`` line, then one line per row; every line ends in a newline."""
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    """The project's Markdown table (:func:`recipe.stapo.eval.tables.markdown_table`), ending in a newline."""
+    return tables.markdown_table(header, rows) + "\n"
 
 
 def number(value: float, decimals: int) -> str:

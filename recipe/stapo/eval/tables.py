@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from recipe.stapo.data.prepare import PROMPT_SUFFIX
 from stapo_core.fileio import atomic_write, check_output_file, check_regular, cli_path
@@ -588,10 +588,10 @@ def render(rows: Sequence[Row], fmt: str = "markdown") -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A Markdown table: the header row, its rule, one line per row (cells as given, no escaping)."""
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence]) -> str:
+    """A Markdown table: the header row, its rule, one line per row (each cell as ``str`` gives it, no escaping)."""
     return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-                     + ["| " + " | ".join(row) + " |" for row in rows])
+                     + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
 def _latex_escape(text: str) -> str:
