@@ -226,8 +226,8 @@ def draw_panel(ax, panel: Panel, lines: Mapping[str, Series], marks: Optional[Ma
     is the line ``suffix`` of ``run``, drawn in ``panel.styles[suffix]``); a "not logged" note naming
     the metric when there are no lines. ``colors``: :func:`label_colors`."""
     def split(label: str) -> tuple[str, str]:
-        run = label.split(" (")[0]
-        return run, label[len(run) + 2 : -1] if " (" in label else ""
+        suffix = next((s for s in panel.styles or {} if label.endswith(f" ({s})")), "")
+        return (label[: -len(suffix) - 3], suffix) if suffix else (label, "")
 
     bands = {split(label): Band(steps, values, values, values, [1] * len(steps)) for label, (steps, values) in lines.items()}
     draw_bands(ax, panel.title, bands, panel.log_scale, colors or label_colors([run for run, _ in bands]),

@@ -438,9 +438,10 @@ def test_run_curves_keep_one_colour_per_method(two_runs):
     plt.close(fig)
 
 
-def _colours_by_label(fig) -> dict[str, set]:
+def _colours_by_label(fig, runs=()) -> dict[str, set]:
     """``{run label: colours}`` over every axes of ``fig``: curve lines by their label (``"<run>
-    (<variant>)"`` counts for ``<run>``), the update effect's markers by the tick under them."""
+    (<variant>)"`` counts for ``<run>``, the longest of ``runs`` it starts with, else the text before
+    " ("), the update effect's markers by the tick under them."""
     colours: dict = {}
     for ax in fig.axes:
         ticks = [t.get_text() for t in ax.get_xticklabels()]
@@ -449,20 +450,23 @@ def _colours_by_label(fig) -> dict[str, set]:
             if label.startswith("_") and ticks and len(line.get_xdata()) == 1:  # an update-effect marker
                 label = ticks[round(float(line.get_xdata()[0]))]
             if not label.startswith("_"):
-                colours.setdefault(label.split(" (")[0], set()).add(line.get_color())
+                run = max((r for r in runs if label == r or label.startswith(f"{r} (")), key=len, default=None)
+                colours.setdefault(run or label.split(" (")[0], set()).add(line.get_color())
     return colours
 
 
 def test_labels_keep_one_colour_each_in_every_panel_and_figure(two_runs, tmp_path, monkeypatch):
     """``plots --labels``: a label naming a method in any case gets its method's colour, in every panel
-    of every figure (curves, one file per panel, the update effect); another label one colour of its own."""
+    of every figure (curves, one file per panel, the update effect); another label one colour of its own,
+    also when it holds " (" as the update-effect panel's line labels do."""
     runs, _ = two_runs
     mine = tmp_path / "mine"
     _log_run(monkeypatch, mine / "metrics.jsonl", "mine", with_val=False)
     figures = []
-    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(_colours_by_label(fig)) or path)
+    labels = ["STAPO", "JustRL", "Mine (lr 1e-3)"]
+    monkeypatch.setattr(plots, "_save", lambda fig, path: figures.append(_colours_by_label(fig, labels)) or path)
     rc = plots.main([str(runs["stapo"]), str(runs["justrl"]), str(mine), "--out", str(tmp_path / "out"),
-                     "--labels", "STAPO", "JustRL", "Mine"])
+                     "--labels", *labels])
     assert rc == 0 and len(figures) > 3
     seen: dict = {}
     for colours in figures:
@@ -470,8 +474,8 @@ def test_labels_keep_one_colour_each_in_every_panel_and_figure(two_runs, tmp_pat
             seen.setdefault(label, set()).update(found)
     assert seen["STAPO"] == {plots.METHOD_COLORS["stapo"]}
     assert seen["JustRL"] == {plots.METHOD_COLORS["justrl"]}
-    assert len(seen["Mine"]) == 1 and seen["Mine"].isdisjoint(seen["STAPO"] | seen["JustRL"])
-    assert set(figures[-1]) == {"STAPO", "JustRL", "Mine"}  # the update effect, saved last, colours all three
+    assert len(seen[labels[2]]) == 1 and seen[labels[2]].isdisjoint(seen["STAPO"] | seen["JustRL"])
+    assert set(figures[-1]) == set(labels)  # the update effect, saved last, colours all three
 
 
 # --------------------------------------------------------------------------------------------
