@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
@@ -83,6 +84,8 @@ VALUE_RULES = (
               "delta <= 1 caps the ratio at or below 1: trains silently wrong"),
     ValueRule("beta", lambda v: is_number(v) and v >= 0, "a number >= 0 (the KL coefficient)",
               "a negative beta rewards moving away from the reference: trains silently wrong"),
+    ValueRule("output_dir", lambda v: v is None or (isinstance(v, (str, os.PathLike)) and os.fspath(v).strip() != ""),
+              "a folder path, or None (TRL's default folder)", "'' saves every checkpoint into the working folder"),
     ValueRule("sapo_temperature_pos", lambda v: is_number(v) and v > 0, "a number > 0",
               "0 makes sapo's gradient NaN, a negative one inverts its gate"),
     ValueRule("sapo_temperature_neg", lambda v: is_number(v) and v > 0, "a number > 0",

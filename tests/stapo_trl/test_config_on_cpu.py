@@ -16,7 +16,7 @@ BASE = dict(use_cpu=True, per_device_train_batch_size=4, num_generations=4, grad
 
 
 def make(tmp_path, config_cls=STAPOConfig, **overrides):
-    return config_cls(output_dir=str(tmp_path), **{**BASE, **overrides})
+    return config_cls(**{"output_dir": str(tmp_path), **BASE, **overrides})
 
 
 @pytest.mark.parametrize(
@@ -46,7 +46,7 @@ BAD_VALUES = [
     ("per_device_train_batch_size", 0), ("temperature", 0.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -1),
     ("min_p", 2.0), ("repetition_penalty", 0.0), ("sapo_temperature_pos", 0.0), ("sapo_temperature_neg", -1.0),
     ("num_generations", 0), ("learning_rate", float("nan")), ("learning_rate", -1e-6), ("epsilon", -0.1),
-    ("epsilon_high", -0.1), ("delta", 1.0), ("beta", -0.04),
+    ("epsilon_high", -0.1), ("delta", 1.0), ("beta", -0.04), ("output_dir", ""),
 ]
 
 
