@@ -59,8 +59,10 @@ def read_metrics(path: str | os.PathLike) -> RunMetrics:
     ``.nonfinite``."""
     steps = read_steps(path)
     if not steps:
-        raise ValueError(f"{path}: no step records (an empty metrics file: the run logged no step yet, or the file "
-                         "was emptied); nothing to plot")
+        size = os.path.getsize(path)
+        why = (f"its {size} bytes hold no complete line: a write cut short, or zeros a crash left" if size else
+               "an empty metrics file: the run logged no step yet, or the file was emptied")
+        raise ValueError(f"{path}: no step records ({why}); nothing to plot")
     series, nonfinite = metric_series(steps), nonfinite_values(steps)
     for key, (xs, ys) in list(series.items()):  # beyond PLOT_LIMIT: marked like a non-finite value
         far = [(x, y) for x, y in zip(xs, ys) if abs(y) > PLOT_LIMIT]

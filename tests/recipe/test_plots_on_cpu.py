@@ -616,9 +616,12 @@ def test_values_near_the_float_maximum_are_marked_not_drawn(tmp_path, capsys):
     assert plots.read_metrics(path)["critic/score/mean"] == ([1, 4], [0.5, 0.25])
 
 
-def test_an_empty_metrics_file_is_an_error_naming_it(tmp_path, capsys):
+@pytest.mark.parametrize("content, why", [(b"", "an empty metrics file"),
+                                          (b"\0" * 64, "its 64 bytes hold no complete line"),
+                                          (b'{"step": 1, "data": {"a"', "its 24 bytes hold no complete line")])
+def test_an_empty_metrics_file_is_an_error_naming_it(tmp_path, capsys, content, why):
     path = tmp_path / "metrics.jsonl"
-    path.write_bytes(b"")
+    path.write_bytes(content)
     assert plots.main([str(path), "--out", str(tmp_path / "out")]) == 2
-    assert f"error: {path}: no step records" in capsys.readouterr().err
+    assert f"error: {path}: no step records ({why}" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
