@@ -144,14 +144,16 @@ def append_lines(path: str | os.PathLike, lines: Sequence[str | bytes]) -> None:
 def atomic_write(path: str | os.PathLike, content: str | bytes | Callable[[str], None],
                  before_replace: Optional[Callable[[str], None]] = None) -> Path:
     """Replace ``path`` whole with ``content`` (text as UTF-8, bytes, or a function writing the temp
-    file whose path it is given): a temp file ``.<name>.<random>.tmp`` beside it, fsynced, given to
-    ``before_replace`` if any, renamed over ``path``. :class:`FileError` when ``path`` is not a
-    regular file or a write fails; on any exception ``path`` is as it was and the temp file gone."""
+    file whose path it is given): a temp file ``.<name>.<random>.tmp`` beside it (the name's first 200
+    bytes), fsynced, given to ``before_replace`` if any, renamed over ``path``. :class:`FileError` when
+    ``path`` is not a regular file or a write fails; on any exception ``path`` is as it was and the temp
+    file gone."""
     path = Path(path)
     check_regular(path)
     with _named(path):
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = str(path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp"))
+        stem = os.fsdecode(os.fsencode(path.name)[:200])  # the temp name fits where the name itself does
+        tmp = str(path.with_name(f".{stem}.{os.urandom(6).hex()}.tmp"))
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)  # the umask applies, as to open()'s
         try:
             try:

@@ -409,3 +409,11 @@ def test_a_json_line_nested_too_deeply_is_named_not_a_recursion_error(tmp_path):
     path.write_text('{"step": 1, "data": {"a": ' + "[" * 100_000 + "]" * 100_000 + "}}\n")
     with pytest.raises(ValueError, match="line 1 nests JSON too deeply to read"):
         list(iter_jsonl(path))
+
+
+@pytest.mark.parametrize("length", [240, 255])
+def test_a_whole_file_whose_name_is_as_long_as_a_name_can_be_is_written(tmp_path, length):
+    path = tmp_path / ("t" * (length - 3) + ".md")
+    atomic_write(path, "| a |\n")
+    atomic_write(path, "| b |\n")
+    assert path.read_text() == "| b |\n" and os.listdir(tmp_path) == [path.name]
