@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import stat
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -187,9 +188,18 @@ def cli_path(text: str | os.PathLike) -> str | os.PathLike:
     return text
 
 
+def _cannot_create_in(folder: Path) -> Optional[str]:
+    """Why a folder cannot be made in ``folder`` (tried: a probe folder made and removed), or None."""
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=folder))
+    except OSError as exc:  # as root, os.access calls /sys or a read-only bind mount writable
+        return exc.strerror
+    return None
+
+
 def output_folder_problem(option: str, path: str | os.PathLike) -> Optional[str]:
     """Why files cannot be written into the folder ``path`` (created if missing), named after the
-    command-line ``option`` that gave it; None when they can. Nothing is created."""
+    command-line ``option`` that gave it; None when they can. Nothing is left behind."""
     path = Path(path)
     try:
         if path.is_symlink() and not path.exists():
@@ -197,8 +207,9 @@ def output_folder_problem(option: str, path: str | os.PathLike) -> Optional[str]
         if path.exists():
             if not path.is_dir():
                 return f"{option} {path} is a file, not a folder: give a folder path (it is created if missing)"
-            if not os.access(path, os.W_OK | os.X_OK):
-                return f"{option} {path} is not writable: give a folder you can write to"
+            why = _cannot_create_in(path)
+            if why:
+                return f"{option} {path} is not writable ({why}): give a folder you can write to"
             return None
         parent = path.parent
         while not parent.exists():
@@ -207,8 +218,9 @@ def output_folder_problem(option: str, path: str | os.PathLike) -> Optional[str]
         return f"{option} {path}: {exc.strerror}; give another folder path"
     if not parent.is_dir():
         return f"{option} {path} cannot be created: {parent} is a file; give a folder path"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{option} {path} cannot be created: {parent} is not writable; give a folder you can write to"
+    why = _cannot_create_in(parent)
+    if why:
+        return f"{option} {path} cannot be created: {parent} is not writable ({why}); give a folder you can write to"
     return None
 
 

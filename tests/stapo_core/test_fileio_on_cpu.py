@@ -417,3 +417,13 @@ def test_a_whole_file_whose_name_is_as_long_as_a_name_can_be_is_written(tmp_path
     atomic_write(path, "| a |\n")
     atomic_write(path, "| b |\n")
     assert path.read_text() == "| b |\n" and os.listdir(tmp_path) == [path.name]
+
+
+def test_an_output_folder_where_nothing_can_be_made_is_named_even_where_access_says_writable(tmp_path):
+    """As root, os.access calls /sys writable; a folder cannot be made there (sysfs)."""
+    from stapo_core.fileio import output_folder_problem
+
+    assert output_folder_problem("--out", "/sys/stapo_out").startswith(
+        "--out /sys/stapo_out cannot be created: /sys is not writable (")
+    assert output_folder_problem("--out", "/sys").startswith("--out /sys is not writable (")
+    assert output_folder_problem("--out", tmp_path / "new" / "out") is None and os.listdir(tmp_path) == []

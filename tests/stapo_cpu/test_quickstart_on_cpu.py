@@ -4,7 +4,9 @@ the S2T settings and refuses to train when any differs from the paper's (no trai
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 from pathlib import Path
 
 import pandas as pd
@@ -423,16 +425,24 @@ def test_an_output_folder_that_cannot_be_created_is_refused(tmp_path, monkeypatc
 
 
 def test_a_read_only_output_folder_is_refused(tmp_path, monkeypatch, capsys):
-    """Without write permission (``os.access`` as a non-root user sees it) the folder is refused."""
+    """Without write permission (nothing can be made in the folder, as for a non-root user) the folder is
+    refused."""
     monkeypatch.setattr(qs, "build_assets", _run_trainer_forbidden)
     locked = tmp_path / "locked"
     locked.mkdir()
-    real_access = fileio.os.access
-    monkeypatch.setattr(fileio.os, "access", lambda path, mode: False if Path(path) == locked else real_access(path, mode))
+    real_mkdtemp = fileio.tempfile.mkdtemp
+
+    def mkdtemp(*args, dir=None, **kwargs):
+        if Path(dir) == locked:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+        return real_mkdtemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(fileio.tempfile, "mkdtemp", mkdtemp)
     with pytest.raises(SystemExit) as exit_info:
         qs.main(["--out", str(locked / "out"), "--assets", str(tmp_path / "assets")])
     assert exit_info.value.code == 2
-    assert f"--out {locked / 'out'} cannot be created: {locked} is not writable" in capsys.readouterr().err
+    assert f"--out {locked / 'out'} cannot be created: {locked} is not writable (Permission denied)" in \
+        capsys.readouterr().err
 
 
 def test_built_assets_in_a_read_only_folder_are_accepted(tmp_path, monkeypatch):
