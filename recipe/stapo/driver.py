@@ -5,6 +5,7 @@ no verl: ``VERL_USE_EXTERNAL_MODULES`` must be set first (:func:`ensure_patch_mo
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import os
@@ -176,14 +177,30 @@ def credential_keys(key: str, value: object = None) -> list[str]:
     return found
 
 
+def recipe_keys() -> list[str]:
+    """Every key of the recipe's own config section (``recipe.*`` in the YAML), dotted, nested ones too."""
+    def walk(prefix: str, node) -> list[str]:
+        subs = node.items() if isinstance(node, dict) else ()
+        return [prefix, *(key for name, value in subs for key in walk(f"{prefix}.{name}", value))]
+
+    section = OmegaConf.load(Path(CONFIG_DIR) / f"{CONFIG_NAME}.yaml").recipe
+    return walk("recipe", OmegaConf.to_container(section, resolve=False))[1:]
+
+
 def override_problems(overrides: Sequence[str]) -> list[str]:
     """What the driver refuses in ``overrides`` (flags left alone), each with its fix: a deletion
-    (``~key``), a credential (:func:`credential_keys`), and :func:`override_problem` of one Hydra refuses."""
+    (``~key``), a key added to the recipe's section that it does not have (nothing would read it), a
+    credential (:func:`credential_keys`), and :func:`override_problem` of one Hydra refuses."""
     from hydra.core.override_parser.overrides_parser import OverridesParser  # hydra only here: as in compose
 
     parser = OverridesParser.create()
     found = []
     for override in overrides:
+        added = override.lstrip("+").split("=", 1)[0] if override.startswith("+") else ""
+        if added.startswith("recipe.") and added not in recipe_keys():
+            close = difflib.get_close_matches(added, recipe_keys(), n=1, cutoff=0.8)
+            found.append(f"{override}: {added} is not a key of the recipe's config, so nothing would read it"
+                         f"{f' (did you mean {close[0]}?)' if close else ''}; its keys: {', '.join(recipe_keys())}")
         if override.startswith("~"):
             found.append(f"{override}: deletes a key, which verl then fills with its config class's default, not the "
                          "recipe's (~actor_rollout_ref.actor.optim trains at a learning rate of 1e-3, 1000 times the "

@@ -228,7 +228,6 @@ def test_an_override_hydras_grammar_cannot_read_is_named_with_its_fix(override, 
         assert compose(["method=stapo", fixed.split(": ", 1)[1]]).trainer.experiment_name == "données"
 
 
-
 @pytest.mark.parametrize("override", ["~actor_rollout_ref.actor.optim", "~actor_rollout_ref.actor.clip_ratio_low=0.2"])
 def test_an_override_deleting_a_key_is_refused_naming_it(override):
     """A deleted key passed every check, and verl filled it with its config class's default: without its
@@ -237,6 +236,21 @@ def test_an_override_deleting_a_key_is_refused_naming_it(override):
         compose(["method=stapo", override])
     assert f"{override}: deletes a key, which verl then fills with its config class's default" in str(info.value)
     assert compose(["method=stapo", "actor_rollout_ref.actor.optim.lr=null"]).actor_rollout_ref.actor.optim.lr is None
+
+
+@pytest.mark.parametrize("override, hint", [("+recipe.token_dump.respones=4", " (did you mean recipe.token_dump.responses?)"),
+                                            ("++recipe.memory_chek=warn", " (did you mean recipe.memory_check?)"),
+                                            ("+recipe.zzz=1", "")])
+def test_a_key_added_to_the_recipes_section_that_it_does_not_have_is_refused(override, hint):
+    """Hydra lets ``+key=`` add any key; in the recipe's own section nothing would read a new one (a typo
+    trained silently with the default)."""
+    with pytest.raises(ValueError) as info:
+        compose(["method=stapo", override])
+    key = override.lstrip("+").split("=")[0]
+    assert f"{override}: {key} is not a key of the recipe's config, so nothing would read it{hint}; its keys: " \
+        "recipe.method, recipe.model, recipe.token_dump, recipe.token_dump.dir" in str(info.value)
+    assert compose(["method=stapo", "++recipe.memory_check=warn"]).recipe.memory_check == "warn"
+
 
 def test_main_names_an_unreadable_override_before_hydra_reads_it(tmp_path):
     """The command line's overrides are Hydra's to parse: main names the character before Hydra's lexer error."""
