@@ -193,7 +193,9 @@ FOLDER_ENV = {"STAPO_DATA_DIR": "the data folder (data.train_files, data.val_fil
 
 
 def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """What the environment must hold before the config is composed and resolved."""
+    """What the environment must hold before the config is composed and resolved, and what ``import verl`` reads
+    in the driver (:data:`IMPORT_ENV`, where Hydra's error would name neither the variable nor the cause): then
+    the modules of ``VERL_USE_EXTERNAL_MODULES`` are imported in this process, as ``import verl`` is about to."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for name in NUMBER_ENV:
@@ -210,7 +212,18 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Probl
     if launch and not Path(launch).expanduser().is_dir():
         found.append(Problem("STAPO_LAUNCH_DIR", f"is not a folder: it is {FOLDER_ENV['STAPO_LAUNCH_DIR']}",
                              "export STAPO_LAUNCH_DIR=$PWD, or unset it", launch))
-    return found + check_import_environment(environ)
+    imported = _read_environment(environ.get, str, IMPORT_ENV)
+    modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
+    if imported or not modules or environ is not os.environ:
+        return found + imported
+    for module in modules.split(","):
+        try:
+            importlib.import_module(module.strip())
+        except Exception as e:  # noqa: BLE001  (any error: verl would raise it inside Hydra, naming nothing)
+            return found + [Problem("VERL_USE_EXTERNAL_MODULES", f"lists {module.strip()!r}, whose import fails: {e} "
+                                    "(every verl process imports it when it imports verl)", "correct what the error "
+                                    "names, or drop the module from the list", modules)]
+    return found
 
 
 def _logging_level(raw: str) -> None:
@@ -226,24 +239,6 @@ def _logging_level(raw: str) -> None:
 
 #: what ``import verl`` reads in the driver (a :data:`RUN_ENV_CHECKS` name each)
 IMPORT_ENV = ("VERL_USE_EXTERNAL_MODULES", "VERL_LOGGING_LEVEL", "STAPO_SECRETS_FILE")
-
-
-def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """What ``import verl`` reads in the driver (:data:`IMPORT_ENV`; Hydra's error would name neither the
-    variable nor the cause), then the modules of ``VERL_USE_EXTERNAL_MODULES`` imported in this process."""
-    environ = os.environ if environ is None else environ
-    found = _read_environment(environ.get, str, IMPORT_ENV)
-    modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
-    if found or not modules or environ is not os.environ:
-        return found
-    for module in modules.split(","):
-        try:
-            importlib.import_module(module.strip())
-        except Exception as e:  # noqa: BLE001  (any error: verl would raise it inside Hydra, naming nothing)
-            return [Problem("VERL_USE_EXTERNAL_MODULES", f"lists {module.strip()!r}, whose import fails: {e} (every "
-                            "verl process imports it when it imports verl)", "correct what the error names, or drop "
-                            "the module from the list", modules)]
-    return found
 
 
 def check_gpu_mem_source(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
