@@ -82,11 +82,8 @@ def check_random_seed(config: DictConfig, found: list[Problem]) -> None:
 
 def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:
     """No Ulysses sequence parallelism with a current-policy forward of the recipe's."""
-    sp = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1)
-    if not (is_int(sp) and sp > 1):
-        return
-    cfg = valid_settings(config)
-    if cfg is None:
+    sp, cfg = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1), valid_settings(config)
+    if not (is_int(sp) and sp > 1) or cfg is None:
         return
     uses = []
     if cfg.selects_tokens and cfg.statistics_source == "current":

@@ -20,8 +20,6 @@ from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, is_in
 from .values import check_values
 from .verl_config import check_model_and_data, check_verl_configs
 
-#: the launcher's environment variable naming submit mode (run_scripts/common.sh)
-LAUNCH_ENV = "LAUNCH"
 #: the GPU memory check (docs/memory.md), named as data: the preflight imports nothing of it until it runs
 MEMORY_CHECK = "stapo_memory.preflight:check"
 
@@ -31,7 +29,7 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, log: 
     """Every check on a resolved config: :class:`PreflightError` listing the problems, else the (logged)
     :class:`Report`. ``advise``: a memory refusal's advice, each change rechecked with ``advise=False``."""
     environ = os.environ if environ is None else environ
-    submit = environ.get(LAUNCH_ENV, "") == "submit"
+    submit = environ.get("LAUNCH", "") == "submit"
     found: list[Problem] = []
     report = Report()
     if submit:
