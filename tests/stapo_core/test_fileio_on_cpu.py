@@ -158,7 +158,7 @@ def test_a_fifo_as_the_metrics_file_is_refused_at_once_by_the_logger_and_the_pre
 
 
 def test_a_fifo_as_the_secrets_file_is_refused_at_once_by_every_process_and_the_preflight(tmp_path):
-    from recipe.stapo.preflight.values import check_import_environment
+    from recipe.stapo.preflight import check_environment
     from verl_patches.env_file import SECRETS_FILE_ENV, load_secrets_file
 
     fifo = tmp_path / "secrets.env"
@@ -166,7 +166,7 @@ def test_a_fifo_as_the_secrets_file_is_refused_at_once_by_every_process_and_the_
     with within():
         with pytest.raises(ValueError, match=f"{SECRETS_FILE_ENV}={fifo} is a FIFO"):
             load_secrets_file({SECRETS_FILE_ENV: str(fifo)})  # what every verl process runs on import
-        (problem,) = check_import_environment({SECRETS_FILE_ENV: str(fifo)})
+        (problem,) = check_environment({SECRETS_FILE_ENV: str(fifo)})
     assert problem.key == SECRETS_FILE_ENV and f"{fifo} is a FIFO (named pipe), not a regular file" in str(problem)
 
 

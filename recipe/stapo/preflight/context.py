@@ -1,5 +1,4 @@
-"""The model and its context: prompt + response within the context vLLM serves, and the model's heads
-split over the tensor-parallel and sequence-parallel groups."""
+"""The model and its context: prompt + response within vLLM's context, the heads split over the groups."""
 
 from __future__ import annotations
 
@@ -11,8 +10,7 @@ from omegaconf import DictConfig
 
 from .problem import ACTOR, ROLLOUT, Problem, is_int, pick
 
-#: rollouts served by an engine whose context is the model's ``max_position_embeddings`` unless
-#: ``rollout.max_model_len`` says otherwise (verl's ``_validate_configs``)
+#: rollouts whose context is ``rollout.max_model_len``, else the model's ``max_position_embeddings``
 CONTEXT_ROLLOUTS = ("vllm", "sglang")
 
 
@@ -40,8 +38,7 @@ def model_config_json(config: DictConfig) -> tuple[Optional[dict], str]:
 
 
 def check_context(config: DictConfig, found: list[Problem]) -> None:
-    """Prompt + response fit the context vLLM serves (``rollout.max_model_len``, else the model's
-    ``max_position_embeddings``): verl silently cuts the responses to fit it."""
+    """Prompt + response fit the context vLLM serves (verl silently cuts the responses to fit it)."""
     if str(pick(config, f"{ROLLOUT}.name", "")) not in CONTEXT_ROLLOUTS:
         return
     raw, source = model_config_json(config)
@@ -50,14 +47,10 @@ def check_context(config: DictConfig, found: list[Problem]) -> None:
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else None
     check_heads({**raw, **(text or {})}, source, config, found)
     positions = raw.get("max_position_embeddings", (text or {}).get("max_position_embeddings"))
-    if positions is None:
-        found.append(Problem(f"{source}: max_position_embeddings", "missing: verl reads it to size vLLM's context "
-                             "and raises when it is absent (after Ray starts)",
-                             "use the model's own config.json, which has it"))
-        return
     if not is_int(positions) or positions < 1:
-        found.append(Problem(f"{source}: max_position_embeddings", f"{positions!r} is not a whole number >= 1",
-                             "use the model's own config.json"))
+        said = "missing" if positions is None else f"{positions!r} is not a whole number >= 1"
+        found.append(Problem(f"{source}: max_position_embeddings", f"{said}: verl reads it to size vLLM's context, "
+                             "and raises without a usable one (after Ray starts)", "use the model's own config.json"))
         return
     prompt, response = pick(config, "data.max_prompt_length"), pick(config, "data.max_response_length")
     longest = prompt + response
@@ -84,8 +77,7 @@ def check_context(config: DictConfig, found: list[Problem]) -> None:
 
 
 def check_heads(shape: dict, source: str, config: DictConfig, found: list[Problem]) -> None:
-    """The model's heads (``shape``: its ``config.json``) split over vLLM's tensor-parallel group and the
-    Ulysses sequence-parallel group, as vLLM and verl check after Ray and the model load."""
+    """The model's heads (``shape``) split over vLLM's tensor-parallel and the Ulysses sequence-parallel group."""
     heads = shape.get("num_attention_heads")
     kv_heads = shape.get("num_key_value_heads", heads)
     if not (is_int(heads) and is_int(kv_heads) and heads > 0 and kv_heads > 0):

@@ -1,22 +1,18 @@
-"""What the trainer's tracker needs when it starts (after Ray, the model load and vLLM's start): the
-run's names, the logger list, wandb's settings and credentials, the loggers' folders. Importing this
-module imports no verl and no wandb.
-"""
+"""What the trainer's tracker needs when it starts: names, loggers, wandb's settings and credentials,
+folders. Imports no verl and no wandb."""
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
 from pathlib import Path
-from typing import Callable, Mapping, Optional
+from typing import Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from verl_patches.env_file import parse_env_file
-
 from .paths import probe_writable
 from .problem import Problem, shown
-from .values import RAY_ENV_VARS, logger_names, origin, seen_by_workers
+from .values import RAY_ENV_VARS, logger_names, origin, read_secrets_file, seen_by_workers
 
 LOGGER_KEY = "trainer.logger"
 #: the package verl imports when the tracker starts each backend (``verl.utils.tracking.Tracking``)
@@ -86,8 +82,7 @@ def check_run_names(config: DictConfig) -> list[Problem]:
 
 
 def _check_logger_list(config: DictConfig, found: list[Problem]) -> Optional[list[str]]:
-    """``trainer.logger``: at least one of verl's tracking backends. Returns the names, None when they are
-    not usable."""
+    """``trainer.logger``'s names, or None (with a problem) when they are not usable."""
     value = OmegaConf.select(config, LOGGER_KEY, default=None)
     if value is None and not OmegaConf.select(config, "trainer", default=None):
         return None
@@ -116,8 +111,7 @@ def _check_logger_list(config: DictConfig, found: list[Problem]) -> Optional[lis
 
 
 def _wandb_settings_problem(values: Mapping[str, str], environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """What wandb's settings reader refuses in ``values`` (settings by name) and ``environ`` (``WANDB_*``
-    variables), in its own words; None when it accepts them or wandb is not installed."""
+    """What wandb's settings reader refuses in ``values`` and ``environ``, in its words (None: nothing)."""
     if importlib.util.find_spec("wandb") is None:
         return None
     # wandb (a second to import) loads only where a run logs to it: its own reader decides
@@ -132,27 +126,17 @@ def _wandb_settings_problem(values: Mapping[str, str], environ: Optional[Mapping
     return None
 
 
-def wandb_environment(seen: Callable[[str], Optional[str]], config: DictConfig,
-                      environ: Mapping[str, str]) -> dict[str, str]:
-    """The ``WANDB_*`` variables a worker's wandb reads: the config's runtime env and the launching
-    environment (:func:`seen_by_workers`), then the secrets file for those neither sets."""
-    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+def check_wandb(config: DictConfig, environ: Mapping[str, str], submit: bool) -> list[Problem]:
+    """wandb's settings from the ``WANDB_*`` variables a worker's wandb reads (the secrets file's where nothing
+    else sets them), and its credentials (not in submit mode)."""
+    seen, given = seen_by_workers(config, environ), OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     names = {n for n in list(environ) + [str(k) for k in given] if n.startswith("WANDB_")}
     env = {n: v for n in sorted(names) if (v := seen(n)) is not None}
-    secrets = (seen("STAPO_SECRETS_FILE") or "").strip()
-    if secrets:
-        try:
-            for name, value in parse_env_file(secrets).items():
-                if name.startswith("WANDB_"):
-                    env.setdefault(name, value)
-        except (ValueError, OSError):  # the run environment's check names the file
-            pass
-    return env
-
-
-def check_wandb(config: DictConfig, environ: Mapping[str, str], submit: bool) -> list[Problem]:
-    """wandb's settings from the workers' ``WANDB_*`` variables, and its credentials (not in submit mode)."""
-    env = wandb_environment(seen_by_workers(config, environ), config, environ)
+    try:
+        secrets = read_secrets_file(seen("STAPO_SECRETS_FILE") or "")
+    except (ValueError, OSError):  # the run environment's check names the file
+        secrets = {}
+    env.update({n: v for n, v in secrets.items() if n.startswith("WANDB_") and n not in env})
     found = []
     for name, value in env.items():
         problem = None if name == "WANDB_API_KEY" else _wandb_settings_problem({}, {name: value})
@@ -170,8 +154,7 @@ def check_wandb(config: DictConfig, environ: Mapping[str, str], submit: bool) ->
 
 
 def wandb_credentials_problem(env: Mapping[str, str]) -> Optional[str]:
-    """What wandb will not find in ``env`` (the workers' ``WANDB_*`` variables) and the netrc file:
-    None when it logs offline or disabled, or finds a key of a form it accepts."""
+    """What wandb will not find in ``env`` and the netrc file (None: it needs none, or finds a valid key)."""
     mode = env.get("WANDB_MODE", "online").strip().lower()
     if mode in WANDB_LOCAL_MODES:
         return None

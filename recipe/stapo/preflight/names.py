@@ -1,5 +1,4 @@
-"""Names and identity: what the config names exists (policy loss, advantage estimator, reward function),
-and a method's run selects the method's tokens unless the experiment name says otherwise."""
+"""Names and identity: what the config names exists, and a method's run selects the method's tokens."""
 
 from __future__ import annotations
 
@@ -23,8 +22,7 @@ def token_selection(config: DictConfig) -> str:
 
 
 def valid_settings(config: DictConfig):
-    """The recipe's policy-loss settings (:func:`recipe.stapo.policy_loss.settings_of`); None without them,
-    or when they are invalid (:func:`check_names` reports that)."""
+    """The recipe's policy-loss settings; None without them, or when invalid (:func:`check_names` says why)."""
     try:
         return settings_of(config)
     except ValueError:
@@ -35,7 +33,7 @@ def check_names(config: DictConfig, found: list[Problem]) -> None:
     """Policy loss, token-selection settings, advantage estimator, reward function."""
     # verl loads only after VERL_USE_EXTERNAL_MODULES is set (importing this module imports no verl)
     import verl_patches.activate  # noqa: F401  (the patches every worker runs with)
-    from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY
+    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, POLICY_LOSS_REGISTRY, AdvantageEstimator
 
     mode = pick(config, f"{POLICY_LOSS}.loss_mode", "vanilla")
     if mode not in POLICY_LOSS_REGISTRY:
@@ -45,8 +43,6 @@ def check_names(config: DictConfig, found: list[Problem]) -> None:
         settings_of(config)
     except ValueError as e:
         found.append(Problem(POLICY_LOSS, str(e), "use the values docs/method.md lists for these keys"))
-    from verl.trainer.ppo.core_algos import ADV_ESTIMATOR_REGISTRY, AdvantageEstimator  # verl: as above
-
     estimator = str(pick(config, "algorithm.adv_estimator", "grpo"))
     known = sorted(set(ADV_ESTIMATOR_REGISTRY) | {e.value for e in AdvantageEstimator})
     if estimator not in known:
@@ -85,13 +81,9 @@ def check_random_seed(config: DictConfig, found: list[Problem]) -> None:
 
 
 def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:
-    """No Ulysses sequence parallelism with a current-policy forward of the recipe's: verl's
-    ``TrainingWorker.infer_batch`` returns its output to one rank of each sequence-parallel group only."""
-    sp = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1)
-    if not (is_int(sp) and sp > 1):
-        return
-    cfg = valid_settings(config)
-    if cfg is None:
+    """No Ulysses sequence parallelism with a current-policy forward of the recipe's."""
+    sp, cfg = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1), valid_settings(config)
+    if not (is_int(sp) and sp > 1) or cfg is None:
         return
     uses = []
     if cfg.selects_tokens and cfg.statistics_source == "current":

@@ -1,5 +1,4 @@
-"""Numbers and how they relate: sizes, group size, divisibility over the GPUs, token budgets, the
-memory check's own settings."""
+"""Numbers and how they relate: sizes, group size, divisibility, token budgets, the memory check's settings."""
 
 from __future__ import annotations
 
@@ -19,39 +18,32 @@ MEMORY_CHECK_MODES = ("refuse", "warn", "off")
 MAX_GPU_MEM_GB = 288.0
 
 
-class _Numbers:
-    """Collects integer settings, recording a problem for each one that is not a whole number >= 1."""
-
-    def __init__(self, config: DictConfig, found: list[Problem]):
-        self.config, self.found, self.ok = config, found, True
-
-    def get(self, key: str, what: str, fix: str, minimum: int = 1) -> Optional[int]:
-        value = pick(self.config, key)
-        if is_int(value) and value >= minimum:
-            return value
-        self.ok = False
-        self.found.append(Problem(key, f"{what} must be a whole number >= {minimum}", fix, value))
-        return None
-
-
 def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
     """Positive integers, group size, divisibility, token budgets; True when every number is usable."""
-    n = _Numbers(config, found)
-    nnodes = n.get("trainer.nnodes", "the number of nodes", "set trainer.nnodes (NNODES in the run scripts), "
-                   "e.g. 8 for the paper's 64 GPUs")
-    gpus = n.get("trainer.n_gpus_per_node", "the GPUs per node", "set trainer.n_gpus_per_node (GPUS_PER_NODE in "
-                 "the run scripts), e.g. 8")
-    rollout_n = n.get(f"{ROLLOUT}.n", "the responses per prompt", f"set {ROLLOUT}.n (the paper: 8)")
-    batch = n.get("data.train_batch_size", "the prompts per step", "set data.train_batch_size (the paper: 256)")
-    mini = n.get(f"{ACTOR}.ppo_mini_batch_size", "the prompts per update",
-                 f"set {ACTOR}.ppo_mini_batch_size (the paper: 64)")
-    prompt = n.get("data.max_prompt_length", "the prompt length", "set data.max_prompt_length (the paper: 1024)")
-    response = n.get("data.max_response_length", "the response length",
-                     "set data.max_response_length (the paper: 15360)")
-    sp = n.get(f"{ACTOR}.ulysses_sequence_parallel_size", "the sequence parallel size",
-               f"set {ACTOR}.ulysses_sequence_parallel_size (1: none)")
-    tp = n.get(f"{ROLLOUT}.tensor_model_parallel_size", "vLLM's tensor parallel size",
-               f"set {ROLLOUT}.tensor_model_parallel_size")
+    before = len(found)
+
+    def get(key: str, what: str, fix: str) -> Optional[int]:
+        value = pick(config, key)
+        if is_int(value) and value >= 1:
+            return value
+        found.append(Problem(key, f"{what} must be a whole number >= 1", fix, value))
+        return None
+
+    nnodes = get("trainer.nnodes", "the number of nodes", "set trainer.nnodes (NNODES in the run scripts), "
+                 "e.g. 8 for the paper's 64 GPUs")
+    gpus = get("trainer.n_gpus_per_node", "the GPUs per node", "set trainer.n_gpus_per_node (GPUS_PER_NODE in "
+               "the run scripts), e.g. 8")
+    rollout_n = get(f"{ROLLOUT}.n", "the responses per prompt", f"set {ROLLOUT}.n (the paper: 8)")
+    batch = get("data.train_batch_size", "the prompts per step", "set data.train_batch_size (the paper: 256)")
+    mini = get(f"{ACTOR}.ppo_mini_batch_size", "the prompts per update",
+               f"set {ACTOR}.ppo_mini_batch_size (the paper: 64)")
+    prompt = get("data.max_prompt_length", "the prompt length", "set data.max_prompt_length (the paper: 1024)")
+    response = get("data.max_response_length", "the response length",
+                   "set data.max_response_length (the paper: 15360)")
+    sp = get(f"{ACTOR}.ulysses_sequence_parallel_size", "the sequence parallel size",
+             f"set {ACTOR}.ulysses_sequence_parallel_size (1: none)")
+    tp = get(f"{ROLLOUT}.tensor_model_parallel_size", "vLLM's tensor parallel size",
+             f"set {ROLLOUT}.tensor_model_parallel_size")
 
     estimator = str(pick(config, "algorithm.adv_estimator", "grpo"))
     if rollout_n is not None and rollout_n < 2 and estimator in GROUP_ESTIMATORS:
@@ -60,13 +52,11 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
             "prompt's group of rollout.n responses, and a group of one leaves the raw +-1 reward as the advantage "
             "(REINFORCE without a baseline; S2T's candidates become every rare token of every correct response)",
             f"set {ROLLOUT}.n >= 2 (the paper: 8)", rollout_n))
-        n.ok = False
 
     world = nnodes * gpus if nnodes and gpus else None
     if world and sp and world % sp:
         found.append(Problem(f"{ACTOR}.ulysses_sequence_parallel_size", f"does not divide the {world} GPUs",
                              "choose a divisor of the GPU count", sp))
-        n.ok = False
     if world and tp:
         infer = tp * math.prod(size if is_int(size) and size > 0 else 1 for size in (  # verl's types check the rest
             pick(config, f"{ROLLOUT}.data_parallel_size", 1), pick(config, f"{ROLLOUT}.pipeline_model_parallel_size", 1)))
@@ -75,7 +65,6 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                                  f"vLLM's {infer} GPUs per replica do not divide the {world} GPUs (verl asserts it when "
                                  "the workers start)", "choose a divisor of the GPU count (the paper's configs: 1, 2 "
                                  "or 4)", tp))
-            n.ok = False
         elif tp > gpus or gpus % tp:
             found.append(Problem(f"{ROLLOUT}.tensor_model_parallel_size",
                                  f"vLLM's tensor-parallel group must sit within one node of {gpus} GPUs: a larger group "
@@ -83,7 +72,6 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                                  "available GPUs'), and one that does not divide a node straddles two (verl starts each "
                                  "replica on one node)", f"choose a divisor of trainer.n_gpus_per_node={gpus} (the paper's "
                                  "configs: 1, 2 or 4)", tp))
-            n.ok = False
     if world and batch and rollout_n:
         step = world // math.gcd(world, rollout_n)
         if (batch * rollout_n) % world:
@@ -92,14 +80,12 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                 f"sequences per step do not split evenly over the {world} GPUs (verl's own check, skipped with "
                 "dynamic batching)", f"use a multiple of {step}, e.g. data.train_batch_size="
                 f"{max(step, batch // step * step) if batch >= step else step}", batch))
-            n.ok = False
     if batch and mini:
         if mini > batch or batch % mini:
             found.append(Problem(
                 f"{ACTOR}.ppo_mini_batch_size", f"does not divide data.train_batch_size={batch}: every PPO update "
                 "takes one mini-batch of the step's prompts", f"choose a divisor of {batch} (the paper: 64, 4 updates "
                 "per step)", mini))
-            n.ok = False
     if world and sp and mini and rollout_n and world % sp == 0:
         dp = world // sp
         if (mini * rollout_n) % dp:
@@ -108,36 +94,33 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                 f"{mini * rollout_n} sequences per update do not split evenly over the {dp} data-parallel ranks "
                 "(verl's train_mini_batch asserts it)",
                 f"make {ACTOR}.ppo_mini_batch_size x {ROLLOUT}.n a multiple of {dp}", mini))
-            n.ok = False
         elif not pick(config, f"{ACTOR}.use_dynamic_bsz", False):
-            micro = n.get(f"{ACTOR}.ppo_micro_batch_size_per_gpu", "the sequences per micro-batch",
-                          f"set {ACTOR}.ppo_micro_batch_size_per_gpu")
+            micro = get(f"{ACTOR}.ppo_micro_batch_size_per_gpu", "the sequences per micro-batch",
+                        f"set {ACTOR}.ppo_micro_batch_size_per_gpu")
             per_rank = mini * rollout_n // dp
             if micro and per_rank % micro:
                 found.append(Problem(f"{ACTOR}.ppo_micro_batch_size_per_gpu",
                                      f"does not divide the {per_rank} sequences of a mini-batch on each rank",
                                      f"choose a divisor of {per_rank}", micro))
-                n.ok = False
 
     dynamic = pick(config, f"{ACTOR}.use_dynamic_bsz", False)
     if bool(pick(config, f"{ROLLOUT}.log_prob_use_dynamic_bsz", False)) != bool(dynamic):
         found.append(Problem(f"{ROLLOUT}.log_prob_use_dynamic_bsz",
                              f"differs from {ACTOR}.use_dynamic_bsz={dynamic} (verl's worker asserts they agree)",
                              "set both to the same value"))
-        n.ok = False
     longest = prompt + response if prompt and response else None
     passes = [(f"{ACTOR}.use_dynamic_bsz", f"{ACTOR}.ppo_max_token_len_per_gpu",
                f"{ACTOR}.ppo_micro_batch_size_per_gpu", sp),
               (f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
                f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", sp)]
     if uses_reference(config):
-        ref_sp = n.get(f"{REF}.ulysses_sequence_parallel_size", "the reference's sequence parallel size",
-                       f"set {REF}.ulysses_sequence_parallel_size")
+        ref_sp = get(f"{REF}.ulysses_sequence_parallel_size", "the reference's sequence parallel size",
+                     f"set {REF}.ulysses_sequence_parallel_size")
         passes.append((f"{REF}.log_prob_use_dynamic_bsz", f"{REF}.log_prob_max_token_len_per_gpu",
                        f"{REF}.log_prob_micro_batch_size_per_gpu", ref_sp))
     for dynamic_key, budget_key, micro_key, size in passes:
         if pick(config, dynamic_key, False):
-            budget = n.get(budget_key, "a token budget", f"set {budget_key}")
+            budget = get(budget_key, "a token budget", f"set {budget_key}")
             if budget and longest and size and budget * size < longest:
                 need = math.ceil(longest / size)
                 found.append(Problem(
@@ -146,21 +129,18 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                                                                        f"{need} per GPU)" if size > 1 else "")
                     + " (verl refuses such a micro-batch at the first long response)",
                     f"set {budget_key} >= {need}, or raise the sequence parallel size", budget))
-                n.ok = False
         elif micro_key != f"{ACTOR}.ppo_micro_batch_size_per_gpu":
-            n.get(micro_key, "the sequences per micro-batch", f"set {micro_key}")
+            get(micro_key, "the sequences per micro-batch", f"set {micro_key}")
     gpu_mem = pick(config, "recipe.gpu_mem_gb")
     problem = gpu_mem_problem(gpu_mem)
     if problem:
         found.append(Problem("recipe.gpu_mem_gb", problem, "set GPU_MEM_GB (or recipe.gpu_mem_gb) to the memory "
                              "torch.cuda.get_device_properties(0).total_memory / 2**30 reports on the target card, "
                              "e.g. 79.1 for an 80 GB card (docs/memory.md lists common cards)", gpu_mem))
-        n.ok = False
     mode = pick(config, "recipe.memory_check", "refuse")
     if mode not in MEMORY_CHECK_MODES:
         found.append(Problem("recipe.memory_check", "unknown mode", f"use one of {list(MEMORY_CHECK_MODES)}", mode))
-        n.ok = False
-    return n.ok
+    return len(found) == before
 
 
 #: bytes per token the trainer holds for every sequence of a step, at least: three int64 tensors
@@ -169,8 +149,7 @@ STEP_BYTES_PER_TOKEN = 3 * 8
 
 def check_step_host_memory(config: DictConfig, found: list[Problem], submit: bool = False,
                            memory: Optional[int] = None) -> None:
-    """A step's sequences, which verl's trainer holds whole, fit ``memory`` (default: this machine's; the
-    trainer runs on a node of the same cluster). Not checked with ``LAUNCH=submit``."""
+    """A step's sequences, which verl's trainer holds whole, fit ``memory`` (default: this machine's)."""
     values = [pick(config, k) for k in ("data.train_batch_size", f"{ROLLOUT}.n", "data.max_prompt_length",
                                         "data.max_response_length")]
     if submit or not all(is_int(v) and v > 0 for v in values):

@@ -1,8 +1,9 @@
-"""Paths: data files, the model folder, the folders the run writes, the checkpoint it resumes from. With
-``LAUNCH=submit`` a path the launching machine cannot see is a note, not a refusal."""
+"""Paths: data files, the model folder, the folders the run writes, the checkpoint it resumes from."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import uuid
@@ -35,36 +36,27 @@ def _paths(value) -> list[str]:
 def probe_writable(path: Path) -> Optional[str]:
     """None when ``path`` can be created (if missing) and a file written in it; else the reason.
     Writes and removes one probe file, and removes every folder it had to create."""
-    missing, existing = [], path
-    while not existing.exists():
-        missing.append(existing)
-        if existing.parent == existing:
-            break
-        existing = existing.parent
+    missing = list(itertools.takewhile(lambda p: not p.exists(), [path, *path.parents]))  # deepest first
+    existing = missing[-1].parent if missing else path
     if not existing.is_dir():
         return f"{existing} exists and is not a folder"
-    created = []
     try:
         for folder in reversed(missing):
             folder.mkdir()
-            created.append(folder)
         probe = path / f".stapo_preflight_{os.getpid()}_{uuid.uuid4().hex[:8]}"
         probe.write_bytes(b"preflight")
         probe.unlink()
     except OSError as e:
         return f"{e.strerror or e} ({e.filename or path})"
     finally:
-        for folder in reversed(created):
-            try:
+        for folder in missing:  # those not created (after a failure) are not there to remove
+            with contextlib.suppress(OSError):
                 folder.rmdir()
-            except OSError:
-                pass
     return None
 
 
 def _existing_local(key: str, path: str, fix: str, found: list[Problem], notes: list[str], submit: bool) -> Optional[Path]:
-    """``path`` as a ``Path`` when it is local and exists here; otherwise None, with a note (a remote
-    path; with ``LAUNCH=submit``, a path not visible on this machine) or a problem (it does not exist)."""
+    """``path`` when it is local and exists here; else None, with a note or a problem."""
     if "://" in path:
         notes.append(f"{key}: {path} is remote, not checked here")
         return None
@@ -116,17 +108,6 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
     return meta.num_rows
 
 
-def _at_least_one_batch(config: DictConfig, paths: list[str], rows: int, found: list[Problem]) -> None:
-    """verl's training loader drops an incomplete last batch: fewer rows than one batch train no step."""
-    key = "data.gen_batch_size" if pick(config, "data.gen_batch_size") else "data.train_batch_size"
-    batch = pick(config, key)
-    if is_int(batch) and rows < batch:
-        found.append(Problem("data.train_files", f"{', '.join(paths)} hold{'s' if len(paths) == 1 else ''} {rows} "
-                             f"prompts, fewer than one batch ({key}={batch}): verl drops an incomplete batch, so no "
-                             "training step would run",
-                             f"train on at least {batch} prompts, or set {key} to at most {rows}"))
-
-
 def _model_folder(config: DictConfig, found: list[Problem], notes: list[str], submit: bool) -> None:
     key = "actor_rollout_ref.model.path"
     path = str(pick(config, key, "") or "")
@@ -159,13 +140,19 @@ def _model_folder(config: DictConfig, found: list[Problem], notes: list[str], su
 
 def check_paths(config: DictConfig, found: list[Problem], notes: list[str], submit: bool = False) -> None:
     """Data files, the model folder, the folders the run writes to, a checkpoint to resume from."""
+    batch_key = "data.gen_batch_size" if pick(config, "data.gen_batch_size") else "data.train_batch_size"
+    batch = pick(config, batch_key)
     for key in ("data.train_files", "data.val_files"):
         paths = _paths(pick(config, key))
         if not paths:
             found.append(Problem(key, "is empty", "set it to the parquet file(s) of recipe.stapo.data.prepare"))
         rows = [_data_file(config, key, path, found, notes, submit) for path in paths]
-        if key == "data.train_files" and paths and None not in rows:  # every file read here: their rows are the set
-            _at_least_one_batch(config, paths, sum(rows), found)
+        # every training file read here: verl's loader drops an incomplete last batch, so fewer rows train no step
+        if key == "data.train_files" and paths and None not in rows and is_int(batch) and sum(rows) < batch:
+            found.append(Problem(key, f"{', '.join(paths)} hold{'s' if len(paths) == 1 else ''} {sum(rows)} prompts, "
+                                 f"fewer than one batch ({batch_key}={batch}): verl drops an incomplete batch, so no "
+                                 f"training step would run", f"train on at least {batch} prompts, or set {batch_key} "
+                                 f"to at most {sum(rows)}"))
     _model_folder(config, found, notes, submit)
     for key in OUTPUT_DIR_KEYS:
         value = pick(config, key)
@@ -193,8 +180,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def check_resume(config: DictConfig, found: list[Problem], submit: bool = False) -> None:
-    """The checkpoint a run resumes from, found as verl's trainer finds it (after Ray, the model load and
-    vLLM's start), holding the actor's shards for this run's GPU count."""
+    """The checkpoint a run resumes from, found as verl's trainer finds it, with shards for this GPU count."""
     mode, run_dir = pick(config, "trainer.resume_mode"), str(pick(config, "trainer.default_local_dir", "") or "")
     if mode == "auto" and run_dir and "://" not in run_dir and (Path(run_dir) / TRACKER).exists():
         tracker, key = Path(run_dir) / TRACKER, "trainer.default_local_dir"

@@ -1,5 +1,4 @@
-"""What the preflight reports: a :class:`Problem` per refusal, :class:`PreflightError` listing them,
-the :class:`Report` of a passing check, and the config keys every check reads."""
+"""What the preflight reports (:class:`Problem`, :class:`PreflightError`, :class:`Report`), and helpers."""
 
 from __future__ import annotations
 

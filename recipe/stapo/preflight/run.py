@@ -1,5 +1,4 @@
-"""The preflight as a whole: :func:`check` runs every kind of check on a resolved config and reports
-all problems at once; :func:`summary` says what a config runs."""
+"""The preflight as a whole: :func:`check` runs every check and reports all problems; :func:`summary`."""
 
 from __future__ import annotations
 
@@ -21,19 +20,16 @@ from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, is_in
 from .values import check_values
 from .verl_config import check_model_and_data, check_verl_configs
 
-#: the launcher's environment variable naming submit mode (run_scripts/common.sh)
-LAUNCH_ENV = "LAUNCH"
 #: the GPU memory check (docs/memory.md), named as data: the preflight imports nothing of it until it runs
 MEMORY_CHECK = "stapo_memory.preflight:check"
 
 
 def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, log: Callable[[str], None] = print,
           advise: bool = True) -> Report:
-    """Run every check on a resolved config; raise :class:`PreflightError` listing every problem, else
-    return the :class:`Report` (also logged). ``advise``: a memory refusal names changes that make every
-    pass fit, each run through this whole preflight first (``advise=False`` in those runs)."""
+    """Every check on a resolved config: :class:`PreflightError` listing the problems, else the (logged)
+    :class:`Report`. ``advise``: a memory refusal's advice, each change rechecked with ``advise=False``."""
     environ = os.environ if environ is None else environ
-    submit = environ.get(LAUNCH_ENV, "") == "submit"
+    submit = environ.get("LAUNCH", "") == "submit"
     found: list[Problem] = []
     report = Report()
     if submit:
@@ -62,8 +58,7 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, log: 
 
 
 def data_parallel_size(config: DictConfig) -> Optional[int]:
-    """The actor's data-parallel ranks: GPUs / ``ulysses_sequence_parallel_size`` (None when the numbers
-    are not whole numbers that divide)."""
+    """The actor's data-parallel ranks (None when the numbers are not whole numbers that divide)."""
     nnodes, gpus = pick(config, "trainer.nnodes"), pick(config, "trainer.n_gpus_per_node")
     sp = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1
     if not all(is_int(v) and v > 0 for v in (nnodes, gpus, sp)) or (nnodes * gpus) % sp:
@@ -72,8 +67,7 @@ def data_parallel_size(config: DictConfig) -> Optional[int]:
 
 
 def check_ranks_per_pool(config: DictConfig, found: list[Problem]) -> None:
-    """``policy_loss.ranks_per_pool`` divides the run's data-parallel ranks (the config class's own check,
-    ``pool_ranks``, which the workers would otherwise run after Ray)."""
+    """``policy_loss.ranks_per_pool`` divides the data-parallel ranks (the workers check it after Ray)."""
     cfg, dp = valid_settings(config), data_parallel_size(config)
     if cfg is None or cfg.ranks_per_pool is None or dp is None:
         return
@@ -87,11 +81,8 @@ def check_ranks_per_pool(config: DictConfig, found: list[Problem]) -> None:
 
 @dataclass(frozen=True)
 class SelectionPool:
-    """What one threshold of a run's token selection is computed over (the largest pool the config allows).
-
-    tokens: the most tokens one pool holds; ranks: data-parallel ranks per pool, out of ``data_parallel``;
-    what: how the tokens are counted.
-    """
+    """What one threshold of a token selection is computed over: at most ``tokens``, on ``ranks`` of the
+    ``data_parallel`` ranks, counted as ``what`` says."""
 
     tokens: int
     ranks: int
@@ -103,8 +94,7 @@ class SelectionPool:
 
 
 def selection_pool(config: DictConfig) -> Optional[SelectionPool]:
-    """The pool of the run's token selection: the mini-batch's or one micro-batch's tokens on one pool's
-    ranks (``ranks_per_pool``); None without one, or with numbers the preflight refuses."""
+    """The pool of the run's token selection; None without one, or with numbers the preflight refuses."""
     cfg, dp = valid_settings(config), data_parallel_size(config)
     if cfg is None or not cfg.selects_tokens or dp is None:
         return None
@@ -140,13 +130,12 @@ def problems_of(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]
 
 
 def summary(config: DictConfig) -> str:
-    """What a config runs, in ``key = value`` lines: the method and its token selection, the reward,
-    paths, the GPUs and how each step's batch splits over them, lengths and token budgets."""
+    """What a config runs, in ``key = value`` lines."""
     _get = lambda key: pick(config, key)  # noqa: E731
+    selection = token_selection(config)
     lines = [("recipe.method", _get("recipe.method")), ("recipe.model", _get("recipe.model")),
              (f"{POLICY_LOSS}.loss_mode", _get(f"{POLICY_LOSS}.loss_mode") or "vanilla"),
-             (f"{POLICY_LOSS}.token_selection", token_selection(config))]
-    selection = token_selection(config)
+             (f"{POLICY_LOSS}.token_selection", selection)]
     if selection in RULES:
         lines += [(f"{POLICY_LOSS}.{k}", _get(f"{POLICY_LOSS}.{k}")) for k in RULES[selection].fields]
     if selection != NO_SELECTION:
@@ -161,11 +150,9 @@ def summary(config: DictConfig) -> str:
                f"{_get('reward.custom_reward_function.name')}"),
               ("algorithm.adv_estimator", _get("algorithm.adv_estimator"))]
     lines += [(k, _get(k)) for k in ("actor_rollout_ref.model.path", "data.train_files", "data.val_files",
-                                     "trainer.default_local_dir")]
-    nnodes, gpus = _get("trainer.nnodes"), _get("trainer.n_gpus_per_node")
-    lines += [("trainer.nnodes", nnodes), ("trainer.n_gpus_per_node", gpus)]
+                                     "trainer.default_local_dir", "trainer.nnodes", "trainer.n_gpus_per_node")]
     try:
-        world = int(nnodes) * int(gpus)
+        world = int(_get("trainer.nnodes")) * int(_get("trainer.n_gpus_per_node"))
         n, batch, mini = int(_get(f"{ROLLOUT}.n")), int(_get("data.train_batch_size")), int(_get(f"{ACTOR}.ppo_mini_batch_size"))
         sp = int(_get(f"{ACTOR}.ulysses_sequence_parallel_size") or 1)
         lines += [("GPUs", world), (f"{ROLLOUT}.n", n),

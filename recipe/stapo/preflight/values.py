@@ -1,7 +1,5 @@
-"""Single values verl reports only after Ray has started (:data:`VALUE_CHECKS`), a second writer of the
-run's metrics file, the device, and the environment, before the config is resolved and as the run's
-processes will see it. Importing this module imports no verl.
-"""
+"""Single values verl reports only after Ray has started (:data:`VALUE_CHECKS`), the device, and the
+environment, before the config is resolved and as the run's processes see it. Imports no verl."""
 
 from __future__ import annotations
 
@@ -35,8 +33,7 @@ def _is_number(value) -> bool:
 
 @dataclass(frozen=True)
 class ValueCheck:
-    """A key, what its value must be (``what``, read by :func:`_is`), what verl does otherwise (``why``)
-    and the fix."""
+    """A key, what its value must be (``what``, read by :func:`_is`), what verl does otherwise, the fix."""
 
     key: str
     what: str
@@ -68,8 +65,7 @@ ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang", "trtllm": "tensorrt_llm"
 _VLLM = "vLLM refuses it when its engine starts, after Ray (verl passes it on unchecked)"
 _TOP_K = "a whole number >= -1 (-1 or 0: every token, as vLLM reads both)"
 
-#: the limits verl itself does not check (:mod:`.verl_config` runs those it does), each with what verl
-#: does with a value outside them
+#: the limits verl itself does not check (:mod:`.verl_config` runs those it does)
 VALUE_CHECKS: tuple[ValueCheck, ...] = (
     ValueCheck(f"{ACTOR}.optim.clip_grad", "a number > 0", "verl clips every gradient's norm to it unchecked: 0 "
                "zeroes every update, a negative value flips it", "the paper: 1.0"),
@@ -114,9 +110,8 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
 )
 
 
-def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
+def check_values(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
     """The problems of the module docstring's list; a key the config does not have is not checked."""
-    environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for value_check in VALUE_CHECKS:
         value = OmegaConf.select(config, value_check.key, default=_ABSENT)
@@ -125,8 +120,7 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
         if not _is(value, value_check.what):
             found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
                                  f"set {value_check.key} to {value_check.what}; {value_check.fix}", shown(value)))
-    # verl's table of rollouts, which its workers look (name, mode) up in after Ray (verl loads only here)
-    from verl.workers.rollout.base import _ROLLOUT_REGISTRY
+    from verl.workers.rollout.base import _ROLLOUT_REGISTRY  # verl loads only here: its workers' (name, mode) table
 
     engine, mode = OmegaConf.select(config, f"{ROLLOUT}.name"), OmegaConf.select(config, f"{ROLLOUT}.mode", default="async")
     if engine is not None and (engine, mode) not in _ROLLOUT_REGISTRY:
@@ -139,7 +133,6 @@ def check_values(config: DictConfig, environ: Optional[Mapping[str, str]] = None
         found.append(Problem(f"{ROLLOUT}.name", f"the {engine} rollout needs the package {ROLLOUT_PACKAGES[engine]}, "
                              "which is not installed here (verl imports it when the rollout workers start, after Ray)",
                              f"install it, or use {ROLLOUT}.name=vllm (requirements.txt)", engine))
-    _check_metrics_writer(config, found, environ)
     found += check_gpu_mem_source(config, environ)
     found += check_run_environment(config, environ)
     found += check_device(config, environ)
@@ -163,38 +156,18 @@ def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem
     return []
 
 
-def _check_metrics_writer(config: DictConfig, found: list[Problem], environ: Mapping[str, str]) -> None:
-    """The run's metrics file has no writer now (its logger refuses a second one too, but after Ray)."""
-    path, _ = metrics_file_of(config, seen_by_workers(config, environ))
-    if not path or "://" in path:
-        return
-    try:
-        check_no_writer(path)
-    except MetricsFileBusy as e:
-        found.append(Problem("trainer.default_local_dir", str(e), "wait for the other launch to end (or stop it), or "
-                      "give this run another trainer.default_local_dir (CKPT_DIR) or experiment name", path))
-    except OSError:
-        return  # a file this process cannot open: left to the logger, which names it
-
-
 #: environment variables the YAML reads as numbers: name -> (what, example)
 NUMBER_ENV = {"GPU_MEM_GB": ("the target GPU's memory in GiB (recipe.gpu_mem_gb)", "80")}
 #: a number as the YAML's ``oc.decode`` reads it: ASCII digits, an optional sign, point and exponent
 _PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
-def positive_number_from_env(name: str, environ: Optional[Mapping[str, str]] = None) -> Optional[float]:
-    """The positive finite number ``environ[name]`` holds, or None when it is unset.
-
-    Raises:
-        ValueError: naming the variable, its value and an example, for anything else (digits other than
-            ASCII ones too: Python's ``float`` reads them, the config's parser does not).
-    """
-    environ = os.environ if environ is None else environ
+def positive_number_from_env(name: str, environ: Mapping[str, str]) -> Optional[float]:
+    """The positive finite number ``environ[name]`` holds (ASCII digits), None when it is unset; else ValueError."""
     if name not in environ:
         return None
     raw = environ[name]
-    what, example = NUMBER_ENV.get(name, ("a number", "1"))
+    what, example = NUMBER_ENV[name]
     text = raw.strip()
     if not raw.isascii():
         odd = sorted({c for c in raw if not c.isascii()})
@@ -220,8 +193,9 @@ FOLDER_ENV = {"STAPO_DATA_DIR": "the data folder (data.train_files, data.val_fil
 
 
 def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """What the environment must hold before the config is composed and resolved: :data:`NUMBER_ENV`
-    positive numbers, :data:`FOLDER_ENV` not empty, the launch folder existing, and what ``import verl`` reads."""
+    """What the environment must hold before the config is composed and resolved, and what ``import verl`` reads
+    in the driver (:data:`IMPORT_ENV`, where Hydra's error would name neither the variable nor the cause): then
+    the modules of ``VERL_USE_EXTERNAL_MODULES`` are imported in this process, as ``import verl`` is about to."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
     for name in NUMBER_ENV:
@@ -238,12 +212,22 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Probl
     if launch and not Path(launch).expanduser().is_dir():
         found.append(Problem("STAPO_LAUNCH_DIR", f"is not a folder: it is {FOLDER_ENV['STAPO_LAUNCH_DIR']}",
                              "export STAPO_LAUNCH_DIR=$PWD, or unset it", launch))
-    return found + check_import_environment(environ)
+    imported = _read_environment(environ.get, str, IMPORT_ENV)
+    modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
+    if imported or not modules or environ is not os.environ:
+        return found + imported
+    for module in modules.split(","):
+        try:
+            importlib.import_module(module.strip())
+        except Exception as e:  # noqa: BLE001  (any error: verl would raise it inside Hydra, naming nothing)
+            return found + [Problem("VERL_USE_EXTERNAL_MODULES", f"lists {module.strip()!r}, whose import fails: {e} "
+                                    "(every verl process imports it when it imports verl)", "correct what the error "
+                                    "names, or drop the module from the list", modules)]
+    return found
 
 
 def _logging_level(raw: str) -> None:
-    """``VERL_LOGGING_LEVEL`` as verl's modules read it: ``logger.setLevel(value)`` at import, which
-    takes an upper-case level name (``INFO``, ``DEBUG``, ...), not a number's digits."""
+    """``VERL_LOGGING_LEVEL`` as every verl module reads it at import: ``logger.setLevel(value)``."""
     import logging  # only where the variable is set: a throwaway logger is set to it, as verl sets its own
 
     try:
@@ -257,35 +241,8 @@ def _logging_level(raw: str) -> None:
 IMPORT_ENV = ("VERL_USE_EXTERNAL_MODULES", "VERL_LOGGING_LEVEL", "STAPO_SECRETS_FILE")
 
 
-def check_import_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """What ``import verl`` reads in the driver (:data:`IMPORT_ENV`), where Hydra's error would name neither
-    the variable nor the cause; then, in this process's own environment, the modules of
-    ``VERL_USE_EXTERNAL_MODULES`` imported as ``import verl`` is about to."""
-    environ = os.environ if environ is None else environ
-    found: list[Problem] = []
-    for env_check in RUN_ENV_CHECKS:
-        raw = environ.get(env_check.name)
-        if env_check.name in IMPORT_ENV and raw is not None:
-            try:
-                env_check.read(raw)
-            except (ValueError, OSError) as e:
-                found.append(Problem(env_check.name, f"{e} (read by {env_check.who})", env_check.fix, raw))
-    modules = environ.get("VERL_USE_EXTERNAL_MODULES", "")
-    if found or not modules or environ is not os.environ:
-        return found
-    for module in modules.split(","):
-        try:
-            importlib.import_module(module.strip())
-        except Exception as e:  # noqa: BLE001  (any error: verl would raise it inside Hydra, naming nothing)
-            return [Problem("VERL_USE_EXTERNAL_MODULES", f"lists {module.strip()!r}, whose import fails: {e} (every "
-                            "verl process imports it when it imports verl)", "correct what the error names, or drop "
-                            "the module from the list", modules)]
-    return found
-
-
 def check_gpu_mem_source(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """``recipe.gpu_mem_gb`` and ``GPU_MEM_GB`` name one value (the YAML reads the variable into the key):
-    an override of the key that disagrees with the variable is refused, naming both."""
+    """An override of ``recipe.gpu_mem_gb`` that disagrees with ``GPU_MEM_GB``, which the YAML reads into it."""
     try:
         from_env = positive_number_from_env("GPU_MEM_GB", environ)
     except ValueError:  # check_environment reports it
@@ -302,8 +259,7 @@ def check_gpu_mem_source(config: DictConfig, environ: Mapping[str, str]) -> list
 
 @dataclass(frozen=True)
 class EnvCheck:
-    """An environment variable a run's processes read (``who``), the reader they use (``read``: raises
-    ``ValueError`` naming the variable, its value and what it must be), and the fix."""
+    """An environment variable a run's processes read (``who``), the reader they use (raising ``ValueError``), the fix."""
 
     name: str
     who: str
@@ -332,7 +288,7 @@ def _external_modules(raw: str) -> None:
                          "driver, inside Hydra's config loading, with a message that does not name the module)")
 
 
-def _secrets_file(raw: str) -> dict:
+def read_secrets_file(raw: str) -> dict:
     return parse_env_file(raw.strip()) if raw.strip() else {}
 
 
@@ -361,15 +317,14 @@ RUN_ENV_CHECKS: tuple[EnvCheck, ...] = (
              "set it to seconds in [1, 2147483], e.g. 600 (the default), or unset it"),
     EnvCheck("STAPO_REWARD_WORKERS", "the recipe's reward module, when a reward worker imports it", _reward_workers,
              "set it to a whole number >= 1, e.g. 4, or unset it for min(4, CPUs)"),
-    EnvCheck("STAPO_SECRETS_FILE", "every verl process, when it imports the recipe's patches", _secrets_file,
+    EnvCheck("STAPO_SECRETS_FILE", "every verl process, when it imports the recipe's patches", read_secrets_file,
              "point it to a NAME=value file only you can read (chmod 600), or unset it"),
     EnvCheck("VERL_USE_EXTERNAL_MODULES", "every verl process, when it imports verl", _external_modules,
              "install the missing module (pip install -e .) or drop it from the list"),
     EnvCheck("VERL_LOGGING_LEVEL", "every verl process, when it imports verl's modules", _logging_level,
              "set it to INFO (or DEBUG, WARNING: upper case), or unset it"),
 )
-#: variables the config sets for every worker from its own keys (``ray_kwargs.ray_init.runtime_env.
-#: env_vars``), so that a value exported in the launching shell is never read: name -> config key
+#: variables the config sets for every worker from its own keys (an exported value is never read): name -> key
 CONFIG_OWNED_ENV = {"STAPO_TOKEN_DUMP_DIR": "recipe.token_dump.dir",
                     "STAPO_TOKEN_DUMP_RESPONSES": "recipe.token_dump.responses",
                     "STAPO_TOKEN_DUMP_CONTEXT": "recipe.token_dump.context",
@@ -377,10 +332,21 @@ CONFIG_OWNED_ENV = {"STAPO_TOKEN_DUMP_DIR": "recipe.token_dump.dir",
                     "STAPO_TOKEN_DUMP_METHOD": "recipe.method"}
 
 
+def _read_environment(seen: Callable[[str], Optional[str]], key: Callable[[str], str], names) -> list[Problem]:
+    """One problem per variable of :data:`RUN_ENV_CHECKS` in ``names`` whose value (``seen``) its reader refuses."""
+    found = []
+    for env_check in RUN_ENV_CHECKS:
+        raw = seen(env_check.name)
+        if env_check.name in names and raw is not None:
+            try:
+                env_check.read(raw)
+            except (ValueError, OSError) as e:
+                found.append(Problem(key(env_check.name), f"{e} (read by {env_check.who})", env_check.fix, raw))
+    return found
+
+
 def seen_by_workers(config: DictConfig, environ: Mapping[str, str]) -> Callable[[str], Optional[str]]:
-    """``seen(name)``: the value the run's processes see of a variable: the config's :data:`RAY_ENV_VARS`,
-    else the launching environment (which local workers inherit and ``LAUNCH=submit`` forwards); None
-    when neither sets it."""
+    """``seen(name)``: the value the run's processes see, :data:`RAY_ENV_VARS`'s else ``environ``'s (or None)."""
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
 
     def seen(name: str) -> Optional[str]:
@@ -398,18 +364,9 @@ def origin(config: DictConfig, name: str) -> str:
 
 
 def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
-    """One problem per variable of :data:`RUN_ENV_CHECKS` (and the ``file`` logger's metrics file) whose value
-    the run's processes would refuse after Ray has started."""
+    """What the run's processes would refuse after Ray: :data:`RUN_ENV_CHECKS`, the metrics file, its writer."""
     seen = seen_by_workers(config, environ)
-    found: list[Problem] = []
-    for env_check in RUN_ENV_CHECKS:
-        raw = seen(env_check.name)
-        if raw is None:
-            continue
-        try:
-            env_check.read(raw)
-        except (ValueError, OSError) as e:
-            found.append(Problem(origin(config, env_check.name), f"{e} (read by {env_check.who})", env_check.fix, raw))
+    found = _read_environment(seen, lambda name: origin(config, name), [c.name for c in RUN_ENV_CHECKS])
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     for name, key in CONFIG_OWNED_ENV.items():
         exported = environ.get(name)
@@ -418,14 +375,22 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
                                  f"config sets it from {key} (ray_kwargs.ray_init.runtime_env.env_vars), so the exported "
                                  "value is never read", f"set {key} instead, and unset {name}", exported))
     metrics, variable = metrics_file_of(config, seen)
-    submit = environ.get("LAUNCH", "") == "submit"
-    if metrics and "://" not in metrics and not (submit and not Path(metrics).parent.exists()):
+    if not metrics or "://" in metrics:
+        return found
+    if not (environ.get("LAUNCH", "") == "submit" and not Path(metrics).parent.exists()):
         try:
             _metrics_file(metrics)
         except ValueError as e:
             found.append(Problem(origin(config, variable), f"{e} (verl's file logger opens it in the trainer, after Ray "
                                  "starts)", f"point {variable} to a writable place, or unset it (the metrics then go to "
                                  "<trainer.default_local_dir>/metrics.jsonl)", seen(variable)))
+    try:  # a second writer: its logger refuses one too, but after Ray
+        check_no_writer(metrics)
+    except MetricsFileBusy as e:
+        found.append(Problem("trainer.default_local_dir", str(e), "wait for the other launch to end (or stop it), or "
+                             "give this run another trainer.default_local_dir (CKPT_DIR) or experiment name", metrics))
+    except OSError:
+        pass  # a file this process cannot open: left to the logger, which names it
     return found
 
 

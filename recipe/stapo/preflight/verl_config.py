@@ -1,7 +1,5 @@
-"""verl's own validation, before Ray: what verl's trainer and workers do with the config once Ray has
-started, done here on the same config, each refusal in verl's words naming the key, file or column.
-Importing this module imports no verl.
-"""
+"""verl's own validation before Ray, on the same config, each refusal in verl's words naming the key, file
+or column. Imports no verl."""
 
 from __future__ import annotations
 
@@ -55,9 +53,6 @@ def _verl_says(name: str, config: DictConfig) -> bool:
         return bool(getattr(utils, name)(config))
 
 
-# -- declared types --------------------------------------------------------------------------------
-
-
 @functools.cache
 def verl_defaults() -> dict:
     """verl's whole default config (its ``_generated_ppo_trainer.yaml``), parsed once."""
@@ -108,18 +103,8 @@ def _type_name(hint) -> str:
     return names.get(typing.get_origin(hint) or hint, getattr(hint, "__name__", str(hint)))
 
 
-def _type_problem(key: str, value, hint, declared: str) -> Problem:
-    what = _type_name(hint)
-    if hint is bool:
-        return Problem(key, f"must be true or false ({declared}); verl reads any other value by its truth, so "
-                       f"{value!r} would run as {bool(value)}", f"set {key}=true or {key}=false", shown(value))
-    return Problem(key, f"must be {what} ({declared}): verl checks no type when it builds its config, so the value "
-                   "fails where it is first used, after Ray starts", f"set {key} to {what}", shown(value))
-
-
 def check_declared_types(config: DictConfig, skip: frozenset = frozenset()) -> list[Problem]:
-    """One problem per value whose type is not the one verl declares for it (its config class's field, else
-    the type of verl's default); keys in ``skip``, already refused, are not reported again."""
+    """One problem per value whose type is not verl's (its class's field's, else its default's), beyond ``skip``."""
     found: list[Problem] = []
 
     def walk(node: DictConfig, prefix: str, fields: Optional[tuple[type, dict]], defaults) -> None:
@@ -127,8 +112,7 @@ def check_declared_types(config: DictConfig, skip: frozenset = frozenset()) -> l
             if key == "_target_" or OmegaConf.is_missing(node, key):
                 continue
             full, value = f"{prefix}.{key}" if prefix else str(key), node[key]
-            default = defaults.get(key, _field_default(fields, key)) if isinstance(defaults, dict) else \
-                _field_default(fields, key)
+            default = (defaults if isinstance(defaults, dict) else {}).get(key, _field_default(fields, key))
             default = None if isinstance(default, str) and default.startswith("${") else default  # not known here
             hint = fields[1].get(key) if fields else type(default) if type(default) in (bool, int, float, str) else None
             if isinstance(value, DictConfig):
@@ -141,9 +125,13 @@ def check_declared_types(config: DictConfig, skip: frozenset = frozenset()) -> l
             elif hint is None or full in skip or isinstance(value, ListConfig) and not fields and hint is str:  # a list of files
                 continue
             elif not _matches(value, hint) or value is None and not _takes_null(hint, default):
-                declared = (f"verl's {fields[0].__name__}.{key} is {_type_name(hint)}" if fields
+                what = _type_name(hint)
+                declared = (f"verl's {fields[0].__name__}.{key} is {what}" if fields
                             else f"verl's default for it is {default!r}")
-                found.append(_type_problem(full, value, hint, declared))
+                why = (f"; verl reads any other value by its truth, so {value!r} would run as {bool(value)}"
+                       if hint is bool else ": verl checks no type when it builds its config, so the value fails "
+                       "where it is first used, after Ray starts")
+                found.append(Problem(full, f"must be {what} ({declared}){why}", f"set {full} to {what}", shown(value)))
 
     walk(config, "", None, verl_defaults())
     return found
@@ -155,9 +143,6 @@ def _field_default(fields: Optional[tuple[type, dict]], key: str):
     return field.default if field is not None and field.default is not dataclasses.MISSING else None
 
 
-# -- verl's conversions ------------------------------------------------------------------------------
-
-
 def _words(error: BaseException) -> str:
     """What an error says: its message, or for a bare ``assert`` the statement that failed."""
     text = str(error).strip()
@@ -167,8 +152,7 @@ def _words(error: BaseException) -> str:
     return frames[-1].line if frames and frames[-1].line else type(error).__name__
 
 
-#: what an error may call a key by: torch's optimizers two of verl's optimizer keys, verl the reference's
-#: keys it renamed (:data:`REF_RENAMES`)
+#: what an error may call a key by: torch two optimizer keys, verl the reference's keys it renamed
 _SAID = {"learning rate": "lr", "beta": "betas", **{new: old for old, new in REF_RENAMES.items()}}
 
 
@@ -188,8 +172,7 @@ def _named_key(config: DictConfig, section: str, words: str) -> str:
 
 
 def verl_problem(config: DictConfig, section: str, error: BaseException, who: str, fix: str = _FIX) -> Problem:
-    """The :class:`Problem` of ``error`` raised by verl (``who``) on ``section``, naming the key it is about
-    (:func:`_named_key`) and its value."""
+    """The :class:`Problem` of ``error`` raised by verl (``who``) on ``section``, naming its key and value."""
     words = _words(error)
     key = _named_key(config, section, words)
     value = pick(config, key)
@@ -198,8 +181,7 @@ def verl_problem(config: DictConfig, section: str, error: BaseException, who: st
     return Problem(key, f"{who} refuses it: {words}", fix, shown(value))
 
 
-#: (section, its YAML, a stamp of its files) -> (the config object, the error): the preflight runs again
-#: on every candidate of a memory refusal's advice
+#: (section, its YAML, a stamp of its files) -> (the config object, the error), for the advice's reruns
 _CONVERTED: dict[tuple, tuple] = {}
 
 
@@ -239,8 +221,7 @@ def _reference_section(config: DictConfig) -> DictConfig:
 
 
 def check_optimizer(config: DictConfig, section: str, optim, found: list[Problem]) -> None:
-    """verl's optimizer builder, which the FSDP engine calls when the workers start, on a stand-in
-    parameter, then one step."""
+    """verl's optimizer builder, as the FSDP engine calls it, on a stand-in parameter, then one step."""
     import torch  # torch and verl only where a check runs
     from verl.workers.config.optimizer import build_optimizer
 
@@ -260,8 +241,7 @@ def check_optimizer(config: DictConfig, section: str, optim, found: list[Problem
 
 
 def _validate_config(config: DictConfig, found: list[Problem]) -> None:
-    """verl's ``validate_config``, as ``verl.trainer.main_ppo.main`` runs it: its refusal names the first
-    key it mentions."""
+    """verl's ``validate_config``, as ``verl.trainer.main_ppo.main`` runs it."""
     from verl.utils.config import validate_config  # verl only where a check runs
 
     try:
@@ -276,9 +256,8 @@ def _validate_config(config: DictConfig, found: list[Problem]) -> None:
 
 
 def check_verl_configs(config: DictConfig, found: list[Problem], numbers_ok: bool = True) -> bool:
-    """Declared types, then every section of :data:`SECTIONS` not already refused converted and its optimizer
-    built, then, with usable numbers (``numbers_ok``) and nothing refused, verl's ``validate_config``.
-    Returns whether every value has its declared type."""
+    """Declared types, then :data:`SECTIONS` converted (optimizers built), then verl's ``validate_config``;
+    whether every value has its declared type."""
     # the patches every worker runs with (verl loads only after VERL_USE_EXTERNAL_MODULES is set)
     import verl_patches.activate  # noqa: F401
 
@@ -300,13 +279,9 @@ def check_verl_configs(config: DictConfig, found: list[Problem], numbers_ok: boo
     return not typed
 
 
-# -- the model and the data ------------------------------------------------------------------------
-
-
 class _Recording:
-    """A tokenizer (or processor) that records what its chat template does with each prompt verl's dataset
-    hands it: the error it raises (which verl's filter swallows, dropping the row as if it were too long)
-    or the prompt's length in tokens."""
+    """A tokenizer (or processor) recording its chat template's error (verl's filter drops such a row) or the
+    prompt's length in tokens, per prompt verl's dataset hands it."""
 
     def __init__(self, wrapped):
         self.__dict__.update(wrapped=wrapped, calls=[])
@@ -338,9 +313,7 @@ _DATASETS: dict[tuple, list[Problem]] = {}
 
 
 def check_model_and_data(config: DictConfig, found: list[Problem]) -> None:
-    """The model config verl builds first (``HFModelConfig``), then :func:`dataset_problems` of every data
-    file, each once per process for the same settings and files; only for a local model folder and data
-    files the paths check passed."""
+    """verl's model config (``HFModelConfig``), then :func:`dataset_problems` of every data file, each once."""
     refused = {p.key for p in found}
     path = str(pick(config, f"{MODEL}.path", "") or "")
     if not Path(path).is_dir() or any(k == MODEL or k.startswith(MODEL + ".") for k in refused):
