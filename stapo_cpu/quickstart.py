@@ -425,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_options(argv: Optional[list[str]] = None) -> QuickstartOptions:
     """The checked options of a command line; exits with status 2, naming each bad option and the
-    fix, when any cannot run (nothing is created)."""
+    fix, when any cannot run (nothing is left behind)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
