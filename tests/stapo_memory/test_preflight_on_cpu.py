@@ -99,6 +99,11 @@ def test_prompt_and_response_beyond_max_position_embeddings_are_refused(cluster)
     assert "set data.max_response_length to at most 7168" in problem
     run(cluster, f"actor_rollout_ref.model.path={path}", "data.max_response_length=7168",
         f"{ACTOR}.ppo_max_token_len_per_gpu=16384")
+    err = refused(cluster, f"actor_rollout_ref.model.path={path}", "recipe.memory_check=off",
+                  "data.max_prompt_length=8192")  # the prompt alone fills the context: no response length fits
+    (problem,) = [str(p) for p in err.problems if p.key == "data.max_response_length"]
+    assert "set data.max_prompt_length below 8192, leaving room for the responses" in problem
+    assert "at most -" not in problem and "at most 0" not in problem
 
 
 def test_rollout_max_model_len_is_checked_against_the_model_and_the_lengths(cluster):

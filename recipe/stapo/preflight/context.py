@@ -68,12 +68,13 @@ def check_context(config: DictConfig, found: list[Problem]) -> None:
     context, named = (served, f"{ROLLOUT}.max_model_len={served}") if served is not None else (
         positions, f"the model's max_position_embeddings={positions} ({source})")
     if longest > context:
+        fix = (f"set data.max_response_length to at most {context - prompt} (or shorten data.max_prompt_length)"
+               if prompt < context else f"set data.max_prompt_length below {context}, leaving room for the responses")
         found.append(Problem(
             "data.max_response_length", f"data.max_prompt_length + data.max_response_length = {prompt} + {response} "
             f"= {longest} tokens exceed {named}: vLLM serves at most that context, and verl clamps each request's "
             f"new tokens to it minus the prompt, so responses would stop before {response} tokens",
-            f"set data.max_response_length to at most {context - prompt} (or shorten data.max_prompt_length), or "
-            "use a model whose context holds prompt + response", response))
+            f"{fix}, or use a model whose context holds prompt + response", response))
 
 
 def check_heads(shape: dict, source: str, config: DictConfig, found: list[Problem]) -> None:
