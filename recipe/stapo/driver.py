@@ -6,6 +6,7 @@ no verl: ``VERL_USE_EXTERNAL_MODULES`` must be set first (:func:`ensure_patch_mo
 from __future__ import annotations
 
 import difflib
+import functools
 import hashlib
 import json
 import os
@@ -177,14 +178,16 @@ def credential_keys(key: str, value: object = None) -> list[str]:
     return found
 
 
-def recipe_keys() -> list[str]:
-    """Every key of the recipe's own config section (``recipe.*`` in the YAML), dotted, nested ones too."""
+@functools.cache
+def recipe_keys() -> tuple[str, ...]:
+    """Every key of the recipe's own config section (``recipe.*`` in the YAML), dotted, nested ones too;
+    read once per process."""
     def walk(prefix: str, node) -> list[str]:
         subs = node.items() if isinstance(node, dict) else ()
         return [prefix, *(key for name, value in subs for key in walk(f"{prefix}.{name}", value))]
 
     section = OmegaConf.load(Path(CONFIG_DIR) / f"{CONFIG_NAME}.yaml").recipe
-    return walk("recipe", OmegaConf.to_container(section, resolve=False))[1:]
+    return tuple(walk("recipe", OmegaConf.to_container(section, resolve=False))[1:])
 
 
 def override_problems(overrides: Sequence[str]) -> list[str]:
