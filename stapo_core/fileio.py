@@ -15,10 +15,10 @@ import argparse
 import contextlib
 import errno
 import hashlib
+import itertools
 import json
 import os
 import stat
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -188,12 +188,25 @@ def cli_path(text: str | os.PathLike) -> str | os.PathLike:
     return text
 
 
-def _cannot_create_in(folder: Path) -> Optional[str]:
-    """Why a folder cannot be made in ``folder`` (tried: a probe folder made and removed), or None."""
+def probe_writable(path: Path) -> Optional[str]:
+    """None when ``path`` can be created (if missing) and a file written in it; else the reason.
+    Writes and removes one probe file, and removes every folder it had to create."""
+    missing = list(itertools.takewhile(lambda p: not p.exists(), [path, *path.parents]))  # deepest first
+    existing = missing[-1].parent if missing else path
+    if not existing.is_dir():
+        return f"{existing} exists and is not a folder"
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".probe-", dir=folder))
-    except OSError as exc:  # as root, os.access calls /sys or a read-only bind mount writable
-        return exc.strerror
+        for folder in reversed(missing):
+            folder.mkdir()
+        probe = path / f".stapo_probe_{os.getpid()}_{os.urandom(4).hex()}"
+        probe.write_bytes(b"probe")
+        probe.unlink()
+    except OSError as e:
+        return f"{e.strerror or e} ({e.filename or path})"
+    finally:
+        for folder in missing:  # those not created (after a failure) are not there to remove
+            with contextlib.suppress(OSError):
+                folder.rmdir()
     return None
 
 
@@ -207,9 +220,9 @@ def output_folder_problem(option: str, path: str | os.PathLike) -> Optional[str]
         if path.exists():
             if not path.is_dir():
                 return f"{option} {path} is a file, not a folder: give a folder path (it is created if missing)"
-            why = _cannot_create_in(path)
+            why = probe_writable(path)
             if why:
-                return f"{option} {path} is not writable ({why}): give a folder you can write to"
+                return f"{option} {path} is not writable: {why}; give a folder you can write to"
             return None
         parent = path.parent
         while not parent.exists():
@@ -218,9 +231,9 @@ def output_folder_problem(option: str, path: str | os.PathLike) -> Optional[str]
         return f"{option} {path}: {exc.strerror}; give another folder path"
     if not parent.is_dir():
         return f"{option} {path} cannot be created: {parent} is a file; give a folder path"
-    why = _cannot_create_in(parent)
+    why = probe_writable(path)
     if why:
-        return f"{option} {path} cannot be created: {parent} is not writable ({why}); give a folder you can write to"
+        return f"{option} {path} cannot be created: {parent} is not writable: {why}; give a folder you can write to"
     return None
 
 

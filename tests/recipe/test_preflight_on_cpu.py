@@ -17,7 +17,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from recipe.stapo.driver import compose, prepare
-from recipe.stapo.preflight import PreflightError, probe_writable, summary
+from recipe.stapo.preflight import PreflightError, summary
 from tests.helpers.cluster_files import QWEN3_CONFIGS, fake_cluster, use_fake_cluster, write_dataset, write_model
 from tests.helpers.paths import REPO
 
@@ -87,15 +87,6 @@ def test_paper_config_passes_with_summary_and_memory_table(cluster):
                  "4 updates per step, 8 sequences per data-parallel rank",
                  "token budgets per GPU = update 32768, log-prob 49152"):
         assert line in text, f"{line!r} not in\n{text}"
-
-
-def test_probe_creates_nothing_it_leaves_behind(tmp_path):
-    target = tmp_path / "a" / "b" / "c"
-    assert probe_writable(target) is None
-    assert not (tmp_path / "a").exists()
-    existing = tmp_path / "existing"
-    existing.mkdir()
-    assert probe_writable(existing) is None and list(existing.iterdir()) == []
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from stapo_core.fileio import FileError, append_lines, atomic_write, atomic_write_json, open_regular, read_bytes
+from stapo_core.fileio import (FileError, append_lines, atomic_write, atomic_write_json, open_regular, probe_writable,
+                               read_bytes)
 
 PRECIOUS = b"a file a planted link points to\n"
 
@@ -424,6 +425,15 @@ def test_an_output_folder_where_nothing_can_be_made_is_named_even_where_access_s
     from stapo_core.fileio import output_folder_problem
 
     assert output_folder_problem("--out", "/sys/stapo_out").startswith(
-        "--out /sys/stapo_out cannot be created: /sys is not writable (")
-    assert output_folder_problem("--out", "/sys").startswith("--out /sys is not writable (")
+        "--out /sys/stapo_out cannot be created: /sys is not writable: ")
+    assert output_folder_problem("--out", "/sys").startswith("--out /sys is not writable: ")
     assert output_folder_problem("--out", tmp_path / "new" / "out") is None and os.listdir(tmp_path) == []
+
+
+def test_probe_creates_nothing_it_leaves_behind(tmp_path):
+    target = tmp_path / "a" / "b" / "c"
+    assert probe_writable(target) is None
+    assert not (tmp_path / "a").exists()
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    assert probe_writable(existing) is None and list(existing.iterdir()) == []

@@ -430,27 +430,35 @@ def test_a_read_only_output_folder_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(qs, "build_assets", _run_trainer_forbidden)
     locked = tmp_path / "locked"
     locked.mkdir()
-    real_mkdtemp = fileio.tempfile.mkdtemp
+    real_mkdir = Path.mkdir
 
-    def mkdtemp(*args, dir=None, **kwargs):
-        if Path(dir) == locked:
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-        return real_mkdtemp(*args, dir=dir, **kwargs)
+    def mkdir(self, *args, **kwargs):
+        if self.parent == locked:
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_mkdir(self, *args, **kwargs)
 
-    monkeypatch.setattr(fileio.tempfile, "mkdtemp", mkdtemp)
+    monkeypatch.setattr(Path, "mkdir", mkdir)
     with pytest.raises(SystemExit) as exit_info:
         qs.main(["--out", str(locked / "out"), "--assets", str(tmp_path / "assets")])
     assert exit_info.value.code == 2
-    assert f"--out {locked / 'out'} cannot be created: {locked} is not writable (Permission denied)" in \
-        capsys.readouterr().err
+    assert f"--out {locked / 'out'} cannot be created: {locked} is not writable: Permission denied ({locked / 'out'})" \
+        in capsys.readouterr().err
 
 
 def test_built_assets_in_a_read_only_folder_are_accepted(tmp_path, monkeypatch):
     """The assets folder only needs to be writable when it has to be built."""
     calls = []
     monkeypatch.setattr(qs, "is_built", lambda folder: calls.append(folder) or True)
-    monkeypatch.setattr(fileio.os, "access", lambda path, mode: Path(path) != tmp_path / "assets")
+    real_write_bytes = Path.write_bytes
+
+    def write_bytes(self, data):  # nothing can be written in the assets folder (what a non-root user meets)
+        if self.parent == tmp_path / "assets":
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+        return real_write_bytes(self, data)
+
+    monkeypatch.setattr(Path, "write_bytes", write_bytes)
     (tmp_path / "assets").mkdir()
+    assert "is not writable" in fileio.output_folder_problem("--assets", tmp_path / "assets")
     opts = qs.parse_options(["--out", str(tmp_path / "out"), "--assets", str(tmp_path / "assets")])
     assert opts.assets == tmp_path / "assets" and calls == [tmp_path / "assets"]
 

@@ -10,7 +10,8 @@ from typing import Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from .paths import probe_writable
+from stapo_core.fileio import probe_writable
+
 from .problem import Problem, shown
 from .values import RAY_ENV_VARS, logger_names, origin, read_secrets_file, seen_by_workers
 

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
-import os
-import uuid
 from pathlib import Path
 from typing import Optional
 
 from omegaconf import DictConfig, ListConfig
 
+from stapo_core.fileio import probe_writable
 from verl_patches.token_dump import settings as dump
 
 from .problem import Problem, is_int, pick
@@ -31,28 +28,6 @@ def _paths(value) -> list[str]:
     if isinstance(value, (ListConfig, list, tuple)):
         return [str(v) for v in value]
     return [str(value)]
-
-
-def probe_writable(path: Path) -> Optional[str]:
-    """None when ``path`` can be created (if missing) and a file written in it; else the reason.
-    Writes and removes one probe file, and removes every folder it had to create."""
-    missing = list(itertools.takewhile(lambda p: not p.exists(), [path, *path.parents]))  # deepest first
-    existing = missing[-1].parent if missing else path
-    if not existing.is_dir():
-        return f"{existing} exists and is not a folder"
-    try:
-        for folder in reversed(missing):
-            folder.mkdir()
-        probe = path / f".stapo_preflight_{os.getpid()}_{uuid.uuid4().hex[:8]}"
-        probe.write_bytes(b"preflight")
-        probe.unlink()
-    except OSError as e:
-        return f"{e.strerror or e} ({e.filename or path})"
-    finally:
-        for folder in missing:  # those not created (after a failure) are not there to remove
-            with contextlib.suppress(OSError):
-                folder.rmdir()
-    return None
 
 
 def _existing_local(key: str, path: str, fix: str, found: list[Problem], notes: list[str], submit: bool) -> Optional[Path]:

@@ -15,11 +15,11 @@ from typing import Callable, Mapping, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from stapo_core.fileio import probe_writable
 from verl_patches.env_file import parse_env_file
 from verl_patches.resume import MetricsFileBusy, check_no_writer, writer_lock_path
 from verl_patches.weight_sync import parse_timeout
 
-from .paths import probe_writable
 from .problem import ACTOR, ROLLOUT, Problem, is_int, shown
 
 _ABSENT = object()
