@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from recipe.stapo.methods import methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
 
-from .problem import ACTOR, Problem, is_int, pick
+from .problem import ACTOR, Problem, is_int, pick, world_size
 
 
 def token_selection(config: DictConfig) -> str:
@@ -69,14 +69,13 @@ def check_random_seed(config: DictConfig, found: list[Problem]) -> None:
     cfg = valid_settings(config)
     if cfg is None or cfg.strategy != "random":
         return
-    nnodes, gpus = pick(config, "trainer.nnodes"), pick(config, "trainer.n_gpus_per_node")
-    world = nnodes * gpus if is_int(nnodes) and is_int(gpus) and nnodes > 0 and gpus > 0 else 1
+    world = world_size(config) or 1
     low, high = random_seed_range(world)
     if not low <= cfg.seed <= high:
         found.append(Problem(f"{POLICY_LOSS}.seed", f"the random strategy seeds each rank's generator with seed x "
-                             f"{SEED_STRIDE:,} + rank, which torch's generator takes only within 64 bits: on {world} "
-                             "ranks the seed must lie in [{low}, {high}] (it would fail in the first update, after "
-                             "Ray)".replace("{low}", str(low)).replace("{high}", str(high)),
+                             f"{SEED_STRIDE:,} + rank, which torch's generator takes only within 64 bits: on "
+                             f"{world} ranks the seed must lie in [{low}, {high}] (it would fail in the first update, "
+                             "after Ray)",
                              f"use a seed in that range, e.g. {POLICY_LOSS}.seed=0", cfg.seed))
 
 
@@ -104,9 +103,8 @@ def check_sequence_parallel(config: DictConfig, found: list[Problem]) -> None:
 
 def check_reward_function(config: DictConfig, found: list[Problem]) -> None:
     """The reward function resolves in its module, as verl's reward loop will load it."""
-    path = pick(config, "reward.custom_reward_function.path")
-    name = pick(config, "reward.custom_reward_function.name")
     key = "reward.custom_reward_function"
+    path, name = pick(config, f"{key}.path"), pick(config, f"{key}.name")
     if not path:
         found.append(Problem(f"{key}.path", "is empty: verl would then grade with its own default for each data "
                              "source (for math_dapo, math_dapo.compute_score without JustRL's strict box check), not "

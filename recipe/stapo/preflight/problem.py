@@ -9,21 +9,21 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 ACTOR, ROLLOUT, REF = "actor_rollout_ref.actor", "actor_rollout_ref.rollout", "actor_rollout_ref.ref"
 
-_NO_VALUE = object()
+#: no value: a :class:`Problem` without one, a key a config does not have
+NO_VALUE = object()
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One refusal: what (``key``: a config key, or a path; ``value``: its value, when it is the
-    problem), what is wrong, and how to fix it."""
+    """One refusal: a config key or a path (and ``value``, when it is the problem), what is wrong, the fix."""
 
     key: str
     problem: str
     fix: str
-    value: object = _NO_VALUE
+    value: object = NO_VALUE
 
     def __str__(self) -> str:
-        head = self.key if self.value is _NO_VALUE else f"{self.key}={self.value!r}"
+        head = self.key if self.value is NO_VALUE else f"{self.key}={self.value!r}"
         return f"{head}: {self.problem}. Fix: {self.fix}"
 
 
@@ -58,6 +58,12 @@ def pick(config: DictConfig, key: str, default=None):
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def world_size(config: DictConfig) -> Optional[int]:
+    """``trainer.nnodes`` x ``trainer.n_gpus_per_node``; None unless both are whole numbers >= 1."""
+    nnodes, gpus = pick(config, "trainer.nnodes"), pick(config, "trainer.n_gpus_per_node")
+    return nnodes * gpus if is_int(nnodes) and is_int(gpus) and nnodes > 0 and gpus > 0 else None
 
 
 def shown(value):

@@ -16,7 +16,7 @@ from .loggers import check_loggers
 from .names import POLICY_LOSS, check_identity, check_names, token_selection, valid_settings
 from .numbers import check_numbers, check_step_host_memory, uses_reference
 from .paths import check_paths, check_token_dump
-from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, is_int, pick
+from .problem import ACTOR, REF, ROLLOUT, PreflightError, Problem, Report, pick, world_size
 from .values import check_values
 from .verl_config import check_model_and_data, check_verl_configs
 
@@ -57,19 +57,15 @@ def check(config: DictConfig, environ: Optional[Mapping[str, str]] = None, log: 
     return report
 
 
-def data_parallel_size(config: DictConfig) -> Optional[int]:
-    """The actor's data-parallel ranks (None when the numbers are not whole numbers that divide)."""
-    nnodes, gpus = pick(config, "trainer.nnodes"), pick(config, "trainer.n_gpus_per_node")
-    sp = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1
-    if not all(is_int(v) and v > 0 for v in (nnodes, gpus, sp)) or (nnodes * gpus) % sp:
-        return None
-    return nnodes * gpus // sp
+def data_parallel_size(config: DictConfig) -> int:
+    """The actor's data-parallel ranks, in a config whose numbers the preflight passed (:func:`check_numbers`)."""
+    return world_size(config) // pick(config, f"{ACTOR}.ulysses_sequence_parallel_size")
 
 
 def check_ranks_per_pool(config: DictConfig, found: list[Problem]) -> None:
     """``policy_loss.ranks_per_pool`` divides the data-parallel ranks (the workers check it after Ray)."""
     cfg, dp = valid_settings(config), data_parallel_size(config)
-    if cfg is None or cfg.ranks_per_pool is None or dp is None:
+    if cfg is None or cfg.ranks_per_pool is None:
         return
     try:
         cfg.pool_ranks(dp)
@@ -81,8 +77,7 @@ def check_ranks_per_pool(config: DictConfig, found: list[Problem]) -> None:
 
 @dataclass(frozen=True)
 class SelectionPool:
-    """What one threshold of a token selection is computed over: at most ``tokens``, on ``ranks`` of the
-    ``data_parallel`` ranks, counted as ``what`` says."""
+    """What one threshold of a token selection is computed over: up to ``tokens`` on ``ranks`` ranks (``what``)."""
 
     tokens: int
     ranks: int
@@ -94,30 +89,26 @@ class SelectionPool:
 
 
 def selection_pool(config: DictConfig) -> Optional[SelectionPool]:
-    """The pool of the run's token selection; None without one, or with numbers the preflight refuses."""
+    """The pool of the token selection of a config the preflight passed; None without one."""
     cfg, dp = valid_settings(config), data_parallel_size(config)
-    if cfg is None or not cfg.selects_tokens or dp is None:
+    if cfg is None or not cfg.selects_tokens:
         return None
-    try:
-        ranks = cfg.pool_ranks(dp)
-        response = int(pick(config, "data.max_response_length"))
-        sp = int(pick(config, f"{ACTOR}.ulysses_sequence_parallel_size", 1) or 1)
-        where = (f"all {dp} data-parallel ranks" if ranks == dp else "one data-parallel rank" if ranks == 1
-                 else f"each group of {ranks} of the {dp} data-parallel ranks")
-        if cfg.resolved_scope == "mini_batch":
-            sequences = int(pick(config, f"{ACTOR}.ppo_mini_batch_size")) * int(pick(config, f"{ROLLOUT}.n"))
-            held = sequences * ranks // dp
-            return SelectionPool(held * response, ranks, dp, f"the PPO mini-batch's {held} sequences on {where}, "
-                                 f"up to {response:,} response tokens each")
-        if pick(config, f"{ACTOR}.use_dynamic_bsz"):
-            budget = int(pick(config, f"{ACTOR}.ppo_max_token_len_per_gpu")) * sp
-            return SelectionPool(ranks * budget, ranks, dp, f"one micro-batch of {where}, up to {budget:,} tokens "
-                                 "per rank (the update's token budget, prompts included)")
-        micro = int(pick(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu"))
-        return SelectionPool(ranks * micro * response, ranks, dp, f"one micro-batch of {where}, {micro} "
-                             f"sequences per rank, up to {response:,} response tokens each")
-    except (TypeError, ValueError):
-        return None
+    ranks = cfg.pool_ranks(dp)
+    response = pick(config, "data.max_response_length")
+    where = (f"all {dp} data-parallel ranks" if ranks == dp else "one data-parallel rank" if ranks == 1
+             else f"each group of {ranks} of the {dp} data-parallel ranks")
+    if cfg.resolved_scope == "mini_batch":
+        held = pick(config, f"{ACTOR}.ppo_mini_batch_size") * pick(config, f"{ROLLOUT}.n") * ranks // dp
+        return SelectionPool(held * response, ranks, dp, f"the PPO mini-batch's {held} sequences on {where}, "
+                             f"up to {response:,} response tokens each")
+    if pick(config, f"{ACTOR}.use_dynamic_bsz"):
+        sp = pick(config, f"{ACTOR}.ulysses_sequence_parallel_size")
+        budget = pick(config, f"{ACTOR}.ppo_max_token_len_per_gpu") * sp
+        return SelectionPool(ranks * budget, ranks, dp, f"one micro-batch of {where}, up to {budget:,} tokens "
+                             "per rank (the update's token budget, prompts included)")
+    micro = pick(config, f"{ACTOR}.ppo_micro_batch_size_per_gpu")
+    return SelectionPool(ranks * micro * response, ranks, dp, f"one micro-batch of {where}, {micro} "
+                         f"sequences per rank, up to {response:,} response tokens each")
 
 
 def problems_of(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
@@ -130,7 +121,7 @@ def problems_of(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]
 
 
 def summary(config: DictConfig) -> str:
-    """What a config runs, in ``key = value`` lines."""
+    """What a config the preflight passed runs, in ``key = value`` lines."""
     _get = lambda key: pick(config, key)  # noqa: E731
     selection = token_selection(config)
     lines = [("recipe.method", _get("recipe.method")), ("recipe.model", _get("recipe.model")),
@@ -142,26 +133,19 @@ def summary(config: DictConfig) -> str:
         lines += [(f"{POLICY_LOSS}.stats_from", _get(f"{POLICY_LOSS}.stats_from")),
                   (f"{POLICY_LOSS}.scope", _get(f"{POLICY_LOSS}.scope") or "mini_batch"),
                   (f"{POLICY_LOSS}.ranks_per_pool",
-                   _get(f"{POLICY_LOSS}.ranks_per_pool") or "null (every data-parallel rank)")]
-        pool = selection_pool(config)
-        if pool is not None:
-            lines.append(("token selection pool", pool.text()))
+                   _get(f"{POLICY_LOSS}.ranks_per_pool") or "null (every data-parallel rank)"),
+                  ("token selection pool", selection_pool(config).text())]
     lines += [("reward.custom_reward_function", f"{_get('reward.custom_reward_function.path')}:"
                f"{_get('reward.custom_reward_function.name')}"),
               ("algorithm.adv_estimator", _get("algorithm.adv_estimator"))]
     lines += [(k, _get(k)) for k in ("actor_rollout_ref.model.path", "data.train_files", "data.val_files",
                                      "trainer.default_local_dir", "trainer.nnodes", "trainer.n_gpus_per_node")]
-    try:
-        world = int(_get("trainer.nnodes")) * int(_get("trainer.n_gpus_per_node"))
-        n, batch, mini = int(_get(f"{ROLLOUT}.n")), int(_get("data.train_batch_size")), int(_get(f"{ACTOR}.ppo_mini_batch_size"))
-        sp = int(_get(f"{ACTOR}.ulysses_sequence_parallel_size") or 1)
-        lines += [("GPUs", world), (f"{ROLLOUT}.n", n),
-                  ("data.train_batch_size", f"{batch} prompts = {batch * n} sequences per step"),
-                  (f"{ACTOR}.ppo_mini_batch_size", f"{mini} prompts = {mini * n} sequences per update, "
-                   f"{batch // mini} updates per step, {mini * n // max(1, world // sp)} sequences per "
-                   f"data-parallel rank")]
-    except (TypeError, ValueError, ZeroDivisionError):
-        pass
+    n, batch, mini = _get(f"{ROLLOUT}.n"), _get("data.train_batch_size"), _get(f"{ACTOR}.ppo_mini_batch_size")
+    lines += [("GPUs", world_size(config)), (f"{ROLLOUT}.n", n),
+              ("data.train_batch_size", f"{batch} prompts = {batch * n} sequences per step"),
+              (f"{ACTOR}.ppo_mini_batch_size", f"{mini} prompts = {mini * n} sequences per update, "
+               f"{batch // mini} updates per step, {mini * n // data_parallel_size(config)} sequences per "
+               "data-parallel rank")]
     prompt, response = _get("data.max_prompt_length"), _get("data.max_response_length")
     lines.append(("data.max_prompt_length + data.max_response_length", f"{prompt} + {response}"))
     if _get(f"{ACTOR}.use_dynamic_bsz"):
