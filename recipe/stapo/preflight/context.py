@@ -44,9 +44,9 @@ def check_context(config: DictConfig, found: list[Problem]) -> None:
     raw, source = model_config_json(config)
     if raw is None or UNUSABLE in raw:
         return
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else None
-    check_heads({**raw, **(text or {})}, source, config, found)
-    positions = raw.get("max_position_embeddings", (text or {}).get("max_position_embeddings"))
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    check_heads({**raw, **text}, source, config, found)
+    positions = raw.get("max_position_embeddings", text.get("max_position_embeddings"))
     if not is_int(positions) or positions < 1:
         said = "missing" if positions is None else f"{positions!r} is not a whole number >= 1"
         found.append(Problem(f"{source}: max_position_embeddings", f"{said}: verl reads it to size vLLM's context, "
@@ -85,8 +85,8 @@ def check_heads(shape: dict, source: str, config: DictConfig, found: list[Proble
         return  # the memory check names the field
     for key, who in ((f"{ROLLOUT}.tensor_model_parallel_size", "vLLM"),
                      (f"{ACTOR}.ulysses_sequence_parallel_size", "verl's sequence parallelism")):
-        size = pick(config, key, 1)
-        if not is_int(size) or size < 2:
+        size = pick(config, key)  # a whole number >= 1 (the numbers passed)
+        if size < 2:
             continue
         if heads % size or (kv_heads % size and size % kv_heads):
             divisors = [d for d in range(1, heads + 1) if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)]

@@ -22,28 +22,22 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
     """Positive integers, group size, divisibility, token budgets; True when every number is usable."""
     before = len(found)
 
-    def get(key: str, what: str, fix: str) -> Optional[int]:
+    def get(key: str, what: str, hint: str = "") -> Optional[int]:
         value = pick(config, key)
         if is_int(value) and value >= 1:
             return value
-        found.append(Problem(key, f"{what} must be a whole number >= 1", fix, value))
+        found.append(Problem(key, f"{what} must be a whole number >= 1", f"set {key} {hint}".rstrip(), value))
         return None
 
-    nnodes = get("trainer.nnodes", "the number of nodes", "set trainer.nnodes (NNODES in the run scripts), "
-                 "e.g. 8 for the paper's 64 GPUs")
-    gpus = get("trainer.n_gpus_per_node", "the GPUs per node", "set trainer.n_gpus_per_node (GPUS_PER_NODE in "
-               "the run scripts), e.g. 8")
-    rollout_n = get(f"{ROLLOUT}.n", "the responses per prompt", f"set {ROLLOUT}.n (the paper: 8)")
-    batch = get("data.train_batch_size", "the prompts per step", "set data.train_batch_size (the paper: 256)")
-    mini = get(f"{ACTOR}.ppo_mini_batch_size", "the prompts per update",
-               f"set {ACTOR}.ppo_mini_batch_size (the paper: 64)")
-    prompt = get("data.max_prompt_length", "the prompt length", "set data.max_prompt_length (the paper: 1024)")
-    response = get("data.max_response_length", "the response length",
-                   "set data.max_response_length (the paper: 15360)")
-    sp = get(f"{ACTOR}.ulysses_sequence_parallel_size", "the sequence parallel size",
-             f"set {ACTOR}.ulysses_sequence_parallel_size (1: none)")
-    tp = get(f"{ROLLOUT}.tensor_model_parallel_size", "vLLM's tensor parallel size",
-             f"set {ROLLOUT}.tensor_model_parallel_size")
+    nnodes = get("trainer.nnodes", "the number of nodes", "(NNODES in the run scripts; the paper's 64 GPUs: 8)")
+    gpus = get("trainer.n_gpus_per_node", "the GPUs per node", "(GPUS_PER_NODE in the run scripts, e.g. 8)")
+    rollout_n = get(f"{ROLLOUT}.n", "the responses per prompt", "(the paper: 8)")
+    batch = get("data.train_batch_size", "the prompts per step", "(the paper: 256)")
+    mini = get(f"{ACTOR}.ppo_mini_batch_size", "the prompts per update", "(the paper: 64)")
+    prompt = get("data.max_prompt_length", "the prompt length", "(the paper: 1024)")
+    response = get("data.max_response_length", "the response length", "(the paper: 15360)")
+    sp = get(f"{ACTOR}.ulysses_sequence_parallel_size", "the sequence parallel size", "(1: none)")
+    tp = get(f"{ROLLOUT}.tensor_model_parallel_size", "vLLM's tensor parallel size")
 
     estimator = str(pick(config, "algorithm.adv_estimator", "grpo"))
     if rollout_n is not None and rollout_n < 2 and estimator in GROUP_ESTIMATORS:
@@ -67,9 +61,8 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                                  "or 4)", tp))
         elif tp > gpus or gpus % tp:
             found.append(Problem(f"{ROLLOUT}.tensor_model_parallel_size",
-                                 f"vLLM's tensor-parallel group must sit within one node of {gpus} GPUs: a larger group "
-                                 "is refused by vLLM ('Tensor parallel size ... cannot be larger than the number of "
-                                 "available GPUs'), and one that does not divide a node straddles two (verl starts each "
+                                 f"vLLM's tensor-parallel group must sit within one node of {gpus} GPUs: vLLM refuses "
+                                 "a larger one, and one that does not divide a node straddles two (verl starts each "
                                  "replica on one node)", f"choose a divisor of trainer.n_gpus_per_node={gpus} (the paper's "
                                  "configs: 1, 2 or 4)", tp))
     if world and batch and rollout_n:
@@ -79,13 +72,12 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                 "data.train_batch_size", f"{batch} prompts x {rollout_n} responses = {batch * rollout_n} "
                 f"sequences per step do not split evenly over the {world} GPUs (verl's own check, skipped with "
                 "dynamic batching)", f"use a multiple of {step}, e.g. data.train_batch_size="
-                f"{max(step, batch // step * step) if batch >= step else step}", batch))
-    if batch and mini:
-        if mini > batch or batch % mini:
-            found.append(Problem(
-                f"{ACTOR}.ppo_mini_batch_size", f"does not divide data.train_batch_size={batch}: every PPO update "
-                "takes one mini-batch of the step's prompts", f"choose a divisor of {batch} (the paper: 64, 4 updates "
-                "per step)", mini))
+                f"{max(step, batch // step * step)}", batch))
+    if batch and mini and batch % mini:  # a mini-batch larger than the batch too
+        found.append(Problem(
+            f"{ACTOR}.ppo_mini_batch_size", f"does not divide data.train_batch_size={batch}: every PPO update "
+            "takes one mini-batch of the step's prompts", f"choose a divisor of {batch} (the paper: 64, 4 updates "
+            "per step)", mini))
     if world and sp and mini and rollout_n and world % sp == 0:
         dp = world // sp
         if (mini * rollout_n) % dp:
@@ -95,8 +87,7 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                 "(verl's train_mini_batch asserts it)",
                 f"make {ACTOR}.ppo_mini_batch_size x {ROLLOUT}.n a multiple of {dp}", mini))
         elif not pick(config, f"{ACTOR}.use_dynamic_bsz", False):
-            micro = get(f"{ACTOR}.ppo_micro_batch_size_per_gpu", "the sequences per micro-batch",
-                        f"set {ACTOR}.ppo_micro_batch_size_per_gpu")
+            micro = get(f"{ACTOR}.ppo_micro_batch_size_per_gpu", "the sequences per micro-batch")
             per_rank = mini * rollout_n // dp
             if micro and per_rank % micro:
                 found.append(Problem(f"{ACTOR}.ppo_micro_batch_size_per_gpu",
@@ -114,13 +105,12 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
               (f"{ROLLOUT}.log_prob_use_dynamic_bsz", f"{ROLLOUT}.log_prob_max_token_len_per_gpu",
                f"{ROLLOUT}.log_prob_micro_batch_size_per_gpu", sp)]
     if uses_reference(config):
-        ref_sp = get(f"{REF}.ulysses_sequence_parallel_size", "the reference's sequence parallel size",
-                     f"set {REF}.ulysses_sequence_parallel_size")
+        ref_sp = get(f"{REF}.ulysses_sequence_parallel_size", "the reference's sequence parallel size")
         passes.append((f"{REF}.log_prob_use_dynamic_bsz", f"{REF}.log_prob_max_token_len_per_gpu",
                        f"{REF}.log_prob_micro_batch_size_per_gpu", ref_sp))
     for dynamic_key, budget_key, micro_key, size in passes:
         if pick(config, dynamic_key, False):
-            budget = get(budget_key, "a token budget", f"set {budget_key}")
+            budget = get(budget_key, "a token budget")
             if budget and longest and size and budget * size < longest:
                 need = math.ceil(longest / size)
                 found.append(Problem(
@@ -130,7 +120,7 @@ def check_numbers(config: DictConfig, found: list[Problem]) -> bool:
                     + " (verl refuses such a micro-batch at the first long response)",
                     f"set {budget_key} >= {need}, or raise the sequence parallel size", budget))
         elif micro_key != f"{ACTOR}.ppo_micro_batch_size_per_gpu":
-            get(micro_key, "the sequences per micro-batch", f"set {micro_key}")
+            get(micro_key, "the sequences per micro-batch")
     gpu_mem = pick(config, "recipe.gpu_mem_gb")
     problem = gpu_mem_problem(gpu_mem)
     if problem:
