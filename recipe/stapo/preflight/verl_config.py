@@ -1,5 +1,4 @@
-"""verl's own validation before Ray, on the same config, each refusal in verl's words naming the key, file
-or column. Imports no verl."""
+"""verl's own validation before Ray, each refusal in verl's words naming the key, file or column."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from typing import Callable, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from .numbers import uses_reference
-from .problem import ACTOR, Problem, is_int, pick, shown
+from .problem import ACTOR, NO_VALUE, Problem, is_int, pick, shown
 
 #: the config sections verl converts into its config classes after Ray starts, and when it converts each
 SECTIONS: tuple[tuple[str, Callable[[DictConfig], bool]], ...] = (
@@ -65,8 +64,7 @@ def verl_defaults() -> dict:
 
 @functools.cache
 def _fields(target: str) -> Optional[tuple[type, dict]]:
-    """(the class, its fields' declared types) of a config class named by ``_target_``; None when it is
-    not an importable dataclass (verl's conversion names that)."""
+    """(the class, its fields' declared types) of the config class ``target`` names; None if not a dataclass."""
     module, _, name = target.rpartition(".")
     try:
         cls = getattr(importlib.import_module(module), name)
@@ -89,8 +87,8 @@ def _matches(value, hint) -> bool:
 
 
 def _takes_null(hint, default) -> bool:
-    """Whether null is a value verl takes for a key: its declared type allows it, or its default is null
-    (verl's own config writes null into some fields declared otherwise), or it declares no type checked."""
+    """Whether verl takes null for a key: its type allows it, its default is null (verl's own config writes null
+    into some fields typed otherwise), or its type is not checked."""
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
     return type(None) in args or default is None or _matches(object(), hint)
 
@@ -176,9 +174,8 @@ def verl_problem(config: DictConfig, section: str, error: BaseException, who: st
     words = _words(error)
     key = _named_key(config, section, words)
     value = pick(config, key)
-    if key == section or isinstance(value, DictConfig):
-        return Problem(key, f"{who} refuses it: {words}", fix)
-    return Problem(key, f"{who} refuses it: {words}", fix, shown(value))
+    named = NO_VALUE if key == section or isinstance(value, DictConfig) else shown(value)
+    return Problem(key, f"{who} refuses it: {words}", fix, named)
 
 
 #: (section, its YAML, a stamp of its files) -> (the config object, the error), for the advice's reruns
@@ -256,8 +253,7 @@ def _validate_config(config: DictConfig, found: list[Problem]) -> None:
 
 
 def check_verl_configs(config: DictConfig, found: list[Problem], numbers_ok: bool = True) -> bool:
-    """Declared types, then :data:`SECTIONS` converted (optimizers built), then verl's ``validate_config``;
-    whether every value has its declared type."""
+    """Declared types, :data:`SECTIONS` converted, verl's ``validate_config``; whether the types passed."""
     # the patches every worker runs with (verl loads only after VERL_USE_EXTERNAL_MODULES is set)
     import verl_patches.activate  # noqa: F401
 
