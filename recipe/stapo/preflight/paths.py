@@ -11,7 +11,7 @@ from omegaconf import DictConfig, ListConfig
 from stapo_core.fileio import probe_writable
 from verl_patches.token_dump import settings as dump
 
-from .problem import Problem, is_int, pick
+from .problem import Problem, is_int, pick, world_size
 
 #: columns every row of a data file needs (beside ``data.prompt_key`` and ``data.reward_fn_key``)
 REWARD_MODEL_COLUMN, GROUND_TRUTH_FIELD = "reward_model", "ground_truth"
@@ -30,19 +30,15 @@ def _paths(value) -> list[str]:
     return [str(value)]
 
 
-def _existing_local(key: str, path: str, fix: str, found: list[Problem], notes: list[str], submit: bool) -> Optional[Path]:
-    """``path`` when it is local and exists here; else None, with a note or a problem."""
+def _local(key: str, path: str, notes: list[str], submit: bool) -> Optional[Path]:
+    """``path`` when it is checked here; None, with a note, when it is remote or (LAUNCH=submit) not visible."""
     if "://" in path:
         notes.append(f"{key}: {path} is remote, not checked here")
         return None
-    p = Path(path)
-    if p.exists():
-        return p
-    if submit:
+    if submit and not Path(path).exists():
         notes.append(f"{key}: {path} is not visible here (LAUNCH=submit): the job's driver checks it on the head node")
-    else:
-        found.append(Problem(key, f"{path} does not exist", fix))
-    return None
+        return None
+    return Path(path)
 
 
 def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], notes: list[str],
@@ -50,13 +46,14 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
     """Check one data file; returns its row count when it was read here (None otherwise)."""
     prepare_cmd = ("python -m recipe.stapo.data.prepare " + ("train" if key == "data.train_files" else "bench")
                    + " --out-dir <folder>, then set STAPO_DATA_DIR=<folder> (or " + key + ")")
-    p = _existing_local(key, path, prepare_cmd, found, notes, submit)
+    p = _local(key, path, notes, submit)
     if p is None:
         return None
     if not p.is_file():
-        found.append(Problem(key, f"{path} is not a file", "point it to a parquet file"))
+        found.append(Problem(key, f"{path} {'is not a file' if p.exists() else 'does not exist'}", prepare_cmd))
         return None
-    import pyarrow.parquet as pq  # pyarrow (half a second to import) only when a data file is checked
+    import pyarrow as pa  # pyarrow (half a second to import) only when a data file is checked
+    import pyarrow.parquet as pq
 
     try:
         meta = pq.read_metadata(p)
@@ -71,8 +68,6 @@ def _data_file(config: DictConfig, key: str, path: str, found: list[Problem], no
     source_key = str(pick(config, "data.reward_fn_key", "data_source"))
     missing = [c for c in (prompt_key, source_key, REWARD_MODEL_COLUMN) if c not in schema.names]
     if not missing:
-        import pyarrow as pa  # as pyarrow.parquet above
-
         reward = schema.field(REWARD_MODEL_COLUMN).type
         if not pa.types.is_struct(reward) or reward.get_field_index(GROUND_TRUTH_FIELD) < 0:
             missing.append(f"{REWARD_MODEL_COLUMN}.{GROUND_TRUTH_FIELD}")
@@ -93,11 +88,12 @@ def _model_folder(config: DictConfig, found: list[Problem], notes: list[str], su
         return
     if "://" not in path and not path.startswith("/"):  # the driver made every local path absolute: a hub id
         return                                          # (logged by resolve_paths)
-    folder = _existing_local(key, path, download, found, notes, submit)
+    folder = _local(key, path, notes, submit)
     if folder is None:
         return
     if not folder.is_dir() or not any(folder.iterdir()):
-        found.append(Problem(key, f"{path} is {'empty' if folder.is_dir() else 'not a folder'}", download))
+        said = "is empty" if folder.is_dir() else "is not a folder" if folder.exists() else "does not exist"
+        found.append(Problem(key, f"{path} {said}", download))
         return
     try:
         config_json = json.loads((folder / "config.json").read_text())
@@ -135,16 +131,10 @@ def check_paths(config: DictConfig, found: list[Problem], notes: list[str], subm
             if key == "trainer.default_local_dir":
                 found.append(Problem(key, "is empty", "set CKPT_DIR (or trainer.default_local_dir)"))
             continue
-        path = str(value)
-        if "://" in path:
-            notes.append(f"{key}: {path} is remote, not checked here")
-            continue
-        if submit and not Path(path).exists():
-            notes.append(f"{key}: {path} is not visible here (LAUNCH=submit): the job's driver probes it on the head node")
-            continue
-        reason = probe_writable(Path(path))
+        folder = _local(key, str(value), notes, submit)
+        reason = probe_writable(folder) if folder is not None else None
         if reason:
-            found.append(Problem(key, f"{path} cannot be created or written: {reason}",
+            found.append(Problem(key, f"{value} cannot be created or written: {reason}",
                                  "choose a folder this user can write, on storage every node sees"
                                  + (" (CKPT_DIR in the run scripts)" if key == "trainer.default_local_dir" else "")))
     check_resume(config, found, submit)
@@ -196,8 +186,7 @@ def check_resume(config: DictConfig, found: list[Problem], submit: bool = False)
         folder = Path(resume)
     else:
         return
-    nnodes, gpus = pick(config, "trainer.nnodes"), pick(config, "trainer.n_gpus_per_node")
-    world = nnodes * gpus if is_int(nnodes) and is_int(gpus) else None
+    world = world_size(config)
     saved = sorted({p.name.split("_world_size_")[1].split("_")[0] for p in (folder / "actor").glob("model_world_size_*")})
     if world and str(world) not in saved:
         found.append(Problem("trainer.resume_from_path" if mode == "resume_path" else "trainer.default_local_dir",
