@@ -461,16 +461,16 @@ def test_a_value_verl_refuses_only_after_ray_is_refused_naming_the_key(cluster, 
 
 
 @pytest.mark.parametrize("value, phrase", [
-    ("", "GPU_MEM_GB is set but empty"),
-    ("[80]", "GPU_MEM_GB is '[80]', not a positive number"),
-    ("true", "GPU_MEM_GB is 'true', not a positive number"),
-    ("0", "GPU_MEM_GB is '0', not a positive number"),
+    ("", "GPU_MEM_GB='': set but empty"),
+    ("[80]", "GPU_MEM_GB='[80]': not a positive number"),
+    ("true", "GPU_MEM_GB='true': not a positive number"),
+    ("0", "GPU_MEM_GB='0': not a positive number"),
 ])
 def test_gpu_mem_gb_is_parsed_once_and_named(cluster, monkeypatch, value, phrase):
     monkeypatch.setenv("GPU_MEM_GB", value)
     err = refused(paper(cluster))
     assert [p.key for p in err.problems] == ["GPU_MEM_GB"]
-    assert phrase in str(err) and "Set e.g. GPU_MEM_GB=80" in str(err)
+    assert phrase in str(err) and "Fix: export GPU_MEM_GB=80" in str(err)
 
 
 def test_a_second_launch_while_the_metrics_file_has_a_writer_is_refused_before_ray(cluster):
@@ -622,7 +622,7 @@ def test_a_number_with_characters_other_than_ascii_is_named_not_an_omegaconf_err
     """Python's float reads full-width and Arabic-Indic digits (and strips a no-break space); the YAML's
     oc.decode does not, and failed with a parse error that did not name the variable."""
     monkeypatch.setenv("GPU_MEM_GB", value)
-    problem(refused(paper(cluster)), "GPU_MEM_GB", "characters other than ASCII", named, f"e.g. GPU_MEM_GB={shown}")
+    problem(refused(paper(cluster)), "GPU_MEM_GB", "characters other than ASCII", named, f"export GPU_MEM_GB={shown}")
 
 
 @pytest.mark.parametrize("source", ["env", "key"])

@@ -1,5 +1,4 @@
-"""What the trainer's tracker needs when it starts: names, loggers, wandb's settings and credentials,
-folders. Imports no verl and no wandb."""
+"""What the trainer's tracker needs when it starts: names, loggers, wandb's settings and credentials, folders."""
 
 from __future__ import annotations
 
@@ -13,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 from stapo_core.fileio import probe_writable
 
 from .problem import Problem, shown
-from .values import RAY_ENV_VARS, logger_names, origin, read_secrets_file, seen_by_workers
+from .values import logger_names, origin, read_secrets_file, seen_by_workers
 
 LOGGER_KEY = "trainer.logger"
 #: the package verl imports when the tracker starts each backend (``verl.utils.tracking.Tracking``)
@@ -48,7 +47,7 @@ def check_loggers(config: DictConfig, environ: Mapping[str, str]) -> list[Proble
         found += check_wandb(config, environ, submit)
     for variable, logger, used in (("TENSORBOARD_DIR", "tensorboard", "tensorboard" in names),
                                    ("WANDB_DIR", "wandb", wandb)):
-        folder = seen(variable)
+        folder = seen.get(variable)
         if used and folder and "://" not in folder and not submit:
             reason = probe_writable(Path(folder).expanduser())
             if reason:
@@ -66,9 +65,7 @@ def check_run_names(config: DictConfig) -> list[Problem]:
         if value is None or not str(value).strip():
             found.append(Problem(key, "is empty: the project and experiment names name the run (its checkpoint "
                                  "folder <CKPT_DIR>/<project>/<experiment>, the metrics file <VERL_FILE_LOGGER_ROOT>/"
-                                 "<project>/<experiment>.jsonl, the wandb run and the id a relaunch continues), so the "
-                                 "run would be filed in its project's folder, as a hidden '.jsonl', as an unnamed "
-                                 "wandb run",
+                                 "<project>/<experiment>.jsonl, the wandb run and the id a relaunch continues)",
                                  f"give it a name ({what} in the run scripts)", value))
     names = logger_names(config) or []
     project = OmegaConf.select(config, "trainer.project_name", default=None)
@@ -128,13 +125,12 @@ def _wandb_settings_problem(values: Mapping[str, str], environ: Optional[Mapping
 
 
 def check_wandb(config: DictConfig, environ: Mapping[str, str], submit: bool) -> list[Problem]:
-    """wandb's settings from the ``WANDB_*`` variables a worker's wandb reads (the secrets file's where nothing
-    else sets them), and its credentials (not in submit mode)."""
-    seen, given = seen_by_workers(config, environ), OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
-    names = {n for n in list(environ) + [str(k) for k in given] if n.startswith("WANDB_")}
-    env = {n: v for n in sorted(names) if (v := seen(n)) is not None}
+    """wandb's settings from the ``WANDB_*`` variables the workers see (else the secrets file's), and its
+    credentials (not in submit mode)."""
+    seen = seen_by_workers(config, environ)
+    env = {n: v for n, v in sorted(seen.items()) if n.startswith("WANDB_")}
     try:
-        secrets = read_secrets_file(seen("STAPO_SECRETS_FILE") or "")
+        secrets = read_secrets_file(seen.get("STAPO_SECRETS_FILE") or "")
     except (ValueError, OSError):  # the run environment's check names the file
         secrets = {}
     env.update({n: v for n, v in secrets.items() if n.startswith("WANDB_") and n not in env})
@@ -157,16 +153,13 @@ def check_wandb(config: DictConfig, environ: Mapping[str, str], submit: bool) ->
 def wandb_credentials_problem(env: Mapping[str, str]) -> Optional[str]:
     """What wandb will not find in ``env`` and the netrc file (None: it needs none, or finds a valid key)."""
     mode = env.get("WANDB_MODE", "online").strip().lower()
-    if mode in WANDB_LOCAL_MODES:
-        return None
-    key = env.get("WANDB_API_KEY", "")
-    if importlib.util.find_spec("wandb") is None:
+    if mode in WANDB_LOCAL_MODES or importlib.util.find_spec("wandb") is None:
         return None
     # wandb's credential readers (as for its settings above): the checks wandb.init runs
     from wandb.sdk.lib.wbauth import validation, wbnetrc
 
-    if key:
-        bad = validation.check_api_key(key)
+    if env.get("WANDB_API_KEY"):
+        bad = validation.check_api_key(env["WANDB_API_KEY"])
         return f"has a WANDB_API_KEY wandb refuses ({bad})" if bad else None
     if env.get("WANDB_IDENTITY_TOKEN_FILE"):
         return None

@@ -12,6 +12,7 @@ from stapo_core.fileio import probe_writable
 from verl_patches.token_dump import settings as dump
 
 from .problem import Problem, is_int, pick, world_size
+from .values import CONFIG_OWNED_ENV, seen_by_workers
 
 #: columns every row of a data file needs (beside ``data.prompt_key`` and ``data.reward_fn_key``)
 REWARD_MODEL_COLUMN, GROUND_TRUTH_FIELD = "reward_model", "ground_truth"
@@ -199,15 +200,12 @@ def check_resume(config: DictConfig, found: list[Problem], submit: bool = False)
 
 def check_token_dump(config: DictConfig, found: list[Problem]) -> None:
     """The token dump's settings, read as every actor will read them (only when the dump is on)."""
-    env_vars = pick(config, "ray_kwargs.ray_init.runtime_env.env_vars") or {}
-    env = {str(k): "" if v is None else str(v) for k, v in dict(env_vars).items()}
-    if not env.get(dump.DIR_ENV):
+    seen = seen_by_workers(config, {})  # the config sets the dump's variables for every worker
+    if not seen.get(dump.DIR_ENV):
         return
-    for variable, key, fix in ((dump.RESPONSES_ENV, "recipe.token_dump.responses", "a whole number >= 1 (default 4)"),
-                               (dump.CONTEXT_ENV, "recipe.token_dump.context", "a whole number >= 0 (default 16)"),
-                               (dump.IDS_ENV, "recipe.token_dump.ids", "true or false")):
-        only = {dump.DIR_ENV: env[dump.DIR_ENV], variable: env.get(variable, "")}
+    for variable in (dump.RESPONSES_ENV, dump.CONTEXT_ENV, dump.IDS_ENV):
+        key = CONFIG_OWNED_ENV[variable]
         try:
-            dump.settings_from_env(only)
+            dump.settings_from_env({dump.DIR_ENV: seen[dump.DIR_ENV], variable: seen.get(variable, "")})
         except ValueError as e:
-            found.append(Problem(key, str(e), f"set {key} to {fix}"))
+            found.append(Problem(key, str(e), f"correct {key}, or drop the override for the recipe's default"))

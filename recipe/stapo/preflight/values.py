@@ -1,10 +1,10 @@
-"""Single values verl reports only after Ray has started (:data:`VALUE_CHECKS`), the device, and the
-environment, before the config is resolved and as the run's processes see it. Imports no verl."""
+"""Single values verl reports only after Ray (:data:`VALUE_CHECKS`), the device, and the environment."""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import logging
 import math
 import os
 import re
@@ -20,9 +20,8 @@ from verl_patches.env_file import parse_env_file
 from verl_patches.resume import MetricsFileBusy, check_no_writer, writer_lock_path
 from verl_patches.weight_sync import parse_timeout
 
-from .problem import ACTOR, ROLLOUT, Problem, is_int, shown
+from .problem import ACTOR, NO_VALUE, ROLLOUT, Problem, is_int, shown
 
-_ABSENT = object()
 #: where the config gives every Ray worker its environment variables
 RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 
@@ -114,8 +113,8 @@ def check_values(config: DictConfig, environ: Mapping[str, str]) -> list[Problem
     """The problems of the module docstring's list; a key the config does not have is not checked."""
     found: list[Problem] = []
     for value_check in VALUE_CHECKS:
-        value = OmegaConf.select(config, value_check.key, default=_ABSENT)
-        if value is _ABSENT or (value is None and value_check.optional):
+        value = OmegaConf.select(config, value_check.key, default=NO_VALUE)
+        if value is NO_VALUE or (value is None and value_check.optional):
             continue
         if not _is(value, value_check.what):
             found.append(Problem(value_check.key, f"must be {value_check.what} ({value_check.why})",
@@ -142,7 +141,7 @@ def check_values(config: DictConfig, environ: Mapping[str, str]) -> list[Problem
 def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
     """verl's CPU device and verl's platform variable together or not at all (docs/cpu.md)."""
     device = str(OmegaConf.select(config, "trainer.device", default="cuda"))
-    platform = (seen_by_workers(config, environ)("VERL_PLATFORM") or "").strip().lower()
+    platform = (seen_by_workers(config, environ).get("VERL_PLATFORM") or "").strip().lower()
     if device == "cpu" and platform != "cpu":
         return [Problem("trainer.device", "the CPU device without VERL_PLATFORM=cpu: verl would run its GPU code "
                         "paths on the CPU and fail after Ray starts (on a machine with GPUs verl replaces cpu by its "
@@ -156,53 +155,41 @@ def check_device(config: DictConfig, environ: Mapping[str, str]) -> list[Problem
     return []
 
 
-#: environment variables the YAML reads as numbers: name -> (what, example)
-NUMBER_ENV = {"GPU_MEM_GB": ("the target GPU's memory in GiB (recipe.gpu_mem_gb)", "80")}
 #: a number as the YAML's ``oc.decode`` reads it: ASCII digits, an optional sign, point and exponent
 _PLAIN_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
-def positive_number_from_env(name: str, environ: Mapping[str, str]) -> Optional[float]:
-    """The positive finite number ``environ[name]`` holds (ASCII digits), None when it is unset; else ValueError."""
-    if name not in environ:
+def gpu_mem_from_env(environ: Mapping[str, str]) -> Optional[float]:
+    """The positive number ``GPU_MEM_GB`` holds, as the YAML reads it; None when it is unset, else ValueError."""
+    raw = environ.get("GPU_MEM_GB")
+    if raw is None:
         return None
-    raw = environ[name]
-    what, example = NUMBER_ENV[name]
-    text = raw.strip()
     if not raw.isascii():
         odd = sorted({c for c in raw if not c.isascii()})
         named = ", ".join(f"{c!r} ({unicodedata.name(c, 'U+%04X' % ord(c))})" for c in odd)
-        ascii_form = "".join(str(unicodedata.digit(c)) if unicodedata.digit(c, None) is not None else c
-                             for c in text if c.isascii() or unicodedata.digit(c, None) is not None)
-        raise ValueError(f"environment variable {name} is {raw!r}, which holds characters other than ASCII ({named}) "
-                         f"that the config's parser refuses: it is {what}. Write it with ASCII digits only, e.g. "
-                         f"{name}={ascii_form if _PLAIN_NUMBER.fullmatch(ascii_form or '-') else example}")
-    value = float(text) if _PLAIN_NUMBER.fullmatch(text) else math.nan
+        raise ValueError(f"holds characters other than ASCII ({named}), which the config's parser refuses")
+    value = float(raw) if _PLAIN_NUMBER.fullmatch(raw.strip()) else math.nan
     if not math.isfinite(value) or value <= 0:
-        said = "set but empty" if not text else f"{raw!r}, not a positive number"
-        raise ValueError(f"environment variable {name} is {said}: it is {what}. Set e.g. {name}={example}, "
-                         f"or unset it for the default")
+        raise ValueError("set but empty" if not raw.strip() else "not a positive number")
     return value
 
 
 #: environment variables the YAML reads as folders: name -> what the folder is
 FOLDER_ENV = {"STAPO_DATA_DIR": "the data folder (data.train_files, data.val_files)",
               "STAPO_MODEL_DIR": "the folder of the model folders (actor_rollout_ref.model.path)",
-              "STAPO_LAUNCH_DIR": "the folder relative paths are taken from (the run scripts export the one they "
-                                  "were launched from)"}
+              "STAPO_LAUNCH_DIR": "the folder relative paths are taken from (the run scripts export their own)"}
 
 
 def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Problem]:
-    """What the environment must hold before the config is composed and resolved, and what ``import verl`` reads
-    in the driver (:data:`IMPORT_ENV`, where Hydra's error would name neither the variable nor the cause): then
-    the modules of ``VERL_USE_EXTERNAL_MODULES`` are imported in this process, as ``import verl`` is about to."""
+    """What the environment must hold before the config is resolved, and what ``import verl`` reads in the driver
+    (:data:`IMPORT_ENV`; Hydra's error would name neither); then imports ``VERL_USE_EXTERNAL_MODULES`` here."""
     environ = os.environ if environ is None else environ
     found: list[Problem] = []
-    for name in NUMBER_ENV:
-        try:
-            positive_number_from_env(name, environ)
-        except ValueError as e:
-            found.append(Problem(name, str(e), f"export {name}={NUMBER_ENV[name][1]} (or unset it)"))
+    try:
+        gpu_mem_from_env(environ)
+    except ValueError as e:
+        found.append(Problem("GPU_MEM_GB", f"{e}: it is the target GPU's memory in GiB (recipe.gpu_mem_gb)",
+                             "export GPU_MEM_GB=80 (ASCII digits), or unset it for the default", environ["GPU_MEM_GB"]))
     for name, what in FOLDER_ENV.items():
         raw = environ.get(name)
         if raw is not None and not raw.strip():
@@ -227,14 +214,12 @@ def check_environment(environ: Optional[Mapping[str, str]] = None) -> list[Probl
 
 
 def _logging_level(raw: str) -> None:
-    """``VERL_LOGGING_LEVEL`` as every verl module reads it at import: ``logger.setLevel(value)``."""
-    import logging  # only where the variable is set: a throwaway logger is set to it, as verl sets its own
-
+    """``VERL_LOGGING_LEVEL`` as every verl module reads it at import: a throwaway logger is set to it."""
     try:
         logging.getLogger("stapo.preflight.level_probe").setLevel(raw)
     except (ValueError, TypeError):
-        raise ValueError(f"VERL_LOGGING_LEVEL={raw!r} is not a logging level: every verl module sets its logger to "
-                         "it when imported, and fails there (Python's 'Unknown level')") from None
+        raise ValueError(f"VERL_LOGGING_LEVEL={raw!r} is not a logging level: setting a logger to it fails "
+                         "(Python's 'Unknown level')") from None
 
 
 #: what ``import verl`` reads in the driver (a :data:`RUN_ENV_CHECKS` name each)
@@ -244,15 +229,14 @@ IMPORT_ENV = ("VERL_USE_EXTERNAL_MODULES", "VERL_LOGGING_LEVEL", "STAPO_SECRETS_
 def check_gpu_mem_source(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
     """An override of ``recipe.gpu_mem_gb`` that disagrees with ``GPU_MEM_GB``, which the YAML reads into it."""
     try:
-        from_env = positive_number_from_env("GPU_MEM_GB", environ)
+        from_env = gpu_mem_from_env(environ)
     except ValueError:  # check_environment reports it
         return []
     value = OmegaConf.select(config, "recipe.gpu_mem_gb", default=None)
     if from_env is None or not _is_number(value) or math.isclose(float(value), from_env, rel_tol=1e-9):
         return []
-    return [Problem("recipe.gpu_mem_gb", f"disagrees with the environment's GPU_MEM_GB={environ['GPU_MEM_GB']!r}: "
-                    "both name the target GPU's memory (the YAML reads GPU_MEM_GB into recipe.gpu_mem_gb), and the "
-                    "override would win without a word",
+    return [Problem("recipe.gpu_mem_gb", f"disagrees with the environment's GPU_MEM_GB={environ['GPU_MEM_GB']!r}, "
+                    "which the YAML reads into this key: the override would win without a word",
                     f"give the value once: drop the override recipe.gpu_mem_gb={value} and set GPU_MEM_GB, or unset "
                     f"GPU_MEM_GB", value)]
 
@@ -284,8 +268,7 @@ def _external_modules(raw: str) -> None:
         missing += [] if found else [module]
     if missing:
         raise ValueError(f"VERL_USE_EXTERNAL_MODULES={raw!r} lists {', '.join(map(repr, missing))}, which cannot be "
-                         "imported: every verl process imports these when it imports verl, and fails there (in the "
-                         "driver, inside Hydra's config loading, with a message that does not name the module)")
+                         "imported (in the driver, verl fails inside Hydra's config loading, naming no module)")
 
 
 def read_secrets_file(raw: str) -> dict:
@@ -306,8 +289,7 @@ def _metrics_file(raw: str) -> None:
     if lock.exists() and (not lock.is_file() or not os.access(lock, os.R_OK | os.W_OK)):
         what = "not a file" if not lock.is_file() else "not readable and writable by this user"
         raise ValueError(f"the metrics file {raw}: its writer lock {lock} is {what}, and the logger takes it when it "
-                         "opens the file; remove it (a lock of a live writer is a file, which this is not) or give "
-                         "this user access")
+                         "opens the file; remove it or give this user access")
 
 
 #: what a run's processes read from the environment, beyond the config
@@ -345,17 +327,10 @@ def _read_environment(seen: Callable[[str], Optional[str]], key: Callable[[str],
     return found
 
 
-def seen_by_workers(config: DictConfig, environ: Mapping[str, str]) -> Callable[[str], Optional[str]]:
-    """``seen(name)``: the value the run's processes see, :data:`RAY_ENV_VARS`'s else ``environ``'s (or None)."""
+def seen_by_workers(config: DictConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables the run's processes see: ``environ``, updated by :data:`RAY_ENV_VARS` (where null is "")."""
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
-
-    def seen(name: str) -> Optional[str]:
-        if name in given:
-            value = given[name]
-            return "" if value is None else str(value)
-        return environ.get(name)
-
-    return seen
+    return {**environ, **{str(k): "" if v is None else str(v) for k, v in given.items()}}
 
 
 def origin(config: DictConfig, name: str) -> str:
@@ -366,12 +341,12 @@ def origin(config: DictConfig, name: str) -> str:
 def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> list[Problem]:
     """What the run's processes would refuse after Ray: :data:`RUN_ENV_CHECKS`, the metrics file, its writer."""
     seen = seen_by_workers(config, environ)
-    found = _read_environment(seen, lambda name: origin(config, name), [c.name for c in RUN_ENV_CHECKS])
+    found = _read_environment(seen.get, lambda name: origin(config, name), [c.name for c in RUN_ENV_CHECKS])
     given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
     for name, key in CONFIG_OWNED_ENV.items():
         exported = environ.get(name)
-        if name in given and exported is not None and exported != seen(name):
-            found.append(Problem(name, f"is exported as {exported!r}, but every worker reads {seen(name)!r}: the "
+        if name in given and exported is not None and exported != seen[name]:
+            found.append(Problem(name, f"is exported as {exported!r}, but every worker reads {seen[name]!r}: the "
                                  f"config sets it from {key} (ray_kwargs.ray_init.runtime_env.env_vars), so the exported "
                                  "value is never read", f"set {key} instead, and unset {name}", exported))
     metrics, variable = metrics_file_of(config, seen)
@@ -383,7 +358,7 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
         except ValueError as e:
             found.append(Problem(origin(config, variable), f"{e} (verl's file logger opens it in the trainer, after Ray "
                                  "starts)", f"point {variable} to a writable place, or unset it (the metrics then go to "
-                                 "<trainer.default_local_dir>/metrics.jsonl)", seen(variable)))
+                                 "<trainer.default_local_dir>/metrics.jsonl)", seen[variable]))
     try:  # a second writer: its logger refuses one too, but after Ray
         check_no_writer(metrics)
     except MetricsFileBusy as e:
@@ -400,14 +375,13 @@ def logger_names(config: DictConfig) -> Optional[list]:
     return [value] if isinstance(value, str) else list(value) if isinstance(value, ListConfig) else None
 
 
-def metrics_file_of(config: DictConfig, seen: Callable[[str], Optional[str]]) -> tuple[Optional[str], str]:
-    """``(path, variable)``: the metrics file the ``file`` logger writes and the variable naming it;
-    ``(None, "")`` without the ``file`` logger or either variable."""
+def metrics_file_of(config: DictConfig, seen: Mapping[str, str]) -> tuple[Optional[str], str]:
+    """``(path, variable)``: the ``file`` logger's metrics file and the variable naming it, or ``(None, "")``."""
     if "file" not in (logger_names(config) or []):
         return None, ""
-    if seen("VERL_FILE_LOGGER_PATH"):
-        return seen("VERL_FILE_LOGGER_PATH"), "VERL_FILE_LOGGER_PATH"
-    root = seen("VERL_FILE_LOGGER_ROOT")
+    if seen.get("VERL_FILE_LOGGER_PATH"):
+        return seen["VERL_FILE_LOGGER_PATH"], "VERL_FILE_LOGGER_PATH"
+    root = seen.get("VERL_FILE_LOGGER_ROOT")
     if not root:
         return None, ""
     project = OmegaConf.select(config, "trainer.project_name", default="")
