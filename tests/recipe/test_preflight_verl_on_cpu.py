@@ -259,10 +259,12 @@ def test_a_null_the_value_checks_refuse_is_their_problem_not_the_memory_models_t
     problem(refused(paper(cluster, f"{key}=null")), key, "=None: must be a number")
 
 
-def test_what_torchs_optimizer_reads_only_at_its_first_step_is_refused(cluster):
-    """Three betas: AdamW takes them, then fails at the first update after Ray (too many values to unpack)."""
-    problem(refused(paper(cluster, f"{ACTOR}.optim.betas=[0.9,0.999,0.5]")), f"{ACTOR}.optim",
-            "too many values to unpack")
+@pytest.mark.parametrize("betas, words", [("[0.9,0.999,0.5]", "too many values to unpack"),
+                                          ("[0.9]", "index out of range")])
+def test_what_torchs_optimizer_reads_only_at_its_first_step_is_refused_naming_the_key(cluster, betas, words):
+    """Three betas: AdamW takes them, then fails at the first update after Ray (too many values to unpack);
+    one beta: AdamW fails on it when built. Neither message names the key: the line torch raised at does."""
+    problem(refused(paper(cluster, f"{ACTOR}.optim.betas={betas}")), f"{ACTOR}.optim.betas", words)
 
 
 def test_a_list_where_verl_has_a_number_is_refused(cluster):

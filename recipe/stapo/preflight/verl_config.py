@@ -154,14 +154,15 @@ def _words(error: BaseException) -> str:
 _SAID = {"learning rate": "lr", "beta": "betas", **{new: old for old, new in REF_RENAMES.items()}}
 
 
-def _named_key(config: DictConfig, section: str, words: str) -> str:
+def _named_key(config: DictConfig, section: str, words: str, line: str = "") -> str:
     """The key of ``section`` an error is about: the field it names first (or calls as torch does,
-    :data:`_SAID`), else the one field whose value it quotes; the section itself when it names none."""
+    :data:`_SAID`), then the field the ``line`` that raised it reads, else the one field whose value it
+    quotes; the section itself when it names none."""
     node = pick(config, section)
     if not isinstance(node, DictConfig):
         return section
     fields = [str(k) for k in node if k != "_target_" and not OmegaConf.is_missing(node, k)]
-    said = words + "".join(f" {key}" for phrase, key in _SAID.items() if phrase in words.lower())
+    said = words + "".join(f" {key}" for phrase, key in _SAID.items() if phrase in words.lower()) + f" {line}"
     named = sorted((m.start(), k) for k in fields for m in [re.search(rf"(?<!\w){re.escape(k)}(?!\w)", said)] if m)
     quoted = [k for k in fields if not isinstance(node[k], DictConfig) and len(str(node[k])) > 1
               and re.search(rf"(?<![\w.-]){re.escape(str(node[k]))}(?![\w.])", words)]
@@ -171,8 +172,8 @@ def _named_key(config: DictConfig, section: str, words: str) -> str:
 
 def verl_problem(config: DictConfig, section: str, error: BaseException, who: str, fix: str = _FIX) -> Problem:
     """The :class:`Problem` of ``error`` raised by verl (``who``) on ``section``, naming its key and value."""
-    words = _words(error)
-    key = _named_key(config, section, words)
+    words, frames = _words(error), traceback.extract_tb(error.__traceback__)
+    key = _named_key(config, section, words, (frames[-1].line or "") if frames else "")
     value = pick(config, key)
     named = NO_VALUE if key == section or isinstance(value, DictConfig) else shown(value)
     return Problem(key, f"{who} refuses it: {words}", fix, named)
