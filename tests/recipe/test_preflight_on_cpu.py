@@ -447,6 +447,8 @@ def test_check_command_refuses_hostile_values_before_ray(tmp_path):
     (f"{ROLLOUT}.gpu_memory_utilization=0", f"{ROLLOUT}.gpu_memory_utilization", "=0: must be a number in (0, 1]"),
     (f"{ROLLOUT}.gpu_memory_utilization=-0.7", f"{ROLLOUT}.gpu_memory_utilization", "=-0.7: must be"),
     (f"{ROLLOUT}.val_kwargs.n=0", f"{ROLLOUT}.val_kwargs.n", "=0: must be a whole number >= 1"),
+    (f"{ROLLOUT}.max_num_seqs=0", f"{ROLLOUT}.max_num_seqs", "=0: must be a whole number >= 1 (vLLM refuses it"),
+    (f"{ROLLOUT}.max_num_batched_tokens=-1", f"{ROLLOUT}.max_num_batched_tokens", "=-1: must be a whole number >= 1"),
     (f"{ACTOR}.clip_ratio_high=-0.5", f"{ACTOR}.clip_ratio_high", "=-0.5: must be a number >= 0"),
     (f"{ACTOR}.clip_ratio_low=2", f"{ACTOR}.clip_ratio_low", "=2: must be a number in [0, 1)"),
     (f"{ACTOR}.clip_ratio_c=0.5", f"{ACTOR}.clip_ratio_c", "=0.5: must be a number > 1"),

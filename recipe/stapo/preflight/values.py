@@ -88,6 +88,8 @@ VALUE_CHECKS: tuple[ValueCheck, ...] = (
     ValueCheck(f"{ROLLOUT}.top_k", _TOP_K, _VLLM, "-1"),
     ValueCheck(f"{ROLLOUT}.gpu_memory_utilization", "a number in (0, 1]", f"{_VLLM}: a fraction of each GPU's memory",
                "e.g. 0.6"),
+    ValueCheck(f"{ROLLOUT}.max_num_seqs", "a whole number >= 1", _VLLM, "verl's default: 1024"),
+    ValueCheck(f"{ROLLOUT}.max_num_batched_tokens", "a whole number >= 1", _VLLM, "verl's default: 8192"),
     ValueCheck(f"{ROLLOUT}.val_kwargs.n", "a whole number >= 1", "validation fails at its first batch, after Ray starts",
                "the paper: 32"),
     ValueCheck(f"{ROLLOUT}.val_kwargs.top_p", "a number in (0, 1]", _VLLM, "the paper: 0.9"),
