@@ -23,7 +23,6 @@ from recipe.stapo.methods import methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
 from recipe.stapo.preflight import PreflightError, Problem, check_environment
 from recipe.stapo.preflight import check as preflight_check
-from recipe.stapo.preflight.verl_config import check_verl_configs
 
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
@@ -225,15 +224,6 @@ def override_problems(overrides: Sequence[str]) -> list[str]:
         elif problem:
             found.append(problem)
     return found
-
-
-def validate(config: DictConfig) -> None:
-    """verl's own validation of a composed config alone, no file read
-    (:func:`recipe.stapo.preflight.verl_config.check_verl_configs`). Raises :class:`PreflightError`."""
-    found: list[Problem] = []
-    check_verl_configs(config, found)
-    if found:
-        raise PreflightError(found)
 
 
 def ensure_loss_statistics(config: DictConfig, log: Callable[[str], None] = print) -> list[str]:

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from recipe.stapo.driver import MODELS, compose, prepare, validate
+from recipe.stapo.driver import MODELS, compose, prepare
+from tests.helpers.verl_validation import validate
 from recipe.stapo.methods import PAPER_METHODS
 from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
 from verl.utils.config import omega_conf_to_dataclass

@@ -388,7 +388,7 @@ def test_throughput_settings_fit_the_longest_sequence(model):
 def test_gpu_smoke_runs_compose_to_valid_one_node_configs(tmp_path):
     """GPU mode of run_scripts/gpu_smoke.sh (dry run): one command per method, each a valid verl config
     on one node with the local model, short lengths and a checkpoint at the last step."""
-    from recipe.stapo.driver import validate
+    from tests.helpers.verl_validation import validate
     from recipe.stapo.methods import PAPER_METHODS
 
     model = tmp_path / "Qwen3-1.7B-Base"

@@ -11,7 +11,8 @@ import shlex
 import subprocess
 import sys
 
-from recipe.stapo.driver import compose, validate
+from recipe.stapo.driver import compose
+from tests.helpers.verl_validation import validate
 from tests.helpers.paths import REPO
 
 SBATCH = REPO / "run_scripts" / "slurm" / "stapo.sbatch"

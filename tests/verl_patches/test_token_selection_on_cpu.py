@@ -16,7 +16,8 @@ import torch
 import importlib
 
 import verl_patches.activate  # noqa: F401  (installs the patches)
-from recipe.stapo.driver import compose, validate
+from recipe.stapo.driver import compose
+from tests.helpers.verl_validation import validate
 from stapo_core import s2t_mask, entropy_topk_mask
 from tests.helpers.verl_batch import actor_config, flat_model_output, micro_batch, right_padded_mask
 from verl.utils import tensordict_utils as tu
