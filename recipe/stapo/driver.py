@@ -23,6 +23,7 @@ from recipe.stapo.methods import methods
 from recipe.stapo.policy_loss import POLICY_LOSS, settings_of
 from recipe.stapo.preflight import PreflightError, Problem, check_environment
 from recipe.stapo.preflight import check as preflight_check
+from recipe.stapo.preflight.values import RAY_ENV_VARS, seen_by_workers
 
 MODELS = ("qwen3_1_7b", "qwen3_8b", "qwen3_14b")
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
@@ -58,7 +59,6 @@ SECRETS_FILE_ENV = "STAPO_SECRETS_FILE"
 LAUNCH_DIR_ENV = "STAPO_LAUNCH_DIR"
 RUN_FILE_ENV_NAMES = ("VERL_FILE_LOGGER_PATH", "VERL_FILE_LOGGER_ROOT", "TENSORBOARD_DIR", "WANDB_DIR")
 RUN_METRICS_FILE = "metrics.jsonl"
-RAY_ENV_VARS = "ray_kwargs.ray_init.runtime_env.env_vars"
 #: never uploaded with the job's working directory (gitignore patterns; a leading ``/`` anchors a name at
 #: the project's root, so ``recipe/stapo/data/`` is shipped while the top-level ``data/`` is not); the
 #: tiny CPU assets the repository ships serve CPU runs only, never a cluster job
@@ -262,10 +262,10 @@ def run_files_env(config: DictConfig, cwd: Path, environ: Mapping[str, str] = os
     :data:`RAY_ENV_VARS`, else ``environ``, made absolute against ``cwd``; by default the metrics file and
     tensorboard go beside the checkpoints (``trainer.default_local_dir``).
     """
-    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
+    seen = seen_by_workers(config, environ)
     files = {}
     for name in RUN_FILE_ENV_NAMES:
-        value = given.get(name) if name in given else environ.get(name)
+        value = seen.get(name)
         if value not in (None, ""):
             files[name] = absolute_path(str(value), cwd)
     run_dir = OmegaConf.select(config, "trainer.default_local_dir", default=None)

@@ -344,12 +344,11 @@ def check_run_environment(config: DictConfig, environ: Mapping[str, str]) -> lis
     """What the run's processes would refuse after Ray: :data:`RUN_ENV_CHECKS`, the metrics file, its writer."""
     seen = seen_by_workers(config, environ)
     found = _read_environment(seen.get, lambda name: origin(config, name), [c.name for c in RUN_ENV_CHECKS])
-    given = OmegaConf.select(config, RAY_ENV_VARS, default=None) or {}
-    for name, key in CONFIG_OWNED_ENV.items():
+    for name, key in CONFIG_OWNED_ENV.items():  # a value that differs from the exported one is the config's
         exported = environ.get(name)
-        if name in given and exported is not None and exported != seen[name]:
+        if exported is not None and exported != seen[name]:
             found.append(Problem(name, f"is exported as {exported!r}, but every worker reads {seen[name]!r}: the "
-                                 f"config sets it from {key} (ray_kwargs.ray_init.runtime_env.env_vars), so the exported "
+                                 f"config sets it from {key} ({RAY_ENV_VARS}), so the exported "
                                  "value is never read", f"set {key} instead, and unset {name}", exported))
     metrics, variable = metrics_file_of(config, seen)
     if not metrics or "://" in metrics:
