@@ -13,12 +13,12 @@ import pytest
 from omegaconf import OmegaConf
 
 from recipe.stapo.driver import MODELS, compose, prepare
-from tests.helpers.verl_validation import validate
 from recipe.stapo.methods import PAPER_METHODS
 from stapo_core import DEFAULT_Q, DEFAULT_TAU_P
 from verl.utils.config import omega_conf_to_dataclass
 from tests.helpers.cluster_files import fake_cluster
 from tests.helpers.paths import REPO
+from tests.helpers.verl_validation import validate
 
 PL = "actor_rollout_ref.actor.policy_loss"
 ACTOR = "actor_rollout_ref.actor"

@@ -12,8 +12,8 @@ import subprocess
 import sys
 
 from recipe.stapo.driver import compose
-from tests.helpers.verl_validation import validate
 from tests.helpers.paths import REPO
+from tests.helpers.verl_validation import validate
 
 SBATCH = REPO / "run_scripts" / "slurm" / "stapo.sbatch"
 NODES = ["gpu01", "gpu02", "gpu03"]

@@ -17,9 +17,9 @@ import importlib
 
 import verl_patches.activate  # noqa: F401  (installs the patches)
 from recipe.stapo.driver import compose
-from tests.helpers.verl_validation import validate
 from stapo_core import s2t_mask, entropy_topk_mask
 from tests.helpers.verl_batch import actor_config, flat_model_output, micro_batch, right_padded_mask
+from tests.helpers.verl_validation import validate
 from verl.utils import tensordict_utils as tu
 from verl.workers import engine_workers
 from verl.workers.utils import losses as verl_losses
