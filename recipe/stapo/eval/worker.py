@@ -50,7 +50,10 @@ def run_plan(plan_path: str | Path) -> int:
 def _exit_on_sigterm(signum: int, _frame) -> None:
     """SIGTERM (the main process died: the parent-death signal :mod:`recipe.stapo.eval.parallel`
     sets) unwinds the worker like an error, so :func:`run_plan` closes its backend: a vLLM engine's
-    processes end with it instead of running on, orphaned."""
+    processes end with it instead of running on, orphaned. Once: the signal comes again each time the
+    worker passes to another of the dying main process's threads, and a second unwind would cut the
+    first one's closing of the engine short."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise SystemExit(128 + signum)
 
 

@@ -308,3 +308,26 @@ def test_kill_9_during_the_workers_resumes_to_the_same_records(tiny, reference, 
     plans = [json.loads((out / "workers" / f"rank{r}" / "plan.json").read_text()) for r in (0, 1)]
     assert sum(len(p["items"]) for p in plans) <= 30 - left  # only what was missing was dealt out again
     assert _records(out) == _records(reference)
+
+
+def test_a_second_parent_death_signal_does_not_cut_the_workers_unwind_short(tmp_path):
+    """A main process with several threads, killed, sends its workers the parent-death signal once per
+    thread it passes them to on its way out: the worker unwinds on the first and finishes closing its
+    backend (here: a ``finally`` that receives the second) instead of exiting half way, its vLLM engine
+    orphaned."""
+    script = tmp_path / "worker.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from recipe.stapo.eval.worker import _exit_on_sigterm\n"
+        "signal.signal(signal.SIGTERM, _exit_on_sigterm)\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(60)\n"
+        "finally:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)  # the next thread's death, during the unwind\n"
+        "    time.sleep(0.5)\n"
+        "    print('backend closed', flush=True)\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
+    assert proc.stdout == "backend closed\n", proc.stderr[-3000:]
